@@ -1,0 +1,154 @@
+"""Block keys: the namespace digest and the chained XXH3-128 block hashes.
+
+A namespace is encoded as typed, length-prefixed fields (tag, type, u32 length, payload) so that no
+two fields can be confused: a tenant salt "x" and a LoRA id "x" give different digests. A block hash
+is ``h_i = XXH3-128(h_{i-1} || token ids of block i as little-endian int32 || extra keys)`` with
+``h_{-1}`` the namespace digest. Everything here is deterministic across processes and machines.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+HASH_SCHEME_VERSION = 1
+KV_LAYOUT_VERSION = 1
+HASH_BYTES = 16
+
+# Field tags of the namespace encoding; never reuse or renumber one.
+_TAG_SCHEME = 1
+_TAG_ARCH = 2
+_TAG_NUM_LAYERS = 3
+_TAG_NUM_KV_HEADS = 4
+_TAG_HEAD_DIM = 5
+_TAG_KV_DTYPE = 6
+_TAG_BLOCK_SIZE = 7
+_TAG_LAYOUT = 8
+_TAG_WEIGHTS = 9
+_TAG_TENANT = 10
+_TAG_LORA = 11
+_TAG_NAME = 12
+
+_TYPE_INT = 1
+_TYPE_STR = 2
+_TYPE_BYTES = 3
+
+
+def _field(tag: int, value: int | str | bytes) -> bytes:
+    if isinstance(value, bool):
+        raise TypeError("booleans are not namespace fields")
+    if isinstance(value, int):
+        kind, payload = _TYPE_INT, struct.pack("<q", value)
+    elif isinstance(value, str):
+        kind, payload = _TYPE_STR, value.encode("utf-8")
+    elif isinstance(value, bytes):
+        kind, payload = _TYPE_BYTES, value
+    else:
+        raise TypeError(f"unsupported namespace field type {type(value).__name__}")
+    return struct.pack("<BBI", tag, kind, len(payload)) + payload
+
+
+def encode_fields(fields: Iterable[tuple[int, int | str | bytes]]) -> bytes:
+    """Encode (tag, value) pairs as typed, length-prefixed fields, in the given order."""
+    return b"".join(_field(tag, value) for tag, value in fields)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What makes two engines' KV interchangeable: same identity, same bytes for the same tokens."""
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    block_size: int
+    weights_id: str
+    kv_layout_version: int = KV_LAYOUT_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelIdentity.{name} must be positive")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """A model identity plus tenant salt, LoRA id and hash-scheme version; ``digest`` is its key."""
+
+    model: ModelIdentity | None = None
+    tenant_salt: str = ""
+    lora_id: str = ""
+    name: str = ""  # the bytes API's free-form namespace ("default")
+    hash_scheme_version: int = HASH_SCHEME_VERSION
+
+    def encode(self) -> bytes:
+        fields: list[tuple[int, int | str | bytes]] = [(_TAG_SCHEME, self.hash_scheme_version)]
+        if self.model is not None:
+            m = self.model
+            fields += [
+                (_TAG_ARCH, m.architecture),
+                (_TAG_NUM_LAYERS, m.num_layers),
+                (_TAG_NUM_KV_HEADS, m.num_kv_heads),
+                (_TAG_HEAD_DIM, m.head_dim),
+                (_TAG_KV_DTYPE, m.kv_dtype),
+                (_TAG_BLOCK_SIZE, m.block_size),
+                (_TAG_LAYOUT, m.kv_layout_version),
+                (_TAG_WEIGHTS, m.weights_id),
+            ]
+        fields += [(_TAG_TENANT, self.tenant_salt), (_TAG_LORA, self.lora_id),
+                   (_TAG_NAME, self.name)]
+        return encode_fields(fields)
+
+    @property
+    def digest(self) -> bytes:
+        return xxhash.xxh3_128_digest(self.encode())
+
+
+def truncate_hash(digest: bytes, bits: int | None) -> bytes:
+    """Keep only the low ``bits`` bits of a 16-byte hash (a debug weakening; None keeps all)."""
+    if bits is None or bits >= 128:
+        return digest
+    value = int.from_bytes(digest, "little") & ((1 << bits) - 1)
+    return value.to_bytes(HASH_BYTES, "little")
+
+
+def block_hash(
+    parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"",
+    debug_hash_bits: int | None = None,
+) -> bytes:
+    """One link of the chain: XXH3-128(parent || int32-LE tokens || len-prefixed extra keys)."""
+    if len(parent) != HASH_BYTES:
+        raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    tokens = np.asarray(token_ids, dtype="<i4").tobytes()
+    tail = struct.pack("<I", len(extra)) + extra if extra else b""
+    return truncate_hash(xxhash.xxh3_128_digest(parent + tokens + tail), debug_hash_bits)
+
+
+def block_hashes(
+    namespace_digest: bytes, token_ids: Sequence[int] | np.ndarray, block_size: int,
+    extras: Sequence[bytes] | None = None, debug_hash_bits: int | None = None,
+) -> list[bytes]:
+    """Chained hashes of every full block of ``token_ids``; a trailing partial block gets none."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    tokens = np.asarray(token_ids, dtype="<i4")
+    num_full = len(tokens) // block_size
+    out: list[bytes] = []
+    parent = namespace_digest
+    for i in range(num_full):
+        extra = extras[i] if extras is not None else b""
+        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], extra,
+                            debug_hash_bits)
+        out.append(parent)
+    return out
+
+
+def block_ident(parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
+    """What a store keeps beside a block to verify a hit: parent hash, tokens and extra keys."""
+    tokens = np.asarray(token_ids, dtype="<i4").tobytes()
+    return parent + struct.pack("<I", len(tokens)) + tokens + extra

@@ -1,0 +1,76 @@
+"""How an engine's KV buffers are laid out, as the daemon sees them (types only, no device code).
+
+A registered engine describes its KV memory as regions. Block ``b`` of the engine is, for each
+region ``r`` in order, the ``r.block_bytes`` bytes at ``r.offset + b * r.block_stride`` of that
+region's buffer; the store keeps a block as the concatenation of those pieces. The engine in
+``engine/`` uses one block-major arena ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]``, so one region describes it and one block is one contiguous run of bytes (2.36 MB for
+Qwen3-4B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Region:
+    """One buffer of engine KV memory: where it lives and how blocks are strided inside it.
+
+    ``handle`` names the memory: a POSIX shared-memory name on CPU, the bytes of a CUDA IPC handle
+    on GPU. ``size_bytes`` is the whole buffer; every block's piece must lie inside it.
+    """
+
+    handle: bytes | str
+    size_bytes: int
+    offset: int
+    block_stride: int
+    block_bytes: int
+
+    def piece_bounds(self, block_id: int) -> tuple[int, int]:
+        start = self.offset + block_id * self.block_stride
+        return start, start + self.block_bytes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The whole description an engine registers: regions, block count, device and dtype."""
+
+    num_blocks: int
+    regions: tuple[Region, ...]
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    dtype: str = "float32"
+    meta: dict = field(default_factory=dict)  # free-form: num_layers, block_size, layout name...
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(r.block_bytes for r in self.regions)
+
+    def validate(self) -> None:
+        """Raise ValueError unless every block of every region lies inside its buffer."""
+        if self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if not self.regions:
+            raise ValueError("a layout needs at least one region")
+        for i, r in enumerate(self.regions):
+            if r.block_bytes <= 0 or r.block_stride < 0 or r.offset < 0:
+                raise ValueError(f"region {i}: block_bytes, block_stride and offset must be >= 0")
+            _, end = r.piece_bounds(self.num_blocks - 1)
+            if end > r.size_bytes:
+                raise ValueError(f"region {i}: block {self.num_blocks - 1} ends at {end}, "
+                                 f"past the buffer's {r.size_bytes} bytes")
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, obj: dict) -> KVLayout:
+        try:
+            regions = tuple(Region(**r) for r in obj["regions"])
+            layout = cls(num_blocks=int(obj["num_blocks"]), regions=regions,
+                         device=str(obj.get("device", "cpu")), dtype=str(obj.get("dtype", "")),
+                         meta=dict(obj.get("meta") or {}))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed KV layout: {exc}") from None
+        layout.validate()
+        return layout

@@ -1,0 +1,41 @@
+"""Environment variables the project reads, read in this one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """Process-wide settings taken from the environment once, at first use."""
+
+    socket_path: Path
+    debug_hash_bits: int | None  # truncate block hashes to this many bits (collision tests only)
+
+
+def default_socket_path(env: dict[str, str] | None = None) -> Path:
+    """$KVSTORE_SOCKET, else $XDG_RUNTIME_DIR/kvstore/kvstore.sock, else /tmp/kvstore-$UID/..."""
+    env = os.environ if env is None else env
+    if env.get("KVSTORE_SOCKET"):
+        return Path(env["KVSTORE_SOCKET"])
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "kvstore" / "kvstore.sock"
+    return Path(f"/tmp/kvstore-{os.getuid()}") / "kvstore.sock"
+
+
+def load_env_settings(env: dict[str, str] | None = None) -> EnvSettings:
+    """Parse the environment; a malformed value raises ValueError naming the variable."""
+    env = os.environ if env is None else env
+    bits_text = env.get("KVSTORE_DEBUG_HASH_BITS", "").strip()
+    debug_hash_bits = None
+    if bits_text:
+        try:
+            debug_hash_bits = int(bits_text)
+        except ValueError:
+            msg = f"KVSTORE_DEBUG_HASH_BITS must be an integer, got {bits_text!r}"
+            raise ValueError(msg) from None
+        if not 1 <= debug_hash_bits <= 128:
+            raise ValueError(f"KVSTORE_DEBUG_HASH_BITS must be in 1..128, got {debug_hash_bits}")
+    return EnvSettings(socket_path=default_socket_path(env), debug_hash_bits=debug_hash_bits)

@@ -1,0 +1,34 @@
+"""Shared pytest setup: skip `gpu` tests without a CUDA device, `cluster` tests without their parts."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _has_cluster_parts() -> bool:
+    try:
+        import ucxx  # noqa: F401
+    except Exception:
+        return False
+    return shutil.which("redis-server") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_gpu = _has_gpu()
+    has_cluster = _has_cluster_parts()
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU with CuPy"))
+        if "cluster" in item.keywords and not has_cluster:
+            item.add_marker(pytest.mark.skip(reason="needs redis-server and ucxx"))
