@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     # Byte-exactness of the path we measured: save, scramble the arena, load back, compare.
     n = max_blocks
     dev = [dev_base + b * BLOCK_BYTES for b in range(n)]
-    hst = [host_base + s * BLOCK_BYTES for s in rng.permutation(n)]
+    hst = [host_base + int(s) * BLOCK_BYTES for s in rng.permutation(n)]
     expect = arena.copy()
     pairs = list(zip(dev, hst, strict=True))
     copier.device_to_host([CopyRun(d, h, BLOCK_BYTES) for d, h in pairs]).wait()

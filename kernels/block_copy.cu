@@ -3,7 +3,6 @@
 // device addresses or pinned host addresses (unified addressing), so the same kernel saves (HBM ->
 // pinned) and loads (pinned -> HBM). Every run is 16-byte aligned and a multiple of 16 bytes: the
 // launcher checks it. blockIdx.y picks the run, blockIdx.x/threadIdx.x stride over its 16-byte words.
-#include <cstdint>
 
 extern "C" __global__ void copy_runs(const unsigned long long* __restrict__ src_ptrs,
                                      const unsigned long long* __restrict__ dst_ptrs,

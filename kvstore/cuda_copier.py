@@ -108,8 +108,8 @@ class CudaCopier:
         stream = self._streams[kind]
         with cp.cuda.Device(self.device_id):
             for run in merged:
-                cp.cuda.runtime.memcpyAsync(run.dst_ptr, run.src_ptr, run.num_bytes, kind,
-                                            stream.ptr)
+                cp.cuda.runtime.memcpyAsync(int(run.dst_ptr), int(run.src_ptr),
+                                            int(run.num_bytes), kind, stream.ptr)
             event = cp.cuda.Event(block=True, disable_timing=True)
             event.record(stream)
         return CopyHandle(event, sum(r.num_bytes for r in merged))
