@@ -1,0 +1,194 @@
+"""HBM-hit TTFT through HTTP, tokenization included, at 1k/4k/16k prompt tokens.
+
+Starts `kvengine serve` as a subprocess (or uses --url), and for each length sends a text prompt
+once to warm the prefix into the engine's HBM prefix cache, then times N streaming
+/v1/completions requests with the same prompt from sending the request to the first token
+chunk; reports p50/p90 and checks that the hit really came from HBM
+(`usage.prompt_tokens_details.cached_tokens_by_tier.hbm`). Target: p50 <= 15 ms at 16k (H100).
+Writes JSON to benchmarks/results/.
+
+    python -m benchmarks.serve --model DIR [--device cuda] [--lengths 1024,4096,16384] [--reps 20]
+    python -m benchmarks.serve --preset tiny --device cpu --lengths 256,1024 --reps 5   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+TARGET_16K_P50_MS = 15.0
+
+
+def _machine() -> dict:
+    info = {"node": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "num_cpus": os.cpu_count(), "python": platform.python_version()}
+    if shutil.which("nvidia-smi"):
+        try:
+            gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+            info["gpu"] = gpu.splitlines()[0] if gpu else None
+        except (OSError, subprocess.SubprocessError):
+            info["gpu"] = None
+    return info
+
+
+def _prompt_text(model_dir: Path, num_tokens: int, seed: int) -> str:
+    """A text of about `num_tokens` tokens: random words, trimmed with the model's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(seed)
+    words = ["cache", "block", "prefix", "tier", "token", "layer", "store", "engine", "lease",
+             "hash", "memory", "request", "stream", "kernel", "batch", "sample", "value"]
+    text = ""
+    while len(tokenizer.encode(text, add_special_tokens=False).ids) < num_tokens:
+        text += " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(256)) + " "
+    ids = tokenizer.encode(text, add_special_tokens=False).ids[:num_tokens - 1]
+    return tokenizer.decode(ids)
+
+
+def _echo(stream) -> None:
+    for line in stream:
+        print(line, end="", file=sys.stderr)
+
+
+def _start_server(args: argparse.Namespace, model_dir: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+           "--device", args.device, "--port", "0", "--max-num-seqs", "8",
+           "--max-model-len", str(max(args.lengths) + 64)]
+    if args.num_kv_blocks:
+        cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + args.start_timeout
+    for line in proc.stderr:
+        print(line, end="", file=sys.stderr)
+        match = re.search(r"listening on (http://\S+)", line)
+        if match:
+            # Keep draining stderr so a chatty server never blocks on a full pipe.
+            threading.Thread(target=_echo, args=(proc.stderr,), daemon=True).start()
+            return proc, match.group(1)
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise SystemExit(f"server did not start (exit code {proc.poll()})")
+
+
+def _ttft_ms(client: httpx.Client, url: str, model: str, prompt: str) -> tuple[float, dict]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = time.perf_counter()
+    first = None
+    usage: dict = {}
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"]:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    assert first is not None, "no token arrived"
+    return (first - start) * 1e3, usage
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="model folder to serve")
+    source.add_argument("--preset", help="make a random model with this preset (e.g. tiny)")
+    parser.add_argument("--url", help="use this running server instead of starting one "
+                        "(--model still names its folder, for the tokenizer)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+
+    scratch = None
+    model_dir = args.model
+    if args.preset:
+        scratch = tempfile.mkdtemp(prefix="kvengine-bench-")
+        model_dir = Path(scratch) / args.preset
+        subprocess.run([sys.executable, "-m", "engine.make_model", "--preset", args.preset,
+                        "--out", str(model_dir)], check=True)
+    proc = None
+    try:
+        url = args.url
+        if url is None:
+            proc, url = _start_server(args, model_dir)
+        with httpx.Client(timeout=600.0) as client:
+            card = client.get(f"{url}/v1/models").json()["data"][0]
+            rows = []
+            for i, target in enumerate(args.lengths):
+                prompt = _prompt_text(model_dir, target, seed=i)
+                cold_ms, _ = _ttft_ms(client, url, card["id"], prompt)  # warms the prefix
+                times, usage = [], {}
+                for _ in range(args.reps):
+                    ms, usage = _ttft_ms(client, url, card["id"], prompt)
+                    times.append(ms)
+                details = usage.get("prompt_tokens_details") or {}
+                row = {"target_tokens": target, "prompt_tokens": usage.get("prompt_tokens"),
+                       "cached_tokens": details.get("cached_tokens"),
+                       "cached_tokens_by_tier": details.get("cached_tokens_by_tier"),
+                       "cold_ttft_ms": cold_ms, "p50_ms": _percentile(times, 0.5),
+                       "p90_ms": _percentile(times, 0.9), "min_ms": min(times),
+                       "reps": args.reps}
+                rows.append(row)
+                print(f"{target:6d} tokens ({row['prompt_tokens']} sent, {row['cached_tokens']} "
+                      f"cached) | cold {cold_ms:8.1f} ms | HBM hit p50 {row['p50_ms']:7.2f} ms "
+                      f"p90 {row['p90_ms']:7.2f} ms")
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    at_16k = [r for r in rows if r["target_tokens"] == 16384]
+    out = {
+        "benchmark": "serve_hbm_hit_ttft", "model": card["id"], "device": args.device,
+        "rows": rows,
+        "target": {"p50_ms_at_16k": TARGET_16K_P50_MS,
+                   "met": at_16k[0]["p50_ms"] <= TARGET_16K_P50_MS if at_16k else None},
+        "machine": _machine(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.serve " + " ".join(argv or sys.argv[1:]),
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    tag = args.preset or Path(model_dir).name
+    path = Path(args.out) / f"serve-{tag}-{args.device}-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""Block accounting with plain ints: ref counts, the free list and the HBM prefix cache.
+
+Every block is in exactly one of three states: *free* (ref 0, holds nothing reusable), *cached*
+(ref 0, holds a full block registered under its chained hash; evicted least recently freed first)
+or *used* (ref > 0; it may also be registered, then it is shared by every sequence that hit it).
+A hit is verified, not trusted: the block's stored tokens and full-strength chain hash must equal
+the sequence's, else it is a miss counted as a collision. Never sees an array.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+from kvstore.keys import block_hash
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """What the prefix cache keeps beside a registered block to verify a hit."""
+
+    key: bytes
+    check: bytes
+    token_ids: tuple[int, ...]
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    """Owns ``num_blocks`` block ids of one KV arena; sequences hold ids in ``block_ids``."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        debug_hash_bits: int | None = None,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.debug_hash_bits = debug_hash_bits
+        self._ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self._cached: dict[int, CachedBlock] = {}
+        self._by_key: dict[bytes, int] = {}
+        self.num_evictions = 0
+        self.num_collisions = 0
+
+    # -- counts -----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free ones plus cached ones it may evict."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks, used or not."""
+        return len(self._cached)
+
+    # -- hashing and lookup -----------------------------------------------------------------
+
+    def update_hashes(self, seq: Sequence) -> None:
+        """Extend the sequence's hash chain over every full block of its tokens."""
+        bs = self.block_size
+        for j in range(len(seq.block_hashes), seq.num_tokens // bs):
+            tokens = seq.token_ids[j * bs : (j + 1) * bs]
+            parent = seq.block_hashes[-1] if j else seq.namespace_digest
+            key = block_hash(parent, tokens, debug_hash_bits=self.debug_hash_bits)
+            if self.debug_hash_bits is None:
+                check = key
+            else:
+                check = block_hash(seq.block_checks[-1] if j else seq.namespace_digest, tokens)
+            seq.block_hashes.append(key)
+            seq.block_checks.append(check)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Verified cached blocks for the longest prefix of the sequence; no side effects on
+        blocks. At least one token is always left to compute, so the step has logits to sample."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_hashes(seq)
+        bs = self.block_size
+        hits: list[int] = []
+        for j in range((seq.num_tokens - 1) // bs):
+            block = self._by_key.get(seq.block_hashes[j])
+            if block is None:
+                break
+            cached = self._cached[block]
+            if (cached.check != seq.block_checks[j]
+                    or cached.token_ids != tuple(seq.token_ids[j * bs : (j + 1) * bs])):
+                self.num_collisions += 1
+                break
+            hits.append(block)
+        return hits
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def admittable_tokens(self, hit_block_ids: list[int]) -> int:
+        """How many new tokens past the hit the free blocks could hold if admitted now."""
+        hits_evictable = sum(1 for b in hit_block_ids if self._ref_counts[b] == 0)
+        return (self.num_free_blocks - hits_evictable) * self.block_size
+
+    def admit(self, seq: Sequence, hit_block_ids: list[int], num_new_tokens: int) -> bool:
+        """Give a waiting sequence the hit blocks (shared) plus fresh blocks for
+        ``num_new_tokens`` more tokens; False, changing nothing, if they do not fit."""
+        num_hit_tokens = len(hit_block_ids) * self.block_size
+        needed = _blocks_for(num_hit_tokens + num_new_tokens, self.block_size) - len(hit_block_ids)
+        if needed * self.block_size > self.admittable_tokens(hit_block_ids):
+            return False
+        for block in hit_block_ids:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+        seq.block_ids = list(hit_block_ids) + [self._allocate() for _ in range(needed)]
+        seq.num_computed_tokens = num_hit_tokens
+        seq.num_registered_blocks = len(hit_block_ids)
+        return True
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make the sequence's blocks hold ``num_tokens`` tokens; False, changing nothing, if the
+        free blocks do not suffice."""
+        needed = _blocks_for(num_tokens, self.block_size) - len(seq.block_ids)
+        if needed > self.num_free_blocks:
+            return False
+        seq.block_ids.extend(self._allocate() for _ in range(needed))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Tail blocks are released first so that, among equally
+        old cached blocks, a prefix's tail is evicted before its head."""
+        for block in reversed(seq.block_ids):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if block in self._cached:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Put every newly completed full block (K/V computed) into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        self.update_hashes(seq)
+        for j in range(seq.num_registered_blocks, num_full):
+            key, block = seq.block_hashes[j], seq.block_ids[j]
+            # Another sequence may have registered the same content first: keep that one.
+            if key not in self._by_key:
+                tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+                self._cached[block] = CachedBlock(key, seq.block_checks[j], tokens)
+                self._by_key[key] = block
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def _allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            cached = self._cached.pop(block)
+            del self._by_key[cached.key]
+            self.num_evictions += 1
+        self._ref_counts[block] = 1
+        return block
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless free + cached + used = total and the maps agree."""
+        free, evictable = set(self._free), set(self._evictable)
+        used = {b for b, ref in enumerate(self._ref_counts) if ref > 0}
+        _require(len(free) == len(self._free), "a block is twice in the free list")
+        _require(all(ref >= 0 for ref in self._ref_counts), "a negative ref count")
+        _require(not (free & evictable), "a block is both free and cached")
+        _require(not (used & (free | evictable)), "a used block is on a free list")
+        _require(len(free) + len(evictable) + len(used) == self.num_blocks,
+                 f"free {len(free)} + cached {len(evictable)} + used {len(used)} "
+                 f"!= total {self.num_blocks}")
+        _require(evictable <= self._cached.keys(), "an evictable block is not registered")
+        _require(not (free & self._cached.keys()), "a free block is still registered")
+        _require(len(self._by_key) == len(self._cached), "hash map and block map differ")
+        for block, cached in self._cached.items():
+            _require(self._by_key.get(cached.key) == block, f"block {block}: hash maps elsewhere")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(f"block manager integrity: {message}")

@@ -1,0 +1,89 @@
+"""The engine's configuration: one frozen dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+DEVICES = ("auto", "cpu", "cuda")
+OFFLOAD_POLICIES = ("write-through", "evict")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run one model. ``None`` fields are derived at engine start:
+
+    - ``num_kv_blocks``: on CPU, ``cpu_kv_cache_bytes`` worth of blocks, no more than
+      ``max_num_seqs`` full-length sequences need; on GPU, from ``gpu_memory_utilization``.
+    - ``max_model_len``: the checkpoint's ``max_position_embeddings``, capped to what the KV arena
+      holds. An explicit value larger than either is an error.
+    - ``served_model_name``: the model folder's name.
+    """
+
+    model_dir: str
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_offload: bool = False
+    kv_store_socket: str | None = None
+    kv_offload_policy: str = "write-through"
+    served_model_name: str | None = None
+    enable_prefix_caching: bool = True
+    cpu_kv_cache_bytes: int = 2 * 1024**3
+    debug_hash_bits: int | None = None  # truncate block hashes (collision tests only)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_dir, (str, Path)) or not str(self.model_dir):
+            raise ValueError("model_dir must be a non-empty path")
+        object.__setattr__(self, "model_dir", str(self.model_dir))
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        utilization = self.gpu_memory_utilization
+        if (not isinstance(utilization, (int, float)) or isinstance(utilization, bool)
+                or not math.isfinite(utilization) or not 0.0 < utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if self.kv_offload_policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"kv_offload_policy must be one of {OFFLOAD_POLICIES}, "
+                             f"got {self.kv_offload_policy!r}")
+        for name in ("kv_offload", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        if self.kv_store_socket is not None:
+            object.__setattr__(self, "kv_store_socket", str(self.kv_store_socket))
+        if self.served_model_name is not None and (
+                not isinstance(self.served_model_name, str) or not self.served_model_name):
+            raise ValueError("served_model_name must be a non-empty string or None")
+        bits = self.debug_hash_bits
+        if bits is not None and (not _is_int(bits) or not 1 <= bits <= 128):
+            raise ValueError(f"debug_hash_bits must be in 1..128 or None, got {bits!r}")
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when CuPy sees a GPU, else "cpu"; "cpu"/"cuda" pass through."""
+    if device != "auto":
+        return device
+    try:
+        import cupy
+
+        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+    except Exception:  # no CuPy, no driver, no device: all mean CPU
+        return "cpu"

@@ -1,0 +1,50 @@
+"""Incremental detokenization of a request's output ids, with stop strings trimmed from the text."""
+
+from __future__ import annotations
+
+from engine.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Grows ``text`` as output ids arrive, decoding only a short window each time.
+
+    Each update decodes ``ids[prefix_offset:]`` and ``ids[prefix_offset:read_offset]``; the
+    difference is the new text. Text ending in U+FFFD (half a UTF-8 character) is held back until
+    the next token completes it. After a stop string matched, ``text`` ends just before it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] | None) -> None:
+        self._tokenizer = tokenizer
+        self.stop = stop or ()
+        self.text = ""
+        self.stopped = False
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._max_stop_chars = max((len(s) for s in self.stop), default=0)
+
+    def update(self, output_ids: list[int]) -> bool:
+        """Take the ids generated so far; True when a stop string just matched."""
+        if self.stopped:
+            return True
+        decode = self._tokenizer.decode
+        prefix_text = decode(output_ids[self._prefix_offset : self._read_offset])
+        full_text = decode(output_ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return False
+        old_len = len(self.text)
+        self.text += full_text[len(prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
+        if self.stop:
+            start = max(0, old_len - self._max_stop_chars + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        return self.stopped
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show: while running, the tail that could still begin a stop string is held
+        back, so a streamed prefix is never taken back when the stop string completes."""
+        if finished or not self._max_stop_chars:
+            return self.text
+        return self.text[: max(0, len(self.text) - (self._max_stop_chars - 1))]

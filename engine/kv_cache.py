@@ -1,0 +1,116 @@
+"""The engine's one KV arena, block-major, and its description for the store.
+
+``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: block ``b`` is one contiguous
+run of ``block_bytes`` bytes at ``b * block_bytes``, so one ``kvstore.layout.Region`` describes the
+whole arena. On CPU it lives in POSIX shared memory, so the daemon can map it by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import secrets
+import weakref
+from abc import ABC, abstractmethod
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from kernels.ops import Array
+from kvstore.layout import KVLayout, Region
+
+KV_LAYOUT_NAME = "block-major"
+
+
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int
+) -> int:
+    """Bytes of one block: K and V of ``block_size`` tokens for every layer."""
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+
+class KVCache(ABC):
+    """The arena: ``array`` is the device array the kernels read and write."""
+
+    array: Array
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * np.dtype(self.dtype).itemsize
+
+    @abstractmethod
+    def layout(self) -> KVLayout:
+        """One region covering the arena, as the daemon's ``register`` verb takes it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the memory; the arena must not be used afterwards. Idempotent."""
+
+    def _layout_meta(self) -> dict:
+        _, num_layers, _, block_size, num_kv_heads, head_dim = self.shape
+        return {"layout": KV_LAYOUT_NAME, "shape": list(self.shape), "num_layers": num_layers,
+                "block_size": block_size, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+
+
+def _release_shm(shm: shared_memory.SharedMemory) -> None:
+    # BufferError: a view of the arena is still alive, the mapping goes when it does.
+    with contextlib.suppress(BufferError):
+        shm.close()
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
+
+
+class SharedMemoryKVCache(KVCache):
+    """The CPU arena in a POSIX shared-memory segment named ``shm_name``, unlinked on close (or
+    when the object is collected, or at interpreter exit)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str = "float32") -> None:
+        if len(shape) != 6 or min(shape) <= 0:
+            raise ValueError(f"KV arena shape must be 6 positive dims, got {shape}")
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = dtype
+        nbytes = math.prod(self.shape) * np.dtype(dtype).itemsize
+        _check_shm_room(nbytes)
+        name = f"kvengine_{os.getpid()}_{secrets.token_hex(6)}"
+        self._shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        self.shm_name = self._shm.name
+        self.size_bytes = nbytes
+        self.array = np.ndarray(self.shape, dtype=dtype, buffer=self._shm.buf)
+        self._finalizer = weakref.finalize(self, _release_shm, self._shm)
+
+    def layout(self) -> KVLayout:
+        region = Region(handle=self.shm_name, size_bytes=self.size_bytes, offset=0,
+                        block_stride=self.block_bytes, block_bytes=self.block_bytes)
+        layout = KVLayout(num_blocks=self.num_blocks, regions=(region,), device="cpu",
+                          dtype=self.dtype, meta=self._layout_meta())
+        layout.validate()
+        return layout
+
+    def close(self) -> None:
+        self.array = None
+        self._finalizer()
+
+
+def _check_shm_room(nbytes: int) -> None:
+    """Fail with a clear error rather than SIGBUS later when /dev/shm cannot hold the arena."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    stat = os.statvfs("/dev/shm")
+    available = stat.f_bavail * stat.f_frsize
+    if nbytes > available:
+        raise MemoryError(f"the KV arena needs {nbytes} bytes of /dev/shm, only {available} are "
+                          f"free; lower num_kv_blocks or cpu_kv_cache_bytes")
+
+
+def make_kv_cache(device: str, shape: tuple[int, ...], dtype: str) -> KVCache:
+    """The arena for a resolved device."""
+    if device == "cpu":
+        return SharedMemoryKVCache(shape, dtype)
+    raise NotImplementedError(f"no KV arena for device {device!r} yet (the CUDA backend adds one)")

@@ -1,0 +1,264 @@
+"""The request API and the step loop: requests in (any thread), one step at a time, outputs out.
+
+``add_request``, ``abort_request``, ``has_unfinished_requests`` and ``stats`` are thread-safe: they
+only touch an inbox and counters under a lock. ``step`` runs on one thread (the serving loop); it
+moves the inbox into the scheduler, so the scheduler, block manager and runner are single-threaded.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, resolve_device
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCache, kv_block_bytes
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, empty_tier_counts
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+from engine.weights import weights_identity
+from kernels import make_ops
+from kvstore.keys import ModelIdentity, Namespace
+
+
+def plan_capacity(
+    config: EngineConfig, model_config: ModelConfig, block_bytes: int
+) -> tuple[int, int]:
+    """(num_kv_blocks, max_model_len) for this config; see EngineConfig for the rules."""
+    bs = config.block_size
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        limit = config.max_model_len
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        useful = config.max_num_seqs * math.ceil(limit / bs)
+        num_blocks = min(config.cpu_kv_cache_bytes // block_bytes, useful)
+        if num_blocks < 1:
+            raise ValueError(f"cpu_kv_cache_bytes {config.cpu_kv_cache_bytes} cannot hold one "
+                             f"KV block of {block_bytes} bytes")
+    capacity = num_blocks * bs
+    if config.max_model_len is not None and config.max_model_len > capacity:
+        raise ValueError(f"max_model_len {config.max_model_len} needs more than the "
+                         f"{num_blocks} KV blocks ({capacity} tokens)")
+    return num_blocks, min(limit, capacity)
+
+
+class LLMEngine:
+    """One model on one device with its KV arena, block manager, scheduler and sampler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.kv_offload:
+            raise NotImplementedError("kv_offload needs the offload bridge, which is not built yet")
+        self.config = config
+        model_dir = Path(config.model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model folder {config.model_dir!r} does not exist")
+        self.device = resolve_device(config.device)
+        self.model_config = mc = ModelConfig.load(model_dir)
+        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
+        ops = make_ops(self.device)
+        block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
+                                     mc.head_dim, np.dtype(ops.kv_dtype).itemsize)
+        num_kv_blocks, self.max_model_len = plan_capacity(config, mc, block_bytes)
+        self.model_identity = ModelIdentity(
+            architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, kv_dtype=ops.kv_dtype, block_size=config.block_size,
+            weights_id=weights_identity(model_dir),
+        )
+        self.model_name = config.served_model_name or model_dir.resolve().name
+        self.runner = ModelRunner(mc, str(model_dir), ops, self.device, num_kv_blocks,
+                                  config.block_size, self.max_model_len)
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching, config.debug_hash_bits)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._abort_ids: list[str] = []
+        self._live_ids: set[str] = set()
+        self._namespace_digests: dict[str, bytes] = {}
+        self._num_generation_tokens = 0
+        self._num_finished = 0
+        self._num_steps = 0
+        self._stats = self._collect_stats()
+        self._closed = False
+
+    # -- request API (any thread) -----------------------------------------------------------
+
+    def namespace(self, cache_salt: str = "") -> Namespace:
+        """The block-key namespace of this model for a tenant."""
+        return Namespace(model=self.model_identity, tenant_salt=cache_salt)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        cache_salt: str = "",
+    ) -> None:
+        """Queue a request; ValueError for a bad id, an empty or too long prompt, bad params."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        try:
+            ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise ValueError("prompt_token_ids must be a list of integers") from None
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len "
+                             f"{self.max_model_len}")
+        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        with self._lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in the engine")
+            digest = self._namespace_digests.get(cache_salt)
+            if digest is None:
+                digest = self._namespace_digests[cache_salt] = self.namespace(cache_salt).digest
+            seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
+                           namespace_digest=digest, generator=np.random.default_rng(params.seed),
+                           detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+            self._live_ids.add(request_id)
+            self._inbox.append(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ask for the request to end with reason "abort" at the next step; unknown ids are
+        ignored (the request may have just finished)."""
+        with self._lock:
+            if request_id in self._live_ids and request_id not in self._abort_ids:
+                self._abort_ids.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    def stats(self) -> dict:
+        """Counters as of the last step (queued requests included in ``num_waiting``)."""
+        with self._lock:
+            stats = dict(self._stats)
+            stats["num_waiting"] += len(self._inbox)
+            return stats
+
+    # -- the step loop (one thread) ---------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; outputs of requests that got a token or ended."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            abort_ids, self._abort_ids = self._abort_ids, []
+        for seq in inbox:
+            self.scheduler.add(seq)
+        outputs = []
+        for request_id in abort_ids:
+            seq = self.scheduler.abort(request_id)
+            if seq is not None:
+                outputs.append(self._output(seq))
+        batch = self.scheduler.schedule()
+        if batch:
+            sampled = self.runner.execute(batch)
+            self.scheduler.advance(batch)
+            outputs.extend(self._append_token(seq, token) for seq, token in sampled)
+        with self._lock:
+            for out in outputs:
+                if out.finished:
+                    self._live_ids.discard(out.request_id)
+                    self._num_finished += 1
+            self._num_steps += 1
+            self._stats = self._collect_stats()
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        self._num_generation_tokens += 1
+        params = seq.params
+        reason = None
+        if token_id in self._eos_token_ids and not params.ignore_eos:
+            reason = "stop"  # the eos token stays in token_ids, never in the text
+        elif seq.detokenizer.update(seq.output_token_ids):
+            reason = "stop"
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+              or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._output(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.is_finished
+        output_ids = seq.output_token_ids
+        text = seq.detokenizer.visible_text(finished)
+        new_ids = output_ids[seq.num_emitted_tokens :]
+        new_text = text[seq.num_emitted_chars :]
+        seq.num_emitted_tokens = len(output_ids)
+        seq.num_emitted_chars = len(text)
+        num_cached = seq.num_cached_tokens or 0
+        by_tier = empty_tier_counts()
+        by_tier["hbm"] = num_cached
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=output_ids, text=text, finished=finished, finish_reason=seq.finish_reason,
+            num_cached_tokens=num_cached, cached_tokens_by_tier=by_tier,
+            new_token_ids=new_ids, new_text=new_text,
+        )
+
+    def _collect_stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
+        hit_tokens = empty_tier_counts()
+        hit_tokens["hbm"] = sched.num_prefix_hit_tokens
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting) - sched.num_loading,
+            "num_loading": sched.num_loading,
+            "num_kv_blocks": bm.num_blocks,
+            "num_blocks_in_use": bm.num_used_blocks,
+            "num_blocks_cached": bm.num_cached_blocks,
+            "block_size": bm.block_size,
+            "prefix_cache_queries": sched.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": hit_tokens,
+            "prefix_cache_evictions": bm.num_evictions,
+            "prefix_cache_collisions": bm.num_collisions,
+            "prompt_tokens_total": sched.num_prompt_tokens,
+            "generation_tokens_total": self._num_generation_tokens,
+            "num_preemptions": sched.num_preemptions,
+            "num_requests_finished": self._num_finished,
+            "num_steps": self._num_steps,
+        }
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: prompt token ids must be below this."""
+        return self.model_config.vocab_size
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The KV arena (shared-memory name, dtype, ``layout()``) for the offload bridge."""
+        return self.runner.kv_cache
+
+    def close(self) -> None:
+        """Free the KV arena; the engine is unusable afterwards. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,33 @@
+"""What the engine hands back for a request after a step: cumulative state plus the delta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TIERS = ("hbm", "dram", "ssd", "remote")
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def empty_tier_counts() -> dict[str, int]:
+    return dict.fromkeys(TIERS, 0)
+
+
+@dataclass
+class RequestOutput:
+    """``token_ids``/``text`` are everything generated so far; ``new_*`` what this step added.
+
+    ``finish_reason`` is None until ``finished``, then "stop" (eos or a stop string), "length"
+    (max_tokens or the model length) or "abort". ``num_cached_tokens`` prompt tokens were served
+    from cache instead of computed, split by where they came from in ``cached_tokens_by_tier``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=empty_tier_counts)
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""

@@ -1,0 +1,70 @@
+"""One request's state as plain data: tokens, progress, blocks, hashes and output text."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; no blocks (again, after a preemption)
+    LOADING = "loading"  # blocks reserved, waiting for an async KV load from the store
+    RUNNING = "running"  # holds blocks; scheduled every step until finished or preempted
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request inside the engine. ``token_ids`` is prompt + output; the first
+    ``num_computed_tokens`` of them have their K/V in this sequence's blocks.
+
+    ``block_hashes[j]`` keys full block ``j`` in the prefix cache (maybe truncated for collision
+    tests); ``block_checks[j]`` is its full-strength chain hash, compared with the tokens on a hit.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace_digest: bytes
+    generator: np.random.Generator
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks already in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)
+    block_checks: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # set at first admission
+    finish_reason: str | None = None
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

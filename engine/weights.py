@@ -1,0 +1,129 @@
+"""Checkpoint tensors: every ``*.safetensors`` file of a folder, memory-mapped, read by name.
+
+The safetensors format is an 8-byte little-endian header length, a JSON header (name -> dtype,
+shape, data_offsets) and the raw little-endian data. It is parsed here directly, rather than through
+``safetensors.numpy``, because NumPy has no bfloat16: bf16 tensors come back as their uint16 bit
+patterns and the backend widens (CPU) or keeps (GPU) them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+# safetensors dtype tag -> (our name, NumPy dtype holding the raw values)
+_DTYPES: dict[str, tuple[str, type]] = {
+    "F32": ("float32", np.float32),
+    "F16": ("float16", np.float16),
+    "BF16": ("bfloat16", np.uint16),
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie: ``path`` bytes ``[start, end)``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: Path
+    start: int
+    end: int
+
+
+def read_header(path: Path) -> list[TensorInfo]:
+    """Parse and bounds-check one file's header; raise ValueError naming the file if malformed."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: too short to be a safetensors file")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(f"{path}: header length {header_len} is past the file's end")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: header is not JSON: {exc}") from None
+    data_start = 8 + header_len
+    infos = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        tag = entry.get("dtype")
+        if tag not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {tag!r}; "
+                             f"supported: {', '.join(_DTYPES)}")
+        dtype, np_dtype = _DTYPES[tag]
+        shape = tuple(int(n) for n in entry["shape"])
+        start, end = (int(n) for n in entry["data_offsets"])
+        nbytes = math.prod(shape) * np.dtype(np_dtype).itemsize
+        if end - start != nbytes or start < 0 or data_start + end > size:
+            raise ValueError(f"{path}: tensor {name!r} has bad data offsets {start}..{end}")
+        infos.append(TensorInfo(name, dtype, shape, path, data_start + start, data_start + end))
+    return infos
+
+
+class CheckpointReader:
+    """The tensors of all ``*.safetensors`` files in ``model_dir``, read lazily through mmap."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in model folder {str(model_dir)!r}")
+        self._infos: dict[str, TensorInfo] = {}
+        for path in files:
+            for info in read_header(path):
+                if info.name in self._infos:
+                    raise ValueError(f"tensor {info.name!r} appears in both "
+                                     f"{self._infos[info.name].path.name} and {path.name}")
+                self._infos[info.name] = info
+        self._maps: dict[Path, np.memmap] = {}
+
+    def names(self) -> list[str]:
+        return list(self._infos)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise KeyError(f"checkpoint in {str(self.model_dir)!r} lacks tensor {name!r}") from None
+
+    def read(self, name: str) -> tuple[np.ndarray, str]:
+        """A read-only view of the raw values and the dtype name (bf16 as uint16 bits)."""
+        info = self.info(name)
+        if info.path not in self._maps:
+            self._maps[info.path] = np.memmap(info.path, dtype=np.uint8, mode="r")
+        raw = self._maps[info.path][info.start : info.end]
+        return raw.view(_DTYPES_BY_NAME[info.dtype]).reshape(info.shape), info.dtype
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+_DTYPES_BY_NAME = {name: np_dtype for name, np_dtype in _DTYPES.values()}
+
+
+def weights_identity(model_dir: str | Path) -> str:
+    """A cheap id of the weights: XXH3-128 of config.json and each safetensors file's name+size.
+
+    Reading every weight byte would cost seconds at start; a retrained checkpoint saved under the
+    same names and sizes is the blind spot, which the served model name in the namespace covers.
+    """
+    folder = Path(model_dir)
+    h = xxhash.xxh3_128()
+    h.update((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        h.update(f"\0{path.name}\0{path.stat().st_size}".encode())
+    return h.hexdigest()

@@ -1,0 +1,120 @@
+"""The op set the model code calls, as a small ABC: one implementation per backend.
+
+The model is written once over ``Ops``. ``NumpyOps`` (CPU, float32) runs the references in
+``kernels/reference.py``; a CuPy implementation (bf16 storage, fp32 accumulation) provides the same
+methods with ``.cu`` kernels. Shapes, dtypes and semantics are stated once, in the reference
+docstrings; ``KERNELS.md`` indexes them. Arrays are the backend's arrays (``xp.ndarray``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+Array = Any  # numpy.ndarray or cupy.ndarray, as the backend decides
+
+
+class Ops(ABC):
+    """Kernels plus the few transfers the model runner needs. Stateless apart from the device.
+
+    ``act_dtype`` is the dtype of activations and weights on this backend; ``kv_dtype`` names the
+    KV arena's dtype (part of the block namespace: different bytes, different keys).
+    """
+
+    name: str
+    xp: ModuleType
+    act_dtype: Any
+    kv_dtype: str
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def weight_from_host(self, raw: np.ndarray, dtype: str) -> Array:
+        """A checkpoint tensor on the device in ``act_dtype``.
+
+        ``raw`` holds the file's values: float32/float16 arrays as such, bfloat16 as the uint16 bit
+        patterns (NumPy has no bf16), ``dtype`` says which ("float32", "float16", "bfloat16").
+        """
+
+    @abstractmethod
+    def to_device(self, host: np.ndarray) -> Array:
+        """Copy a host array (index metadata, small tables) to the device, keeping its dtype."""
+
+    @abstractmethod
+    def to_host(self, x: Array) -> np.ndarray:
+        """Copy a device array back to a host NumPy array."""
+
+    # -- kernels (contracts: kernels/reference.py) --------------------------------------------
+
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        """``x[T, in] @ weight[out, in].T (+ bias[out])``: a plain GEMM through the array module."""
+        out = x @ weight.T
+        return out if bias is None else out + bias
+
+    @abstractmethod
+    def embedding(self, token_ids: Array, table: Array) -> Array:
+        """``table[token_ids]``: ``[T]`` int32, ``[V, H]`` -> ``[T, H]``."""
+
+    @abstractmethod
+    def rms_norm(
+        self, x: Array, weight: Array, eps: float, residual: Array | None = None
+    ) -> tuple[Array, Array | None]:
+        """RMSNorm over the last axis; with ``residual`` fused add first, returns the new stream."""
+
+    @abstractmethod
+    def rope(
+        self, q: Array, k: Array, positions: Array, cos_sin_cache: Array
+    ) -> tuple[Array, Array]:
+        """NeoX rotary embedding of ``q[T, Hq, D]`` and ``k[T, Hkv, D]`` at ``positions[T]``."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: Array) -> Array:
+        """``[T, 2I]`` = [gate | up] -> ``silu(gate) * up`` ``[T, I]``."""
+
+    @abstractmethod
+    def write_kv(
+        self, kv_cache: Array, layer: int, k: Array, v: Array, slot_mapping: Array
+    ) -> None:
+        """Scatter ``k``/``v[T, Hkv, D]`` into ``kv_cache`` slots of ``layer``, in place."""
+
+    @abstractmethod
+    def paged_attention_prefill(
+        self,
+        q: Array,
+        kv_cache: Array,
+        layer: int,
+        block_tables: Array,
+        cu_seqlens_q: Array,
+        context_lens: Array,
+        scale: float,
+    ) -> Array:
+        """Causal varlen GQA attention over paged K/V (prefix included) -> ``[T, Hq, D]``."""
+
+    @abstractmethod
+    def paged_attention_decode(
+        self,
+        q: Array,
+        kv_cache: Array,
+        layer: int,
+        block_tables: Array,
+        context_lens: Array,
+        scale: float,
+    ) -> Array:
+        """One query per sequence over its whole paged context -> ``[B, Hq, D]``."""
+
+    @abstractmethod
+    def argmax(self, logits: Array) -> Array:
+        """Greedy ids of ``logits[B, V]`` -> int32 ``[B]`` (first maximum)."""
+
+    @abstractmethod
+    def sampling_probs(
+        self, logits: Array, temperatures: Array, top_ks: Array, top_ps: Array
+    ) -> Array:
+        """Temperature softmax, then top-k, then top-p, renormalized -> float32 ``[B, V]``."""
+
+    @abstractmethod
+    def sample_from_probs(self, probs: Array, uniforms: Array) -> Array:
+        """Inverse-CDF draw of one id per row with host-drawn ``uniforms[B]`` -> int32 ``[B]``."""

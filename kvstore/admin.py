@@ -1,0 +1,170 @@
+"""The daemon's admin HTTP app: ``GET /health``, ``GET /stats`` (JSON), ``GET /metrics``.
+
+It only reads: every answer comes from ``Service.health()`` / ``Service.stats()`` at request time,
+and the Prometheus registry is private to the app (no process-global collectors). It runs under
+uvicorn on its own thread, so a slow scrape never delays the control socket.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvstore.service import Service
+
+_TIER_GAUGES = ("capacity_bytes", "used_bytes", "blocks")
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _metric_name(*parts: str) -> str:
+    return _NAME_UNSAFE.sub("_", "_".join(p for p in parts if p))
+
+
+def _is_counter(name: str) -> bool:
+    return name.endswith(("_total", "hits", "misses", "count")) or name in {
+        "hits", "misses", "collisions", "evictions", "demotions", "promotions"}
+
+
+class StatsCollector:
+    """Turns one ``Service.stats()`` snapshot into metric families, at scrape time."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.service.stats()
+        yield from self._tiers(stats.get("tiers") or {})
+        yield from self._daemon(stats.get("daemon") or {})
+        counters = stats.get("counters") or {}
+        for key, value in sorted(counters.items()):  # the store's counted outcomes
+            if _is_number(value):
+                yield CounterMetricFamily(_metric_name("kvstore_store", key),
+                                          f"store counter {key}", value=float(value))
+        # Anything else the store reports that is a number (or a map of numbers) goes out too.
+        for key, value in sorted(stats.items()):
+            if key in ("tiers", "daemon", "counters"):
+                continue
+            yield from self._flat(_metric_name("kvstore_store", key), value)
+
+    def _tiers(self, tiers: dict) -> Iterator[Metric]:
+        by_name: dict[str, tuple[str, list[tuple[str, float]]]] = {}
+        for tier, fields in sorted(tiers.items()):
+            if not isinstance(fields, dict):
+                continue
+            for field, value in sorted(fields.items()):
+                if _is_number(value):
+                    kind = "gauge" if field in _TIER_GAUGES or not _is_counter(field) else \
+                        "counter"
+                    by_name.setdefault(field, (kind, []))[1].append((tier, float(value)))
+                elif field == "counters" and isinstance(value, dict):  # e.g. the SSD's corrupt
+                    for name, count in value.items():
+                        if _is_number(count):
+                            by_name.setdefault(name, ("counter", []))[1].append(
+                                (tier, float(count)))
+        for field, (kind, samples) in sorted(by_name.items()):
+            name = _metric_name("kvstore_tier", field.removesuffix("_total"))
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, f"per-tier {field}", labels=["tier"])
+            for tier, value in samples:
+                family.add_metric([tier], value)
+            yield family
+
+    def _daemon(self, daemon: dict) -> Iterator[Metric]:
+        for name, labelled, label in (("requests", "kvstore_requests", "verb"),
+                                      ("errors", "kvstore_errors", "code"),
+                                      ("events", "kvstore_events", "event")):
+            family = CounterMetricFamily(labelled, f"daemon {name} by {label}", labels=[label])
+            for key, value in sorted((daemon.get(name) or {}).items()):
+                family.add_metric([str(key)], float(value))
+            yield family
+        for gauge in ("uptime_s", "connections", "leases_active", "registrations"):
+            if _is_number(daemon.get(gauge)):
+                yield GaugeMetricFamily(_metric_name("kvstore", gauge), f"daemon {gauge}",
+                                        value=float(daemon[gauge]))
+
+    def _flat(self, name: str, value: Any, depth: int = 0) -> Iterator[Metric]:
+        if _is_number(value):
+            family = CounterMetricFamily if _is_counter(name) else GaugeMetricFamily
+            yield family(name.removesuffix("_total"), name, value=float(value))
+        elif isinstance(value, dict) and depth < 3:
+            for key, sub in sorted(value.items()):
+                yield from self._flat(_metric_name(name, str(key)), sub, depth + 1)
+
+
+def create_app(service: Service) -> FastAPI:
+    """The admin app over ``service``; each app has its own Prometheus registry."""
+    app = FastAPI(title="kvstore admin", docs_url=None, redoc_url=None, openapi_url=None)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(service))
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        return JSONResponse(service.health())
+
+    @app.get("/stats")
+    def stats() -> JSONResponse:
+        return JSONResponse(service.stats())
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) into its parts; ValueError if malformed."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port_text)
+
+
+class AdminServer:
+    """uvicorn serving ``create_app(service)`` on a thread; binds in the constructor."""
+
+    def __init__(self, service: Service, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(f"cannot listen for HTTP on {host}:{port}: {exc.strerror}") from None
+        self._sock.listen(128)
+        self.host, self.port = self._sock.getsockname()[:2]
+        config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+                                lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._sock]},
+                                        name="kvstore-admin", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        self._sock.close()

@@ -1,0 +1,315 @@
+"""The ``kvstore`` command: ``serve`` (the daemon), ``stats`` (read a running one), ``demo``.
+
+User errors (a bad flag, an unparsable SIZE, an unusable --ssd-dir, a busy socket or port) end
+with one line on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvstore.sizes import format_bytes, parse_size
+
+DEFAULT_DRAM = "1GiB"
+DEFAULT_SSD_SIZE = "16GiB"  # when --ssd-dir is given without --ssd-size
+DEFAULT_HTTP = "127.0.0.1:8791"
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block before the error; we want one clear line.
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvstore", description="Tiered KV-cache block store daemon.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--socket", type=Path, default=None,
+                       help="control socket path (default: $KVSTORE_SOCKET, else "
+                            "$XDG_RUNTIME_DIR/kvstore/kvstore.sock, else /tmp/kvstore-$UID/...)")
+    serve.add_argument("--dram", type=_size, default=parse_size(DEFAULT_DRAM), metavar="SIZE",
+                       help=f"host DRAM pool, allocated at start (default {DEFAULT_DRAM})")
+    serve.add_argument("--ssd-dir", type=Path, default=None, metavar="DIR",
+                       help="directory of the SSD tier's files (default: no SSD tier)")
+    serve.add_argument("--ssd-size", type=_size, default=None, metavar="SIZE",
+                       help=f"SSD tier capacity; 0 turns it off (default {DEFAULT_SSD_SIZE} "
+                            "with --ssd-dir)")
+    serve.add_argument("--ssd-io", choices=("auto", "direct", "buffered"), default="auto",
+                       help="SSD IO mode: O_DIRECT when the filesystem takes it (auto), "
+                            "required (direct), or page cache + fdatasync (buffered)")
+    serve.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT",
+                       help=f"admin HTTP address, or 'off' (default {DEFAULT_HTTP})")
+    serve.add_argument("--lease-ttl", type=_positive_float, default=30.0, metavar="SECONDS",
+                       help="default lifetime of a lookup's lease (default 30)")
+    serve.add_argument("--eviction", choices=("lru", "fifo"), default="lru")
+    serve.add_argument("--log-level", default="warning",
+                       choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--cluster", default=None, metavar="redis://HOST:PORT/DB",
+                       help="share blocks across nodes through a Redis index (not built yet)")
+    serve.add_argument("--node-id", default=None, metavar="ID")
+    serve.add_argument("--listen", default=None, metavar="HOST:PORT")
+    serve.add_argument("--advertise", default=None, metavar="HOST:PORT")
+
+    stats = sub.add_parser("stats", help="print a running daemon's stats")
+    stats.add_argument("--http", default=None, metavar="URL",
+                       help="read /stats from the admin HTTP app (e.g. http://127.0.0.1:8791)")
+    stats.add_argument("--socket", type=Path, default=None,
+                       help="read stats over the control socket (the default without --http)")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    sub.add_parser("demo", help="daemon + engine + multi-turn chat tour (needs the engine)")
+    return parser
+
+
+# ------------------------------------------------------------------------------------- serve
+
+
+def _check_ssd_dir(directory: Path) -> Path:
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--ssd-dir {directory} is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvstore-probe-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--ssd-dir {directory} is not usable: {exc.strerror or exc}") from None
+    return directory.resolve()
+
+
+def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
+    if args.dram <= 0:
+        raise UsageError("--dram must be larger than 0")
+    ssd_size = args.ssd_size
+    if ssd_size is None:
+        ssd_size = parse_size(DEFAULT_SSD_SIZE) if args.ssd_dir is not None else 0
+    if ssd_size > 0 and args.ssd_dir is None:
+        raise UsageError("--ssd-size needs --ssd-dir")
+    ssd_dir = _check_ssd_dir(args.ssd_dir) if ssd_size > 0 else None
+    from kvstore.tiered_store import StoreConfig
+
+    try:
+        return StoreConfig(dram_bytes=args.dram, ssd_dir=ssd_dir, ssd_bytes=ssd_size,
+                           eviction=args.eviction, lease_ttl_s=args.lease_ttl,
+                           debug_hash_bits=debug_hash_bits, ssd_io_mode=args.ssd_io)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _find(stats: dict, *path: str) -> Any:
+    node: Any = stats
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _describe_start(config: Any, stats: dict, socket_path: Path, http_url: str | None) -> str:
+    dram = _find(stats, "tiers", "dram") or {}
+    pinned = dram.get("pinned", _find(stats, "dram_pinned"))
+    lines = [f"kvstore: DRAM pool {format_bytes(config.dram_bytes)} ({config.dram_bytes} bytes), "
+             f"pinned: {'yes' if pinned else 'no' if pinned is not None else 'unknown'}"]
+    if config.ssd_dir is not None and config.ssd_bytes > 0:
+        ssd = _find(stats, "tiers", "ssd") or {}
+        io_mode = ssd.get("io_mode") or ("O_DIRECT" if ssd.get("direct_io") else
+                                         "buffered" if "direct_io" in ssd else "unknown")
+        lines.append(f"kvstore: SSD tier {config.ssd_dir}, {format_bytes(config.ssd_bytes)}, "
+                     f"IO mode {io_mode}, {ssd.get('blocks', 0)} blocks recovered")
+    else:
+        lines.append("kvstore: SSD tier off")
+    lines.append(f"kvstore: control socket {socket_path}")
+    lines.append(f"kvstore: admin HTTP {http_url or 'off'}")
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvstore")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.cluster is not None:
+        raise UsageError("cluster support (--cluster) is not built yet; run without --cluster")
+    from kvstore.admin import AdminServer, parse_host_port
+    from kvstore.daemon import Daemon
+    from kvstore.listener import SocketSetupError
+    from kvstore.service import Service
+    from kvstore.settings import default_socket_path, load_env_settings
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        env = load_env_settings()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    http = None if args.http.lower() in ("off", "none", "") else args.http
+    try:
+        http_addr = parse_host_port(http) if http else None
+    except ValueError as exc:
+        raise UsageError(f"--http: {exc}") from None
+    config = _store_config(args, env.debug_hash_bits)
+    socket_path = args.socket if args.socket is not None else default_socket_path()
+
+    from kvstore.tiered_store import TieredStore
+
+    try:
+        store = TieredStore(config)
+    except (OSError, ValueError, MemoryError) as exc:
+        print(f"kvstore: error: cannot set up the store: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    service = Service(store, default_lease_ttl_s=args.lease_ttl,
+                      debug_hash_bits=env.debug_hash_bits, version=_version())
+    daemon = Daemon(service, socket_path)
+    admin = None
+    try:
+        daemon.bind()
+        if http_addr is not None:
+            admin = AdminServer(service, *http_addr)
+    except (SocketSetupError, OSError) as exc:
+        store.close()
+        print(f"kvstore: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(_describe_start(config, store.stats(), daemon.socket_path,
+                          admin.url if admin else None), flush=True)
+
+    def ready() -> None:
+        if admin is not None:
+            admin.start()
+        print(f"kvstore: ready (pid {os.getpid()})", flush=True)
+
+    try:
+        daemon.run(on_ready=ready)
+    finally:
+        if admin is not None:
+            admin.stop()
+    print("kvstore: stopped", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- stats
+
+
+def _fetch_stats(args: argparse.Namespace) -> dict:
+    if args.http:
+        import httpx
+
+        url = args.http if "://" in args.http else f"http://{args.http}"
+        try:
+            response = httpx.get(url.rstrip("/") + "/stats", timeout=10.0)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"cannot read stats from {url}: {exc}") from None
+        return response.json()
+    from kvstore.client import Client
+
+    with Client(args.socket, timeout_s=10.0) as client:
+        return client.stats()
+
+
+def _cell(value: Any, as_bytes: bool = False) -> str:
+    if value is None:
+        return "-"
+    if as_bytes and isinstance(value, (int, float)):
+        return format_bytes(value)
+    return str(value)
+
+
+def format_stats_table(stats: dict) -> str:
+    """The human view of ``/stats``: one row per tier, then the daemon's counters."""
+    tiers = stats.get("tiers") or {}
+    columns = ["tier", "capacity", "used", "blocks", "hits", "misses"]
+    rows = [columns]
+    for tier, fields in tiers.items():
+        if not isinstance(fields, dict):
+            continue
+        rows.append([tier, _cell(fields.get("capacity_bytes"), True),
+                     _cell(fields.get("used_bytes"), True), _cell(fields.get("blocks")),
+                     _cell(fields.get("hits")), _cell(fields.get("misses"))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    for key, value in stats.items():
+        if key not in ("tiers", "daemon") and not isinstance(value, (dict, list)):
+            lines.append(f"{key}: {value}")
+    daemon = stats.get("daemon") or {}
+    if daemon:
+        lines.append(f"daemon: uptime {daemon.get('uptime_s', 0):.1f} s, connections "
+                     f"{daemon.get('connections')}, leases {daemon.get('leases_active')}, "
+                     f"registrations {daemon.get('registrations')}")
+        for name in ("requests", "errors", "events"):
+            counts = daemon.get(name) or {}
+            if counts:
+                lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in sorted(
+                    counts.items())))
+    return "\n".join(lines)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    try:
+        stats = _fetch_stats(args)
+    except ConnectionError as exc:
+        print(f"kvstore: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats_table(stats))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvstore`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "stats":
+            return _stats(args)
+        print("kvstore demo needs the inference engine (kvengine), which is not wired into the "
+              "demo yet; start `kvstore serve` and `kvengine serve --kv-offload` by hand",
+              file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as exc:
+        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

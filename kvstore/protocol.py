@@ -1,0 +1,362 @@
+"""The control protocol: length-prefixed msgpack frames, request/reply envelopes, per-verb schemas.
+
+A frame is a 4-byte little-endian body length followed by a msgpack body (bin type on, strings as
+str, string map keys only, no ext types, no timestamps, never pickle). A length above the frame
+limit is rejected before a byte of the body is read. Requests are ``{"id": int, "verb": str,
+"deadline_ms": int (optional, relative to receipt), "args": {...}}``; replies are ``{"id", "ok":
+True, "result": ...}`` or ``{"id", "ok": False, "error": {"code": str, "message": str}}``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvstore.keys import HASH_BYTES
+
+HEADER = struct.Struct("<I")
+HEADER_BYTES = HEADER.size
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+MAX_NESTING = 32
+MAX_REQUEST_ID = 2**63 - 1
+DEFAULT_DEADLINE_MS = 30_000
+MAX_DEADLINE_MS = 24 * 3600 * 1000
+
+# Error codes, the complete list a client can see.
+BAD_REQUEST = "bad_request"
+UNKNOWN_VERB = "unknown_verb"
+MALFORMED_FRAME = "malformed_frame"
+FRAME_TOO_LARGE = "frame_too_large"
+DEADLINE_EXCEEDED = "deadline_exceeded"
+PERMISSION_DENIED = "permission_denied"
+NOT_FOUND = "not_found"
+UNSUPPORTED = "unsupported"
+STORE_ERROR = "store_error"
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A frame or request the peer got wrong; ``code`` is one of the error codes above."""
+
+    def __init__(self, code: str, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# ---------------------------------------------------------------------------------------- frames
+
+
+def encode_frame(obj: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> list[bytes]:
+    """The frame for ``obj`` as [header, body] (send both; avoids copying a large body)."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    if len(body) > max_frame_bytes:
+        raise ProtocolError(FRAME_TOO_LARGE,
+                            f"frame of {len(body)} bytes exceeds the {max_frame_bytes}-byte limit")
+    return [HEADER.pack(len(body)), body]
+
+
+def frame_length(header: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> int:
+    """The body length a header announces; ProtocolError if it is over the limit."""
+    (length,) = HEADER.unpack(header)
+    if length > max_frame_bytes:
+        raise ProtocolError(FRAME_TOO_LARGE,
+                            f"frame of {length} bytes exceeds the {max_frame_bytes}-byte limit")
+    return length
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(MALFORMED_FRAME, f"msgpack ext type {code} is not allowed")
+
+
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _check_plain(obj: Any, depth: int = 0) -> None:
+    # msgpack decodes timestamps without calling ext_hook; walk the tree so only plain data passes.
+    kind = type(obj)
+    if kind in _SCALARS:
+        return
+    if depth >= MAX_NESTING:
+        raise ProtocolError(MALFORMED_FRAME, f"frame nests deeper than {MAX_NESTING} levels")
+    if kind is list:
+        items = obj
+    elif kind is dict:
+        items = obj.values()
+    else:
+        raise ProtocolError(MALFORMED_FRAME, f"value of type {kind.__name__} is not allowed")
+    if _SCALARS.issuperset(map(type, items)):  # the common case, at C speed: 1,024 hashes
+        return
+    for item in items:
+        if type(item) not in _SCALARS:
+            _check_plain(item, depth + 1)
+
+
+def decode_body(body: bytes | bytearray | memoryview, check_plain: bool = True) -> Any:
+    """Decode one frame body into plain data; ProtocolError(malformed_frame) otherwise.
+
+    ``check_plain=False`` skips the walk that rejects msgpack timestamps; only for bodies that go
+    straight to ``parse_request``, whose schemas accept nothing but plain types.
+    """
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True,
+                              ext_hook=_reject_ext)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types (ValueError, ExtraData, ...)
+        raise ProtocolError(MALFORMED_FRAME, f"undecodable msgpack body: {exc}") from None
+    if check_plain:
+        _check_plain(obj)
+    return obj
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed`` bytes as they arrive, get back every complete message.
+
+    After a ProtocolError the stream is unusable (the peer gets an error reply and is closed).
+    """
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buf = bytearray()
+        self._need: int | None = None  # body length once the header is in
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Any]:
+        self._buf += data
+        out: list[Any] = []
+        while True:
+            if self._need is None:
+                if len(self._buf) < HEADER_BYTES:
+                    return out
+                self._need = frame_length(bytes(self._buf[:HEADER_BYTES]), self.max_frame_bytes)
+                del self._buf[:HEADER_BYTES]
+            if len(self._buf) < self._need:
+                return out
+            body = bytes(self._buf[:self._need])
+            del self._buf[:self._need]
+            self._need = None
+            out.append(decode_body(body))
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)
+
+
+# -------------------------------------------------------------------------------------- envelopes
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: int
+    verb: str
+    deadline_ms: int
+    args: dict[str, Any]
+
+
+def parse_request(obj: Any, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> Request:
+    """Validate the envelope and the verb's args.
+
+    An envelope that is not a map with an integer id raises MALFORMED_FRAME (the connection is
+    closed); an unknown verb or bad args raise UNKNOWN_VERB / BAD_REQUEST carrying the request id.
+    """
+    if not isinstance(obj, dict):
+        raise ProtocolError(MALFORMED_FRAME, f"a request must be a map, got {_kind(obj)}")
+    request_id = obj.get("id")
+    if type(request_id) is not int or not 0 <= request_id <= MAX_REQUEST_ID:
+        raise ProtocolError(MALFORMED_FRAME, "a request needs an integer 'id' in 0..2**63-1")
+    extra = set(obj) - {"id", "verb", "deadline_ms", "args"}
+    if extra:
+        raise ProtocolError(BAD_REQUEST, f"unknown request fields: {sorted(extra)}", request_id)
+    verb = obj.get("verb")
+    if not isinstance(verb, str):
+        raise ProtocolError(BAD_REQUEST, "a request needs a string 'verb'", request_id)
+    if verb not in SCHEMAS:
+        raise ProtocolError(UNKNOWN_VERB, f"unknown verb {verb[:64]!r}; known: {sorted(SCHEMAS)}",
+                            request_id)
+    deadline_ms = obj.get("deadline_ms", default_deadline_ms)
+    if deadline_ms is None:
+        deadline_ms = default_deadline_ms
+    if type(deadline_ms) is not int or not 0 < deadline_ms <= MAX_DEADLINE_MS:
+        raise ProtocolError(BAD_REQUEST, f"deadline_ms must be an integer in 1..{MAX_DEADLINE_MS}",
+                            request_id)
+    args = obj.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise ProtocolError(BAD_REQUEST, f"'args' must be a map, got {_kind(args)}", request_id)
+    try:
+        validate_args(verb, args)
+    except ProtocolError as exc:
+        exc.request_id = request_id
+        raise
+    return Request(request_id, verb, deadline_ms, args)
+
+
+def ok_reply(request_id: int | None, result: Any) -> dict:
+    return {"id": request_id, "ok": True, "result": result}
+
+
+def error_reply(request_id: int | None, code: str, message: str) -> dict:
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+# ---------------------------------------------------------------------------------------- schemas
+
+Check = Callable[[Any], bool]
+
+
+def _kind(value: Any) -> str:
+    return "nil" if value is None else type(value).__name__
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_uint(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and v == v  # NaN is not a duration
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bytes(v: Any) -> bool:
+    return isinstance(v, bytes)
+
+
+def _is_hash(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) == HASH_BYTES
+
+
+def _is_map(v: Any) -> bool:
+    if type(v) is not dict:
+        return False
+    try:
+        _check_plain(v)  # a free-form map: the one place a timestamp could hide
+    except ProtocolError:
+        return False
+    return True
+
+
+def _list_of(check: Check) -> Check:
+    return lambda v: type(v) is list and all(check(x) for x in v)
+
+
+def _optional(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+# The list checks below run on every lookup of 1,024 hashes, so they stay in C: bytes.join
+# accepts only bytes-like items, and decoded msgpack holds no bytes-like type but bytes.
+def _all_bytes(v: list) -> bool:
+    try:
+        b"".join(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _HASHES(v: Any) -> bool:  # noqa: N802
+    return type(v) is list and _all_bytes(v) and {HASH_BYTES}.issuperset(map(len, v))
+
+
+def _BYTES_LIST(v: Any) -> bool:  # noqa: N802
+    return type(v) is list and _all_bytes(v)
+
+
+def _UINTS(v: Any) -> bool:  # noqa: N802
+    return type(v) is list and {int}.issuperset(map(type, v)) and (not v or min(v) >= 0)
+
+
+@dataclass(frozen=True)
+class Field:
+    check: Check
+    expect: str  # what the check wants, for the error message
+    required: bool = True
+
+
+SCHEMAS: dict[str, dict[str, Field]] = {
+    "health": {},
+    "stats": {},
+    "put": {
+        "namespace": Field(_is_str, "str", required=False),
+        "key": Field(_is_bytes, "bin"),
+        "value": Field(_is_bytes, "bin"),
+    },
+    "get": {
+        "namespace": Field(_is_str, "str", required=False),
+        "key": Field(_is_bytes, "bin"),
+    },
+    "lookup": {
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+        "idents": Field(_BYTES_LIST, "array of bin"),
+        "lease_ttl_s": Field(_optional(_is_number), "number or nil", required=False),
+    },
+    "release": {"lease_id": Field(_is_uint, "non-negative int")},
+    "remove": {
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+    },
+    "register": {
+        "layout": Field(_is_map, "map (KVLayout.to_wire())"),
+        "engine_id": Field(_is_str, "str"),
+    },
+    "unregister": {"registration_id": Field(_is_uint, "non-negative int")},
+    "save": {
+        "registration_id": Field(_is_uint, "non-negative int"),
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "block_ids": Field(_UINTS, "array of non-negative int"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+        "idents": Field(_BYTES_LIST, "array of bin"),
+    },
+    "load": {
+        "registration_id": Field(_is_uint, "non-negative int"),
+        "lease_id": Field(_is_uint, "non-negative int"),
+        "block_ids": Field(_UINTS, "array of non-negative int"),
+    },
+    "evicted": {
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+        "registration_id": Field(_optional(_is_uint), "non-negative int or nil", required=False),
+    },
+}
+
+# Arrays that must pair up one to one.
+_SAME_LENGTH: dict[str, tuple[str, ...]] = {
+    "lookup": ("hashes", "idents"),
+    "save": ("block_ids", "hashes", "idents"),
+}
+
+
+def validate_args(verb: str, args: dict[str, Any]) -> None:
+    """Raise ProtocolError(bad_request) unless ``args`` matches the verb's schema exactly."""
+    schema = SCHEMAS[verb]
+    unknown = set(args) - set(schema)
+    if unknown:
+        raise ProtocolError(BAD_REQUEST, f"{verb}: unknown args {sorted(map(str, unknown))}")
+    for name, field in schema.items():
+        if name not in args:
+            if field.required:
+                raise ProtocolError(BAD_REQUEST, f"{verb}: missing arg {name!r} ({field.expect})")
+            continue
+        if not field.check(args[name]):
+            raise ProtocolError(BAD_REQUEST, f"{verb}: arg {name!r} must be {field.expect}, "
+                                             f"got {_kind(args[name])}")
+    group = _SAME_LENGTH.get(verb)
+    if group:
+        lengths = {name: len(args[name]) for name in group}
+        if len(set(lengths.values())) > 1:
+            raise ProtocolError(BAD_REQUEST, f"{verb}: {', '.join(group)} must have equal "
+                                             f"lengths, got {lengths}")

@@ -1,0 +1,86 @@
+"""build_app: the FastAPI app of the OpenAI-compatible engine API around one LLMEngine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.async_engine import AsyncEngine
+from server.auth import APIKeyMiddleware
+from server.errors import error_response, install_error_handlers
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.serving import OpenAIServing
+from server.settings import ServerSettings
+
+
+def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `engine` (an LLMEngine). The step thread starts with the app's lifespan
+    and stops with it; the caller still owns the engine and closes it after the server exits.
+
+    `app.state.async_engine`, `.metrics` and `.model_name` are there for the CLI and tests.
+    """
+    from engine import SamplingParams  # the engine package is heavy; import on use
+
+    settings = settings or ServerSettings()
+    model_name = settings.served_model_name or str(engine.model_name)
+    max_num_seqs = int(getattr(getattr(engine, "config", None), "max_num_seqs", 256))
+    async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs))
+    metrics = ServerMetrics(model_name)
+    serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="kvengine", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.model_name = model_name
+    install_error_handlers(app)
+    app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvengine",
+            "root": str(engine.model_name),
+            "max_model_len": serving.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.alive:
+            return error_response(503, f"engine is not running: {async_engine.error!r}",
+                                  code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.update_engine(async_engine.stats(), async_engine.num_in_flight)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,198 @@
+"""AsyncEngine: runs LLMEngine.step() on its own thread and streams outputs to asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("kvengine.server")
+
+
+class EngineOverloaded(Exception):
+    """Admitting the request would exceed the bounded queue; the client should retry later."""
+
+
+class EngineDead(Exception):
+    """The step loop stopped after an error; no request can be served any more."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One engine request: a prompt's token ids, its sampling params and its tenant salt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any  # engine.SamplingParams
+    cache_salt: str = ""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (n samples x prompts), sharing one output queue.
+
+    Iterating yields every RequestOutput of every member until all have finished. `close()`
+    aborts the members that have not finished; call it in a `finally` (disconnects land there).
+    """
+
+    def __init__(self, owner: AsyncEngine, request_ids: Sequence[str]) -> None:
+        self._owner = owner
+        self.request_ids = tuple(request_ids)
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        """True when every member has delivered its final output."""
+        return not self._unfinished
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while self._unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            yield item
+
+    def close(self) -> list[str]:
+        """Abort the unfinished members and release the group's slots; returns the aborted ids."""
+        if self._closed:
+            return []
+        self._closed = True
+        aborted = sorted(self._unfinished)
+        self._unfinished.clear()
+        self._owner._release(self, aborted)
+        return aborted
+
+
+class AsyncEngine:
+    """Owns the step thread. The event loop thread admits and aborts; the step thread steps.
+
+    The step thread sleeps on a condition variable while the engine has nothing to do, so an idle
+    server burns no CPU. All group bookkeeping happens on the event loop: the step thread hands
+    each step's outputs over with one `call_soon_threadsafe`.
+    """
+
+    def __init__(self, engine: Any, max_in_flight: int) -> None:
+        self.engine = engine
+        self.max_in_flight = max_in_flight
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._groups: dict[str, RequestGroup] = {}  # request id -> group; event loop thread only
+        self._num_in_flight = 0
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the step thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvengine-step", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight and join the step thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        for group in list(self._groups.values()):
+            group.queue.put_nowait(EngineDead("server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        """True while the step thread runs without having hit an error."""
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests admitted and not yet finished or aborted."""
+        return self._num_in_flight
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters as of its last step (LLMEngine.stats() is thread-safe)."""
+        return dict(self.engine.stats())
+
+    # ---- event loop side -------------------------------------------------------------------
+    def submit(self, requests: Sequence[EngineRequest]) -> RequestGroup:
+        """Admit all of `requests` or none: EngineOverloaded when the queue is full, ValueError
+        from the engine for a prompt it cannot take, EngineDead after a step-loop failure."""
+        if not self.alive:
+            raise EngineDead(f"engine is not running: {self.error!r}")
+        if self._num_in_flight + len(requests) > self.max_in_flight:
+            raise EngineOverloaded(
+                f"server is overloaded: {self._num_in_flight} requests in flight, "
+                f"limit {self.max_in_flight}; retry later")
+        group = RequestGroup(self, [r.request_id for r in requests])
+        added: list[str] = []
+        try:
+            with self._cond:
+                for r in requests:
+                    self._groups[r.request_id] = group
+                    self.engine.add_request(r.request_id, r.prompt_token_ids, r.params,
+                                            cache_salt=r.cache_salt)
+                    added.append(r.request_id)
+                self._cond.notify()
+        except BaseException:
+            with self._cond:
+                for request_id in added:
+                    self.engine.abort_request(request_id)
+                self._cond.notify()
+            for r in requests:
+                self._groups.pop(r.request_id, None)
+            raise
+        self._num_in_flight += len(requests)
+        return group
+
+    def _release(self, group: RequestGroup, aborted: Sequence[str]) -> None:
+        if aborted:
+            with self._cond:
+                for request_id in aborted:
+                    self.engine.abort_request(request_id)
+                self._cond.notify()
+        for request_id in group.request_ids:
+            self._groups.pop(request_id, None)
+        self._num_in_flight -= len(group.request_ids)
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            group = self._groups.get(out.request_id)
+            if group is not None:  # None: aborted by its client, output arrived late
+                group.queue.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for group in set(self._groups.values()):
+            group.queue.put_nowait(EngineDead(f"engine step failed: {exc!r}"))
+
+    # ---- step thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        while True:
+            with self._cond:
+                while not self._stop and not self.engine.has_unfinished_requests():
+                    self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:
+                logger.exception("engine step failed; the server stops serving requests")
+                self.error = exc
+                loop.call_soon_threadsafe(self._fail_all, exc)
+                return
+            if outputs:
+                loop.call_soon_threadsafe(self._dispatch, outputs)
+            # Hand the GIL to the event loop now rather than after the switch interval (5 ms),
+            # so the outputs just dispatched reach the socket before the next step starts.
+            time.sleep(0)

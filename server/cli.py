@@ -1,0 +1,223 @@
+"""The `kvengine` command: `serve` runs the OpenAI-compatible server; `make-model` a model."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `kvengine`."""
+    parser = argparse.ArgumentParser(
+        prog="kvengine", description="An inference engine with a tiered KV-cache store.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", required=True, help="model folder (config.json, "
+                       "*.safetensors, tokenizer.json)")
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--kv-offload", action="store_true",
+                       help="load cached prefixes from the kvstore daemon and save new blocks")
+    serve.add_argument("--kv-store-socket", default=None, help="the daemon's socket "
+                       "(default: $KVSTORE_SOCKET, else the per-user default)")
+    serve.add_argument("--kv-offload-policy", choices=("write-through", "evict"),
+                       default="write-through")
+    serve.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                       help="KV blocks to allocate (default: from --gpu-memory-utilization)")
+    serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
+    serve.add_argument("--block-size", type=_positive_int, default=16)
+    serve.add_argument("--max-model-len", type=_positive_int, default=None)
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    serve.add_argument("--max-queue", type=_non_negative_int, default=None,
+                       help="requests admitted beyond --max-num-seqs before answering 503 "
+                       "(default: 2 x --max-num-seqs)")
+    serve.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="turn the HBM prefix cache off")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require `Authorization: Bearer KEY`; repeat for several keys "
+                       "(each key is its own cache tenant)")
+    serve.add_argument("--log-level", default="warning",
+                       choices=("critical", "error", "warning", "info", "debug"))
+    commands.add_parser("make-model", add_help=False,
+                        help="write a random-weight model folder (see make-model --help)")
+    return parser
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    from engine import EngineConfig
+
+    fields: dict[str, Any] = {
+        "model_dir": args.model,
+        "device": args.device,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_offload": args.kv_offload,
+        "kv_store_socket": args.kv_store_socket,
+        "kv_offload_policy": args.kv_offload_policy,
+        "served_model_name": args.served_model_name,
+        "enable_prefix_caching": args.enable_prefix_caching,
+    }
+    if args.max_num_batched_tokens is not None:
+        fields["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return EngineConfig(**fields)
+
+
+def _load_engine(config: Any) -> Any:
+    from engine import LLMEngine
+
+    print(f"kvengine: loading {config.model_dir} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    print(f"kvengine: model loaded in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
+    return engine
+
+
+def _startup_line(engine: Any, model_name: str, host: str, port: int) -> str:
+    stats = engine.stats()
+    device = getattr(engine, "device", None) or getattr(engine.config, "device", "?")
+    num_blocks = stats.get("num_kv_blocks", "?")
+    block_size = getattr(engine.config, "block_size", "?")
+    shown_host = f"[{host}]" if ":" in host else host
+    return (f"kvengine: serving {model_name} on {device}: {num_blocks} KV blocks of {block_size} "
+            f"tokens, max_model_len {engine.max_model_len}; listening on "
+            f"http://{shown_host}:{port}")
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Stopped(Exception):
+    """A stop signal arrived after uvicorn's graceful shutdown."""
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, printing our startup line once the socket is bound."""
+
+    def __init__(self, config: uvicorn.Config, line: Any) -> None:
+        super().__init__(config)
+        self._line = line
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = self.config.port
+            if self.servers and self.servers[0].sockets:
+                port = self.servers[0].sockets[0].getsockname()[1]
+            print(self._line(port), file=sys.stderr, flush=True)
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Load the engine, then serve it until interrupted."""
+    from server.app import build_app
+    from server.settings import ServerSettings
+
+    if not Path(args.model).is_dir():
+        parser.error(f"--model {args.model}: no such directory")
+    try:
+        config = _engine_config(args)
+        settings = ServerSettings(served_model_name=args.served_model_name,
+                                  api_keys=tuple(args.api_key or ()), max_queue=args.max_queue)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    try:
+        engine = _load_engine(config)
+    except (OSError, ValueError, NotImplementedError) as exc:
+        print(f"kvengine: error: cannot start the engine on {args.model}: {exc}",
+              file=sys.stderr)
+        return 1
+    try:
+        app = build_app(engine, settings)
+        model_name = app.state.model_name
+        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   access_log=args.log_level in ("info", "debug"),
+                                   timeout_graceful_shutdown=5)
+        server = _Server(uv_config, lambda port: _startup_line(engine, model_name, args.host,
+                                                                port))
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our handler
+        # turns that into an exception so the engine below is closed (its KV arena freed).
+        previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}
+        try:
+            server.run()
+        except _Stopped:
+            pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0 if server.started else 1
+    finally:
+        engine.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvengine` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "make-model":
+        from engine.make_model import main as make_model_main
+
+        result = make_model_main(argv[1:])
+        return result if isinstance(result, int) else 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args, parser)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

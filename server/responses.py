@@ -1,0 +1,153 @@
+"""Builders of the OpenAI response bodies and stream chunks (plain dicts, serialized once)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+TIERS = ("hbm", "dram", "ssd", "remote")
+
+
+@dataclass
+class ChoiceState:
+    """What the server has seen of one engine request: one choice of the response."""
+
+    index: int
+    prompt_index: int
+    num_prompt_tokens: int
+    text: str = ""
+    num_sent_chars: int = 0  # streamed text so far, in characters of `text`
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    role_sent: bool = False
+
+    def take_delta(self, final: bool) -> str:
+        """Text not streamed yet. An unfinished tail that is an incomplete UTF-8 character
+        (decoded as U+FFFD) is held back until the next token completes it."""
+        end = len(self.text)
+        if not final:
+            while end > self.num_sent_chars and self.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.num_sent_chars:
+            return ""
+        delta = self.text[self.num_sent_chars:end]
+        self.num_sent_chars = end
+        return delta
+
+
+def usage(choices: Sequence[ChoiceState]) -> dict[str, Any]:
+    """`usage` with prompt tokens counted once per prompt (not per sample) and cached tokens
+    taken from each prompt's first sample, as the OpenAI API counts them."""
+    first_of_prompt: dict[int, ChoiceState] = {}
+    for choice in sorted(choices, key=lambda c: c.index):
+        first_of_prompt.setdefault(choice.prompt_index, choice)
+    num_prompt = sum(c.num_prompt_tokens for c in first_of_prompt.values())
+    num_completion = sum(c.num_tokens for c in choices)
+    by_tier = {tier: 0 for tier in TIERS}
+    for c in first_of_prompt.values():
+        for tier in TIERS:
+            by_tier[tier] += int(c.cached_tokens_by_tier.get(tier, 0))
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(c.num_cached_tokens for c in first_of_prompt.values()),
+            "cached_tokens_by_tier": by_tier,
+        },
+    }
+
+
+def completion_body(response_id: str, created: int, model: str,
+                    choices: Sequence[ChoiceState]) -> dict[str, Any]:
+    """A `text_completion` response."""
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            for c in sorted(choices, key=lambda c: c.index)
+        ],
+        "usage": usage(choices),
+    }
+
+
+def chat_body(response_id: str, created: int, model: str,
+              choices: Sequence[ChoiceState]) -> dict[str, Any]:
+    """A `chat.completion` response."""
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in sorted(choices, key=lambda c: c.index)
+        ],
+        "usage": usage(choices),
+    }
+
+
+def completion_chunk(response_id: str, created: int, model: str, index: int, text: str,
+                     finish_reason: str | None, with_usage_field: bool) -> dict[str, Any]:
+    """One streamed `text_completion` chunk for one choice."""
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        ],
+    }
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(response_id: str, created: int, model: str, index: int, delta: dict[str, Any],
+               finish_reason: str | None, with_usage_field: bool) -> dict[str, Any]:
+    """One streamed `chat.completion.chunk` for one choice."""
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        ],
+    }
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(response_id: str, created: int, model: str, object_name: str,
+                choices: Sequence[ChoiceState]) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, usage set."""
+    return {"id": response_id, "object": object_name, "created": created, "model": model,
+            "choices": [], "usage": usage(choices)}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

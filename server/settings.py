@@ -1,0 +1,36 @@
+"""ServerSettings: what the HTTP layer needs to know beyond the engine, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Settings of the OpenAI-compatible app; the engine's own settings live in EngineConfig.
+
+    `served_model_name` is the name clients must send as `model` (None: the engine's model name).
+    `api_keys` empty means no authentication; otherwise every route except /health needs one of
+    them as a Bearer token, and each key is its own cache tenant.
+    `max_queue` bounds the engine requests admitted beyond `max_num_seqs`; past it the server
+    answers 503. None derives it from `max_num_seqs`.
+    """
+
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    max_queue: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_keys, str):
+            raise TypeError("api_keys must be a tuple of strings, not one string")
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be blank")
+
+    def max_in_flight(self, max_num_seqs: int) -> int:
+        """Engine requests admitted at once: the running batch plus the waiting queue."""
+        queue = 2 * max_num_seqs if self.max_queue is None else self.max_queue
+        return max_num_seqs + queue

@@ -1,0 +1,85 @@
+"""Disconnect-aware responses: a client that goes away cancels the work done for it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """Await `work`, cancelling it (so its `finally` runs) if the client disconnects first.
+
+    Call after the request body has been read: `receive` then only reports the disconnect.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch_task
+    if work_task.cancelled() or not work_task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await work_task
+        raise ClientGone()
+    return work_task.result()
+
+
+class EventStreamResponse(Response):
+    """Server-sent events from an async iterator of already-framed `data: ...\\n\\n` chunks.
+
+    Unlike Starlette's StreamingResponse (which, under ASGI 2.4, only notices a disconnect at
+    the next write), this watches `receive` the whole time and cancels the iterator at once, so a
+    request still waiting for its first token is aborted too. The iterator is always closed.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int = 200) -> None:
+        self._chunks = chunks
+        self.status_code = status_code
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self._chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            for task in (pump, watch):
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+            aclose = getattr(self._chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,160 @@
+"""Cross-node sharing with real parts: redis-server, TieredStores, UCX between ClusterNodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster_parts import make_blocks, wait_until
+
+pytestmark = pytest.mark.cluster
+
+
+def test_put_on_a_fetch_same_bytes_on_b_then_c(make_node):
+    a, store_a = make_node("a")
+    b, store_b = make_node("b")
+    c, store_c = make_node("c")
+    blocks = make_blocks(40, block_bytes=96 << 10)
+    blocks.put_all(store_a, a, count=30)
+    ns, hashes, idents = blocks.namespace, blocks.hashes, blocks.idents
+
+    assert store_b.lookup(ns, hashes, idents, lease_ttl_s=None).num_hit == 0
+    assert b.fetch_remote_prefix(ns, hashes, idents, start_index=0) == 30
+    for i in range(30):
+        assert store_b.get(ns, hashes[i], idents[i]) == blocks.payloads[i]
+    # Now served locally (DRAM) like any other block; the rest is a miss everywhere.
+    assert store_b.lookup(ns, hashes, idents, lease_ttl_s=None).num_hit == 30
+    assert b.fetch_remote_prefix(ns, hashes, idents, start_index=30) == 0
+    stats = b.stats()
+    assert stats["remote_hit_blocks"] == 30 and stats["remote_hits"] == 1
+    assert stats["remote_misses"] == 1
+    assert a.stats()["server"]["blocks_sent"] == 30
+
+    # b re-published what it fetched: c can fetch a prefix that starts further in, from a or b.
+    assert b.index.flush(2.0)
+    assert c.fetch_remote_prefix(ns, hashes, idents, start_index=10) == 20
+    assert store_c.lookup(ns, hashes, idents, lease_ttl_s=None).num_hit == 0  # 0..9 not fetched
+    for i in range(10, 30):
+        assert store_c.get(ns, hashes[i], idents[i]) == blocks.payloads[i]
+
+
+def test_wrong_idents_fetch_nothing(make_node):
+    a, store_a = make_node("a")
+    b, store_b = make_node("b")
+    blocks = make_blocks(4)
+    blocks.put_all(store_a, a)
+    forged = [blocks.idents[0], b"someone else's tokens", *blocks.idents[2:]]
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, forged) == 1  # verified at a
+    assert store_b.lookup(blocks.namespace, blocks.hashes, blocks.idents,
+                          lease_ttl_s=None).num_hit == 1
+
+
+def test_index_writes_are_batched(make_node, redis_server):
+    a, store_a = make_node("a", flush_interval_s=0.05)
+    b, _ = make_node("b")
+    blocks = make_blocks(2000, block_bytes=4096)
+    redis_server.client().config_resetstat()
+    for start in range(0, 2000, 16):  # the way a daemon saves: a few blocks per call
+        end = start + 16
+        for i in range(start, end):
+            store_a.put(blocks.namespace, blocks.hashes[i], blocks.idents[i], blocks.payloads[i])
+        a.on_stored(blocks.namespace, blocks.hashes[start:end])
+    assert a.index.flush(5.0)
+    calls = redis_server.command_calls()
+    index_stats = a.stats()["index"]
+    # Every block reached Redis, in a handful of script calls (round trips), not 2000.
+    assert calls.get("hset", 0) == 2000
+    assert calls.get("evalsha", 0) + calls.get("eval", 0) <= 20
+    assert index_stats["flushed_events"] == 2000 and index_stats["flush_batches"] <= 20
+
+    redis_server.client().config_resetstat()
+    found = b.index.lookup_prefix(blocks.namespace, blocks.hashes[:1024])
+    assert found == [("a", a.addr)] * 1024
+    calls = redis_server.command_calls()
+    assert calls.get("evalsha", 0) == 1 and calls.get("hmget", 0) == 1  # one round trip
+
+
+def test_older_incarnation_entries_are_ignored(make_node, redis_server):
+    a, store_a = make_node("a")
+    b, store_b = make_node("b")
+    blocks = make_blocks(8)
+    blocks.put_all(store_a, a)
+    old_incarnation = a.incarnation
+    a.stop()
+    store_a.close()
+
+    # a comes back empty under a new incarnation; its old entries still sit in Redis.
+    a2, store_a2 = make_node("a")
+    assert a2.incarnation != old_incarnation
+    assert wait_until(lambda: (b.index.live_nodes().get("a") or a2).incarnation
+                      == a2.incarnation and "a" in b.index.live_nodes(), 2.0)
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents) == 0
+    stats = b.stats()
+    assert stats["remote_misses"] == 1
+    assert a2.stats()["server"].get("requests", 0) == 0  # no fetch was even tried
+    # The stale entry that the lookup met was queued for deletion.
+    assert b.index.flush(2.0)
+    field = redis_server.client().hget(b"kvstore:h:" + blocks.namespace, blocks.hashes[0])
+    assert field is None
+
+    blocks.put_all(store_a2, a2, count=5)
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents) == 5
+    assert store_b.get(blocks.namespace, blocks.hashes[4], blocks.idents[4]) == blocks.payloads[4]
+
+
+def test_stopped_node_is_a_prompt_miss(make_node):
+    a, store_a = make_node("a")
+    b, _ = make_node("b")
+    blocks = make_blocks(6)
+    blocks.put_all(store_a, a)
+    a.stop()  # a clean stop deregisters at once
+    assert wait_until(lambda: "a" not in b.index.live_nodes(), 1.0)
+    start = time.monotonic()
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents) == 0
+    assert time.monotonic() - start < 0.2
+    assert b.stats()["remote_misses"] == 1
+
+
+def _spawn_node(redis_url: str, node_id: str, num_blocks: int, seed: int):
+    script = Path(__file__).with_name("node_process.py")
+    proc = subprocess.Popen([sys.executable, str(script), redis_url, node_id, str(num_blocks),
+                             str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise RuntimeError("node process died before it was ready")
+    return proc, json.loads(line)
+
+
+def test_killed_node_in_another_process(make_node, redis_server):
+    b, store_b = make_node("b")
+    blocks = make_blocks(12, seed=7)
+    proc, info = _spawn_node(redis_server.url, "a", 12, seed=7)
+    try:
+        assert wait_until(lambda: "a" in b.index.live_nodes(), 2.0)
+        ns, hashes, idents = blocks.namespace, blocks.hashes, blocks.idents
+        assert b.fetch_remote_prefix(ns, hashes, idents, start_index=4) == 8
+        assert store_b.get(ns, hashes[11], idents[11]) == blocks.payloads[11]
+
+        proc.kill()  # no deregistration: Redis still lists a until its heartbeat key expires
+        proc.wait(5)
+        start = time.monotonic()
+        assert b.fetch_remote_prefix(ns, hashes, idents, start_index=0) == 0
+        assert time.monotonic() - start <= b.config.remote_timeout_s + 0.2
+        errors = {k: v for k, v in b.stats().items() if k.startswith("remote_errors_")}
+        assert sum(errors.values()) == 1, errors  # refused or reset: counted, not raised
+
+        # Once a's key expired, the index no longer offers it: a miss without any fetch.
+        assert wait_until(lambda: "a" not in b.index.live_nodes(), 2.0)
+        opened = b.stats()["client"].get("connections_opened", 0)
+        assert b.fetch_remote_prefix(ns, hashes, idents, start_index=0) == 0
+        assert b.stats()["client"].get("connections_opened", 0) == opened
+        assert b.stats()["remote_misses"] >= 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(5)

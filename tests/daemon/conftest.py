@@ -1,0 +1,33 @@
+"""Fixtures for the daemon tests: one shared real daemon, and a factory for dedicated ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from daemon_helpers import RunningDaemon, start_daemon
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """A `kvstore serve` shared by the tests that only need a running daemon (no SSD)."""
+    running = start_daemon(tmp_path_factory.mktemp("daemon"), dram="64MiB")
+    yield running
+    code = running.stop()
+    assert code == 0, "the shared daemon did not exit cleanly:\n" + "\n".join(running.lines)
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
+    """Start dedicated daemons (own flags, own SSD dir); all are stopped after the test."""
+    started: list[RunningDaemon] = []
+
+    def make(*extra: str, **kwargs) -> RunningDaemon:
+        running = start_daemon(tmp_path, *extra, **kwargs)
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        running.stop()

@@ -1,0 +1,190 @@
+"""Shared bits of the daemon tests: a real `kvstore serve` subprocess, raw frames, shm layouts."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvstore import protocol as proto
+from kvstore.client import Client
+from kvstore.keys import Namespace, block_hashes, block_ident
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RunningDaemon:
+    proc: subprocess.Popen
+    socket_path: Path
+    http_url: str | None
+    ssd_dir: Path | None
+    lines: list[str] = field(default_factory=list)
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.socket_path, **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.socket_path.parent, ignore_errors=True)
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def _pump(stream, lines: list[str], out: queue.Queue) -> None:
+    for line in stream:
+        lines.append(line.rstrip("\n"))
+        out.put(line)
+    out.put(None)
+
+
+def start_daemon(workdir: Path, *extra: str, dram: str = "32MiB", ssd_dir: Path | None = None,
+                 ssd_size: str | None = None, http: bool = True,
+                 env: dict[str, str] | None = None) -> RunningDaemon:
+    """Start `python -m kvstore.cli serve` on a fresh socket; wait until it prints ready."""
+    # A short private directory: sun_path holds only 107 bytes, pytest's tmp paths can be long.
+    socket_path = Path(tempfile.mkdtemp(prefix="kvs-")) / "kvstore.sock"
+    args = [sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(socket_path),
+            "--dram", dram, "--http", "127.0.0.1:0" if http else "off", *extra]
+    if ssd_dir is not None:
+        args += ["--ssd-dir", str(ssd_dir), "--ssd-size", ssd_size or "64MiB"]
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("KVSTORE_SOCKET", None)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO_ROOT, env=full_env)
+    lines: list[str] = []
+    ready: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines, ready), daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    http_url = None
+    while True:
+        try:
+            line = ready.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            raise RuntimeError("daemon did not get ready:\n" + "\n".join(lines)) from None
+        if line is None:
+            raise RuntimeError(f"daemon exited with {proc.wait()}:\n" + "\n".join(lines))
+        if "admin HTTP http" in line:
+            http_url = line.rsplit(" ", 1)[-1].strip()
+        if "kvstore: ready" in line:
+            break
+    daemon = RunningDaemon(proc, socket_path, http_url, ssd_dir, lines)
+    wait_healthy(daemon)
+    return daemon
+
+
+def wait_healthy(daemon: RunningDaemon, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with daemon.client(timeout_s=2.0) as c:
+                if c.health()["status"] == "ok":
+                    return
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or the deadline; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+# ------------------------------------------------------------------------------- raw frames
+
+
+def raw_connect(path: Path, timeout_s: float = 10.0) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    sock.connect(str(path))
+    return sock
+
+
+def send_message(sock: socket.socket, obj) -> None:
+    sock.sendall(b"".join(proto.encode_frame(obj)))
+
+
+def recv_message(sock: socket.socket):
+    """The next frame's message, or None if the daemon closed the connection."""
+    header = _recv_exactly(sock, proto.HEADER_BYTES)
+    if header is None:
+        return None
+    body = _recv_exactly(sock, proto.frame_length(header))
+    return None if body is None else proto.decode_body(body)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def is_closed(sock: socket.socket, timeout_s: float = 5.0) -> bool:
+    """True if the peer closed (EOF or reset) within the timeout."""
+    sock.settimeout(timeout_s)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+# ----------------------------------------------------------------------------- block chains
+
+
+@dataclass
+class Chain:
+    """A namespace and a chain of full blocks: hashes and idents as the engine computes them."""
+
+    namespace: bytes
+    hashes: list[bytes]
+    idents: list[bytes]
+
+
+def make_chain(name: str, num_blocks: int, block_size: int = 16, seed: int = 0) -> Chain:
+    namespace = Namespace(name=name).digest
+    tokens = np.random.default_rng(seed).integers(0, 50_000, num_blocks * block_size)
+    hashes = block_hashes(namespace, tokens, block_size)
+    parents = [namespace, *hashes[:-1]]
+    idents = [block_ident(parents[i], tokens[i * block_size:(i + 1) * block_size])
+              for i in range(num_blocks)]
+    return Chain(namespace, hashes, idents)
+
+
+def random_bytes(num_bytes: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, num_bytes, dtype=np.uint8).tobytes()

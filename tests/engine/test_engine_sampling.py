@@ -1,0 +1,104 @@
+"""Sampling through the engine: seeds, top-k/top-p edge cases, stop strings, eos, length limits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from engine_helpers import random_prompts
+
+from engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path):
+    with LLM(str(tiny_model_dir), device="cpu") as llm:
+        yield llm
+
+
+def sample(temperature: float = 1.0, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, **kw)
+
+
+def test_seeded_requests_are_deterministic_whatever_the_batch(llm: LLM) -> None:
+    p, q = random_prompts(4000, [9, 30], seed=1)
+    alone = llm.generate([p], sample(seed=5))[0]
+    alone_q = llm.generate([q], sample(seed=9, top_k=50, top_p=0.9))[0]
+    batch = llm.generate([q, p, q, p], [sample(seed=9, top_k=50, top_p=0.9), sample(seed=5),
+                                        sample(), SamplingParams(max_tokens=12)])
+    assert batch[0].token_ids == alone_q.token_ids
+    assert batch[1].token_ids == alone.token_ids
+    assert llm.generate([p], sample(seed=6))[0].token_ids != alone.token_ids
+    unseeded = llm.generate([p, p], sample())
+    assert unseeded[0].token_ids != unseeded[1].token_ids  # near-flat logits over ~4.7k ids
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(llm: LLM) -> None:
+    prompts = random_prompts(4000, [5, 21], seed=2)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    top_k = llm.generate(prompts, sample(temperature=1.5, top_k=1, seed=3))
+    top_p = llm.generate(prompts, sample(temperature=0.7, top_p=1e-6))
+    for g, k, p in zip(greedy, top_k, top_p):
+        assert g.token_ids == k.token_ids == p.token_ids
+
+
+def test_stop_string_trims_the_text(llm: LLM) -> None:
+    prompt = random_prompts(4000, [7], seed=4)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    text = full.text
+    assert len(text) > 20
+    stop = text[12:15]
+    cut = text.find(stop)
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, stop=[stop, "\x00never"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:cut]
+    assert full.token_ids[: len(out.token_ids)] == out.token_ids
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    prompt = random_prompts(4000, [6], seed=5)[0]
+    with LLM(str(folder), device="cpu") as llm:
+        first = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    eos = first.token_ids[1]  # make the second greedy token an eos token
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    with LLM(str(folder), device="cpu") as llm:
+        assert eos in llm.tokenizer.eos_token_ids
+        stopped = llm.generate([prompt], SamplingParams(max_tokens=3))[0]
+        ignored = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert stopped.token_ids == first.token_ids[:2] and stopped.finish_reason == "stop"
+    assert stopped.text == llm.tokenizer.decode(first.token_ids[:1])  # eos text is not shown
+    assert ignored.token_ids == first.token_ids and ignored.finish_reason == "length"
+
+
+def test_max_tokens_and_model_length_limits(tiny_model_dir: Path) -> None:
+    prompt = random_prompts(4000, [18], seed=6)[0]
+    with LLM(str(tiny_model_dir), device="cpu", max_model_len=20) as llm:
+        one = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+        unbounded = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+        at_limit = llm.generate([prompt + [5, 6]], SamplingParams(max_tokens=None,
+                                                                  ignore_eos=True))[0]
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+    assert len(unbounded.token_ids) == 2 and unbounded.finish_reason == "length"
+    assert len(at_limit.token_ids) == 1 and at_limit.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": "1"},
+    {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"top_k": 1.5}, {"max_tokens": 0},
+    {"max_tokens": 2.0}, {"seed": -3}, {"seed": True}, {"stop": ""}, {"stop": [1]},
+    {"stop": {"a": 1}}, {"ignore_eos": 1},
+])
+def test_bad_sampling_params_are_value_errors(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalize_stop() -> None:
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=[]).stop is None
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy

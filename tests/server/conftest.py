@@ -1,0 +1,47 @@
+"""Fixtures for the HTTP server tests: a tiny random model and a shared real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import API_KEYS, RunningServer, start_server, stop_server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight model folder, made once per session."""
+    out = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([sys.executable, "-m", "engine.make_model", "--preset", "tiny", "--out",
+                    str(out)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path) -> Iterator[RunningServer]:
+    """The shared server: two API keys (two tenants), max_model_len 512."""
+    running = start_server(tiny_model_dir, api_keys=API_KEYS, served_model_name="tiny")
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture()
+def http(server: RunningServer) -> Iterator[httpx.Client]:
+    """An httpx client on the shared server, authenticated with the first key."""
+    headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture()
+def client(server: RunningServer):
+    """A stock OpenAI client on the shared server."""
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEYS[0], max_retries=0,
+                       timeout=60) as oai:
+        yield oai

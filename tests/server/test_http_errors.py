@@ -1,0 +1,138 @@
+"""Every client error gets the OpenAI error shape and the right status; the server stays up."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_helpers import API_KEYS, MAX_MODEL_LEN, assert_healthy
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None,
+                  code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0.0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "seed": "abc"}, "seed"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": [1, -3]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+def test_bad_completion_parameters_are_400(http: httpx.Client, body: dict, param: str) -> None:
+    error = _assert_error(http.post("/v1/completions", json=body), 400)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": "hello"},
+    {"messages": []},
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -2},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+])
+def test_bad_chat_parameters_are_400(http: httpx.Client, body: dict) -> None:
+    _assert_error(http.post("/v1/chat/completions", json=body), 400)
+
+
+def test_malformed_json_is_400(http: httpx.Client, server) -> None:
+    response = http.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": ',
+                         headers={"content-type": "application/json"})
+    _assert_error(response, 400)
+    response = http.post("/v1/chat/completions", content=b"[1, 2, 3]",
+                         headers={"content-type": "application/json"})
+    _assert_error(response, 400)
+    assert_healthy(server.url)
+
+
+def test_too_long_prompt_is_400(http: httpx.Client, server) -> None:
+    ids = [5] * (MAX_MODEL_LEN + 10)
+    _assert_error(http.post("/v1/completions", json={"prompt": ids}), 400, param="prompt",
+                  code="context_length_exceeded")
+    text = "cache " * (MAX_MODEL_LEN * 2)
+    _assert_error(http.post("/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": text}]}),
+                  400, param="messages", code="context_length_exceeded")
+    # Prompt fits but prompt + max_tokens does not.
+    _assert_error(http.post("/v1/completions",
+                            json={"prompt": [5] * (MAX_MODEL_LEN - 4), "max_tokens": 10}),
+                  400, param="max_tokens", code="context_length_exceeded")
+    assert_healthy(server.url)
+
+
+def test_out_of_vocabulary_token_id_is_400(http: httpx.Client, server) -> None:
+    _assert_error(http.post("/v1/completions", json={"prompt": [1, 10**9]}), 400,
+                  param="prompt")
+    assert_healthy(server.url)
+
+
+def test_unknown_model_is_404(http: httpx.Client, server) -> None:
+    _assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404,
+                  param="model", code="model_not_found")
+    _assert_error(http.post("/v1/chat/completions", json={
+        "model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404,
+        code="model_not_found")
+    assert_healthy(server.url)
+
+
+def test_unknown_route_is_404_in_openai_shape(http: httpx.Client) -> None:
+    _assert_error(http.get("/v1/engines"), 404)
+    _assert_error(http.get("/v1/completions"), 405)
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    {"Authorization": "Bearer wrong-key"},
+    {"Authorization": f"Basic {API_KEYS[0]}"},
+    {"Authorization": f"Bearer {API_KEYS[0]}x"},
+])
+def test_wrong_or_missing_key_is_401(server, headers: dict) -> None:
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as c:
+        for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/nowhere")]:
+            response = c.request(method, path, json={"prompt": "x"})
+            _assert_error(response, 401, code="invalid_api_key")
+        assert c.get("/health").status_code == 200  # health stays open for probes
+    assert_healthy(server.url)
+
+
+def test_every_configured_key_is_accepted(server) -> None:
+    for key in API_KEYS:
+        assert_healthy(server.url, api_key=key)
+
+
+def test_openai_client_sees_typed_errors(client) -> None:
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=9.0)
+    assert info.value.body["param"] == "temperature"

@@ -1,0 +1,122 @@
+"""A full queue answers 503; a client that goes away aborts its request and frees its blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_helpers import RunningServer, assert_healthy, metric_value, start_server, stop_server
+
+CHAT = [{"role": "user", "content": "Tell me a long story about tiered caches."}]
+
+
+@pytest.fixture(scope="module")
+def small(tiny_model_dir) -> Iterator[RunningServer]:
+    """One running sequence and one waiting slot: the third engine request is refused."""
+    running = start_server(tiny_model_dir, max_num_seqs=1, max_queue=1, max_model_len=1024)
+    yield running
+    stop_server(running)
+
+
+def _long_chat(max_tokens: int = 900) -> dict:
+    return {"messages": CHAT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=30).text
+
+
+def _wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def _engine_idle(server: RunningServer) -> bool:
+    stats = server.async_engine.stats()
+    return (server.async_engine.num_in_flight == 0 and stats.get("num_running") == 0
+            and stats.get("num_waiting") == 0)
+
+
+def test_full_queue_answers_503_and_recovers(small: RunningServer) -> None:
+    with httpx.Client(base_url=small.url, timeout=60) as c, contextlib.ExitStack() as stack:
+        streams = []
+        for _ in range(2):  # one runs, one waits: the queue is now full
+            response = stack.enter_context(c.stream("POST", "/v1/chat/completions",
+                                                    json=_long_chat()))
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line)  # the role chunk comes at once
+            assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+            streams.append(lines)
+        refused = c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "overloaded"
+        refused_n = c.post("/v1/chat/completions", json={**_long_chat(), "stream": False})
+        assert refused_n.status_code == 503
+        assert c.get("/health").status_code == 200
+        assert metric_value(_metrics(small.url), "kvengine:request_rejected_total",
+                            reason="overloaded") >= 2
+    # Both streams were closed unfinished: their slots come back and requests run again.
+    _wait_for(lambda: _engine_idle(small))
+    assert_healthy(small.url, api_key=None)
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(small: RunningServer) -> None:
+    _wait_for(lambda: _engine_idle(small))
+    before = _metrics(small.url)
+    aborted_before = metric_value(before, "kvengine:request_success_total",
+                                  finished_reason="abort")
+    blocks_before = small.async_engine.stats()["num_blocks_in_use"]
+    with httpx.Client(base_url=small.url, timeout=60) as c, \
+            c.stream("POST", "/v1/chat/completions", json=_long_chat()) as response:
+        num_content = 0
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                num_content += 1
+                if num_content == 3:
+                    break  # leave mid-generation: closing the response drops the connection
+        assert num_content == 3
+        assert small.async_engine.stats()["num_running"] <= 1
+
+    def aborted() -> bool:
+        text = _metrics(small.url)
+        return metric_value(text, "kvengine:request_success_total",
+                            finished_reason="abort") == aborted_before + 1
+    _wait_for(aborted)
+    _wait_for(lambda: _engine_idle(small))
+    assert small.async_engine.stats()["num_blocks_in_use"] == blocks_before
+    assert_healthy(small.url, api_key=None)
+
+
+def test_waiting_non_streaming_request_is_aborted_on_disconnect(small: RunningServer) -> None:
+    _wait_for(lambda: _engine_idle(small))
+    aborted_before = metric_value(_metrics(small.url), "kvengine:request_success_total",
+                                  finished_reason="abort")
+    with httpx.Client(base_url=small.url, timeout=60) as c, \
+            c.stream("POST", "/v1/chat/completions", json=_long_chat()) as running:
+        lines = running.iter_lines()  # keep it: dropping the iterator drops the connection
+        next(line for line in lines if line)
+        body = json.dumps({"prompt": "queued behind the long one", "max_tokens": 50}).encode()
+        raw = socket.create_connection(("127.0.0.1", small.port))
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                    b"application/json\r\ncontent-length: " + str(len(body)).encode() +
+                    b"\r\n\r\n" + body)
+        _wait_for(lambda: small.async_engine.num_in_flight == 2)
+        raw.close()  # gone while still waiting for the running request to finish
+        _wait_for(lambda: small.async_engine.num_in_flight == 1)
+        stats = small.async_engine.stats()
+        assert stats["num_running"] == 1  # the long stream still runs; the waiting one is gone
+        _wait_for(lambda: stats["num_waiting"] == 0)
+        assert metric_value(_metrics(small.url), "kvengine:request_success_total",
+                            finished_reason="abort") == aborted_before + 1
+    _wait_for(lambda: _engine_idle(small))
+    assert_healthy(small.url, api_key=None)

@@ -1,0 +1,71 @@
+"""The server's pure parts: tenant salts, derived seeds, streamed deltas, usage, settings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.auth import key_salt, tenant_salt
+from server.responses import ChoiceState, usage
+from server.serving import derive_seed
+from server.settings import ServerSettings
+
+salts = st.one_of(st.none(), st.text(max_size=12))
+
+
+@given(st.text(max_size=12), salts, st.text(max_size=12), salts)
+def test_tenant_salt_is_injective(key_a: str, salt_a, key_b: str, salt_b) -> None:
+    same_tenant = key_a == key_b and (salt_a or "") == (salt_b or "")
+    assert (tenant_salt(key_a, salt_a) == tenant_salt(key_b, salt_b)) == same_tenant
+
+
+def test_default_tenant_is_empty_and_keys_hide_themselves() -> None:
+    assert tenant_salt("", None) == ""
+    assert "secret" not in key_salt("secret")
+    assert key_salt("a") != key_salt("b")
+
+
+def test_derived_seeds() -> None:
+    assert derive_seed(42, 0) == 42
+    seeds = [derive_seed(42, i) for i in range(64)]
+    assert len(set(seeds)) == 64 and all(0 <= s < 2**63 or i == 0 for i, s in enumerate(seeds))
+    assert derive_seed(-1, 0) == 2**64 - 1
+    assert derive_seed(42, 3) == derive_seed(42, 3) != derive_seed(43, 3)
+
+
+def test_delta_holds_back_half_characters() -> None:
+    choice = ChoiceState(index=0, prompt_index=0, num_prompt_tokens=3)
+    choice.text = "ab\ufffd"
+    assert choice.take_delta(final=False) == "ab"
+    choice.text = "abc\u00e9"
+    assert choice.take_delta(final=False) == "c\u00e9"
+    assert choice.take_delta(final=True) == ""
+
+
+def test_usage_counts_each_prompt_once() -> None:
+    choices = []
+    for index, (prompt_index, cached) in enumerate([(0, 32), (0, 48), (1, 16)]):
+        c = ChoiceState(index=index, prompt_index=prompt_index, num_prompt_tokens=50 + index)
+        c.num_tokens = 5
+        c.num_cached_tokens = cached
+        c.cached_tokens_by_tier = {"hbm": cached}
+        choices.append(c)
+    u = usage(choices)
+    assert u["prompt_tokens"] == 50 + 52
+    assert u["completion_tokens"] == 15
+    assert u["total_tokens"] == 117
+    assert u["prompt_tokens_details"]["cached_tokens"] == 48
+    assert u["prompt_tokens_details"]["cached_tokens_by_tier"] == {
+        "hbm": 48, "dram": 0, "ssd": 0, "remote": 0}
+
+
+def test_settings_validate_once() -> None:
+    assert ServerSettings().max_in_flight(8) == 24
+    assert ServerSettings(max_queue=0).max_in_flight(8) == 8
+    with pytest.raises(ValueError):
+        ServerSettings(max_queue=-1)
+    with pytest.raises(ValueError):
+        ServerSettings(api_keys=("",))
+    with pytest.raises(TypeError):
+        ServerSettings(api_keys="one-string")  # type: ignore[arg-type]
