@@ -7,7 +7,6 @@ moves the inbox into the scheduler, so the scheduler, block manager and runner a
 
 from __future__ import annotations
 
-import math
 import operator
 import threading
 from pathlib import Path
@@ -18,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, resolve_device
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, kv_block_bytes
+from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, empty_tier_counts
@@ -28,31 +28,6 @@ from engine.tokenizer import Tokenizer
 from engine.weights import weights_identity
 from kernels import make_ops
 from kvstore.keys import ModelIdentity, Namespace
-
-
-def plan_capacity(
-    config: EngineConfig, model_config: ModelConfig, block_bytes: int
-) -> tuple[int, int]:
-    """(num_kv_blocks, max_model_len) for this config; see EngineConfig for the rules."""
-    bs = config.block_size
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
-        limit = config.max_model_len
-    num_blocks = config.num_kv_blocks
-    if num_blocks is None:
-        useful = config.max_num_seqs * math.ceil(limit / bs)
-        num_blocks = min(config.cpu_kv_cache_bytes // block_bytes, useful)
-        if num_blocks < 1:
-            raise ValueError(f"cpu_kv_cache_bytes {config.cpu_kv_cache_bytes} cannot hold one "
-                             f"KV block of {block_bytes} bytes")
-    capacity = num_blocks * bs
-    if config.max_model_len is not None and config.max_model_len > capacity:
-        raise ValueError(f"max_model_len {config.max_model_len} needs more than the "
-                         f"{num_blocks} KV blocks ({capacity} tokens)")
-    return num_blocks, min(limit, capacity)
 
 
 class LLMEngine:
@@ -69,17 +44,19 @@ class LLMEngine:
         self.model_config = mc = ModelConfig.load(model_dir)
         self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
         ops = make_ops(self.device)
-        block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
-                                     mc.head_dim, np.dtype(ops.kv_dtype).itemsize)
-        num_kv_blocks, self.max_model_len = plan_capacity(config, mc, block_bytes)
+        limit = max_len_limit(config, mc.max_position_embeddings)
         self.model_identity = ModelIdentity(
             architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, kv_dtype=ops.kv_dtype, block_size=config.block_size,
             weights_id=weights_identity(model_dir),
         )
         self.model_name = config.served_model_name or model_dir.resolve().name
-        self.runner = ModelRunner(mc, str(model_dir), ops, self.device, num_kv_blocks,
-                                  config.block_size, self.max_model_len)
+        self.runner = ModelRunner(mc, str(model_dir), ops, config.block_size, limit)
+        block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
+                                     mc.head_dim, np.dtype(ops.kv_dtype).itemsize)
+        budget = kv_budget_bytes(config, self.device) if config.num_kv_blocks is None else 0
+        num_kv_blocks, self.max_model_len = plan_capacity(config, limit, block_bytes, budget)
+        self.runner.allocate_kv_cache(self.device, num_kv_blocks)
         self.block_manager = BlockManager(num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.debug_hash_bits)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,

@@ -19,28 +19,28 @@ class ModelRunner:
     """Loads the model onto ``ops``' device, owns the KV arena, runs scheduled batches."""
 
     def __init__(
-        self,
-        model_config: ModelConfig,
-        model_dir: str,
-        ops: Ops,
-        device: str,
-        num_kv_blocks: int,
-        block_size: int,
-        max_model_len: int,
+        self, model_config: ModelConfig, model_dir: str, ops: Ops, block_size: int,
+        max_positions: int,
     ) -> None:
         self.model_config = model_config
         self.ops = ops
         self.block_size = block_size
-        table = cos_sin_cache(model_config.rope, model_config.head_dim, max_model_len)
+        table = cos_sin_cache(model_config.rope, model_config.head_dim, max_positions)
         reader = CheckpointReader(model_dir)
         try:
             self.model = DecoderModel.load(model_config, reader, ops, ops.to_device(table))
         finally:
             reader.close()
-        shape = (num_kv_blocks, model_config.num_layers, 2, block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
-        self.kv_cache: KVCache = make_kv_cache(device, shape, ops.kv_dtype)
         self.sampler = Sampler(ops)
+        self.kv_cache: KVCache | None = None  # sized after the weights: see allocate_kv_cache
+
+    def allocate_kv_cache(self, device: str, num_kv_blocks: int) -> None:
+        """Create the arena; once, after the weights are on the device."""
+        if self.kv_cache is not None:
+            raise RuntimeError("the KV arena is already allocated")
+        mc = self.model_config
+        shape = (num_kv_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = make_kv_cache(device, shape, self.ops.kv_dtype)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
         """Host-side metadata for the step, then one copy each to the device. The sequences that
@@ -91,4 +91,5 @@ class ModelRunner:
         return list(zip(sampling, self.sampler(logits, sampling)))
 
     def close(self) -> None:
-        self.kv_cache.close()
+        if self.kv_cache is not None:
+            self.kv_cache.close()

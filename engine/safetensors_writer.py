@@ -79,7 +79,8 @@ class SafetensorsWriter:
     def close(self) -> None:
         self._file.close()
         if self._next != len(self._specs):
-            raise ValueError(f"{self.path}: only {self._next} of {len(self._specs)} tensors written")
+            raise ValueError(f"{self.path}: only {self._next} of {len(self._specs)} tensors "
+                             "were written")
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:

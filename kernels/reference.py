@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+_QUERY_CHUNK = 256
+
 
 def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Rows of ``table[V, H]`` for ``token_ids[T]`` -> ``[T, H]`` in the table's dtype."""
@@ -105,17 +107,19 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.nda
     num_queries, num_q_heads, head_dim = q.shape
     context_len, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
+    # [Hkv, group, n, D] @ [Hkv, 1, D, L] -> scores [Hkv, group, n, L] (batched GEMMs)
     qf = q.astype(np.float32).reshape(num_queries, num_kv_heads, group, head_dim)
-    kf = k.astype(np.float32)
-    vf = v.astype(np.float32)
-    scores = np.einsum("qhgd,khd->hgqk", qf, kf) * np.float32(scale)
+    qf = qf.transpose(1, 2, 0, 3)
+    kf = k.astype(np.float32).transpose(1, 2, 0)[:, None]
+    vf = v.astype(np.float32).transpose(1, 0, 2)[:, None]
+    scores = (qf @ kf) * np.float32(scale)
     query_pos = np.arange(context_len - num_queries, context_len)[:, None]
     key_pos = np.arange(context_len)[None, :]
-    scores = np.where(key_pos <= query_pos, scores, -np.inf)
+    scores = np.where(key_pos <= query_pos, scores, np.float32(-np.inf))
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    out = np.einsum("hgqk,khd->qhgd", probs, vf)
+    out = (probs @ vf).transpose(2, 0, 1, 3)  # [n, Hkv, group, D]
     return out.reshape(num_queries, num_q_heads, head_dim).astype(q.dtype, copy=False)
 
 
@@ -139,8 +143,13 @@ def paged_attention_prefill(
     out = np.empty_like(q)
     for b in range(len(context_lens)):
         start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        k, v = gather_kv(kv_cache, layer, block_tables[b], int(context_lens[b]))
-        out[start:end] = _attend(q[start:end], k, v, scale)
+        context_len = int(context_lens[b])
+        k, v = gather_kv(kv_cache, layer, block_tables[b], context_len)
+        # Query chunks bound the score matrix (Hq x chunk x context) for long prompts.
+        for chunk in range(start, end, _QUERY_CHUNK):
+            chunk_end = min(chunk + _QUERY_CHUNK, end)
+            visible = context_len - (end - chunk_end)  # keys up to the chunk's last position
+            out[chunk:chunk_end] = _attend(q[chunk:chunk_end], k[:visible], v[:visible], scale)
     return out
 
 

@@ -126,14 +126,6 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-def parse_host_port(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) into its parts; ValueError if malformed."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port_text)
-
-
 class AdminServer:
     """uvicorn serving ``create_app(service)`` on a thread; binds in the constructor."""
 

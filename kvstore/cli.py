@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------- serve
 
 
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) into its parts; ValueError if malformed."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port_text)
+
+
 def _check_ssd_dir(directory: Path) -> Path:
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"--ssd-dir {directory} is not a directory")
@@ -168,10 +176,6 @@ def _version() -> str:
 def _serve(args: argparse.Namespace) -> int:
     if args.cluster is not None:
         raise UsageError("cluster support (--cluster) is not built yet; run without --cluster")
-    from kvstore.admin import AdminServer, parse_host_port
-    from kvstore.daemon import Daemon
-    from kvstore.listener import SocketSetupError
-    from kvstore.service import Service
     from kvstore.settings import default_socket_path, load_env_settings
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -188,6 +192,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = _store_config(args, env.debug_hash_bits)
     socket_path = args.socket if args.socket is not None else default_socket_path()
 
+    from kvstore.admin import AdminServer
+    from kvstore.daemon import Daemon
+    from kvstore.listener import SocketSetupError
+    from kvstore.service import Service
     from kvstore.tiered_store import TieredStore
 
     try:
@@ -269,6 +277,10 @@ def format_stats_table(stats: dict) -> str:
     for key, value in stats.items():
         if key not in ("tiers", "daemon") and not isinstance(value, (dict, list)):
             lines.append(f"{key}: {value}")
+    counters = stats.get("counters") or {}
+    if "lookup_blocks" in counters:
+        lines.append(f"lookups: {counters.get('lookups', 0)} ({counters['lookup_blocks']} "
+                     f"blocks asked, {counters.get('miss_blocks', 0)} missed everywhere)")
     daemon = stats.get("daemon") or {}
     if daemon:
         lines.append(f"daemon: uptime {daemon.get('uptime_s', 0):.1f} s, connections "

@@ -134,7 +134,10 @@ class Client:
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # guards _pending, _closed_error and the send side
+        # Two locks: the reader thread takes only _lock (the table), never _send_lock, so replies
+        # keep draining while a large request is being written (else both sides could block).
+        self._lock = threading.Lock()  # guards _pending and _closed_error
+        self._send_lock = threading.Lock()  # one frame at a time on the socket
         self._pending: dict[int, Pending] = {}
         self._closed_error: BaseException | None = None
         self._sock = self._connect()
@@ -175,13 +178,18 @@ class Client:
             if self._closed_error is not None:
                 raise self._closed_error
             self._pending[request_id] = pending
-            try:
+        try:
+            with self._send_lock:
                 self._sock.sendall(frame[0])
                 self._sock.sendall(frame[1])
-            except OSError as exc:
-                self._pending.pop(request_id, None)
-                raise DaemonUnavailable(f"kvstore daemon at {self.socket_path} closed the "
-                                        f"connection ({exc})") from None
+        except OSError as exc:
+            # A frame may be half written: the stream is unusable from here on.
+            error = DaemonUnavailable(f"kvstore daemon at {self.socket_path} closed the "
+                                      f"connection ({exc})")
+            self._fail_all(error)
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            raise error from None
         return pending
 
     def call(self, verb: str, args: dict[str, Any] | None = None,

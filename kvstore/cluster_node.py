@@ -114,21 +114,22 @@ class ClusterNode:
                 break
             asked = True
             end = num_done + run_len
-            result = self.client.fetch(peer.addr, namespace, hashes[num_done:end],
-                                       wanted[num_done:end], deadline)
-            num_stored = self._store_blocks(namespace, hashes[num_done:], wanted[num_done:],
-                                            result.blocks)
+            with self.client.fetch(peer.addr, namespace, hashes[num_done:end],
+                                   wanted[num_done:end], deadline) as result:
+                num_received = len(result.blocks)
+                num_stored = self._store_blocks(namespace, hashes[num_done:], wanted[num_done:],
+                                                result.blocks)
             if num_stored:
                 self.index.publish(namespace, hashes[num_done:num_done + num_stored])
             num_done += num_stored
-            if num_stored < len(result.blocks):
+            if num_stored < num_received:
                 break  # the local store refused: nowhere to put more
             if result.error is not None:
                 errors.append(result.error)
                 self._count(f"remote_errors_{result.error}")
                 if result.error in _SUSPECT_ERRORS:
                     self._suspect(peer)
-            if len(result.blocks) < run_len:
+            if num_received < run_len:
                 tried.add(peer)  # this peer has no more of the run: ask another holder
         if num_done:
             self._count("remote_hits")

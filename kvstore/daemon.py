@@ -242,16 +242,20 @@ class Daemon:
         ctx = CallContext(owner=conn.owner, deadline=deadline)
         conn.contexts.add(ctx)
         try:
-            reply = await self._execute(request, ctx, timeout_s)
-        except Exception as exc:  # never leave a client waiting on a reply that cannot come
-            log.exception("%s failed", request.verb)
-            reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
+            try:
+                reply = await self._execute(request, ctx, timeout_s)
+            except Exception as exc:  # never leave a client waiting on a reply that cannot come
+                log.exception("%s failed", request.verb)
+                reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
+            finally:
+                conn.contexts.discard(ctx)
+            error = reply["error"]["code"] if not reply["ok"] else None
+            self.service.count(request.verb, error)
+            await conn.send(reply, self.max_frame_bytes)
         finally:
-            conn.contexts.discard(ctx)
+            # Held until the reply is written out: a client that stops reading stalls only its
+            # own connection (at max in-flight requests), never the daemon's memory.
             conn.slots.release()
-        error = reply["error"]["code"] if not reply["ok"] else None
-        self.service.count(request.verb, error)
-        await conn.send(reply, self.max_frame_bytes)
 
     async def _execute(self, request: proto.Request, ctx: CallContext,
                        timeout_s: float) -> dict[str, Any]:

@@ -62,10 +62,13 @@ class HostPool:
     """``capacity_bytes`` of host memory handed out as aligned ``Allocation`` ranges.
 
     ``pin``: True requires page-locking (PinError if impossible), False never pins, None pins when
-    CuPy and a GPU are present. ``base_address`` is the buffer's address for device copies.
+    CuPy and a GPU are present. ``populate`` faults the whole buffer in at start (about a second
+    per 8 GiB; a fresh page costs more than its copy: SSD reads into untouched memory ran at 65%
+    of disk speed, 90% into populated memory). ``base_address`` is the buffer's address.
     """
 
-    def __init__(self, capacity_bytes: int, alignment: int = 4096, pin: bool | None = None):
+    def __init__(self, capacity_bytes: int, alignment: int = 4096, pin: bool | None = None,
+                 populate: bool = True) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if alignment > mmap.PAGESIZE and alignment % mmap.PAGESIZE:
@@ -75,8 +78,10 @@ class HostPool:
         if self.capacity_bytes == 0:
             raise ValueError(f"capacity_bytes {capacity_bytes} is below one {alignment} B unit")
         self.alignment = alignment
-        self._mmap = mmap.mmap(-1, self.capacity_bytes,
-                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if populate:  # fault every page in now, not inside the first copy or O_DIRECT read
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=flags)
         handle = ctypes.c_char.from_buffer(self._mmap)
         self.base_address = ctypes.addressof(handle)
         del handle  # drop the buffer export so close() can unmap

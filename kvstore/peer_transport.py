@@ -261,10 +261,59 @@ class PeerServer:
 
 @dataclass
 class FetchResult:
-    """The verified prefix of blocks a peer sent (read-only views), and why it stopped short."""
+    """The verified prefix of blocks a peer sent, and why it stopped short.
+
+    ``blocks`` are read-only views into a receive buffer that is reused once the result is
+    released: use it as a context manager, or call ``release()``, after copying the blocks out.
+    An unreleased result just leaves its buffer to the garbage collector.
+    """
 
     blocks: list[memoryview]
     error: str | None = None  # None, or the kind of failure counted in PeerClient.stats()
+    _buffer: np.ndarray | None = field(default=None, repr=False)
+    _pool: _BufferPool | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Give the receive buffer back; the views must not be used after this."""
+        for view in self.blocks:
+            with contextlib.suppress(BufferError):  # still exported: the contract alone holds
+                view.release()
+        self.blocks = []
+        if self._pool is not None and self._buffer is not None:
+            self._pool.put(self._buffer)
+        self._buffer = self._pool = None
+
+    def __enter__(self) -> FetchResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _BufferPool:
+    """Receive buffers kept for reuse: fresh memory costs a page fault per 4 KiB on first touch,
+    which on a fast link costs more than the transfer. Thread-safe; bounded in bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def get(self, num_bytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [b for b in self._free if num_bytes <= b.nbytes <= 2 * num_bytes + (1 << 20)]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self._free.remove(best)
+                return best
+        return np.empty(-(-num_bytes // (1 << 20)) << 20, dtype=np.uint8)  # whole MiBs
+
+    def put(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            total = sum(b.nbytes for b in self._free)
+            while self._free and total > self.max_bytes:
+                total -= self._free.pop(0).nbytes  # the oldest goes first
 
 
 @dataclass
@@ -288,9 +337,11 @@ class PeerClient:
     shared UCX loop. Every fetch ends by its deadline; failure kinds are counted.
     """
 
-    def __init__(self, endpoints_per_peer: int = 4, max_block_bytes: int = 1 << 30) -> None:
+    def __init__(self, endpoints_per_peer: int = 4, max_block_bytes: int = 1 << 30,
+                 buffer_pool_bytes: int = 1 << 30) -> None:
         self.endpoints_per_peer = endpoints_per_peer
         self.max_block_bytes = max_block_bytes
+        self._buffers = _BufferPool(buffer_pool_bytes)
         self._runtime: UcxRuntime | None = None
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
@@ -342,7 +393,7 @@ class PeerClient:
         future = self._runtime.submit(asyncio.wait_for(
             self._fetch(addr, namespace, list(block_hashes), list(idents), timeout_s), timeout_s))
         try:
-            entries, views, mismatch = future.result(timeout_s + 0.5)
+            entries, views, buffer, mismatch = future.result(timeout_s + 0.5)
         except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
             return self._failed("timeout")
@@ -354,6 +405,7 @@ class PeerClient:
             log.info("fetch from %s failed: %s: %s", addr, type(exc).__name__, exc)
             return self._failed("transport")
         result = self._verify(entries, views)
+        result._buffer, result._pool = buffer, self._buffers
         if mismatch and result.error is None:
             result.error = "bad_block"
         return result
@@ -377,27 +429,40 @@ class PeerClient:
         return FetchResult(good, error)
 
     async def _fetch(self, addr: str, ns: bytes, hashes: list[bytes], idents: list[bytes],
-                     timeout_s: float) -> tuple[list[list], list[memoryview], bool]:
+                     timeout_s: float) -> tuple[list[list], list[memoryview], np.ndarray, bool]:
         deadline = time.monotonic() + timeout_s
         peer = self._peers.setdefault(addr, _Peer())
         if peer.slots is None:
             peer.slots = asyncio.Semaphore(self.endpoints_per_peer)
         async with peer.slots:
-            ep = peer.idle.pop() if peer.idle else None
-            if ep is not None and ep.closed:
-                _abort(ep)
+            while True:
                 ep = None
-            if ep is None:
-                ep = await self._connect(addr, deadline)
-            reusable = False
-            try:
-                result, reusable = await self._exchange(ep, ns, hashes, idents, deadline)
-                return result
-            finally:
-                if reusable and not ep.closed:
-                    peer.idle.append(ep)
-                else:
-                    _abort(ep)
+                while peer.idle and ep is None:
+                    ep = peer.idle.pop()
+                    if ep.closed:  # the peer hung up since (it stopped or restarted)
+                        self._count("stale_endpoints")
+                        _abort(ep)
+                        ep = None
+                cached = ep is not None
+                if ep is None:
+                    ep = await self._connect(addr, deadline)
+                reusable = False
+                try:
+                    result, reusable = await self._exchange(ep, ns, hashes, idents, deadline)
+                    return result
+                except PeerError:
+                    raise
+                except Exception:
+                    if not cached:
+                        raise
+                    # The peer closed this cached endpoint (it restarted, say): fetches are
+                    # idempotent reads, so try once more on a fresh connection.
+                    self._count("stale_endpoints")
+                finally:
+                    if reusable and not ep.closed:
+                        peer.idle.append(ep)
+                    else:
+                        _abort(ep)
 
     async def _connect(self, addr: str, deadline: float):
         import ucxx
@@ -417,8 +482,10 @@ class PeerClient:
         return ep
 
     async def _exchange(self, ep, ns: bytes, hashes: list[bytes], idents: list[bytes],
-                        deadline: float) -> tuple[tuple[list[list], list[memoryview], bool], bool]:
-        """One request and its answer: ((entries, views, an entry mismatched), reusable)."""
+                        deadline: float) -> tuple[tuple, bool]:
+        """One request and its answer: ((entries, views, buffer, an entry mismatched),
+        reusable). The buffer comes from the pool; on any failure it is dropped, never reused,
+        since UCX may still write into it."""
         timeout_ms = max(int((deadline - time.monotonic()) * 1000), 1)
         await send_frame(ep, TAG_REQ_LEN, TAG_REQ, {
             "v": PROTOCOL_VERSION, "ns": ns, "hashes": hashes, "idents": idents,
@@ -445,7 +512,7 @@ class PeerClient:
             if num_valid == len(entries) and (entry[0] != hashes[i] or entry[1] != idents[i]):
                 num_valid = i
             sizes.append(entry[2])
-        buffer = np.empty(sum(sizes), dtype=np.uint8)
+        buffer = self._buffers.get(sum(sizes))
         views: list[memoryview] = []
         offset = 0
         for size in sizes:
@@ -456,4 +523,4 @@ class PeerClient:
         if num_valid < len(entries):
             self._count("errors_bad_block")
             log.warning("peer answered block %d with another hash or ident", num_valid)
-        return (entries[:num_valid], views[:num_valid], num_valid < len(entries)), True
+        return (entries[:num_valid], views[:num_valid], buffer, num_valid < len(entries)), True

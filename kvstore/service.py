@@ -179,6 +179,7 @@ class Service:
     def stats(self) -> dict:
         """The store's stats plus a ``daemon`` section of counters."""
         out = dict(self.store.stats())
+        _add_tier_misses(out)
         with self._lock:
             daemon = {
                 "uptime_s": round(time.monotonic() - self.started_at, 3),
@@ -227,8 +228,9 @@ class Service:
         if result.lease is not None:
             self._track(result.lease, ctx.owner)
             lease_id = result.lease.lease_id
-        return {"num_hit": result.num_hit, "tiers": [t.value for t in result.tiers],
-                "lease_id": lease_id}
+        # Tier is a str enum and msgpack packs str subclasses as plain strings: no per-block
+        # `.value` (enum attribute access costs ~0.2 us, 0.2 ms for 1,024 blocks).
+        return {"num_hit": result.num_hit, "tiers": list(result.tiers), "lease_id": lease_id}
 
     def _verb_release(self, args: dict, ctx: CallContext) -> dict:
         lease_id = args["lease_id"]
@@ -328,3 +330,22 @@ class Service:
         for entry in entries:
             self.store.release(entry.lease)
         self.registry.close_all()
+
+
+def _add_tier_misses(stats: dict) -> None:
+    """Per-tier misses where the store reports only per-tier hits and one miss total.
+
+    Tiers are asked in order (DRAM, then SSD): a block a tier did not have fell through it, so
+    DRAM misses = SSD hits + final misses, and SSD misses = final misses (SSD on) or 0.
+    """
+    tiers, counters = stats.get("tiers"), stats.get("counters") or {}
+    if not isinstance(tiers, dict) or "miss_blocks" not in counters:
+        return
+    final = counters["miss_blocks"]
+    ssd = tiers.get("ssd") if isinstance(tiers.get("ssd"), dict) else None
+    ssd_on = bool(ssd and ssd.get("enabled", True) and ssd.get("capacity_bytes"))
+    if isinstance(tiers.get("dram"), dict):
+        ssd_hits = ssd.get("hits", 0) if ssd else 0
+        tiers["dram"].setdefault("misses", ssd_hits + final)
+    if ssd is not None:
+        ssd.setdefault("misses", final if ssd_on else 0)

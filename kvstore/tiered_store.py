@@ -21,7 +21,6 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvstore.allocator import Allocation
 from kvstore.block_store import (
@@ -33,15 +32,21 @@ from kvstore.block_store import (
     Tier,
     WriteSlot,
 )
-from kvstore.eviction import POLICIES, make_policy
+from kvstore.eviction import make_policy
 from kvstore.host_pool import HostPool
 from kvstore.keys import HASH_BYTES, truncate_hash
-from kvstore.ssd_tier import DEFAULT_MAX_FILE_BYTES, IO_MODES, SSDEntry, SSDTier, SSDWrite
+from kvstore.leases import HeldLease, LeaseTable
+from kvstore.ssd_tier import SSDEntry, SSDTier, SSDWrite
+from kvstore.store_config import StoreConfig
+
+__all__ = ["StoreConfig", "TieredStore"]
 
 log = logging.getLogger(__name__)
 
 DEMOTE_BATCH_BYTES = 64 << 20
 # Every outcome the store counts, present from the start so exported series never appear late.
+# Per block: lookup_blocks == hit_blocks_dram + hit_blocks_ssd + miss_blocks; ``collisions``
+# counts the lookups that stopped at an ident mismatch (their misses are in miss_blocks).
 COUNTERS = (
     "lookups", "lookup_blocks", "hit_blocks_dram", "hit_blocks_ssd", "miss_blocks", "collisions",
     "leases_granted", "leases_expired", "puts", "put_bytes", "duplicate_puts",
@@ -50,48 +55,6 @@ COUNTERS = (
     "removes",
 )
 _IDLE_WAKE_S = 1.0  # the demotion thread rechecks pressure at least this often
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """What a TieredStore is built from; validated once at construction."""
-
-    dram_bytes: int
-    ssd_dir: Path | None = None
-    ssd_bytes: int = 0
-    pin_memory: bool | None = None  # None: pin when CuPy sees a GPU
-    eviction: str = "lru"
-    demote_high_watermark: float = 0.9
-    demote_low_watermark: float = 0.75
-    lease_ttl_s: float = 30.0  # the longest lease the store grants
-    debug_hash_bits: int | None = None  # key blocks by truncated hashes (collision tests only)
-    ssd_io_mode: str = "auto"  # "auto", "direct" or "buffered"
-    ssd_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-    alignment: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.ssd_dir is not None and not isinstance(self.ssd_dir, Path):
-            object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
-        if self.dram_bytes < self.alignment:
-            raise ValueError(f"dram_bytes must be at least {self.alignment}")
-        if self.ssd_bytes < 0:
-            raise ValueError("ssd_bytes must be >= 0")
-        if self.eviction not in POLICIES:
-            raise ValueError(f"eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
-        if not 0.0 < self.demote_low_watermark < self.demote_high_watermark <= 1.0:
-            raise ValueError("need 0 < demote_low_watermark < demote_high_watermark <= 1")
-        if self.lease_ttl_s <= 0:
-            raise ValueError("lease_ttl_s must be positive")
-        if self.debug_hash_bits is not None and not 1 <= self.debug_hash_bits <= 128:
-            raise ValueError("debug_hash_bits must be in 1..128")
-        if self.ssd_io_mode not in IO_MODES:
-            raise ValueError(f"ssd_io_mode must be one of {IO_MODES}")
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise ValueError("alignment must be a power of two")
-
-    @property
-    def ssd_enabled(self) -> bool:
-        return self.ssd_dir is not None and self.ssd_bytes > 0
 
 
 class _State(enum.Enum):
@@ -108,16 +71,6 @@ class _Block:
     pins: int = 0  # leases holding it, plus one while a promotion fills it
     demoting: bool = False  # its bytes are being written to SSD: not freed meanwhile
     indexed: bool = True  # False: a lease's private copy (its key was taken meanwhile)
-
-
-@dataclass(eq=False)
-class _Held:
-    """A live lease and what it pins: per block, a DRAM block and/or an SSD entry."""
-
-    lease: Lease
-    keys: list[bytes]
-    dram: list[_Block | None]
-    ssd: list[SSDEntry | None]
 
 
 class _Slot(WriteSlot):
@@ -160,8 +113,7 @@ class TieredStore(BlockStore):
         self._private: set[_Block] = set()
         self._promoting: dict[bytes, _Block] = {}
         self._policy = make_policy(config.eviction)
-        self._leases: dict[int, _Held] = {}
-        self._next_lease_id = 1
+        self._leases = LeaseTable(self, config.lease_ttl_s)
         self._num_demoting = 0
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._closed = False
@@ -179,73 +131,81 @@ class TieredStore(BlockStore):
                lease_ttl_s: float | None = 30.0, owner: str = "") -> LookupResult:
         if len(block_hashes) != len(idents):
             raise StoreError("block_hashes and idents differ in length")
-        keys = [self._key(namespace, h) for h in block_hashes]
+        keys = self._keys(namespace, block_hashes)
         want_lease = lease_ttl_s is not None
+        ready = _State.READY
         with self._lock:
             self._check_open()
-            tiers: list[Tier] = []
+            ssd_tier = self._ssd
+            found = list(map(self._blocks.get, keys))
+            below = iter(())  # SSD entries of the keys DRAM lacks, in order, up to the first gap
+            if ssd_tier is not None:
+                below = iter(ssd_tier.lookup_prefix(
+                    [k for k, b in zip(keys, found) if b is None or b.state is not ready]))
             dram: list[_Block | None] = []
             ssd: list[SSDEntry | None] = []
             collided = False
-            for key, ident in zip(keys, idents):
-                block = self._blocks.get(key)
-                if block is not None and block.state is _State.READY:
+            for ident, block in zip(idents, found):
+                if block is not None and block.state is ready:
                     if block.ident != ident:
                         collided = True
                         break
-                    tiers.append(Tier.DRAM)
                     dram.append(block)
                     ssd.append(None)
                     continue
-                entry = None
-                if self._ssd is not None:
-                    entry = self._ssd.acquire(key) if want_lease else self._ssd.lookup(key)
+                entry = next(below, None)
                 if entry is None:
                     break
                 if entry.ident != ident:
-                    if want_lease:
-                        self._ssd.unpin(entry)
                     collided = True
                     break
-                tiers.append(Tier.SSD)
                 dram.append(None)
                 ssd.append(entry)
-            num_hit = len(tiers)
+            if want_lease and ssd_tier is not None:
+                # Entries the SSD dropped since lookup_prefix (another thread's write evicted
+                # them) cannot be pinned: the hit ends before the first of them.
+                entries = [e for e in ssd if e is not None]
+                num_pinned = ssd_tier.pin_many(entries)
+                if num_pinned < len(entries):
+                    cut = ssd.index(entries[num_pinned])
+                    del dram[cut:], ssd[cut:]
+            num_hit = len(dram)
+            tiers = [Tier.SSD if b is None else Tier.DRAM for b in dram]
+            touch = self._policy.touch
+            num_dram = 0
+            for block in dram:
+                if block is not None:
+                    num_dram += 1
+                    touch(block.key)
+            if num_dram < num_hit:
+                ssd_tier.touch_many([e for e in ssd if e is not None])
             c = self._counters
             c["lookups"] += 1
             c["lookup_blocks"] += len(keys)
             c["miss_blocks"] += len(keys) - num_hit
             c["collisions"] += collided
-            for block, entry in zip(dram, ssd):
-                if block is not None:
-                    c["hit_blocks_dram"] += 1
-                    self._policy.touch(block.key)
-                else:
-                    c["hit_blocks_ssd"] += 1
-                    self._ssd.touch(entry)
+            c["hit_blocks_dram"] += num_dram
+            c["hit_blocks_ssd"] += num_hit - num_dram
             if not want_lease or num_hit == 0:
                 return LookupResult(num_hit, tiers, None)
             for block in dram:
                 if block is not None:
                     block.pins += 1
-            ttl = min(max(float(lease_ttl_s), 0.0), self.config.lease_ttl_s)
-            lease = Lease(self._next_lease_id, namespace, list(block_hashes[:num_hit]), tiers,
-                          time.monotonic() + ttl, owner, _store=self)
-            self._next_lease_id += 1
-            self._leases[lease.lease_id] = _Held(lease, keys[:num_hit], dram, ssd)
+            lease = self._leases.grant(namespace, block_hashes[:num_hit], tiers, keys[:num_hit],
+                                       dram, ssd, lease_ttl_s, owner)
             c["leases_granted"] += 1
             return LookupResult(num_hit, tiers, lease)
 
     def read(self, lease: Lease, index: int) -> memoryview:
         with self._lock:
-            held = self._live_held(lease)
+            held = self._leases.live(lease)
             if not 0 <= index < len(held.keys):
                 raise StoreError(f"lease {lease.lease_id} has no block {index}")
             if held.dram[index] is not None:
                 return self._view(held.dram[index])
             return self._promote_locked(held, index)
 
-    def _promote_locked(self, held: _Held, index: int) -> memoryview:
+    def _promote_locked(self, held: HeldLease, index: int) -> memoryview:
         """Copy the lease's SSD block ``index`` into DRAM (once, however many readers ask)."""
         key, entry = held.keys[index], held.ssd[index]
         while True:
@@ -257,7 +217,7 @@ class TieredStore(BlockStore):
                 return self._view(cur)
             if key in self._promoting:
                 self._cond.wait()
-                held = self._live_held(held.lease)
+                held = self._leases.live(held.lease)
                 continue
             try:
                 alloc = self._allocate_locked(entry.num_bytes)  # may drop the lock
@@ -265,7 +225,7 @@ class TieredStore(BlockStore):
                 self._counters["promotion_failures"] += 1
                 raise BlockUnavailable(f"no DRAM to promote into: {exc}") from None
             try:
-                held = self._live_held(held.lease)
+                held = self._leases.live(held.lease)
             except StoreError:
                 self._pool.free(alloc)
                 raise
@@ -302,7 +262,7 @@ class TieredStore(BlockStore):
         self._counters["promotions"] += 1
         if self._thread is not None and self._pool.used_bytes > self._high_bytes:
             self._cond.notify_all()
-        if held.lease.lease_id not in self._leases:  # released while we read
+        if held.lease not in self._leases:  # released while we read
             self._unpin_block_locked(block)
             raise StoreError(f"lease {held.lease.lease_id} was released during the read")
         held.dram[index] = block
@@ -351,7 +311,7 @@ class TieredStore(BlockStore):
             entry = self._ssd.lookup(key)
             if entry is not None:
                 if entry.ident == ident:
-                    self._ssd.touch(entry)
+                    self._ssd.touch_many([entry])
                     return "duplicate_puts"
                 if self._ssd.remove(entry):
                     self._counters["collisions_replaced"] += 1
@@ -545,15 +505,14 @@ class TieredStore(BlockStore):
             return self._expire_leases_locked(time.monotonic() if now is None else now)
 
     def _expire_leases_locked(self, now: float) -> int:
-        expired = [h.lease for h in self._leases.values() if h.lease.expired(now)]
+        expired = self._leases.expired(now)
         for lease in expired:
             self._release_locked(lease)
         self._counters["leases_expired"] += len(expired)
         return len(expired)
 
     def _release_locked(self, lease: Lease) -> None:
-        lease.released = True
-        held = self._leases.pop(lease.lease_id, None)
+        held = self._leases.pop(lease)
         if held is None:
             return
         for block in held.dram:
@@ -569,14 +528,6 @@ class TieredStore(BlockStore):
         if block.pins == 0 and not block.indexed:
             self._private.discard(block)
             self._pool.free(block.alloc)
-
-    def _live_held(self, lease: Lease) -> _Held:
-        held = self._leases.get(lease.lease_id)
-        if held is None or held.lease is not lease or lease.released:
-            raise StoreError(f"lease {lease.lease_id} was released")
-        if lease.expired():
-            raise StoreError(f"lease {lease.lease_id} expired")
-        return held
 
     # -- reporting and lifecycle ---------------------------------------------------------------
 
@@ -613,7 +564,7 @@ class TieredStore(BlockStore):
             assert set(self._policy.victims()) == ready, "policy tracks other keys than READY"
             assert all(b.key == k and b.indexed for k, b in self._blocks.items())
             pins: Counter[int] = Counter()
-            for held in self._leases.values():
+            for held in self._leases:
                 assert not held.lease.released, "a released lease is still held"
                 assert len(held.keys) == len(held.dram) == len(held.ssd)
                 for block, entry in zip(held.dram, held.ssd):
@@ -656,9 +607,18 @@ class TieredStore(BlockStore):
     # -- helpers -------------------------------------------------------------------------------
 
     def _key(self, namespace: bytes, block_hash: bytes) -> bytes:
-        if len(namespace) != HASH_BYTES or len(block_hash) != HASH_BYTES:
-            raise StoreError(f"namespace and block hash must be {HASH_BYTES} bytes each")
-        return bytes(namespace) + truncate_hash(bytes(block_hash), self.config.debug_hash_bits)
+        return self._keys(namespace, [block_hash])[0]
+
+    def _keys(self, namespace: bytes, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Index keys: namespace || hash (truncated in debug mode). StoreError on bad sizes."""
+        if len(namespace) != HASH_BYTES or (block_hashes and
+                                             set(map(len, block_hashes)) != {HASH_BYTES}):
+            raise StoreError(f"namespace and block hashes must be {HASH_BYTES} bytes each")
+        namespace = bytes(namespace)
+        bits = self.config.debug_hash_bits
+        if bits is None:
+            return [namespace + h for h in block_hashes]  # bytes + any buffer is bytes
+        return [namespace + truncate_hash(bytes(h), bits) for h in block_hashes]
 
     def _view(self, block: _Block) -> memoryview:
         return self._pool.view(block.alloc).toreadonly()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -79,6 +80,10 @@ class UcxRuntime:
     # -- thread --------------------------------------------------------------------------------
 
     def _start(self) -> None:
+        # A restarted daemon must re-bind its --listen port while connections of its previous
+        # life sit in TIME_WAIT; UCX's TCP connection manager binds without SO_REUSEADDR unless
+        # told. An operator's own setting wins.
+        os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
         self._thread.start()
         self._ready.result(_START_TIMEOUT_S)
 

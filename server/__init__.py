@@ -1,0 +1,1 @@
+"""server: the OpenAI-compatible HTTP API of kvengine (FastAPI app, async engine, CLI)."""

@@ -50,7 +50,10 @@ class RequestGroup:
         """True when every member has delivered its final output."""
         return not self._unfinished
 
-    async def __aiter__(self) -> AsyncIterator[Any]:
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[Any]:
         while self._unfinished:
             item = await self.queue.get()
             if isinstance(item, BaseException):
@@ -99,7 +102,8 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort everything in flight and join the step thread."""
+        """Stop stepping after the current step and join the thread; streams still open end
+        with EngineDead (uvicorn drains requests before the lifespan calls this)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -124,6 +128,10 @@ class AsyncEngine:
         return dict(self.engine.stats())
 
     # ---- event loop side -------------------------------------------------------------------
+    def has_room(self, num_requests: int) -> bool:
+        """Whether `num_requests` more engine requests would be admitted now."""
+        return self._num_in_flight + num_requests <= self.max_in_flight
+
     def submit(self, requests: Sequence[EngineRequest]) -> RequestGroup:
         """Admit all of `requests` or none: EngineOverloaded when the queue is full, ValueError
         from the engine for a prompt it cannot take, EngineDead after a step-loop failure."""

@@ -23,6 +23,7 @@ from server.async_engine import (
 from server.auth import KEY_SALT_SCOPE, tenant_salt
 from server.errors import APIError
 from server.metrics import ServerMetrics
+from server.prompt_tokenizer import PromptTokenizer
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 
@@ -59,6 +60,8 @@ class OpenAIServing:
         self._params_cls = sampling_params_cls
         core = engine.engine
         self.tokenizer = core.tokenizer
+        self.prompt_tokenizer = PromptTokenizer(core.tokenizer,
+                                                getattr(core.config, "model_dir", None))
         self.max_model_len = int(core.max_model_len)
         self.vocab_size = _vocab_size(core)
 
@@ -113,6 +116,9 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
                            f"`{self.model_name}`", param="model", code="model_not_found")
+        if not self.engine.has_room(body.n):  # before tokenizing: overload should be cheap
+            self.metrics.request_rejected("overloaded")
+            raise APIError(503, "server is overloaded; retry later", code="overloaded")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
@@ -120,7 +126,7 @@ class OpenAIServing:
             raise APIError(400, "best_of is not supported", param="best_of")
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self.prompt_tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -245,7 +251,8 @@ class OpenAIServing:
 
     def _stream(self, job: _Job, group: RequestGroup, include_usage: bool,
                 chat: bool) -> EventStreamResponse:
-        return EventStreamResponse(self._events(job, group, include_usage, chat))
+        return EventStreamResponse(self._events(job, group, include_usage, chat),
+                                   on_close=lambda: self._close(job, group))
 
     async def _events(self, job: _Job, group: RequestGroup, include_usage: bool,
                       chat: bool) -> AsyncIterator[bytes]:

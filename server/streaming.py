@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.responses import Response
@@ -51,13 +51,16 @@ class EventStreamResponse(Response):
 
     Unlike Starlette's StreamingResponse (which, under ASGI 2.4, only notices a disconnect at
     the next write), this watches `receive` the whole time and cancels the iterator at once, so a
-    request still waiting for its first token is aborted too. The iterator is always closed.
+    request still waiting for its first token is aborted too. The iterator is always closed and
+    `on_close` always called, even when the client left before the first chunk.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[bytes], status_code: int = 200) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+                 status_code: int = 200) -> None:
         self._chunks = chunks
+        self._on_close = on_close
         self.status_code = status_code
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -83,3 +86,5 @@ class EventStreamResponse(Response):
             aclose = getattr(self._chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self._on_close is not None:  # runs even if the iterator never started
+                self._on_close()

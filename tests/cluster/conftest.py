@@ -72,6 +72,17 @@ class RedisServer:
         return {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ucx_runtime():
+    """Hold the process's UCX runtime for the whole session: nodes then start and stop without
+    re-initialising UCX each time (about a second per test)."""
+    from kvstore.ucx_runtime import UcxRuntime
+
+    runtime = UcxRuntime.acquire()
+    yield runtime
+    runtime.release()
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path)

@@ -42,11 +42,12 @@ def test_admin_stats(daemon: RunningDaemon) -> None:
     assert r.status_code == 200
     stats = r.json()
     for tier in ("dram", "ssd"):
-        for field in ("capacity_bytes", "used_bytes", "blocks", "hits"):
+        for field in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses"):
             assert field in stats["tiers"][tier], (tier, field)
     assert stats["tiers"]["dram"]["capacity_bytes"] == 64 << 20
     assert stats["tiers"]["dram"]["blocks"] >= 1 and stats["tiers"]["dram"]["hits"] >= 1
-    assert stats["counters"]["miss_blocks"] >= 0
+    assert stats["tiers"]["dram"]["misses"] >= stats["counters"]["miss_blocks"] >= 0
+    assert stats["tiers"]["ssd"]["misses"] == 0  # the shared daemon has no SSD tier
     assert stats["daemon"]["requests"]["put"] >= 1
 
 
@@ -116,7 +117,7 @@ def test_stats_without_a_daemon(tmp_path: Path) -> None:
     assert out.returncode == 1 and "cannot read stats" in out.stderr
 
 
-@pytest.mark.parametrize(("args", "code", "needle"), [
+CLI_ERRORS = [
     (["serve", "--dram", "12XB"], 2, "invalid size '12XB': unknown unit 'XB'"),
     (["serve", "--dram", "lots"], 2, "argument --dram: invalid size 'lots'"),
     (["serve", "--ssd-size", "1.5"], 2, "a byte count must be a whole number"),
@@ -128,8 +129,27 @@ def test_stats_without_a_daemon(tmp_path: Path) -> None:
     (["serve", "--eviction", "random"], 2, "invalid choice"),
     (["frobnicate"], 2, "invalid choice"),
     (["demo"], 2, "needs the inference engine"),
-])
-def test_cli_errors(args: list[str], code: int, needle: str) -> None:
+]
+
+
+@pytest.mark.parametrize(("args", "code", "needle"), CLI_ERRORS)
+def test_cli_errors(args: list[str], code: int, needle: str,
+                    capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.cli import main
+
+    try:
+        returned = main(args)
+    except SystemExit as exc:  # argparse's own errors
+        returned = exc.code
+    err = capsys.readouterr().err
+    assert returned == code, err
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("index", [0, 6, 7])
+def test_cli_errors_as_a_process(index: int) -> None:
+    args, code, needle = CLI_ERRORS[index]
     out = kvstore_cli(*args)
     assert out.returncode == code, (out.stdout, out.stderr)
     assert needle in out.stderr

@@ -126,3 +126,16 @@ def test_value_larger_than_pool_is_an_error(daemon: RunningDaemon) -> None:
             c.put(b"too-big", bytes(65 << 20))  # the shared daemon has 64 MiB of DRAM
         assert info.value.code == "store_error"
         assert c.get(b"too-big") is None
+
+
+def test_big_request_while_replies_pile_up(make_daemon) -> None:
+    # 100 x 1 MiB of replies queue up while one thread writes a 48 MiB request: the client's
+    # reader must keep draining them, or both sides would block on full socket buffers.
+    running = make_daemon(dram="256MiB", http=False)
+    value = random_bytes(1 << 20, seed=99)
+    with running.client() as c:
+        c.put(b"pile", value)
+        handles = [c.request("get", {"key": b"pile"}) for _ in range(100)]
+        c.put(b"big", bytes(48 << 20))
+        assert all(h.wait(30)["value"] == value for h in handles)
+        assert len(c.get(b"big")) == 48 << 20

@@ -158,7 +158,7 @@ plain = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.binary(max_size=600), chunk=st.integers(1, 64))
 def test_fuzz_decoder_only_raises_protocol_errors(data: bytes, chunk: int) -> None:
     dec = proto.FrameDecoder(max_frame_bytes=4096)
@@ -171,7 +171,7 @@ def test_fuzz_decoder_only_raises_protocol_errors(data: bytes, chunk: int) -> No
         assert exc.code in (proto.MALFORMED_FRAME, proto.FRAME_TOO_LARGE)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messages=st.lists(plain, max_size=4), chunk=st.integers(1, 50))
 def test_fuzz_round_trip_any_chunking(messages: list, chunk: int) -> None:
     stream = b"".join(frame(m) for m in messages)
@@ -182,7 +182,7 @@ def test_fuzz_round_trip_any_chunking(messages: list, chunk: int) -> None:
     assert out == messages
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(verb=st.sampled_from(sorted(proto.SCHEMAS)),
        args=st.dictionaries(st.sampled_from(["namespace", "key", "value", "hashes", "idents",
                                              "lease_id", "block_ids", "registration_id",

@@ -55,6 +55,8 @@ def build_hf_checkpoint(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[arch]
+    # Tiny models: torch's thread pool only fights NumPy's BLAS threads on a busy 2-core box.
+    torch.set_num_threads(1)
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     kwargs = {**SMALL_SHAPE, "vocab_size": vocab, **overrides}
     torch.manual_seed(seed)

@@ -65,8 +65,22 @@ def test_capacity_planning(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="KV blocks"):
         LLMEngine(EngineConfig(str(tiny_model_dir), device="cpu", num_kv_blocks=2,
                                max_model_len=100))
+    with pytest.raises(ValueError, match="cannot hold one KV block"):
+        LLMEngine(EngineConfig(str(tiny_model_dir), device="cpu", cpu_kv_cache_bytes=100))
+    with LLMEngine(EngineConfig(str(tiny_model_dir), device="cpu",
+                                cpu_kv_cache_bytes=10 * 8192)) as e:  # 8 KiB tiny blocks
+        assert e.stats()["num_kv_blocks"] == 10 and e.max_model_len == 160
     with pytest.raises(NotImplementedError, match="offload"):
         LLMEngine(EngineConfig(str(tiny_model_dir), device="cpu", kv_offload=True))
+
+
+def test_gpu_budget_arithmetic() -> None:
+    from engine.kv_capacity import gpu_kv_budget_bytes
+
+    gib = 1024**3
+    # 80 GiB device, 10 GiB in use (weights): 0.9 * 80 - 10 = 62 GiB for KV.
+    assert gpu_kv_budget_bytes(70 * gib, 80 * gib, 0.9) == int(72 * gib) - 10 * gib
+    assert gpu_kv_budget_bytes(5 * gib, 80 * gib, 0.5) < 0  # already over: no room
 
 
 def test_add_request_validation(engine: LLMEngine) -> None:
@@ -95,14 +109,15 @@ def test_step_outputs_carry_consistent_deltas(engine: LLMEngine) -> None:
     prompts = random_prompts(4000, [3, 20, 50], seed=1)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=9, ignore_eos=True,
-                                                           stop=["\x00"] if i else None))
-    for request_id, outs in run_to_end(engine).items():
+                                                           stop=["\x00\x01\x02"] if i else None))
+    for outs in run_to_end(engine).values():
         final = outs[-1]
         assert final.finished and [o.finished for o in outs].count(True) == 1
         assert sum((o.new_token_ids for o in outs), []) == final.token_ids
         assert "".join(o.new_text for o in outs) == final.text
         for o in outs:
-            assert final.text.startswith(o.text) and final.token_ids[:len(o.token_ids)] == o.token_ids
+            assert final.text.startswith(o.text)
+            assert final.token_ids[: len(o.token_ids)] == o.token_ids
         assert set(final.cached_tokens_by_tier) == set(TIERS)
 
 
@@ -112,10 +127,11 @@ def test_abort_frees_blocks_and_reports(engine: LLMEngine) -> None:
     engine.add_request("b", b, SamplingParams(max_tokens=5, ignore_eos=True))
     engine.add_request("queued", b, SamplingParams(max_tokens=5))
     engine.abort_request("queued")  # still in the inbox
-    engine.step()
+    first_step = {out.request_id: out for out in engine.step()}
     engine.abort_request("a")
     engine.abort_request("unknown")  # ignored
     outs = run_to_end(engine)
+    outs["queued"] = [first_step["queued"]]
     assert outs["a"][-1].finish_reason == "abort" and outs["a"][-1].finished
     assert outs["queued"][-1].finish_reason == "abort" and outs["queued"][-1].token_ids == []
     assert outs["b"][-1].finish_reason == "length" and len(outs["b"][-1].token_ids) == 5

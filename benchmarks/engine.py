@@ -1,0 +1,179 @@
+"""Cold prefill and decode step time of the engine, next to HF transformers (sdpa), same weights.
+
+For each prompt length: the time of the engine step that prefills the whole prompt and samples the
+first token (prefix cache off, one chunk), and the time of HF's forward over the same prompt. Then
+the median decode step at batch 1 (and --decode-batch): ours, one engine step; HF, one forward of
+one new token per sequence with its KV cache. Targets (H100, Qwen3-4B shape): prefill at 16k <= HF;
+decode step at batch 1 <= 2 x weight bytes / HBM bandwidth. Writes JSON to benchmarks/results/.
+
+    python -m benchmarks.engine --preset qwen3-4b --device cuda --lengths 1024,4096,16384
+    python -m benchmarks.engine --preset tiny --device cpu --lengths 128,512 --reps 3   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def _machine() -> dict:
+    info = {"node": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "num_cpus": os.cpu_count(), "python": platform.python_version()}
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+            info["gpu"] = out.splitlines()[0] if out else None
+        except (OSError, subprocess.SubprocessError):
+            info["gpu"] = None
+    return info
+
+
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    from engine.make_model import write_checkpoint
+
+    folder = Path(args.model_cache) / f"{args.preset}-seed0"
+    if not (folder / "config.json").exists():
+        print(f"writing {args.preset} checkpoint to {folder} ...", file=sys.stderr)
+        write_checkpoint(folder, args.preset, seed=0)
+    return folder
+
+
+def bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    max_len = max(args.lengths) + args.decode_steps + 8
+    batch = max(args.decode_batch)
+    config = EngineConfig(str(model_dir), device=args.device, enable_prefix_caching=False,
+                          max_num_batched_tokens=max(args.lengths), max_model_len=max_len,
+                          max_num_seqs=max(batch, 1), num_kv_blocks=args.num_kv_blocks)
+    rng = np.random.default_rng(0)
+    result: dict = {"prefill_ms": {}, "decode_step_ms": {}}
+    with LLMEngine(config) as engine:
+        counter = iter(range(10**9))
+
+        def prefill(length: int) -> None:
+            prompt = rng.integers(3, vocab, length).tolist()
+            engine.add_request(f"p{next(counter)}", prompt, SamplingParams(max_tokens=1))
+            outs = engine.step()
+            assert outs and outs[0].finished, "prefill did not finish in one step"
+
+        for length in args.lengths:
+            result["prefill_ms"][str(length)] = _median_ms(lambda n=length: prefill(n), args.reps)
+        for num_seqs in args.decode_batch:
+            params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
+            for _ in range(num_seqs):
+                engine.add_request(f"d{next(counter)}", rng.integers(3, vocab, 128).tolist(),
+                                   params)
+            engine.step()  # the prefills
+            times = []
+            for _ in range(args.decode_steps):
+                start = time.perf_counter()
+                engine.step()
+                times.append((time.perf_counter() - start) * 1e3)
+            while engine.has_unfinished_requests():
+                engine.step()
+            result["decode_step_ms"][str(num_seqs)] = statistics.median(times[1:] or times)
+    return result
+
+
+def bench_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if args.device == "cuda" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                 attn_implementation="sdpa").to(device).eval()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    result: dict = {"prefill_ms": {}, "decode_step_ms": {}}
+    with torch.no_grad():
+        for length in args.lengths:
+            ids = torch.randint(3, vocab, (1, length), generator=gen).to(device)
+
+            def prefill(ids: torch.Tensor = ids) -> None:
+                model(ids, use_cache=False, logits_to_keep=1)
+                sync()
+
+            result["prefill_ms"][str(length)] = _median_ms(prefill, args.reps)
+        for num_seqs in args.decode_batch:
+            ids = torch.randint(3, vocab, (num_seqs, 128), generator=gen).to(device)
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            times = []
+            for _ in range(args.decode_steps):
+                start = time.perf_counter()
+                out = model(token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                sync()
+                times.append((time.perf_counter() - start) * 1e3)
+                cache = out.past_key_values
+            result["decode_step_ms"][str(num_seqs)] = statistics.median(times[1:] or times)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="model folder (default: make-model --preset)")
+    parser.add_argument("--preset", default="tiny", help="make-model preset when no --model")
+    parser.add_argument("--model-cache", default="benchmarks/.models")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--decode-batch", default="1", help="comma-separated batch sizes")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.decode_batch = [int(x) for x in args.decode_batch.split(",")]
+    model_dir = _model_dir(args)
+    vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 4000)
+    report = {"benchmark": "engine", "model": str(model_dir), "preset": args.preset,
+              "device": args.device, "machine": _machine(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.engine",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+              "ours": bench_ours(model_dir, args, vocab)}
+    if not args.no_hf:
+        report["hf_sdpa"] = bench_hf(model_dir, args, vocab)
+    print(json.dumps(report, indent=2))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    name = model_dir.name if args.model else args.preset
+    path = out_dir / f"engine-{name}-{args.device}-{stamp}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
