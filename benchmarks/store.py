@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command, "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
         "disk_dir": str(base),
+        "load_average_at_start": os.getloadavg(),  # other work on the machine skews latencies
     }
     try:
         print("put/get through the socket ...", flush=True)

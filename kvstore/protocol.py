@@ -4,7 +4,30 @@ A frame is a 4-byte little-endian body length followed by a msgpack body (bin ty
 str, string map keys only, no ext types, no timestamps, never pickle). A length above the frame
 limit is rejected before a byte of the body is read. Requests are ``{"id": int, "verb": str,
 "deadline_ms": int (optional, relative to receipt), "args": {...}}``; replies are ``{"id", "ok":
-True, "result": ...}`` or ``{"id", "ok": False, "error": {"code": str, "message": str}}``.
+True, "result": ...}`` or ``{"id", "ok": False, "error": {"code": str, "message": str}}``; a
+connection-level refusal (malformed frame, oversized frame, wrong uid) has ``"id": nil`` and is
+followed by the daemon closing the connection. Replies may come out of order.
+
+Verbs (args -> result; ``h16`` is a 16-byte bin, leases and registrations belong to the
+connection that made them):
+
+  health      {}                                    -> {status, uptime_s, pid, version}
+  stats       {}                                    -> store stats + {daemon: {...}}
+  put         {namespace?: str, key: bin, value: bin} -> {stored: bool}
+  get         {namespace?: str, key: bin}           -> {value: bin | nil, tier: str | nil}
+  lookup      {namespace: h16, hashes: [h16], idents: [bin], lease_ttl_s?: num | nil}
+                                                    -> {num_hit, tiers: [str], lease_id | nil}
+  release     {lease_id}                            -> {released: bool}
+  remove      {namespace: h16, hashes: [h16]}       -> {num_removed}
+  register    {layout: KVLayout.to_wire(), engine_id: str}
+                                                    -> {registration_id, num_blocks, block_bytes}
+  unregister  {registration_id}                     -> {unregistered: bool}
+  save        {registration_id, namespace: h16, block_ids: [int], hashes: [h16], idents: [bin]}
+                                                    -> {outcomes: ["saved"|"duplicate"|"failed"],
+                                                        num_saved}
+  load        {registration_id, lease_id, block_ids: [int]}  -> {num_loaded}  (ends the lease)
+  evicted     {namespace: h16, hashes: [h16], registration_id?: int | nil}
+                                                    -> {num_acknowledged}
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared pytest setup: skip `gpu` tests without a CUDA device, `cluster` tests without their parts."""
+"""Shared pytest setup: skip `gpu` tests without CUDA, `cluster` tests without their parts."""
 
 from __future__ import annotations
 
