@@ -21,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model folder (default: make-model --preset)")
     parser.add_argument("--preset", default="tiny", help="make-model preset when no --model")
-    parser.add_argument("--model-cache", default="benchmarks/.models")
+    parser.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "kvengine"),
+                        help="where --preset checkpoints are written once and reused")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--decode-batch", default="1", help="comma-separated batch sizes")

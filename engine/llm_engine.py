@@ -66,7 +66,6 @@ class LLMEngine:
         self._inbox: list[Sequence] = []
         self._abort_ids: list[str] = []
         self._live_ids: set[str] = set()
-        self._namespace_digests: dict[str, bytes] = {}
         self._num_generation_tokens = 0
         self._num_finished = 0
         self._num_steps = 0
@@ -101,15 +100,13 @@ class LLMEngine:
                              f"{self.max_model_len}")
         if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
+                       namespace_digest=self.namespace(cache_salt).digest,
+                       generator=np.random.default_rng(params.seed),
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
-            digest = self._namespace_digests.get(cache_salt)
-            if digest is None:
-                digest = self._namespace_digests[cache_salt] = self.namespace(cache_salt).digest
-            seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
-                           namespace_digest=digest, generator=np.random.default_rng(params.seed),
-                           detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
             self._live_ids.add(request_id)
             self._inbox.append(seq)
 

@@ -25,7 +25,7 @@ class NumpyOps(Ops):
         if dtype == "bfloat16":
             return bf16_bits_to_float32(raw.view(np.uint16))
         if dtype in ("float32", "float16"):
-            return np.ascontiguousarray(raw, dtype=np.float32)
+            return np.array(raw, dtype=np.float32)  # a copy: never a view of the mapped file
         raise ValueError(f"unsupported weight dtype {dtype!r}")
 
     def to_device(self, host: np.ndarray) -> np.ndarray:
