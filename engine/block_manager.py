@@ -23,6 +23,8 @@ class CachedBlock:
     key: bytes
     check: bytes
     token_ids: tuple[int, ...]
+    namespace: bytes = b""
+    parent_check: bytes = b""  # the previous block's full-strength hash (or the namespace)
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -49,6 +51,11 @@ class BlockManager:
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0
         self.num_collisions = 0
+        # For --kv-offload: evicted (namespace, key) pairs and cached blocks whose last
+        # reference went away, both drained once per step by the offload manager.
+        self.track_offload = False
+        self._evicted: list[tuple[bytes, bytes]] = []
+        self._released: list[int] = []
 
     # -- counts -----------------------------------------------------------------------------
 
@@ -140,12 +147,55 @@ class BlockManager:
         for block in reversed(seq.block_ids):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
+                self._release(block)
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+
+    def _release(self, block: int) -> None:
+        if block in self._cached:
+            self._evictable[block] = None
+            if self.track_offload:
+                self._released.append(block)
+        else:
+            self._free.append(block)
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Hold an extra reference on blocks (a copy to the store is reading them)."""
+        for block in block_ids:
+            if self._ref_counts[block] == 0:
+                if block in self._evictable:
+                    del self._evictable[block]
+                else:
+                    self._free.remove(block)
+            self._ref_counts[block] += 1
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Drop the references ``pin`` took; unreferenced blocks become evictable again."""
+        for block in block_ids:
+            if self._ref_counts[block] <= 0:
+                raise AssertionError(f"unpin of unreferenced block {block}")
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
                 if block in self._cached:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
-        seq.block_ids = []
-        seq.num_registered_blocks = 0
+
+    def drain_evicted_keys(self) -> dict[bytes, list[bytes]]:
+        """Keys evicted from the prefix cache since the last call, by namespace."""
+        out: dict[bytes, list[bytes]] = {}
+        for namespace, key in self._evicted:
+            out.setdefault(namespace, []).append(key)
+        self._evicted = []
+        return out
+
+    def drain_released(self) -> list[tuple[int, CachedBlock]]:
+        """Cached blocks that lost their last reference since the last call and are still
+        evictable (not yet reused): the ``evict`` offload policy saves these."""
+        out = [(b, self._cached[b]) for b in self._released
+               if b in self._evictable and b in self._cached]
+        self._released = []
+        return out
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Put every newly completed full block (K/V computed) into the prefix cache."""
@@ -159,7 +209,9 @@ class BlockManager:
             # Another sequence may have registered the same content first: keep that one.
             if key not in self._by_key:
                 tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-                self._cached[block] = CachedBlock(key, seq.block_checks[j], tokens)
+                parent = seq.block_checks[j - 1] if j else seq.namespace_digest
+                self._cached[block] = CachedBlock(key, seq.block_checks[j], tokens,
+                                                  seq.namespace_digest, parent)
                 self._by_key[key] = block
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
@@ -171,6 +223,8 @@ class BlockManager:
             cached = self._cached.pop(block)
             del self._by_key[cached.key]
             self.num_evictions += 1
+            if self.track_offload:
+                self._evicted.append((cached.namespace, cached.key))
         self._ref_counts[block] = 1
         return block
 

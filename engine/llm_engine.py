@@ -8,7 +8,9 @@ moves the inbox into the scheduler, so the scheduler, block manager and runner a
 from __future__ import annotations
 
 import operator
+import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ from engine.kv_cache import KVCache, kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.offload_manager import OffloadManager, make_offload_manager
 from engine.outputs import RequestOutput, empty_tier_counts
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -34,8 +37,6 @@ class LLMEngine:
     """One model on one device with its KV arena, block manager, scheduler and sampler."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.kv_offload:
-            raise NotImplementedError("kv_offload needs the offload bridge, which is not built yet")
         self.config = config
         model_dir = Path(config.model_dir)
         if not model_dir.is_dir():
@@ -61,6 +62,13 @@ class LLMEngine:
                                           config.enable_prefix_caching, config.debug_hash_bits)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
+        self.offload: OffloadManager | None = None
+        if config.kv_offload:
+            engine_id = f"{self.model_name}-{os.getpid()}-{id(self):x}"
+            self.offload = make_offload_manager(
+                config.kv_store_socket, self.kv_cache.layout(), engine_id, self.block_manager,
+                block_bytes, config.kv_offload_policy, self.device)
+            self.scheduler.offload = self.offload
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -143,10 +151,20 @@ class LLMEngine:
             if seq is not None:
                 outputs.append(self._output(seq))
         batch = self.scheduler.schedule()
+        offload = self.offload
         if batch:
+            started = time.perf_counter()
             sampled = self.runner.execute(batch)
+            elapsed = time.perf_counter() - started
             self.scheduler.advance(batch)
+            if offload is not None:
+                offload.save_computed(batch.seqs)  # before finished sequences free their blocks
+                offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
             outputs.extend(self._append_token(seq, token) for seq, token in sampled)
+        elif offload is not None and offload.num_loading:
+            offload.wait_for_progress(0.005)  # only restores in flight: no busy loop
+        if offload is not None:
+            offload.after_step()
         with self._lock:
             for out in outputs:
                 if out.finished:
@@ -182,7 +200,8 @@ class LLMEngine:
         seq.num_emitted_chars = len(text)
         num_cached = seq.num_cached_tokens or 0
         by_tier = empty_tier_counts()
-        by_tier["hbm"] = num_cached
+        by_tier.update(seq.restored_tokens_by_tier)
+        by_tier["hbm"] = num_cached - sum(seq.restored_tokens_by_tier.values())
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
             token_ids=output_ids, text=text, finished=finished, finish_reason=seq.finish_reason,
@@ -194,6 +213,8 @@ class LLMEngine:
         bm, sched = self.block_manager, self.scheduler
         hit_tokens = empty_tier_counts()
         hit_tokens["hbm"] = sched.num_prefix_hit_tokens
+        if self.offload is not None:
+            hit_tokens.update(self.offload.hit_tokens_by_tier)
         return {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting) - sched.num_loading,
@@ -211,6 +232,7 @@ class LLMEngine:
             "num_preemptions": sched.num_preemptions,
             "num_requests_finished": self._num_finished,
             "num_steps": self._num_steps,
+            "kv_offload": self.offload.stats() if self.offload is not None else None,
         }
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -229,6 +251,8 @@ class LLMEngine:
         """Free the KV arena; the engine is unusable afterwards. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self.offload is not None:
+                self.offload.close()
             self.runner.close()
 
     def __enter__(self) -> LLMEngine:

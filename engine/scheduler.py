@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from engine.offload_manager import OffloadManager
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Scheduler:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_prompt_tokens = 0
+        self.offload: OffloadManager | None = None  # set by the engine with --kv-offload
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
@@ -66,10 +71,30 @@ class Scheduler:
 
     @property
     def num_loading(self) -> int:
-        return sum(1 for s in self.waiting if s.status is SequenceStatus.LOADING)
+        return self.offload.num_loading if self.offload is not None else 0
+
+    def _absorb_restores(self) -> None:
+        """Loaded sequences start running after their restored prefix; the rest queue again."""
+        assert self.offload is not None
+        ready, requeue = self.offload.poll()
+        for seq in ready:
+            self.running.append(seq)
+            self._count_admission(seq, seq.num_computed_tokens)
+        for seq in reversed(requeue):
+            self.waiting.appendleft(seq)
+
+    def _count_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
+        if seq.num_cached_tokens is None:  # first admission: count the prompt once
+            seq.num_cached_tokens = num_hit_tokens
+            self.num_prefix_query_tokens += seq.num_prompt_tokens
+            self.num_prefix_hit_tokens += num_hit_tokens - sum(
+                seq.restored_tokens_by_tier.values())
+            self.num_prompt_tokens += seq.num_prompt_tokens
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and allocate the blocks their new tokens need."""
+        if self.offload is not None:
+            self._absorb_restores()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -96,9 +121,11 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.status is SequenceStatus.LOADING:
-                break  # the offload bridge admits it once its load lands
             hit_ids = bm.match_prefix(seq)
+            if (self.offload is not None and not seq.offload_checked
+                    and self.offload.start_restore(seq, len(hit_ids))):
+                self.waiting.popleft()  # LOADING: the offload manager holds it until it lands
+                continue
             num_hit_tokens = len(hit_ids) * bm.block_size
             num_new = min(seq.num_tokens - num_hit_tokens, budget)
             if not self.running:
@@ -109,11 +136,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if seq.num_cached_tokens is None:  # first admission: count the prompt once
-                seq.num_cached_tokens = num_hit_tokens
-                self.num_prefix_query_tokens += seq.num_prompt_tokens
-                self.num_prefix_hit_tokens += num_hit_tokens
-                self.num_prompt_tokens += seq.num_prompt_tokens
+            self._count_admission(seq, num_hit_tokens)
             batch.add(seq, num_new)
             budget -= num_new
 
@@ -121,6 +144,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.offload_checked = False  # its blocks may be in the store by now
+        seq.num_saved_blocks = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -136,7 +161,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        in_flight = (seq.status is SequenceStatus.LOADING and self.offload is not None
+                     and self.offload.abort(seq))
+        if not in_flight:  # else its blocks are freed when the store request ends
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._by_id.pop(seq.request_id, None)

@@ -44,6 +44,11 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
+    # --kv-offload state (see engine/offload_manager.py)
+    offload_checked: bool = False  # the store was asked since the last (re)admission
+    abort_requested: bool = False  # aborted while a load was in flight
+    num_saved_blocks: int = 0  # leading full blocks handed to the store (or known there)
+    restored_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -21,6 +21,10 @@ from kvstore.layout import KVLayout
 
 log = logging.getLogger("offload")
 
+# The daemon answers by its deadline (after its copy thread stopped); the engine waits this much
+# longer before it calls a request lost, so a late "failed" reply is still seen as a reply.
+_DEADLINE_MARGIN_S = 2.0
+
 
 class Transfer:
     """One request in flight: ``poll()`` is non-blocking; ``result`` is set once it is done.
@@ -39,6 +43,7 @@ class Transfer:
         self.finished_at: float | None = None
         self.done = pending is None
         self.ok = False
+        self.timed_out = False  # no reply at all: the daemon may still touch the blocks
         self.result: Any = fallback
         if pending is None:
             self.finished_at = self.started_at
@@ -56,6 +61,7 @@ class Transfer:
                 self._on_error(getattr(exc, "code", "unavailable"))
             self._finish()
         elif time.monotonic() >= self._deadline:
+            self.timed_out = True
             self._on_error("deadline")
             self._finish()
         return self.done
@@ -151,7 +157,7 @@ class OffloadConnector:
         except (DaemonUnavailable, ClientError, OSError):
             self._lost("unavailable")
             return Transfer(None, 0.0, fallback, self._lost)
-        return Transfer(pending, deadline_s, fallback, self._lost)
+        return Transfer(pending, deadline_s + _DEADLINE_MARGIN_S, fallback, self._lost)
 
     # ------------------------------------------------------------------------------ verbs
 

@@ -148,7 +148,10 @@ def test_registration_errors(daemon: RunningDaemon, buffers: list[EngineBuffer])
                         device="cuda:0")
         with pytest.raises(ClientError) as info:
             c.register(cuda, "gpu-engine")
-        assert info.value.code == "unsupported" and "CUDA IPC" in info.value.message
+        # Without a GPU the daemon cannot map CUDA memory at all; with one, a zero handle is
+        # refused when it is opened. Either way the registration fails and nothing is mapped.
+        assert (info.value.code, "CUDA IPC" in info.value.message) in {
+            ("unsupported", True), ("bad_request", True)}
         missing = KVLayout(1, (Region("kvstore-no-such-shm", 4096, 0, 4096, 4096),))
         with pytest.raises(ClientError) as info:
             c.register(missing, "e")

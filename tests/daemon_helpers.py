@@ -21,7 +21,7 @@ from kvstore import protocol as proto
 from kvstore.client import Client
 from kvstore.keys import Namespace, block_hashes, block_ident
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 30.0
 
 
@@ -60,10 +60,12 @@ def _pump(stream, lines: list[str], out: queue.Queue) -> None:
 
 def start_daemon(workdir: Path, *extra: str, dram: str = "32MiB", ssd_dir: Path | None = None,
                  ssd_size: str | None = None, http: bool = True,
-                 env: dict[str, str] | None = None) -> RunningDaemon:
-    """Start `python -m kvstore.cli serve` on a fresh socket; wait until it prints ready."""
+                 env: dict[str, str] | None = None,
+                 socket_path: Path | None = None) -> RunningDaemon:
+    """Start `python -m kvstore.cli serve` (on a fresh socket unless given); wait until ready."""
     # A short private directory: sun_path holds only 107 bytes, pytest's tmp paths can be long.
-    socket_path = Path(tempfile.mkdtemp(prefix="kvs-")) / "kvstore.sock"
+    if socket_path is None:
+        socket_path = Path(tempfile.mkdtemp(prefix="kvs-")) / "kvstore.sock"
     args = [sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(socket_path),
             "--dram", dram, "--http", "127.0.0.1:0" if http else "off", *extra]
     if ssd_dir is not None:

@@ -1,0 +1,342 @@
+"""The engine side of ``--kv-offload``: restore prefixes from the store, save and publish blocks.
+
+Per waiting sequence: after the HBM prefix hit, an async lookup for the rest; on a hit worth
+restoring (``RestorePolicy``) the blocks are reserved and an async load started; the sequence waits
+in LOADING while others run; when the load lands, its blocks join the prefix cache and prefill
+covers only the rest. A short or failed load shrinks the hit to what arrived. Saving: write-through
+saves every newly computed full block after its step; ``evict`` hands blocks to the store before
+the engine may reuse them. Every eviction is published. The step loop never waits on the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+from kvstore.keys import block_ident
+from kvstore.layout import KVLayout
+from offload.connector import OffloadConnector, Transfer
+from offload.restore_policy import RestorePolicy
+
+# Saves of at most this many blocks per request keep each round trip short.
+_SAVE_BATCH = 64
+
+
+@dataclass
+class _Restore:
+    """One sequence's restore in flight: the lookup, then (maybe) the load."""
+
+    seq: Sequence
+    first_block: int  # blocks before this were HBM hits
+    lookup: Transfer
+    load: Transfer | None = None
+    tiers: list[str] = field(default_factory=list)
+    num_blocks: int = 0  # blocks the load asked for
+    lease_id: int | None = None
+
+
+@dataclass
+class _Save:
+    transfer: Transfer
+    block_ids: list[int]
+    keys: list[bytes]
+
+
+class OffloadManager:
+    """Owns every in-flight store request of one engine; called by the scheduler and the engine."""
+
+    def __init__(self, connector: OffloadConnector, block_manager: BlockManager,
+                 block_bytes: int, policy: str, restore_policy: RestorePolicy) -> None:
+        if policy not in ("write-through", "evict"):
+            raise ValueError(f"unknown offload policy {policy!r}")
+        self.connector = connector
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.block_bytes = block_bytes
+        self.policy = policy
+        self.restore_policy = restore_policy
+        self.counters: Counter[str] = Counter()
+        self.hit_tokens_by_tier: Counter[str] = Counter()
+        self._restores: dict[str, _Restore] = {}
+        self._saves: list[_Save] = []
+        self._saved_keys: dict[bytes, None] = {}  # hashes the store acknowledged (bounded)
+
+    # -- restore ----------------------------------------------------------------------------
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._restores)
+
+    def start_restore(self, seq: Sequence, num_hbm_hit_blocks: int) -> bool:
+        """Ask the store for the blocks past the HBM hit; True if ``seq`` now waits on it."""
+        bs = self.block_size
+        last = (seq.num_tokens - 1) // bs  # leave at least one token to compute
+        if num_hbm_hit_blocks >= last or not self.connector.available:
+            return False
+        first = num_hbm_hit_blocks
+        hashes = seq.block_hashes[first:last]
+        idents = [self._ident(seq, j) for j in range(first, last)]
+        lookup = self.connector.lookup(seq.namespace_digest, hashes, idents)
+        self._restores[seq.request_id] = _Restore(seq, first, lookup)
+        seq.status = SequenceStatus.LOADING
+        self.counters["lookups"] += 1
+        return True
+
+    def poll(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Advance restores: (sequences whose load landed: now running, sequences to requeue).
+
+        Sequences aborted meanwhile are dropped here once nothing of theirs is in flight.
+        """
+        ready: list[Sequence] = []
+        requeue: list[Sequence] = []
+        for request_id, r in list(self._restores.items()):
+            if r.load is None:
+                if not r.lookup.poll():
+                    continue
+                if r.seq.abort_requested:
+                    del self._restores[request_id]
+                    if r.lookup.ok and r.lookup.result is not None and r.lookup.result.lease_id:
+                        self.connector.release(r.lookup.result.lease_id)
+                    continue
+                if self._begin_load(r):
+                    continue
+                del self._restores[request_id]
+                requeue.append(r.seq)
+            elif r.load.poll():
+                del self._restores[request_id]
+                self._finish_load(r)
+                if r.seq.abort_requested:
+                    self.bm.free(r.seq)
+                elif r.seq.status is SequenceStatus.RUNNING:
+                    ready.append(r.seq)
+                else:
+                    requeue.append(r.seq)
+        return ready, requeue
+
+    def _begin_load(self, r: _Restore) -> bool:
+        reply = r.lookup.result if r.lookup.ok else None
+        seq = r.seq
+        seq.status = SequenceStatus.WAITING
+        seq.offload_checked = True
+        if reply is None or reply.num_hit == 0:
+            self.counters["lookup_misses"] += 1
+            return False
+        r.lease_id, r.tiers = reply.lease_id, list(reply.tiers)
+        num_hit = reply.num_hit
+        # The HBM prefix may have changed while the lookup was in flight: restore only onto the
+        # exact prefix it was asked for.
+        hbm_hits = self.bm.match_prefix(seq)
+        tokens = num_hit * self.block_size
+        if len(hbm_hits) != r.first_block:
+            self.counters["restores_prefix_changed"] += 1
+            self._release(r)
+            return False
+        if self._expected_load_s(r.tiers) >= self.restore_policy.expected_prefill_s(tokens):
+            self.counters["restores_declined"] += 1  # recomputing is expected to be faster
+            self._release(r)
+            return False
+        if not self.bm.admit(seq, hbm_hits, tokens):
+            self.counters["restores_no_blocks"] += 1
+            self._release(r)
+            seq.block_ids, seq.num_computed_tokens = [], 0
+            return False
+        r.num_blocks = num_hit
+        dst = seq.block_ids[r.first_block:r.first_block + num_hit]
+        r.load = self.connector.load(r.lease_id, dst)
+        seq.status = SequenceStatus.LOADING
+        self.counters["loads"] += 1
+        return True
+
+    def _expected_load_s(self, tiers: list[str]) -> float:
+        by_tier = Counter(tiers)
+        return sum(self.restore_policy.expected_load_s(t, n * self.block_bytes)
+                   for t, n in by_tier.items())
+
+    def _finish_load(self, r: _Restore) -> None:
+        seq = r.seq
+        assert r.load is not None
+        dst = seq.block_ids[r.first_block:r.first_block + r.num_blocks]
+        if r.load.timed_out:
+            # No reply: the daemon may still write into these blocks. Keep them out of use for
+            # good (counted) and start the sequence over on fresh blocks.
+            self.bm.pin(dst)
+            self.counters["blocks_quarantined"] += len(dst)
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            return
+        num_loaded = int(r.load.result) if r.load.ok else 0
+        num_loaded = max(0, min(num_loaded, r.num_blocks))
+        if num_loaded < r.num_blocks:
+            self.counters["loads_short"] += 1
+        if num_loaded and r.load.ok:
+            dominant = Counter(r.tiers[:num_loaded]).most_common(1)[0][0]
+            self.restore_policy.observe_load(dominant, num_loaded * self.block_bytes,
+                                             r.load.elapsed_s)
+        bs = self.block_size
+        seq.num_computed_tokens = (r.first_block + num_loaded) * bs
+        restored = Counter(r.tiers[:num_loaded])
+        seq.restored_tokens_by_tier = {tier: n * bs for tier, n in restored.items()}
+        for tier, tokens in seq.restored_tokens_by_tier.items():
+            self.hit_tokens_by_tier[tier] += tokens
+        self.counters["blocks_loaded"] += num_loaded
+        # Loaded blocks are known to the store: never save them back.
+        for key in seq.block_hashes[r.first_block:r.first_block + num_loaded]:
+            self._remember_saved(key)
+        seq.num_saved_blocks = r.first_block + num_loaded
+        if seq.abort_requested:
+            return
+        self.bm.register_computed_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+
+    def _release(self, r: _Restore) -> None:
+        if r.lease_id is not None:
+            self.connector.release(r.lease_id)
+
+    # -- save and evictions -----------------------------------------------------------------
+
+    def save_computed(self, seqs: list[Sequence]) -> None:
+        """Write-through: save the full blocks this step completed (before any is freed)."""
+        if self.policy == "write-through":
+            for seq in seqs:
+                self._save_new_blocks(seq)
+
+    def after_step(self) -> None:
+        """Finish saves that landed, hand over released blocks (``evict``), publish evictions."""
+        self._poll_saves()
+        if self.policy == "evict":
+            self._hand_over_for_eviction()
+        evicted = self.bm.drain_evicted_keys()
+        for namespace, keys in evicted.items():
+            self.connector.evicted(namespace, keys)
+            self.counters["evictions_published"] += len(keys)
+
+    def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
+        """Feed the prefill rate the restore decision compares against."""
+        if num_prefill_tokens >= 2 * self.block_size:
+            self.restore_policy.observe_prefill(num_prefill_tokens, seconds)
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Nothing to run but restores in flight: wait up to ``timeout_s`` for a store reply."""
+        for r in self._restores.values():
+            transfer = r.load or r.lookup
+            if not transfer.done:
+                transfer.wait(timeout_s)
+                return
+
+    def _save_new_blocks(self, seq: Sequence) -> None:
+        num_full = min(seq.num_computed_tokens // self.block_size, seq.num_registered_blocks)
+        start = seq.num_saved_blocks
+        if num_full <= start:
+            return
+        js = [j for j in range(start, num_full) if seq.block_hashes[j] not in self._saved_keys]
+        seq.num_saved_blocks = num_full
+        for i in range(0, len(js), _SAVE_BATCH):
+            chunk = js[i:i + _SAVE_BATCH]
+            self._start_save(seq.namespace_digest, [seq.block_ids[j] for j in chunk],
+                             [seq.block_hashes[j] for j in chunk],
+                             [self._ident(seq, j) for j in chunk])
+
+    def _hand_over_for_eviction(self) -> None:
+        # A cached block whose last user let go is saved now and pinned until the store has
+        # it, so the engine never reuses (evicts) a block the store does not hold yet.
+        by_namespace: dict[bytes, list[tuple[int, bytes, bytes]]] = {}
+        for block_id, cached in self.bm.drain_released():
+            if cached.key in self._saved_keys:
+                continue
+            ident = block_ident(cached.parent_check, cached.token_ids)
+            by_namespace.setdefault(cached.namespace, []).append((block_id, cached.key, ident))
+        for namespace, items in by_namespace.items():
+            for i in range(0, len(items), _SAVE_BATCH):
+                chunk = items[i:i + _SAVE_BATCH]
+                self._start_save(namespace, [c[0] for c in chunk], [c[1] for c in chunk],
+                                 [c[2] for c in chunk])
+
+    def _start_save(self, namespace: bytes, block_ids: list[int], keys: list[bytes],
+                    idents: list[bytes]) -> None:
+        if not block_ids or not self.connector.available:
+            return
+        self.bm.pin(block_ids)  # not reused before the store has the bytes
+        transfer = self.connector.save(namespace, block_ids, keys, idents)
+        self._saves.append(_Save(transfer, block_ids, keys))
+        self.counters["saves"] += 1
+
+    def _poll_saves(self) -> None:
+        still: list[_Save] = []
+        for s in self._saves:
+            if not s.transfer.poll():
+                still.append(s)
+                continue
+            outcomes = s.transfer.result.outcomes if s.transfer.ok else None
+            for key, outcome in zip(s.keys, outcomes or ["failed"] * len(s.keys)):
+                if outcome in ("saved", "duplicate"):
+                    self._remember_saved(key)
+                    self.counters["blocks_saved"] += outcome == "saved"
+                else:
+                    self.counters["blocks_save_failed"] += 1
+            self.bm.unpin(s.block_ids)
+        self._saves = still
+
+    def _remember_saved(self, key: bytes) -> None:
+        self._saved_keys[key] = None
+        if len(self._saved_keys) > 4 * self.bm.num_blocks:
+            self._saved_keys.pop(next(iter(self._saved_keys)))
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _ident(self, seq: Sequence, j: int) -> bytes:
+        # The full-strength chain hash as parent: verifies the whole prefix, even with
+        # truncated keys.
+        parent = seq.block_checks[j - 1] if j else seq.namespace_digest
+        bs = self.block_size
+        return block_ident(parent, seq.token_ids[j * bs:(j + 1) * bs])
+
+    def abort(self, seq: Sequence) -> bool:
+        """Mark a loading sequence aborted; True if it is still in flight (finish it later)."""
+        if seq.request_id in self._restores:
+            seq.abort_requested = True
+            return True
+        return False
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Block until in-flight saves finish or ``timeout_s`` passes (shutdown, tests)."""
+        deadline = time.monotonic() + timeout_s
+        while self._saves and time.monotonic() < deadline:
+            self._saves[0].transfer.wait(max(0.0, deadline - time.monotonic()))
+            self._poll_saves()
+
+    def close(self) -> None:
+        """Let in-flight saves finish (bounded), then unregister from the store."""
+        self.wait_idle()
+        self.connector.close()
+
+    def stats(self) -> dict:
+        out = dict(self.counters)
+        out["connector"] = dict(self.connector.counters)
+        out["restore_policy"] = self.restore_policy.snapshot()
+        out["num_loading"] = self.num_loading
+        out["saves_in_flight"] = len(self._saves)
+        return out
+
+
+# Until measured: bytes/s per tier and prefill tokens/s, per device kind. Deliberately modest for
+# the store so the first restores happen only where they clearly pay.
+_PRIORS = {
+    "cpu": ({"hbm": 4e9, "dram": 2e9, "ssd": 5e8, "remote": 2e8}, 2e3),
+    "cuda": ({"hbm": 2e11, "dram": 2e10, "ssd": 1e9, "remote": 1e9}, 2e4),
+}
+
+
+def make_offload_manager(socket_path: str | None, layout: KVLayout, engine_id: str,
+                         block_manager: BlockManager, block_bytes: int, policy: str,
+                         device: str) -> OffloadManager:
+    """Connect to the store (or keep retrying in the background) and build the manager."""
+    bandwidth, prefill = _PRIORS["cuda" if device.startswith("cuda") else "cpu"]
+    connector = OffloadConnector(socket_path, layout, engine_id)
+    block_manager.track_offload = True
+    return OffloadManager(connector, block_manager, block_bytes, policy,
+                          RestorePolicy(dict(bandwidth), prefill))
+

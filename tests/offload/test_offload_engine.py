@@ -1,0 +1,172 @@
+"""--kv-offload end to end on CPU: a real daemon, real engines, greedy output must not change.
+
+Each test compares against an engine with no cache at all: a restored prefix (from DRAM or SSD, in
+a fresh engine or after a restart) must give the very same greedy tokens, and a store that is
+missing, dies, or serves short loads must only ever cost recompute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from daemon_helpers import wait_until
+
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _prompt(vocab_size: int, num_tokens: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab_size, num_tokens).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Greedy tokens with prefix caching off: the ground truth every cached run must match."""
+    llm = LLM(str(tiny_model_dir), device="cpu", enable_prefix_caching=False, num_kv_blocks=64)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def run(prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = llm.generate([prompt], GREEDY)[0].token_ids
+        return cache[key]
+
+    yield run
+    llm.close()
+
+
+def _offload_llm(model_dir, daemon, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 64)
+    return LLM(str(model_dir), device="cpu", kv_offload=True,
+               kv_store_socket=str(daemon.socket_path), **kwargs)
+
+
+def _close(llm: LLM) -> None:
+    llm.close()
+
+
+def test_restore_from_dram_in_a_fresh_engine_matches_no_cache(tiny_model_dir, make_daemon,
+                                                             reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    prompt = _prompt(1000, 16 * 12 + 5, seed=1)
+    first = _offload_llm(tiny_model_dir, daemon)
+    out = first.generate([prompt], GREEDY)[0]
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier["dram"] == 0
+    first.engine.offload.wait_idle()
+    _close(first)
+    with daemon.client() as c:
+        assert c.stats()["tiers"]["dram"]["blocks"] >= 12  # write-through saved every full block
+    second = _offload_llm(tiny_model_dir, daemon)  # empty HBM: only the store can serve
+    out = second.generate([prompt], GREEDY)[0]
+    _close(second)
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier["dram"] == 12 * 16
+    assert out.num_cached_tokens == 12 * 16
+    assert out.cached_tokens_by_tier["hbm"] == 0
+
+
+def test_restore_from_ssd_after_daemon_restart(tiny_model_dir, make_daemon, reference,
+                                               tmp_path) -> None:
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    daemon = make_daemon(dram="64MiB", ssd_dir=ssd, ssd_size="64MiB")
+    prompt = _prompt(1000, 16 * 10 + 3, seed=2)
+    llm = _offload_llm(tiny_model_dir, daemon)
+    llm.generate([prompt], GREEDY)
+    llm.engine.offload.wait_idle()
+    _close(llm)
+    daemon.stop()  # SIGTERM: DRAM is flushed to SSD, then the daemon exits
+    daemon = make_daemon(dram="64MiB", ssd_dir=ssd, ssd_size="64MiB")
+    llm = _offload_llm(tiny_model_dir, daemon)
+    out = llm.generate([prompt], GREEDY)[0]
+    _close(llm)
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier["ssd"] == 10 * 16
+
+
+def test_hbm_hit_first_then_store_for_the_rest(tiny_model_dir, make_daemon, reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    prompt = _prompt(1000, 16 * 8 + 1, seed=3)
+    writer = _offload_llm(tiny_model_dir, daemon)
+    writer.generate([prompt], GREEDY)
+    writer.engine.offload.wait_idle()
+    _close(writer)
+    reader = _offload_llm(tiny_model_dir, daemon)
+    head = prompt[:16 * 3 + 2]  # puts blocks 0..2 into this engine's HBM
+    reader.generate([head], GREEDY)
+    out = reader.generate([prompt], GREEDY)[0]
+    _close(reader)
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier["hbm"] == 3 * 16
+    assert out.cached_tokens_by_tier["dram"] == 5 * 16
+
+
+def test_evict_policy_hands_blocks_over_and_gets_them_back(tiny_model_dir, make_daemon,
+                                                          reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    # 16 blocks of HBM: the second prompt evicts the first one's blocks from this engine.
+    llm = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_policy="evict")
+    a = _prompt(1000, 16 * 10 + 4, seed=4)
+    b = _prompt(1000, 16 * 10 + 4, seed=5)
+    llm.generate([a], GREEDY)
+    llm.generate([b], GREEDY)
+    out = llm.generate([a], GREEDY)[0]
+    stats = llm.engine.stats()["kv_offload"]
+    llm.engine.block_manager.check_integrity()
+    _close(llm)
+    assert out.token_ids == reference(a)
+    assert out.cached_tokens_by_tier["dram"] > 0
+    assert stats["evictions_published"] > 0
+
+
+def test_no_daemon_engine_serves_and_counts(tiny_model_dir, reference, tmp_path) -> None:
+    prompt = _prompt(1000, 40, seed=6)
+    llm = LLM(str(tiny_model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
+              kv_store_socket=str(tmp_path / "nobody-here.sock"))
+    out = llm.generate([prompt], GREEDY)[0]
+    stats = llm.engine.stats()["kv_offload"]
+    _close(llm)
+    assert out.token_ids == reference(prompt)
+    assert stats["connector"]["connect_failures"] >= 1
+
+
+def test_daemon_killed_then_back_engine_keeps_serving_and_reconnects(
+        tiny_model_dir, make_daemon, reference, tmp_path) -> None:
+    daemon = make_daemon(dram="64MiB")
+    llm = _offload_llm(tiny_model_dir, daemon)
+    first = _prompt(1000, 16 * 6 + 1, seed=7)
+    llm.generate([first], GREEDY)
+    llm.engine.offload.wait_idle()
+    daemon.kill9()
+    second = _prompt(1000, 16 * 6 + 1, seed=8)
+    assert llm.generate([second], GREEDY)[0].token_ids == reference(second)
+    revived = make_daemon(dram="64MiB", socket_path=daemon.socket_path)
+    third = _prompt(1000, 16 * 6 + 1, seed=9)
+
+    def reconnected() -> bool:
+        llm.generate([third], GREEDY)
+        return llm.engine.stats()["kv_offload"]["connector"].get("connects", 0) >= 2
+
+    assert wait_until(reconnected, timeout_s=15.0, interval_s=0.2)
+    llm.engine.offload.wait_idle()
+    with revived.client() as c:
+        assert c.stats()["tiers"]["dram"]["blocks"] > 0  # saving again after the reconnect
+    _close(llm)
+
+
+def test_lookup_limit_leaves_a_token_to_compute(tiny_model_dir, make_daemon, reference) -> None:
+    # A prompt of exactly N full blocks: the last block is never restored (its logits are needed).
+    daemon = make_daemon(dram="64MiB")
+    prompt = _prompt(1000, 16 * 6, seed=10)
+    writer = _offload_llm(tiny_model_dir, daemon)
+    writer.generate([prompt + [5]], GREEDY)
+    writer.engine.offload.wait_idle()
+    _close(writer)
+    reader = _offload_llm(tiny_model_dir, daemon)
+    out = reader.generate([prompt], GREEDY)[0]
+    _close(reader)
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier["dram"] == 5 * 16
