@@ -92,9 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="read stats over the control socket (the default without --http)")
     stats.add_argument("--json", action="store_true", help="print the raw JSON")
 
-    demo = sub.add_parser("demo", add_help=False,
-                          help="daemon + engine + multi-turn chat, TTFT per tier")
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    sub.add_parser("demo", add_help=False,
+                   help="daemon + engine + multi-turn chat, TTFT per tier (demo --help)")
     return parser
 
 
@@ -315,13 +314,16 @@ def _demo(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvstore`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # its flags belong to the demo program
+        return _demo(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
             return _serve(args)
         if args.command == "stats":
             return _stats(args)
-        return _demo(args.demo_args)
+        return _demo([])
     except UsageError as exc:
         print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
