@@ -7,13 +7,14 @@ One run, two processes on this host, one redis-server started for the run:
 * process B (this one) runs its own ClusterNode and, interleaved, ``--reps`` times each:
   - raw: ucxx send/recv of the same number and size of messages from A's worker to B's (all
     receives posted at once, into one reused buffer), the bandwidth the wire and UCX allow;
-  - fetch: ``PeerClient.fetch`` of all blocks (request, owner-side lookup under a lease, header,
-    payloads, XXH3 verification on arrival);
-  - fetch_into_store: ``ClusterNode.fetch_remote_prefix`` (index lookup, fetch, ``store.put``
-    of every block into B's DRAM tier), the daemon's remote-hit path end to end;
+  - fetch: ``PeerClient.fetch`` of all blocks into a pooled buffer (request, owner-side lookup
+    under a lease, header, payloads, XXH3 verification on arrival);
+  - fetch_into_store: ``ClusterNode.fetch_remote_prefix`` (index lookup, then the payloads
+    received straight into B's DRAM write slots, verified, committed), the daemon's remote-hit
+    path end to end;
 * the index: ``lookup_holders`` of 1,024 hashes that A published (one script call), p50/p99.
 
-Usage: python benchmarks/cluster.py [--blocks 64] [--block-bytes 2359296] [--reps 5]
+Usage: python benchmarks/cluster.py [--blocks 64] [--block-bytes 2359296] [--reps 9]
                                     [--ucx-tls tcp,self,sm] [--machine NAME]
 Writes benchmarks/results/cluster-<machine>-<date>.json. Target: fetch ≥ 80% of raw.
 """
@@ -179,10 +180,10 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
 
             def fetch_once() -> float:
                 start = time.perf_counter()
-                result = node.client.fetch(info["addr"], ns, hashes, idents,
-                                           time.monotonic() + 60)
-                elapsed = time.perf_counter() - start
-                assert len(result.blocks) == args.blocks, result.error
+                with node.client.fetch(info["addr"], ns, hashes, idents,
+                                       time.monotonic() + 60) as result:
+                    elapsed = time.perf_counter() - start
+                    assert len(result.blocks) == args.blocks, result.error
                 return elapsed
 
             def into_store_once() -> float:
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--block-bytes", type=int, default=QWEN3_4B_BLOCK_BYTES)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--lookup-iterations", type=int, default=300)
     parser.add_argument("--ucx-tls", default=None,
                         help="UCX_TLS for both processes (default: UCX's own choice)")
@@ -263,9 +264,16 @@ def main(argv: list[str] | None = None) -> int:
         "command": command, "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
         "ucx_tls": args.ucx_tls or os.environ.get("UCX_TLS", "default"),
-        "note": "both processes on one host: UCX runs over loopback (or shared memory if "
-                "UCX_TLS allows it)",
+        "note": "both processes on one host: with this UCX build, UCX picks tcp over the "
+                "loopback device (UCX_LOG_LEVEL=info shows tag(tcp/lo))",
     }
+    try:
+        import ucxx
+
+        result["ucx_version"] = ".".join(map(str, ucxx.get_ucx_version()))
+        result["ucxx_version"] = ucxx.__version__
+    except ImportError:
+        raise SystemExit("benchmarks/cluster.py needs ucxx (pip install -e '.[cluster]')") from None
     work = Path(tempfile.mkdtemp(prefix="kvstore-cluster-bench-"))
     port = _free_port()
     redis = subprocess.Popen(

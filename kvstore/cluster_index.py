@@ -9,17 +9,18 @@ Keys (``P`` is ``config.key_prefix``):
 
 Entries are hints. A lookup is one script call (one round trip) that returns the entries of the
 longest run of claimed blocks as one string; only holders that are live with the same incarnation
-in this node's membership view (refreshed at every heartbeat) count. Stale entries seen on the way
-are queued for deletion. Writes are queued by ``publish``/``unpublish`` (never a Redis call on the
-caller's thread) and sent by one background thread, one script call per batch. When Redis is
-unreachable nothing raises into callers: lookups answer "no holder", writes stay queued (bounded),
-and the thread retries with exponential backoff. Once Redis answers again, a heartbeat that finds
-this node's key missing (Redis restarted, or the key expired meanwhile) re-publishes every block
-this node holds.
+in this node's membership view (refreshed at every heartbeat) count. Entries that look stale are
+queued for deletion, which the write script re-checks against the node keys. Writes are queued by
+``publish``/``unpublish`` (never a Redis call on the caller's thread) and sent by one background
+thread, one script call per batch. When Redis is unreachable nothing raises into callers: lookups
+answer "no holder", writes stay queued (bounded), and the thread retries with exponential
+backoff. Once Redis answers again, a heartbeat that finds this node's key missing (Redis
+restarted, or the key expired meanwhile) re-publishes every block this node holds.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import secrets
@@ -40,30 +41,42 @@ log = logging.getLogger(__name__)
 
 _KEY_BYTES = 2 * HASH_BYTES  # namespace + block hash
 
-# ARGV: namespace-hash key prefix, packed 32-byte (namespace, hash) keys, one op per key ('1'
-# add this node's entry, '0' remove this node's entry, '2' remove the given stale entry), then
-# one "node_id/incarnation" entry per key.
+# ARGV: namespace-hash key prefix, node key prefix, packed 32-byte (namespace, hash) keys, one op
+# per key ('1' add this node's entry, '0' remove this node's entry, '2' remove the given entry if
+# it is stale), then one "node_id/incarnation" entry per key. Staleness is decided here, against
+# the node keys, not by the reader's membership view, which may not know a node that just joined.
 _WRITE_LUA = """
-local prefix, blob, ops = ARGV[1], ARGV[2], ARGV[3]
+local prefix, node_prefix, blob, ops = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local live = {}
 for i = 1, #ops do
   local key = prefix .. string.sub(blob, i * 32 - 31, i * 32 - 16)
   local field = string.sub(blob, i * 32 - 15, i * 32)
-  local op, entry = string.byte(ops, i), ARGV[3 + i]
-  local node = string.match(entry, '^[^/]+/')
-  local old = redis.call('HGET', key, field)
-  local kept = {}
+  local op, entry = string.byte(ops, i), ARGV[4 + i]
+  local node, inc = string.match(entry, '^([^/]+)/(.*)$')
+  local skip = false
+  if op == 50 then
+    if live[node] == nil then
+      live[node] = redis.call('GET', node_prefix .. node) or false
+    end
+    local cur = live[node]
+    skip = cur and string.sub(cur, 1, #inc + 1) == inc .. ' '
+  end
+  local old = (not skip) and redis.call('HGET', key, field)
   if old then
+    local kept = {}
     for e in string.gmatch(old, '[^ ]+') do
-      if (op == 50 and e ~= entry) or (op ~= 50 and string.sub(e, 1, #node) ~= node) then
+      if (op == 50 and e ~= entry) or (op ~= 50 and string.sub(e, 1, #node + 1) ~= node .. '/') then
         kept[#kept + 1] = e
       end
     end
-  end
-  if op == 49 then kept[#kept + 1] = entry end
-  if #kept > 0 then
-    redis.call('HSET', key, field, table.concat(kept, ' '))
-  elseif old then
-    redis.call('HDEL', key, field)
+    if op == 49 then kept[#kept + 1] = entry end
+    if #kept > 0 then
+      redis.call('HSET', key, field, table.concat(kept, ' '))
+    else
+      redis.call('HDEL', key, field)
+    end
+  elseif op == 49 then
+    redis.call('HSET', key, field, entry)
   end
 end
 return #ops
@@ -82,6 +95,11 @@ for i = 1, #fields do
   out[i] = values[i]
 end
 return table.concat(out, '\\n')
+"""
+
+_DEREGISTER_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -115,7 +133,7 @@ class ClusterIndex:
         self._redis = redis.Redis.from_url(
             config.redis_url, socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False, health_check_interval=0, lib_name=None, lib_version=None,
+            retry_on_timeout=False, health_check_interval=0,
         )
         self._write_script = self._redis.register_script(_WRITE_LUA)
         self._lookup_script = self._redis.register_script(_LOOKUP_LUA)
@@ -167,9 +185,9 @@ class ClusterIndex:
             thread.join(timeout_s)
             if thread.is_alive():
                 log.warning("cluster index thread did not stop within %.1f s", timeout_s)
-        try:
-            self._redis.delete(self._node_key)  # peers drop this node now, not after the TTL
-        except _REDIS_ERRORS as exc:
+        try:  # peers drop this node now, not after the TTL (unless a newer life took the id)
+            self._redis.eval(_DEREGISTER_LUA, 1, self._node_key, self._node_value)
+        except (redis.RedisError, OSError) as exc:
             log.info("could not deregister from Redis (%s); the heartbeat key will expire", exc)
         self._redis.close()
 
@@ -201,7 +219,7 @@ class ClusterIndex:
     def _after_enqueue_locked(self) -> None:
         overflow = len(self._pending) - self.config.max_pending_events
         if overflow > 0:
-            for key in list(self._pending)[:overflow]:
+            for key in list(itertools.islice(self._pending, overflow)):
                 del self._pending[key]
             self._counters["dropped_events"] += overflow
         if not self._flushing and len(self._pending) == 1:
@@ -258,8 +276,7 @@ class ClusterIndex:
         with self._lock:
             self._counters[name] += n
 
-    def _parse(self, namespace: bytes, chunk: Sequence[bytes],
-                           raw: bytes) -> list[list[Holder]]:
+    def _parse(self, namespace: bytes, chunk: Sequence[bytes], raw: bytes) -> list[list[Holder]]:
         if not raw:
             return []
         parsed, members = self._parsed, self._members
@@ -285,7 +302,8 @@ class ClusterIndex:
         return out
 
     def _forget(self, stale: list[tuple[bytes, bytes]]) -> None:
-        """Queue the deletion of entries of dead nodes or older incarnations."""
+        """Queue the deletion of entries that look like those of dead nodes or older
+        incarnations; the write script deletes only those that really are."""
         with self._lock:
             for key, entry in stale:
                 if key not in self._pending:
@@ -429,7 +447,7 @@ class ClusterIndex:
             try:
                 self._write_script(
                     keys=[], client=self._redis,
-                    args=[self._hash_prefix, b"".join(key for key, _ in batch),
+                    args=[self._hash_prefix, self._node_prefix, b"".join(key for key, _ in batch),
                           b"".join(op for _, (op, _) in batch),
                           *(entry for _, (_, entry) in batch)])
             except BaseException:

@@ -18,10 +18,11 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from kvstore.block_store import BlockStore, StoreError
+from kvstore.block_store import BlockStore
 from kvstore.cluster_config import ClusterConfig
 from kvstore.cluster_index import ClusterIndex, Holder
-from kvstore.peer_transport import PeerClient, PeerServer
+from kvstore.peer_client import PeerClient
+from kvstore.peer_server import PeerServer
 
 log = logging.getLogger(__name__)
 
@@ -114,22 +115,21 @@ class ClusterNode:
                 break
             asked = True
             end = num_done + run_len
-            with self.client.fetch(peer.addr, namespace, hashes[num_done:end],
-                                   wanted[num_done:end], deadline) as result:
-                num_received = len(result.blocks)
-                num_stored = self._store_blocks(namespace, hashes[num_done:], wanted[num_done:],
-                                                result.blocks)
+            num_stored, error = self.client.fetch_into(
+                self.store, peer.addr, namespace, hashes[num_done:end], wanted[num_done:end],
+                deadline)
             if num_stored:
                 self.index.publish(namespace, hashes[num_done:num_done + num_stored])
             num_done += num_stored
-            if num_stored < num_received:
-                break  # the local store refused: nowhere to put more
-            if result.error is not None:
-                errors.append(result.error)
-                self._count(f"remote_errors_{result.error}")
-                if result.error in _SUSPECT_ERRORS:
+            if error == "store_full":
+                self._count("remote_store_refused")  # no room here: not the peer's fault
+                break
+            if error is not None:
+                errors.append(error)
+                self._count(f"remote_errors_{error}")
+                if error in _SUSPECT_ERRORS:
                     self._suspect(peer)
-            if num_received < run_len:
+            if num_stored < run_len:
                 tried.add(peer)  # this peer has no more of the run: ask another holder
         if num_done:
             self._count("remote_hits")
@@ -158,17 +158,6 @@ class ClusterNode:
         if best is None:
             self._count("remote_skipped_suspect")
         return best, min(best_len, self.config.max_blocks_per_fetch)
-
-    def _store_blocks(self, namespace: bytes, hashes: list[bytes], idents: list[bytes],
-                      blocks: list[memoryview]) -> int:
-        for i, data in enumerate(blocks):
-            try:
-                self.store.put(namespace, hashes[i], idents[i], data)
-            except StoreError as exc:
-                self._count("remote_store_refused")
-                log.info("fetched block not stored locally: %s", exc)
-                return i
-        return len(blocks)
 
     def _suspect(self, peer: Holder) -> None:
         with self._lock:

@@ -66,7 +66,11 @@ class UcxRuntime:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """``submit`` and wait; on timeout the coroutine is cancelled and TimeoutError raised."""
+        """``submit`` and wait; on timeout the coroutine is cancelled and TimeoutError raised.
+        Never from the loop's own thread (it would wait on itself)."""
+        if self.in_loop():
+            coro.close()
+            raise RuntimeError("UcxRuntime.call from the UCX loop thread would deadlock")
         future = self.submit(coro)
         try:
             return future.result(timeout_s)

@@ -72,7 +72,7 @@ class RedisServer:
         return {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def ucx_runtime():
     """Hold the process's UCX runtime for the whole session: nodes then start and stop without
     re-initialising UCX each time (about a second per test)."""
@@ -94,7 +94,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def make_node(redis_server: RedisServer):
+def make_node(redis_server: RedisServer, ucx_runtime):
     """``make_node(node_id, **config)`` → (ClusterNode, TieredStore), all stopped at teardown."""
     from kvstore.cluster_node import ClusterNode
     from kvstore.tiered_store import StoreConfig, TieredStore

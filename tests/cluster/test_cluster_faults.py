@@ -32,7 +32,8 @@ class FakePeer:
     """A peer that speaks the fetch protocol but misbehaves, registered in Redis like a node.
 
     ``mode``: "flip" sends block ``bad_index`` with one bit flipped (the checksum announced is
-    the true one), "wrong_ident" announces another ident for it, "silent" never answers.
+    the true one), "wrong_ident" announces another ident for it, "silent" never answers, "stall"
+    announces every block but stops sending before block ``bad_index``.
     """
 
     def __init__(self, redis_url: str, node_id: str, blocks, mode: str, bad_index: int = 0):
@@ -75,6 +76,8 @@ class FakePeer:
                 await send_frame(ep, TAG_RESP_LEN, TAG_RESP,
                                  {"v": PROTOCOL_VERSION, "blocks": entries, "error": None})
                 for i, data in enumerate(payloads):
+                    if self.mode == "stall" and i == self.bad_index:
+                        await asyncio.sleep(60)
                     await ep.send(data, tag=TAG_PAYLOAD + i)
         except (Exception, asyncio.CancelledError):
             pass
@@ -100,7 +103,7 @@ class FakePeer:
 
 
 @pytest.fixture
-def fake_peer(redis_server):
+def fake_peer(redis_server, ucx_runtime):
     made: list[FakePeer] = []
 
     def make(node_id: str, blocks, mode: str, bad_index: int = 0) -> FakePeer:
@@ -149,6 +152,25 @@ def test_silent_peer_times_out(make_node, fake_peer):
     assert b.stats()["remote_errors_timeout"] == 1
     assert store_b.lookup(blocks.namespace, blocks.hashes, blocks.idents,
                           lease_ttl_s=None).num_hit == 0
+
+
+def test_peer_stalling_mid_answer_leaves_no_reserved_memory(make_node, fake_peer):
+    b, store_b = make_node("b", remote_timeout_s=0.5)
+    blocks = make_blocks(6)
+    fake_peer("slow", blocks, "stall", bad_index=2)
+    assert wait_until(lambda: _sees(b, "slow"), 2.0)
+    start = time.monotonic()
+    # Write slots for all six blocks are reserved and filling when the deadline hits.
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents) == 0
+    assert time.monotonic() - start < 0.5 + 0.4
+    assert b.stats()["remote_errors_timeout"] == 1
+    # Every slot is given back once UCX let go of it: nothing stays reserved or visible.
+    assert wait_until(lambda: store_b.stats()["tiers"]["dram"]["used_bytes"] == 0, 2.0)
+    store_b.check_integrity()
+    assert store_b.lookup(blocks.namespace, blocks.hashes, blocks.idents,
+                          lease_ttl_s=None).num_hit == 0
+    blocks.put_all(store_b)  # and the same blocks can be written normally
+    assert store_b.get(blocks.namespace, blocks.hashes[3], blocks.idents[3]) == blocks.payloads[3]
 
 
 def test_unreachable_peer_is_an_immediate_miss(make_node, redis_server):
@@ -228,3 +250,19 @@ def test_paused_redis_is_a_bounded_wait(make_node, redis_server):
     assert b.fetch_remote_prefix(ns, hashes, idents) == 6
     assert store_b.get(ns, hashes[5], idents[5]) == blocks.payloads[5]
     assert b.stats()["index"]["redis_down_events"] >= 1
+
+
+def test_node_started_while_redis_is_down_joins_later(make_node, redis_server):
+    redis_server.stop()
+    start = time.monotonic()
+    b, store_b = make_node("b")  # start() does not fail, and waits only briefly
+    assert time.monotonic() - start < 2.0
+    assert not b.index.up
+    blocks = make_blocks(3)
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents) == 0
+    redis_server.start()
+    a, store_a = make_node("a")
+    blocks.put_all(store_a, a)
+    assert wait_until(lambda: b.index.up and _sees(b, "a"), 3.0)
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents) == 3
+    assert store_b.get(blocks.namespace, blocks.hashes[2], blocks.idents[2]) == blocks.payloads[2]

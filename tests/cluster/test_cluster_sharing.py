@@ -165,3 +165,37 @@ def test_killed_node_in_another_process(make_node, redis_server):
         if proc.poll() is None:
             proc.kill()
         proc.wait(5)
+
+
+def test_peer_client_fetch_returns_the_bytes(make_node):
+    a, store_a = make_node("a")
+    b, _ = make_node("b")
+    blocks = make_blocks(5, block_bytes=50_000)
+    blocks.put_all(store_a, a, count=3)
+    deadline = time.monotonic() + 2.0
+    with b.client.fetch(a.addr, blocks.namespace, blocks.hashes, blocks.idents,
+                        deadline) as result:
+        assert result.error is None
+        assert [bytes(v) for v in result.blocks] == blocks.payloads[:3]
+    assert result.blocks == []  # released: the buffer goes back to the pool
+    again = b.client.fetch(a.addr, blocks.namespace, blocks.hashes[3:], blocks.idents[3:],
+                           time.monotonic() + 2.0)
+    assert again.blocks == [] and again.error is None  # a holds none of them: a short answer
+
+
+def test_full_local_store_ends_the_run_without_error(make_node):
+    a, store_a = make_node("a")
+    b, store_b = make_node("b", dram_bytes=4 << 20)
+    blocks = make_blocks(12, block_bytes=1 << 20)
+    blocks.put_all(store_a, a)
+    # b leases what it fetches, so nothing can be evicted to make room: the run stops there.
+    num = b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents)
+    assert 0 < num < 12
+    leased = store_b.lookup(blocks.namespace, blocks.hashes, blocks.idents, lease_ttl_s=30.0)
+    assert leased.num_hit == num
+    assert b.fetch_remote_prefix(blocks.namespace, blocks.hashes, blocks.idents, num) == 0
+    stats = b.stats()
+    assert stats["remote_store_refused"] >= 1
+    assert not [k for k in stats if k.startswith("remote_errors")]
+    leased.lease.release()
+    store_b.check_integrity()
