@@ -128,7 +128,6 @@ CLI_ERRORS = [
     (["serve", "--bogus"], 2, "unrecognized arguments: --bogus"),
     (["serve", "--eviction", "random"], 2, "invalid choice"),
     (["frobnicate"], 2, "invalid choice"),
-    (["demo"], 2, "needs the inference engine"),
 ]
 
 
