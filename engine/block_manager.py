@@ -159,6 +159,21 @@ class BlockManager:
         else:
             self._free.append(block)
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached block no sequence uses (as vLLM's reset_prefix_cache); returns
+        how many. Evictions are published like any other."""
+        num_evicted = 0
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            cached = self._cached.pop(block)
+            del self._by_key[cached.key]
+            if self.track_offload:
+                self._evicted.append((cached.namespace, cached.key))
+            self._free.append(block)
+            num_evicted += 1
+        self.num_evictions += num_evicted
+        return num_evicted
+
     def pin(self, block_ids: list[int]) -> None:
         """Hold an extra reference on blocks (a copy to the store is reading them)."""
         for block in block_ids:

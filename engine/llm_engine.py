@@ -235,6 +235,13 @@ class LLMEngine:
             "kv_offload": self.offload.stats() if self.offload is not None else None,
         }
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every HBM-cached block no request uses; call between steps (step thread)."""
+        num_evicted = self.block_manager.reset_prefix_cache()
+        if self.offload is not None:
+            self.offload.after_step()  # publish the evictions now
+        return num_evicted
+
     # -- lifetime ---------------------------------------------------------------------------
 
     @property

@@ -170,3 +170,19 @@ def test_lookup_limit_leaves_a_token_to_compute(tiny_model_dir, make_daemon, ref
     _close(reader)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["dram"] == 5 * 16
+
+
+def test_reset_prefix_cache_sends_the_next_hit_to_the_store(tiny_model_dir, make_daemon,
+                                                            reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    prompt = _prompt(1000, 16 * 7 + 2, seed=11)
+    llm = _offload_llm(tiny_model_dir, daemon)
+    llm.generate([prompt], GREEDY)
+    assert llm.generate([prompt], GREEDY)[0].cached_tokens_by_tier["hbm"] == 7 * 16
+    llm.engine.offload.wait_idle()
+    assert llm.engine.reset_prefix_cache() >= 7
+    llm.engine.block_manager.check_integrity()
+    out = llm.generate([prompt], GREEDY)[0]
+    _close(llm)
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier == {"hbm": 0, "dram": 7 * 16, "ssd": 0, "remote": 0}
