@@ -258,6 +258,11 @@ class Client:
         for p in pending:
             p._finish(error=error)
 
+    @property
+    def is_closed(self) -> bool:
+        """True once the connection is gone (closed here, or the daemon went away)."""
+        return self._closed_error is not None
+
     def close(self) -> None:
         """Close the connection; requests still in flight fail with DaemonUnavailable."""
         with self._lock:

@@ -110,6 +110,8 @@ class OffloadConnector:
     @property
     def available(self) -> bool:
         """Connected and registered; tries to reconnect (rate-limited) when not."""
+        if self._client is not None and self._client.is_closed:
+            self._lost("unavailable")  # the daemon went away since the last request
         if self._client is None:
             self.connect()
         return self._client is not None
