@@ -5,10 +5,15 @@ blocks with ``CudaCopier``: one non-blocking stream per direction, copies coales
 ``cudaMemcpyAsync`` runs (a block of the block-major arena is one contiguous run, so a batch of
 blocks is at most one call per block and fewer when block ids are consecutive), and a CUDA event
 recorded after the batch. Completion is the event, never a sleep loop.
+
+One 2.36 MB block per call reaches about 93% of one big memcpy on an H100 (the copy engine idles a
+few microseconds between calls); dealing the calls over two streams of the same direction did not
+close that gap (measured: 47-51 GB/s either way against 55 raw), so there is one stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -77,7 +82,10 @@ class CudaIpcMapping:
 
 
 class CopyHandle:
-    """One submitted batch: ``poll()`` never blocks, ``wait()`` blocks on the event."""
+    """One submitted batch: ``poll()`` never blocks, ``wait()`` blocks on the event.
+
+    Both raise the CUDA error a copy of the batch hit.
+    """
 
     def __init__(self, event, num_bytes: int) -> None:
         self._event = event
@@ -107,9 +115,16 @@ class CudaCopier:
         merged = coalesce(runs)
         stream = self._streams[kind]
         with cp.cuda.Device(self.device_id):
-            for run in merged:
-                cp.cuda.runtime.memcpyAsync(int(run.dst_ptr), int(run.src_ptr),
-                                            int(run.num_bytes), kind, stream.ptr)
+            try:
+                for run in merged:
+                    cp.cuda.runtime.memcpyAsync(int(run.dst_ptr), int(run.src_ptr),
+                                                int(run.num_bytes), kind, stream.ptr)
+            except BaseException:
+                # The runs enqueued before the failing one have no event: wait for them here, so
+                # no copy is still touching the caller's buffers once it hears of the error.
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
+                raise
             event = cp.cuda.Event(block=True, disable_timing=True)
             event.record(stream)
         return CopyHandle(event, sum(r.num_bytes for r in merged))

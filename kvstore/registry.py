@@ -1,13 +1,17 @@
 """Registered engines: each one's KV layout and its mapped memory, with block-piece copies.
 
-A registration maps every distinct region buffer once (POSIX shared memory on CPU) and checks that
-every block id's piece lies inside its mapping. Copies hold the registration open, so unregistering
-(or the engine's disconnect) while a copy runs unmaps only after the last copy is done.
+A registration maps every distinct region buffer once (POSIX shared memory on CPU, a CUDA IPC
+handle on GPU) and checks that every block id's piece lies inside its mapping. Copies hold the
+registration open, so unregistering (or the engine's disconnect) while a copy runs unmaps only after
+the last copy is done. CUDA registrations copy through their device's ``CudaCopier``
+(``block_runs`` gives the runs); CUDA maps a handle at most once per process, so registrations of
+the same buffer share one refcounted mapping.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import re
@@ -17,11 +21,19 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from kvstore import cuda_copier
+from kvstore.cuda_copier import CopyRun, CudaCopier, CudaIpcMapping
 from kvstore.layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 # POSIX shm names as multiprocessing.shared_memory makes them; no path separators, no dot-files.
 _SHM_NAME = re.compile(r"^/?[A-Za-z0-9_][A-Za-z0-9_.\-]{0,250}$")
 _SHM_DIR = "/dev/shm"
+_CUDA_DEVICE = re.compile(r"^cuda(?::(\d{1,3}))?$")
+CUDA_IPC_HANDLE_BYTES = 64
 
 
 class RegistryError(Exception):
@@ -61,9 +73,65 @@ def _map_shm(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+def host_address(buffer: memoryview) -> int:
+    """The address of a (read-only or writable) host buffer's first byte."""
+    return np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0]
+
+
+class _IpcTable:
+    """CUDA IPC mappings open in this process, by (device, handle), with reference counts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, bytes], list] = {}  # key -> [mapping, num_users]
+
+    def acquire(self, handle: bytes, size_bytes: int, device_id: int) -> CudaIpcMapping:
+        with self._lock:
+            entry = self._open.get((device_id, handle))
+            if entry is None:
+                entry = [CudaIpcMapping(handle, size_bytes, device_id), 0]
+                self._open[(device_id, handle)] = entry
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, handle: bytes, device_id: int) -> None:
+        with self._lock:
+            entry = self._open[(device_id, handle)]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._open[(device_id, handle)]
+        try:
+            entry[0].close()
+        except Exception as exc:  # a broken CUDA context: nothing left to unmap
+            log.warning("closing a CUDA IPC mapping on device %d failed: %s", device_id, exc)
+
+
+def _cuda_device_id(device: str) -> int:
+    match = _CUDA_DEVICE.match(device)
+    if match is None:
+        raise RegistryError("bad_request", f"unknown device {device!r}")
+    device_id = int(match.group(1) or 0)
+    if not cuda_copier.cuda_available():
+        raise RegistryError("unsupported", f"device {device!r}: CUDA IPC regions need a CUDA "
+                            "device and this daemon sees none (CuPy missing or no GPU); register "
+                            "a CPU shared-memory layout")
+    import cupy
+
+    num_devices = cupy.cuda.runtime.getDeviceCount()
+    if device_id >= num_devices:
+        raise RegistryError("bad_request", f"device {device!r}: this daemon sees "
+                            f"{num_devices} CUDA device(s)")
+    return device_id
+
+
 @dataclass
 class Registration:
-    """One engine's layout and mappings; ``piece_views`` are only valid inside ``open_for_copy``."""
+    """One engine's layout and mappings; ``piece_views`` are only valid inside ``open_for_copy``.
+
+    A CUDA registration (``is_cuda``) has ``device_id``, ``copier`` and one device address per
+    region instead of views; its device memory stays mapped until ``close`` and the last copy.
+    """
 
     registration_id: int
     engine_id: str
@@ -71,6 +139,11 @@ class Registration:
     owner: str
     _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
     _views: list[memoryview] = field(default_factory=list, repr=False)  # one per region
+    device_id: int | None = None
+    copier: CudaCopier | None = field(default=None, repr=False)
+    _region_ptrs: list[int] = field(default_factory=list, repr=False)  # CUDA: one per region
+    _ipc_handles: list[bytes] = field(default_factory=list, repr=False)  # distinct, acquired
+    _ipc_table: _IpcTable | None = field(default=None, repr=False)
     _num_copies: int = 0
     _closed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -82,6 +155,21 @@ class Registration:
     @property
     def block_bytes(self) -> int:
         return self.layout.block_bytes
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_id is not None
+
+    def block_runs(self, block_id: int, host_addr: int, to_device: bool) -> list[CopyRun]:
+        """CUDA only: the copies moving block ``block_id`` between its device pieces and the
+        ``block_bytes`` at ``host_addr`` (pieces concatenated in region order)."""
+        runs = []
+        for region, base in zip(self.layout.regions, self._region_ptrs):
+            dev = base + region.offset + block_id * region.block_stride
+            runs.append(CopyRun(host_addr, dev, region.block_bytes) if to_device
+                        else CopyRun(dev, host_addr, region.block_bytes))
+            host_addr += region.block_bytes
+        return runs
 
     def check_block_ids(self, block_ids: Sequence[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.layout.num_blocks]
@@ -107,6 +195,10 @@ class Registration:
 
     def read_block(self, block_id: int, out: memoryview) -> None:
         """Copy engine block ``block_id`` (its region pieces, concatenated) into ``out``."""
+        if self.is_cuda:
+            self.copier.device_to_host(self.block_runs(block_id, host_address(out),
+                                                       to_device=False)).wait()
+            return
         pos = 0
         for region, view in zip(self.layout.regions, self._views):
             start, end = region.piece_bounds(block_id)
@@ -115,6 +207,10 @@ class Registration:
 
     def write_block(self, block_id: int, data: memoryview) -> None:
         """Copy ``data`` (a whole block) into engine block ``block_id``'s region pieces."""
+        if self.is_cuda:
+            self.copier.host_to_device(self.block_runs(block_id, host_address(data),
+                                                       to_device=True)).wait()
+            return
         pos = 0
         for region, view in zip(self.layout.regions, self._views):
             start, end = region.piece_bounds(block_id)
@@ -138,6 +234,9 @@ class Registration:
         for mapping in self._maps.values():
             mapping.close()
         self._maps.clear()
+        self._region_ptrs.clear()
+        while self._ipc_handles:
+            self._ipc_table.release(self._ipc_handles.pop(), self.device_id)
 
 
 class Registry:
@@ -147,6 +246,8 @@ class Registry:
         self._lock = threading.Lock()
         self._by_id: dict[int, Registration] = {}
         self._ids = itertools.count(1)
+        self._ipc = _IpcTable()
+        self._copiers: dict[int, CudaCopier] = {}
 
     def register(self, layout_wire: dict, engine_id: str, owner: str) -> Registration:
         """Map a layout's memory; RegistryError(bad_request|unsupported|not_found) if impossible."""
@@ -155,11 +256,14 @@ class Registry:
         except (ValueError, TypeError) as exc:
             raise RegistryError("bad_request", f"invalid layout: {exc}") from None
         if layout.device != "cpu":
-            if layout.device.startswith("cuda"):
-                raise RegistryError("unsupported", f"device {layout.device!r}: CUDA IPC regions "
-                                    "are not supported by this daemon yet; register a CPU "
-                                    "shared-memory layout")
-            raise RegistryError("bad_request", f"unknown device {layout.device!r}")
+            reg = self._open_cuda(layout, engine_id, owner)
+        else:
+            reg = self._open_shm(layout, engine_id, owner)
+        with self._lock:
+            self._by_id[reg.registration_id] = reg
+        return reg
+
+    def _open_shm(self, layout: KVLayout, engine_id: str, owner: str) -> Registration:
         reg = Registration(next(self._ids), engine_id, layout, owner)
         try:
             for i, region in enumerate(layout.regions):
@@ -177,9 +281,44 @@ class Registry:
         except BaseException:
             reg._unmap()
             raise
-        with self._lock:
-            self._by_id[reg.registration_id] = reg
         return reg
+
+    def _open_cuda(self, layout: KVLayout, engine_id: str, owner: str) -> Registration:
+        device_id = _cuda_device_id(layout.device)
+        handles = []
+        for i, region in enumerate(layout.regions):
+            if not isinstance(region.handle, bytes) or len(region.handle) != \
+                    CUDA_IPC_HANDLE_BYTES:
+                raise RegistryError("bad_request", f"region {i}: a CUDA region's handle must be "
+                                    f"the {CUDA_IPC_HANDLE_BYTES} bytes of a CUDA IPC handle")
+            handles.append(region.handle)
+        reg = Registration(next(self._ids), engine_id, layout, owner, device_id=device_id,
+                           copier=self._copier(device_id), _ipc_table=self._ipc)
+        mapped: dict[bytes, int] = {}
+        try:
+            for i, handle in enumerate(handles):
+                if handle not in mapped:
+                    size = max(r.size_bytes for r, h in zip(layout.regions, handles)
+                               if h == handle)
+                    try:
+                        mapping = self._ipc.acquire(handle, size, device_id)
+                    except Exception as exc:  # CUDARuntimeError: stale, foreign or own handle
+                        raise RegistryError("bad_request", f"region {i}: cannot open its CUDA "
+                                            f"IPC handle on {layout.device}: {exc}") from None
+                    reg._ipc_handles.append(handle)
+                    mapped[handle] = mapping.ptr
+                reg._region_ptrs.append(mapped[handle])
+        except BaseException:
+            reg._unmap()
+            raise
+        return reg
+
+    def _copier(self, device_id: int) -> CudaCopier:
+        with self._lock:
+            copier = self._copiers.get(device_id)
+            if copier is None:
+                copier = self._copiers[device_id] = CudaCopier(device_id)
+            return copier
 
     def get(self, registration_id: int, owner: str) -> Registration:
         with self._lock:

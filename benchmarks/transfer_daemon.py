@@ -1,0 +1,305 @@
+"""Save/load bandwidth through the daemon against raw pinned cudaMemcpy of the same bytes, one run.
+
+The engine side is this process: a 1,024-block Qwen3-4B arena (2.36 MB blocks) in its own
+cudaMalloc, registered with a real `kvstore serve` subprocess by CUDA IPC handle. For 64/256/1,024
+block ids (shuffled, and consecutive) it times by wall clock around the client calls:
+``single``: one `Client.save` (fresh hashes every rep), then one `Client.load` after a lookup (the
+lookup is timed apart); ``streamed``: ``--depth`` such requests in flight at once (shuffled ids), as
+an engine that keeps saving does, so one request's round trip hides behind another's copies. By
+CUDA events: one raw cudaMemcpyAsync of the same bytes between the arena and cudaHostAlloc'd memory
+and between the arena and a cudaHostRegister'd HostPool (the daemon's kind of pinned memory).
+Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process, as the ceiling of
+one-call-per-block copies: the copier alone (shuffled blocks into consecutive pool slots).
+Daemon variants: ``default`` (as shipped: pipelined chunks) and ``one_submission`` (each request
+one batch: reserve all, one copy submission, wait, publish).
+
+    python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
+                                         [--variants default,one_submission] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
+IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
+# Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
+_VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0"}
+_SERVE = ("import sys, kvstore.cuda_transfer as t; {}; "
+          "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def _start_daemon(dram_bytes: int, variant: str) -> tuple[subprocess.Popen, Path]:
+    socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
+    head = [sys.executable, "-m", "kvstore.cli"] if variant == "default" else \
+        [sys.executable, "-c", _SERVE.format(_VARIANTS[variant])]
+    proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram",
+                             str(dram_bytes), "--http", "off"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"})
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            sys.stdout.write("  daemon| " + line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        line = lines.get(timeout=120)
+        if line is None:
+            raise RuntimeError(f"daemon exited with {proc.wait()}")
+        if "kvstore: ready" in line:
+            return proc, socket_path
+
+
+def _stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def _event_ms(cp, fn, stream, reps: int) -> float:
+    fn()
+    stream.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        fn()
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def _raw_row(cp, n: int, dev: int, alloc_host: int, pool_host: int, reps: int) -> dict:
+    """Raw single-memcpy bandwidth (GB/s) of n blocks, both directions, both kinds of pinning."""
+    nbytes = n * BLOCK_BYTES
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = {}
+    for name, host in (("raw", alloc_host), ("raw_registered", pool_host)):
+        d2h = _event_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(h, dev, nbytes, 2,
+                                                                        stream.ptr), stream, reps)
+        h2d = _event_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(dev, h, nbytes, 1,
+                                                                        stream.ptr), stream, reps)
+        out[f"{name}_d2h_gbps"] = nbytes / d2h / 1e6
+        out[f"{name}_h2d_gbps"] = nbytes / h2d / 1e6
+    return out
+
+
+def _copier_row(n: int, dev: int, host: int, block_ids: list[int], reps: int) -> dict:
+    """The copier alone in this process: shuffled blocks to and from consecutive pool slots."""
+    from kvstore.cuda_copier import CopyRun, CudaCopier
+
+    out = {}
+    copier = CudaCopier(0)
+    pairs = [(dev + b * BLOCK_BYTES, host + j * BLOCK_BYTES) for j, b in enumerate(block_ids)]
+    for way, runs, fn in (
+            ("d2h", [CopyRun(d, h, BLOCK_BYTES) for d, h in pairs], copier.device_to_host),
+            ("h2d", [CopyRun(h, d, BLOCK_BYTES) for d, h in pairs], copier.host_to_device)):
+        times = []
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            fn(runs).wait()
+            if rep:
+                times.append(time.perf_counter() - t0)
+        out[f"copier_{way}_gbps"] = n * BLOCK_BYTES / float(np.median(times)) / 1e9
+    return out
+
+
+def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: int) -> dict:
+    """Median wall-clock ms of save, lookup and load of ``block_ids`` through the daemon."""
+    n = len(block_ids)
+    save_ms, lookup_ms, load_ms = [], [], []
+    for rep in range(reps + 1):  # the first rep warms up
+        hashes = [os.urandom(16) for _ in range(n)]
+        idents = [os.urandom(IDENT_BYTES) for _ in range(n)]
+        t0 = time.perf_counter()
+        reply = client.save(reg, namespace, block_ids, hashes, idents)
+        t1 = time.perf_counter()
+        hit = client.lookup(namespace, hashes, idents)
+        t2 = time.perf_counter()
+        num_loaded = client.load(reg, hit.lease_id, block_ids)
+        t3 = time.perf_counter()
+        client.remove(namespace, hashes)
+        if reply.num_saved != n or hit.num_hit != n or num_loaded != n:
+            raise RuntimeError(f"{n} blocks: saved {reply.num_saved}, hit {hit.num_hit}, "
+                               f"loaded {num_loaded}")
+        if rep:
+            save_ms.append((t1 - t0) * 1e3)
+            lookup_ms.append((t2 - t1) * 1e3)
+            load_ms.append((t3 - t2) * 1e3)
+    return {"save_ms": float(np.median(save_ms)), "lookup_ms": float(np.median(lookup_ms)),
+            "load_ms": float(np.median(load_ms))}
+
+
+def _streamed_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: int,
+                  depth: int) -> dict:
+    """Median wall-clock ms of ``depth`` concurrent saves, then of ``depth`` concurrent loads."""
+    n = len(block_ids)
+    save_ms, load_ms = [], []
+    for rep in range(reps + 1):
+        chains = [([os.urandom(16) for _ in range(n)], [os.urandom(IDENT_BYTES) for _ in range(n)])
+                  for _ in range(depth)]
+        t0 = time.perf_counter()
+        saves = [client.save_async(reg, namespace, block_ids, h, i) for h, i in chains]
+        num_saved = sum(p.wait().num_saved for p in saves)
+        t1 = time.perf_counter()
+        leases = [client.lookup(namespace, h, i).lease_id for h, i in chains]
+        t2 = time.perf_counter()
+        loads = [client.load_async(reg, lease, block_ids) for lease in leases]
+        num_loaded = sum(p.wait() for p in loads)
+        t3 = time.perf_counter()
+        for h, _ in chains:
+            client.remove(namespace, h)
+        if num_saved != depth * n or num_loaded != depth * n:
+            raise RuntimeError(f"streamed {depth} x {n}: saved {num_saved}, loaded {num_loaded}")
+        if rep:
+            save_ms.append((t1 - t0) * 1e3)
+            load_ms.append((t3 - t2) * 1e3)
+    return {"save_ms": float(np.median(save_ms)), "load_ms": float(np.median(load_ms))}
+
+
+def _byte_exact(cp, client, reg: int, namespace: bytes, kv, block_ids: list[int]) -> bool:
+    """Save, scramble the arena, load back into the same ids: the blocks must come back."""
+    hashes = [os.urandom(16) for _ in block_ids]
+    idents = [os.urandom(IDENT_BYTES) for _ in block_ids]
+    expect = kv[block_ids].copy()
+    if client.save(reg, namespace, block_ids, hashes, idents).num_saved != len(block_ids):
+        return False
+    kv[...] = 0
+    cp.cuda.Device().synchronize()
+    hit = client.lookup(namespace, hashes, idents)
+    num_loaded = client.load(reg, hit.lease_id, block_ids)
+    ok = num_loaded == len(block_ids) and bool(cp.array_equal(kv[block_ids], expect))
+    client.remove(namespace, hashes)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", default="64,256,1024")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--depth", type=int, default=4, help="requests in flight, streamed")
+    parser.add_argument("--variants", default="default",
+                        help="comma-separated: default, " + ", ".join(_VARIANTS))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+
+    from kvstore.client import Client
+    from kvstore.host_pool import HostPool
+    from kvstore.keys import Namespace
+    from kvstore.layout import KVLayout, Region
+
+    counts = [int(x) for x in args.blocks.split(",")]
+    max_blocks = max(counts)
+    total = max_blocks * BLOCK_BYTES
+    memory = cp.cuda.Memory(total)  # its own allocation: an IPC handle names a whole one
+    kv = cp.ndarray((max_blocks, BLOCK_BYTES), cp.uint8, cp.cuda.MemoryPointer(memory, 0))
+    kv[...] = cp.random.RandomState(0).randint(0, 256, kv.shape, dtype=cp.uint8)
+    pinned = cp.cuda.alloc_pinned_memory(total)
+    alloc_host = np.frombuffer(pinned, dtype=np.uint8, count=total).ctypes.data
+    pool = HostPool(total, pin=True)
+    rng = np.random.default_rng(0)
+    shuffled = {n: [int(b) for b in rng.permutation(max_blocks)[:n]] for n in counts}
+    raw = {n: {**_raw_row(cp, n, memory.ptr, alloc_host, pool.base_address, args.reps),
+               **_copier_row(n, memory.ptr, pool.base_address, shuffled[n], args.reps)}
+           for n in counts}
+    pool.close()
+    for n in counts:
+        r = raw[n]
+        print(f"{n:5d} blocks | raw d2h {r['raw_d2h_gbps']:5.1f} (registered "
+              f"{r['raw_registered_d2h_gbps']:5.1f}) h2d {r['raw_h2d_gbps']:5.1f} (registered "
+              f"{r['raw_registered_h2d_gbps']:5.1f}) | in-process copier, a call per shuffled "
+              f"block: d2h {r['copier_d2h_gbps']:5.1f} h2d {r['copier_h2d_gbps']:5.1f} GB/s",
+              flush=True)
+
+    handle = bytes(cp.cuda.runtime.ipcGetMemHandle(memory.ptr))
+    layout = KVLayout(max_blocks, (Region(handle, total, 0, BLOCK_BYTES, BLOCK_BYTES),),
+                      device="cuda:0", dtype="bfloat16")
+    namespace = Namespace(name="transfer-daemon").digest
+    rows, exact, daemon_pinned = [], None, None
+    for variant in args.variants.split(","):
+        modes = ["single", "single_consecutive", "streamed"] if variant == "default" else \
+            ["single"]
+        depth = args.depth if "streamed" in modes else 1
+        proc, socket_path = _start_daemon(depth * total + (256 << 20), variant)
+        try:
+            with Client(socket_path, timeout_s=120.0) as client:
+                daemon_pinned = client.stats()["tiers"]["dram"]["pinned"]
+                reg = client.register(layout, "transfer-daemon")
+                for n, mode in ((n, m) for n in counts for m in modes):
+                    if mode == "streamed":
+                        timed = _streamed_row(client, reg, namespace, shuffled[n], args.reps,
+                                              depth)
+                        nbytes = depth * n * BLOCK_BYTES
+                    else:
+                        block_ids = list(range(n)) if mode == "single_consecutive" else \
+                            shuffled[n]
+                        timed = _daemon_row(client, reg, namespace, block_ids, args.reps)
+                        nbytes = n * BLOCK_BYTES
+                    row = {"variant": variant, "mode": mode, "blocks": n, "bytes": nbytes,
+                           "depth": depth if mode == "streamed" else 1, **raw[n], **timed}
+                    row["daemon_save_gbps"] = nbytes / row["save_ms"] / 1e6
+                    row["daemon_load_gbps"] = nbytes / row["load_ms"] / 1e6
+                    row["ratio_save"] = row["daemon_save_gbps"] / row["raw_d2h_gbps"]
+                    row["ratio_load"] = row["daemon_load_gbps"] / row["raw_h2d_gbps"]
+                    rows.append(row)
+                    lookup = f" | lookup {row['lookup_ms']:.2f} ms" if "lookup_ms" in row else ""
+                    print(f"{variant:>14} {mode:>18} {n:5d} blocks | save "
+                          f"{row['daemon_save_gbps']:5.1f} GB/s = {row['ratio_save']:.2f} of raw"
+                          f" | load {row['daemon_load_gbps']:5.1f} GB/s = "
+                          f"{row['ratio_load']:.2f} of raw{lookup}", flush=True)
+                if variant == "default":
+                    exact = _byte_exact(cp, client, reg, namespace, kv, shuffled[max_blocks])
+                client.unregister(reg)
+        finally:
+            _stop_daemon(proc, socket_path)
+
+    gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    out = {
+        "benchmark": "transfer_daemon", "block_bytes": BLOCK_BYTES, "rows": rows,
+        "byte_exact": exact, "daemon_pool_pinned": daemon_pinned,
+        "timing": "daemon: wall clock around Client.save/load (socket, msgpack, worker thread "
+                  "included; streamed: depth requests in flight, bytes of all of them), median "
+                  "of reps after one warm-up; raw: CUDA events around one cudaMemcpyAsync of "
+                  "the blocks' bytes; ratio = daemon / raw (cudaHostAlloc) of the same row",
+        "machine": {"node": platform.node(), "gpu": gpu.decode() if isinstance(gpu, bytes)
+                    else str(gpu), "cpus": os.cpu_count()},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.transfer_daemon " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+    }
+    print(f"byte-exact save/scramble/load through the daemon: {exact}; daemon pool pinned: "
+          f"{daemon_pinned}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"transfer-daemon-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
