@@ -113,4 +113,8 @@ def make_kv_cache(device: str, shape: tuple[int, ...], dtype: str) -> KVCache:
     """The arena for a resolved device."""
     if device == "cpu":
         return SharedMemoryKVCache(shape, dtype)
-    raise NotImplementedError(f"no KV arena for device {device!r} yet (the CUDA backend adds one)")
+    if device == "cuda":
+        from engine.cuda_kv_cache import CudaKVCache  # imports CuPy: only on the GPU path
+
+        return CudaKVCache(shape, dtype)
+    raise ValueError(f"unknown device {device!r}; expected 'cpu' or 'cuda'")

@@ -1,4 +1,4 @@
-"""Kernels: the ``Ops`` interface, its NumPy reference backend and (later) the CUDA backend."""
+"""Kernels: the ``Ops`` interface, its NumPy reference backend and the CUDA backend."""
 
 from __future__ import annotations
 

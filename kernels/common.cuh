@@ -1,7 +1,7 @@
 // Helpers shared by the kernels: bf16 <-> float32 and vector loads. No headers: NVRTC here cannot
-// include the C++ standard library, so bf16 is carried as its 16-bit pattern (unsigned short) and
-// converted by shifting. The launchers (kernels/cuda_module.py) inline this file where a .cu says
-// #include "common.cuh".
+// include the C++ standard library, so bf16 is carried as its 16-bit pattern (unsigned short),
+// widened by shifting and narrowed by the sm_80+ cvt instructions. The launchers
+// (kernels/cuda_module.py) inline this file where a .cu says #include "common.cuh".
 #pragma once
 
 typedef unsigned short bf16_t;
@@ -10,17 +10,19 @@ __device__ __forceinline__ float bf16_to_float(bf16_t x) {
     return __uint_as_float(((unsigned)x) << 16);
 }
 
-// Round to nearest even, as every framework converts; NaN stays a (quiet) NaN.
+// Round to nearest even, as every framework converts (one sm_80+ instruction).
 __device__ __forceinline__ bf16_t float_to_bf16(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
 }
 
-// Two floats as one 32-bit word of bf16: ``lo`` at the lower address (the lower 16 bits).
+// Two floats as one 32-bit word of bf16: ``lo`` at the lower address (the lower 16 bits). The
+// instruction puts its first source in the upper half.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-    return (unsigned)float_to_bf16(lo) | ((unsigned)float_to_bf16(hi) << 16);
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
 __device__ __forceinline__ float bf16x2_lo(unsigned w) { return __uint_as_float(w << 16); }

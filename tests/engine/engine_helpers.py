@@ -83,11 +83,13 @@ def run_forward(engine: LLMEngine, token_ids: list[int], start: int, block_ids: 
     bs = engine.config.block_size
     positions = np.arange(start, len(token_ids), dtype=np.int32)
     blocks = np.array(block_ids, dtype=np.int32)
+    dev = engine.runner.ops.to_device  # the identity on CPU
     batch = ForwardBatch(
-        token_ids=np.array(token_ids[start:], dtype=np.int32), positions=positions,
-        slot_mapping=(blocks[positions // bs] * bs + positions % bs).astype(np.int32),
-        block_tables=blocks[None, :], cu_seqlens_q=np.array([0, len(positions)], np.int32),
-        context_lens=np.array([len(token_ids)], np.int32),
-        logits_indices=np.arange(len(positions), dtype=np.int32), is_decode=False,
+        token_ids=dev(np.array(token_ids[start:], dtype=np.int32)), positions=dev(positions),
+        slot_mapping=dev((blocks[positions // bs] * bs + positions % bs).astype(np.int32)),
+        block_tables=dev(blocks[None, :]),
+        cu_seqlens_q=dev(np.array([0, len(positions)], np.int32)),
+        context_lens=dev(np.array([len(token_ids)], np.int32)),
+        logits_indices=dev(np.arange(len(positions), dtype=np.int32)), is_decode=False,
     )
     return engine.runner.forward(batch)

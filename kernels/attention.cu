@@ -1,0 +1,535 @@
+// Paged attention over the block-major arena kv[num_blocks, num_layers, 2, block_size, Hkv, D], bf16
+// in, float32 softmax and accumulation, bf16 out. FlashAttention-2 style: each warp owns 16 query
+// rows, K/V tiles of 64 keys stream through shared memory (cp.async, double-buffered), scores and
+// P @ V run on tensor cores (mma.sync m16n8k16 bf16 -> f32), online softmax in the log2 domain.
+//
+//   paged_prefill  causal varlen GQA: one CTA per (query tile of 16 rows per warp, query head). Row i of
+//                  sequence b sits at position context_lens[b] - q_len + i and sees keys 0..position.
+//                  The CTA finds its (sequence, tile) by walking cu_seqlens; the grid is an upper
+//                  bound on the tile count, so no host sync. Late (heavier) tiles start first.
+//   paged_decode   one query per sequence: one warp per (context split, KV head, sequence); the
+//                  group's query heads are the warp's rows, so K/V are read once per KV head.
+//   combine_splits merges the decode splits' normalized partials by their (max, sum).
+//
+// HEAD_DIM (multiple of 16, <= 256) is a compile-time define, so is PREFILL_WARPS (4 or 8: 64 or
+// 128 query rows per CTA). USE_LDMATRIX=0 swaps the ldmatrix fragment loads for plain 32/16-bit
+// shared loads (same results; kept as a cross-check).
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef USE_LDMATRIX
+#define USE_LDMATRIX 1
+#endif
+#ifndef PREFILL_WARPS
+#define PREFILL_WARPS 8
+#endif
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define NO_POSITION 0x7fffffff
+
+constexpr int D = HEAD_DIM;
+constexpr int PREFILL_THREADS = 32 * PREFILL_WARPS;
+constexpr int BM = 16 * PREFILL_WARPS;  // query rows per prefill CTA, 16 per warp
+constexpr int BN = 64;          // keys per tile
+constexpr int STRIDE = D + 8;   // shared row stride (elements): 16-byte pad, conflict-free loads
+constexpr int CHUNKS = D / 8;   // 16-byte pieces per row
+
+static_assert(D % 16 == 0 && D <= 256, "HEAD_DIM must be a multiple of 16, at most 256");
+
+// ---- PTX wrappers ------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                          unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^-inf = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ unsigned ld_shared_u32(const bf16_t* p) {
+    return *reinterpret_cast<const unsigned*>(p);
+}
+
+// ---- fragment loads from row-major shared tiles (row stride STRIDE) ----------------------------
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4): A regs hold (row g | g+8, cols
+// 2t, 2t+1 | +8); B regs hold (k = 2t, 2t+1 | +8, n = g); C holds (row g | g+8, cols 2t, 2t+1).
+
+// A: the 16x16 tile at (row0, col0) of Q.
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const bf16_t* s, int row0, int col0,
+                                       int lane) {
+#if USE_LDMATRIX
+    const bf16_t* p = s + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + col0 +
+                      (lane >> 4) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(smem_addr(p)));
+#else
+    const int g = lane >> 2, t = lane & 3;
+    a[0] = ld_shared_u32(s + (row0 + g) * STRIDE + col0 + 2 * t);
+    a[1] = ld_shared_u32(s + (row0 + g + 8) * STRIDE + col0 + 2 * t);
+    a[2] = ld_shared_u32(s + (row0 + g) * STRIDE + col0 + 8 + 2 * t);
+    a[3] = ld_shared_u32(s + (row0 + g + 8) * STRIDE + col0 + 8 + 2 * t);
+#endif
+}
+
+// B for Q K^T: k = 16 dims from col0, n = 8 keys from key0 (K rows are keys).
+__device__ __forceinline__ void load_b_k(unsigned& b0, unsigned& b1, const bf16_t* s, int key0,
+                                         int col0, int lane) {
+#if USE_LDMATRIX
+    const int l = lane & 15;
+    const bf16_t* p = s + (key0 + (l & 7)) * STRIDE + col0 + (l >> 3) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1) : "r"(smem_addr(p)));
+#else
+    const int g = lane >> 2, t = lane & 3;
+    b0 = ld_shared_u32(s + (key0 + g) * STRIDE + col0 + 2 * t);
+    b1 = ld_shared_u32(s + (key0 + g) * STRIDE + col0 + 8 + 2 * t);
+#endif
+}
+
+// Four B fragments in one ldmatrix (USE_LDMATRIX only):
+// K: 8 keys from key0 x 32 dims from col0 -> (b0, b1) for dims col0.., (b2, b3) for col0 + 16..
+__device__ __forceinline__ void load_b_k_x4(unsigned (&b)[4], const bf16_t* s, int key0, int col0,
+                                            int lane) {
+    const bf16_t* p = s + (key0 + (lane & 7)) * STRIDE + col0 + (lane >> 3) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(smem_addr(p)));
+}
+
+// V: 16 keys from key0 x 16 dims from col0 -> (b0, b1) for dims col0.., (b2, b3) for col0 + 8..
+__device__ __forceinline__ void load_b_v_x4(unsigned (&b)[4], const bf16_t* s, int key0, int col0,
+                                            int lane) {
+    const bf16_t* p = s + (key0 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + col0 +
+                      (lane >> 4) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(smem_addr(p)));
+}
+
+// B for P V: k = 16 keys from key0, n = 8 dims from col0 (V rows are keys: a transposed load).
+__device__ __forceinline__ void load_b_v(unsigned& b0, unsigned& b1, const bf16_t* s, int key0,
+                                         int col0, int lane) {
+#if USE_LDMATRIX
+    const bf16_t* p = s + (key0 + (lane & 15)) * STRIDE + col0;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1) : "r"(smem_addr(p)));
+#else
+    const int g = lane >> 2, t = lane & 3;
+    const bf16_t* p = s + (key0 + 2 * t) * STRIDE + col0 + g;
+    b0 = (unsigned)p[0] | ((unsigned)p[STRIDE] << 16);
+    b1 = (unsigned)p[8 * STRIDE] | ((unsigned)p[9 * STRIDE] << 16);
+#endif
+}
+
+// ---- the shared inner step -------------------------------------------------------------------
+
+// One K/V tile for one warp's 16 rows: S = Q K^T (scaled to log2 units), optional mask (a key is
+// visible to a row iff key <= the row's position and key < key_limit), online softmax update of
+// (m, l, o), o += P V. m is the running max (log2 units), l the thread's partial row sum.
+template <bool MASK>
+__device__ __forceinline__ void attend_tile(const bf16_t* sQ, const bf16_t* sK, const bf16_t* sV,
+                                            int q_row0, int key_base, int key_limit, int pos_lo,
+                                            int pos_hi, float scale_log2, float (&m)[2],
+                                            float (&l)[2], float (&o)[D / 8][4], int lane) {
+    float s[BN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    constexpr bool PAIRED_K = USE_LDMATRIX && (D / 16) % 2 == 0;  // two k-steps per ldmatrix
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk += PAIRED_K ? 2 : 1) {
+        unsigned a[4];
+        load_a(a, sQ, q_row0, kk * 16, lane);
+        if constexpr (PAIRED_K) {
+            unsigned a1[4];
+            load_a(a1, sQ, q_row0, kk * 16 + 16, lane);
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                unsigned b[4];
+                load_b_k_x4(b, sK, nt * 8, kk * 16, lane);
+                mma_16816(s[nt], a, b[0], b[1]);
+                mma_16816(s[nt], a1, b[2], b[3]);
+            }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                unsigned b0, b1;
+                load_b_k(b0, b1, sK, nt * 8, kk * 16, lane);
+                mma_16816(s[nt], a, b0, b1);
+            }
+        }
+    }
+    // Raw scores here; scale_log2 > 0, so the max of the scaled scores is the scaled max and
+    // p = 2^(s * scale_log2 - base) is one FFMA + EX2.
+    const int t = lane & 3;
+    float raw_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (MASK) {
+                const int key = key_base + nt * 8 + 2 * t + (e & 1);
+                if (key > (e < 2 ? pos_lo : pos_hi) || key >= key_limit) s[nt][e] = NEG_INF;
+            }
+            raw_max[e >> 1] = fmaxf(raw_max[e >> 1], s[nt][e]);
+        }
+    }
+    float base[2], alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        raw_max[i] = fmaxf(raw_max[i], __shfl_xor_sync(0xffffffffu, raw_max[i], 1));
+        raw_max[i] = fmaxf(raw_max[i], __shfl_xor_sync(0xffffffffu, raw_max[i], 2));
+        const float row_max = fmaxf(m[i], raw_max[i] * scale_log2);
+        base[i] = row_max == NEG_INF ? 0.f : row_max;  // a row with nothing visible yet
+        alpha[i] = fast_exp2(m[i] - base[i]);
+        m[i] = row_max;
+        l[i] *= alpha[i];
+    }
+    // Once the row maxima settle, most tiles move none of them: skip the rescale of O then.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            o[nt][0] *= alpha[0];
+            o[nt][1] *= alpha[0];
+            o[nt][2] *= alpha[1];
+            o[nt][3] *= alpha[1];
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = fast_exp2(fmaf(s[nt][e], scale_log2, -base[e >> 1]));
+            s[nt][e] = p;
+            l[e >> 1] += p;
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        const unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                               pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                               pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt += 2) {  // D / 8 is even
+#if USE_LDMATRIX
+            unsigned b[4];
+            load_b_v_x4(b, sV, kk * 16, nt * 8, lane);
+            mma_16816(o[nt], a, b[0], b[1]);
+            mma_16816(o[nt + 1], a, b[2], b[3]);
+#else
+            unsigned b0, b1;
+            load_b_v(b0, b1, sV, kk * 16, nt * 8, lane);
+            mma_16816(o[nt], a, b0, b1);
+            load_b_v(b0, b1, sV, kk * 16, nt * 8 + 8, lane);
+            mma_16816(o[nt + 1], a, b0, b1);
+#endif
+        }
+    }
+}
+
+// Row sums across the quad that shares a row; 1 / sum (0 for an empty row).
+__device__ __forceinline__ void finish_rows(float (&l)[2], float (&inv)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    }
+}
+
+struct Arena {
+    const bf16_t* kv;
+    int num_layers, layer, block_size, block_shift, num_kv_heads;  // block_shift: log2, or -1
+};
+
+// Issue the cp.async loads of keys [key_base, key_base + BN) of one sequence and KV head into
+// sK/sV; keys at or past key_end are zero-filled (a zero V row keeps masked lanes finite). Each
+// thread copies the same 16-byte piece of every (num_threads / CHUNKS)-th row, so the block
+// lookup is once per row (a shift when block_size is a power of two).
+__device__ __forceinline__ void load_kv_tile(bf16_t* sK, bf16_t* sV, const Arena& arena,
+                                             const int* block_table, int kv_head, int key_base,
+                                             int key_end, int tid, int num_threads) {
+    const long long row = (long long)arena.num_kv_heads * D;  // elements of one token's K (or V)
+    const int ch = tid % CHUNKS;
+    const long long piece = (long long)kv_head * D + ch * 8;
+    for (int r = tid / CHUNKS; r < BN; r += num_threads / CHUNKS) {
+        const int key = key_base + r;
+        const bool valid = key < key_end;
+        const bf16_t* k_src = arena.kv;
+        const bf16_t* v_src = arena.kv;
+        if (valid) {
+            int index, offset;
+            if (arena.block_shift >= 0) {
+                index = key >> arena.block_shift;
+                offset = key & (arena.block_size - 1);
+            } else {
+                index = key / arena.block_size;
+                offset = key - index * arena.block_size;
+            }
+            const long long block = block_table[index];
+            const long long k_off =
+                ((block * arena.num_layers + arena.layer) * 2 * arena.block_size + offset) * row +
+                piece;
+            k_src = arena.kv + k_off;
+            v_src = k_src + (long long)arena.block_size * row;
+        }
+        cp_async16(sK + r * STRIDE + ch * 8, k_src, valid);
+        cp_async16(sV + r * STRIDE + ch * 8, v_src, valid);
+    }
+}
+
+// ---- prefill --------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
+paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
+              const int* __restrict__ block_tables, const int* __restrict__ cu_seqlens,
+              const int* __restrict__ context_lens, bf16_t* __restrict__ out, int num_seqs,
+              int max_blocks_per_seq, int num_q_heads, int num_layers, int layer, int block_size,
+              int block_shift, int num_kv_heads, float scale_log2) {
+    extern __shared__ uint4 smem_u4[];
+    bf16_t* sQ = reinterpret_cast<bf16_t*>(smem_u4);
+    bf16_t* sK0 = sQ + BM * STRIDE;
+    bf16_t* sV0 = sK0 + BN * STRIDE;
+    bf16_t* sK1 = sV0 + BN * STRIDE;
+    bf16_t* sV1 = sK1 + BN * STRIDE;
+    __shared__ int s_seq, s_tile;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int head = blockIdx.x;
+    if (tid == 0) {
+        int rem = blockIdx.y, seq = -1;
+        for (int b = 0; b < num_seqs; ++b) {
+            const int tiles = (cu_seqlens[b + 1] - cu_seqlens[b] + BM - 1) / BM;
+            if (rem < tiles) {
+                seq = b;
+                rem = tiles - 1 - rem;  // heaviest (latest) tile of each sequence first
+                break;
+            }
+            rem -= tiles;
+        }
+        s_seq = seq;
+        s_tile = rem;
+    }
+    __syncthreads();
+    const int seq = s_seq;
+    if (seq < 0) return;  // past the last tile: the grid is an upper bound
+    const int q_start = cu_seqlens[seq];
+    const int q_len = cu_seqlens[seq + 1] - q_start;
+    const int context_len = context_lens[seq];
+    const int row0 = s_tile * BM;
+    const int rows = min(BM, q_len - row0);
+    const int pos0 = context_len - q_len + row0;          // position of the tile's first row
+    const int key_end = min(context_len, pos0 + rows);    // keys the tile's last row sees
+    const int num_key_tiles = (key_end + BN - 1) / BN;
+    const int kv_head = head / (num_q_heads / num_kv_heads);
+    const Arena arena{kv, num_layers, layer, block_size, block_shift, num_kv_heads};
+    const int* block_table = block_tables + (long long)seq * max_blocks_per_seq;
+
+    for (int c = tid; c < BM * CHUNKS; c += PREFILL_THREADS) {
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool valid = r < rows;
+        const bf16_t* src =
+            valid ? q + ((long long)(q_start + row0 + r) * num_q_heads + head) * D + ch * 8 : q;
+        cp_async16(sQ + r * STRIDE + ch * 8, src, valid);
+    }
+    load_kv_tile(sK0, sV0, arena, block_table, kv_head, 0, key_end, tid, PREFILL_THREADS);
+    cp_async_commit();
+
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    const int g = lane >> 2;
+    const int pos_lo = pos0 + warp * 16 + g, pos_hi = pos_lo + 8;
+    const int warp_last_pos = pos0 + warp * 16 + 15;
+
+    for (int j = 0; j < num_key_tiles; ++j) {
+        const bool odd = j & 1;
+        if (j + 1 < num_key_tiles) {
+            load_kv_tile(odd ? sK0 : sK1, odd ? sV0 : sV1, arena, block_table, kv_head,
+                         (j + 1) * BN, key_end, tid, PREFILL_THREADS);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int key_base = j * BN;
+        const bf16_t* sK = odd ? sK1 : sK0;
+        const bf16_t* sV = odd ? sV1 : sV0;
+        // Skip a warp whose rows are all padding, or for which every key of the tile is in the
+        // future of all its rows.
+        if (warp * 16 < rows && key_base <= warp_last_pos) {
+            if (key_base + BN - 1 > pos0)
+                attend_tile<true>(sQ, sK, sV, warp * 16, key_base, key_end, pos_lo, pos_hi,
+                                  scale_log2, m, l, o, lane);
+            else
+                attend_tile<false>(sQ, sK, sV, warp * 16, key_base, key_end, pos_lo, pos_hi,
+                                   scale_log2, m, l, o, lane);
+        }
+        __syncthreads();  // the buffer read here is refilled by the next iteration's prefetch
+    }
+
+    float inv[2];
+    finish_rows(l, inv);
+    const int t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = warp * 16 + g + 8 * i;
+        if (r >= rows) continue;
+        bf16_t* dst = out + ((long long)(q_start + row0 + r) * num_q_heads + head) * D + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt)
+            *reinterpret_cast<unsigned*>(dst + nt * 8) =
+                pack_bf16x2(o[nt][2 * i] * inv[i], o[nt][2 * i + 1] * inv[i]);
+    }
+}
+
+// ---- decode -----------------------------------------------------------------------------------
+
+// Grid (num_splits, Hkv, B), one warp. Rows 0..G-1 are the query heads of KV head blockIdx.y.
+// With one split the normalized output goes straight to out[B, Hq, D]; otherwise each split writes
+// its normalized partial to part_o[split, B, Hq, D] and (max, sum) to part_ml[split, B, Hq, 2].
+extern "C" __global__ void __launch_bounds__(32)
+paged_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
+             const int* __restrict__ block_tables, const int* __restrict__ context_lens,
+             bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+             int max_blocks_per_seq, int num_q_heads, int num_layers, int layer, int block_size,
+             int block_shift, int num_kv_heads, int keys_per_split, float scale_log2) {
+    extern __shared__ uint4 smem_u4[];
+    bf16_t* sQ = reinterpret_cast<bf16_t*>(smem_u4);
+    bf16_t* sK0 = sQ + 16 * STRIDE;
+    bf16_t* sV0 = sK0 + BN * STRIDE;
+    bf16_t* sK1 = sV0 + BN * STRIDE;
+    bf16_t* sV1 = sK1 + BN * STRIDE;
+
+    const int lane = threadIdx.x;
+    const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+    const int num_splits = gridDim.x, num_seqs = gridDim.z;
+    const int group = num_q_heads / num_kv_heads;
+    const int context_len = context_lens[seq];
+    const int key_begin = split * keys_per_split;
+    const int key_end = min(context_len, key_begin + keys_per_split);
+    const long long row_base = (long long)seq * num_q_heads + kv_head * group;  // out row of head 0
+    const long long part_base = (long long)split * num_seqs * num_q_heads + row_base;
+    if (key_begin >= key_end) {  // this split lies past the context: an empty partial
+        if (lane < group) {
+            part_ml[(part_base + lane) * 2] = NEG_INF;
+            part_ml[(part_base + lane) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    const Arena arena{kv, num_layers, layer, block_size, block_shift, num_kv_heads};
+    const int* block_table = block_tables + (long long)seq * max_blocks_per_seq;
+
+    for (int c = lane; c < 16 * CHUNKS; c += 32) {
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool valid = r < group;
+        const bf16_t* src = valid ? q + (row_base + r) * D + ch * 8 : q;
+        cp_async16(sQ + r * STRIDE + ch * 8, src, valid);
+    }
+    const int num_key_tiles = (key_end - key_begin + BN - 1) / BN;
+    load_kv_tile(sK0, sV0, arena, block_table, kv_head, key_begin, key_end, lane, 32);
+    cp_async_commit();
+
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+
+    for (int j = 0; j < num_key_tiles; ++j) {
+        const bool odd = j & 1;
+        if (j + 1 < num_key_tiles) {
+            load_kv_tile(odd ? sK0 : sK1, odd ? sV0 : sV1, arena, block_table, kv_head,
+                         key_begin + (j + 1) * BN, key_end, lane, 32);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncwarp();
+        const int key_base = key_begin + j * BN;
+        const bf16_t* sK = odd ? sK1 : sK0;
+        const bf16_t* sV = odd ? sV1 : sV0;
+        if (key_base + BN > key_end)
+            attend_tile<true>(sQ, sK, sV, 0, key_base, key_end, NO_POSITION, NO_POSITION,
+                              scale_log2, m, l, o, lane);
+        else
+            attend_tile<false>(sQ, sK, sV, 0, key_base, key_end, NO_POSITION, NO_POSITION,
+                               scale_log2, m, l, o, lane);
+        __syncwarp();
+    }
+
+    float inv[2];
+    finish_rows(l, inv);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = g + 8 * i;
+        if (r >= group) continue;
+        if (num_splits == 1) {
+            bf16_t* dst = out + (row_base + r) * D + 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt)
+                *reinterpret_cast<unsigned*>(dst + nt * 8) =
+                    pack_bf16x2(o[nt][2 * i] * inv[i], o[nt][2 * i + 1] * inv[i]);
+        } else {
+            float* dst = part_o + (part_base + r) * D + 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                dst[nt * 8] = o[nt][2 * i] * inv[i];
+                dst[nt * 8 + 1] = o[nt][2 * i + 1] * inv[i];
+            }
+            if (t == 0) {
+                part_ml[(part_base + r) * 2] = m[i];
+                part_ml[(part_base + r) * 2 + 1] = l[i];
+            }
+        }
+    }
+}
+
+// One CTA per output row (sequence, query head): weights l_s * 2^(m_s - max m), empty splits skipped.
+extern "C" __global__ void combine_splits(const float* __restrict__ part_o,
+                                          const float* __restrict__ part_ml,
+                                          bf16_t* __restrict__ out, int num_splits, int num_rows) {
+    const int row = blockIdx.x;
+    float max_m = NEG_INF;
+    for (int s = 0; s < num_splits; ++s)
+        max_m = fmaxf(max_m, part_ml[((long long)s * num_rows + row) * 2]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int s = 0; s < num_splits; ++s) {
+            const long long idx = (long long)s * num_rows + row;
+            const float m = part_ml[idx * 2];
+            if (m == NEG_INF) continue;
+            const float w = part_ml[idx * 2 + 1] * exp2f(m - max_m);
+            num += w * part_o[idx * D + d];
+            den += w;
+        }
+        out[(long long)row * D + d] = float_to_bf16(den > 0.f ? num / den : 0.f);
+    }
+}

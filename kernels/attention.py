@@ -1,0 +1,149 @@
+"""Launchers for ``paged_prefill``, ``paged_decode`` and ``combine_splits`` (attention.cu);
+references: ``kernels.reference.paged_attention_prefill`` / ``paged_attention_decode``."""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+
+from kernels.cuda_module import BF16, FLOAT32, INT32, check, contiguous, kernel
+from kernels.write_kv import check_arena
+
+_PREFILL_WARPS = 8  # 16 query rows each: 128-row tiles (attention.cu)
+_BN = 64  # keys per tile
+_MAX_DECODE_GROUP = 16  # query heads per KV head that one decode warp holds
+_LOG2E = 1.4426950408889634
+
+
+def _smem_bytes(head_dim: int, num_rows: int) -> int:
+    return (num_rows + 4 * _BN) * (head_dim + 8) * 2  # Q rows + double-buffered K and V tiles
+
+
+@cache
+def _function(name: str, head_dim: int, use_ldmatrix: bool, smem_bytes: int,
+              prefill_warps: int = _PREFILL_WARPS):
+    fn = kernel("attention", name, HEAD_DIM=head_dim, USE_LDMATRIX=int(use_ldmatrix),
+                PREFILL_WARPS=prefill_warps)
+    if smem_bytes > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem_bytes
+    return fn
+
+
+@cache
+def _num_sms() -> int:
+    import cupy as cp
+
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def _shift(block_size: int) -> int:
+    """log2(block_size) for a power of two (the kernels shift), else -1 (they divide)."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+
+
+def _check_common(q, kv_cache, layer: int, block_tables, context_lens):
+    shape = check_arena(kv_cache, layer)
+    check(q, "q", BF16, 3)
+    check(block_tables, "block_tables", INT32, 2)
+    check(context_lens, "context_lens", INT32, 1)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = shape[4]
+    if head_dim != shape[5] or head_dim % 16 or head_dim > 256:
+        raise ValueError(f"head_dim {head_dim} must match the arena's {shape[5]}, be a multiple "
+                         "of 16 and at most 256")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads}")
+    if block_tables.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"block_tables {block_tables.shape} and context_lens "
+                         f"{context_lens.shape} disagree on the sequence count")
+    return shape
+
+
+def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
+                            scale: float, use_ldmatrix: bool = True,
+                            num_warps: int = _PREFILL_WARPS):
+    """Causal varlen GQA attention of bf16 ``q[T, Hq, D]`` over the paged K/V -> ``[T, Hq, D]``.
+    ``use_ldmatrix`` and ``num_warps`` (4 or 8: 64- or 128-row query tiles) pick kernel variants
+    with the same results, for tests and tuning."""
+    import cupy as cp
+
+    q, block_tables = contiguous(q), contiguous(block_tables)
+    cu_seqlens_q, context_lens = contiguous(cu_seqlens_q), contiguous(context_lens)
+    shape = _check_common(q, kv_cache, layer, block_tables, context_lens)
+    check(cu_seqlens_q, "cu_seqlens_q", INT32, 1)
+    num_seqs = context_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(f"cu_seqlens_q needs {num_seqs + 1} entries, has {cu_seqlens_q.shape[0]}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    out = cp.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if num_warps not in (4, 8):
+        raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
+    rows_per_cta = 16 * num_warps
+    # sum over sequences of ceil(q_len / rows) <= ceil(T / rows) + B - 1: no host sync needed.
+    num_tiles = -(-num_tokens // rows_per_cta) + num_seqs - 1
+    if num_tiles > 65535:
+        raise ValueError(f"{num_tokens} tokens in {num_seqs} sequences need too many tiles")
+    smem = _smem_bytes(head_dim, rows_per_cta)
+    fn = _function("paged_prefill", head_dim, use_ldmatrix, smem, num_warps)
+    _, num_layers, _, block_size, num_kv_heads, _ = shape
+    fn((num_q_heads, num_tiles), (32 * num_warps,),
+       (q, kv_cache, block_tables, cu_seqlens_q, context_lens, out, np.int32(num_seqs),
+        np.int32(block_tables.shape[1]), np.int32(num_q_heads), np.int32(num_layers),
+        np.int32(layer), np.int32(block_size), np.int32(_shift(block_size)),
+        np.int32(num_kv_heads), np.float32(scale * _LOG2E)), shared_mem=smem)
+    return out
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int) -> tuple[int, int]:
+    """(num_splits, keys_per_split): enough warps to fill the GPU about twice, whole tiles each."""
+    num_tiles = max(1, -(-max_keys // _BN))
+    wanted = max(1, -(-2 * _num_sms() // (num_seqs * num_kv_heads)))
+    num_splits = min(wanted, num_tiles)
+    keys_per_split = math.ceil(num_tiles / num_splits) * _BN
+    return -(-max_keys // keys_per_split) if max_keys else 1, keys_per_split
+
+
+def paged_attention_decode(q, kv_cache, layer: int, block_tables, context_lens, scale: float,
+                           use_ldmatrix: bool = True):
+    """One query per sequence, bf16 ``q[B, Hq, D]``, over its whole paged context -> ``[B, Hq, D]``
+    (flash-decoding: the context is split across warps, then the partials are merged)."""
+    import cupy as cp
+
+    q, block_tables = contiguous(q), contiguous(block_tables)
+    context_lens = contiguous(context_lens)
+    shape = _check_common(q, kv_cache, layer, block_tables, context_lens)
+    num_seqs, num_q_heads, head_dim = q.shape
+    if context_lens.shape[0] != num_seqs:
+        raise ValueError(f"q has {num_seqs} rows for {context_lens.shape[0]} sequences")
+    _, num_layers, _, block_size, num_kv_heads, _ = shape
+    if num_q_heads // num_kv_heads > _MAX_DECODE_GROUP:  # rows do not fit one warp's tile
+        cu_seqlens = cp.arange(num_seqs + 1, dtype=np.int32)
+        return paged_attention_prefill(q, kv_cache, layer, block_tables, cu_seqlens,
+                                       context_lens, scale, use_ldmatrix)
+    out = cp.empty_like(q)
+    if num_seqs == 0:
+        return out
+    num_splits, keys_per_split = decode_splits(num_seqs, num_kv_heads,
+                                               block_tables.shape[1] * block_size)
+    if num_splits > 1:
+        part_o = cp.empty((num_splits, num_seqs, num_q_heads, head_dim), dtype=FLOAT32)
+        part_ml = cp.empty((num_splits, num_seqs, num_q_heads, 2), dtype=FLOAT32)
+    else:
+        part_o = part_ml = np.uint64(0)  # unused null pointers
+    smem = _smem_bytes(head_dim, 16)
+    fn = _function("paged_decode", head_dim, use_ldmatrix, smem)
+    fn((num_splits, num_kv_heads, num_seqs), (32,),
+       (q, kv_cache, block_tables, context_lens, out, part_o, part_ml,
+        np.int32(block_tables.shape[1]), np.int32(num_q_heads), np.int32(num_layers),
+        np.int32(layer), np.int32(block_size), np.int32(_shift(block_size)),
+        np.int32(num_kv_heads), np.int32(keys_per_split), np.float32(scale * _LOG2E)),
+       shared_mem=smem)
+    if num_splits > 1:
+        combine = _function("combine_splits", head_dim, use_ldmatrix, 0)
+        combine((num_seqs * num_q_heads,), (min(head_dim, 128),),
+                (part_o, part_ml, out, np.int32(num_splits), np.int32(num_seqs * num_q_heads)))
+    return out

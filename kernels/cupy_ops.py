@@ -1,0 +1,85 @@
+"""The CUDA backend: bf16 weights, activations and KV on the GPU, float32 accumulation.
+
+Every kernel is a ``.cu`` file compiled by CuPy (NVRTC) behind a launcher that checks shapes and
+dtypes (``kernels/<name>.py``; index in ``KERNELS.md``); GEMMs go through CuPy's matmul (cuBLAS,
+bf16 in, float32 accumulate). Imported only when the device is "cuda": the CPU path never loads
+CuPy.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+from kernels import activation, attention, embedding, rms_norm, rope, sampling, write_kv
+from kernels.cuda_module import BF16
+from kernels.ops import Ops
+
+
+class CupyOps(Ops):
+    """bf16 storage on the current CUDA device; kernels from ``kernels/*.cu``."""
+
+    name = "cupy"
+    act_dtype = ml_dtypes.bfloat16
+    kv_dtype = "bfloat16"
+
+    def __init__(self) -> None:
+        self.xp = cp
+        self.device_id = cp.cuda.Device().id
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def weight_from_host(self, raw: np.ndarray, dtype: str) -> cp.ndarray:
+        if dtype == "bfloat16":
+            host = np.ascontiguousarray(raw).view(np.uint16).view(BF16)
+        elif dtype in ("float32", "float16"):
+            host = np.asarray(raw).astype(BF16)  # round to nearest even, as torch does
+        else:
+            raise ValueError(f"unsupported weight dtype {dtype!r}")
+        return cp.asarray(host)
+
+    def to_device(self, host: np.ndarray) -> cp.ndarray:
+        return cp.asarray(host)
+
+    def to_host(self, x: cp.ndarray) -> np.ndarray:
+        return cp.asnumpy(x)
+
+    # -- kernels -----------------------------------------------------------------------------
+
+    def linear(self, x: cp.ndarray, weight: cp.ndarray, bias: cp.ndarray | None = None):
+        out = cp.matmul(x, weight.T)
+        return out if bias is None else activation.add_bias_(out, bias)
+
+    def embedding(self, token_ids, table):
+        return embedding.embedding(token_ids, table)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return rms_norm.rms_norm(x, weight, eps, residual)
+
+    def rope(self, q, k, positions, cos_sin_cache):
+        return rope.rope(q, k, positions, cos_sin_cache)
+
+    def silu_and_mul(self, x):
+        return activation.silu_and_mul(x)
+
+    def write_kv(self, kv_cache, layer, k, v, slot_mapping):
+        write_kv.write_kv(kv_cache, layer, k, v, slot_mapping)
+
+    def paged_attention_prefill(self, q, kv_cache, layer, block_tables, cu_seqlens_q,
+                                context_lens, scale):
+        return attention.paged_attention_prefill(q, kv_cache, layer, block_tables, cu_seqlens_q,
+                                                 context_lens, scale)
+
+    def paged_attention_decode(self, q, kv_cache, layer, block_tables, context_lens, scale):
+        return attention.paged_attention_decode(q, kv_cache, layer, block_tables, context_lens,
+                                                scale)
+
+    def argmax(self, logits):
+        return sampling.argmax(logits)
+
+    def sampling_probs(self, logits, temperatures, top_ks, top_ps):
+        return sampling.sampling_probs(logits, temperatures, top_ks, top_ps)
+
+    def sample_from_probs(self, probs, uniforms):
+        return sampling.sample_from_probs(probs, uniforms)
