@@ -8,6 +8,7 @@ from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_POLICIES = ("write-through", "evict")
+RESTORE_MODES = ("cost-aware", "always")
 
 
 def _is_int(value: object) -> bool:
@@ -36,6 +37,7 @@ class EngineConfig:
     kv_offload: bool = False
     kv_store_socket: str | None = None
     kv_offload_policy: str = "write-through"
+    kv_offload_restore: str = "cost-aware"  # "always": restore even when recompute is faster
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     cpu_kv_cache_bytes: int = 2 * 1024**3
@@ -64,6 +66,9 @@ class EngineConfig:
         if self.kv_offload_policy not in OFFLOAD_POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {OFFLOAD_POLICIES}, "
                              f"got {self.kv_offload_policy!r}")
+        if self.kv_offload_restore not in RESTORE_MODES:
+            raise ValueError(f"kv_offload_restore must be one of {RESTORE_MODES}, "
+                             f"got {self.kv_offload_restore!r}")
         for name in ("kv_offload", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")

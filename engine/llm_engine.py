@@ -67,7 +67,8 @@ class LLMEngine:
             engine_id = f"{self.model_name}-{os.getpid()}-{id(self):x}"
             self.offload = make_offload_manager(
                 config.kv_store_socket, self.kv_cache.layout(), engine_id, self.block_manager,
-                block_bytes, config.kv_offload_policy, self.device)
+                block_bytes, config.kv_offload_policy, self.device,
+                always_restore=config.kv_offload_restore == "always")
             self.scheduler.offload = self.offload
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()

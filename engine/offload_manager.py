@@ -49,7 +49,8 @@ class OffloadManager:
     """Owns every in-flight store request of one engine; called by the scheduler and the engine."""
 
     def __init__(self, connector: OffloadConnector, block_manager: BlockManager,
-                 block_bytes: int, policy: str, restore_policy: RestorePolicy) -> None:
+                 block_bytes: int, policy: str, restore_policy: RestorePolicy,
+                 always_restore: bool = False) -> None:
         if policy not in ("write-through", "evict"):
             raise ValueError(f"unknown offload policy {policy!r}")
         self.connector = connector
@@ -58,6 +59,7 @@ class OffloadManager:
         self.block_bytes = block_bytes
         self.policy = policy
         self.restore_policy = restore_policy
+        self.always_restore = always_restore  # benchmarks: measure a tier even when it loses
         self.counters: Counter[str] = Counter()
         self.hit_tokens_by_tier: Counter[str] = Counter()
         self._restores: dict[str, _Restore] = {}
@@ -134,7 +136,8 @@ class OffloadManager:
             self.counters["restores_prefix_changed"] += 1
             self._release(r)
             return False
-        if self._expected_load_s(r.tiers) >= self.restore_policy.expected_prefill_s(tokens):
+        if not self.always_restore and (self._expected_load_s(r.tiers)
+                                        >= self.restore_policy.expected_prefill_s(tokens)):
             self.counters["restores_declined"] += 1  # recomputing is expected to be faster
             self._release(r)
             return False
@@ -332,11 +335,11 @@ _PRIORS = {
 
 def make_offload_manager(socket_path: str | None, layout: KVLayout, engine_id: str,
                          block_manager: BlockManager, block_bytes: int, policy: str,
-                         device: str) -> OffloadManager:
+                         device: str, always_restore: bool = False) -> OffloadManager:
     """Connect to the store (or keep retrying in the background) and build the manager."""
     bandwidth, prefill = _PRIORS["cuda" if device.startswith("cuda") else "cpu"]
     connector = OffloadConnector(socket_path, layout, engine_id)
     block_manager.track_offload = True
     return OffloadManager(connector, block_manager, block_bytes, policy,
-                          RestorePolicy(dict(bandwidth), prefill))
+                          RestorePolicy(dict(bandwidth), prefill), always_restore)
 

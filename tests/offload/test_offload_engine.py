@@ -186,3 +186,28 @@ def test_reset_prefix_cache_sends_the_next_hit_to_the_store(tiny_model_dir, make
     _close(llm)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier == {"hbm": 0, "dram": 7 * 16, "ssd": 0, "remote": 0}
+
+
+def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, make_daemon,
+                                                             reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    prompt = _prompt(1000, 16 * 6 + 1, seed=12)
+    writer = _offload_llm(tiny_model_dir, daemon)
+    writer.generate([prompt], GREEDY)
+    writer.engine.offload.wait_idle()
+    _close(writer)
+    reader = _offload_llm(tiny_model_dir, daemon)
+    reader.engine.offload.restore_policy.observe_prefill(10**9, 1.0)  # recompute looks instant
+    out = reader.generate([prompt], GREEDY)[0]
+    stats = reader.engine.stats()["kv_offload"]
+    _close(reader)
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier["dram"] == 0
+    assert stats["restores_declined"] == 1
+    with daemon.client() as c:
+        assert wait_until(lambda: c.stats()["leases"] == 0, timeout_s=5.0)  # lease given back
+    forced = _offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
+    forced.engine.offload.restore_policy.observe_prefill(10**9, 1.0)
+    out = forced.generate([prompt], GREEDY)[0]
+    _close(forced)
+    assert out.cached_tokens_by_tier["dram"] == 6 * 16
