@@ -7,7 +7,8 @@ after ``reset_prefix_cache`` (DRAM restore). After every length is in, the daemo
 flushes DRAM to SSD; the new daemon's DRAM is empty) and each prompt is asked once more (SSD
 restore). Restores are forced (``kv_offload_restore="always"``) so every rung is measured; the
 cost model's own choice per rung is recorded beside it. The target at 16k: DRAM restore <=
-1.25 x (KV bytes / raw H2D bandwidth) + HBM-hit TTFT, with raw H2D measured in the same run. Writes JSON (+ a PNG when matplotlib is there).
+1.25 x (KV bytes / raw H2D bandwidth) + HBM-hit TTFT, with raw H2D measured in the same run.
+Writes JSON (+ a PNG when matplotlib is there).
 
     python -m benchmarks.ttft_ladder --preset qwen3-4b --device cuda --lengths 256,1024,4096,16384
     python -m benchmarks.ttft_ladder --preset tiny --device cpu --lengths 256,1024   # smoke
