@@ -108,6 +108,18 @@ class BlockStore(ABC):
         """
 
     @abstractmethod
+    def done(self, lease: Lease, index: int) -> None:
+        """The reader has copied block ``index`` of the lease out: its pin goes now, not at release.
+
+        Lets a lease cover more SSD blocks than DRAM holds: each block read promotes it into
+        DRAM, and ``done`` after its copy lets the next promotion reuse that room. Call it only
+        once every copy out of ``read``'s view has finished (an async copy: after it completed);
+        the view is invalid from then on and a later ``read`` of ``index`` raises StoreError.
+        The other blocks stay pinned until they are done, or the lease is released or expires.
+        Idempotent; a no-op on a released lease.
+        """
+
+    @abstractmethod
     def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
                     num_bytes: int) -> WriteSlot | None:
         """Reserve DRAM for a new block (evicting or demoting unpinned blocks if needed).

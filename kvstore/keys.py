@@ -117,6 +117,11 @@ def truncate_hash(digest: bytes, bits: int | None) -> bytes:
     return value.to_bytes(HASH_BYTES, "little")
 
 
+def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as the little-endian int32 bytes that block hashes and idents are made of."""
+    return np.asarray(token_ids, dtype="<i4").tobytes()
+
+
 def block_hash(
     parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"",
     debug_hash_bits: int | None = None,
@@ -124,9 +129,30 @@ def block_hash(
     """One link of the chain: XXH3-128(parent || int32-LE tokens || len-prefixed extra keys)."""
     if len(parent) != HASH_BYTES:
         raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
-    tokens = np.asarray(token_ids, dtype="<i4").tobytes()
+    tokens = encode_tokens(token_ids)
     tail = struct.pack("<I", len(extra)) + extra if extra else b""
     return truncate_hash(xxhash.xxh3_128_digest(parent + tokens + tail), debug_hash_bits)
+
+
+def chain_hashes(
+    parent: bytes, token_bytes: bytes, block_size: int, debug_hash_bits: int | None = None,
+) -> list[bytes]:
+    """The chain continued from ``parent`` over every full block of ``token_bytes`` (as
+    ``encode_tokens`` makes them, no extra keys): link for link what ``block_hash`` gives,
+    without a conversion per block. A trailing partial block gets none."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    step = 4 * block_size
+    if len(token_bytes) >= step and len(parent) != HASH_BYTES:
+        raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    digest = xxhash.xxh3_128_digest
+    out: list[bytes] = []
+    for start in range(0, len(token_bytes) - step + 1, step):
+        parent = digest(parent + token_bytes[start:start + step])
+        if debug_hash_bits is not None:
+            parent = truncate_hash(parent, debug_hash_bits)
+        out.append(parent)
+    return out
 
 
 def block_hashes(
@@ -136,13 +162,15 @@ def block_hashes(
     """Chained hashes of every full block of ``token_ids``; a trailing partial block gets none."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
+    if extras is None:
+        return chain_hashes(namespace_digest, encode_tokens(token_ids), block_size,
+                            debug_hash_bits)
     tokens = np.asarray(token_ids, dtype="<i4")
     num_full = len(tokens) // block_size
     out: list[bytes] = []
     parent = namespace_digest
     for i in range(num_full):
-        extra = extras[i] if extras is not None else b""
-        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], extra,
+        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], extras[i],
                             debug_hash_bits)
         out.append(parent)
     return out
@@ -150,5 +178,9 @@ def block_hashes(
 
 def block_ident(parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
     """What a store keeps beside a block to verify a hit: parent hash, tokens and extra keys."""
-    tokens = np.asarray(token_ids, dtype="<i4").tobytes()
-    return parent + struct.pack("<I", len(tokens)) + tokens + extra
+    return ident_from_bytes(parent, encode_tokens(token_ids), extra)
+
+
+def ident_from_bytes(parent: bytes, block_token_bytes: bytes, extra: bytes = b"") -> bytes:
+    """``block_ident`` of a block whose tokens are already int32-LE bytes."""
+    return parent + struct.pack("<I", len(block_token_bytes)) + block_token_bytes + extra

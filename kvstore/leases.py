@@ -13,14 +13,19 @@ from dataclasses import dataclass
 from kvstore.block_store import BlockStore, Lease, StoreError, Tier
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class HeldLease:
-    """A live lease and, per block, the DRAM block and/or the SSD entry it pins (or None)."""
+    """A live lease and, per block, the DRAM block and/or the SSD entry it pins (or None).
+
+    A read of an SSD block fills its ``dram`` slot after promotion; ``done`` empties both slots
+    of a block (a slot pinning nothing is one the reader has let go of). ``counted``: whether
+    the ``dram`` blocks' pin counts include this lease yet (the store counts them lazily).
+    """
 
     lease: Lease
-    keys: list[bytes]
-    dram: list  # list[_Block | None]; a read of an SSD block fills its slot after promotion
+    dram: list  # list[_Block | None]
     ssd: list  # list[SSDEntry | None]
+    counted: bool = True
 
 
 class LeaseTable:
@@ -33,13 +38,13 @@ class LeaseTable:
         self._next_id = 1
 
     def grant(self, namespace: bytes, block_hashes: Sequence[bytes], tiers: list[Tier],
-              keys: list[bytes], dram: list, ssd: list, ttl_s: float, owner: str) -> Lease:
+              dram: list, ssd: list, ttl_s: float, owner: str) -> Lease:
         """A new lease over the given (already pinned) blocks; the TTL is capped."""
         ttl = min(max(float(ttl_s), 0.0), self._max_ttl_s)
         lease = Lease(self._next_id, namespace, list(block_hashes), tiers,
                       time.monotonic() + ttl, owner, _store=self._store)
         self._next_id += 1
-        self._held[lease.lease_id] = HeldLease(lease, keys, dram, ssd)
+        self._held[lease.lease_id] = HeldLease(lease, dram, ssd)
         return lease
 
     def live(self, lease: Lease) -> HeldLease:
@@ -50,6 +55,11 @@ class LeaseTable:
         if lease.expired():
             raise StoreError(f"lease {lease.lease_id} expired")
         return held
+
+    def find(self, lease: Lease) -> HeldLease | None:
+        """What ``lease`` holds, expired or not; None once it was released."""
+        held = self._held.get(lease.lease_id)
+        return held if held is not None and held.lease is lease else None
 
     def pop(self, lease: Lease) -> HeldLease | None:
         """Forget ``lease`` (marking it released); what it held, or None if already gone."""

@@ -121,6 +121,26 @@ def _check_plain(obj: Any, depth: int = 0) -> None:
             _check_plain(item, depth + 1)
 
 
+# Bytes that start a msgpack map or array. Nesting d levels deep takes d of them.
+_CONTAINER_BYTES = bytes([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+_QUICK_CHECK_MAX_BYTES = 64 * 1024
+
+
+def _surely_plain(body: bytes | bytearray | memoryview) -> bool:
+    """True when the raw body cannot decode to anything ``_check_plain`` refuses (False: walk).
+
+    The walk refuses timestamps and deep nesting. A timestamp is ext type -1, whatever the ext
+    format, so its encoding holds a 0xff byte; nesting MAX_NESTING deep takes that many
+    container headers. Payload bytes can only make this answer False, never wrongly True.
+    """
+    if len(body) > _QUICK_CHECK_MAX_BYTES:
+        return False
+    if isinstance(body, memoryview):
+        body = body.tobytes()
+    return b"\xff" not in body and \
+        len(body) - len(body.translate(None, _CONTAINER_BYTES)) < MAX_NESTING
+
+
 def decode_body(body: bytes | bytearray | memoryview, check_plain: bool = True) -> Any:
     """Decode one frame body into plain data; ProtocolError(malformed_frame) otherwise.
 
@@ -134,7 +154,7 @@ def decode_body(body: bytes | bytearray | memoryview, check_plain: bool = True) 
         raise
     except Exception as exc:  # msgpack raises a zoo of types (ValueError, ExtraData, ...)
         raise ProtocolError(MALFORMED_FRAME, f"undecodable msgpack body: {exc}") from None
-    if check_plain:
+    if check_plain and not _surely_plain(body):
         _check_plain(obj)
     return obj
 

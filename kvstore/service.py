@@ -17,6 +17,7 @@ from typing import Any
 
 import xxhash
 
+from kvstore import cuda_transfer
 from kvstore.block_store import BlockStore, BlockUnavailable, Lease, StoreError
 from kvstore.keys import Namespace, truncate_hash
 from kvstore.registry import Registry, RegistryError
@@ -215,6 +216,7 @@ class Service:
         with result.lease as lease:
             try:
                 value = bytes(self.store.read(lease, 0))
+                self.store.done(lease, 0)
             except BlockUnavailable:
                 return {"value": None, "tier": None}
         return {"value": value, "tier": result.tiers[0].value}
@@ -229,8 +231,12 @@ class Service:
             self._track(result.lease, ctx.owner)
             lease_id = result.lease.lease_id
         # Tier is a str enum and msgpack packs str subclasses as plain strings: no per-block
-        # `.value` (enum attribute access costs ~0.2 us, 0.2 ms for 1,024 blocks).
-        return {"num_hit": result.num_hit, "tiers": list(result.tiers), "lease_id": lease_id}
+        # `.value` (enum attribute access costs ~0.2 us, 0.2 ms for 1,024 blocks). Exact strs
+        # pack faster still (~15 us per 1,024), so a hit from one tier goes out as those.
+        tiers = result.tiers
+        if tiers and tiers.count(tiers[0]) == len(tiers):
+            tiers = [tiers[0].value] * len(tiers)
+        return {"num_hit": result.num_hit, "tiers": list(tiers), "lease_id": lease_id}
 
     def _verb_release(self, args: dict, ctx: CallContext) -> dict:
         lease_id = args["lease_id"]
@@ -259,10 +265,16 @@ class Service:
         namespace, num_bytes = args["namespace"], reg.block_bytes
         outcomes: list[str] = []
         with reg.open_for_copy():
-            for block_id, block_hash, ident in zip(block_ids, args["hashes"], args["idents"]):
-                ctx.check()
-                outcomes.append(self._save_one(reg, namespace, block_id, block_hash, ident,
-                                               num_bytes))
+            if reg.is_cuda:  # pipelined D2H batches; see cuda_transfer
+                outcomes = cuda_transfer.save_blocks(self.store, reg, namespace, block_ids,
+                                                     args["hashes"], args["idents"],
+                                                     lambda: ctx.cancelled)
+            else:
+                for block_id, block_hash, ident in zip(block_ids, args["hashes"],
+                                                       args["idents"]):
+                    ctx.check()
+                    outcomes.append(self._save_one(reg, namespace, block_id, block_hash, ident,
+                                                   num_bytes))
         counts = Counter(outcomes)
         with self._lock:
             self.events["blocks_saved"] += counts["saved"]
@@ -298,16 +310,21 @@ class Service:
         num_loaded = 0
         try:
             with reg.open_for_copy():
-                for index, block_id in enumerate(block_ids):
-                    ctx.check()
-                    try:
-                        data = self.store.read(lease, index)
-                    except StoreError:  # BlockUnavailable included: the hit shrinks here
-                        break
-                    if data.nbytes != reg.block_bytes:
-                        break  # stored under another layout; never copy a partial block
-                    reg.write_block(block_id, data)
-                    num_loaded += 1
+                if reg.is_cuda:  # pipelined H2D batches; see cuda_transfer
+                    num_loaded = cuda_transfer.load_blocks(self.store, reg, lease, block_ids,
+                                                           lambda: ctx.cancelled)
+                else:
+                    for index, block_id in enumerate(block_ids):
+                        ctx.check()
+                        try:
+                            data = self.store.read(lease, index)
+                        except StoreError:  # BlockUnavailable included: the hit shrinks here
+                            break
+                        if data.nbytes != reg.block_bytes:
+                            break  # stored under another layout; never copy a partial block
+                        reg.write_block(block_id, data)  # returns once the copy is done
+                        self.store.done(lease, index)  # its DRAM may go to the next promotion
+                        num_loaded += 1
         finally:
             self._drop_lease(args["lease_id"])
             with self._lock:

@@ -4,7 +4,15 @@ Every block lives in DRAM (``_blocks``), on SSD, or both. Writes land in DRAM; w
 the high watermark a background thread writes the least recently used unpinned blocks to SSD and
 frees their DRAM once the SSD copy is durable, down to the low watermark. A block being demoted
 stays readable. Without an SSD tier there is no thread: eviction costs no IO, so room is made on
-demand and all of DRAM stays useful. Reading an SSD block through a lease promotes it into DRAM.
+demand and all of DRAM stays useful. Reading an SSD block through a lease promotes it into DRAM;
+``done`` lets go of a lease's block once its reader has copied it, so a lease may cover more
+SSD blocks than DRAM holds.
+
+Lookups of long chains are the hot path: READY blocks are indexed a second time by namespace and
+hash (``_ready``), idents are compared list against list, and a lease does not visit its DRAM
+blocks. Their pin counts include the lease only once something is about to free, evict, demote
+or replace a block (``_count_pins_locked``), and their LRU access is recorded when the lease lets
+go of them: a pinned block cannot be a victim before then anyway.
 
 Locking: one lock guards the index, pool, policy, leases and counters. SSD IO runs outside it on
 blocks that are marked ``demoting`` (their DRAM bytes cannot be freed or reused meanwhile) or
@@ -16,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import operator
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from kvstore.allocator import Allocation
 from kvstore.block_store import (
@@ -62,7 +72,7 @@ class _State(enum.Enum):
     READY = "ready"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     key: bytes
     ident: bytes
@@ -71,6 +81,26 @@ class _Block:
     pins: int = 0  # leases holding it, plus one while a promotion fills it
     demoting: bool = False  # its bytes are being written to SSD: not freed meanwhile
     indexed: bool = True  # False: a lease's private copy (its key was taken meanwhile)
+
+
+# Stands in for a block DRAM lacks in a lookup: its ident equals no ident, and it is never
+# indexed (a _Block, so that the lookup's attribute reads see one type).
+_ABSENT = _Block(b"", object(), None, _State.IN_FLIGHT)  # type: ignore[arg-type]
+_NO_BLOCKS: dict[bytes, _Block] = {}  # never written: the READY index of an unknown namespace
+_BAD_SIZES = f"namespace and block hashes must be {HASH_BYTES} bytes each"
+_PROBE_BLOCKS = 32  # a lookup finds this many blocks before it looks any further
+
+
+def _verified_len(found: list[_Block], stored_idents: list, idents: list) -> int:
+    """How many blocks, from the first, DRAM holds (``found``) with the idents asked for."""
+    try:
+        end = found.index(_ABSENT)
+    except ValueError:
+        end = len(found)
+    if stored_idents[:end] == idents[:end]:
+        return end
+    same = list(map(operator.eq, stored_idents[:end], idents[:end]))
+    return same.index(False) if False in same else end
 
 
 class _Slot(WriteSlot):
@@ -110,7 +140,11 @@ class TieredStore(BlockStore):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._blocks: dict[bytes, _Block] = {}
+        # The READY blocks of _blocks again, by namespace then (store) hash: a lookup finds them
+        # without building a key per block.
+        self._ready: dict[bytes, dict[bytes, _Block]] = {}
         self._private: set[_Block] = set()
+        self._uncounted: dict[int, HeldLease] = {}  # by lease id; see _count_pins_locked
         self._promoting: dict[bytes, _Block] = {}
         self._policy = make_policy(config.eviction)
         self._leases = LeaseTable(self, config.lease_ttl_s)
@@ -129,86 +163,153 @@ class TieredStore(BlockStore):
 
     def lookup(self, namespace: bytes, block_hashes: Sequence[bytes], idents: Sequence[bytes],
                lease_ttl_s: float | None = 30.0, owner: str = "") -> LookupResult:
-        if len(block_hashes) != len(idents):
+        num_blocks = len(block_hashes)
+        if num_blocks != len(idents):
             raise StoreError("block_hashes and idents differ in length")
-        keys = self._keys(namespace, block_hashes)
+        if len(namespace) != HASH_BYTES:
+            raise StoreError(_BAD_SIZES)
+        namespace = bytes(namespace)
+        hashes = self._index_hashes(block_hashes)
+        if type(idents) is not list:
+            idents = list(idents)
         want_lease = lease_ttl_s is not None
-        ready = _State.READY
         with self._lock:
             self._check_open()
-            ssd_tier = self._ssd
-            found = list(map(self._blocks.get, keys))
-            below = iter(())  # SSD entries of the keys DRAM lacks, in order, up to the first gap
-            if ssd_tier is not None:
-                below = iter(ssd_tier.lookup_prefix(
-                    [k for k, b in zip(keys, found) if b is None or b.state is not ready]))
-            dram: list[_Block | None] = []
-            ssd: list[SSDEntry | None] = []
-            collided = False
-            for ident, block in zip(idents, found):
-                if block is not None and block.state is ready:
-                    if block.ident != ident:
-                        collided = True
-                        break
-                    dram.append(block)
-                    ssd.append(None)
-                    continue
-                entry = next(below, None)
-                if entry is None:
-                    break
-                if entry.ident != ident:
-                    collided = True
-                    break
-                dram.append(None)
-                ssd.append(entry)
-            if want_lease and ssd_tier is not None:
+            found, hashes = self._find_ready_locked(namespace, hashes)
+            # The common case stays in C: every block is in DRAM and every ident matches.
+            stored_idents = [block.ident for block in found]
+            if stored_idents == idents:
+                num_dram = num_blocks
+            else:
+                num_dram = _verified_len(found, stored_idents, idents)
+                # A hash found in DRAM has the right size; the rest must be checked, before
+                # anything is counted or pinned.
+                if not {HASH_BYTES}.issuperset(map(len, block_hashes[num_dram:])):
+                    raise StoreError(_BAD_SIZES)
+            dram: list[_Block | None] = found if num_dram == num_blocks else found[:num_dram]
+            ssd: list[SSDEntry | None] = [None] * num_dram
+            collided = num_dram < len(found) and found[num_dram] is not _ABSENT
+            if num_dram < num_blocks and not collided and self._ssd is not None:
+                collided = self._extend_from_ssd_locked(namespace, hashes, idents, found, dram,
+                                                        ssd)
+            entries = [e for e in ssd if e is not None] if len(dram) > num_dram else []
+            if want_lease and entries:
                 # Entries the SSD dropped since lookup_prefix (another thread's write evicted
                 # them) cannot be pinned: the hit ends before the first of them.
-                entries = [e for e in ssd if e is not None]
-                num_pinned = ssd_tier.pin_many(entries)
+                num_pinned = self._ssd.pin_many(entries)
                 if num_pinned < len(entries):
                     cut = ssd.index(entries[num_pinned])
-                    del dram[cut:], ssd[cut:]
-            num_hit = len(dram)
-            tiers = [Tier.SSD if b is None else Tier.DRAM for b in dram]
-            touch = self._policy.touch
-            num_dram = 0
-            for block in dram:
-                if block is not None:
-                    num_dram += 1
-                    touch(block.key)
-            if num_dram < num_hit:
-                ssd_tier.touch_many([e for e in ssd if e is not None])
+                    del dram[cut:], ssd[cut:], entries[num_pinned:]
+            num_hit, num_ssd = len(dram), len(entries)
+            if entries:
+                self._ssd.touch_many(entries)
+                tiers = [Tier.SSD if b is None else Tier.DRAM for b in dram]
+            else:
+                tiers = [Tier.DRAM] * num_hit
             c = self._counters
             c["lookups"] += 1
-            c["lookup_blocks"] += len(keys)
-            c["miss_blocks"] += len(keys) - num_hit
+            c["lookup_blocks"] += num_blocks
+            c["miss_blocks"] += num_blocks - num_hit
             c["collisions"] += collided
-            c["hit_blocks_dram"] += num_dram
-            c["hit_blocks_ssd"] += num_hit - num_dram
+            c["hit_blocks_dram"] += num_hit - num_ssd
+            c["hit_blocks_ssd"] += num_ssd
             if not want_lease or num_hit == 0:
+                touch = self._policy.touch
+                for block in dram:
+                    if block is not None:
+                        touch(block.key)
                 return LookupResult(num_hit, tiers, None)
-            for block in dram:
-                if block is not None:
-                    block.pins += 1
-            lease = self._leases.grant(namespace, block_hashes[:num_hit], tiers, keys[:num_hit],
-                                       dram, ssd, lease_ttl_s, owner)
+            # The lease's DRAM blocks are pinned by the lease itself, counted into their ``pins``
+            # only when something asks (_count_pins_locked); their access is recorded when the
+            # lease lets go of them. A lookup whose lease ends before DRAM runs short of room
+            # never touches its blocks one by one.
+            lease = self._leases.grant(namespace, block_hashes[:num_hit], tiers, dram, ssd,
+                                       lease_ttl_s, owner)
+            if num_hit > num_ssd:
+                held = self._leases.find(lease)
+                held.counted = False
+                self._uncounted[lease.lease_id] = held
             c["leases_granted"] += 1
             return LookupResult(num_hit, tiers, lease)
+
+    def _find_ready_locked(self, namespace: bytes,
+                           hashes: Sequence[bytes]) -> tuple[list[_Block], Sequence[bytes]]:
+        """Each hash's READY block in DRAM, or _ABSENT; and the hashes, as bytes if need be.
+
+        Without an SSD tier a hit cannot go past a block DRAM lacks, so the list may stop after
+        the first of them: a cold miss looks at a few hashes, not at all of them.
+        """
+        ready = self._ready.get(namespace, _NO_BLOCKS)
+        try:
+            found = list(map(ready.get, hashes[:_PROBE_BLOCKS], repeat(_ABSENT)))
+            if len(hashes) > _PROBE_BLOCKS and (self._ssd is not None or _ABSENT not in found):
+                found += map(ready.get, hashes[_PROBE_BLOCKS:], repeat(_ABSENT))
+        except TypeError:  # unhashable buffers (bytearray): look them up as bytes
+            return self._find_ready_locked(namespace, [bytes(memoryview(h)) for h in hashes])
+        return found, hashes
+
+    def _extend_from_ssd_locked(self, namespace: bytes, hashes: list[bytes], idents: list,
+                                found: list, dram: list, ssd: list) -> bool:
+        """Continue a hit past its DRAM prefix: each further block from DRAM if READY there,
+        else from SSD, up to the first block neither holds. True if it stopped at a collision.
+        """
+        start = len(dram)
+        # SSD entries of the keys DRAM lacks, in order. lookup_prefix iterates the keys once and
+        # stops at the first it lacks, so they are made as it goes (a miss makes one).
+        below = iter(self._ssd.lookup_prefix(
+            namespace + hashes[i] for i in range(start, len(found)) if found[i] is _ABSENT))
+        for i in range(start, len(found)):
+            block = found[i]
+            if block is not _ABSENT:
+                if block.ident != idents[i]:
+                    return True
+                dram.append(block)
+                ssd.append(None)
+                continue
+            entry = next(below, None)
+            if entry is None:
+                return False
+            if entry.ident != idents[i]:
+                return True
+            dram.append(None)
+            ssd.append(entry)
+        return False
 
     def read(self, lease: Lease, index: int) -> memoryview:
         with self._lock:
             held = self._leases.live(lease)
-            if not 0 <= index < len(held.keys):
+            if not 0 <= index < len(held.dram):
                 raise StoreError(f"lease {lease.lease_id} has no block {index}")
             if held.dram[index] is not None:
                 return self._view(held.dram[index])
+            if held.ssd[index] is None:
+                raise StoreError(f"block {index} of lease {lease.lease_id} was already done")
+            self._count_lease_pins_locked(held)  # the promoted block is pinned one by one
             return self._promote_locked(held, index)
+
+    def done(self, lease: Lease, index: int) -> None:
+        with self._lock:
+            held = self._leases.find(lease)
+            if held is None:
+                return  # released or expired: nothing of it is pinned any more
+            if not 0 <= index < len(held.dram):
+                raise StoreError(f"lease {lease.lease_id} has no block {index}")
+            self._count_lease_pins_locked(held)
+            block, entry = held.dram[index], held.ssd[index]
+            held.dram[index] = held.ssd[index] = None
+            if block is not None:
+                self._unpin_block_locked(block)
+            if entry is not None:
+                self._ssd.unpin(entry)
 
     def _promote_locked(self, held: HeldLease, index: int) -> memoryview:
         """Copy the lease's SSD block ``index`` into DRAM (once, however many readers ask)."""
-        key, entry = held.keys[index], held.ssd[index]
+        entry = held.ssd[index]
+        key = entry.key
         while True:
+            if held.ssd[index] is not entry:
+                raise StoreError(f"block {index} of lease {held.lease.lease_id} was done "
+                                 "while it was read")
             cur = self._blocks.get(key)
             if cur is not None and cur.state is _State.READY and cur.ident == entry.ident:
                 cur.pins += 1  # someone promoted or re-put it meanwhile
@@ -230,8 +331,8 @@ class TieredStore(BlockStore):
                 self._pool.free(alloc)
                 raise
             cur = self._blocks.get(key)
-            if key in self._promoting or (cur is not None and cur.state is _State.READY
-                                          and cur.ident == entry.ident):
+            if held.ssd[index] is not entry or key in self._promoting or (
+                    cur is not None and cur.state is _State.READY and cur.ident == entry.ident):
                 self._pool.free(alloc)  # promoted or re-put while we made room: use that
                 continue
             break
@@ -258,13 +359,15 @@ class TieredStore(BlockStore):
             self._private.add(block)
         else:
             self._blocks[key] = block
+            self._ready_put(block)
             self._policy.insert(key)
         self._counters["promotions"] += 1
         if self._thread is not None and self._pool.used_bytes > self._high_bytes:
             self._cond.notify_all()
-        if held.lease not in self._leases:  # released while we read
-            self._unpin_block_locked(block)
-            raise StoreError(f"lease {held.lease.lease_id} was released during the read")
+        if held.lease not in self._leases or held.ssd[index] is not entry:
+            self._unpin_block_locked(block)  # released, or this block done, while we read
+            raise StoreError(f"block {index} of lease {held.lease.lease_id} was let go during "
+                             "the read")
         held.dram[index] = block
         return self._view(block)
 
@@ -298,6 +401,7 @@ class TieredStore(BlockStore):
 
     def _admit_locked(self, key: bytes, ident: bytes) -> str | None:
         """None when a new block may be written under ``key``; else the counter saying why not."""
+        self._count_pins_locked()
         cur = self._blocks.get(key)
         if cur is not None:
             if cur.ident == ident:
@@ -324,6 +428,7 @@ class TieredStore(BlockStore):
             pad = self._pool.view(block.alloc, padded=True)[block.alloc.num_bytes:]
             pad[:] = bytes(len(pad))  # stale bytes of an older block never reach the SSD
             block.state = _State.READY
+            self._ready_put(block)
             self._policy.insert(block.key)
             self._counters["puts"] += 1
             self._counters["put_bytes"] += block.alloc.num_bytes
@@ -371,6 +476,7 @@ class TieredStore(BlockStore):
         already holds it (it is released). ``dirty`` (empty once ``need`` is freed) is up to
         ``batch_bytes`` of LRU blocks the SSD lacks, for the caller to demote.
         """
+        self._count_pins_locked()
         clean: list[_Block] = []
         dirty: list[_Block] = []
         freed = dirty_bytes = 0
@@ -411,6 +517,7 @@ class TieredStore(BlockStore):
             self._lock.acquire()
             self._num_demoting -= len(batch)
             self._cond.notify_all()
+        self._count_pins_locked()  # leases granted while the lock was down
         num_written = 0
         for block, ok in zip(batch, results):
             block.demoting = False
@@ -425,8 +532,24 @@ class TieredStore(BlockStore):
 
     def _drop_block_locked(self, block: _Block) -> None:
         del self._blocks[block.key]
+        if block.state is _State.READY:
+            self._ready_drop(block)
         self._policy.remove(block.key)
         self._pool.free(block.alloc)
+
+    def _ready_put(self, block: _Block) -> None:
+        namespace, block_hash = block.key[:HASH_BYTES], block.key[HASH_BYTES:]
+        blocks = self._ready.get(namespace)
+        if blocks is None:
+            blocks = self._ready[namespace] = {}
+        blocks[block_hash] = block
+
+    def _ready_drop(self, block: _Block) -> None:
+        namespace = block.key[:HASH_BYTES]
+        blocks = self._ready[namespace]
+        del blocks[block.key[HASH_BYTES:]]
+        if not blocks:
+            del self._ready[namespace]  # namespaces come and go (the bytes API names them)
 
     def _demote_loop(self) -> None:
         with self._lock:
@@ -477,6 +600,7 @@ class TieredStore(BlockStore):
         key = self._key(namespace, block_hash)
         with self._lock:
             self._check_open()
+            self._count_pins_locked()
             block = self._blocks.get(key)
             if block is not None and (block.pins or block.demoting
                                       or block.state is not _State.READY):
@@ -515,17 +639,48 @@ class TieredStore(BlockStore):
         held = self._leases.pop(lease)
         if held is None:
             return
+        if not held.counted:  # its DRAM blocks never left the index: record the access only
+            del self._uncounted[lease.lease_id]
+            touch = self._policy.touch
+            for block in held.dram:
+                if block is not None:
+                    touch(block.key)
+        else:
+            for block in held.dram:
+                if block is not None:
+                    self._unpin_block_locked(block)
+        if any(held.ssd):
+            for entry in held.ssd:
+                if entry is not None:
+                    self._ssd.unpin(entry)
+        self._cond.notify_all()
+
+    def _count_pins_locked(self) -> None:
+        """Count every lease's DRAM blocks into their ``pins``.
+
+        Whatever reads ``pins`` to free, evict, demote or replace a block calls this first, in
+        the same hold of the lock: then a block is pinned iff its ``pins`` is non-zero.
+        """
+        if self._uncounted:
+            for held in list(self._uncounted.values()):
+                self._count_lease_pins_locked(held)
+
+    def _count_lease_pins_locked(self, held: HeldLease) -> None:
+        if held.counted:
+            return
         for block in held.dram:
             if block is not None:
-                self._unpin_block_locked(block)
-        for entry in held.ssd:
-            if entry is not None:
-                self._ssd.unpin(entry)
-        self._cond.notify_all()
+                block.pins += 1
+        held.counted = True
+        del self._uncounted[held.lease.lease_id]
 
     def _unpin_block_locked(self, block: _Block) -> None:
         block.pins -= 1
-        if block.pins == 0 and not block.indexed:
+        if block.indexed:
+            # The access a leased lookup made is recorded here: the block could not be evicted
+            # before, so its place in the eviction order did not matter until now.
+            self._policy.touch(block.key)
+        elif block.pins == 0:
             self._private.discard(block)
             self._pool.free(block.alloc)
 
@@ -533,6 +688,7 @@ class TieredStore(BlockStore):
 
     def stats(self) -> dict:
         with self._lock:
+            self._count_pins_locked()  # for pinned_blocks
             c = dict(self._counters)
             blocks = self._blocks.values()
             dram = {
@@ -557,18 +713,22 @@ class TieredStore(BlockStore):
     def check_integrity(self) -> None:
         with self._lock:
             self._pool.check_integrity()
+            assert all(not h.counted and self._leases.find(h.lease) is h
+                       for h in self._uncounted.values()), "uncounted leases"
+            self._count_pins_locked()
             live = list(self._blocks.values()) + list(self._private)
             assert sorted((b.alloc.offset, b.alloc.reserved_bytes) for b in live) == \
                 self._pool.allocations(), "DRAM allocations differ from the blocks that own them"
-            ready = {k for k, b in self._blocks.items() if b.state is _State.READY}
-            assert set(self._policy.victims()) == ready, "policy tracks other keys than READY"
+            ready = {k: b for k, b in self._blocks.items() if b.state is _State.READY}
+            assert set(self._policy.victims()) == set(ready), "policy tracks other keys than READY"
+            assert {ns + h: b for ns, blocks in self._ready.items() for h, b in blocks.items()} \
+                == ready and all(self._ready.values()), "READY index differs from the blocks"
             assert all(b.key == k and b.indexed for k, b in self._blocks.items())
             pins: Counter[int] = Counter()
             for held in self._leases:
                 assert not held.lease.released, "a released lease is still held"
-                assert len(held.keys) == len(held.dram) == len(held.ssd)
-                for block, entry in zip(held.dram, held.ssd):
-                    assert block is not None or entry is not None, "a lease slot pins nothing"
+                assert len(held.lease.block_hashes) == len(held.dram) == len(held.ssd)
+                for block in held.dram:  # a slot pinning nothing is one the reader is done with
                     if block is not None:
                         pins[id(block)] += 1
             for block in self._promoting.values():
@@ -607,18 +767,23 @@ class TieredStore(BlockStore):
     # -- helpers -------------------------------------------------------------------------------
 
     def _key(self, namespace: bytes, block_hash: bytes) -> bytes:
-        return self._keys(namespace, [block_hash])[0]
+        """The index key: namespace || hash (truncated in debug mode). StoreError on bad sizes."""
+        if len(namespace) != HASH_BYTES or len(block_hash) != HASH_BYTES:
+            raise StoreError(_BAD_SIZES)
+        return bytes(namespace) + self._index_hashes([block_hash])[0]
 
-    def _keys(self, namespace: bytes, block_hashes: Sequence[bytes]) -> list[bytes]:
-        """Index keys: namespace || hash (truncated in debug mode). StoreError on bad sizes."""
-        if len(namespace) != HASH_BYTES or (block_hashes and
-                                             set(map(len, block_hashes)) != {HASH_BYTES}):
-            raise StoreError(f"namespace and block hashes must be {HASH_BYTES} bytes each")
-        namespace = bytes(namespace)
+    def _index_hashes(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
+        """The hashes the index is keyed by: as given, or truncated in debug mode.
+
+        In debug mode every size is checked here (a truncated hash no longer shows it);
+        otherwise ``lookup`` checks the sizes of the hashes DRAM did not find.
+        """
         bits = self.config.debug_hash_bits
         if bits is None:
-            return [namespace + h for h in block_hashes]  # bytes + any buffer is bytes
-        return [namespace + truncate_hash(bytes(h), bits) for h in block_hashes]
+            return block_hashes
+        if not {HASH_BYTES}.issuperset(map(len, block_hashes)):
+            raise StoreError(_BAD_SIZES)
+        return [truncate_hash(bytes(h), bits) for h in block_hashes]
 
     def _view(self, block: _Block) -> memoryview:
         return self._pool.view(block.alloc).toreadonly()

@@ -217,6 +217,39 @@ def test_ssd_tier_round_trip(make_daemon, tmp_path, buffers: list[EngineBuffer])
             assert dst.block(i) == src.block(i), f"block {i} differs after the SSD round trip"
 
 
+def test_one_lease_larger_than_dram_loads_completely(make_daemon, tmp_path,
+                                                    buffers: list[EngineBuffer]) -> None:
+    # 48 blocks of 256 KiB (12 MiB) under one lease, restored through a 4 MiB DRAM pool: the
+    # load lets go of each block once copied, so its DRAM goes to the next promotion.
+    num_blocks, block_bytes = 48, 256 * 1024
+    ssd_dir = tmp_path / "ssd"
+    src = EngineBuffer(num_blocks, block_bytes, fill_seed=67)
+    dst = EngineBuffer(num_blocks, block_bytes, fill_seed=None)
+    buffers += [src, dst]
+    chain = make_chain("lease-larger-than-dram", num_blocks, seed=19)
+    first = make_daemon(dram="4MiB", ssd_dir=ssd_dir, ssd_size="64MiB", http=False)
+    with first.client() as c:
+        reg = c.register(src.layout, "src")
+        for start in range(0, num_blocks, 8):
+            part = slice(start, start + 8)
+            out = c.save(reg, chain.namespace, range(start, start + 8), chain.hashes[part],
+                         chain.idents[part])
+            assert out.outcomes == ["saved"] * 8
+    assert first.stop() == 0  # a graceful stop flushes what DRAM alone held
+    second = make_daemon(dram="4MiB", ssd_dir=ssd_dir, ssd_size="64MiB", http=False)
+    with second.client() as c:
+        reg = c.register(dst.layout, "dst")
+        hit = c.lookup(chain.namespace, chain.hashes, chain.idents)
+        assert hit.num_hit == num_blocks and hit.tiers == ["ssd"] * num_blocks
+        assert c.load(reg, hit.lease_id, range(num_blocks)) == num_blocks
+        stats = c.stats()
+        assert stats["counters"]["promotions"] == num_blocks
+        assert stats["tiers"]["dram"]["used_bytes"] <= 4 << 20
+        assert stats["daemon"]["leases_active"] == 0
+    for i in range(num_blocks):
+        assert dst.block(i) == src.block(i), f"block {i} differs after the restore"
+
+
 def test_damaged_ssd_block_fails_closed(make_daemon, tmp_path,
                                         buffers: list[EngineBuffer]) -> None:
     num_blocks, block_bytes = 32, 256 * 1024

@@ -195,3 +195,32 @@ def test_fuzz_schema_validation_never_crashes(verb: str, args: dict) -> None:
         assert exc.code == proto.BAD_REQUEST
         return
     assert set(req.args) <= set(proto.SCHEMAS[verb])
+
+
+@pytest.mark.parametrize("body", [
+    b"\xc8\x00\x04\xff" + struct.pack(">I", 5),  # a timestamp in ext16: msgpack decodes it too
+    b"\xc9\x00\x00\x00\x04\xff" + struct.pack(">I", 5),  # and in ext32
+    msgpack.packb({"t": [msgpack.Timestamp(2**40, 5)]}),  # timestamp 96 (ext8)
+    msgpack.packb({"t": msgpack.Timestamp(2**34 - 1, 5)}),  # timestamp 64 (fixext8)
+    msgpack.packb([[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),  # 33 deep
+    msgpack.packb({"v": b"x" * 100_000, "t": msgpack.Timestamp(1, 0)}),  # beyond the quick check
+])
+def test_decode_refuses_timestamps_and_deep_nesting_whatever_the_encoding(body: bytes) -> None:
+    with pytest.raises(proto.ProtocolError) as info:
+        proto.decode_body(body)
+    assert info.value.code == proto.MALFORMED_FRAME
+    with pytest.raises(proto.ProtocolError):
+        proto.decode_body(bytearray(body))
+    with pytest.raises(proto.ProtocolError):
+        proto.decode_body(memoryview(body))
+
+
+def test_decode_accepts_plain_data_just_under_the_limits() -> None:
+    deep = 1
+    for _ in range(proto.MAX_NESTING - 2):  # the two maps at depths 0, 1; lists at 2..31
+        deep = [deep]
+    for d in (1, deep):
+        reply = {"id": 255, "ok": True, "result": {"tiers": ["dram"] * 1024, "x": -1, "d": d}}
+        body = msgpack.packb(reply, use_bin_type=True)
+        assert proto.decode_body(body) == reply
+        assert proto.decode_body(bytearray(body)) == reply
