@@ -1,0 +1,441 @@
+"""Multi-turn chat (and agent) load against any OpenAI-compatible endpoint: TTFT, ITL and cache
+hits by tier per round.
+
+U users each hold a conversation of R rounds over a shared system prompt of ~S tokens and their
+own history (~H tokens at first, growing by each question and answer; in --agentic mode each turn
+also brings a ~T-token tool result). Requests arrive as a Poisson process at --qps across users;
+an arrival goes to the user that has been idle longest, and a user's next round is only sent after
+its previous answer arrived (when every user is waiting, the arrival waits for the first one free,
+so the offered rate is capped by U users in a closed loop; the achieved rate is reported).
+
+Each request streams /v1/chat/completions with include_usage, temperature 0, max_tokens=A (and
+`ignore_eos` unless --no-ignore-eos), under a timeout; a failure is recorded, never raised. Per
+request: user, round, prompt tokens (the server's count), cached tokens and cached_tokens_by_tier,
+TTFT, inter-token latencies (between content chunks: a chunk may carry several tokens, so the
+summary also gives TPOT, time per output token after the first), end-to-end time, error. The run
+stops after U x R requests (or --max-requests, or --duration-s) and prints a summary; --output
+writes JSON with machine, date, command, config, summary and every record.
+
+    python -m benchmarks.multiturn --url http://127.0.0.1:8000 --users 16 --rounds 8 --qps 2 \\
+        --system-prompt-len 1024 --history-len 2048 --answer-len 128 --output run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.engine import _machine
+from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
+
+TIERS = ("hbm", "dram", "ssd", "remote")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where to send the load and how; the workload's shape is in `workload`."""
+
+    url: str
+    workload: WorkloadConfig
+    qps: float
+    model: str | None = None
+    api_key: str = "EMPTY"
+    ignore_eos: bool = True
+    request_timeout_s: float = 300.0
+    max_requests: int | None = None
+    duration_s: float | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.qps > 0:
+            raise ValueError("qps must be > 0 (inf for no pacing)")
+        if not self.request_timeout_s > 0:
+            raise ValueError("request_timeout_s must be > 0")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError("max_requests must be at least 1")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError("duration_s must be > 0")
+
+
+@dataclass
+class RequestRecord:
+    """What one request did; times in seconds, `*_s` relative to the start of the run."""
+
+    user: int
+    round: int
+    scheduled_s: float
+    sent_s: float
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    num_chunks: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def base_url(url: str) -> str:
+    """The OpenAI base URL (…/v1) of a server given with or without its /v1."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+async def _stream_one(client: Any, model: str, messages: list[dict], config: RunConfig,
+                      record: RequestRecord, started: float) -> str:
+    """Send one streaming chat request and fill `record`; returns the answer text."""
+    kwargs: dict[str, Any] = {}
+    if config.ignore_eos:
+        kwargs["extra_body"] = {"ignore_eos": True}
+    sent = time.perf_counter()
+    record.sent_s = sent - started
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=config.workload.answer_len, temperature=0.0,
+        stream=True, stream_options={"include_usage": True}, **kwargs)
+    pieces: list[str] = []
+    last = None
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+            record.num_chunks += 1
+            if last is None:
+                record.ttft_s = now - sent
+            else:
+                record.itl_s.append(now - last)
+            last = now
+        if chunk.usage is not None:
+            _take_usage(record, chunk.usage.model_dump())
+    record.e2e_s = time.perf_counter() - sent
+    if record.ttft_s is None:
+        record.error = "no content in the stream"
+    return "".join(pieces)
+
+
+def _take_usage(record: RequestRecord, usage: dict) -> None:
+    record.prompt_tokens = usage.get("prompt_tokens")
+    record.completion_tokens = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    record.cached_tokens = details.get("cached_tokens")
+    by_tier = details.get("cached_tokens_by_tier")
+    if isinstance(by_tier, dict):
+        record.cached_tokens_by_tier = {str(k): int(v or 0) for k, v in by_tier.items()}
+
+
+async def _one_round(client: Any, model: str, conv: Conversation, config: RunConfig,
+                     scheduled_s: float, started: float) -> RequestRecord:
+    record = RequestRecord(user=conv.user, round=conv.round, scheduled_s=scheduled_s,
+                           sent_s=time.perf_counter() - started)
+    text = None
+    try:
+        text = await asyncio.wait_for(
+            _stream_one(client, model, conv.next_messages(), config, record, started),
+            timeout=config.request_timeout_s)
+    except asyncio.TimeoutError:
+        record.error = f"timeout after {config.request_timeout_s:g} s"
+    except Exception as exc:  # any failure is a recorded outcome, never the end of the run
+        record.error = f"{type(exc).__name__}: {exc}"[:500]
+    conv.add_answer(text if record.ok else None)
+    return record
+
+
+class _Progress:
+    """tqdm when installed, else one status line rewritten in place."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar = None
+        self._done = self._errors = 0
+        self._total = total
+        self._enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, record: RequestRecord) -> None:
+        self._done += 1
+        self._errors += 0 if record.ok else 1
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(errors=self._errors, refresh=False)
+        elif self._enabled:
+            print(f"\r{self._done}/{self._total} requests, {self._errors} errors", end="",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._enabled:
+            print(file=sys.stderr)
+
+
+async def run_requests(config: RunConfig) -> tuple[list[RequestRecord], float, str]:
+    """Drive the workload to its end; returns (records, wall seconds, model name)."""
+    from openai import AsyncOpenAI
+
+    wl = config.workload
+    convs = make_conversations(wl)
+    total = wl.num_users * wl.num_rounds
+    if config.max_requests is not None:
+        total = min(total, config.max_requests)
+    arrivals = random.Random(f"arrivals:{wl.seed}")
+    idle: asyncio.Queue[int] = asyncio.Queue()
+    for user in range(wl.num_users):
+        idle.put_nowait(user)
+    records: list[RequestRecord] = []
+    progress = _Progress(total, config.progress)
+    client = AsyncOpenAI(base_url=base_url(config.url), api_key=config.api_key, max_retries=0,
+                         timeout=config.request_timeout_s)
+    try:
+        model = config.model
+        if model is None:
+            try:
+                model = (await client.models.list()).data[0].id
+            except Exception as exc:
+                raise RuntimeError(f"cannot list the models of {config.url}: {exc}") from exc
+        started = time.perf_counter()
+        stop_at = None if config.duration_s is None else started + config.duration_s
+        next_arrival = started
+        tasks: set[asyncio.Task] = set()
+
+        async def round_task(user: int, scheduled_s: float) -> None:
+            record = await _one_round(client, model, convs[user], config, scheduled_s, started)
+            records.append(record)
+            progress.update(record)
+            if not convs[user].done:
+                idle.put_nowait(user)
+
+        for i in range(total):
+            if i:
+                next_arrival += arrivals.expovariate(config.qps) if math.isfinite(config.qps) else 0
+            wait_s = next_arrival - time.perf_counter()
+            if stop_at is not None:
+                wait_s = min(wait_s, stop_at - time.perf_counter())
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            if stop_at is not None and time.perf_counter() >= stop_at:
+                break
+            try:
+                remaining = None if stop_at is None else max(0.0, stop_at - time.perf_counter())
+                user = await asyncio.wait_for(idle.get(), timeout=remaining)
+            except asyncio.TimeoutError:
+                break
+            # A late arrival (every user was busy) restarts the clock: no catch-up burst.
+            next_arrival = max(next_arrival, time.perf_counter())
+            task = asyncio.create_task(round_task(user, next_arrival - started))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        while tasks:
+            await asyncio.gather(*list(tasks))
+        wall_s = time.perf_counter() - started
+    finally:
+        progress.close()
+        await client.close()
+    records.sort(key=lambda r: (r.sent_s, r.user))
+    return records, wall_s, model
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
+
+
+def _hits(records: list[RequestRecord]) -> dict:
+    """Cached fraction of prompt tokens, overall and by tier, over records with usage."""
+    with_usage = [r for r in records if r.prompt_tokens]
+    prompt = sum(r.prompt_tokens for r in with_usage)
+    cached = sum(r.cached_tokens or 0 for r in with_usage)
+    by_tier = {t: sum((r.cached_tokens_by_tier or {}).get(t, 0) for r in with_usage)
+               for t in TIERS}
+    return {"prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else None,
+            "hit_rate_by_tier": {t: (n / prompt if prompt else None) for t, n in by_tier.items()}}
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+    """TTFT, ITL, end-to-end time, throughput and hit rates, overall and per round."""
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft_s for r in ok]
+    itls = [x for r in ok for x in r.itl_s]
+    # Time per output token after the first: ITL per token even where a chunk carries several.
+    tpots = [(r.e2e_s - r.ttft_s) / (r.completion_tokens - 1) for r in ok
+             if r.completion_tokens and r.completion_tokens > 1]
+    out = {
+        "num_requests": len(records), "num_ok": len(ok), "num_errors": len(records) - len(ok),
+        "wall_s": wall_s,
+        "ttft_ms": {"mean": _ms(statistics.fmean(ttfts)) if ttfts else None,
+                    "p50": _ms(_pct(ttfts, 0.5)), "p90": _ms(_pct(ttfts, 0.9)),
+                    "p99": _ms(_pct(ttfts, 0.99))},
+        "itl_ms": {"p50": _ms(_pct(itls, 0.5)), "p99": _ms(_pct(itls, 0.99))},
+        "tpot_ms": {"mean": _ms(statistics.fmean(tpots)) if tpots else None},
+        "e2e_ms": {"mean": _ms(statistics.fmean([r.e2e_s for r in ok])) if ok else None},
+        "throughput": {
+            "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+            "output_tokens_per_s": (sum(r.completion_tokens or 0 for r in ok) / wall_s
+                                    if wall_s > 0 else None),
+            "prompt_tokens_per_s": (sum(r.prompt_tokens or 0 for r in ok) / wall_s
+                                    if wall_s > 0 else None)},
+        "hits": _hits(ok),
+        "errors": sorted({r.error for r in records if r.error})[:10],
+    }
+    rounds = []
+    for rnd in sorted({r.round for r in records}):
+        in_round = [r for r in records if r.round == rnd]
+        good = [r for r in in_round if r.ok]
+        t = [r.ttft_s for r in good]
+        rounds.append({"round": rnd, "num_requests": len(in_round), "num_ok": len(good),
+                       "prompt_tokens_mean": (statistics.fmean([r.prompt_tokens or 0 for r in good])
+                                              if good else None),
+                       "ttft_ms_mean": _ms(statistics.fmean(t)) if t else None,
+                       "ttft_ms_p50": _ms(_pct(t, 0.5)), **_hits(good)})
+    out["rounds"] = rounds
+    return out
+
+
+def fmt_num(value: float | None, spec: str = "8.1f") -> str:
+    """`value` formatted with `spec`, or a right-aligned '-' for None."""
+    width = int(spec.split(".")[0]) if spec[0].isdigit() else 8
+    return format(value, spec) if value is not None else "-".rjust(width)
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as a small text table."""
+    t, hits = summary["ttft_ms"], summary["hits"]
+    tp = summary["throughput"]
+    lines = [
+        f"requests {summary['num_ok']}/{summary['num_requests']} ok, "
+        f"{summary['num_errors']} errors, {summary['wall_s']:.1f} s",
+        f"TTFT ms  mean {fmt_num(t['mean'])}  p50 {fmt_num(t['p50'])}  p99 {fmt_num(t['p99'])}   "
+        f"ITL ms p50 {fmt_num(summary['itl_ms']['p50'], '7.2f')}  "
+        f"TPOT ms {fmt_num(summary['tpot_ms']['mean'], '7.2f')}",
+        f"throughput {fmt_num(tp['requests_per_s'], '.2f')} req/s, "
+        f"{fmt_num(tp['output_tokens_per_s'], '.1f')} output tok/s, "
+        f"{fmt_num(tp['prompt_tokens_per_s'], '.0f')} prompt tok/s; "
+        f"hit rate {fmt_num(hits['hit_rate'], '.3f')}",
+        f"{'round':>5} {'ok':>4} {'prompt':>8} {'TTFT mean':>10} {'p50':>8} {'hit':>6} "
+        + " ".join(f"{tier:>6}" for tier in TIERS),
+    ]
+    for r in summary["rounds"]:
+        by_tier = r["hit_rate_by_tier"]
+        lines.append(
+            f"{r['round']:>5} {r['num_ok']:>4} {fmt_num(r['prompt_tokens_mean'], '8.0f')} "
+            f"{fmt_num(r['ttft_ms_mean'], '10.1f')} {fmt_num(r['ttft_ms_p50'])} "
+            f"{fmt_num(r['hit_rate'], '6.3f')} "
+            + " ".join(fmt_num(by_tier[tier], "6.3f") for tier in TIERS))
+    for error in summary["errors"]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)
+
+
+def run(config: RunConfig) -> dict:
+    """Run the workload; the result with config, summary and every record (no machine/date)."""
+    records, wall_s, model = asyncio.run(run_requests(config))
+    cfg = asdict(config)
+    cfg["model"] = model
+    if not math.isfinite(config.qps):
+        cfg["qps"] = "inf"
+    cfg.pop("api_key", None)
+    return {"benchmark": "multiturn", "config": cfg, "summary": summarize(records, wall_s),
+            "records": [asdict(r) for r in records]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m benchmarks.multiturn`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="server URL, with or without /v1")
+    parser.add_argument("--model", default=None, help="model name (default: the first listed)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
+    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate (inf: none)")
+    parser.add_argument("--system-prompt-len", type=int, default=1024)
+    parser.add_argument("--history-len", type=int, default=1024)
+    parser.add_argument("--question-len", type=int, default=24)
+    parser.add_argument("--answer-len", type=int, default=64, help="max_tokens of each answer")
+    parser.add_argument("--agentic", action="store_true",
+                        help="each turn brings a long tool result and a short question")
+    parser.add_argument("--tool-result-len", type=int, default=1024)
+    parser.add_argument("--tokens-per-word", type=float, default=1.3,
+                        help="the tokenizer's tokens per generated word, to size the texts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="send extra_body ignore_eos (vLLM and kvengine take it)")
+    parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("--max-requests", type=int, default=None)
+    parser.add_argument("--duration-s", type=float, default=None,
+                        help="send no new request after this many seconds")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument("--output", default=None, help="write the JSON result here")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """A RunConfig from parsed arguments (ValueError on a bad combination)."""
+    workload = WorkloadConfig(
+        num_users=args.users, num_rounds=args.rounds, system_prompt_len=args.system_prompt_len,
+        history_len=args.history_len, answer_len=args.answer_len, question_len=args.question_len,
+        agentic=args.agentic, tool_result_len=args.tool_result_len,
+        tokens_per_word=args.tokens_per_word, seed=args.seed)
+    return RunConfig(url=args.url, workload=workload, qps=args.qps, model=args.model,
+                     api_key=args.api_key, ignore_eos=args.ignore_eos,
+                     request_timeout_s=args.request_timeout, max_requests=args.max_requests,
+                     duration_s=args.duration_s, progress=args.progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        result = run(config)
+    except RuntimeError as exc:
+        print(f"multiturn: error: {exc}", file=sys.stderr)
+        return 2
+    result = {**result, "machine": _machine(),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": "python -m benchmarks.multiturn "
+                         + " ".join(sys.argv[1:] if argv is None else argv)}
+    if args.output:  # written before anything is printed: the records outlive a closed stdout
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+    print(format_summary(result["summary"]))
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0 if result["summary"]["num_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
