@@ -23,6 +23,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvstore.service import Service
 
 _TIER_GAUGES = ("capacity_bytes", "used_bytes", "blocks")
+# The cluster section's levels; every other number in it only ever grows (a counter).
+_CLUSTER_GAUGES = frozenset({"suspect_peers", "live_nodes", "pending_events", "published_blocks",
+                             "connections"})
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -54,9 +57,10 @@ class StatsCollector:
             if _is_number(value):
                 yield CounterMetricFamily(_metric_name("kvstore_store", key),
                                           f"store counter {key}", value=float(value))
+        yield from self._cluster(stats.get("cluster"))
         # Anything else the store reports that is a number (or a map of numbers) goes out too.
         for key, value in sorted(stats.items()):
-            if key in ("tiers", "daemon", "counters"):
+            if key in ("tiers", "daemon", "counters", "cluster"):
                 continue
             yield from self._flat(_metric_name("kvstore_store", key), value)
 
@@ -95,6 +99,23 @@ class StatsCollector:
             if _is_number(daemon.get(gauge)):
                 yield GaugeMetricFamily(_metric_name("kvstore", gauge), f"daemon {gauge}",
                                         value=float(daemon[gauge]))
+
+    def _cluster(self, cluster: Any) -> Iterator[Metric]:
+        """``kvstore_cluster_*``: remote outcomes, then the index, peer server and client's."""
+        if not isinstance(cluster, dict):
+            return
+        index = cluster.get("index") or {}
+        yield GaugeMetricFamily("kvstore_cluster_index_up", "1 while Redis answers",
+                                value=float(index.get("state") == "up"))
+        for section, fields in [("", cluster), *((k, v) for k, v in sorted(cluster.items())
+                                                 if isinstance(v, dict))]:
+            for key, value in sorted(fields.items()):
+                if not _is_number(value):
+                    continue
+                name = _metric_name("kvstore_cluster", section, key)
+                family = GaugeMetricFamily if key in _CLUSTER_GAUGES else CounterMetricFamily
+                yield family(name, " ".join(filter(None, ("cluster", section, key))),
+                             value=float(value))
 
     def _flat(self, name: str, value: Any, depth: int = 0) -> Iterator[Metric]:
         if _is_number(value):

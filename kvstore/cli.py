@@ -80,10 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning",
                        choices=("debug", "info", "warning", "error"))
     serve.add_argument("--cluster", default=None, metavar="redis://HOST:PORT/DB",
-                       help="share blocks across nodes through a Redis index (not built yet)")
-    serve.add_argument("--node-id", default=None, metavar="ID")
-    serve.add_argument("--listen", default=None, metavar="HOST:PORT")
-    serve.add_argument("--advertise", default=None, metavar="HOST:PORT")
+                       help="share blocks with other daemons through this Redis index "
+                            "(Redis 6.2+, standalone; default: no cluster)")
+    serve.add_argument("--node-id", default=None, metavar="ID",
+                       help="this daemon's unique name in the cluster (default: the host name)")
+    serve.add_argument("--listen", default=None, metavar="HOST:PORT",
+                       help="UCX address peers fetch blocks from (default 127.0.0.1:0, a free "
+                            "port); the port is bound on every interface: firewall it")
+    serve.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                       help="address peers dial, if not --listen's (needed with a wildcard "
+                            "--listen host or behind NAT)")
 
     stats = sub.add_parser("stats", help="print a running daemon's stats")
     stats.add_argument("--http", default=None, metavar="URL",
@@ -166,6 +172,48 @@ def _describe_start(config: Any, stats: dict, socket_path: Path, http_url: str |
     return "\n".join(lines)
 
 
+def _cluster_config(args: argparse.Namespace) -> Any:
+    """The ClusterConfig of --cluster and its flags, or None without --cluster."""
+    if args.cluster is None:
+        given = [flag for flag, value in (("--node-id", args.node_id), ("--listen", args.listen),
+                                          ("--advertise", args.advertise)) if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} need(s) --cluster redis://HOST:PORT/DB")
+        return None
+    from kvstore.cluster_config import ClusterConfig  # no redis or ucxx import: just parsing
+
+    try:
+        return ClusterConfig.from_args(args.cluster, node_id=args.node_id, listen=args.listen,
+                                       advertise=args.advertise)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _start_cluster(config: Any, store: Any) -> tuple[Any, bool]:
+    """Start a ClusterNode over ``store``: (node, registered in Redis). OSError if the peer
+    port cannot be bound."""
+    from kvstore.cluster_node import ClusterNode
+
+    node = ClusterNode(config, store)
+    try:
+        registered = node.start()
+    except Exception as exc:
+        raise OSError(f"cannot listen for peers on port {config.listen_port}: {exc}") from None
+    if not registered:
+        logging.getLogger("kvstore.cli").warning(
+            "Redis at %s:%d is unreachable: serving locally; node %s joins the cluster when it "
+            "answers", config.redis_host, config.redis_port, config.node_id)
+    return node, registered
+
+
+def _describe_cluster(config: Any, node: Any, registered: bool) -> str:
+    listen = f"{config.listen_host}:{node.server.port}"
+    redis_state = "registered" if registered else "unreachable, serving locally until it answers"
+    return (f"kvstore: cluster node {config.node_id}, peers dial {node.addr} (UCX listens on "
+            f"{listen}, port open on every interface), Redis {config.redis_host}:"
+            f"{config.redis_port}/{config.redis_db}: {redis_state}")
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -176,8 +224,7 @@ def _version() -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.cluster is not None:
-        raise UsageError("cluster support (--cluster) is not built yet; run without --cluster")
+    cluster_config = _cluster_config(args)
     from kvstore.settings import default_socket_path, load_env_settings
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -209,16 +256,23 @@ def _serve(args: argparse.Namespace) -> int:
                       debug_hash_bits=env.debug_hash_bits, version=_version())
     daemon = Daemon(service, socket_path)
     admin = None
+    cluster_line = None
     try:
         daemon.bind()
         if http_addr is not None:
             admin = AdminServer(service, *http_addr)
+        if cluster_config is not None:  # last: nothing after it can fail before serving
+            node, registered = _start_cluster(cluster_config, store)
+            service.attach_cluster(node)  # stopped by service.close(), before the store closes
+            cluster_line = _describe_cluster(cluster_config, node, registered)
     except (SocketSetupError, OSError) as exc:
         store.close()
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     print(_describe_start(config, store.stats(), daemon.socket_path,
                           admin.url if admin else None), flush=True)
+    if cluster_line is not None:
+        print(cluster_line, flush=True)
 
     def ready() -> None:
         if admin is not None:
@@ -283,6 +337,15 @@ def format_stats_table(stats: dict) -> str:
     if "lookup_blocks" in counters:
         lines.append(f"lookups: {counters.get('lookups', 0)} ({counters['lookup_blocks']} "
                      f"blocks asked, {counters.get('miss_blocks', 0)} missed everywhere)")
+    cluster = stats.get("cluster") or {}
+    if cluster:
+        index = cluster.get("index") or {}
+        errors = sum(v for k, v in cluster.items() if k.startswith("remote_errors_"))
+        lines.append(f"cluster: node {cluster.get('node_id')} at {cluster.get('addr')}, Redis "
+                     f"{index.get('state')}, {index.get('live_nodes', 0)} live node(s), "
+                     f"{index.get('published_blocks', 0)} blocks published; remote: "
+                     f"{cluster.get('remote_hit_blocks', 0)} blocks fetched, "
+                     f"{cluster.get('remote_misses', 0)} misses, {errors} errors")
     daemon = stats.get("daemon") or {}
     if daemon:
         lines.append(f"daemon: uptime {daemon.get('uptime_s', 0):.1f} s, connections "

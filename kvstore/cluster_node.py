@@ -88,6 +88,13 @@ class ClusterNode:
 
     # -- remote reads --------------------------------------------------------------------------
 
+    def has_peers(self) -> bool:
+        """Whether Redis answers and another live node is in view (as of the last heartbeat).
+        Cheap, no IO: without a peer a fetch cannot find anything, so the daemon does not try."""
+        index = self.index
+        return index is not None and index.up and any(
+            holder.node_id != self.config.node_id for holder in index.live_nodes().values())
+
     def fetch_remote_prefix(self, namespace: bytes, block_hashes: Sequence[bytes],
                             idents: Sequence[bytes], start_index: int = 0) -> int:
         """Fetch blocks ``start_index, start_index + 1, ...`` from live peers into the local

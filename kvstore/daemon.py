@@ -23,7 +23,7 @@ from typing import Any
 
 from kvstore import protocol as proto
 from kvstore.listener import bind_unix_socket, peer_uid, socket_identity, unlink_if_ours
-from kvstore.service import CallContext, Service, ServiceError
+from kvstore.service import CallContext, Deferred, Service, ServiceError
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -31,7 +31,8 @@ log = logging.getLogger("kvstore.daemon")
 # stopped, so an engine that sees an error can reuse its blocks at once.
 _COPY_VERBS = frozenset({"save", "load"})
 # Verbs answered on the loop itself, skipping the worker-thread hop (~0.1 ms): only calls that
-# never wait on IO. A lookup reads the in-memory index; the lease it takes makes it no slower.
+# never wait on IO. A lookup reads the in-memory index; the lease it takes makes it no slower. One
+# that goes on to the cluster's peers returns a Deferred, run on a worker.
 INLINE_VERBS = frozenset({"health", "lookup", "release"})
 
 
@@ -239,7 +240,8 @@ class Daemon:
                       received_at: float) -> None:
         deadline = received_at + request.deadline_ms / 1000.0
         timeout_s = max(0.0, deadline - time.monotonic())
-        ctx = CallContext(owner=conn.owner, deadline=deadline)
+        ctx = CallContext(owner=conn.owner, deadline=deadline,
+                          on_loop=request.verb in self.inline_verbs)
         conn.contexts.add(ctx)
         try:
             try:
@@ -261,10 +263,19 @@ class Daemon:
                        timeout_s: float) -> dict[str, Any]:
         rid = request.request_id
         try:
-            if request.verb in self.inline_verbs:
-                return proto.ok_reply(rid, self.service.call(request.verb, request.args, ctx))
-            future = asyncio.get_running_loop().run_in_executor(
-                self.executor, self.service.call, request.verb, request.args, ctx)
+            if ctx.on_loop:
+                result = self.service.call(request.verb, request.args, ctx)
+                if not isinstance(result, Deferred):
+                    return proto.ok_reply(rid, result)
+                try:
+                    future = asyncio.get_running_loop().run_in_executor(self.executor,
+                                                                        result.run)
+                except BaseException:  # shutting down: nobody will run it
+                    result.abandon()
+                    raise
+            else:
+                future = asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.service.call, request.verb, request.args, ctx)
             try:
                 result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
             except asyncio.TimeoutError:

@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -95,6 +95,9 @@ class SSDTier:
         self._zombies: set[SSDEntry] = set()  # dropped while pinned: slot freed at last unpin
         self._commits_in_flight = 0
         self._closed = False
+        # Told the key of every entry dropped for good (not one rewritten in place), under this
+        # tier's lock: it must only take note (TieredStore reports drops outside its locks).
+        self.on_drop: Callable[[bytes], None] | None = None
         self._lock_fd = self._take_dir_lock()
         db = None
         try:
@@ -363,6 +366,8 @@ class SSDTier:
         self._policy.remove(entry.key)
         self._counters[counter] += 1
         dropped.append(entry)
+        if self.on_drop is not None and counter != "replaced":
+            self.on_drop(entry.key)
         if entry.pins == 0:
             self._allocators[entry.file_idx].free(entry.alloc)
         else:

@@ -14,6 +14,10 @@ blocks. Their pin counts include the lease only once something is about to free,
 or replace a block (``_count_pins_locked``), and their LRU access is recorded when the lease lets
 go of them: a pinned block cannot be a victim before then anyway.
 
+Blocks that leave every tier (evicted without SSD, evicted or dropped as damaged on SSD, removed)
+are reported to ``on_dropped`` in batches, outside the lock, by the thread that dropped them: the
+cluster withdraws them from its index. A DRAM → SSD demotion is no drop.
+
 Locking: one lock guards the index, pool, policy, leases and counters. SSD IO runs outside it on
 blocks that are marked ``demoting`` (their DRAM bytes cannot be freed or reused meanwhile) or
 freshly reserved (``IN_FLIGHT``, invisible). Lock order: this store's lock, then the SSD tier's.
@@ -27,8 +31,8 @@ import logging
 import operator
 import threading
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -137,6 +141,11 @@ class TieredStore(BlockStore):
             except BaseException:
                 self._pool.close()
                 raise
+        # Told (namespace, block hashes) of blocks no tier holds any more; see _report_dropped.
+        self.on_dropped: Callable[[bytes, list[bytes]], None] | None = None
+        self._dropped: deque[bytes] = deque()  # keys that may have left every tier
+        if self._ssd is not None:
+            self._ssd.on_drop = self._note_drop
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._blocks: dict[bytes, _Block] = {}
@@ -276,6 +285,13 @@ class TieredStore(BlockStore):
         return False
 
     def read(self, lease: Lease, index: int) -> memoryview:
+        try:
+            return self._read(lease, index)
+        finally:
+            if self._dropped:  # a promotion made room, or found its SSD copy damaged
+                self._report_dropped()
+
+    def _read(self, lease: Lease, index: int) -> memoryview:
         with self._lock:
             held = self._leases.live(lease)
             if not 0 <= index < len(held.dram):
@@ -375,6 +391,14 @@ class TieredStore(BlockStore):
 
     def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
                     num_bytes: int) -> WriteSlot | None:
+        try:
+            return self._begin_write(namespace, block_hash, ident, num_bytes)
+        finally:
+            if self._dropped:  # room was made by evicting blocks
+                self._report_dropped()
+
+    def _begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
+                     num_bytes: int) -> WriteSlot | None:
         key = self._key(namespace, block_hash)
         if num_bytes < 0:
             raise StoreError("num_bytes must be >= 0")
@@ -410,6 +434,7 @@ class TieredStore(BlockStore):
             if cur.state is not _State.READY or cur.pins or cur.demoting:
                 return "put_collisions_dropped"
             self._drop_block_locked(cur)  # an unpinned block with another ident: newest wins
+            self._note_drop(key)  # a drop only if the new block never arrives
             self._counters["collisions_replaced"] += 1
         if self._ssd is not None:
             entry = self._ssd.lookup(key)
@@ -495,7 +520,11 @@ class TieredStore(BlockStore):
                 break
         for block in clean:
             self._drop_block_locked(block)
-            self._counters["evictions" if self._ssd is None else "dram_releases"] += 1
+            if self._ssd is None:
+                self._counters["evictions"] += 1
+                self._note_drop(block.key)
+            else:
+                self._counters["dram_releases"] += 1  # the SSD holds it
         return len(clean), ([] if freed >= need else dirty)
 
     def _demote_locked(self, batch: list[_Block], keep: bool) -> int:
@@ -528,6 +557,7 @@ class TieredStore(BlockStore):
             self._drop_block_locked(block)
             if not ok:
                 self._counters["evictions"] += 1
+                self._note_drop(block.key)
         return num_written
 
     def _drop_block_locked(self, block: _Block) -> None:
@@ -564,6 +594,13 @@ class TieredStore(BlockStore):
                     elif not num_freed:
                         break  # the rest is pinned, in flight or being demoted
                     progressed = True
+                if self._dropped:  # reported without the lock: the hook may take its own
+                    self._lock.release()
+                    try:
+                        self._report_dropped()
+                    finally:
+                        self._lock.acquire()
+                    continue
                 if not self._closed:
                     self._cond.wait(_IDLE_WAKE_S)
 
@@ -592,6 +629,8 @@ class TieredStore(BlockStore):
                     num_written += self._demote_locked(batch, keep=True)
             while self._num_demoting and not self._closed:  # the demotion thread's batch too
                 self._cond.wait(0.1)
+        if self._dropped:  # the SSD evicted older blocks to take these
+            self._report_dropped()
         return num_written
 
     # -- removal and leases --------------------------------------------------------------------
@@ -610,6 +649,7 @@ class TieredStore(BlockStore):
                 return False
             if block is not None:
                 self._drop_block_locked(block)
+                self._note_drop(key)
         # The SSD drop commits to LMDB (an fsync): done off the store lock. A lease taken on
         # the SSD copy in between wins (the entry stays).
         removed = block is not None
@@ -618,6 +658,8 @@ class TieredStore(BlockStore):
         if removed:
             with self._lock:
                 self._counters["removes"] += 1
+        if self._dropped:
+            self._report_dropped()
         return removed
 
     def release(self, lease: Lease) -> None:
@@ -683,6 +725,38 @@ class TieredStore(BlockStore):
         elif block.pins == 0:
             self._private.discard(block)
             self._pool.free(block.alloc)
+
+    # -- drop reports --------------------------------------------------------------------------
+
+    def _note_drop(self, key: bytes) -> None:
+        """``key`` left a tier and may have left them all; under a lock (this store's or the
+        SSD's), so it only takes note. A deque: appends and pops need no lock of their own."""
+        if self.on_dropped is not None:
+            self._dropped.append(key)
+
+    def _report_dropped(self) -> None:
+        """Tell ``on_dropped`` about the noted keys that no tier holds now, one call per
+        namespace. Never called with the store's lock held. A key stored again since it was
+        noted is still held and not reported (a block being written counts as held: its writer
+        publishes it, or, should it abort, the index keeps a stale hint)."""
+        keys: set[bytes] = set()
+        with contextlib.suppress(IndexError):
+            while True:
+                keys.add(self._dropped.popleft())
+        hook = self.on_dropped
+        if not keys or hook is None:
+            return
+        with self._lock:
+            gone = [k for k in keys if k not in self._blocks
+                    and (self._ssd is None or self._ssd.lookup(k) is None)]
+        by_namespace: defaultdict[bytes, list[bytes]] = defaultdict(list)
+        for key in gone:
+            by_namespace[key[:HASH_BYTES]].append(key[HASH_BYTES:])
+        for namespace, hashes in by_namespace.items():
+            try:
+                hook(namespace, hashes)
+            except Exception:  # a listener's failure never fails the store's caller
+                log.exception("on_dropped hook failed")
 
     # -- reporting and lifecycle ---------------------------------------------------------------
 

@@ -124,7 +124,7 @@ CLI_ERRORS = [
     (["serve", "--dram", "0"], 2, "--dram must be larger than 0"),
     (["serve", "--ssd-size", "1GiB"], 2, "--ssd-size needs --ssd-dir"),
     (["serve", "--http", "nowhere"], 2, "--http: expected HOST:PORT"),
-    (["serve", "--cluster", "redis://127.0.0.1:6379/0"], 2, "cluster support"),
+    (["serve", "--cluster", "redis://127.0.0.1/0"], 2, "--cluster must name HOST and PORT"),
     (["serve", "--bogus"], 2, "unrecognized arguments: --bogus"),
     (["serve", "--eviction", "random"], 2, "invalid choice"),
     (["frobnicate"], 2, "invalid choice"),

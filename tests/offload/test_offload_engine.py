@@ -113,6 +113,7 @@ def test_evict_policy_hands_blocks_over_and_gets_them_back(tiny_model_dir, make_
     b = _prompt(1000, 16 * 10 + 4, seed=5)
     llm.generate([a], GREEDY)
     llm.generate([b], GREEDY)
+    llm.engine.offload.wait_idle()  # the hand-over of a's released blocks has landed
     out = llm.generate([a], GREEDY)[0]
     stats = llm.engine.stats()["kv_offload"]
     llm.engine.block_manager.check_integrity()
