@@ -9,22 +9,32 @@ the sequence's, else it is a miss counted as a collision. Never sees an array.
 
 from __future__ import annotations
 
+import operator
+import struct
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.sequence import Sequence
-from kvstore.keys import block_hash
+from kvstore.keys import chain_hashes
 
 
-@dataclass(frozen=True)
-class CachedBlock:
-    """What the prefix cache keeps beside a registered block to verify a hit."""
+class CachedBlock(NamedTuple):
+    """What the prefix cache keeps beside a registered block to verify a hit (a tuple: one is
+    made per registered block, so construction must be cheap)."""
 
     key: bytes
     check: bytes
-    token_ids: tuple[int, ...]
+    token_bytes: bytes  # the block's token ids as int32-LE, as the sequence encodes them
     namespace: bytes = b""
     parent_check: bytes = b""  # the previous block's full-strength hash (or the namespace)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return struct.unpack(f"<{len(self.token_bytes) // 4}i", self.token_bytes)
+
+
+_CHECK = operator.itemgetter(CachedBlock._fields.index("check"))
+_TOKEN_BYTES = operator.itemgetter(CachedBlock._fields.index("token_bytes"))
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -51,9 +61,11 @@ class BlockManager:
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0
         self.num_collisions = 0
-        # For --kv-offload: evicted (namespace, key) pairs and cached blocks whose last
-        # reference went away, both drained once per step by the offload manager.
+        # For --kv-offload: evicted (namespace, key) pairs (``track_offload``) and, for the
+        # ``evict`` policy only, cached blocks whose last reference went away
+        # (``track_released``); both drained once per step by the offload manager.
         self.track_offload = False
+        self.track_released = False
         self._evicted: list[tuple[bytes, bytes]] = []
         self._released: list[int] = []
 
@@ -78,16 +90,20 @@ class BlockManager:
     def update_hashes(self, seq: Sequence) -> None:
         """Extend the sequence's hash chain over every full block of its tokens."""
         bs = self.block_size
-        for j in range(len(seq.block_hashes), seq.num_tokens // bs):
-            tokens = seq.token_ids[j * bs : (j + 1) * bs]
-            parent = seq.block_hashes[-1] if j else seq.namespace_digest
-            key = block_hash(parent, tokens, debug_hash_bits=self.debug_hash_bits)
-            if self.debug_hash_bits is None:
-                check = key
-            else:
-                check = block_hash(seq.block_checks[-1] if j else seq.namespace_digest, tokens)
-            seq.block_hashes.append(key)
-            seq.block_checks.append(check)
+        start, end = len(seq.block_hashes), seq.num_tokens // bs
+        if end <= start:
+            return
+        step = 4 * bs
+        tokens = seq.encoded_tokens(end * bs)[start * step : end * step]
+        keys = chain_hashes(seq.block_hashes[-1] if start else seq.namespace_digest, tokens, bs,
+                            self.debug_hash_bits)
+        if self.debug_hash_bits is None:
+            checks = keys
+        else:
+            checks = chain_hashes(seq.block_checks[-1] if start else seq.namespace_digest,
+                                  tokens, bs)
+        seq.block_hashes.extend(keys)
+        seq.block_checks.extend(checks)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Verified cached blocks for the longest prefix of the sequence; no side effects on
@@ -95,19 +111,24 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         self.update_hashes(seq)
-        bs = self.block_size
-        hits: list[int] = []
-        for j in range((seq.num_tokens - 1) // bs):
-            block = self._by_key.get(seq.block_hashes[j])
-            if block is None:
-                break
-            cached = self._cached[block]
-            if (cached.check != seq.block_checks[j]
-                    or cached.token_ids != tuple(seq.token_ids[j * bs : (j + 1) * bs])):
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        step = 4 * self.block_size
+        # The candidates are the leading blocks whose keys are cached; they are verified all at
+        # once (C-level compares), and block by block only when that fails.
+        hits = list(map(self._by_key.get, seq.block_hashes[:num_blocks]))
+        if None in hits:
+            hits = hits[: hits.index(None)]
+        cached = list(map(self._cached.__getitem__, hits))
+        tokens = seq.encoded_tokens(len(hits) * self.block_size)
+        checks = seq.block_checks
+        if (list(map(_CHECK, cached)) == checks[: len(hits)]
+                and b"".join(map(_TOKEN_BYTES, cached)) == tokens[: len(hits) * step]):
+            return hits
+        for j, block in enumerate(cached):
+            if block.check != checks[j] or block.token_bytes != tokens[j * step : (j + 1) * step]:
                 self.num_collisions += 1
-                break
-            hits.append(block)
-        return hits
+                return hits[:j]
+        return hits  # every block passed on its own (the joined compare cannot fail then)
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -144,20 +165,20 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks are released first so that, among equally
         old cached blocks, a prefix's tail is evicted before its head."""
+        refs, cached, evictable = self._ref_counts, self._cached, self._evictable
+        track_released = self.track_released
         for block in reversed(seq.block_ids):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._release(block)
+            refs[block] -= 1
+            if refs[block] == 0:
+                # Inlined release (one per block of a long prompt): cached blocks turn evictable.
+                if block in cached:
+                    evictable[block] = None
+                    if track_released:
+                        self._released.append(block)
+                else:
+                    self._free.append(block)
         seq.block_ids = []
         seq.num_registered_blocks = 0
-
-    def _release(self, block: int) -> None:
-        if block in self._cached:
-            self._evictable[block] = None
-            if self.track_offload:
-                self._released.append(block)
-        else:
-            self._free.append(block)
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached block no sequence uses (as vLLM's reset_prefix_cache); returns
@@ -218,17 +239,25 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        start = seq.num_registered_blocks
+        if num_full <= start:
+            return
         self.update_hashes(seq)
-        for j in range(seq.num_registered_blocks, num_full):
-            key, block = seq.block_hashes[j], seq.block_ids[j]
+        step = 4 * bs
+        tokens = seq.encoded_tokens(num_full * bs)
+        by_key, cached_blocks = self._by_key, self._cached
+        hashes, checks, namespace = seq.block_hashes, seq.block_checks, seq.namespace_digest
+        for j in range(start, num_full):
+            key = hashes[j]
             # Another sequence may have registered the same content first: keep that one.
-            if key not in self._by_key:
-                tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-                parent = seq.block_checks[j - 1] if j else seq.namespace_digest
-                self._cached[block] = CachedBlock(key, seq.block_checks[j], tokens,
-                                                  seq.namespace_digest, parent)
-                self._by_key[key] = block
-        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+            if key not in by_key:
+                block = seq.block_ids[j]
+                parent = checks[j - 1] if j else namespace
+                cached_blocks[block] = CachedBlock(key, checks[j],
+                                                   tokens[j * step : (j + 1) * step],
+                                                   namespace, parent)
+                by_key[key] = block
+        seq.num_registered_blocks = num_full
 
     def _allocate(self) -> int:
         if self._free:

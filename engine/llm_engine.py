@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -98,26 +99,48 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
-        try:
-            ids = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise ValueError("prompt_token_ids must be a list of integers") from None
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len "
-                             f"{self.max_model_len}")
-        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        ids, token_bytes = self._check_prompt(prompt_token_ids)
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        namespace_digest=self.namespace(cache_salt).digest,
                        generator=np.random.default_rng(params.seed),
-                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+                       token_bytes=token_bytes)
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
             self._live_ids.add(request_id)
             self._inbox.append(seq)
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> tuple[list[int], bytes]:
+        """The prompt as a fresh list of ints plus its int32-LE bytes (what block hashes are
+        made of); ValueError unless it is 1..max_model_len integers in [0, vocab_size)."""
+        vocab_size = self.model_config.vocab_size
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            try:
+                prompt_token_ids = list(prompt_token_ids)
+            except TypeError:
+                raise ValueError("prompt_token_ids must be a list of integers") from None
+        # One C-level pass converts and checks every id (an integer that fits int32).
+        try:
+            token_bytes: bytes | None = struct.pack(f"<{len(prompt_token_ids)}i",
+                                                    *prompt_token_ids)
+        except (struct.error, TypeError, ValueError, OverflowError):
+            try:  # which error to report: not integers, or out of range (vocab ids fit int32)
+                for t in prompt_token_ids:
+                    operator.index(t)
+            except TypeError:
+                raise ValueError("prompt_token_ids must be a list of integers") from None
+            token_bytes = None
+        num_tokens = len(prompt_token_ids)
+        if not num_tokens:
+            raise ValueError("the prompt is empty")
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"the prompt has {num_tokens} tokens, more than max_model_len "
+                             f"{self.max_model_len}")
+        tokens = np.frombuffer(token_bytes or b"", dtype="<i4")
+        if token_bytes is None or int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        return tokens.tolist(), token_bytes
 
     def abort_request(self, request_id: str) -> None:
         """Ask for the request to end with reason "abort" at the next step; unknown ids are
@@ -203,8 +226,9 @@ class LLMEngine:
         by_tier = empty_tier_counts()
         by_tier.update(seq.restored_tokens_by_tier)
         by_tier["hbm"] = num_cached - sum(seq.restored_tokens_by_tier.values())
+        # The prompt list is shared, not copied per step: the engine only ever reads it.
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=output_ids, text=text, finished=finished, finish_reason=seq.finish_reason,
             num_cached_tokens=num_cached, cached_tokens_by_tier=by_tier,
             new_token_ids=new_ids, new_text=new_text,

@@ -43,38 +43,54 @@ class ModelRunner:
         self.kv_cache = make_kv_cache(device, shape, self.ops.kv_dtype)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
-        """Host-side metadata for the step, then one copy each to the device. The sequences that
+        """Host-side metadata for the step, then one copy to the device. The sequences that
         reach their last token this step sample; the others are mid-prefill chunks."""
         bs = self.block_size
-        token_ids, positions, slots = [], [], []
-        cu_seqlens, context_lens, logits_indices = [0], [], []
+        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
+        num_seqs, num_tokens = len(seqs), sum(num_new_tokens)
+        max_blocks = max(len(seq.block_ids) for seq in seqs)
+        # Every int32 input lives in one host buffer, so the step costs one host-to-device copy:
+        # token ids, positions, slots, block tables, cu_seqlens, context lens, logits indices.
+        sizes = (num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1,
+                 num_seqs, num_seqs)
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        host = np.zeros(bounds[-1], dtype=np.int32)
+        token_ids, positions, slots, tables, cu_seqlens, context_lens, logits_indices = (
+            host[a:b] for a, b in zip(bounds, bounds[1:]))
+        tables = tables.reshape(num_seqs, max_blocks)
         sampling: list[Sequence] = []
-        max_blocks = max(len(seq.block_ids) for seq in batch.seqs)
-        block_tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
-        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        offset = 0
+        for row, (seq, num_new) in enumerate(zip(seqs, num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + num_new
+            rows = slice(offset, offset + num_new)
+            if 4 * end <= len(seq.token_bytes):  # a prompt chunk: already int32 bytes
+                token_ids[rows] = np.frombuffer(seq.token_bytes, "<i4", num_new, 4 * start)
+            else:
+                token_ids[rows] = seq.token_ids[start:end]
             pos = np.arange(start, end, dtype=np.int32)
             blocks = np.asarray(seq.block_ids, dtype=np.int32)
-            block_tables[row, : len(blocks)] = blocks
-            token_ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int32))
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            cu_seqlens.append(cu_seqlens[-1] + num_new)
-            context_lens.append(end)
+            tables[row, : len(blocks)] = blocks
+            positions[rows] = pos
+            slots[rows] = blocks[pos // bs] * bs + pos % bs
+            offset += num_new
+            cu_seqlens[row + 1] = offset
+            context_lens[row] = end
             if end == seq.num_tokens:
-                logits_indices.append(cu_seqlens[-1] - 1)
+                logits_indices[len(sampling)] = offset - 1
                 sampling.append(seq)
-        to_device = self.ops.to_device
+        device = self.ops.to_device(host)
+
+        def part(i: int, size: int | None = None) -> Array:
+            return device[bounds[i] : bounds[i] + (sizes[i] if size is None else size)]
+
         forward_batch = ForwardBatch(
-            token_ids=to_device(np.concatenate(token_ids)),
-            positions=to_device(np.concatenate(positions)),
-            slot_mapping=to_device(np.concatenate(slots).astype(np.int32)),
-            block_tables=to_device(block_tables),
-            cu_seqlens_q=to_device(np.asarray(cu_seqlens, dtype=np.int32)),
-            context_lens=to_device(np.asarray(context_lens, dtype=np.int32)),
-            logits_indices=to_device(np.asarray(logits_indices, dtype=np.int32)),
-            is_decode=all(n == 1 for n in batch.num_new_tokens),
+            token_ids=part(0), positions=part(1), slot_mapping=part(2),
+            block_tables=part(3).reshape(num_seqs, max_blocks), cu_seqlens_q=part(4),
+            context_lens=part(5), logits_indices=part(6, len(sampling)),
+            is_decode=all(n == 1 for n in num_new_tokens),
         )
         return forward_batch, sampling
 

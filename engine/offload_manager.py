@@ -10,13 +10,14 @@ the engine may reuse them. Every eviction is published. The step loop never wait
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from kvstore.keys import block_ident
+from kvstore.keys import ident_from_bytes
 from kvstore.layout import KVLayout
 from offload.connector import OffloadConnector, Transfer
 from offload.restore_policy import RestorePolicy
@@ -65,6 +66,7 @@ class OffloadManager:
         self._restores: dict[str, _Restore] = {}
         self._saves: list[_Save] = []
         self._saved_keys: dict[bytes, None] = {}  # hashes the store acknowledged (bounded)
+        block_manager.track_released = policy == "evict"  # only that policy drains them
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -80,7 +82,7 @@ class OffloadManager:
             return False
         first = num_hbm_hit_blocks
         hashes = seq.block_hashes[first:last]
-        idents = [self._ident(seq, j) for j in range(first, last)]
+        idents = self._idents(seq, range(first, last))
         lookup = self.connector.lookup(seq.namespace_digest, hashes, idents)
         self._restores[seq.request_id] = _Restore(seq, first, lookup)
         seq.status = SequenceStatus.LOADING
@@ -187,8 +189,7 @@ class OffloadManager:
             self.hit_tokens_by_tier[tier] += tokens
         self.counters["blocks_loaded"] += num_loaded
         # Loaded blocks are known to the store: never save them back.
-        for key in seq.block_hashes[r.first_block:r.first_block + num_loaded]:
-            self._remember_saved(key)
+        self._remember_saved(seq.block_hashes[r.first_block:r.first_block + num_loaded])
         seq.num_saved_blocks = r.first_block + num_loaded
         if seq.abort_requested:
             return
@@ -240,8 +241,7 @@ class OffloadManager:
         for i in range(0, len(js), _SAVE_BATCH):
             chunk = js[i:i + _SAVE_BATCH]
             self._start_save(seq.namespace_digest, [seq.block_ids[j] for j in chunk],
-                             [seq.block_hashes[j] for j in chunk],
-                             [self._ident(seq, j) for j in chunk])
+                             [seq.block_hashes[j] for j in chunk], self._idents(seq, chunk))
 
     def _hand_over_for_eviction(self) -> None:
         # A cached block whose last user let go is saved now and pinned until the store has
@@ -250,7 +250,7 @@ class OffloadManager:
         for block_id, cached in self.bm.drain_released():
             if cached.key in self._saved_keys:
                 continue
-            ident = block_ident(cached.parent_check, cached.token_ids)
+            ident = ident_from_bytes(cached.parent_check, cached.token_bytes)
             by_namespace.setdefault(cached.namespace, []).append((block_id, cached.key, ident))
         for namespace, items in by_namespace.items():
             for i in range(0, len(items), _SAVE_BATCH):
@@ -274,28 +274,39 @@ class OffloadManager:
                 still.append(s)
                 continue
             outcomes = s.transfer.result.outcomes if s.transfer.ok else None
+            stored: list[bytes] = []
             for key, outcome in zip(s.keys, outcomes or ["failed"] * len(s.keys)):
                 if outcome in ("saved", "duplicate"):
-                    self._remember_saved(key)
+                    stored.append(key)
                     self.counters["blocks_saved"] += outcome == "saved"
                 else:
                     self.counters["blocks_save_failed"] += 1
+            self._remember_saved(stored)
             self.bm.unpin(s.block_ids)
         self._saves = still
 
-    def _remember_saved(self, key: bytes) -> None:
-        self._saved_keys[key] = None
-        if len(self._saved_keys) > 4 * self.bm.num_blocks:
-            self._saved_keys.pop(next(iter(self._saved_keys)))
+    def _remember_saved(self, keys: list[bytes]) -> None:
+        # Insertion order is age: the oldest keys go first once over the bound.
+        saved = self._saved_keys
+        saved.update(dict.fromkeys(keys))
+        excess = len(saved) - 4 * self.bm.num_blocks
+        if excess > 0:
+            for key in list(itertools.islice(saved, excess)):
+                del saved[key]
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _ident(self, seq: Sequence, j: int) -> bytes:
-        # The full-strength chain hash as parent: verifies the whole prefix, even with
-        # truncated keys.
-        parent = seq.block_checks[j - 1] if j else seq.namespace_digest
-        bs = self.block_size
-        return block_ident(parent, seq.token_ids[j * bs:(j + 1) * bs])
+    def _idents(self, seq: Sequence, blocks: range | list[int]) -> list[bytes]:
+        """Store idents of the sequence's full blocks ``blocks`` (ascending), from the bytes
+        its hashes were made of. The full-strength chain hash is the parent: it verifies the
+        whole prefix, even with truncated keys."""
+        if not blocks:
+            return []
+        step = 4 * self.block_size
+        tokens = seq.encoded_tokens((blocks[-1] + 1) * self.block_size)
+        checks, namespace = seq.block_checks, seq.namespace_digest
+        return [ident_from_bytes(checks[j - 1] if j else namespace,
+                                 tokens[j * step:(j + 1) * step]) for j in blocks]
 
     def abort(self, seq: Sequence) -> bool:
         """Mark a loading sequence aborted; True if it is still in flight (finish it later)."""

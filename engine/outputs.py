@@ -19,6 +19,8 @@ class RequestOutput:
     ``finish_reason`` is None until ``finished``, then "stop" (eos or a stop string), "length"
     (max_tokens or the model length) or "abort". ``num_cached_tokens`` prompt tokens were served
     from cache instead of computed, split by where they came from in ``cached_tokens_by_tier``.
+    ``prompt_token_ids`` is one list shared by all of a request's outputs (not copied per step):
+    read it, do not mutate it.
     """
 
     request_id: str

@@ -9,6 +9,7 @@ import numpy as np
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from kvstore.keys import encode_tokens
 
 
 class SequenceStatus(enum.Enum):
@@ -25,6 +26,8 @@ class Sequence:
 
     ``block_hashes[j]`` keys full block ``j`` in the prefix cache (maybe truncated for collision
     tests); ``block_checks[j]`` is its full-strength chain hash, compared with the tokens on a hit.
+    ``token_ids`` only ever grows (appends), so its int32-LE encoding (``token_bytes``, what block
+    hashes, hit checks and store idents are made of) is converted once and extended on demand.
     """
 
     request_id: str
@@ -49,10 +52,23 @@ class Sequence:
     abort_requested: bool = False  # aborted while a load was in flight
     num_saved_blocks: int = 0  # leading full blocks handed to the store (or known there)
     restored_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # token_ids[:len(token_bytes) // 4] as int32-LE; the engine passes the prompt's, else lazy.
+    token_bytes: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        # Fixed here: outputs share ``prompt_token_ids`` with callers, who may mutate it.
+        self._num_prompt_tokens = len(self.prompt_token_ids)
+        if len(self.token_bytes) % 4 or len(self.token_bytes) > 4 * len(self.token_ids):
+            raise ValueError("token_bytes must encode a prefix of token_ids")
+
+    def encoded_tokens(self, num_tokens: int) -> bytes:
+        """Bytes whose first ``4 * num_tokens`` are ``token_ids[:num_tokens]`` as int32-LE."""
+        done = len(self.token_bytes) // 4
+        if done < num_tokens:
+            self.token_bytes += encode_tokens(self.token_ids[done:])
+        return self.token_bytes
 
     @property
     def num_tokens(self) -> int:
@@ -60,15 +76,15 @@ class Sequence:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self._num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self._num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
