@@ -24,6 +24,9 @@ from offload.restore_policy import RestorePolicy
 
 # Saves of at most this many blocks per request keep each round trip short.
 _SAVE_BATCH = 64
+# A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
+# long (well inside the lease's TTL), then gives up and recomputes.
+_MAX_BLOCK_WAIT_S = 5.0
 
 
 @dataclass
@@ -37,6 +40,8 @@ class _Restore:
     tiers: list[str] = field(default_factory=list)
     num_blocks: int = 0  # blocks the load asked for
     lease_id: int | None = None
+    num_hit: int = 0  # blocks the lookup found (0 until it answered)
+    waiting_since: float | None = None  # when a reservation first failed for lack of blocks
 
 
 @dataclass
@@ -105,7 +110,7 @@ class OffloadManager:
                     if r.lookup.ok and r.lookup.result is not None and r.lookup.result.lease_id:
                         self.connector.release(r.lookup.result.lease_id)
                     continue
-                if self._begin_load(r):
+                if self._reserve_and_load(r) if r.num_hit else self._begin_load(r):
                     continue
                 del self._restores[request_id]
                 requeue.append(r.seq)
@@ -130,20 +135,34 @@ class OffloadManager:
             return False
         r.lease_id, r.tiers = reply.lease_id, list(reply.tiers)
         num_hit = reply.num_hit
-        # The HBM prefix may have changed while the lookup was in flight: restore only onto the
-        # exact prefix it was asked for.
-        hbm_hits = self.bm.match_prefix(seq)
         tokens = num_hit * self.block_size
-        if len(hbm_hits) != r.first_block:
-            self.counters["restores_prefix_changed"] += 1
-            self._release(r)
-            return False
         if not self.always_restore and (self._expected_load_s(r.tiers)
                                         >= self.restore_policy.expected_prefill_s(tokens)):
             self.counters["restores_declined"] += 1  # recomputing is expected to be faster
             self._release(r)
             return False
-        if not self.bm.admit(seq, hbm_hits, tokens):
+        r.num_hit = num_hit
+        return self._reserve_and_load(r)
+
+    def _reserve_and_load(self, r: _Restore) -> bool:
+        """Reserve blocks for the hit and start the load; without free blocks keep the lease
+        and stay LOADING (retried next step) until ``_MAX_BLOCK_WAIT_S``. False: give up."""
+        seq, num_hit = r.seq, r.num_hit
+        # The HBM prefix may have changed since the lookup was sent: restore only onto the
+        # exact prefix it was asked for.
+        hbm_hits = self.bm.match_prefix(seq)
+        if len(hbm_hits) != r.first_block:
+            self.counters["restores_prefix_changed"] += 1
+            self._release(r)
+            return False
+        if not self.bm.admit(seq, hbm_hits, num_hit * self.block_size):
+            now = time.monotonic()
+            if r.waiting_since is None:
+                r.waiting_since = now
+                self.counters["restores_waited_for_blocks"] += 1
+            if now - r.waiting_since < _MAX_BLOCK_WAIT_S:
+                seq.status = SequenceStatus.LOADING
+                return True
             self.counters["restores_no_blocks"] += 1
             self._release(r)
             seq.block_ids, seq.num_computed_tokens = [], 0

@@ -212,3 +212,25 @@ def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, mak
     out = forced.generate([prompt], GREEDY)[0]
     _close(forced)
     assert out.cached_tokens_by_tier["dram"] == 6 * 16
+
+
+def test_restore_waits_for_blocks_instead_of_giving_up(tiny_model_dir, make_daemon,
+                                                       reference) -> None:
+    # Two long prompts arrive together in an arena that holds only one of them: the second's
+    # restore must wait for blocks (keeping its lease) rather than fall back to recompute.
+    daemon = make_daemon(dram="64MiB")
+    a = _prompt(1000, 16 * 9 + 3, seed=13)
+    b = _prompt(1000, 16 * 9 + 3, seed=14)
+    writer = _offload_llm(tiny_model_dir, daemon)
+    writer.generate([a, b], GREEDY)
+    writer.engine.offload.wait_idle()
+    _close(writer)
+    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=14)
+    outs = reader.generate([a, b], GREEDY)
+    stats = reader.engine.stats()["kv_offload"]
+    reader.engine.block_manager.check_integrity()
+    _close(reader)
+    assert [o.token_ids for o in outs] == [reference(a), reference(b)]
+    assert [o.cached_tokens_by_tier["dram"] for o in outs] == [9 * 16, 9 * 16]
+    assert stats.get("restores_waited_for_blocks", 0) >= 1
+    assert stats.get("restores_no_blocks", 0) == 0
