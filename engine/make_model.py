@@ -121,16 +121,25 @@ def tensor_specs(config: dict, dtype: str) -> list[TensorSpec]:
     return specs
 
 
-def tensor_chunks(spec: TensorSpec, rng: np.random.Generator) -> Iterator[bytes]:
-    """Norm weights are ones; matrices N(0, INIT_STD), generated a few rows at a time."""
+def tensor_chunks(spec: TensorSpec, rng: np.random.Generator,
+                  num_live_rows: int | None = None) -> Iterator[bytes]:
+    """Norm weights are ones; matrices N(0, INIT_STD), generated a few rows at a time.
+
+    Rows from ``num_live_rows`` on are zeros: for the output embedding those are ids the
+    tokenizer does not have, and a zero row's logit (0) loses to the best of thousands of random
+    ones, so greedy decoding of a random model yields ids that decode to visible text.
+    """
     if len(spec.shape) == 1:
         yield encode_values(np.ones(spec.shape, dtype=np.float32), spec.dtype)
         return
     rows, cols = spec.shape
+    live = rows if num_live_rows is None else num_live_rows
     step = max(1, (16 * 1024 * 1024) // cols)
     for start in range(0, rows, step):
         n = min(step, rows - start)
         values = rng.standard_normal((n, cols), dtype=np.float32) * np.float32(INIT_STD)
+        if start + n > live:
+            values[max(0, live - start):] = 0.0
         yield encode_values(values, spec.dtype)
 
 
@@ -151,10 +160,13 @@ def write_checkpoint(out: Path, preset: str, seed: int, dtype: str | None = None
     shards = plan_shards(specs, MAX_SHARD_BYTES)
     names = shard_names(len(shards))
     rng = np.random.default_rng(seed)
+    output_embedding = ("model.embed_tokens.weight" if config["tie_word_embeddings"]
+                        else "lm_head.weight")
     for shard, fname in zip(shards, names):
         writer = SafetensorsWriter(out / fname, shard)
         for spec in shard:
-            writer.write(spec.name, tensor_chunks(spec, rng))
+            live = num_tokens if spec.name == output_embedding else None
+            writer.write(spec.name, tensor_chunks(spec, rng, live))
         writer.close()
     write_index(out, shards, names)
     tok.save(str(out / "tokenizer.json"))
