@@ -27,6 +27,9 @@ _SAVE_BATCH = 64
 # A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
 # long (well inside the lease's TTL), then gives up and recomputes.
 _MAX_BLOCK_WAIT_S = 5.0
+# Not worth a store round trip (and the step the request then waits) when recomputing the
+# rest is expected to take less than this.
+_MIN_RECOMPUTE_TO_ASK_S = 0.002
 
 
 @dataclass
@@ -86,6 +89,11 @@ class OffloadManager:
         if num_hbm_hit_blocks >= last or not self.connector.available:
             return False
         first = num_hbm_hit_blocks
+        if not self.always_restore and self.restore_policy.expected_prefill_s(
+                (last - first) * bs) < _MIN_RECOMPUTE_TO_ASK_S:
+            self.counters["lookups_skipped_small"] += 1
+            seq.offload_checked = True
+            return False
         hashes = seq.block_hashes[first:last]
         idents = self._idents(seq, range(first, last))
         lookup = self.connector.lookup(seq.namespace_digest, hashes, idents)

@@ -108,7 +108,8 @@ def test_evict_policy_hands_blocks_over_and_gets_them_back(tiny_model_dir, make_
                                                           reference) -> None:
     daemon = make_daemon(dram="64MiB")
     # 16 blocks of HBM: the second prompt evicts the first one's blocks from this engine.
-    llm = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_policy="evict")
+    llm = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_policy="evict",
+                       kv_offload_restore="always")
     a = _prompt(1000, 16 * 10 + 4, seed=4)
     b = _prompt(1000, 16 * 10 + 4, seed=5)
     llm.generate([a], GREEDY)
@@ -158,6 +159,23 @@ def test_daemon_killed_then_back_engine_keeps_serving_and_reconnects(
     _close(llm)
 
 
+def test_small_remainders_skip_the_store(tiny_model_dir, make_daemon, reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    prompt = _prompt(1000, 16 * 6 + 1, seed=15)
+    writer = _offload_llm(tiny_model_dir, daemon)
+    writer.generate([prompt], GREEDY)
+    writer.engine.offload.wait_idle()
+    _close(writer)
+    reader = _offload_llm(tiny_model_dir, daemon)
+    reader.engine.offload.restore_policy.observe_prefill(10**9, 1.0)  # recompute looks instant
+    out = reader.generate([prompt], GREEDY)[0]
+    stats = reader.engine.stats()["kv_offload"]
+    _close(reader)
+    assert out.token_ids == reference(prompt)
+    assert out.cached_tokens_by_tier["dram"] == 0
+    assert stats["lookups_skipped_small"] == 1 and stats.get("lookups", 0) == 0
+
+
 def test_lookup_limit_leaves_a_token_to_compute(tiny_model_dir, make_daemon, reference) -> None:
     # A prompt of exactly N full blocks: the last block is never restored (its logits are needed).
     daemon = make_daemon(dram="64MiB")
@@ -198,7 +216,7 @@ def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, mak
     writer.engine.offload.wait_idle()
     _close(writer)
     reader = _offload_llm(tiny_model_dir, daemon)
-    reader.engine.offload.restore_policy.observe_prefill(10**9, 1.0)  # recompute looks instant
+    reader.engine.offload.restore_policy.observe_load("dram", 1, 1.0)  # loading looks hopeless
     out = reader.generate([prompt], GREEDY)[0]
     stats = reader.engine.stats()["kv_offload"]
     _close(reader)
@@ -208,7 +226,7 @@ def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, mak
     with daemon.client() as c:
         assert wait_until(lambda: c.stats()["leases"] == 0, timeout_s=5.0)  # lease given back
     forced = _offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
-    forced.engine.offload.restore_policy.observe_prefill(10**9, 1.0)
+    forced.engine.offload.restore_policy.observe_load("dram", 1, 1.0)
     out = forced.generate([prompt], GREEDY)[0]
     _close(forced)
     assert out.cached_tokens_by_tier["dram"] == 6 * 16
