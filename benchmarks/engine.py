@@ -81,9 +81,10 @@ def _write_fast_checkpoint(folder: Path, preset: str) -> None:
     pool = memoryview(encode_values(values, "bfloat16"))
     original = make_model.tensor_chunks
 
-    def chunks(spec, generator):
-        if len(spec.shape) == 1 or spec.dtype != "bfloat16":
-            yield from original(spec, generator)
+    def chunks(spec, generator, num_live_rows=None):
+        # The output embedding keeps make-model's zero rows past the tokenizer (visible text).
+        if len(spec.shape) == 1 or spec.dtype != "bfloat16" or num_live_rows is not None:
+            yield from original(spec, generator, num_live_rows)
             return
         offset = (spec.nbytes // 2 * 7919) % (len(pool) // 2) * 2
         remaining = spec.nbytes
