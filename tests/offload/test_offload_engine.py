@@ -252,3 +252,30 @@ def test_restore_waits_for_blocks_instead_of_giving_up(tiny_model_dir, make_daem
     assert [o.cached_tokens_by_tier["dram"] for o in outs] == [9 * 16, 9 * 16]
     assert stats.get("restores_waited_for_blocks", 0) >= 1
     assert stats.get("restores_no_blocks", 0) == 0
+
+
+def test_daemon_killed_while_a_restore_is_in_flight(tiny_model_dir, make_daemon,
+                                                    reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    prompt = _prompt(1000, 16 * 40 + 3, seed=16)
+    writer = _offload_llm(tiny_model_dir, daemon)
+    writer.generate([prompt], GREEDY)
+    writer.engine.offload.wait_idle()
+    _close(writer)
+    reader = _offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
+    engine = reader.engine
+    engine.add_request("r", prompt, GREEDY)
+    engine.step()  # admits it: the store lookup is now in flight, the request LOADING
+    assert engine.stats()["num_loading"] == 1
+    daemon.kill9()
+    final = None
+    for _ in range(2000):  # bounded: every store wait has a deadline
+        for out in engine.step():
+            if out.finished:
+                final = out
+        if final is not None:
+            break
+    engine.block_manager.check_integrity()
+    _close(reader)
+    assert final is not None
+    assert final.token_ids == reference(prompt)
