@@ -74,6 +74,12 @@ class ServerMetrics:
         self._in_flight = Gauge(
             "kvengine:num_requests_in_flight", "Engine requests admitted by the server.",
             labels, registry=reg)
+        self._offload_events = Gauge(
+            "kvengine:kv_offload_events",
+            "The engine's --kv-offload counters as of the last step (lookups, loads, "
+            "blocks_loaded, blocks_saved, restores_declined, errors_*...): cumulative counts, "
+            "exported as gauges because the engine owns them.",
+            labels + ["event"], registry=reg)
         self._model = model_name
         # Touch every labelled child so a scrape lists zeros before the first request.
         for reason in FINISH_REASONS:
@@ -127,6 +133,14 @@ class ServerMetrics:
             value = snapshot.get(key)
             if isinstance(value, int | float):
                 gauge.labels(self._model).set(value)
+        offload = snapshot.get("kv_offload")
+        if isinstance(offload, Mapping):
+            connector = offload.get("connector")
+            events = dict(connector) if isinstance(connector, Mapping) else {}
+            events.update(offload)  # the manager's names win where both count the same thing
+            for event, value in events.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._offload_events.labels(self._model, event).set(value)
         total = snapshot.get("num_kv_blocks")
         used = snapshot.get("num_blocks_in_use")
         if isinstance(total, int | float) and isinstance(used, int | float) and total > 0:

@@ -279,3 +279,19 @@ def test_daemon_killed_while_a_restore_is_in_flight(tiny_model_dir, make_daemon,
     _close(reader)
     assert final is not None
     assert final.token_ids == reference(prompt)
+
+
+def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon) -> None:
+    from server.metrics import ServerMetrics
+
+    daemon = make_daemon(dram="64MiB")
+    llm = _offload_llm(tiny_model_dir, daemon)
+    llm.generate([_prompt(1000, 16 * 4 + 1, seed=17)], GREEDY)
+    llm.engine.offload.wait_idle()
+    llm.generate([[7] * 10], GREEDY)  # one more step: its stats snapshot sees the landed saves
+    metrics = ServerMetrics("tiny")
+    metrics.update_engine(llm.engine.stats(), num_in_flight=0)
+    _close(llm)
+    text = metrics.render().decode()
+    assert 'kvengine:kv_offload_events{event="blocks_saved",model_name="tiny"} 4.0' in text
+    assert 'event="connects"' in text
