@@ -63,6 +63,12 @@ class SaveReply:
         return self.outcomes.count("saved")
 
 
+def _lookup_reply(r: dict) -> LookupReply:
+    """Either reply form: per-block ``tiers``, or ``tier_runs`` for a packed request."""
+    tiers = proto.expand_tier_runs(r["tier_runs"]) if "tier_runs" in r else list(r["tiers"])
+    return LookupReply(int(r["num_hit"]), tiers, r["lease_id"])
+
+
 _NO_RESULT = object()
 
 
@@ -300,12 +306,17 @@ class Client:
 
     def lookup_async(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                      lease_ttl_s: float | None = None) -> Pending:
-        args: dict[str, Any] = {"namespace": namespace, "hashes": list(hashes),
-                                "idents": list(idents)}
+        """Idents of one length (the engine's case) go packed: two bins, not 2N items."""
+        hashes, idents = list(hashes), list(idents)
+        packed = proto.pack_lookup(hashes, idents)
+        args: dict[str, Any] = {"namespace": namespace}
+        if packed is None:
+            args["hashes"], args["idents"] = hashes, idents
+        else:
+            args.update(packed)
         if lease_ttl_s is not None:
             args["lease_ttl_s"] = lease_ttl_s
-        return self.request("lookup", args, convert=lambda r: LookupReply(
-            int(r["num_hit"]), list(r["tiers"]), r["lease_id"]))
+        return self.request("lookup", args, convert=_lookup_reply)
 
     def lookup(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                lease_ttl_s: float | None = None) -> LookupReply:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from kvstore import cuda_transfer
+from kvstore import protocol as proto
 from kvstore.block_store import BlockStore, BlockUnavailable, Lease, LookupResult, StoreError, Tier
 from kvstore.keys import Namespace, truncate_hash
 from kvstore.registry import Registry, RegistryError
@@ -281,24 +282,27 @@ class Service:
         ttl = args.get("lease_ttl_s")
         ttl = self.default_lease_ttl_s if ttl is None else min(float(ttl), MAX_LEASE_TTL_S)
         lease_ttl_s = ttl if ttl > 0 else None
-        result = self.store.lookup(args["namespace"], args["hashes"], args["idents"],
+        hashes, idents, packed = proto.lookup_items(args)  # a packed request gets runs back
+        result = self.store.lookup(args["namespace"], hashes, idents,
                                    lease_ttl_s=lease_ttl_s, owner=ctx.owner)
-        if result.num_hit < len(args["hashes"]) and self._may_fetch(ctx):
+        if result.num_hit < len(hashes) and self._may_fetch(ctx):
             if ctx.on_loop:
-                return Deferred(partial(self._mapped, self._lookup_remote, args, ctx, result,
-                                        lease_ttl_s),
+                return Deferred(partial(self._mapped, self._lookup_remote, args["namespace"],
+                                        hashes, idents, packed, ctx, result, lease_ttl_s),
                                 partial(self._release_untracked, result.lease))
-            return self._lookup_remote(args, ctx, result, lease_ttl_s)
-        return self._lookup_reply(result, ctx)
+            return self._lookup_remote(args["namespace"], hashes, idents, packed, ctx, result,
+                                       lease_ttl_s)
+        return self._lookup_reply(result, ctx, packed=packed)
 
-    def _lookup_remote(self, args: dict, ctx: CallContext, local: LookupResult,
+    def _lookup_remote(self, namespace: bytes, hashes: list, idents: list, packed: bool,
+                       ctx: CallContext, local: LookupResult,
                        lease_ttl_s: float | None) -> dict:
         """On a worker: the local hit fell short; fetch what follows it from the peers."""
         num_local = local.num_hit
-        result, num_fetched = self._fetch_remote(args["namespace"], args["hashes"],
-                                                 args["idents"], local, lease_ttl_s, ctx)
+        result, num_fetched = self._fetch_remote(namespace, hashes, idents, local, lease_ttl_s,
+                                                 ctx)
         remote = range(num_local, min(num_local + num_fetched, result.num_hit))
-        return self._lookup_reply(result, ctx, remote)
+        return self._lookup_reply(result, ctx, remote, packed=packed)
 
     def _fetch_remote(self, namespace: bytes, hashes: list, idents: list, local: LookupResult,
                       lease_ttl_s: float | None, ctx: CallContext) -> tuple[LookupResult, int]:
@@ -338,7 +342,7 @@ class Service:
             self.store.release(lease)
 
     def _lookup_reply(self, result: LookupResult, ctx: CallContext,
-                      remote: range = range(0)) -> dict:
+                      remote: range = range(0), packed: bool = False) -> dict:
         lease_id = None
         if result.lease is not None:
             self._track(result.lease, ctx.owner)
@@ -350,6 +354,9 @@ class Service:
         if remote:  # the blocks this request fetched from peers: stored here now, but remote
             tiers = list(tiers)
             tiers[remote.start:remote.stop] = [Tier.REMOTE] * len(remote)
+        if packed:  # run-length form: one [tier, count] per run, not one str per block
+            return {"num_hit": result.num_hit, "tier_runs": proto.tier_runs(tiers),
+                    "lease_id": lease_id}
         if tiers and tiers.count(tiers[0]) == len(tiers):
             tiers = [tiers[0].value] * len(tiers)
         return {"num_hit": result.num_hit, "tiers": list(tiers), "lease_id": lease_id}
