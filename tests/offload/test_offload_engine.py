@@ -47,6 +47,14 @@ def _close(llm: LLM) -> None:
     llm.close()
 
 
+def _store_through_an_engine(model_dir, daemon, prompts: list[list[int]]) -> None:
+    """A first engine computes the prompts and saves them write-through, then goes away."""
+    writer = _offload_llm(model_dir, daemon)
+    writer.generate(prompts, GREEDY)
+    writer.engine.offload.wait_idle()
+    _close(writer)
+
+
 def test_restore_from_dram_in_a_fresh_engine_matches_no_cache(tiny_model_dir, make_daemon,
                                                              reference) -> None:
     daemon = make_daemon(dram="64MiB")
@@ -90,10 +98,7 @@ def test_restore_from_ssd_after_daemon_restart(tiny_model_dir, make_daemon, refe
 def test_hbm_hit_first_then_store_for_the_rest(tiny_model_dir, make_daemon, reference) -> None:
     daemon = make_daemon(dram="64MiB")
     prompt = _prompt(1000, 16 * 8 + 1, seed=3)
-    writer = _offload_llm(tiny_model_dir, daemon)
-    writer.generate([prompt], GREEDY)
-    writer.engine.offload.wait_idle()
-    _close(writer)
+    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
     reader = _offload_llm(tiny_model_dir, daemon)
     head = prompt[:16 * 3 + 2]  # puts blocks 0..2 into this engine's HBM
     reader.generate([head], GREEDY)
@@ -162,10 +167,7 @@ def test_daemon_killed_then_back_engine_keeps_serving_and_reconnects(
 def test_small_remainders_skip_the_store(tiny_model_dir, make_daemon, reference) -> None:
     daemon = make_daemon(dram="64MiB")
     prompt = _prompt(1000, 16 * 6 + 1, seed=15)
-    writer = _offload_llm(tiny_model_dir, daemon)
-    writer.generate([prompt], GREEDY)
-    writer.engine.offload.wait_idle()
-    _close(writer)
+    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
     reader = _offload_llm(tiny_model_dir, daemon)
     reader.engine.offload.restore_policy.observe_prefill(10**9, 1.0)  # recompute looks instant
     out = reader.generate([prompt], GREEDY)[0]
@@ -180,10 +182,7 @@ def test_lookup_limit_leaves_a_token_to_compute(tiny_model_dir, make_daemon, ref
     # A prompt of exactly N full blocks: the last block is never restored (its logits are needed).
     daemon = make_daemon(dram="64MiB")
     prompt = _prompt(1000, 16 * 6, seed=10)
-    writer = _offload_llm(tiny_model_dir, daemon)
-    writer.generate([prompt + [5]], GREEDY)
-    writer.engine.offload.wait_idle()
-    _close(writer)
+    _store_through_an_engine(tiny_model_dir, daemon, [prompt + [5]])
     reader = _offload_llm(tiny_model_dir, daemon)
     out = reader.generate([prompt], GREEDY)[0]
     _close(reader)
@@ -211,10 +210,7 @@ def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, mak
                                                              reference) -> None:
     daemon = make_daemon(dram="64MiB")
     prompt = _prompt(1000, 16 * 6 + 1, seed=12)
-    writer = _offload_llm(tiny_model_dir, daemon)
-    writer.generate([prompt], GREEDY)
-    writer.engine.offload.wait_idle()
-    _close(writer)
+    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
     reader = _offload_llm(tiny_model_dir, daemon)
     reader.engine.offload.restore_policy.observe_load("dram", 1, 1.0)  # loading looks hopeless
     out = reader.generate([prompt], GREEDY)[0]
@@ -239,10 +235,7 @@ def test_restore_waits_for_blocks_instead_of_giving_up(tiny_model_dir, make_daem
     daemon = make_daemon(dram="64MiB")
     a = _prompt(1000, 16 * 9 + 3, seed=13)
     b = _prompt(1000, 16 * 9 + 3, seed=14)
-    writer = _offload_llm(tiny_model_dir, daemon)
-    writer.generate([a, b], GREEDY)
-    writer.engine.offload.wait_idle()
-    _close(writer)
+    _store_through_an_engine(tiny_model_dir, daemon, [a, b])
     reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=14)
     outs = reader.generate([a, b], GREEDY)
     stats = reader.engine.stats()["kv_offload"]
@@ -258,10 +251,7 @@ def test_daemon_killed_while_a_restore_is_in_flight(tiny_model_dir, make_daemon,
                                                     reference) -> None:
     daemon = make_daemon(dram="64MiB")
     prompt = _prompt(1000, 16 * 40 + 3, seed=16)
-    writer = _offload_llm(tiny_model_dir, daemon)
-    writer.generate([prompt], GREEDY)
-    writer.engine.offload.wait_idle()
-    _close(writer)
+    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
     reader = _offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
     engine = reader.engine
     engine.add_request("r", prompt, GREEDY)
@@ -288,7 +278,7 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     llm = _offload_llm(tiny_model_dir, daemon)
     llm.generate([_prompt(1000, 16 * 4 + 1, seed=17)], GREEDY)
     llm.engine.offload.wait_idle()
-    llm.generate([[7] * 10], GREEDY)  # one more step: its stats snapshot sees the landed saves
+    llm.generate([[7] * 4], GREEDY)  # more steps (never a full block): the snapshot sees the saves
     metrics = ServerMetrics("tiny")
     metrics.update_engine(llm.engine.stats(), num_in_flight=0)
     _close(llm)
