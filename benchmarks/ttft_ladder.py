@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,19 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.engine import _machine, _model_dir
-
-
-def _start_daemon(workdir: Path, dram: str, ssd: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(workdir / "kv.sock"),
-           "--dram", dram, "--ssd-dir", str(workdir / "ssd"), "--ssd-size", ssd, "--http", "off"]
-    (workdir / "ssd").mkdir(exist_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "kvstore: ready" in line:
-            return proc
-    raise RuntimeError("daemon failed to start:\n" + "".join(lines))
+from server.demo import start_embedded_daemon
 
 
 def _ttft(engine, prompt: list[int], tag: str) -> tuple[float, dict]:
@@ -124,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine import EngineConfig, LLMEngine
 
     workdir = Path(tempfile.mkdtemp(prefix="ladder-"))
-    daemon = _start_daemon(workdir, args.dram, args.ssd)
+    daemon, _ = start_embedded_daemon(workdir, args.dram, args.ssd)
     max_len = max(lengths) + 16
     num_blocks = sum(-(-n // 16) for n in lengths) * 2 + 64
     engine = LLMEngine(EngineConfig(str(model_dir), device=args.device, kv_offload=True,
-                                    kv_store_socket=str(workdir / "kv.sock"),
+                                    kv_store_socket=str(workdir / "kvstore.sock"),
                                     num_kv_blocks=num_blocks, max_model_len=max_len,
                                     max_num_batched_tokens=max(lengths) + 16,
                                     kv_offload_restore="always"))
@@ -152,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               f"dram {row['dram_ms']:7.1f} ms {tiers}", flush=True)
     daemon.terminate()  # flushes DRAM to SSD
     daemon.wait(120)
-    daemon = _start_daemon(workdir, args.dram, args.ssd)
+    daemon, _ = start_embedded_daemon(workdir, args.dram, args.ssd)
     deadline = time.monotonic() + 30
     while not engine.offload.connector.available and time.monotonic() < deadline:
         time.sleep(0.2)

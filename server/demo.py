@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,19 +32,25 @@ _QUESTIONS = ["How do blocks move from HBM to DRAM?", "What happens on an SSD ch
               "What does the restore policy compare?", "Where do evicted blocks go?"]
 
 
-def _start_daemon(workdir: Path) -> tuple[subprocess.Popen, Path]:
+def start_embedded_daemon(workdir: Path, dram: str = "256MiB", ssd: str = "256MiB",
+                          timeout_s: float = 60.0) -> tuple[subprocess.Popen, Path]:
+    """Start `kvstore serve` on a socket and SSD dir under ``workdir``; (process, socket path).
+
+    Its output is read until it says ready, then drained on a thread so the pipe never fills.
+    """
     socket_path = workdir / "kvstore.sock"
     ssd_dir = workdir / "ssd"
-    ssd_dir.mkdir()
+    ssd_dir.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(socket_path),
-           "--dram", "256MiB", "--ssd-dir", str(ssd_dir), "--ssd-size", "256MiB", "--http", "off"]
+           "--dram", dram, "--ssd-dir", str(ssd_dir), "--ssd-size", ssd, "--http", "off"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines = []
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout_s
     for line in proc.stdout:
         lines.append(line.rstrip())
         if "kvstore: ready" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, socket_path
         if time.monotonic() > deadline:
             break
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(preset, cache_dir)
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
-    daemon, socket_path = _start_daemon(workdir)
+    daemon, socket_path = start_embedded_daemon(workdir)
     print(f"embedded daemon on {socket_path} (256 MiB DRAM, 256 MiB SSD); model {preset} on "
           f"{device}", flush=True)
     try:
