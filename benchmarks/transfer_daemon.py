@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.transfer import _median_ms
+
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
 # Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
@@ -78,30 +80,16 @@ def _stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
     shutil.rmtree(socket_path.parent, ignore_errors=True)
 
 
-def _event_ms(cp, fn, stream, reps: int) -> float:
-    fn()
-    stream.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        fn()
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
-
-
 def _raw_row(cp, n: int, dev: int, alloc_host: int, pool_host: int, reps: int) -> dict:
     """Raw single-memcpy bandwidth (GB/s) of n blocks, both directions, both kinds of pinning."""
     nbytes = n * BLOCK_BYTES
     stream = cp.cuda.Stream(non_blocking=True)
     out = {}
     for name, host in (("raw", alloc_host), ("raw_registered", pool_host)):
-        d2h = _event_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(h, dev, nbytes, 2,
-                                                                        stream.ptr), stream, reps)
-        h2d = _event_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(dev, h, nbytes, 1,
-                                                                        stream.ptr), stream, reps)
+        d2h = _median_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(h, dev, nbytes, 2,
+                                                                         stream.ptr), reps, stream)
+        h2d = _median_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(dev, h, nbytes, 1,
+                                                                         stream.ptr), reps, stream)
         out[f"{name}_d2h_gbps"] = nbytes / d2h / 1e6
         out[f"{name}_h2d_gbps"] = nbytes / h2d / 1e6
     return out
