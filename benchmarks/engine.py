@@ -101,14 +101,34 @@ def _write_fast_checkpoint(folder: Path, preset: str) -> None:
         make_model.tensor_chunks = original
 
 
-def bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
+def hbm_bandwidth_gbs(num_bytes: int = 2 * 1024**3, reps: int = 5) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), best of ``reps``."""
+    import cupy as cp
+
+    src = cp.ones(num_bytes // 2, dtype=cp.uint16)
+    dst = cp.empty_like(src)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        dst[...] = src
+        end.record()
+        end.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(start, end) / 1e3)
+    del src, dst
+    return 2 * num_bytes / best / 1e9
+
+
+def bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int,
+               eager: bool = False, decode_only: bool = False) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     max_len = max(args.lengths) + args.decode_steps + 8
     batch = max(args.decode_batch)
     config = EngineConfig(str(model_dir), device=args.device, enable_prefix_caching=False,
                           max_num_batched_tokens=max(args.lengths), max_model_len=max_len,
-                          max_num_seqs=max(batch, 1), num_kv_blocks=args.num_kv_blocks)
+                          max_num_seqs=max(batch, 1), num_kv_blocks=args.num_kv_blocks,
+                          enforce_eager=eager)
     rng = np.random.default_rng(0)
     result: dict = {"prefill_ms": {}, "decode_step_ms": {}}
     with LLMEngine(config) as engine:
@@ -120,7 +140,7 @@ def bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
             outs = engine.step()
             assert outs and outs[0].finished, "prefill did not finish in one step"
 
-        for length in args.lengths:
+        for length in [] if decode_only else args.lengths:
             result["prefill_ms"][str(length)] = _median_ms(lambda n=length: prefill(n), args.reps)
         for num_seqs in args.decode_batch:
             params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
@@ -136,6 +156,8 @@ def bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
             while engine.has_unfinished_requests():
                 engine.step()
             result["decode_step_ms"][str(num_seqs)] = statistics.median(times[1:] or times)
+    result["decode_tokens_per_s"] = {b: round(int(b) * 1e3 / ms)
+                                     for b, ms in result["decode_step_ms"].items()}
     return result
 
 
@@ -188,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="also time decode with CUDA graphs off (--enforce-eager)")
     parser.add_argument("--fast-weights", action="store_true",
                         help="fill the checkpoint from a repeated random pool (timing only)")
     parser.add_argument("--out", default="benchmarks/results")
@@ -202,6 +226,15 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.engine",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "ours": bench_ours(model_dir, args, vocab)}
+    if args.compare_eager:
+        report["ours_eager"] = bench_ours(model_dir, args, vocab, eager=True, decode_only=True)
+    if args.device == "cuda":  # the decode bound: 2 x weight bytes / HBM bandwidth, same run
+        weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+        bandwidth = hbm_bandwidth_gbs()
+        report["decode_bound"] = {
+            "weight_bytes": weight_bytes, "hbm_copy_gbs": round(bandwidth, 1),
+            "bound_ms": round(2 * weight_bytes / (bandwidth * 1e9) * 1e3, 2),
+            "batch1_ms": round(report["ours"]["decode_step_ms"].get("1", float("nan")), 2)}
     if args.device == "cuda":  # hand our cached blocks back so torch can have the memory
         import gc
 

@@ -40,6 +40,7 @@ class EngineConfig:
     kv_offload_restore: str = "cost-aware"  # "always": restore even when recompute is faster
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
     cpu_kv_cache_bytes: int = 2 * 1024**3
     debug_hash_bits: int | None = None  # truncate block hashes (collision tests only)
 
@@ -69,7 +70,7 @@ class EngineConfig:
         if self.kv_offload_restore not in RESTORE_MODES:
             raise ValueError(f"kv_offload_restore must be one of {RESTORE_MODES}, "
                              f"got {self.kv_offload_restore!r}")
-        for name in ("kv_offload", "enable_prefix_caching"):
+        for name in ("kv_offload", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.kv_store_socket is not None:

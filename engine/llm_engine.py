@@ -59,6 +59,9 @@ class LLMEngine:
         budget = kv_budget_bytes(config, self.device) if config.num_kv_blocks is None else 0
         num_kv_blocks, self.max_model_len = plan_capacity(config, limit, block_bytes, budget)
         self.runner.allocate_kv_cache(self.device, num_kv_blocks)
+        if ops.supports_graphs and not config.enforce_eager:
+            self.runner.enable_decode_graphs(config.max_num_seqs,
+                                             -(-self.max_model_len // config.block_size))
         self.block_manager = BlockManager(num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.debug_hash_bits)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
-
+from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, make_kv_cache
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
@@ -11,6 +10,7 @@ from engine.models.rope import cos_sin_cache
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.step_inputs import pack_step
 from engine.weights import CheckpointReader
 from kernels.ops import Array, Ops
 
@@ -33,6 +33,7 @@ class ModelRunner:
             reader.close()
         self.sampler = Sampler(ops)
         self.kv_cache: KVCache | None = None  # sized after the weights: see allocate_kv_cache
+        self.decode_graphs: DecodeGraphs | None = None
 
     def allocate_kv_cache(self, device: str, num_kv_blocks: int) -> None:
         """Create the arena; once, after the weights are on the device."""
@@ -42,56 +43,19 @@ class ModelRunner:
         shape = (num_kv_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = make_kv_cache(device, shape, self.ops.kv_dtype)
 
+    def enable_decode_graphs(self, max_rows: int, max_table_width: int) -> None:
+        """Replay decode steps from CUDA graphs (after ``allocate_kv_cache``; GPU only)."""
+        self.decode_graphs = DecodeGraphs(self.ops, self.model, self.kv_cache.array, max_rows,
+                                          max_table_width)
+
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
-        """Host-side metadata for the step, then one copy to the device. The sequences that
-        reach their last token this step sample; the others are mid-prefill chunks."""
-        bs = self.block_size
-        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
-        num_seqs, num_tokens = len(seqs), sum(num_new_tokens)
-        max_blocks = max(len(seq.block_ids) for seq in seqs)
-        # Every int32 input lives in one host buffer, so the step costs one host-to-device copy:
-        # token ids, positions, slots, block tables, cu_seqlens, context lens, logits indices.
-        sizes = (num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1,
-                 num_seqs, num_seqs)
-        bounds = [0]
-        for size in sizes:
-            bounds.append(bounds[-1] + size)
-        host = np.zeros(bounds[-1], dtype=np.int32)
-        token_ids, positions, slots, tables, cu_seqlens, context_lens, logits_indices = (
-            host[a:b] for a, b in zip(bounds, bounds[1:]))
-        tables = tables.reshape(num_seqs, max_blocks)
-        sampling: list[Sequence] = []
-        offset = 0
-        for row, (seq, num_new) in enumerate(zip(seqs, num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            rows = slice(offset, offset + num_new)
-            if 4 * end <= len(seq.token_bytes):  # a prompt chunk: already int32 bytes
-                token_ids[rows] = np.frombuffer(seq.token_bytes, "<i4", num_new, 4 * start)
-            else:
-                token_ids[rows] = seq.token_ids[start:end]
-            pos = np.arange(start, end, dtype=np.int32)
-            blocks = np.asarray(seq.block_ids, dtype=np.int32)
-            tables[row, : len(blocks)] = blocks
-            positions[rows] = pos
-            slots[rows] = blocks[pos // bs] * bs + pos % bs
-            offset += num_new
-            cu_seqlens[row + 1] = offset
-            context_lens[row] = end
-            if end == seq.num_tokens:
-                logits_indices[len(sampling)] = offset - 1
-                sampling.append(seq)
-        device = self.ops.to_device(host)
-
-        def part(i: int, size: int | None = None) -> Array:
-            return device[bounds[i] : bounds[i] + (sizes[i] if size is None else size)]
-
-        forward_batch = ForwardBatch(
-            token_ids=part(0), positions=part(1), slot_mapping=part(2),
-            block_tables=part(3).reshape(num_seqs, max_blocks), cu_seqlens_q=part(4),
-            context_lens=part(5), logits_indices=part(6, len(sampling)),
-            is_decode=all(n == 1 for n in num_new_tokens),
-        )
+        """The step's metadata on the device (one copy). The sequences that reach their last
+        token this step sample; the others are mid-prefill chunks."""
+        host, layout, sampling = pack_step(batch.seqs, batch.num_new_tokens, self.block_size)
+        views = layout.views(self.ops.to_device(host))
+        views["logits_indices"] = views["logits_indices"][: len(sampling)]
+        forward_batch = ForwardBatch(is_decode=all(n == 1 for n in batch.num_new_tokens),
+                                     **views)
         return forward_batch, sampling
 
     def forward(self, forward_batch: ForwardBatch) -> Array:
@@ -100,11 +64,26 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Run the step; (sequence, sampled token id) for every sequence that samples."""
-        forward_batch, sampling = self.prepare(batch)
-        logits = self.forward(forward_batch)
+        logits, sampling = self._replayed(batch) or self._eager(batch)
         if not sampling:
             return []
         return list(zip(sampling, self.sampler(logits, sampling)))
+
+    def _eager(self, batch: ScheduledBatch) -> tuple[Array, list[Sequence]]:
+        forward_batch, sampling = self.prepare(batch)
+        return self.forward(forward_batch), sampling
+
+    def _replayed(self, batch: ScheduledBatch) -> tuple[Array, list[Sequence]] | None:
+        """A decode step from a captured graph, or None when it must run eagerly."""
+        graphs = self.decode_graphs
+        if graphs is None or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        key = graphs.bucket(len(batch.seqs), max(len(seq.block_ids) for seq in batch.seqs))
+        if key is None:
+            return None
+        host, _, sampling = pack_step(batch.seqs, batch.num_new_tokens, self.block_size, *key)
+        logits = graphs.run(key, host)
+        return logits[: len(sampling)], sampling
 
     def close(self) -> None:
         if self.kv_cache is not None:

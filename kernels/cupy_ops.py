@@ -1,9 +1,10 @@
 """The CUDA backend: bf16 weights, activations and KV on the GPU, float32 accumulation.
 
 Every kernel is a ``.cu`` file compiled by CuPy (NVRTC) behind a launcher that checks shapes and
-dtypes (``kernels/<name>.py``; index in ``KERNELS.md``); GEMMs go through CuPy's matmul (cuBLAS,
-bf16 in, float32 accumulate). Imported only when the device is "cuda": the CPU path never loads
-CuPy.
+dtypes (``kernels/<name>.py``; index in ``KERNELS.md``). GEMMs call cuBLAS directly
+(``kernels/cublas_gemm.py``: bf16 in, float32 accumulate), so decode steps can be captured into
+CUDA graphs (``kernels/cuda_graph.py``). Imported only when the device is "cuda": the CPU path
+never loads CuPy.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import ml_dtypes
 import numpy as np
 
 from kernels import activation, attention, embedding, rms_norm, rope, sampling, write_kv
-from kernels.cuda_module import BF16
-from kernels.ops import Ops
+from kernels.cublas_gemm import CublasGemm
+from kernels.cuda_module import BF16, contiguous
+from kernels.ops import CapturedGraph, Ops
 
 
 class CupyOps(Ops):
@@ -24,9 +26,24 @@ class CupyOps(Ops):
     act_dtype = ml_dtypes.bfloat16
     kv_dtype = "bfloat16"
 
+    supports_graphs = True
+
     def __init__(self) -> None:
         self.xp = cp
         self.device_id = cp.cuda.Device().id
+        self._capturer = None  # created on the first capture: most CPU-free tests never need it
+        self._gemm = CublasGemm()
+
+    def capture_graph(self, fn) -> CapturedGraph:
+        from kernels.cuda_graph import GraphCapturer
+
+        if self._capturer is None:
+            self._capturer = GraphCapturer()
+        return self._capturer.capture(fn)
+
+    @property
+    def graph_pool_bytes(self) -> int:
+        return 0 if self._capturer is None else self._capturer.pool_bytes
 
     # -- transfers ---------------------------------------------------------------------------
 
@@ -48,7 +65,7 @@ class CupyOps(Ops):
     # -- kernels -----------------------------------------------------------------------------
 
     def linear(self, x: cp.ndarray, weight: cp.ndarray, bias: cp.ndarray | None = None):
-        out = cp.matmul(x, weight.T)
+        out = self._gemm(contiguous(x), weight)
         return out if bias is None else activation.add_bias_(out, bias)
 
     def embedding(self, token_ids, table):

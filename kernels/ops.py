@@ -9,12 +9,28 @@ docstrings; ``KERNELS.md`` indexes them. Arrays are the backend's arrays (``xp.n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 Array = Any  # numpy.ndarray or cupy.ndarray, as the backend decides
+
+
+class CapturedGraph(ABC):
+    """Device work recorded once and replayed on the same buffers (a CUDA graph).
+
+    ``output`` is the array the captured function returned; every ``replay()`` rewrites it in
+    place from whatever the captured inputs hold at that moment. The graph owns the memory of its
+    intermediates for its whole life.
+    """
+
+    output: Array
+
+    @abstractmethod
+    def replay(self) -> Array:
+        """Enqueue the recorded work on the current stream; returns ``output`` (not synced)."""
 
 
 class Ops(ABC):
@@ -28,6 +44,16 @@ class Ops(ABC):
     xp: ModuleType
     act_dtype: Any
     kv_dtype: str
+
+    supports_graphs = False
+
+    def capture_graph(self, fn: Callable[[], Array]) -> CapturedGraph:
+        """Record ``fn`` (device work only: no host sync, no host-dependent shapes) into a graph.
+
+        ``fn`` is run once eagerly first (compiles kernels, warms libraries), then captured.
+        Backends without graphs (``supports_graphs`` false) raise NotImplementedError.
+        """
+        raise NotImplementedError(f"the {self.name} backend has no graphs")
 
     # -- transfers ---------------------------------------------------------------------------
 

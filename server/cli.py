@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: 2 x --max-num-seqs)")
     serve.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", help="turn the HBM prefix cache off")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="GPU: launch every decode kernel from Python (no CUDA graphs)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="require `Authorization: Bearer KEY`; repeat for several keys "
@@ -106,6 +108,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "kv_offload_policy": args.kv_offload_policy,
         "served_model_name": args.served_model_name,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "enforce_eager": args.enforce_eager,
     }
     if args.max_num_batched_tokens is not None:
         fields["max_num_batched_tokens"] = args.max_num_batched_tokens

@@ -149,3 +149,22 @@ def test_cache_chunking_and_preemption_do_not_change_tokens(qwen3: HFCheckpoint)
         stats = llm.engine.stats()
     assert outs[0].num_cached_tokens > 0 and stats["num_preemptions"] > 0
     assert [o.token_ids for o in outs] == baseline
+
+
+def test_decode_graphs_give_the_eager_tokens(qwen3: HFCheckpoint) -> None:
+    """Graph replay (padded batches, several width buckets) = launching every kernel eagerly."""
+    prompts = random_prompts(4000, [5, 70, 17, 33, 90, 1, 64, 48, 20], seed=11)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_k=50, seed=3)
+    results = {}
+    for eager in (True, False):
+        with LLM(str(qwen3.path), device="cuda", block_size=4, enforce_eager=eager) as llm:
+            outs = [llm.generate(prompts[:n], greedy) for n in (1, 3, 9)]
+            outs.append(llm.generate(prompts[:5], sampled))
+            graphs = llm.engine.runner.decode_graphs
+        results[eager] = [[o.token_ids for o in group] for group in outs]
+        if eager:
+            assert graphs is None
+        else:  # batches of 1, 3 (-> 4) and 9 (-> 16); tables of 16 and 32 blocks (4-token blocks)
+            assert graphs.num_captures >= 4 and graphs.num_replays >= 4 * 23
+    assert results[False] == results[True]

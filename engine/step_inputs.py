@@ -1,0 +1,100 @@
+"""A step's int32 metadata packed into one host buffer, so the step costs one host-to-device copy.
+
+The buffer holds, in order: token ids, positions, slots, block tables, cu_seqlens, context lens,
+logits indices. ``num_rows`` / ``table_width`` pad the batch to a fixed shape (CUDA graph
+buckets): padded rows decode token 0 at position 0 into no slot (slot -1 is skipped by
+``write_kv``) over a one-token context in block 0, so every kernel stays in bounds; their logits
+are computed and ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.sequence import Sequence
+
+_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q",
+           "context_lens", "logits_indices")
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each field sits in the packed buffer, for ``num_tokens`` rows and a table width."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        t, b = self.num_tokens, self.num_seqs
+        return (t, t, t, b * self.table_width, b + 1, b, b)
+
+    @property
+    def bounds(self) -> list[int]:
+        bounds = [0]
+        for size in self.sizes:
+            bounds.append(bounds[-1] + size)
+        return bounds
+
+    def views(self, buffer) -> dict:
+        """Field name -> view of ``buffer`` (host or device); block tables are 2-D."""
+        bounds = self.bounds
+        out = {name: buffer[a:b] for name, a, b in zip(_FIELDS, bounds, bounds[1:])}
+        out["block_tables"] = out["block_tables"].reshape(self.num_seqs, self.table_width)
+        return out
+
+
+def pack_step(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
+              num_rows: int | None = None, table_width: int | None = None,
+              ) -> tuple[np.ndarray, StepLayout, list[Sequence]]:
+    """(host buffer, its layout, the sequences that sample this step, in logits order).
+
+    Without padding the layout is exactly the batch's. With ``num_rows`` (decode only: one token
+    per sequence) the batch is padded to that many rows, every row's logits are kept (the
+    sampling sequences first, in order) and ``table_width`` fixes the block table's width.
+    """
+    num_seqs, num_tokens = len(seqs), sum(num_new_tokens)
+    width = max(len(seq.block_ids) for seq in seqs) if table_width is None else table_width
+    if num_rows is not None:
+        if num_tokens != num_seqs or num_rows < num_seqs:
+            raise ValueError(f"padding to {num_rows} rows needs a decode batch of at most that "
+                             f"many sequences, got {num_seqs} sequences / {num_tokens} tokens")
+        num_seqs = num_tokens = num_rows
+    layout = StepLayout(num_tokens, num_seqs, width)
+    host = np.zeros(layout.bounds[-1], dtype=np.int32)
+    f = layout.views(host)
+    sampling: list[Sequence] = []
+    offset = 0
+    for row, (seq, num_new) in enumerate(zip(seqs, num_new_tokens)):
+        start = seq.num_computed_tokens
+        end = start + num_new
+        rows = slice(offset, offset + num_new)
+        if 4 * end <= len(seq.token_bytes):  # a prompt chunk: already int32 bytes
+            f["token_ids"][rows] = np.frombuffer(seq.token_bytes, "<i4", num_new, 4 * start)
+        else:
+            f["token_ids"][rows] = seq.token_ids[start:end]
+        pos = np.arange(start, end, dtype=np.int32)
+        blocks = np.asarray(seq.block_ids, dtype=np.int32)
+        if len(blocks) > width:
+            raise ValueError(f"a sequence holds {len(blocks)} blocks, the table has {width}")
+        f["block_tables"][row, : len(blocks)] = blocks
+        f["positions"][rows] = pos
+        f["slot_mapping"][rows] = blocks[pos // block_size] * block_size + pos % block_size
+        offset += num_new
+        f["cu_seqlens_q"][row + 1] = offset
+        f["context_lens"][row] = end
+        if end == seq.num_tokens:
+            f["logits_indices"][len(sampling)] = offset - 1
+            sampling.append(seq)
+    if num_rows is not None:
+        if len(sampling) != len(seqs):
+            raise ValueError("a padded decode batch must sample every sequence")
+        padded = slice(len(seqs), num_rows)
+        f["slot_mapping"][padded] = -1
+        f["context_lens"][padded] = 1
+        f["cu_seqlens_q"][len(seqs) + 1:] = np.arange(len(seqs) + 1, num_rows + 1)
+        f["logits_indices"][:] = np.arange(num_rows)  # row i samples sequence i; padding ignored
+    return host, layout, sampling
