@@ -1,7 +1,7 @@
 """Our paged attention kernels against torch SDPA on the same shapes (one layer, Qwen3-4B heads).
 
 Prefill: one sequence of L tokens, causal, K/V read from the paged arena (block_size 16, shuffled
-blocks), with 128-row query tiles (the default) and 64-row ones, against
+blocks), in every (warps, rows per warp) variant of the kernel, against
 ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on contiguous bf16 tensors
 (flash backend). Decode: one query per sequence over a context of L, at batch 1 and 32, against
 SDPA with one query. GPU times by CUDA events, median of --reps. Writes JSON to
@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+# (warps per CTA, query rows per warp, keys per tile)
+PREFILL_VARIANTS = [(4, 32, 64), (8, 32, 64), (4, 32, 32), (8, 32, 32), (8, 16, 64)]
 
 
 def _median_ms(cp, fn, reps: int) -> float:
@@ -69,9 +71,12 @@ def bench(args: argparse.Namespace) -> dict:
         q = _random_bf16(cp, bf16, (length, NUM_Q_HEADS, HEAD_DIM))
         cu = cp.asarray(np.array([0, length], dtype=np.int32))
         ctx = cp.asarray(np.array([length], dtype=np.int32))
-        ours, ours_4_warps = (
-            _median_ms(cp, lambda q=q, kv=kv, t=tables, cu=cu, c=ctx, w=w: paged_attention_prefill(
-                q, kv, 0, t, cu, c, scale, num_warps=w), args.reps) for w in (8, 4))
+        variants = {f"{w}x{r}x{n}": _median_ms(
+            cp, lambda q=q, kv=kv, t=tables, cu=cu, c=ctx, w=w, r=r, n=n: paged_attention_prefill(
+                q, kv, 0, t, cu, c, scale, num_warps=w, rows_per_warp=r, keys_per_tile=n),
+            args.reps) for w, r, n in PREFILL_VARIANTS}
+        ours = _median_ms(cp, lambda q=q, kv=kv, t=tables, cu=cu, c=ctx: paged_attention_prefill(
+            q, kv, 0, t, cu, c, scale), args.reps)  # the engine's default variant
         tq = torch.randn(1, NUM_Q_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         tk = torch.randn(1, NUM_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         tv = torch.randn_like(tk)
@@ -79,7 +84,8 @@ def bench(args: argparse.Namespace) -> dict:
             tq, tk, tv, is_causal=True, enable_gqa=True), args.reps)
         flops = 4 * length * length * NUM_Q_HEADS * HEAD_DIM / 2  # causal: half the square
         result["prefill"][str(length)] = {
-            "ours_ms": ours, "ours_4_warps_ms": ours_4_warps, "sdpa_ms": sdpa,
+            "ours_ms": ours, "sdpa_ms": sdpa,
+            "variants_ms (warps x rows per warp x keys per tile)": variants,
             "ours_tflops": flops / ours / 1e9, "sdpa_tflops": flops / sdpa / 1e9}
         del kv, tables, q, tq, tk, tv
         for num_seqs in args.decode_batch:

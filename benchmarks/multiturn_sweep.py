@@ -188,6 +188,21 @@ def _daemon_stats(socket_path: Path) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def _engine_offload_events(url: str) -> dict | None:
+    """The engine's --kv-offload counters, scraped from its /metrics (a nicety, like above)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    events = {}
+    for line in text.splitlines():
+        if line.startswith("kvengine:kv_offload_events{"):
+            labels, value = line.rsplit(" ", 1)
+            name = labels.split('event="', 1)[1].split('"', 1)[0]
+            events[name] = float(value)
+    return events
+
+
 def run_point(args: argparse.Namespace, workload: WorkloadConfig, sizing: dict, regime: str,
               offload: bool, qps: float) -> dict:
     """Start the daemon (offload on) and the engine, run the workload, stop both."""
@@ -225,6 +240,7 @@ def run_point(args: argparse.Namespace, workload: WorkloadConfig, sizing: dict, 
             result["records"], workload, point["num_kv_blocks"], args.block_size)
         if offload:
             point["daemon_stats"] = _daemon_stats(socket_path)
+            point["engine_offload_events"] = _engine_offload_events(url)
     except Exception as exc:  # a point that cannot run is reported, the sweep goes on
         point["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
     finally:

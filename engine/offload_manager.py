@@ -82,6 +82,13 @@ class OffloadManager:
     def num_loading(self) -> int:
         return len(self._restores)
 
+    @property
+    def num_waiting_for_blocks(self) -> int:
+        """Restores with a hit whose blocks could not be reserved yet (the scheduler admits no
+        one else meanwhile: first come, first served, as without the store)."""
+        return sum(1 for r in self._restores.values()
+                   if r.load is None and r.waiting_since is not None)
+
     def start_restore(self, seq: Sequence, num_hbm_hit_blocks: int) -> bool:
         """Ask the store for the blocks past the HBM hit; True if ``seq`` now waits on it."""
         bs = self.block_size

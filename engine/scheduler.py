@@ -119,6 +119,8 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
+        if self.offload is not None and self.offload.num_waiting_for_blocks:
+            return  # an earlier request's restore waits for blocks: nobody overtakes it
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit_ids = bm.match_prefix(seq)

@@ -1,18 +1,18 @@
 // Paged attention over the block-major arena kv[num_blocks, num_layers, 2, block_size, Hkv, D], bf16
-// in, float32 softmax and accumulation, bf16 out. FlashAttention-2 style: each warp owns 16 query
-// rows, K/V tiles of 64 keys stream through shared memory (cp.async, double-buffered), scores and
-// P @ V run on tensor cores (mma.sync m16n8k16 bf16 -> f32), online softmax in the log2 domain.
+// in, float32 softmax and accumulation, bf16 out. FlashAttention-2 style: each warp owns 16 or 32
+// query rows, K/V tiles of 64 keys stream through shared memory (cp.async, double-buffered), scores
+// and P @ V run on tensor cores (mma.sync m16n8k16 bf16 -> f32), online softmax in the log2 domain.
 //
-//   paged_prefill  causal varlen GQA: one CTA per (query tile of 16 rows per warp, query head). Row i of
-//                  sequence b sits at position context_lens[b] - q_len + i and sees keys 0..position.
+//   paged_prefill  causal varlen GQA: one CTA per (query tile, query head). Row i of sequence b sits at position context_lens[b] - q_len + i and sees keys 0..position.
 //                  The CTA finds its (sequence, tile) by walking cu_seqlens; the grid is an upper
 //                  bound on the tile count, so no host sync. Late (heavier) tiles start first.
 //   paged_decode   one query per sequence: one warp per (context split, KV head, sequence); the
 //                  group's query heads are the warp's rows, so K/V are read once per KV head.
 //   combine_splits merges the decode splits' normalized partials by their (max, sum).
 //
-// HEAD_DIM (multiple of 16, <= 256) is a compile-time define, so is PREFILL_WARPS (4 or 8: 64 or
-// 128 query rows per CTA). USE_LDMATRIX=0 swaps the ldmatrix fragment loads for plain 32/16-bit
+// HEAD_DIM (multiple of 16, <= 256) is a compile-time define, so are PREFILL_WARPS (4 or 8) and
+// PREFILL_MT (16-row MMA tiles per warp, 1 or 2): a CTA holds 16 x MT x WARPS query rows; and
+// PREFILL_BN (32 or 64 keys per prefill tile). USE_LDMATRIX=0 swaps the ldmatrix fragment loads for plain 32/16-bit
 // shared loads (same results; kept as a cross-check).
 #include "common.cuh"
 
@@ -23,7 +23,13 @@
 #define USE_LDMATRIX 1
 #endif
 #ifndef PREFILL_WARPS
-#define PREFILL_WARPS 8
+#define PREFILL_WARPS 4
+#endif
+#ifndef PREFILL_MT
+#define PREFILL_MT 2
+#endif
+#ifndef PREFILL_BN
+#define PREFILL_BN 64
 #endif
 
 #define NEG_INF (__int_as_float(0xff800000))
@@ -31,8 +37,10 @@
 
 constexpr int D = HEAD_DIM;
 constexpr int PREFILL_THREADS = 32 * PREFILL_WARPS;
-constexpr int BM = 16 * PREFILL_WARPS;  // query rows per prefill CTA, 16 per warp
-constexpr int BN = 64;          // keys per tile
+constexpr int MT = PREFILL_MT;           // 16-row MMA tiles per prefill warp (1 or 2)
+constexpr int BM = 16 * MT * PREFILL_WARPS;  // query rows per prefill CTA
+constexpr int BN = 64;          // keys per decode tile
+constexpr int PBN = PREFILL_BN;  // keys per prefill tile (32 or 64: fewer score registers)
 constexpr int STRIDE = D + 8;   // shared row stride (elements): 16-byte pad, conflict-free loads
 constexpr int CHUNKS = D / 8;   // 16-byte pieces per row
 
@@ -112,11 +120,12 @@ __device__ __forceinline__ void load_b_k(unsigned& b0, unsigned& b1, const bf16_
 #endif
 }
 
-// Four B fragments in one ldmatrix (USE_LDMATRIX only):
-// K: 8 keys from key0 x 32 dims from col0 -> (b0, b1) for dims col0.., (b2, b3) for col0 + 16..
-__device__ __forceinline__ void load_b_k_x4(unsigned (&b)[4], const bf16_t* s, int key0, int col0,
-                                            int lane) {
-    const bf16_t* p = s + (key0 + (lane & 7)) * STRIDE + col0 + (lane >> 3) * 8;
+// Two B fragments of Q K^T in one ldmatrix (USE_LDMATRIX only): 16 keys from key0 x 16 dims from
+// col0 -> (b0, b1) for keys key0..key0+7, (b2, b3) for keys key0+8..key0+15.
+__device__ __forceinline__ void load_b_k_pair(unsigned (&b)[4], const bf16_t* s, int key0,
+                                              int col0, int lane) {
+    const bf16_t* p = s + (key0 + (lane & 7) + (lane >> 4) * 8) * STRIDE + col0 +
+                      ((lane >> 3) & 1) * 8;
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(smem_addr(p)));
 }
@@ -147,105 +156,128 @@ __device__ __forceinline__ void load_b_v(unsigned& b0, unsigned& b1, const bf16_
 
 // ---- the shared inner step -------------------------------------------------------------------
 
-// One K/V tile for one warp's 16 rows: S = Q K^T (scaled to log2 units), optional mask (a key is
-// visible to a row iff key <= the row's position and key < key_limit), online softmax update of
-// (m, l, o), o += P V. m is the running max (log2 units), l the thread's partial row sum.
-template <bool MASK>
+// One K/V tile for one warp's MT x 16 rows: S = Q K^T (scaled to log2 units), optional mask (a
+// key is visible to a row iff key <= the row's position and key < key_limit), online softmax
+// update of (m, l, o), o += P V. m is the running max (log2 units), l the thread's partial row
+// sum. With MT = 2 every K/V fragment read from shared memory feeds two MMAs (one per 16-row
+// tile), halving the shared-memory traffic per FLOP, which bounds the MT = 1 kernel.
+template <int MT, int NK, bool MASK>
 __device__ __forceinline__ void attend_tile(const bf16_t* sQ, const bf16_t* sK, const bf16_t* sV,
-                                            int q_row0, int key_base, int key_limit, int pos_lo,
-                                            int pos_hi, float scale_log2, float (&m)[2],
-                                            float (&l)[2], float (&o)[D / 8][4], int lane) {
-    float s[BN / 8][4];
+                                            int q_row0, int key_base, int key_limit,
+                                            const int (&pos)[MT][2], float scale_log2,
+                                            float (&m)[MT][2], float (&l)[MT][2],
+                                            float (&o)[MT][D / 8][4], int lane) {
+    float s[MT][NK / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-    constexpr bool PAIRED_K = USE_LDMATRIX && (D / 16) % 2 == 0;  // two k-steps per ldmatrix
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk += PAIRED_K ? 2 : 1) {
-        unsigned a[4];
-        load_a(a, sQ, q_row0, kk * 16, lane);
-        if constexpr (PAIRED_K) {
-            unsigned a1[4];
-            load_a(a1, sQ, q_row0, kk * 16 + 16, lane);
+        for (int nt = 0; nt < NK / 8; ++nt)
+            s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
-                unsigned b[4];
-                load_b_k_x4(b, sK, nt * 8, kk * 16, lane);
-                mma_16816(s[nt], a, b[0], b[1]);
-                mma_16816(s[nt], a1, b[2], b[3]);
-            }
-        } else {
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[MT][4];
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
-                unsigned b0, b1;
-                load_b_k(b0, b1, sK, nt * 8, kk * 16, lane);
-                mma_16816(s[nt], a, b0, b1);
+        for (int mt = 0; mt < MT; ++mt) load_a(a[mt], sQ, q_row0 + 16 * mt, kk * 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; nt += 2) {  // NK / 8 is even
+#if USE_LDMATRIX
+            unsigned b[4];
+            load_b_k_pair(b, sK, nt * 8, kk * 16, lane);
+#else
+            unsigned b[4];
+            load_b_k(b[0], b[1], sK, nt * 8, kk * 16, lane);
+            load_b_k(b[2], b[3], sK, nt * 8 + 8, kk * 16, lane);
+#endif
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816(s[mt][nt], a[mt], b[0], b[1]);
+                mma_16816(s[mt][nt + 1], a[mt], b[2], b[3]);
             }
         }
     }
     // Raw scores here; scale_log2 > 0, so the max of the scaled scores is the scaled max and
     // p = 2^(s * scale_log2 - base) is one FFMA + EX2.
     const int t = lane & 3;
-    float raw_max[2] = {NEG_INF, NEG_INF};
+    float base[MT][2], alpha[MT][2];
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
+        float raw_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if (MASK) {
-                const int key = key_base + nt * 8 + 2 * t + (e & 1);
-                if (key > (e < 2 ? pos_lo : pos_hi) || key >= key_limit) s[nt][e] = NEG_INF;
+        for (int nt = 0; nt < NK / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (MASK) {
+                    const int key = key_base + nt * 8 + 2 * t + (e & 1);
+                    if (key > pos[mt][e >> 1] || key >= key_limit) s[mt][nt][e] = NEG_INF;
+                }
+                raw_max[e >> 1] = fmaxf(raw_max[e >> 1], s[mt][nt][e]);
             }
-            raw_max[e >> 1] = fmaxf(raw_max[e >> 1], s[nt][e]);
         }
-    }
-    float base[2], alpha[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        raw_max[i] = fmaxf(raw_max[i], __shfl_xor_sync(0xffffffffu, raw_max[i], 1));
-        raw_max[i] = fmaxf(raw_max[i], __shfl_xor_sync(0xffffffffu, raw_max[i], 2));
-        const float row_max = fmaxf(m[i], raw_max[i] * scale_log2);
-        base[i] = row_max == NEG_INF ? 0.f : row_max;  // a row with nothing visible yet
-        alpha[i] = fast_exp2(m[i] - base[i]);
-        m[i] = row_max;
-        l[i] *= alpha[i];
+        for (int i = 0; i < 2; ++i) {
+            raw_max[i] = fmaxf(raw_max[i], __shfl_xor_sync(0xffffffffu, raw_max[i], 1));
+            raw_max[i] = fmaxf(raw_max[i], __shfl_xor_sync(0xffffffffu, raw_max[i], 2));
+            const float row_max = fmaxf(m[mt][i], raw_max[i] * scale_log2);
+            base[mt][i] = row_max == NEG_INF ? 0.f : row_max;  // a row with nothing visible yet
+            alpha[mt][i] = fast_exp2(m[mt][i] - base[mt][i]);
+            m[mt][i] = row_max;
+            l[mt][i] *= alpha[mt][i];
+        }
     }
     // Once the row maxima settle, most tiles move none of them: skip the rescale of O then.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+    bool moved = false;
 #pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-            o[nt][0] *= alpha[0];
-            o[nt][1] *= alpha[0];
-            o[nt][2] *= alpha[1];
-            o[nt][3] *= alpha[1];
-        }
+    for (int mt = 0; mt < MT; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                o[mt][nt][0] *= alpha[mt][0];
+                o[mt][nt][1] *= alpha[mt][0];
+                o[mt][nt][2] *= alpha[mt][1];
+                o[mt][nt][3] *= alpha[mt][1];
+            }
     }
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float p = fast_exp2(fmaf(s[nt][e], scale_log2, -base[e >> 1]));
-            s[nt][e] = p;
-            l[e >> 1] += p;
+        for (int nt = 0; nt < NK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base[mt][e >> 1]));
+                s[mt][nt][e] = p;
+                l[mt][e >> 1] += p;
+            }
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; ++kk) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            a[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            a[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
         }
-    }
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-        const unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                               pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                               pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
         for (int nt = 0; nt < D / 8; nt += 2) {  // D / 8 is even
 #if USE_LDMATRIX
             unsigned b[4];
             load_b_v_x4(b, sV, kk * 16, nt * 8, lane);
-            mma_16816(o[nt], a, b[0], b[1]);
-            mma_16816(o[nt + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816(o[mt][nt], a[mt], b[0], b[1]);
+                mma_16816(o[mt][nt + 1], a[mt], b[2], b[3]);
+            }
 #else
-            unsigned b0, b1;
+            unsigned b0, b1, b2, b3;
             load_b_v(b0, b1, sV, kk * 16, nt * 8, lane);
-            mma_16816(o[nt], a, b0, b1);
-            load_b_v(b0, b1, sV, kk * 16, nt * 8 + 8, lane);
-            mma_16816(o[nt + 1], a, b0, b1);
+            load_b_v(b2, b3, sV, kk * 16, nt * 8 + 8, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816(o[mt][nt], a[mt], b0, b1);
+                mma_16816(o[mt][nt + 1], a[mt], b2, b3);
+            }
 #endif
         }
     }
@@ -266,17 +298,18 @@ struct Arena {
     int num_layers, layer, block_size, block_shift, num_kv_heads;  // block_shift: log2, or -1
 };
 
-// Issue the cp.async loads of keys [key_base, key_base + BN) of one sequence and KV head into
+// Issue the cp.async loads of keys [key_base, key_base + NK) of one sequence and KV head into
 // sK/sV; keys at or past key_end are zero-filled (a zero V row keeps masked lanes finite). Each
 // thread copies the same 16-byte piece of every (num_threads / CHUNKS)-th row, so the block
 // lookup is once per row (a shift when block_size is a power of two).
+template <int NK>
 __device__ __forceinline__ void load_kv_tile(bf16_t* sK, bf16_t* sV, const Arena& arena,
                                              const int* block_table, int kv_head, int key_base,
                                              int key_end, int tid, int num_threads) {
     const long long row = (long long)arena.num_kv_heads * D;  // elements of one token's K (or V)
     const int ch = tid % CHUNKS;
     const long long piece = (long long)kv_head * D + ch * 8;
-    for (int r = tid / CHUNKS; r < BN; r += num_threads / CHUNKS) {
+    for (int r = tid / CHUNKS; r < NK; r += num_threads / CHUNKS) {
         const int key = key_base + r;
         const bool valid = key < key_end;
         const bf16_t* k_src = arena.kv;
@@ -313,9 +346,9 @@ paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     extern __shared__ uint4 smem_u4[];
     bf16_t* sQ = reinterpret_cast<bf16_t*>(smem_u4);
     bf16_t* sK0 = sQ + BM * STRIDE;
-    bf16_t* sV0 = sK0 + BN * STRIDE;
-    bf16_t* sK1 = sV0 + BN * STRIDE;
-    bf16_t* sV1 = sK1 + BN * STRIDE;
+    bf16_t* sV0 = sK0 + PBN * STRIDE;
+    bf16_t* sK1 = sV0 + PBN * STRIDE;
+    bf16_t* sV1 = sK1 + PBN * STRIDE;
     __shared__ int s_seq, s_tile;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -344,7 +377,7 @@ paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     const int rows = min(BM, q_len - row0);
     const int pos0 = context_len - q_len + row0;          // position of the tile's first row
     const int key_end = min(context_len, pos0 + rows);    // keys the tile's last row sees
-    const int num_key_tiles = (key_end + BN - 1) / BN;
+    const int num_key_tiles = (key_end + PBN - 1) / PBN;
     const int kv_head = head / (num_q_heads / num_kv_heads);
     const Arena arena{kv, num_layers, layer, block_size, block_shift, num_kv_heads};
     const int* block_table = block_tables + (long long)seq * max_blocks_per_seq;
@@ -356,56 +389,69 @@ paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
             valid ? q + ((long long)(q_start + row0 + r) * num_q_heads + head) * D + ch * 8 : q;
         cp_async16(sQ + r * STRIDE + ch * 8, src, valid);
     }
-    load_kv_tile(sK0, sV0, arena, block_table, kv_head, 0, key_end, tid, PREFILL_THREADS);
+    load_kv_tile<PBN>(sK0, sV0, arena, block_table, kv_head, 0, key_end, tid, PREFILL_THREADS);
     cp_async_commit();
 
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    float o[D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m[MT][2], l[MT][2];
+    float o[MT][D / 8][4];
+    int pos[MT][2];
     const int g = lane >> 2;
-    const int pos_lo = pos0 + warp * 16 + g, pos_hi = pos_lo + 8;
-    const int warp_last_pos = pos0 + warp * 16 + 15;
+    const int warp_row0 = warp * 16 * MT;  // the warp's first row in the tile
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        m[mt][0] = m[mt][1] = NEG_INF;
+        l[mt][0] = l[mt][1] = 0.f;
+        pos[mt][0] = pos0 + warp_row0 + 16 * mt + g;
+        pos[mt][1] = pos[mt][0] + 8;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt)
+            o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+    }
+    const int warp_last_pos = pos0 + warp_row0 + 16 * MT - 1;
 
     for (int j = 0; j < num_key_tiles; ++j) {
         const bool odd = j & 1;
         if (j + 1 < num_key_tiles) {
-            load_kv_tile(odd ? sK0 : sK1, odd ? sV0 : sV1, arena, block_table, kv_head,
-                         (j + 1) * BN, key_end, tid, PREFILL_THREADS);
+            load_kv_tile<PBN>(odd ? sK0 : sK1, odd ? sV0 : sV1, arena, block_table, kv_head,
+                              (j + 1) * PBN, key_end, tid, PREFILL_THREADS);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        const int key_base = j * BN;
+        const int key_base = j * PBN;
         const bf16_t* sK = odd ? sK1 : sK0;
         const bf16_t* sV = odd ? sV1 : sV0;
         // Skip a warp whose rows are all padding, or for which every key of the tile is in the
         // future of all its rows.
-        if (warp * 16 < rows && key_base <= warp_last_pos) {
-            if (key_base + BN - 1 > pos0)
-                attend_tile<true>(sQ, sK, sV, warp * 16, key_base, key_end, pos_lo, pos_hi,
-                                  scale_log2, m, l, o, lane);
+        if (warp_row0 < rows && key_base <= warp_last_pos) {
+            if (key_base + PBN - 1 > pos0 + warp_row0)
+                attend_tile<MT, PBN, true>(sQ, sK, sV, warp_row0, key_base, key_end, pos,
+                                           scale_log2, m, l, o, lane);
             else
-                attend_tile<false>(sQ, sK, sV, warp * 16, key_base, key_end, pos_lo, pos_hi,
-                                   scale_log2, m, l, o, lane);
+                attend_tile<MT, PBN, false>(sQ, sK, sV, warp_row0, key_base, key_end, pos,
+                                            scale_log2, m, l, o, lane);
         }
         __syncthreads();  // the buffer read here is refilled by the next iteration's prefetch
     }
 
-    float inv[2];
-    finish_rows(l, inv);
     const int t = lane & 3;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = warp * 16 + g + 8 * i;
-        if (r >= rows) continue;
-        bf16_t* dst = out + ((long long)(q_start + row0 + r) * num_q_heads + head) * D + 2 * t;
+    for (int mt = 0; mt < MT; ++mt) {
+        float inv[2];
+        finish_rows(l[mt], inv);
 #pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt)
-            *reinterpret_cast<unsigned*>(dst + nt * 8) =
-                pack_bf16x2(o[nt][2 * i] * inv[i], o[nt][2 * i + 1] * inv[i]);
+        for (int i = 0; i < 2; ++i) {
+            const int r = warp_row0 + 16 * mt + g + 8 * i;
+            if (r >= rows) continue;
+            bf16_t* dst =
+                out + ((long long)(q_start + row0 + r) * num_q_heads + head) * D + 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt)
+                *reinterpret_cast<unsigned*>(dst + nt * 8) =
+                    pack_bf16x2(o[mt][nt][2 * i] * inv[i], o[mt][nt][2 * i + 1] * inv[i]);
+        }
     }
 }
 
@@ -453,19 +499,20 @@ paged_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         cp_async16(sQ + r * STRIDE + ch * 8, src, valid);
     }
     const int num_key_tiles = (key_end - key_begin + BN - 1) / BN;
-    load_kv_tile(sK0, sV0, arena, block_table, kv_head, key_begin, key_end, lane, 32);
+    load_kv_tile<BN>(sK0, sV0, arena, block_table, kv_head, key_begin, key_end, lane, 32);
     cp_async_commit();
 
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    float o[D / 8][4];
+    float m[1][2] = {{NEG_INF, NEG_INF}}, l[1][2] = {{0.f, 0.f}};
+    float o[1][D / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    for (int nt = 0; nt < D / 8; ++nt) o[0][nt][0] = o[0][nt][1] = o[0][nt][2] = o[0][nt][3] = 0.f;
+    const int no_position[1][2] = {{NO_POSITION, NO_POSITION}};
 
     for (int j = 0; j < num_key_tiles; ++j) {
         const bool odd = j & 1;
         if (j + 1 < num_key_tiles) {
-            load_kv_tile(odd ? sK0 : sK1, odd ? sV0 : sV1, arena, block_table, kv_head,
-                         key_begin + (j + 1) * BN, key_end, lane, 32);
+            load_kv_tile<BN>(odd ? sK0 : sK1, odd ? sV0 : sV1, arena, block_table, kv_head,
+                             key_begin + (j + 1) * BN, key_end, lane, 32);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -476,16 +523,16 @@ paged_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         const bf16_t* sK = odd ? sK1 : sK0;
         const bf16_t* sV = odd ? sV1 : sV0;
         if (key_base + BN > key_end)
-            attend_tile<true>(sQ, sK, sV, 0, key_base, key_end, NO_POSITION, NO_POSITION,
-                              scale_log2, m, l, o, lane);
+            attend_tile<1, BN, true>(sQ, sK, sV, 0, key_base, key_end, no_position, scale_log2,
+                                     m, l, o, lane);
         else
-            attend_tile<false>(sQ, sK, sV, 0, key_base, key_end, NO_POSITION, NO_POSITION,
-                               scale_log2, m, l, o, lane);
+            attend_tile<1, BN, false>(sQ, sK, sV, 0, key_base, key_end, no_position, scale_log2,
+                                      m, l, o, lane);
         __syncwarp();
     }
 
     float inv[2];
-    finish_rows(l, inv);
+    finish_rows(l[0], inv);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -496,17 +543,17 @@ paged_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt)
                 *reinterpret_cast<unsigned*>(dst + nt * 8) =
-                    pack_bf16x2(o[nt][2 * i] * inv[i], o[nt][2 * i + 1] * inv[i]);
+                    pack_bf16x2(o[0][nt][2 * i] * inv[i], o[0][nt][2 * i + 1] * inv[i]);
         } else {
             float* dst = part_o + (part_base + r) * D + 2 * t;
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt) {
-                dst[nt * 8] = o[nt][2 * i] * inv[i];
-                dst[nt * 8 + 1] = o[nt][2 * i + 1] * inv[i];
+                dst[nt * 8] = o[0][nt][2 * i] * inv[i];
+                dst[nt * 8 + 1] = o[0][nt][2 * i + 1] * inv[i];
             }
             if (t == 0) {
-                part_ml[(part_base + r) * 2] = m[i];
-                part_ml[(part_base + r) * 2 + 1] = l[i];
+                part_ml[(part_base + r) * 2] = m[0][i];
+                part_ml[(part_base + r) * 2 + 1] = l[0][i];
             }
         }
     }

@@ -11,21 +11,24 @@ import numpy as np
 from kernels.cuda_module import BF16, FLOAT32, INT32, check, contiguous, kernel
 from kernels.write_kv import check_arena
 
-_PREFILL_WARPS = 8  # 16 query rows each: 128-row tiles (attention.cu)
+_PREFILL_WARPS = 8  # with 32 query rows each (two MMA row tiles): 256-row tiles (attention.cu)
+_PREFILL_MT = 2
+_PREFILL_BN = 64
 _BN = 64  # keys per tile
 _MAX_DECODE_GROUP = 16  # query heads per KV head that one decode warp holds
 _LOG2E = 1.4426950408889634
 
 
-def _smem_bytes(head_dim: int, num_rows: int) -> int:
-    return (num_rows + 4 * _BN) * (head_dim + 8) * 2  # Q rows + double-buffered K and V tiles
+def _smem_bytes(head_dim: int, num_rows: int, keys_per_tile: int = _BN) -> int:
+    return (num_rows + 4 * keys_per_tile) * (head_dim + 8) * 2  # Q + double-buffered K and V
 
 
 @cache
 def _function(name: str, head_dim: int, use_ldmatrix: bool, smem_bytes: int,
-              prefill_warps: int = _PREFILL_WARPS):
+              prefill_warps: int = _PREFILL_WARPS, prefill_mt: int = _PREFILL_MT,
+              prefill_bn: int = _PREFILL_BN):
     fn = kernel("attention", name, HEAD_DIM=head_dim, USE_LDMATRIX=int(use_ldmatrix),
-                PREFILL_WARPS=prefill_warps)
+                PREFILL_WARPS=prefill_warps, PREFILL_MT=prefill_mt, PREFILL_BN=prefill_bn)
     if smem_bytes > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem_bytes
     return fn
@@ -63,10 +66,11 @@ def _check_common(q, kv_cache, layer: int, block_tables, context_lens):
 
 def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
                             scale: float, use_ldmatrix: bool = True,
-                            num_warps: int = _PREFILL_WARPS):
+                            num_warps: int = _PREFILL_WARPS, rows_per_warp: int = 16 * _PREFILL_MT,
+                            keys_per_tile: int = _PREFILL_BN):
     """Causal varlen GQA attention of bf16 ``q[T, Hq, D]`` over the paged K/V -> ``[T, Hq, D]``.
-    ``use_ldmatrix`` and ``num_warps`` (4 or 8: 64- or 128-row query tiles) pick kernel variants
-    with the same results, for tests and tuning."""
+    ``use_ldmatrix``, ``num_warps`` (4 or 8), ``rows_per_warp`` (16 or 32) and ``keys_per_tile``
+    (32 or 64) pick kernel variants with the same results, for tests and tuning."""
     import cupy as cp
 
     q, block_tables = contiguous(q), contiguous(block_tables)
@@ -82,13 +86,18 @@ def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q,
         return out
     if num_warps not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
-    rows_per_cta = 16 * num_warps
+    if rows_per_warp not in (16, 32):
+        raise ValueError(f"rows_per_warp must be 16 or 32, got {rows_per_warp}")
+    if keys_per_tile not in (32, 64):
+        raise ValueError(f"keys_per_tile must be 32 or 64, got {keys_per_tile}")
+    rows_per_cta = rows_per_warp * num_warps
     # sum over sequences of ceil(q_len / rows) <= ceil(T / rows) + B - 1: no host sync needed.
     num_tiles = -(-num_tokens // rows_per_cta) + num_seqs - 1
     if num_tiles > 65535:
         raise ValueError(f"{num_tokens} tokens in {num_seqs} sequences need too many tiles")
-    smem = _smem_bytes(head_dim, rows_per_cta)
-    fn = _function("paged_prefill", head_dim, use_ldmatrix, smem, num_warps)
+    smem = _smem_bytes(head_dim, rows_per_cta, keys_per_tile)
+    fn = _function("paged_prefill", head_dim, use_ldmatrix, smem, num_warps, rows_per_warp // 16,
+                   keys_per_tile)
     _, num_layers, _, block_size, num_kv_heads, _ = shape
     fn((num_q_heads, num_tiles), (32 * num_warps,),
        (q, kv_cache, block_tables, cu_seqlens_q, context_lens, out, np.int32(num_seqs),

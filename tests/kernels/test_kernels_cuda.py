@@ -158,10 +158,13 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("use_ldmatrix,num_warps", [(True, 8), (True, 4), (False, 8)])
+@pytest.mark.parametrize("use_ldmatrix,num_warps,rows_per_warp,keys_per_tile",
+                         [(True, 4, 32, 64), (True, 8, 32, 64), (False, 4, 32, 64),
+                          (True, 4, 32, 32), (True, 8, 32, 32), (True, 8, 16, 64),
+                          (True, 4, 16, 32), (False, 8, 16, 32)])
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_paged_prefill_matches_reference(cp, bf16, case, use_ldmatrix: bool,
-                                         num_warps: int) -> None:
+def test_paged_prefill_matches_reference(cp, bf16, case, use_ldmatrix: bool, num_warps: int,
+                                         rows_per_warp: int, keys_per_tile: int) -> None:
     from kernels.attention import paged_attention_prefill
 
     block_size, lens, q_lens, num_q_heads, num_kv_heads, head_dim = case
@@ -172,7 +175,8 @@ def test_paged_prefill_matches_reference(cp, bf16, case, use_ldmatrix: bool,
     ctx = np.array(lens, dtype=np.int32)
     scale = head_dim ** -0.5
     got = paged_attention_prefill(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
-                                  cp.asarray(cu), cp.asarray(ctx), scale, use_ldmatrix, num_warps)
+                                  cp.asarray(cu), cp.asarray(ctx), scale, use_ldmatrix, num_warps,
+                                  rows_per_warp, keys_per_tile)
     want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
                                        cu, ctx, scale)
     assert_close(cp.asnumpy(got), want, 2e-2)

@@ -1,0 +1,42 @@
+"""Restores keep first-come-first-served order: a request whose restore waits for blocks is not
+overtaken by requests that arrived after it (without the store nobody overtakes the queue's head
+either; overtaking starved restores for seconds under HBM pressure in the multi-turn sweep)."""
+
+from __future__ import annotations
+
+from test_offload_engine import _close, _offload_llm, _prompt, _store_through_an_engine
+
+from engine import SamplingParams
+
+
+def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daemon) -> None:
+    daemon = make_daemon(dram="64MiB")
+    a = _prompt(1000, 16 * 9 + 3, seed=21)
+    b = _prompt(1000, 16 * 9 + 3, seed=22)
+    c = _prompt(1000, 16 * 2 + 3, seed=23)  # short, new: would fit beside a while b waits
+    _store_through_an_engine(tiny_model_dir, daemon, [a, b])
+    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=14)
+    engine = reader.engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("a", a, params)
+    engine.add_request("b", b, params)
+    first_token_order = []
+
+    def step() -> None:
+        for out in engine.step():
+            if len(out.token_ids) == 1:
+                first_token_order.append(out.request_id)
+
+    for _ in range(200):  # until b's restore found no free blocks (a holds them)
+        if engine.offload.num_waiting_for_blocks:
+            break
+        step()
+    assert engine.offload.num_waiting_for_blocks == 1
+    engine.add_request("c", c, params)  # fits beside a right now, but arrived after b
+    while engine.has_unfinished_requests():
+        step()
+    stats = engine.stats()["kv_offload"]
+    engine.block_manager.check_integrity()
+    _close(reader)
+    assert stats["restores_waited_for_blocks"] >= 1
+    assert first_token_order == ["a", "b", "c"]
