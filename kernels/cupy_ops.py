@@ -13,7 +13,16 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from kernels import activation, attention, embedding, rms_norm, rope, sampling, write_kv
+from kernels import (
+    activation,
+    attention,
+    embedding,
+    qkv_prepare,
+    rms_norm,
+    rope,
+    sampling,
+    write_kv,
+)
 from kernels.cublas_gemm import CublasGemm
 from kernels.cuda_module import BF16, contiguous
 from kernels.ops import CapturedGraph, Ops
@@ -82,6 +91,11 @@ class CupyOps(Ops):
 
     def write_kv(self, kv_cache, layer, k, v, slot_mapping):
         write_kv.write_kv(kv_cache, layer, k, v, slot_mapping)
+
+    def qkv_prepare(self, qkv, num_q_heads, num_kv_heads, q_norm, k_norm, eps, positions,
+                    cos_sin_cache, kv_cache, layer, slot_mapping):
+        return qkv_prepare.qkv_prepare(qkv, num_q_heads, num_kv_heads, q_norm, k_norm, eps,
+                                       positions, cos_sin_cache, kv_cache, layer, slot_mapping)
 
     def paged_attention_prefill(self, q, kv_cache, layer, block_tables, cu_seqlens_q,
                                 context_lens, scale):

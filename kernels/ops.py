@@ -106,6 +106,27 @@ class Ops(ABC):
     ) -> None:
         """Scatter ``k``/``v[T, Hkv, D]`` into ``kv_cache`` slots of ``layer``, in place."""
 
+    def qkv_prepare(
+        self, qkv: Array, num_q_heads: int, num_kv_heads: int, q_norm: Array | None,
+        k_norm: Array | None, eps: float, positions: Array, cos_sin_cache: Array,
+        kv_cache: Array, layer: int, slot_mapping: Array,
+    ) -> Array:
+        """Fused projection ``qkv[T, (Hq + 2 Hkv) D]`` -> rotated q ``[T, Hq, D]``, with k and v
+        written to their slots (q/k RMSNorm first when the weights are given). This default
+        composes ``rms_norm``, ``rope`` and ``write_kv``; a backend may fuse them."""
+        num_tokens = qkv.shape[0]
+        head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+        q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+        q = qkv[:, :q_size].reshape(num_tokens, num_q_heads, head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(num_tokens, num_kv_heads, head_dim)
+        if q_norm is not None:
+            q, _ = self.rms_norm(q, q_norm, eps)
+            k, _ = self.rms_norm(k, k_norm, eps)
+        q, k = self.rope(q, k, positions, cos_sin_cache)
+        self.write_kv(kv_cache, layer, k, v, slot_mapping)
+        return q
+
     @abstractmethod
     def paged_attention_prefill(
         self,

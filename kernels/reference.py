@@ -90,6 +90,33 @@ def write_kv(
     kv_cache[block_ids, layer, 1, offsets] = v
 
 
+def qkv_prepare(
+    qkv: np.ndarray, num_q_heads: int, num_kv_heads: int, q_norm: np.ndarray | None,
+    k_norm: np.ndarray | None, eps: float, positions: np.ndarray, cos_sin_cache: np.ndarray,
+    kv_cache: np.ndarray, layer: int, slot_mapping: np.ndarray,
+) -> np.ndarray:
+    """The attention inputs of a step from the fused projection ``qkv[T, (Hq + 2 Hkv) * D]``.
+
+    Splits it into q/k/v heads; with ``q_norm``/``k_norm`` (``[D]``, Qwen3) RMS-normalizes every
+    q and k head (``rms_norm``); rotates q and k (``rope``); writes k and v into their slots of
+    ``layer`` (``write_kv``; a negative slot writes nothing); returns q ``[T, Hq, D]``. This is the
+    composition of those references; a fused kernel rounds once, at the end.
+    """
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    heads = qkv.reshape(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim)
+    q = heads[:, :num_q_heads]
+    k = heads[:, num_q_heads:num_q_heads + num_kv_heads]
+    v = heads[:, num_q_heads + num_kv_heads:]
+    if q_norm is not None:
+        q, _ = rms_norm(q, q_norm, eps)
+        k, _ = rms_norm(k, k_norm, eps)
+    q, k = rope(q, k, positions, cos_sin_cache)
+    keep = slot_mapping >= 0
+    write_kv(kv_cache, layer, k[keep], v[keep], slot_mapping[keep])
+    return q
+
+
 def gather_kv(
     kv_cache: np.ndarray, layer: int, block_table: np.ndarray, context_len: int
 ) -> tuple[np.ndarray, np.ndarray]:

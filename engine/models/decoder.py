@@ -120,7 +120,6 @@ class DecoderModel:
         ops, cfg = self.ops, self.config
         num_tokens = batch.token_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
         hidden = ops.embedding(batch.token_ids, self.embed)
         residual = None
         for layer_index, w in enumerate(self.layers):
@@ -128,15 +127,9 @@ class DecoderModel:
             if residual is None:
                 residual = hidden
             qkv = ops.linear(x, w.qkv, w.qkv_bias)
-            q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + kv_size]
-            k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, q_size + kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            if w.q_norm is not None:
-                q, _ = ops.rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-                k, _ = ops.rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-            q, k = ops.rope(q, k, batch.positions, self.cos_sin_cache)
-            ops.write_kv(kv_cache, layer_index, k, v, batch.slot_mapping)
+            q = ops.qkv_prepare(qkv, cfg.num_heads, cfg.num_kv_heads, w.q_norm, w.k_norm,
+                                cfg.rms_norm_eps, batch.positions, self.cos_sin_cache, kv_cache,
+                                layer_index, batch.slot_mapping)
             if batch.is_decode:
                 attn = ops.paged_attention_decode(q, kv_cache, layer_index, batch.block_tables,
                                                   batch.context_lens, self.scale)

@@ -265,3 +265,33 @@ def test_sample_from_probs_matches_reference(cp) -> None:
     got = cp.asnumpy(sample_from_probs(cp.asarray(probs), cp.asarray(uniforms)))
     np.testing.assert_array_equal(got, ref.sample_from_probs(probs, uniforms))
     assert all(probs[i, t] > 0 for i, t in enumerate(got))
+
+
+@pytest.mark.parametrize("head_dim,norm", [(128, True), (128, False), (64, True), (16, True)])
+def test_qkv_prepare_matches_reference(cp, bf16, head_dim: int, norm: bool) -> None:
+    """The fused q/k norm + rope + KV write against the composed references; slot -1 skipped."""
+    from kernels.qkv_prepare import qkv_prepare
+
+    rng = np.random.default_rng(8)
+    num_q, num_kv, num_tokens, block_size = 8, 2, 37, 16
+    qkv = rounded(rng.standard_normal((num_tokens, (num_q + 2 * num_kv) * head_dim)), bf16)
+    weights = [rounded(1 + 0.1 * rng.standard_normal(head_dim), bf16) for _ in range(2)]
+    positions = rng.integers(0, 4000, num_tokens).astype(np.int32)
+    angles = np.outer(np.arange(4096), 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim))
+    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    slots = rng.permutation(6 * block_size)[:num_tokens].astype(np.int32)
+    slots[5] = -1
+    kv = np.zeros((6, 3, 2, block_size, num_kv, head_dim), dtype=np.float32)
+    q_norm, k_norm = (weights if norm else (None, None))
+    want_kv = kv.copy()
+    want_q = ref.qkv_prepare(qkv, num_q, num_kv, q_norm, k_norm, 1e-6, positions, table, want_kv,
+                             1, slots)
+    kv_dev = cp.asarray(kv.astype(bf16))
+    got_q = qkv_prepare(cp.asarray(qkv.astype(bf16)), num_q, num_kv,
+                        None if q_norm is None else cp.asarray(q_norm.astype(bf16)),
+                        None if k_norm is None else cp.asarray(k_norm.astype(bf16)), 1e-6,
+                        cp.asarray(positions), cp.asarray(table), kv_dev, 1, cp.asarray(slots))
+    assert_close(cp.asnumpy(got_q).astype(np.float32), want_q, 1e-2)
+    got_kv = cp.asnumpy(kv_dev).astype(np.float32)
+    assert_close(got_kv, want_kv, 1e-2)
+    assert not got_kv[:, [0, 2]].any()  # other layers untouched

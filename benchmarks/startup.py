@@ -1,0 +1,143 @@
+"""Engine start to HTTP-ready, and the idle engine's host memory, next to the weights' size.
+
+Starts `kvengine serve` as a subprocess --reps times (the first run warms the page cache and the
+on-disk kernel cache, CuPy's ``~/.cupy/kernel_cache``; the runs after it are the "warm" numbers
+the target speaks of) and measures, from the spawn:
+
+- `ready_s`: until `GET /health` answers 200 (the server is listening and the engine is loaded);
+- `first_token_s`: until the first streamed token of a short request (kernels compiled or loaded
+  from the cache, the first decode graphs captured);
+- `idle_rss_bytes`: the engine process's resident host memory (VmRSS) after that request.
+
+Target (H100, Qwen3-4B shape, warm page cache): ready <= 5 s. Writes JSON to benchmarks/results/.
+
+    python -m benchmarks.startup --model DIR --device cuda [--reps 3]
+    python -m benchmarks.startup --preset tiny --device cpu --reps 2     # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.serve import _machine
+
+TARGET_READY_S = 5.0
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _drain(stream, lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line)
+
+
+def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float) -> dict:
+    """Spawn the server on a free port, time readiness and a first token, stop it."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--device",
+           device, "--port", "0", *extra]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    url = None
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on " in line:
+                url = line.rsplit("listening on ", 1)[1].strip()
+                break
+            if time.perf_counter() - start > timeout_s:
+                break
+        threading.Thread(target=_drain, args=(proc.stderr, lines), daemon=True).start()
+        if url is None:
+            raise RuntimeError("the server did not start:\n" + "".join(lines[-20:]))
+        with httpx.Client(timeout=timeout_s) as client:
+            while client.get(url + "/health").status_code != 200:
+                time.sleep(0.01)
+            ready_s = time.perf_counter() - start
+            model = client.get(url + "/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "The store keeps blocks", "max_tokens": 8,
+                    "stream": True, "temperature": 0.0}
+            with client.stream("POST", url + "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                for chunk in response.iter_lines():
+                    if chunk.startswith("data: ") and '"text"' in chunk:
+                        break
+            first_token_s = time.perf_counter() - start
+        time.sleep(0.5)  # let the request finish so the RSS is the idle one
+        rss = _rss_bytes(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    load_line = next((ln.strip() for ln in lines if "model loaded in" in ln), None)
+    return {"ready_s": round(ready_s, 3), "first_token_s": round(first_token_s, 3),
+            "idle_rss_bytes": rss, "engine_log": load_line}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model folder (default: make-model --preset)")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--reps", type=int, default=3, help="starts; the first one warms up")
+    parser.add_argument("--engine-args", default="", help="extra `kvengine serve` arguments")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from engine.make_model import write_checkpoint
+
+        model_dir = Path(tempfile.gettempdir()) / "kvengine" / f"{args.preset}-seed0"
+        if not (model_dir / "config.json").exists():
+            write_checkpoint(model_dir, args.preset, seed=0)
+    weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    runs = [one_start(model_dir, args.device, args.engine_args.split(), args.timeout)
+            for _ in range(max(args.reps, 2))]
+    warm = runs[1:]
+    ready = statistics.median(r["ready_s"] for r in warm)
+    report = {
+        "benchmark": "startup", "model": str(model_dir), "device": args.device,
+        "machine": _machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.startup",
+                             *(argv if argv is not None else sys.argv[1:])]),
+        "weight_bytes": weight_bytes, "runs": runs,
+        "warm": {"ready_s_median": ready,
+                 "first_token_s_median": statistics.median(r["first_token_s"] for r in warm),
+                 "idle_rss_bytes_median": statistics.median(r["idle_rss_bytes"] for r in warm)},
+        "target": {"ready_s": TARGET_READY_S, "met": ready <= TARGET_READY_S},
+    }
+    print(json.dumps(report, indent=2))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cpu" if args.device == "cpu" else (report["machine"].get("gpu") or "gpu").split()[1]
+    path = out / f"startup-{model_dir.name}-{tag.lower()}-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
