@@ -116,14 +116,34 @@ _DTYPES_BY_NAME = {name: np_dtype for name, np_dtype in _DTYPES.values()}
 
 
 def weights_identity(model_dir: str | Path) -> str:
-    """A cheap id of the weights: XXH3-128 of config.json and each safetensors file's name+size.
+    """An id of the weights: XXH3-128 of config.json, each safetensors file's name and size, and
+    samples of every tensor's bytes (its first, middle and last 4 KiB).
 
-    Reading every weight byte would cost seconds at start; a retrained checkpoint saved under the
-    same names and sizes is the blind spot, which the served model name in the namespace covers.
+    It keys the KV blocks the store shares, so two checkpoints that differ only in their weight
+    values (a fine-tune, a merged adapter: same config, names and sizes) must differ here, or one
+    would restore the other's KV. Hashing every byte would cost seconds at start; the samples
+    cost a few reads per tensor. A change confined to bytes no sample covers is the blind spot.
     """
     folder = Path(model_dir)
     h = xxhash.xxh3_128()
     h.update((folder / "config.json").read_bytes())
     for path in sorted(folder.glob("*.safetensors")):
         h.update(f"\0{path.name}\0{path.stat().st_size}".encode())
+        with path.open("rb") as f:
+            for info in sorted(read_header(path), key=lambda info: info.start):
+                h.update(f"\0{info.name}\0".encode())
+                for offset, num_bytes in _samples(info.start, info.end):
+                    f.seek(offset)
+                    h.update(f.read(num_bytes))
     return h.hexdigest()
+
+
+_SAMPLE_BYTES = 4096
+
+
+def _samples(start: int, end: int) -> list[tuple[int, int]]:
+    """(offset, length) of the samples of a tensor's bytes ``[start, end)``."""
+    if end - start <= 3 * _SAMPLE_BYTES:
+        return [(start, end - start)]  # small: all of it
+    middle = (start + end - _SAMPLE_BYTES) // 2
+    return [(start, _SAMPLE_BYTES), (middle, _SAMPLE_BYTES), (end - _SAMPLE_BYTES, _SAMPLE_BYTES)]

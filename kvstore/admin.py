@@ -15,10 +15,11 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from kvstore.service import Service
 
@@ -126,21 +127,61 @@ class StatsCollector:
                 yield from self._flat(_metric_name(name, str(key)), sub, depth + 1)
 
 
+class HealthReply(BaseModel):
+    status: str
+    uptime_s: float
+    pid: int
+    version: str
+
+
+class TierStats(BaseModel):
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+
+
+class Tiers(BaseModel):
+    """DRAM and SSD are always there (SSD with zeros when off); other tiers may be added."""
+
+    dram: TierStats
+    ssd: TierStats
+
+
+class DaemonStats(BaseModel):
+    uptime_s: float
+    connections: int
+    leases_active: int
+    registrations: int
+    requests: dict[str, int]
+    errors: dict[str, int]
+    events: dict[str, int]
+
+
+class StatsReply(BaseModel):
+    """The fields `/stats` always has; the store adds more (counters, cluster...)."""
+
+    tiers: Tiers
+    counters: dict[str, int]
+    daemon: DaemonStats
+
+
 def create_app(service: Service) -> FastAPI:
     """The admin app over ``service``; each app has its own Prometheus registry."""
     app = FastAPI(title="kvstore admin", docs_url=None, redoc_url=None, openapi_url=None)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(service))
 
-    @app.get("/health")
+    # The routes answer with ready JSON; the models only document it (the OpenAPI schema that
+    # tests/reliability/test_http_schema.py fuzzes the daemon against).
+    @app.get("/health", response_model=HealthReply)
     def health() -> JSONResponse:
         return JSONResponse(service.health())
 
-    @app.get("/stats")
+    @app.get("/stats", response_model=StatsReply)
     def stats() -> JSONResponse:
         return JSONResponse(service.stats())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "$XDG_RUNTIME_DIR/kvstore/kvstore.sock, else /tmp/kvstore-$UID/...)")
     serve.add_argument("--dram", type=_size, default=parse_size(DEFAULT_DRAM), metavar="SIZE",
                        help=f"host DRAM pool, allocated at start (default {DEFAULT_DRAM})")
+    serve.add_argument("--pin", choices=("auto", "yes", "no"), default="auto",
+                       help="page-lock the DRAM pool for the GPU's copy engines: when CuPy sees "
+                            "a GPU (auto, falling back to plain memory with a warning), required "
+                            "(yes: refuse to start without it), or never (no)")
     serve.add_argument("--ssd-dir", type=Path, default=None, metavar="DIR",
                        help="directory of the SSD tier's files (default: no SSD tier)")
     serve.add_argument("--ssd-size", type=_size, default=None, metavar="SIZE",
@@ -129,6 +133,12 @@ def _check_ssd_dir(directory: Path) -> Path:
 def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
     if args.dram <= 0:
         raise UsageError("--dram must be larger than 0")
+    from kvstore.host_memory import check_pool_fits
+
+    try:  # the pool is faulted in at start: one too large would end in swap or the OOM killer
+        check_pool_fits(args.dram)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     ssd_size = args.ssd_size
     if ssd_size is None:
         ssd_size = parse_size(DEFAULT_SSD_SIZE) if args.ssd_dir is not None else 0
@@ -139,6 +149,7 @@ def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
 
     try:
         return StoreConfig(dram_bytes=args.dram, ssd_dir=ssd_dir, ssd_bytes=ssd_size,
+                           pin_memory={"auto": None, "yes": True, "no": False}[args.pin],
                            eviction=args.eviction, lease_ttl_s=args.lease_ttl,
                            debug_hash_bits=debug_hash_bits, ssd_io_mode=args.ssd_io)
     except (ValueError, TypeError) as exc:
@@ -157,8 +168,13 @@ def _find(stats: dict, *path: str) -> Any:
 def _describe_start(config: Any, stats: dict, socket_path: Path, http_url: str | None) -> str:
     dram = _find(stats, "tiers", "dram") or {}
     pinned = dram.get("pinned", _find(stats, "dram_pinned"))
+    pinned_text = "yes" if pinned else "no" if pinned is not None else "unknown"
+    if pinned is False:
+        pinned_text += (" (--pin no)" if config.pin_memory is False else
+                        f" ({dram['pin_error']}: plain host memory, nothing page-locked)"
+                        if dram.get("pin_error") else "")
     lines = [f"kvstore: DRAM pool {format_bytes(config.dram_bytes)} ({config.dram_bytes} bytes), "
-             f"pinned: {'yes' if pinned else 'no' if pinned is not None else 'unknown'}"]
+             f"pinned: {pinned_text}"]
     if config.ssd_dir is not None and config.ssd_bytes > 0:
         ssd = _find(stats, "tiers", "ssd") or {}
         io_mode = ssd.get("io_mode") or ("O_DIRECT" if ssd.get("direct_io") else
@@ -193,7 +209,10 @@ def _start_cluster(config: Any, store: Any) -> tuple[Any, bool]:
     """Start a ClusterNode over ``store``: (node, registered in Redis). OSError if the peer
     port cannot be bound."""
     from kvstore.cluster_node import ClusterNode
+    from kvstore.ucx_devices import restrict_to_listen_address
 
+    if config.advertise_host == config.listen_host:  # peers dial the address we listen on
+        restrict_to_listen_address(config.listen_host)  # before UCX starts: its data lanes too
     node = ClusterNode(config, store)
     try:
         registered = node.start()
@@ -243,6 +262,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvstore.admin import AdminServer
     from kvstore.daemon import Daemon
+    from kvstore.host_pool import PinError
     from kvstore.listener import SocketSetupError
     from kvstore.service import Service
     from kvstore.tiered_store import TieredStore
@@ -250,7 +270,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         store = TieredStore(config)
     except (OSError, ValueError, MemoryError) as exc:
-        print(f"kvstore: error: cannot set up the store: {exc}", file=sys.stderr)
+        hint = " (--pin yes)" if args.pin == "yes" and isinstance(exc, PinError) else ""
+        print(f"kvstore: error: cannot set up the store{hint}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
                       debug_hash_bits=env.debug_hash_bits, version=_version())

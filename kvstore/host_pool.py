@@ -14,6 +14,7 @@ import logging
 import mmap
 
 from kvstore.allocator import Allocation, OffsetAllocator
+from kvstore.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +29,31 @@ class PinError(OSError):
     """Page-locking was required (``pin=True``) but CuPy or a GPU is missing, or it failed."""
 
 
+class NoGpu(PinError):
+    """CuPy or a CUDA device is missing: nothing to pin for."""
+
+
+_NO_GPU_ERRORS = (ImportError, NoGpu)
+
+
+def _describe_pin_error(exc: Exception) -> str:
+    if isinstance(exc, ImportError):
+        return "no CuPy"
+    if isinstance(exc, NoGpu):
+        return "no CUDA device"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _register_pinned(address: int, size: int) -> list[int]:
     """Page-lock [address, address + size) in chunks; returns the chunk addresses to unregister."""
     import cupy
 
-    if cupy.cuda.runtime.getDeviceCount() <= 0:
-        raise PinError("no CUDA device")
+    try:
+        num_devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver: CuPy raises instead of counting 0
+        raise NoGpu(str(exc)) from None
+    if num_devices <= 0:
+        raise NoGpu("no CUDA device")
     flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
     chunks: list[int] = []
     try:
@@ -87,14 +107,19 @@ class HostPool:
         del handle  # drop the buffer export so close() can unmap
         self._view = memoryview(self._mmap)
         self._pinned_chunks: list[int] = []
+        self.pin_error: str | None = None  # why the pool is not page-locked, if it was tried
         if pin is not False:
             try:
                 self._pinned_chunks = _register_pinned(self.base_address, self.capacity_bytes)
             except Exception as exc:
+                self.pin_error = _describe_pin_error(exc)
                 if pin:
                     self._release()
-                    raise PinError(f"cannot page-lock the host pool: {exc}") from exc
-                log.debug("host pool stays unpinned: %s", exc)
+                    raise PinError(f"cannot page-lock the {format_bytes(capacity_bytes)} host "
+                                   f"pool: {self.pin_error}") from exc
+                # No GPU is the CPU path's normal state; a GPU we could not pin for is not.
+                level = logging.DEBUG if isinstance(exc, _NO_GPU_ERRORS) else logging.WARNING
+                log.log(level, "host pool stays plain (unpinned) memory: %s", self.pin_error)
         self.pinned = bool(self._pinned_chunks)
 
     @property

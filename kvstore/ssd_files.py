@@ -4,6 +4,10 @@ O_DIRECT is probed at open (an aligned read through an O_DIRECT descriptor); a f
 refuses it with EINVAL (tmpfs before Linux 6.6, ramfs, some FUSE mounts) gets buffered IO plus
 fdatasync, and the chosen mode and its reason are reported. A buffer that is not aligned goes
 through an aligned bounce buffer. Thread-safe: positional IO only, no shared file offsets.
+
+Every call that moves or reserves data goes through a ``FileOps`` object: the default is the
+``os`` module's; the reliability tests pass one that fails like a full or broken disk (ENOSPC,
+EIO, short writes), so the real error paths run without root or a scratch mount.
 """
 
 from __future__ import annotations
@@ -29,6 +33,28 @@ class ShortIO(OSError):
     """A read or write that moved fewer bytes than asked (truncated file, full disk)."""
 
 
+class FileOps:
+    """The positional IO, sync and preallocation calls of the data files, as in ``os``.
+
+    One object so that a test can substitute calls that fail; production uses ``OS_FILE_OPS``.
+    """
+
+    def pwritev(self, fd: int, buffers: list, offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: list, offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def posix_fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+
+OS_FILE_OPS = FileOps()
+
+
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
@@ -37,14 +63,15 @@ class DataFiles:
     """``num_files`` files of ``file_bytes`` each under ``directory``, named data-NNN.bin.
 
     ``valid_bytes[i]`` is how much of file ``i`` existed at open: data past it was lost (the file
-    was truncated or deleted), whatever the index says.
+    was truncated or deleted), whatever the index says. ``ops`` makes the IO calls.
     """
 
     def __init__(self, directory: Path, num_files: int, file_bytes: int, io_mode: str,
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], ops: FileOps = OS_FILE_OPS) -> None:
         if io_mode not in IO_MODES:
             raise ValueError(f"io_mode must be one of {IO_MODES}, got {io_mode!r}")
         self.file_bytes = file_bytes
+        self._ops = ops
         self._counters = counters
         self._lock = threading.Lock()
         self.paths = [directory / f"data-{i:03d}.bin" for i in range(num_files)]
@@ -75,7 +102,7 @@ class DataFiles:
                 bounce[:num_bytes] = data[:num_bytes]
                 src = memoryview(bounce)
             try:
-                n = os.pwritev(self._direct_fds[file_idx], [src], offset)
+                n = self._ops.pwritev(self._direct_fds[file_idx], [src], offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -87,7 +114,7 @@ class DataFiles:
         view = data[:num_bytes]
         done = 0
         while done < num_bytes:
-            n = os.pwritev(self._fds[file_idx], [view[done:]], offset + done)
+            n = self._ops.pwritev(self._fds[file_idx], [view[done:]], offset + done)
             if n <= 0:
                 raise ShortIO(errno.ENOSPC, "write made no progress")
             done += n
@@ -109,14 +136,14 @@ class DataFiles:
             return
         done = 0
         while done < num_bytes:
-            got = os.preadv(self._fds[file_idx], [dest[done:num_bytes]], offset + done)
+            got = self._ops.preadv(self._fds[file_idx], [dest[done:num_bytes]], offset + done)
             if got <= 0:
                 raise ShortIO(errno.EIO, f"short read at {offset + done} of {self.paths[file_idx]}")
             done += got
 
     def sync(self, file_idx: int) -> None:
         """fdatasync: the bytes written so far survive a crash or power loss."""
-        os.fdatasync(self._fds[file_idx])
+        self._ops.fdatasync(self._fds[file_idx])
 
     def close(self) -> None:
         for fd in self._direct_fds + self._fds:
@@ -125,12 +152,12 @@ class DataFiles:
 
     def _read_direct(self, file_idx: int, buf: memoryview, offset: int) -> None:
         try:
-            got = os.preadv(self._direct_fds[file_idx], [buf], offset)
+            got = self._ops.preadv(self._direct_fds[file_idx], [buf], offset)
         except OSError as exc:
             if exc.errno != errno.EINVAL or self.io_mode != "direct":
                 raise
             self._fall_back_to_buffered(f"O_DIRECT read failed: {exc.strerror}")
-            got = os.preadv(self._fds[file_idx], [buf], offset)
+            got = self._ops.preadv(self._fds[file_idx], [buf], offset)
         if got != len(buf):
             raise ShortIO(errno.EIO, f"short read ({got} of {len(buf)} B)")
 
@@ -142,7 +169,7 @@ class DataFiles:
             os.ftruncate(fd, self.file_bytes)
         elif size < self.file_bytes:
             try:
-                os.posix_fallocate(fd, 0, self.file_bytes)
+                self._ops.posix_fallocate(fd, 0, self.file_bytes)
             except OSError as exc:  # no fallocate here, or not enough room: sparse, ENOSPC later
                 log.warning("cannot preallocate %s (%s): using a sparse file", path, exc)
                 self._counters["sparse_files"] += 1
@@ -162,7 +189,7 @@ class DataFiles:
             for path in self.paths:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | _O_DIRECT)
                 opened.append(fd)
-                os.preadv(fd, [memoryview(probe)], 0)  # EINVAL here when IO itself is refused
+                self._ops.preadv(fd, [memoryview(probe)], 0)  # EINVAL: IO itself refused
         except OSError as exc:
             for fd in opened:
                 os.close(fd)

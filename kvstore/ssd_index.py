@@ -112,8 +112,13 @@ class SSDIndex:
         self._durable = durable
         self._alignment = alignment
         self._counters = counters
-        self._lock = threading.Lock()
-        self._deferred: list[SSDEntry] = []  # deletes a failed commit left behind
+        self._lock = threading.Lock()  # serialises transactions
+        # Deletes not committed yet: noted when an entry is dropped, or left by a failed commit.
+        # Every commit carries all of them: the slot of a dropped entry may be reused by another
+        # thread's write at once, and that write's commit must delete the stale entry with it,
+        # or a crash in between would leave both in LMDB over the same bytes.
+        self._deferred: list[SSDEntry] = []
+        self._deferred_lock = threading.Lock()  # a leaf: note_delete runs under the tier's lock
         had_index = (path / "data.mdb").exists()
         problem = probe_index(path) if had_index else None
         if problem is None:
@@ -149,16 +154,25 @@ class SSDIndex:
             for key in keys:
                 txn.delete(key)
 
+    def note_delete(self, entry: SSDEntry) -> None:
+        """Queue the delete of a dropped entry for the next commit, whichever thread makes it."""
+        with self._deferred_lock:
+            self._deferred.append(entry)
+
     def commit(self, puts: list[SSDEntry], deletes: list[SSDEntry]) -> bool:
-        """One transaction; a delete only removes the exact entry (seq) that was dropped.
+        """One transaction, with every queued delete; a delete only removes the exact entry
+        (seq) that was dropped.
 
         False when LMDB refuses (disk full, IO error): none of it is visible, and the deletes are
         retried with the next commit (until then a restart may find those stale entries; their
         checksums fail).
         """
         with self._lock:
-            deletes = self._deferred + list(deletes)
-            self._deferred = []
+            with self._deferred_lock:
+                # Taken inside the transaction lock: a later commit cannot overtake this one
+                # without the deletes it carries.
+                deletes = list({id(e): e for e in self._deferred + list(deletes)}.values())
+                self._deferred = []
             if not puts and not deletes:
                 return True
             while True:
@@ -176,13 +190,16 @@ class SSDIndex:
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
                 except lmdb.Error as exc:
                     log.error("SSD index commit failed: %s", exc)
-                    self._deferred = deletes
+                    with self._deferred_lock:
+                        self._deferred = deletes + self._deferred
                     return False
 
     def keys(self) -> tuple[set[bytes], set[bytes]]:
         """(every key in LMDB, the keys of deletes still deferred): for integrity checks."""
         with self._lock, self._env.begin(db=self._db) as txn:
-            return {bytes(k) for k, _ in txn.cursor()}, {e.key for e in self._deferred}
+            with self._deferred_lock:
+                deferred = {e.key for e in self._deferred}
+            return {bytes(k) for k, _ in txn.cursor()}, deferred
 
     def close(self) -> None:
         with self._lock:

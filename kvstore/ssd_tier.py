@@ -3,9 +3,11 @@
 Durability order: a block's bytes are written and fdatasync'ed first, its index entry is committed
 after, and only then is it visible. The entry's checksum is XXH3-128 over key, ident and bytes, so
 a stale entry whose slot was reused, a flipped byte or a truncated file all fail verification and
-become a miss (the entry is dropped and counted), never other bytes. Slots of evicted entries may
-be reused before their delete is committed (both land in one transaction): a crash in between
-leaves a stale entry that fails its checksum. A missing or unreadable index starts the tier empty.
+become a miss (the entry is dropped and counted), never other bytes. Slots of dropped entries may
+be reused before their delete is committed: the delete is queued at the drop and every commit
+carries all queued deletes, so it lands no later than the write that reused the slot; a crash in
+between leaves a stale entry that fails its checksum. A missing or unreadable index starts the
+tier empty.
 
 Thread-safe: one lock guards the in-memory index, the policy and the allocators; IO, fsync and
 index commits run outside it. Entries being read or pinned by a lease are never evicted.
@@ -28,7 +30,7 @@ import xxhash
 
 from kvstore.allocator import Allocation, OffsetAllocator, align_up
 from kvstore.eviction import make_policy
-from kvstore.ssd_files import ALIGNMENT, IO_MODES, DataFiles, ShortIO
+from kvstore.ssd_files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
 from kvstore.ssd_index import SSDEntry, SSDIndex, layout_key
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,12 @@ class SSDTier:
 
     ``io_mode``: "auto" (O_DIRECT when the filesystem takes it), "direct" (required: OSError if
     refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``.
+    ``file_ops`` makes the data files' IO calls (tests inject faults through it).
     """
 
     def __init__(self, ssd_dir: Path | str, capacity_bytes: int, eviction: str = "lru",
                  io_mode: str = "auto", max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                 durable: bool = True) -> None:
+                 durable: bool = True, file_ops: FileOps = OS_FILE_OPS) -> None:
         num_files = max(1, -(-capacity_bytes // max(max_file_bytes, ALIGNMENT)))
         file_bytes = capacity_bytes // num_files // ALIGNMENT * ALIGNMENT
         if file_bytes <= 0:
@@ -105,7 +108,8 @@ class SSDTier:
             reserve = min(max(self.capacity_bytes // 2048, 1 << 20), 512 << 20)
             db = SSDIndex(self.dir / "index.lmdb", layout_key(num_files, file_bytes, ALIGNMENT),
                           reserve, durable, ALIGNMENT, had_data, self._counters)
-            self._files = DataFiles(self.dir, num_files, file_bytes, io_mode, self._counters)
+            self._files = DataFiles(self.dir, num_files, file_bytes, io_mode, self._counters,
+                                    file_ops)
         except BaseException:
             if db is not None:
                 db.close()
@@ -366,6 +370,7 @@ class SSDTier:
         self._policy.remove(entry.key)
         self._counters[counter] += 1
         dropped.append(entry)
+        self._db.note_delete(entry)  # any commit from now on carries it; see SSDIndex
         if self.on_drop is not None and counter != "replaced":
             self.on_drop(entry.key)
         if entry.pins == 0:

@@ -54,6 +54,7 @@ from kvstore.eviction import make_policy
 from kvstore.host_pool import HostPool
 from kvstore.keys import HASH_BYTES, truncate_hash
 from kvstore.leases import HeldLease, LeaseTable
+from kvstore.ssd_files import OS_FILE_OPS, FileOps
 from kvstore.ssd_tier import SSDEntry, SSDTier
 from kvstore.store_config import StoreConfig
 from kvstore.store_writes import StoreWrites
@@ -76,14 +77,17 @@ COUNTERS = (
 class TieredStore(DramIndex, TierMover, StoreWrites, DropReporter, BlockStore):
     """DRAM + optional SSD block store with verified hits, leases and background demotion."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, ssd_file_ops: FileOps = OS_FILE_OPS) -> None:
+        """``ssd_file_ops``: the SSD data files' IO calls (the default is ``os``; tests pass
+        one that injects faults)."""
         self.config = config
         self._pool = HostPool(config.dram_bytes, config.alignment, config.pin_memory)
         self._ssd: SSDTier | None = None
         if config.ssd_enabled:
             try:
                 self._ssd = SSDTier(config.ssd_dir, config.ssd_bytes, config.eviction,
-                                    config.ssd_io_mode, config.ssd_max_file_bytes)
+                                    config.ssd_io_mode, config.ssd_max_file_bytes,
+                                    file_ops=ssd_file_ops)
             except BaseException:
                 self._pool.close()
                 raise
@@ -307,6 +311,7 @@ class TieredStore(DramIndex, TierMover, StoreWrites, DropReporter, BlockStore):
                 "pinned_blocks": sum(1 for b in blocks if b.pins) + len(self._private),
                 "demoting_blocks": self._num_demoting,
                 "pinned": self._pool.pinned,  # page-locked host memory
+                "pin_error": self._pool.pin_error,  # why not, where pinning was tried
                 "hits": c.get("hit_blocks_dram", 0),
             }
             if self._ssd is not None:

@@ -8,8 +8,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from server import openapi
 from server.async_engine import AsyncEngine
 from server.auth import APIKeyMiddleware
 from server.errors import error_response, install_error_handlers
@@ -50,16 +51,21 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.model_name = model_name
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys))
+    openapi.install(app, with_api_keys=bool(settings.api_keys))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses={
+        **openapi.GENERATION_RESPONSES,
+        200: {**openapi.GENERATION_RESPONSES[200], "model": openapi.CompletionResponse}})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses={
+        **openapi.GENERATION_RESPONSES,
+        200: {**openapi.GENERATION_RESPONSES[200], "model": openapi.ChatCompletionResponse}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=openapi.ModelList, responses=openapi.READ_RESPONSES)
     async def models() -> JSONResponse:
         card = {
             "id": model_name,
@@ -71,14 +77,14 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.get("/health", response_model=openapi.Health, responses=openapi.HEALTH_RESPONSES)
     async def health() -> Response:
         if not async_engine.alive:
             return error_response(503, f"engine is not running: {async_engine.error!r}",
                                   code="engine_dead")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def prometheus() -> Response:
         metrics.update_engine(async_engine.stats(), async_engine.num_in_flight)
         return Response(metrics.render(), media_type=CONTENT_TYPE)

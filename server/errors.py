@@ -47,10 +47,12 @@ def error_body(
 
 
 def error_response(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
+    status: int, message: str, *, param: str | None = None, code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """A JSONResponse carrying the OpenAI error shape."""
-    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status)
+    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status,
+                        headers=headers)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -85,7 +87,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        # Keep the exception's headers: a 405 must list the allowed methods (`Allow`).
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

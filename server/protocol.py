@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -13,6 +14,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 
 MAX_N = 128
@@ -31,10 +33,45 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate (not encodable text)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate_path(key, path) or _lone_surrogate_path(
+                item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_path(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints. Unknown fields are ignored, as vLLM does."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON may escape lone surrogates ("\ud800"); Python's parser accepts them, but no
+        # tokenizer or hash can take such a string. One C-speed dump finds them; a 400, not a 500.
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            where = _lone_surrogate_path(data, "")
+            raise ValueError(f"{where}: not valid Unicode text (a lone surrogate)") from None
+        except (TypeError, ValueError):
+            pass  # not JSON-like input: the field validators say what is wrong
+        return data
 
     model: str | None = None
     temperature: Temperature | None = None

@@ -1,10 +1,17 @@
-"""Block data, fast timings and small helpers shared by the cluster tests and their node process."""
+"""Block data, fast timings, a real redis-server and small helpers shared by the cluster tests
+(and the reliability tests that fault them) and their node process."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import signal
 import socket
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -60,3 +67,59 @@ def make_blocks(num_blocks: int, block_bytes: int = 64 << 10, seed: int = 0) -> 
     idents = [block_ident(parents[i], tokens[i * 16:(i + 1) * 16]) for i in range(num_blocks)]
     payloads = [rng.bytes(block_bytes) for _ in range(num_blocks)]
     return Blocks(ns, hashes, idents, payloads)
+
+
+class RedisServer:
+    """A real redis-server on a free port in a temp dir, without persistence."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not wait_until(self._answers, 5.0):
+            self.stop()
+            raise RuntimeError("redis-server did not start")
+
+    def _answers(self) -> bool:
+        try:
+            return self.client().ping()
+        except Exception:
+            return False
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(5)
+        self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def command_calls(self) -> dict[str, int]:
+        stats = self.client().info("commandstats")
+        return {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}

@@ -2,74 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_parts import FAST, free_port, wait_until
+from cluster_parts import FAST, RedisServer
 
 from kvstore.cluster_config import ClusterConfig
-
-
-class RedisServer:
-    """A real redis-server on a free port in a temp dir, without persistence."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if not wait_until(self._answers, 5.0):
-            self.stop()
-            raise RuntimeError("redis-server did not start")
-
-    def _answers(self) -> bool:
-        try:
-            return self.client().ping()
-        except Exception:
-            return False
-
-    def client(self):
-        import redis
-
-        return redis.Redis(port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-        self.proc.wait(5)
-        self.proc = None
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def command_calls(self) -> dict[str, int]:
-        stats = self.client().info("commandstats")
-        return {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,63 @@
+"""Fixtures for the reliability tests: stores, real daemons and guarded arenas, all cleaned up."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from daemon_helpers import RunningDaemon, start_daemon
+from reliability_helpers import GuardedArena
+
+from kvstore.ssd_files import OS_FILE_OPS, FileOps
+from kvstore.tiered_store import StoreConfig, TieredStore
+
+# schemathesis comes with the `test` extra (CI has it); the GPU machine runs `-m gpu` without it.
+collect_ignore = [] if importlib.util.find_spec("schemathesis") else ["test_http_schema.py"]
+
+
+@pytest.fixture
+def make_store() -> Iterator[Callable[..., TieredStore]]:
+    """TieredStores (``file_ops`` goes to the SSD tier), closed after the test."""
+    stores: list[TieredStore] = []
+
+    def make(file_ops: FileOps = OS_FILE_OPS, **kwargs) -> TieredStore:
+        store = TieredStore(StoreConfig(**kwargs), ssd_file_ops=file_ops)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
+    """Dedicated `kvstore serve` processes (no admin HTTP unless asked), stopped after the test."""
+    started: list[RunningDaemon] = []
+
+    def make(*extra: str, **kwargs) -> RunningDaemon:
+        kwargs.setdefault("http", False)
+        running = start_daemon(tmp_path, *extra, **kwargs)
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def arenas() -> Iterator[Callable[..., GuardedArena]]:
+    """Guarded shared-memory arenas, unlinked after the test (also when a client was killed)."""
+    made: list[GuardedArena] = []
+
+    def make(num_blocks: int, block_bytes: int, seed: int | None) -> GuardedArena:
+        arena = GuardedArena(num_blocks, block_bytes, seed)
+        made.append(arena)
+        return arena
+
+    yield make
+    for arena in made:
+        arena.close()
