@@ -5,6 +5,12 @@ Every block is in exactly one of three states: *free* (ref 0, holds nothing reus
 or *used* (ref > 0; it may also be registered, then it is shared by every sequence that hit it).
 A hit is verified, not trusted: the block's stored tokens and full-strength chain hash must equal
 the sequence's, else it is a miss counted as a collision. Never sees an array.
+
+With ``--kv-offload`` the blocks of the prefix cache are also published to the store as its HBM
+tier (other engines may copy them). That is safe without pinning because a cached block's bytes
+never change while it stays cached, and ``generations`` (when set) is bumped for a block each
+time it is allocated, before any kernel or load can write it: a copy that saw the same generation
+before and after it read the bytes that were published.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import operator
 import struct
 from collections import OrderedDict, deque
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from engine.sequence import Sequence
 from kvstore.keys import chain_hashes
@@ -35,6 +41,14 @@ class CachedBlock(NamedTuple):
 
 _CHECK = operator.itemgetter(CachedBlock._fields.index("check"))
 _TOKEN_BYTES = operator.itemgetter(CachedBlock._fields.index("token_bytes"))
+
+
+class Generations(Protocol):
+    """Per-block counters bumped on every allocation (``offload.block_generations``)."""
+
+    def bump(self, block_id: int) -> None: ...
+
+    def get(self, block_id: int) -> int: ...
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -68,6 +82,11 @@ class BlockManager:
         self.track_released = False
         self._evicted: list[tuple[bytes, bytes]] = []
         self._released: list[int] = []
+        # For the store's HBM tier: bumped per allocation, and the blocks registered since the
+        # last drain (``track_resident``).
+        self.generations: Generations | None = None
+        self.track_resident = False
+        self._registered: list[tuple[int, CachedBlock]] = []
 
     # -- counts -----------------------------------------------------------------------------
 
@@ -225,6 +244,18 @@ class BlockManager:
         self._evicted = []
         return out
 
+    def drain_resident(self) -> list[tuple[int, CachedBlock]]:
+        """Blocks registered since the last call that still hold what they were registered with
+        (not evicted meanwhile), oldest first: the HBM tier publishes these."""
+        cached = self._cached
+        out = [(b, c) for b, c in self._registered if cached.get(b) is c]
+        self._registered = []
+        return out
+
+    def cached_items(self) -> list[tuple[int, CachedBlock]]:
+        """Every registered block (used or not): republished to a store met again."""
+        return list(self._cached.items())
+
     def drain_released(self) -> list[tuple[int, CachedBlock]]:
         """Cached blocks that lost their last reference since the last call and are still
         evictable (not yet reused): the ``evict`` offload policy saves these."""
@@ -247,16 +278,19 @@ class BlockManager:
         tokens = seq.encoded_tokens(num_full * bs)
         by_key, cached_blocks = self._by_key, self._cached
         hashes, checks, namespace = seq.block_hashes, seq.block_checks, seq.namespace_digest
+        registered = self._registered if self.track_resident else None
         for j in range(start, num_full):
             key = hashes[j]
             # Another sequence may have registered the same content first: keep that one.
             if key not in by_key:
                 block = seq.block_ids[j]
                 parent = checks[j - 1] if j else namespace
-                cached_blocks[block] = CachedBlock(key, checks[j],
-                                                   tokens[j * step : (j + 1) * step],
-                                                   namespace, parent)
+                cached = CachedBlock(key, checks[j], tokens[j * step : (j + 1) * step],
+                                     namespace, parent)
+                cached_blocks[block] = cached
                 by_key[key] = block
+                if registered is not None:
+                    registered.append((block, cached))
         seq.num_registered_blocks = num_full
 
     def _allocate(self) -> int:
@@ -269,6 +303,8 @@ class BlockManager:
             self.num_evictions += 1
             if self.track_offload:
                 self._evicted.append((cached.namespace, cached.key))
+        if self.generations is not None:  # before anything can write the block again
+            self.generations.bump(block)
         self._ref_counts[block] = 1
         return block
 

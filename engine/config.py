@@ -38,6 +38,9 @@ class EngineConfig:
     kv_store_socket: str | None = None
     kv_offload_policy: str = "write-through"
     kv_offload_restore: str = "cost-aware"  # "always": restore even when recompute is faster
+    # Publish the prefix cache's blocks as the store's HBM tier: other engines on the same daemon
+    # (same device or a peer) copy them from this arena instead of recomputing them.
+    kv_offload_share_hbm: bool = True
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
@@ -70,7 +73,8 @@ class EngineConfig:
         if self.kv_offload_restore not in RESTORE_MODES:
             raise ValueError(f"kv_offload_restore must be one of {RESTORE_MODES}, "
                              f"got {self.kv_offload_restore!r}")
-        for name in ("kv_offload", "enable_prefix_caching", "enforce_eager"):
+        for name in ("kv_offload", "enable_prefix_caching", "enforce_eager",
+                     "kv_offload_share_hbm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.kv_store_socket is not None:

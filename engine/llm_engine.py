@@ -72,7 +72,8 @@ class LLMEngine:
             self.offload = make_offload_manager(
                 config.kv_store_socket, self.kv_cache.layout(), engine_id, self.block_manager,
                 block_bytes, config.kv_offload_policy, self.device,
-                always_restore=config.kv_offload_restore == "always")
+                always_restore=config.kv_offload_restore == "always",
+                share_hbm=config.kv_offload_share_hbm)
             self.scheduler.offload = self.offload
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()
@@ -227,8 +228,8 @@ class LLMEngine:
         seq.num_emitted_chars = len(text)
         num_cached = seq.num_cached_tokens or 0
         by_tier = empty_tier_counts()
-        by_tier.update(seq.restored_tokens_by_tier)
-        by_tier["hbm"] = num_cached - sum(seq.restored_tokens_by_tier.values())
+        by_tier.update(seq.restored_tokens_by_tier)  # "hbm" here: copied from another engine
+        by_tier["hbm"] += num_cached - sum(seq.restored_tokens_by_tier.values())
         # The prompt list is shared, not copied per step: the engine only ever reads it.
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
@@ -240,9 +241,9 @@ class LLMEngine:
     def _collect_stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         hit_tokens = empty_tier_counts()
-        hit_tokens["hbm"] = sched.num_prefix_hit_tokens
         if self.offload is not None:
             hit_tokens.update(self.offload.hit_tokens_by_tier)
+        hit_tokens["hbm"] += sched.num_prefix_hit_tokens  # own prefix cache + other engines'
         return {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting) - sched.num_loading,

@@ -1,16 +1,25 @@
 """The engine side of ``--kv-offload``: restore prefixes from the store, save and publish blocks.
 
-Per waiting sequence: after the HBM prefix hit, an async lookup for the rest; on a hit worth
+Per sequence: on arrival an async lookup for the blocks past the HBM prefix hit, so that the reply
+is usually in when the scheduler reaches it (a step waits at most 2 ms in all for replies still
+on their way: cheaper than the step the request would lose); on a hit worth
 restoring (``RestorePolicy``) the blocks are reserved and an async load started; the sequence waits
 in LOADING while others run; when the load lands, its blocks join the prefix cache and prefill
 covers only the rest. A short or failed load shrinks the hit to what arrived. Saving: write-through
 saves every newly computed full block after its step; ``evict`` hands blocks to the store before
 the engine may reuse them. Every eviction is published. The step loop never waits on the store.
+
+HBM tier (with ``generations``): after each step the blocks newly registered in the prefix cache
+are published as resident (block id, hash, ident, generation), after the step's evictions, so
+another engine on the same daemon can get them by a copy between the arenas; a reconnect
+republishes every cached block. Restores report such blocks as tier "hbm".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,14 +28,21 @@ from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.keys import ident_from_bytes
 from kvstore.layout import KVLayout
+from offload.block_generations import BlockGenerations
 from offload.connector import OffloadConnector, Transfer
 from offload.restore_policy import RestorePolicy
 
+log = logging.getLogger("offload")
+
 # Saves of at most this many blocks per request keep each round trip short.
 _SAVE_BATCH = 64
+# Resident publications are index updates only: larger batches.
+_RESIDENT_BATCH = 1024
 # A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
 # long (well inside the lease's TTL), then gives up and recomputes.
 _MAX_BLOCK_WAIT_S = 5.0
+# The most one step spends waiting for lookup replies of requests it is admitting.
+_LOOKUP_WAIT_PER_STEP_S = 0.002
 # Not worth a store round trip (and the step the request then waits) when recomputing the
 # rest is expected to take less than this.
 _MIN_RECOMPUTE_TO_ASK_S = 0.002
@@ -59,7 +75,8 @@ class OffloadManager:
 
     def __init__(self, connector: OffloadConnector, block_manager: BlockManager,
                  block_bytes: int, policy: str, restore_policy: RestorePolicy,
-                 always_restore: bool = False) -> None:
+                 always_restore: bool = False,
+                 generations: BlockGenerations | None = None) -> None:
         if policy not in ("write-through", "evict"):
             raise ValueError(f"unknown offload policy {policy!r}")
         self.connector = connector
@@ -72,9 +89,18 @@ class OffloadManager:
         self.counters: Counter[str] = Counter()
         self.hit_tokens_by_tier: Counter[str] = Counter()
         self._restores: dict[str, _Restore] = {}
+        self._prefetched: dict[str, _Restore] = {}  # lookups sent on arrival, not yet used
+        self._orphans: list[Transfer] = []  # lookups whose lease (if any) nobody will use
+        self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
         self._saves: list[_Save] = []
         self._saved_keys: dict[bytes, None] = {}  # hashes the store acknowledged (bounded)
         block_manager.track_released = policy == "evict"  # only that policy drains them
+        # The HBM tier: the layout the connector registered names these generations.
+        self.generations = generations
+        self._published_epoch = -1  # the registration the resident blocks were published to
+        if generations is not None:
+            block_manager.generations = generations
+            block_manager.track_resident = True
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -89,25 +115,77 @@ class OffloadManager:
         return sum(1 for r in self._restores.values()
                    if r.load is None and r.waiting_since is not None)
 
+    def prefetch(self, seq: Sequence) -> None:
+        """On arrival: send the lookup for the blocks past the HBM hit now, so that its reply
+        is usually back by the time the scheduler reaches the request (``start_restore`` then
+        goes on without waiting a step for it)."""
+        if seq.request_id in self._prefetched or seq.request_id in self._restores:
+            return
+        r = self._lookup(seq, len(self.bm.match_prefix(seq)))
+        if r is not None:
+            self._prefetched[seq.request_id] = r
+            self.counters["lookups_at_arrival"] += 1
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence left before its prefetched lookup was used: release what it holds."""
+        r = self._prefetched.pop(seq.request_id, None)
+        if r is not None:
+            self._orphans.append(r.lookup)
+
     def start_restore(self, seq: Sequence, num_hbm_hit_blocks: int) -> bool:
-        """Ask the store for the blocks past the HBM hit; True if ``seq`` now waits on it."""
+        """Ask the store for the blocks past the HBM hit (or use the lookup sent on arrival);
+        True if ``seq`` now waits on it (LOADING), False if it goes on without the store."""
+        r = self._prefetched.pop(seq.request_id, None)
+        if r is not None and r.first_block != num_hbm_hit_blocks:  # the HBM hit moved since
+            self._orphans.append(r.lookup)
+            self.counters["lookups_at_arrival_stale"] += 1
+            r = None
+        if r is None:
+            r = self._lookup(seq, num_hbm_hit_blocks)
+            if r is None:
+                return False
+        self._restores[seq.request_id] = r
+        seq.status = SequenceStatus.LOADING
+        if not r.lookup.poll():
+            # A lookup reply takes well under a millisecond; waiting for it (bounded per step)
+            # costs the running requests less than the step the new one would otherwise lose.
+            # Loads and saves are never waited for.
+            budget = self._lookup_wait_until - time.monotonic()
+            if budget <= 0 or not r.lookup.wait(budget):
+                self.counters["lookups_answered_late"] += 1
+                return True  # the reply comes in a later step (poll)
+        self.counters["lookups_answered_on_time"] += 1
+        if self._begin_load(r):
+            return True  # loading, or waiting for blocks
+        del self._restores[seq.request_id]
+        return False  # a miss or declined: admitted now, without the store
+
+    def _lookup(self, seq: Sequence, first: int) -> _Restore | None:
+        """Send the lookup of blocks ``first..`` (None: not worth asking, or no store)."""
         bs = self.block_size
         last = (seq.num_tokens - 1) // bs  # leave at least one token to compute
-        if num_hbm_hit_blocks >= last or not self.connector.available:
-            return False
-        first = num_hbm_hit_blocks
+        if first >= last or not self.connector.available:
+            return None
         if not self.always_restore and self.restore_policy.expected_prefill_s(
                 (last - first) * bs) < _MIN_RECOMPUTE_TO_ASK_S:
             self.counters["lookups_skipped_small"] += 1
             seq.offload_checked = True
-            return False
+            return None
         hashes = seq.block_hashes[first:last]
         idents = self._idents(seq, range(first, last))
         lookup = self.connector.lookup(seq.namespace_digest, hashes, idents)
-        self._restores[seq.request_id] = _Restore(seq, first, lookup)
-        seq.status = SequenceStatus.LOADING
         self.counters["lookups"] += 1
-        return True
+        return _Restore(seq, first, lookup)
+
+    def _release_orphans(self) -> None:
+        """Leases of lookups nobody will use: released once their reply is in."""
+        still = []
+        for lookup in self._orphans:
+            if not lookup.poll():
+                still.append(lookup)
+            elif lookup.ok and lookup.result is not None and lookup.result.lease_id:
+                self.connector.release(lookup.result.lease_id)
+        self._orphans = still
 
     def poll(self) -> tuple[list[Sequence], list[Sequence]]:
         """Advance restores: (sequences whose load landed: now running, sequences to requeue).
@@ -116,6 +194,9 @@ class OffloadManager:
         """
         ready: list[Sequence] = []
         requeue: list[Sequence] = []
+        self._lookup_wait_until = time.monotonic() + _LOOKUP_WAIT_PER_STEP_S
+        if self._orphans:
+            self._release_orphans()
         for request_id, r in list(self._restores.items()):
             if r.load is None:
                 if not r.lookup.poll():
@@ -251,6 +332,31 @@ class OffloadManager:
         for namespace, keys in evicted.items():
             self.connector.evicted(namespace, keys)
             self.counters["evictions_published"] += len(keys)
+        if self.generations is not None:  # after the evictions: the daemon keeps the order
+            self._publish_resident()
+
+    def _publish_resident(self) -> None:
+        """Tell the store which cached blocks this arena holds now (new ones, or all of them
+        after a reconnect), each with its generation."""
+        items = self.bm.drain_resident()
+        if self._published_epoch != self.connector.registration_epoch:
+            if not self.connector.available:
+                return  # republished in full once connected again
+            items = self.bm.cached_items()
+            self._published_epoch = self.connector.registration_epoch
+        if not items:
+            return
+        by_namespace: dict[bytes, list[tuple[int, bytes, bytes, int]]] = {}
+        gen = self.generations.get
+        for block_id, cached in items:
+            ident = ident_from_bytes(cached.parent_check, cached.token_bytes)
+            by_namespace.setdefault(cached.namespace, []).append(
+                (block_id, cached.key, ident, gen(block_id)))
+        for namespace, rows in by_namespace.items():
+            for i in range(0, len(rows), _RESIDENT_BATCH):
+                ids, keys, idents, gens = zip(*rows[i:i + _RESIDENT_BATCH])
+                self.connector.resident(namespace, ids, keys, idents, gens)
+        self.counters["resident_published"] += len(items)
 
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
         """Feed the prefill rate the restore decision compares against."""
@@ -359,11 +465,14 @@ class OffloadManager:
     def close(self) -> None:
         """Let in-flight saves finish (bounded), then unregister from the store."""
         self.wait_idle()
-        self.connector.close()
+        self.connector.close()  # the daemon forgets this arena's resident blocks
+        if self.generations is not None:
+            self.generations.close()
 
     def stats(self) -> dict:
         out = dict(self.counters)
         out["connector"] = dict(self.connector.counters)
+        out["restored_tokens_by_tier"] = dict(self.hit_tokens_by_tier)  # peer HBM included
         out["restore_policy"] = self.restore_policy.snapshot()
         out["num_loading"] = self.num_loading
         out["saves_in_flight"] = len(self._saves)
@@ -380,11 +489,29 @@ _PRIORS = {
 
 def make_offload_manager(socket_path: str | None, layout: KVLayout, engine_id: str,
                          block_manager: BlockManager, block_bytes: int, policy: str,
-                         device: str, always_restore: bool = False) -> OffloadManager:
-    """Connect to the store (or keep retrying in the background) and build the manager."""
+                         device: str, always_restore: bool = False,
+                         share_hbm: bool = True) -> OffloadManager:
+    """Connect to the store (or keep retrying in the background) and build the manager.
+
+    ``share_hbm``: publish the cached blocks as the store's HBM tier (block generations in
+    shared memory, named in the registered layout)."""
     bandwidth, prefill = _PRIORS["cuda" if device.startswith("cuda") else "cpu"]
-    connector = OffloadConnector(socket_path, layout, engine_id)
+    generations = None
+    if share_hbm:
+        try:
+            generations = BlockGenerations(layout.num_blocks)
+        except OSError as exc:  # no /dev/shm room: serve, just without sharing the arena
+            log.warning("kv offload: cannot create block generations in shared memory (%s); "
+                        "this engine's blocks are not offered to other engines", exc)
+    if generations is not None:
+        layout = dataclasses.replace(layout, generations=generations.name)
+    try:
+        connector = OffloadConnector(socket_path, layout, engine_id)
+    except BaseException:
+        if generations is not None:
+            generations.close()
+        raise
     block_manager.track_offload = True
     return OffloadManager(connector, block_manager, block_bytes, policy,
-                          RestorePolicy(dict(bandwidth), prefill), always_restore)
+                          RestorePolicy(dict(bandwidth), prefill), always_restore, generations)
 

@@ -65,6 +65,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
+        if self.offload is not None:
+            self.offload.prefetch(seq)  # the reply is usually in by the time seq is admitted
 
     def has_unfinished(self) -> bool:
         return bool(self._by_id)
@@ -163,6 +165,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if self.offload is not None:
+                self.offload.forget(seq)
         in_flight = (seq.status is SequenceStatus.LOADING and self.offload is not None
                      and self.offload.abort(seq))
         if not in_flight:  # else its blocks are freed when the store request ends

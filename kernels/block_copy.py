@@ -13,11 +13,14 @@ _THREADS = 256
 
 
 @cache
-def _kernel():
+def _module():
     import cupy as cp
 
-    module = cp.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
-    return module.get_function("copy_runs")
+    return cp.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
+
+
+def _kernel(name: str = "copy_runs"):
+    return _module().get_function(name)
 
 
 def copy_runs(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], num_bytes: int, stream=None,
@@ -45,6 +48,30 @@ def copy_runs(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], num_bytes: int, 
         dst = cp.asarray(np.asarray(dst_ptrs, dtype=np.uint64))
         grid = (blocks_per_run, len(src_ptrs))
         _kernel()(grid, (_THREADS,), (src, dst, np.int64(num_bytes)), stream=stream)
+
+
+def copy_runs_varlen(src_ptrs: Sequence[int], dst_ptrs: Sequence[int],
+                     num_bytes: Sequence[int], stream=None, blocks_per_run: int = 8) -> None:
+    """``copy_runs`` with a length per run (each a positive multiple of 16, pointers 16-byte
+    aligned): run ``r`` copies ``num_bytes[r]`` bytes. Asynchronous on ``stream``."""
+    import cupy as cp
+
+    if not len(src_ptrs) == len(dst_ptrs) == len(num_bytes):
+        raise ValueError("src_ptrs, dst_ptrs and num_bytes differ in length")
+    if not src_ptrs:
+        return
+    if any(n <= 0 or n % 16 for n in num_bytes):
+        raise ValueError("every run must be a positive multiple of 16 bytes")
+    if any(p % 16 for p in src_ptrs) or any(p % 16 for p in dst_ptrs):
+        raise ValueError("every pointer must be 16-byte aligned")
+    if len(src_ptrs) > 65535:
+        raise ValueError("at most 65535 runs per launch")
+    stream = stream or cp.cuda.get_current_stream()
+    with stream:
+        table = cp.asarray(np.asarray([list(src_ptrs), list(dst_ptrs), list(num_bytes)],
+                                      dtype=np.uint64))
+        _kernel("copy_runs_varlen")((blocks_per_run, len(src_ptrs)), (_THREADS,),
+                                    (table[0], table[1], table[2]), stream=stream)
 
 
 def copy_runs_reference(src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:

@@ -364,6 +364,22 @@ class Client:
         """Copy leased blocks into engine blocks; returns how many arrived (a prefix)."""
         return self.load_async(registration_id, lease_id, block_ids, timeout_s).wait()
 
+    def resident_async(self, registration_id: int, namespace: bytes, block_ids: Sequence[int],
+                       hashes: Sequence[bytes], idents: Sequence[bytes],
+                       generations: Sequence[int]) -> Pending:
+        args = {"registration_id": registration_id, "namespace": namespace,
+                "block_ids": [int(b) for b in block_ids], "hashes": list(hashes),
+                "idents": list(idents), "generations": [int(g) for g in generations]}
+        return self.request("resident", args, convert=lambda r: int(r["num_indexed"]))
+
+    def resident(self, registration_id: int, namespace: bytes, block_ids: Sequence[int],
+                 hashes: Sequence[bytes], idents: Sequence[bytes],
+                 generations: Sequence[int]) -> int:
+        """Publish blocks held in this engine's KV memory (the HBM tier), as of each block's
+        generation; returns how many the daemon indexed (the rest were already reallocated)."""
+        return self.resident_async(registration_id, namespace, block_ids, hashes, idents,
+                                   generations).wait()
+
     def evicted(self, namespace: bytes, hashes: Sequence[bytes],
                 registration_id: int | None = None) -> int:
         """Tell the daemon the engine dropped these blocks from its HBM."""

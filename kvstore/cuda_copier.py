@@ -4,7 +4,12 @@ The daemon opens each engine's CUDA IPC handle once per registration (``CudaIpcM
 blocks with ``CudaCopier``: one non-blocking stream per direction, copies coalesced into the fewest
 ``cudaMemcpyAsync`` runs (a block of the block-major arena is one contiguous run, so a batch of
 blocks is at most one call per block and fewer when block ids are consecutive), and a CUDA event
-recorded after the batch. Completion is the event, never a sleep loop.
+recorded after the batch. Completion is the event, never a sleep loop. Device-to-device copies
+(the HBM tier: one engine's arena into another's) run on a third stream of their own.
+
+A mapping's size is the driver's, not the engine's word: ``CudaIpcMapping`` asks
+``cuMemGetAddressRange`` how large the opened allocation really is, and the registry refuses a
+layout that claims more.
 
 One 2.36 MB block per call reaches about 93% of one big memcpy on an H100 (the copy engine idles a
 few microseconds between calls); dealing the calls over two streams of the same direction did not
@@ -14,12 +19,17 @@ close that gap (measured: 47-51 GB/s either way against 55 raw), so there is one
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 _MEMCPY_HOST_TO_DEVICE = 1
 _MEMCPY_DEVICE_TO_HOST = 2
+_MEMCPY_DEFAULT = 4  # direction from the (unified) addresses: device to device, peers included
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
+_GATHER_MIN_RUNS = 8  # device-to-device batches with this many runs go through one kernel
 
 
 @dataclass(frozen=True)
@@ -61,8 +71,55 @@ def cuda_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    """The CUDA driver library (CuPy links it, so it is loaded already wherever CUDA runs)."""
+    name = "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        found = ctypes.util.find_library("cuda")
+        if found is None:
+            raise
+        lib = ctypes.CDLL(found)
+    fn = lib.cuMemGetAddressRange_v2  # what cuda.h's cuMemGetAddressRange names since CUDA 3.2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                   ctypes.c_uint64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base address, size in bytes) of the device allocation that holds ``ptr``.
+
+    Call with the pointer's device current (a CUDA context must be). RuntimeError with the
+    driver's error code if the driver does not know the address.
+    """
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    result = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                ctypes.c_uint64(int(ptr)))
+    if result != 0:
+        raise RuntimeError(f"cuMemGetAddressRange(0x{int(ptr):x}) failed with CUresult {result}")
+    return int(base.value), int(size.value)
+
+
+@functools.lru_cache(maxsize=256)
+def can_access_peer(device_id: int, peer_device_id: int) -> bool:
+    """True when ``device_id`` can read ``peer_device_id``'s memory directly (same device too)."""
+    if device_id == peer_device_id:
+        return True
+    try:
+        return bool(_cupy().cuda.runtime.deviceCanAccessPeer(device_id, peer_device_id))
+    except Exception:
+        return False
+
+
 class CudaIpcMapping:
-    """An engine's device buffer opened from its IPC handle; valid until ``close()``."""
+    """An engine's device buffer opened from its IPC handle; valid until ``close()``.
+
+    ``mapped_bytes`` is how many bytes from ``ptr`` the opened allocation really has (the
+    driver's answer), whatever size the engine claimed.
+    """
 
     def __init__(self, handle: bytes, size_bytes: int, device_id: int) -> None:
         cp = _cupy()
@@ -71,6 +128,12 @@ class CudaIpcMapping:
         with cp.cuda.Device(device_id):
             self.ptr = int(cp.cuda.runtime.ipcOpenMemHandle(bytes(handle),
                                                             _IPC_LAZY_ENABLE_PEER_ACCESS))
+            try:
+                base, num_bytes = allocation_range(self.ptr)
+            except BaseException:
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+                raise
+        self.mapped_bytes = max(0, base + num_bytes - self.ptr)
         self._open = True
 
     def close(self) -> None:
@@ -99,7 +162,8 @@ class CopyHandle:
 
 
 class CudaCopier:
-    """Per-device copy streams; ``submit`` enqueues coalesced runs and returns an event handle."""
+    """Per-device copy streams (one per direction, one for device to device); ``submit``
+    enqueues coalesced runs and returns an event handle."""
 
     def __init__(self, device_id: int) -> None:
         cp = _cupy()
@@ -108,6 +172,7 @@ class CudaCopier:
             self._streams = {
                 _MEMCPY_DEVICE_TO_HOST: cp.cuda.Stream(non_blocking=True),
                 _MEMCPY_HOST_TO_DEVICE: cp.cuda.Stream(non_blocking=True),
+                _MEMCPY_DEFAULT: cp.cuda.Stream(non_blocking=True),
             }
 
     def _submit(self, runs: Sequence[CopyRun], kind: int) -> CopyHandle:
@@ -136,3 +201,32 @@ class CudaCopier:
     def host_to_device(self, runs: Sequence[CopyRun]) -> CopyHandle:
         """Load direction: pinned pool → engine HBM."""
         return self._submit(runs, _MEMCPY_HOST_TO_DEVICE)
+
+    def device_to_device(self, runs: Sequence[CopyRun]) -> CopyHandle:
+        """HBM tier: one engine's arena → another's, on this (the destination's) device.
+
+        Few runs go as ``cudaMemcpyAsync`` calls; many (shuffled block ids) as one launch of the
+        ``copy_runs_varlen`` gather kernel, since each call costs ~5 us, more than copying a
+        2 MB block at HBM speed."""
+        merged = coalesce(runs)
+        aligned = all(r.num_bytes % 16 == 0 and r.src_ptr % 16 == 0 and r.dst_ptr % 16 == 0
+                      for r in merged)
+        if len(merged) < _GATHER_MIN_RUNS or not aligned:
+            return self._submit(merged, _MEMCPY_DEFAULT)
+        from kernels.block_copy import copy_runs_varlen
+
+        cp = _cupy()
+        stream = self._streams[_MEMCPY_DEFAULT]
+        with cp.cuda.Device(self.device_id):
+            try:
+                longest = max(r.num_bytes for r in merged)  # CTAs per run: ~256 KiB each
+                copy_runs_varlen([r.src_ptr for r in merged], [r.dst_ptr for r in merged],
+                                 [r.num_bytes for r in merged], stream=stream,
+                                 blocks_per_run=min(128, max(4, longest >> 18)))
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
+                raise
+            event = cp.cuda.Event(block=True, disable_timing=True)
+            event.record(stream)
+        return CopyHandle(event, sum(r.num_bytes for r in merged))

@@ -153,9 +153,11 @@ def _publish_done(pending: deque[_Chunk], outcomes: list[str], num_bytes: int,
 
 
 def load_blocks(store: BlockStore, reg: Registration, lease: Lease, block_ids: Sequence[int],
-                stopped: Callable[[], bool], chunk_bytes: int | None = None) -> int:
-    """Copy the lease's first ``len(block_ids)`` blocks into engine blocks; returns how many of
-    them, from the first, are known to have arrived (fail closed: a failed copy ends the count).
+                stopped: Callable[[], bool], chunk_bytes: int | None = None,
+                first_index: int = 0) -> int:
+    """Copy the lease's blocks ``first_index .. first_index + len(block_ids) - 1`` into engine
+    blocks; returns how many of them, from the first, are known to have arrived (fail closed: a
+    failed copy ends the count).
 
     Stops at the first block the store cannot produce, and starts no chunk once ``stopped()``.
     A block whose copy completed is handed back (``store.done``), so a lease larger than DRAM
@@ -180,7 +182,7 @@ def load_blocks(store: BlockStore, reg: Registration, lease: Lease, block_ids: S
             chunk = pending.popleft()
             if done is not None:
                 for i in range(chunk.start, chunk.start + chunk.num_blocks):
-                    done(lease, i)
+                    done(lease, first_index + i)
             num_loaded += chunk.num_blocks
         return not failed
 
@@ -192,7 +194,7 @@ def load_blocks(store: BlockStore, reg: Registration, lease: Lease, block_ids: S
             chunk, runs = _Chunk(start=span.start), []
             for i in span:
                 try:
-                    data = store.read(lease, i)
+                    data = store.read(lease, first_index + i)
                 except StoreError:  # BlockUnavailable included: the hit shrinks here
                     # DRAM may be full of this load's pinned blocks: let the copies out of
                     # them finish, hand them back, and ask once more.
@@ -200,7 +202,7 @@ def load_blocks(store: BlockStore, reg: Registration, lease: Lease, block_ids: S
                         stop = True
                         break
                     try:
-                        data = store.read(lease, i)
+                        data = store.read(lease, first_index + i)
                     except StoreError:
                         stop = True
                         break

@@ -32,8 +32,10 @@ log = logging.getLogger("kvstore.daemon")
 _COPY_VERBS = frozenset({"save", "load"})
 # Verbs answered on the loop itself, skipping the worker-thread hop (~0.1 ms): only calls that
 # never wait on IO. A lookup reads the in-memory index; the lease it takes makes it no slower. One
-# that goes on to the cluster's peers returns a Deferred, run on a worker.
-INLINE_VERBS = frozenset({"health", "lookup", "release"})
+# that goes on to the cluster's peers returns a Deferred, run on a worker. ``resident`` and
+# ``evicted`` only touch the HBM tier's index; on the loop they also keep one connection's
+# publications in the order it sent them.
+INLINE_VERBS = frozenset({"health", "lookup", "release", "resident", "evicted"})
 
 
 class _Connection:

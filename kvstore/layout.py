@@ -12,6 +12,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# One block generation counter: a little-endian uint64 (an aligned 8-byte word, written whole).
+GENERATION_DTYPE = "<u8"
+GENERATION_BYTES = 8
+
+
+def _wire_int(value: object, name: str) -> int:
+    """A size or count from the wire: a plain int (a float, bool or str is refused, not cast)."""
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    return value
+
 
 @dataclass(frozen=True)
 class Region:
@@ -41,6 +52,10 @@ class KVLayout:
     device: str = "cpu"  # "cpu" or "cuda:N"
     dtype: str = "float32"
     meta: dict = field(default_factory=dict)  # free-form: num_layers, block_size, layout name...
+    # The POSIX shared-memory name of the engine's block generations (``num_blocks`` little-endian
+    # uint64 counters, one per block id, bumped by the engine whenever it reallocates a block);
+    # "" when the engine does not publish its resident blocks (the HBM tier).
+    generations: str = ""
 
     @property
     def block_bytes(self) -> int:
@@ -67,9 +82,13 @@ class KVLayout:
     def from_wire(cls, obj: dict) -> KVLayout:
         try:
             regions = tuple(Region(**r) for r in obj["regions"])
-            layout = cls(num_blocks=int(obj["num_blocks"]), regions=regions,
+            for i, r in enumerate(regions):
+                for name in ("size_bytes", "offset", "block_stride", "block_bytes"):
+                    _wire_int(getattr(r, name), f"region {i}: {name}")
+            layout = cls(num_blocks=_wire_int(obj["num_blocks"], "num_blocks"), regions=regions,
                          device=str(obj.get("device", "cpu")), dtype=str(obj.get("dtype", "")),
-                         meta=dict(obj.get("meta") or {}))
+                         meta=dict(obj.get("meta") or {}),
+                         generations=str(obj.get("generations") or ""))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed KV layout: {exc}") from None
         layout.validate()

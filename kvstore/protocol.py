@@ -32,7 +32,11 @@ connection that made them):
                                                         num_saved}
   load        {registration_id, lease_id, block_ids: [int]}  -> {num_loaded}  (ends the lease)
   evicted     {namespace: h16, hashes: [h16], registration_id?: int | nil}
-                                                    -> {num_acknowledged}
+                                                    -> {num_acknowledged, num_withdrawn}
+  resident    {registration_id, namespace: h16, block_ids: [int], hashes: [h16], idents: [bin],
+               generations: [int]}                  -> {num_indexed}
+              (the engine's full blocks at these ids, as of these block generations: the HBM
+              tier; needs a layout with ``generations``; a lookup may then answer tier "hbm")
 """
 
 from __future__ import annotations
@@ -385,12 +389,21 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "hashes": Field(_HASHES, "array of 16-byte bin"),
         "registration_id": Field(_optional(_is_uint), "non-negative int or nil", required=False),
     },
+    "resident": {
+        "registration_id": Field(_is_uint, "non-negative int"),
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "block_ids": Field(_UINTS, "array of non-negative int"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+        "idents": Field(_BYTES_LIST, "array of bin"),
+        "generations": Field(_UINTS, "array of non-negative int"),
+    },
 }
 
 # Arrays that must pair up one to one.
 _SAME_LENGTH: dict[str, tuple[str, ...]] = {
     "lookup": ("hashes", "idents"),
     "save": ("block_ids", "hashes", "idents"),
+    "resident": ("block_ids", "hashes", "idents", "generations"),
 }
 
 

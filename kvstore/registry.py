@@ -6,10 +6,18 @@ registration open, so unregistering (or the engine's disconnect) while a copy ru
 the last copy is done. CUDA registrations copy through their device's ``CudaCopier``
 (``block_runs`` gives the runs); CUDA maps a handle at most once per process, so registrations of
 the same buffer share one refcounted mapping.
+
+Sizes are checked against the memory itself, never taken on the engine's word: a shared-memory
+region against the segment's real size, a CUDA region against the allocation size the driver
+reports for the opened IPC mapping. A registration may name its block generations (a small
+shared-memory array of uint64 counters the engine bumps whenever it reallocates a block): the
+daemon maps it read-only, and the HBM tier reads it to know a published block is still what it
+was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
@@ -17,7 +25,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,7 +33,7 @@ import numpy as np
 
 from kvstore import cuda_copier
 from kvstore.cuda_copier import CopyRun, CudaCopier, CudaIpcMapping
-from kvstore.layout import KVLayout
+from kvstore.layout import GENERATION_BYTES, GENERATION_DTYPE, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +57,24 @@ class RegistrationClosed(RegistryError):
         super().__init__("not_found", f"registration {registration_id} is closed")
 
 
-def _map_shm(name: str) -> mmap.mmap:
+class BlockIdsOutOfRange(RegistryError):
+    """Block ids a request names that the registration does not have; nothing was touched."""
+
+    def __init__(self, bad_ids: Sequence[int], num_blocks: int) -> None:
+        super().__init__("bad_request", f"block ids {list(bad_ids)[:8]} out of range "
+                         f"0..{num_blocks - 1}")
+        self.bad_ids = list(bad_ids)
+
+
+def _map_shm(name: str, writable: bool = True) -> mmap.mmap:
     # Mapped through /dev/shm directly: multiprocessing.SharedMemory (3.11) would register the
     # segment with this process's resource tracker and unlink the engine's memory at our exit.
     if not isinstance(name, str) or not _SHM_NAME.match(name):
         raise RegistryError("bad_request", f"invalid shared-memory name {name!r}")
     path = os.path.join(_SHM_DIR, name.lstrip("/"))
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW
+                     | os.O_CLOEXEC)
     except FileNotFoundError:
         raise RegistryError("not_found", f"shared memory {name!r} does not exist") from None
     except OSError as exc:
@@ -68,7 +86,8 @@ def _map_shm(name: str) -> mmap.mmap:
                                 f"shared memory {name!r} is not a segment owned by this user")
         if st.st_size == 0:
             raise RegistryError("bad_request", f"shared memory {name!r} is empty")
-        return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+        return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
 
@@ -144,6 +163,8 @@ class Registration:
     _region_ptrs: list[int] = field(default_factory=list, repr=False)  # CUDA: one per region
     _ipc_handles: list[bytes] = field(default_factory=list, repr=False)  # distinct, acquired
     _ipc_table: _IpcTable | None = field(default=None, repr=False)
+    _generation_map: mmap.mmap | None = field(default=None, repr=False)  # read-only
+    _generations: np.ndarray | None = field(default=None, repr=False)  # uint64[num_blocks]
     _num_copies: int = 0
     _closed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -160,6 +181,43 @@ class Registration:
     def is_cuda(self) -> bool:
         return self.device_id is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def has_generations(self) -> bool:
+        """The engine shares its block generations: its blocks may be served as the HBM tier."""
+        return self._generations is not None
+
+    def generation(self, block_id: int) -> int:
+        """Block ``block_id``'s generation as the engine last wrote it (a fresh read each call).
+
+        -1 once the registration is closed (no generation equals it).
+        """
+        gens = self._generations
+        if gens is None or self._closed:
+            return -1
+        return int(gens[block_id])
+
+    def generations_of(self, block_ids: Sequence[int]) -> np.ndarray | None:
+        """The generations of many blocks at once (fresh reads); None once closed."""
+        gens = self._generations
+        if gens is None or self._closed:
+            return None
+        return gens[np.asarray(block_ids, dtype=np.intp)]
+
+    def piece_views(self, block_id: int) -> list[memoryview]:
+        """CPU only: block ``block_id``'s region pieces, in region order (inside
+        ``open_for_copy``)."""
+        return [view[slice(*region.piece_bounds(block_id))]
+                for region, view in zip(self.layout.regions, self._views)]
+
+    def piece_ptrs(self, block_id: int) -> list[int]:
+        """CUDA only: the device address of each of block ``block_id``'s region pieces."""
+        return [base + region.offset + block_id * region.block_stride
+                for region, base in zip(self.layout.regions, self._region_ptrs)]
+
     def block_runs(self, block_id: int, host_addr: int, to_device: bool) -> list[CopyRun]:
         """CUDA only: the copies moving block ``block_id`` between its device pieces and the
         ``block_bytes`` at ``host_addr`` (pieces concatenated in region order)."""
@@ -172,10 +230,10 @@ class Registration:
         return runs
 
     def check_block_ids(self, block_ids: Sequence[int]) -> None:
-        bad = [b for b in block_ids if not 0 <= b < self.layout.num_blocks]
-        if bad:
-            raise RegistryError("bad_request", f"block ids {bad[:8]} out of range "
-                                f"0..{self.layout.num_blocks - 1}")
+        """BlockIdsOutOfRange unless every id is a block of this registration."""
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.layout.num_blocks):
+            bad = [b for b in block_ids if not 0 <= b < self.layout.num_blocks]
+            raise BlockIdsOutOfRange(bad, self.layout.num_blocks)
 
     @contextmanager
     def open_for_copy(self) -> Iterator[Registration]:
@@ -228,6 +286,13 @@ class Registration:
             self._unmap()
 
     def _unmap(self) -> None:
+        generation_map, self._generation_map = self._generation_map, None
+        self._generations = None
+        if generation_map is not None:
+            # BufferError: a reader still holds the array (it saw the registration open a moment
+            # ago); the mapping then goes with that array.
+            with contextlib.suppress(BufferError):
+                generation_map.close()
         for view in self._views:
             view.release()
         self._views.clear()
@@ -248,6 +313,9 @@ class Registry:
         self._ids = itertools.count(1)
         self._ipc = _IpcTable()
         self._copiers: dict[int, CudaCopier] = {}
+        # Told of every registration that leaves (unregistered, its connection closed, shutdown),
+        # before its mappings go: the HBM tier forgets its blocks.
+        self.on_close: Callable[[Registration], None] | None = None
 
     def register(self, layout_wire: dict, engine_id: str, owner: str) -> Registration:
         """Map a layout's memory; RegistryError(bad_request|unsupported|not_found) if impossible."""
@@ -259,9 +327,28 @@ class Registry:
             reg = self._open_cuda(layout, engine_id, owner)
         else:
             reg = self._open_shm(layout, engine_id, owner)
+        if layout.generations:
+            try:
+                self._map_generations(reg)
+            except BaseException:
+                reg.close()
+                raise
         with self._lock:
             self._by_id[reg.registration_id] = reg
         return reg
+
+    @staticmethod
+    def _map_generations(reg: Registration) -> None:
+        name = reg.layout.generations
+        mapping = _map_shm(name, writable=False)
+        needed, size = reg.layout.num_blocks * GENERATION_BYTES, len(mapping)
+        if size < needed:
+            mapping.close()
+            raise RegistryError("bad_request", f"block generations {name!r} hold {size} bytes, "
+                                f"{reg.layout.num_blocks} blocks need {needed}")
+        reg._generation_map = mapping
+        reg._generations = np.frombuffer(mapping, dtype=GENERATION_DTYPE,
+                                         count=reg.layout.num_blocks)
 
     def _open_shm(self, layout: KVLayout, engine_id: str, owner: str) -> Registration:
         reg = Registration(next(self._ids), engine_id, layout, owner)
@@ -306,6 +393,10 @@ class Registry:
                         raise RegistryError("bad_request", f"region {i}: cannot open its CUDA "
                                             f"IPC handle on {layout.device}: {exc}") from None
                     reg._ipc_handles.append(handle)
+                    if size > mapping.mapped_bytes:
+                        raise RegistryError("bad_request", f"region {i}: size_bytes {size} "
+                                            "exceeds the CUDA allocation behind its IPC handle "
+                                            f"({mapping.mapped_bytes} bytes)")
                     mapped[handle] = mapping.ptr
                 reg._region_ptrs.append(mapped[handle])
         except BaseException:
@@ -328,13 +419,18 @@ class Registry:
                                 "connection")
         return reg
 
+    def of_owner(self, owner: str) -> list[Registration]:
+        """The open registrations of one connection."""
+        with self._lock:
+            return [r for r in self._by_id.values() if r.owner == owner]
+
     def unregister(self, registration_id: int, owner: str) -> bool:
         with self._lock:
             reg = self._by_id.get(registration_id)
             if reg is None or reg.owner != owner:
                 return False
             del self._by_id[registration_id]
-        reg.close()
+        self._close(reg)
         return True
 
     def drop_owner(self, owner: str) -> int:
@@ -344,7 +440,7 @@ class Registry:
             for reg in regs:
                 del self._by_id[reg.registration_id]
         for reg in regs:
-            reg.close()
+            self._close(reg)
         return len(regs)
 
     def close_all(self) -> None:
@@ -352,7 +448,15 @@ class Registry:
             regs = list(self._by_id.values())
             self._by_id.clear()
         for reg in regs:
-            reg.close()
+            self._close(reg)
+
+    def _close(self, reg: Registration) -> None:
+        reg.close()  # first: a copy that checks ``closed`` after this fails its block
+        if self.on_close is not None:
+            try:
+                self.on_close(reg)
+            except Exception:  # the registration is gone either way
+                log.exception("on_close of registration %d failed", reg.registration_id)
 
     def __len__(self) -> int:
         with self._lock:
@@ -363,4 +467,4 @@ class Registry:
             regs = list(self._by_id.values())
         return [{"registration_id": r.registration_id, "engine_id": r.engine_id,
                  "num_blocks": r.num_blocks, "block_bytes": r.block_bytes, "device":
-                 r.layout.device} for r in regs]
+                 r.layout.device, "publishes_resident": r.has_generations} for r in regs]

@@ -10,11 +10,19 @@ drops for good are withdrawn, and a lookup or get that falls short locally asks 
 rest: what arrives is stored here, leased like any local block, and reported as tier "remote".
 A lookup runs on the event loop; only one that goes on to the peers is handed to a worker
 (``Deferred``).
+
+The HBM tier (``hbm_tier``): engines that share their block generations publish the blocks their
+prefix caches hold (``resident``) and their evictions (``evicted``); a lookup from another engine
+is then served by a copy between the two arenas where it can be, the store for the rest, under one
+lease. Such a lease has the store's lease id when the store serves part of it, else an id from a
+range the store never reaches.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -29,8 +37,9 @@ import xxhash
 from kvstore import cuda_transfer
 from kvstore import protocol as proto
 from kvstore.block_store import BlockStore, BlockUnavailable, Lease, LookupResult, StoreError, Tier
+from kvstore.hbm_tier import HbmHit, HbmTier
 from kvstore.keys import Namespace, truncate_hash
-from kvstore.registry import Registry, RegistryError
+from kvstore.registry import Registration, Registry, RegistryError
 
 if TYPE_CHECKING:  # imported only with --cluster: it pulls in redis and ucxx
     from kvstore.cluster_node import ClusterNode
@@ -38,6 +47,9 @@ if TYPE_CHECKING:  # imported only with --cluster: it pulls in redis and ucxx
 log = logging.getLogger(__name__)
 
 MAX_LEASE_TTL_S = 3600.0
+# Leases the store has no part in (every block from the HBM tier) get ids from here up: the
+# store's own ids count up from 1 and never get this far.
+HBM_LEASE_IDS_FROM = 1 << 56
 
 
 class ServiceError(Exception):
@@ -81,8 +93,18 @@ class Deferred:
 
 @dataclass
 class _LeaseEntry:
-    lease: Lease
+    """A lease a connection holds: the store's (``lease``), an HBM-tier hit (``hbm``), or both."""
+
+    lease: Lease | None
     owner: str
+    lease_id: int
+    hbm: HbmHit | None = None
+    expires_at: float = math.inf  # a lease without a store part expires here
+
+    def stale(self, now: float) -> bool:
+        if self.lease is not None:
+            return self.lease.released or self.lease.expired(now)
+        return now >= self.expires_at
 
 
 class Service:
@@ -94,6 +116,8 @@ class Service:
         self.store = store
         self.cluster: ClusterNode | None = None
         self.registry = Registry()
+        self.hbm = HbmTier(store, self.registry)  # takes registry.on_close
+        self._hbm_lease_ids = itertools.count(HBM_LEASE_IDS_FROM)
         self.default_lease_ttl_s = default_lease_ttl_s
         self.debug_hash_bits = debug_hash_bits
         self.version = version
@@ -132,11 +156,11 @@ class Service:
             self._owners.discard(owner)
             entries = [e for e in self._leases.values() if e.owner == owner]
             for entry in entries:
-                del self._leases[entry.lease.lease_id]
+                del self._leases[entry.lease_id]
             self.events["leases_dropped_on_disconnect"] += len(entries)
         for entry in entries:
-            self.store.release(entry.lease)
-        num_dropped = self.registry.drop_owner(owner)
+            self._release_untracked(entry.lease)
+        num_dropped = self.registry.drop_owner(owner)  # and their HBM-tier entries
         with self._lock:
             self.events["registrations_dropped_on_disconnect"] += num_dropped
 
@@ -149,28 +173,34 @@ class Service:
 
     # ------------------------------------------------------------------------------ leases
 
-    def _track(self, lease: Lease, owner: str) -> None:
+    def _track(self, lease: Lease | None, owner: str, hbm: HbmHit | None = None,
+               ttl_s: float = 0.0) -> int | None:
+        """Hand the lease (and/or HBM hit) to ``owner``; its id, or None if the connection
+        closed while the lookup ran (then it is released here)."""
+        lease_id = lease.lease_id if lease is not None else next(self._hbm_lease_ids)
+        entry = _LeaseEntry(lease, owner, lease_id, hbm, time.monotonic() + ttl_s)
         with self._lock:
             if owner in self._owners:
-                self._leases[lease.lease_id] = _LeaseEntry(lease, owner)
-                return
-        self.store.release(lease)  # the connection closed while the lookup ran
+                self._leases[lease_id] = entry
+                return lease_id
+        self._release_untracked(lease)
+        return None
 
-    def _take_lease(self, lease_id: int, owner: str) -> Lease:
+    def _take_lease(self, lease_id: int, owner: str) -> _LeaseEntry:
         with self._lock:
             entry = self._leases.get(lease_id)
         if entry is None or entry.owner != owner:
             raise ServiceError("not_found", f"no lease {lease_id} on this connection (released, "
                                             "expired or never granted)")
-        return entry.lease
+        return entry
 
-    def _drop_lease(self, lease_id: int) -> Lease | None:
+    def _drop_lease(self, lease_id: int) -> _LeaseEntry | None:
         with self._lock:
             entry = self._leases.pop(lease_id, None)
         if entry is None:
             return None
-        self.store.release(entry.lease)
-        return entry.lease
+        self._release_untracked(entry.lease)
+        return entry
 
     def release_abandoned(self, result: Any) -> None:
         """A lookup whose reply missed its deadline: nobody will use or release its lease."""
@@ -182,11 +212,11 @@ class Service:
         now = time.monotonic()
         num_expired = self.store.expire_leases(now)
         with self._lock:
-            stale = [e for e in self._leases.values() if e.lease.released or e.lease.expired(now)]
+            stale = [e for e in self._leases.values() if e.stale(now)]
             for entry in stale:
-                del self._leases[entry.lease.lease_id]
+                del self._leases[entry.lease_id]
         for entry in stale:
-            self.store.release(entry.lease)
+            self._release_untracked(entry.lease)
         with self._lock:
             self.events["leases_expired"] += max(num_expired, len(stale))
         return len(stale)
@@ -235,6 +265,8 @@ class Service:
             }
         daemon["registrations"] = len(self.registry)
         out["daemon"] = daemon
+        if isinstance(out.get("tiers"), dict):
+            out["tiers"]["hbm"] = self.hbm.stats()
         if self.cluster is not None:
             # Blocks served from peers, counted once per request (the store counts each of its
             # lookups: a request that went to the peers made two).
@@ -283,6 +315,9 @@ class Service:
         ttl = self.default_lease_ttl_s if ttl is None else min(float(ttl), MAX_LEASE_TTL_S)
         lease_ttl_s = ttl if ttl > 0 else None
         hashes, idents, packed = proto.lookup_items(args)  # a packed request gets runs back
+        hbm = self.hbm.lookup(args["namespace"], hashes, idents, ctx.owner, lease_ttl_s)
+        if hbm is not None:  # another engine holds some of it: no peers asked (see hbm_tier)
+            return self._hbm_lookup_reply(hbm, ctx, lease_ttl_s, packed)
         result = self.store.lookup(args["namespace"], hashes, idents,
                                    lease_ttl_s=lease_ttl_s, owner=ctx.owner)
         if result.num_hit < len(hashes) and self._may_fetch(ctx):
@@ -341,12 +376,23 @@ class Service:
         if lease is not None:
             self.store.release(lease)
 
+    def _hbm_lookup_reply(self, hit: HbmHit, ctx: CallContext, lease_ttl_s: float | None,
+                          packed: bool) -> dict:
+        lease_id = None
+        if hit.num_hit and lease_ttl_s is not None:
+            lease_id = self._track(hit.lease, ctx.owner, hit, lease_ttl_s)
+        else:
+            self._release_untracked(hit.lease)
+        result = LookupResult(hit.num_hit, hit.tiers, None)
+        reply = self._lookup_reply(result, ctx, packed=packed)
+        reply["lease_id"] = lease_id
+        return reply
+
     def _lookup_reply(self, result: LookupResult, ctx: CallContext,
                       remote: range = range(0), packed: bool = False) -> dict:
         lease_id = None
         if result.lease is not None:
-            self._track(result.lease, ctx.owner)
-            lease_id = result.lease.lease_id
+            lease_id = self._track(result.lease, ctx.owner)
         # Tier is a str enum and msgpack packs str subclasses as plain strings: no per-block
         # `.value` (enum attribute access costs ~0.2 us, 0.2 ms for 1,024 blocks). Exact strs
         # pack faster still (~15 us per 1,024), so a hit from one tier goes out as those.
@@ -429,30 +475,24 @@ class Service:
         """Copy leased blocks into engine blocks; stops at the first unavailable block (fail
         closed: ``num_loaded`` counts only blocks whose bytes fully arrived). Consumes the lease."""
         reg = self.registry.get(args["registration_id"], ctx.owner)
-        lease = self._take_lease(args["lease_id"], ctx.owner)
+        entry = self._take_lease(args["lease_id"], ctx.owner)
         block_ids = args["block_ids"]
-        if len(block_ids) > len(lease.block_hashes):
+        num_leased = entry.hbm.num_hit if entry.hbm is not None else \
+            len(entry.lease.block_hashes)
+        if len(block_ids) > num_leased:
             raise ServiceError("bad_request", f"load: {len(block_ids)} block ids for a lease of "
-                                              f"{len(lease.block_hashes)} blocks")
+                                              f"{num_leased} blocks")
         reg.check_block_ids(block_ids)
         num_loaded = 0
         try:
             with reg.open_for_copy():
-                if reg.is_cuda:  # pipelined H2D batches; see cuda_transfer
-                    num_loaded = cuda_transfer.load_blocks(self.store, reg, lease, block_ids,
-                                                           lambda: ctx.cancelled)
-                else:
-                    for index, block_id in enumerate(block_ids):
-                        ctx.check()
-                        try:
-                            data = self.store.read(lease, index)
-                        except StoreError:  # BlockUnavailable included: the hit shrinks here
-                            break
-                        if data.nbytes != reg.block_bytes:
-                            break  # stored under another layout; never copy a partial block
-                        reg.write_block(block_id, data)  # returns once the copy is done
-                        self.store.done(lease, index)  # its DRAM may go to the next promotion
-                        num_loaded += 1
+                if entry.hbm is None:
+                    num_loaded = self._load_from_store(reg, entry.lease, 0, block_ids, ctx)
+                else:  # runs from other engines' arenas and from the store, in order
+                    num_loaded = self.hbm.load(
+                        entry.hbm, reg, block_ids,
+                        partial(self._load_from_store, reg, entry.lease, ctx=ctx),
+                        lambda: ctx.cancelled)
         finally:
             self._drop_lease(args["lease_id"])
             with self._lock:
@@ -460,13 +500,52 @@ class Service:
                 self.events["blocks_load_short"] += len(block_ids) - num_loaded
         return {"num_loaded": num_loaded}
 
+    def _load_from_store(self, reg: Registration, lease: Lease | None, first_index: int,
+                         block_ids: list[int], ctx: CallContext) -> int:
+        """Copy the lease's blocks ``first_index, ...`` into ``block_ids``; how many arrived."""
+        if lease is None:
+            return 0
+        if reg.is_cuda:  # pipelined H2D batches; see cuda_transfer
+            return cuda_transfer.load_blocks(self.store, reg, lease, block_ids,
+                                             lambda: ctx.cancelled, first_index=first_index)
+        num_loaded = 0
+        for index, block_id in enumerate(block_ids, first_index):
+            ctx.check()
+            try:
+                data = self.store.read(lease, index)
+            except StoreError:  # BlockUnavailable included: the hit shrinks here
+                break
+            if data.nbytes != reg.block_bytes:
+                break  # stored under another layout; never copy a partial block
+            reg.write_block(block_id, data)  # returns once the copy is done
+            self.store.done(lease, index)  # its DRAM may go to the next promotion
+            num_loaded += 1
+        return num_loaded
+
     def _verb_evicted(self, args: dict, ctx: CallContext) -> dict:
-        # The HBM-tier index comes later; until then evictions are acknowledged and counted.
+        """The engine dropped these blocks from its HBM: they leave the HBM tier's index."""
         if args.get("registration_id") is not None:
-            self.registry.get(args["registration_id"], ctx.owner)
+            regs = [self.registry.get(args["registration_id"], ctx.owner)]
+        else:
+            regs = self.registry.of_owner(ctx.owner)
+        num_withdrawn = self.hbm.withdraw(regs, args["namespace"], args["hashes"])
         with self._lock:
             self.events["blocks_evicted_by_engines"] += len(args["hashes"])
-        return {"num_acknowledged": len(args["hashes"])}
+        return {"num_acknowledged": len(args["hashes"]), "num_withdrawn": num_withdrawn}
+
+    def _verb_resident(self, args: dict, ctx: CallContext) -> dict:
+        """The engine holds these full blocks at these ids, as of these generations: the HBM
+        tier may serve them to other engines (after checking each generation again)."""
+        reg = self.registry.get(args["registration_id"], ctx.owner)
+        if not reg.has_generations:
+            raise ServiceError("bad_request", "resident: the registration shares no block "
+                                              "generations (layout.generations)")
+        reg.check_block_ids(args["block_ids"])
+        num_indexed = self.hbm.publish(reg, args["namespace"], args["block_ids"], args["hashes"],
+                                       args["idents"], args["generations"])
+        with self._lock:
+            self.events["blocks_published_resident"] += len(args["block_ids"])
+        return {"num_indexed": num_indexed}
 
     def close(self) -> None:
         """Stop the cluster node (peers stop reading the store), release every lease."""
@@ -481,7 +560,7 @@ class Service:
             entries = list(self._leases.values())
             self._leases.clear()
         for entry in entries:
-            self.store.release(entry.lease)
+            self._release_untracked(entry.lease)
         self.registry.close_all()
 
 

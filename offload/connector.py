@@ -67,7 +67,8 @@ class Transfer:
         return self.done
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until done or ``timeout_s`` (default: the deadline); for tests and shutdown."""
+        """Block until done or ``timeout_s`` (default: the deadline): tests, shutdown, and the
+        engine's bounded wait for lookup replies."""
         if self.done:
             return True
         assert self._pending is not None
@@ -199,6 +200,26 @@ class OffloadConnector:
     def release(self, lease_id: int) -> None:
         """Give a lease back without waiting for the reply."""
         self._request(lambda c: c.request("release", {"lease_id": lease_id}), None)
+
+    @property
+    def registration_epoch(self) -> int:
+        """Counts registrations made (one per connect): a new one starts with nothing published."""
+        return self.counters["connects"]
+
+    def resident(self, namespace: bytes, block_ids: Sequence[int], hashes: Sequence[bytes],
+                 idents: Sequence[bytes], generations: Sequence[int]) -> None:
+        """Publish blocks held in the arena, as of their generations (the store's HBM tier),
+        without waiting for the reply."""
+        if not block_ids:
+            return
+        self.counters["resident_published"] += len(block_ids)
+        registration_id = self._registration_id
+
+        def send(c: Client) -> Pending:
+            return c.resident_async(registration_id, namespace, block_ids, hashes, idents,
+                                    generations)
+
+        self._request(send, None)
 
     def evicted(self, namespace: bytes, hashes: Sequence[bytes]) -> None:
         """Publish blocks the engine dropped from HBM, without waiting for the reply."""

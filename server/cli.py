@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: $KVSTORE_SOCKET, else the per-user default)")
     serve.add_argument("--kv-offload-policy", choices=("write-through", "evict"),
                        default="write-through")
+    serve.add_argument("--no-kv-offload-share-hbm", dest="kv_offload_share_hbm",
+                       action="store_false",
+                       help="do not offer this engine's cached blocks to other engines on the "
+                       "same daemon (the store's HBM tier)")
     serve.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                        help="KV blocks to allocate (default: from --gpu-memory-utilization)")
     serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
@@ -109,6 +113,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "served_model_name": args.served_model_name,
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
+        "kv_offload_share_hbm": args.kv_offload_share_hbm,
     }
     if args.max_num_batched_tokens is not None:
         fields["max_num_batched_tokens"] = args.max_num_batched_tokens

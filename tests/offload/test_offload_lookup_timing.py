@@ -1,0 +1,51 @@
+"""The store's lookup costs a new request no engine step: it is sent on arrival, and a reply still
+on its way when the request is admitted is waited for (a bounded wait per step)."""
+
+from __future__ import annotations
+
+from test_offload_engine import _close, _offload_llm, _prompt
+
+from engine import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+def test_a_missed_lookup_does_not_cost_a_step(tiny_model_dir, make_daemon) -> None:
+    daemon = make_daemon(dram="64MiB")  # empty: every lookup misses
+    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
+    engine = reader.engine
+    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=31), PARAMS)
+    first = engine.step()
+    counters = engine.offload.counters
+    _close(reader)
+    assert counters["lookups"] == 1
+    # Answered within the step's bound (the usual case): a miss, prefilled in that same step.
+    on_time = counters["lookups_answered_on_time"] == 1
+    assert on_time == (len(first) == 1) == (counters["lookup_misses"] == 1)
+    assert counters["lookups_answered_on_time"] + counters["lookups_answered_late"] == 1
+
+
+def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_daemon) -> None:
+    daemon = make_daemon(dram="64MiB")
+    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=64, max_num_seqs=1)
+    engine = reader.engine
+    engine.add_request("busy", _prompt(1000, 40, seed=32), SamplingParams(max_tokens=6,
+                                                                          ignore_eos=True))
+    engine.step()
+    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=33), PARAMS)
+    engine.step()  # "x" arrives and queues behind "busy": its lookup goes out now
+    assert engine.offload._prefetched["x"].lookup.wait(10.0)
+    busy_done = x_first = None
+    for step in range(100):
+        for out in engine.step():
+            if out.request_id == "busy" and out.finished:
+                busy_done = step
+            if out.request_id == "x" and x_first is None:
+                x_first = step
+        if x_first is not None:
+            break
+    counters = engine.offload.counters
+    _close(reader)
+    assert counters["lookups_at_arrival"] == 2 and counters["lookups"] == 2
+    assert counters["lookups_answered_late"] == 0
+    assert x_first == busy_done + 1  # admitted the step after "busy" left, prefilled at once
