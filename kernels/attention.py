@@ -14,6 +14,7 @@ from kernels.write_kv import check_arena
 _PREFILL_WARPS = 8  # with 32 query rows each (two MMA row tiles): 256-row tiles (attention.cu)
 _PREFILL_MT = 2
 _PREFILL_BN = 64
+_SHORT_QUERY_ROWS = 128  # below this many query rows per sequence (on average): 16-row warps
 _BN = 64  # keys per tile
 _MAX_DECODE_GROUP = 16  # query heads per KV head that one decode warp holds
 _LOG2E = 1.4426950408889634
@@ -66,11 +67,14 @@ def _check_common(q, kv_cache, layer: int, block_tables, context_lens):
 
 def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
                             scale: float, use_ldmatrix: bool = True,
-                            num_warps: int = _PREFILL_WARPS, rows_per_warp: int = 16 * _PREFILL_MT,
+                            num_warps: int | None = None, rows_per_warp: int | None = None,
                             keys_per_tile: int = _PREFILL_BN):
     """Causal varlen GQA attention of bf16 ``q[T, Hq, D]`` over the paged K/V -> ``[T, Hq, D]``.
     ``use_ldmatrix``, ``num_warps`` (4 or 8), ``rows_per_warp`` (16 or 32) and ``keys_per_tile``
-    (32 or 64) pick kernel variants with the same results, for tests and tuning."""
+    (32 or 64) pick kernel variants with the same results, for tests and tuning. By default long
+    queries get 256-row tiles (8 warps of 32 rows) and short ones (a few new tokens over a long
+    cached prefix: under 128 rows per sequence on average) 128-row tiles of 16-row warps, where
+    32-row warps would compute mostly padding against every key."""
     import cupy as cp
 
     q, block_tables = contiguous(q), contiguous(block_tables)
@@ -84,6 +88,11 @@ def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q,
     out = cp.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    short = num_tokens < _SHORT_QUERY_ROWS * num_seqs
+    if num_warps is None:
+        num_warps = _PREFILL_WARPS  # short queries too: more threads stream the long prefix
+    if rows_per_warp is None:
+        rows_per_warp = 16 if short else 16 * _PREFILL_MT
     if num_warps not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
     if rows_per_warp not in (16, 32):

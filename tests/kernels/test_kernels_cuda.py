@@ -295,3 +295,23 @@ def test_qkv_prepare_matches_reference(cp, bf16, head_dim: int, norm: bool) -> N
     got_kv = cp.asnumpy(kv_dev).astype(np.float32)
     assert_close(got_kv, want_kv, 1e-2)
     assert not got_kv[:, [0, 2]].any()  # other layers untouched
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES + [(16, [2000, 900], [16, 3], 32, 8, 128)])
+def test_paged_prefill_default_variant_matches_reference(cp, bf16, case) -> None:
+    """The launcher's own choice (16-row warps for short queries over a long prefix, 256-row
+    tiles otherwise) against the reference."""
+    from kernels.attention import paged_attention_prefill
+
+    block_size, lens, q_lens, num_q_heads, num_kv_heads, head_dim = case
+    rng = np.random.default_rng(9)
+    kv, tables = _paged_case(rng, bf16, block_size, lens, num_kv_heads, head_dim)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), num_q_heads, head_dim)).astype(bf16)
+    ctx = np.array(lens, dtype=np.int32)
+    scale = head_dim ** -0.5
+    got = paged_attention_prefill(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
+                                  cp.asarray(cu), cp.asarray(ctx), scale)
+    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
+                                       cu, ctx, scale)
+    assert_close(cp.asnumpy(got), want, 2e-2)
