@@ -61,6 +61,7 @@ class LLM:
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     finished[out.request_id] = out
+        self.engine.flush_offload()  # the last step's saves go out before we return
         return [finished[rid] for rid in request_ids]
 
     def close(self) -> None:

@@ -67,6 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.offload: OffloadManager | None = None
+        self._offload_pending = False  # the last step's store work is still to do
         if config.kv_offload:
             engine_id = f"{self.model_name}-{os.getpid()}-{id(self):x}"
             self.offload = make_offload_manager(
@@ -166,8 +167,17 @@ class LLMEngine:
 
     # -- the step loop (one thread) ---------------------------------------------------------
 
+    def flush_offload(self) -> None:
+        """The store work the last step left for after its outputs (``--kv-offload``): send its
+        saves, publish evictions and resident blocks. ``step`` runs it first if nobody did; a
+        serving loop calls it right after handing the outputs on, so no token waits for it."""
+        if self.offload is not None and self._offload_pending:
+            self._offload_pending = False
+            self.offload.after_step()
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of requests that got a token or ended."""
+        self.flush_offload()
         with self._lock:
             inbox, self._inbox = self._inbox, []
             abort_ids, self._abort_ids = self._abort_ids, []
@@ -192,7 +202,7 @@ class LLMEngine:
         elif offload is not None and offload.num_loading:
             offload.wait_for_progress(0.005)  # only restores in flight: no busy loop
         if offload is not None:
-            offload.after_step()
+            self._offload_pending = True  # see flush_offload
         with self._lock:
             for out in outputs:
                 if out.finished:
@@ -288,6 +298,7 @@ class LLMEngine:
         if not self._closed:
             self._closed = True
             if self.offload is not None:
+                self.flush_offload()
                 self.offload.close()
             self.runner.close()
 

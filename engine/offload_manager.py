@@ -93,6 +93,7 @@ class OffloadManager:
         self._orphans: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
         self._saves: list[_Save] = []
+        self._queued_saves: list[tuple[Sequence, list[int]]] = []  # pinned, not yet sent
         self._saved_keys: dict[bytes, None] = {}  # hashes the store acknowledged (bounded)
         block_manager.track_released = policy == "evict"  # only that policy drains them
         # The HBM tier: the layout the connector registered names these generations.
@@ -324,7 +325,11 @@ class OffloadManager:
                 self._save_new_blocks(seq)
 
     def after_step(self) -> None:
-        """Finish saves that landed, hand over released blocks (``evict``), publish evictions."""
+        """Send the saves the step queued, finish saves that landed, hand over released blocks
+        (``evict``), publish evictions. The engine runs this after the step's outputs went out
+        (at the latest before the next step is scheduled), so none of it delays a token."""
+        if self._queued_saves:
+            self._send_queued_saves()
         self._poll_saves()
         if self.policy == "evict":
             self._hand_over_for_eviction()
@@ -378,10 +383,24 @@ class OffloadManager:
             return
         js = [j for j in range(start, num_full) if seq.block_hashes[j] not in self._saved_keys]
         seq.num_saved_blocks = num_full
-        for i in range(0, len(js), _SAVE_BATCH):
-            chunk = js[i:i + _SAVE_BATCH]
-            self._start_save(seq.namespace_digest, [seq.block_ids[j] for j in chunk],
-                             [seq.block_hashes[j] for j in chunk], self._idents(seq, chunk))
+        if not js or not self.connector.available:
+            return
+        # Pinned now (before a finished sequence frees them); the idents and the request are
+        # built in ``after_step``, once the step's outputs are on their way.
+        self.bm.pin([seq.block_ids[j] for j in js])
+        self._queued_saves.append((seq, js))
+
+    def _send_queued_saves(self) -> None:
+        queued, self._queued_saves = self._queued_saves, []
+        for seq, js in queued:
+            for i in range(0, len(js), _SAVE_BATCH):
+                chunk = js[i:i + _SAVE_BATCH]
+                block_ids = [seq.block_ids[j] for j in chunk]
+                if not self.connector.available:  # gone since: nothing will land, let them go
+                    self.bm.unpin(block_ids)
+                    continue
+                self._send_save(seq.namespace_digest, block_ids,
+                                [seq.block_hashes[j] for j in chunk], self._idents(seq, chunk))
 
     def _hand_over_for_eviction(self) -> None:
         # A cached block whose last user let go is saved now and pinned until the store has
@@ -403,6 +422,11 @@ class OffloadManager:
         if not block_ids or not self.connector.available:
             return
         self.bm.pin(block_ids)  # not reused before the store has the bytes
+        self._send_save(namespace, block_ids, keys, idents)
+
+    def _send_save(self, namespace: bytes, block_ids: list[int], keys: list[bytes],
+                   idents: list[bytes]) -> None:
+        """The save request for blocks already pinned (unpinned when it ends)."""
         transfer = self.connector.save(namespace, block_ids, keys, idents)
         self._saves.append(_Save(transfer, block_ids, keys))
         self.counters["saves"] += 1
@@ -457,6 +481,8 @@ class OffloadManager:
 
     def wait_idle(self, timeout_s: float = 10.0) -> None:
         """Block until in-flight saves finish or ``timeout_s`` passes (shutdown, tests)."""
+        if self._queued_saves:
+            self._send_queued_saves()
         deadline = time.monotonic() + timeout_s
         while self._saves and time.monotonic() < deadline:
             self._saves[0].transfer.wait(max(0.0, deadline - time.monotonic()))

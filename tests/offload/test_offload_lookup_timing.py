@@ -1,5 +1,6 @@
-"""The store's lookup costs a new request no engine step: it is sent on arrival, and a reply still
-on its way when the request is admitted is waited for (a bounded wait per step)."""
+"""The store costs a new request no engine step: its lookup is sent on arrival, a reply still
+on its way when the request is admitted is waited for (a bounded wait per step), and the saves a
+step makes are sent after its tokens went out."""
 
 from __future__ import annotations
 
@@ -49,3 +50,27 @@ def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_d
     assert counters["lookups_at_arrival"] == 2 and counters["lookups"] == 2
     assert counters["lookups_answered_late"] == 0
     assert x_first == busy_done + 1  # admitted the step after "busy" left, prefilled at once
+
+
+def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon) -> None:
+    """Write-through pins the step's new full blocks inside the step, but builds and sends the
+    save after the step returned its outputs (``flush_offload``, or the next step)."""
+    daemon = make_daemon(dram="64MiB")
+    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
+    engine = reader.engine
+    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=34), PARAMS)
+    outs = []
+    while not outs:
+        outs = engine.step()  # the prefill step (after the lookup)
+    offload = engine.offload
+    queued = [block for seq, js in offload._queued_saves for block in
+              (seq.block_ids[j] for j in js)]
+    assert len(queued) == 8 and offload.counters["saves"] == 0
+    assert all(engine.block_manager._ref_counts[b] == 2 for b in queued)  # the sequence + pin
+    engine.flush_offload()
+    assert offload.counters["saves"] == 1 and not offload._queued_saves
+    offload.wait_idle()
+    with daemon.client() as c:
+        assert c.stats()["tiers"]["dram"]["blocks"] == 8
+    engine.block_manager.check_integrity()
+    _close(reader)
