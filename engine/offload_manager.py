@@ -93,7 +93,8 @@ class OffloadManager:
         self._orphans: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
         self._saves: list[_Save] = []
-        self._queued_saves: list[tuple[Sequence, list[int]]] = []  # pinned, not yet sent
+        # pinned, not yet sent: (sequence, its block indices, their block ids)
+        self._queued_saves: list[tuple[Sequence, list[int], list[int]]] = []
         self._saved_keys: dict[bytes, None] = {}  # hashes the store acknowledged (bounded)
         block_manager.track_released = policy == "evict"  # only that policy drains them
         # The HBM tier: the layout the connector registered names these generations.
@@ -387,20 +388,21 @@ class OffloadManager:
             return
         # Pinned now (before a finished sequence frees them); the idents and the request are
         # built in ``after_step``, once the step's outputs are on their way.
-        self.bm.pin([seq.block_ids[j] for j in js])
-        self._queued_saves.append((seq, js))
+        # (The ids are taken now: a sequence that finishes this step gives its blocks back.)
+        block_ids = [seq.block_ids[j] for j in js]
+        self.bm.pin(block_ids)
+        self._queued_saves.append((seq, js, block_ids))
 
     def _send_queued_saves(self) -> None:
         queued, self._queued_saves = self._queued_saves, []
-        for seq, js in queued:
+        for seq, js, block_ids in queued:
             for i in range(0, len(js), _SAVE_BATCH):
-                chunk = js[i:i + _SAVE_BATCH]
-                block_ids = [seq.block_ids[j] for j in chunk]
+                chunk, ids = js[i:i + _SAVE_BATCH], block_ids[i:i + _SAVE_BATCH]
                 if not self.connector.available:  # gone since: nothing will land, let them go
-                    self.bm.unpin(block_ids)
+                    self.bm.unpin(ids)
                     continue
-                self._send_save(seq.namespace_digest, block_ids,
-                                [seq.block_hashes[j] for j in chunk], self._idents(seq, chunk))
+                self._send_save(seq.namespace_digest, ids, [seq.block_hashes[j] for j in chunk],
+                                self._idents(seq, chunk))
 
     def _hand_over_for_eviction(self) -> None:
         # A cached block whose last user let go is saved now and pinned until the store has

@@ -4,6 +4,7 @@ step makes are sent after its tokens went out."""
 
 from __future__ import annotations
 
+import pytest
 from test_offload_engine import _close, _offload_llm, _prompt
 
 from engine import SamplingParams
@@ -52,21 +53,25 @@ def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_d
     assert x_first == busy_done + 1  # admitted the step after "busy" left, prefilled at once
 
 
-def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon) -> None:
+@pytest.mark.parametrize("max_tokens", [3, 1])  # 1: the sequence finishes in the prefill step
+def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon,
+                                               max_tokens: int) -> None:
     """Write-through pins the step's new full blocks inside the step, but builds and sends the
-    save after the step returned its outputs (``flush_offload``, or the next step)."""
+    save after the step returned its outputs (``flush_offload``, or the next step), also when
+    the sequence has finished and given its blocks back meanwhile."""
     daemon = make_daemon(dram="64MiB")
     reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
     engine = reader.engine
-    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=34), PARAMS)
+    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=34),
+                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     outs = []
     while not outs:
         outs = engine.step()  # the prefill step (after the lookup)
     offload = engine.offload
-    queued = [block for seq, js in offload._queued_saves for block in
-              (seq.block_ids[j] for j in js)]
+    queued = [block for _, _, block_ids in offload._queued_saves for block in block_ids]
     assert len(queued) == 8 and offload.counters["saves"] == 0
-    assert all(engine.block_manager._ref_counts[b] == 2 for b in queued)  # the sequence + pin
+    holders = 1 if max_tokens == 1 else 2  # the pin (+ the running sequence)
+    assert all(engine.block_manager._ref_counts[b] == holders for b in queued)
     engine.flush_offload()
     assert offload.counters["saves"] == 1 and not offload._queued_saves
     offload.wait_idle()
