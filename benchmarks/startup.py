@@ -31,16 +31,9 @@ from pathlib import Path
 import httpx
 
 from benchmarks.serve import _machine
+from benchmarks.soak import read_rss_bytes
 
 TARGET_READY_S = 5.0
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def _drain(stream, lines: list[str]) -> None:
@@ -81,7 +74,7 @@ def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float) 
                         break
             first_token_s = time.perf_counter() - start
         time.sleep(0.5)  # let the request finish so the RSS is the idle one
-        rss = _rss_bytes(proc.pid)
+        rss = read_rss_bytes(proc.pid)
     finally:
         proc.terminate()
         try:

@@ -67,7 +67,7 @@ def _check_common(q, kv_cache, layer: int, block_tables, context_lens):
 
 def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
                             scale: float, use_ldmatrix: bool = True,
-                            num_warps: int | None = None, rows_per_warp: int | None = None,
+                            num_warps: int = _PREFILL_WARPS, rows_per_warp: int | None = None,
                             keys_per_tile: int = _PREFILL_BN):
     """Causal varlen GQA attention of bf16 ``q[T, Hq, D]`` over the paged K/V -> ``[T, Hq, D]``.
     ``use_ldmatrix``, ``num_warps`` (4 or 8), ``rows_per_warp`` (16 or 32) and ``keys_per_tile``
@@ -88,10 +88,8 @@ def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q,
     out = cp.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    short = num_tokens < _SHORT_QUERY_ROWS * num_seqs
-    if num_warps is None:
-        num_warps = _PREFILL_WARPS  # short queries too: more threads stream the long prefix
     if rows_per_warp is None:
+        short = num_tokens < _SHORT_QUERY_ROWS * num_seqs
         rows_per_warp = 16 if short else 16 * _PREFILL_MT
     if num_warps not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")

@@ -1,44 +1,21 @@
-// Gather/scatter of whole KV blocks between device memory and mapped pinned host memory.
-// One launch moves a batch: run r copies num_bytes from src_ptrs[r] to dst_ptrs[r]. Pointers may be
-// device addresses or pinned host addresses (unified addressing), so the same kernel saves (HBM ->
-// pinned) and loads (pinned -> HBM). Every run is 16-byte aligned and a multiple of 16 bytes: the
-// launcher checks it. blockIdx.y picks the run, blockIdx.x/threadIdx.x stride over its 16-byte words.
+// Gather/scatter of whole KV blocks: one launch moves a batch of runs, run r copying num_bytes[r]
+// (a multiple of 16) from src_ptrs[r] to dst_ptrs[r]. Pointers may be device addresses or pinned
+// host addresses (unified addressing), so the same kernel saves (HBM -> pinned), loads
+// (pinned -> HBM) and copies between two engines' arenas (the store's HBM tier: one launch per
+// batch instead of one cudaMemcpyAsync per block, whose ~5 us call cost dwarfs a 2 MB copy at HBM
+// speed). The launcher checks alignment. blockIdx.y picks the run, blockIdx.x/threadIdx.x stride
+// over its 16-byte words.
 
 extern "C" __global__ void copy_runs(const unsigned long long* __restrict__ src_ptrs,
                                      const unsigned long long* __restrict__ dst_ptrs,
-                                     long long num_bytes) {
-    const int run = blockIdx.y;
-    const uint4* src = reinterpret_cast<const uint4*>(src_ptrs[run]);
-    uint4* dst = reinterpret_cast<uint4*>(dst_ptrs[run]);
-    const long long num_words = num_bytes / 16;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    // Four independent loads in flight per thread: PCIe latency needs many outstanding requests.
-    for (; i + 3 * stride < num_words; i += 4 * stride) {
-        uint4 a = src[i];
-        uint4 b = src[i + stride];
-        uint4 c = src[i + 2 * stride];
-        uint4 d = src[i + 3 * stride];
-        dst[i] = a;
-        dst[i + stride] = b;
-        dst[i + 2 * stride] = c;
-        dst[i + 3 * stride] = d;
-    }
-    for (; i < num_words; i += stride) dst[i] = src[i];
-}
-
-// The same with a length per run (run r moves num_bytes[r], a multiple of 16): device-to-device
-// gathers of runs that coalescing left uneven (the store's HBM tier: one launch per batch instead
-// of one cudaMemcpyAsync per block, whose ~5 us call cost dwarfs a 2 MB copy at HBM speed).
-extern "C" __global__ void copy_runs_varlen(const unsigned long long* __restrict__ src_ptrs,
-                                            const unsigned long long* __restrict__ dst_ptrs,
-                                            const long long* __restrict__ num_bytes) {
+                                     const long long* __restrict__ num_bytes) {
     const int run = blockIdx.y;
     const uint4* src = reinterpret_cast<const uint4*>(src_ptrs[run]);
     uint4* dst = reinterpret_cast<uint4*>(dst_ptrs[run]);
     const long long num_words = num_bytes[run] / 16;
     const long long stride = (long long)gridDim.x * blockDim.x;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    // Four independent loads in flight per thread: PCIe latency needs many outstanding requests.
     for (; i + 3 * stride < num_words; i += 4 * stride) {
         uint4 a = src[i];
         uint4 b = src[i + stride];

@@ -13,14 +13,11 @@ _THREADS = 256
 
 
 @cache
-def _module():
+def _kernel():
     import cupy as cp
 
-    return cp.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
-
-
-def _kernel(name: str = "copy_runs"):
-    return _module().get_function(name)
+    module = cp.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
+    return module.get_function("copy_runs")
 
 
 def copy_runs(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], num_bytes: int, stream=None,
@@ -30,24 +27,7 @@ def copy_runs(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], num_bytes: int, 
     Pointers are device or pinned-host addresses; all must be 16-byte aligned and ``num_bytes`` a
     multiple of 16. The copy is asynchronous: record an event on ``stream`` to know it finished.
     """
-    import cupy as cp
-
-    if len(src_ptrs) != len(dst_ptrs):
-        raise ValueError("src_ptrs and dst_ptrs differ in length")
-    if not src_ptrs:
-        return
-    if num_bytes <= 0 or num_bytes % 16:
-        raise ValueError(f"num_bytes must be a positive multiple of 16, got {num_bytes}")
-    if any(p % 16 for p in src_ptrs) or any(p % 16 for p in dst_ptrs):
-        raise ValueError("every pointer must be 16-byte aligned")
-    if len(src_ptrs) > 65535:
-        raise ValueError("at most 65535 runs per launch")
-    stream = stream or cp.cuda.get_current_stream()
-    with stream:
-        src = cp.asarray(np.asarray(src_ptrs, dtype=np.uint64))
-        dst = cp.asarray(np.asarray(dst_ptrs, dtype=np.uint64))
-        grid = (blocks_per_run, len(src_ptrs))
-        _kernel()(grid, (_THREADS,), (src, dst, np.int64(num_bytes)), stream=stream)
+    copy_runs_varlen(src_ptrs, dst_ptrs, [num_bytes] * len(src_ptrs), stream, blocks_per_run)
 
 
 def copy_runs_varlen(src_ptrs: Sequence[int], dst_ptrs: Sequence[int],
@@ -70,8 +50,8 @@ def copy_runs_varlen(src_ptrs: Sequence[int], dst_ptrs: Sequence[int],
     with stream:
         table = cp.asarray(np.asarray([list(src_ptrs), list(dst_ptrs), list(num_bytes)],
                                       dtype=np.uint64))
-        _kernel("copy_runs_varlen")((blocks_per_run, len(src_ptrs)), (_THREADS,),
-                                    (table[0], table[1], table[2]), stream=stream)
+        _kernel()((blocks_per_run, len(src_ptrs)), (_THREADS,), (table[0], table[1], table[2]),
+                  stream=stream)
 
 
 def copy_runs_reference(src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:

@@ -88,8 +88,3 @@ class CublasGemm:
             ctypes.byref(self._beta), out.data.ptr, _CUDA_R_16BF, cols, _COMPUTE_32F,
             _GEMM_DEFAULT), "cublasGemmEx")
         return out
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._lib.cublasDestroy_v2(self._handle)
-            self._handle = None

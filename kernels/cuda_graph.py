@@ -48,8 +48,3 @@ class GraphCapturer:
             finally:
                 graph = self._stream.end_capture()
         return CudaGraph(graph, output)
-
-    @property
-    def pool_bytes(self) -> int:
-        """Device memory the graphs' pool holds (intermediates and outputs of every graph)."""
-        return self._pool.total_bytes()

@@ -50,10 +50,6 @@ class CupyOps(Ops):
             self._capturer = GraphCapturer()
         return self._capturer.capture(fn)
 
-    @property
-    def graph_pool_bytes(self) -> int:
-        return 0 if self._capturer is None else self._capturer.pool_bytes
-
     # -- transfers ---------------------------------------------------------------------------
 
     def weight_from_host(self, raw: np.ndarray, dtype: str) -> cp.ndarray:

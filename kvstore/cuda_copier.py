@@ -175,15 +175,25 @@ class CudaCopier:
                 _MEMCPY_DEFAULT: cp.cuda.Stream(non_blocking=True),
             }
 
-    def _submit(self, runs: Sequence[CopyRun], kind: int) -> CopyHandle:
+    def _submit(self, runs: Sequence[CopyRun], kind: int, gather: bool = False) -> CopyHandle:
+        """Enqueue the coalesced runs on the ``kind`` stream, as ``cudaMemcpyAsync`` calls or
+        (``gather``) one ``copy_runs_varlen`` launch; an event after them is the handle."""
         cp = _cupy()
         merged = coalesce(runs)
         stream = self._streams[kind]
         with cp.cuda.Device(self.device_id):
             try:
-                for run in merged:
-                    cp.cuda.runtime.memcpyAsync(int(run.dst_ptr), int(run.src_ptr),
-                                                int(run.num_bytes), kind, stream.ptr)
+                if gather:
+                    from kernels.block_copy import copy_runs_varlen
+
+                    longest = max(r.num_bytes for r in merged)  # CTAs per run: ~256 KiB each
+                    copy_runs_varlen([r.src_ptr for r in merged], [r.dst_ptr for r in merged],
+                                     [r.num_bytes for r in merged], stream=stream,
+                                     blocks_per_run=min(128, max(4, longest >> 18)))
+                else:
+                    for run in merged:
+                        cp.cuda.runtime.memcpyAsync(int(run.dst_ptr), int(run.src_ptr),
+                                                    int(run.num_bytes), kind, stream.ptr)
             except BaseException:
                 # The runs enqueued before the failing one have no event: wait for them here, so
                 # no copy is still touching the caller's buffers once it hears of the error.
@@ -211,22 +221,5 @@ class CudaCopier:
         merged = coalesce(runs)
         aligned = all(r.num_bytes % 16 == 0 and r.src_ptr % 16 == 0 and r.dst_ptr % 16 == 0
                       for r in merged)
-        if len(merged) < _GATHER_MIN_RUNS or not aligned:
-            return self._submit(merged, _MEMCPY_DEFAULT)
-        from kernels.block_copy import copy_runs_varlen
-
-        cp = _cupy()
-        stream = self._streams[_MEMCPY_DEFAULT]
-        with cp.cuda.Device(self.device_id):
-            try:
-                longest = max(r.num_bytes for r in merged)  # CTAs per run: ~256 KiB each
-                copy_runs_varlen([r.src_ptr for r in merged], [r.dst_ptr for r in merged],
-                                 [r.num_bytes for r in merged], stream=stream,
-                                 blocks_per_run=min(128, max(4, longest >> 18)))
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    stream.synchronize()
-                raise
-            event = cp.cuda.Event(block=True, disable_timing=True)
-            event.record(stream)
-        return CopyHandle(event, sum(r.num_bytes for r in merged))
+        return self._submit(merged, _MEMCPY_DEFAULT,
+                            gather=len(merged) >= _GATHER_MIN_RUNS and aligned)

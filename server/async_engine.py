@@ -194,17 +194,12 @@ class AsyncEngine:
                     return
             try:
                 outputs = self.engine.step()
-            except BaseException as exc:
-                logger.exception("engine step failed; the server stops serving requests")
-                self.error = exc
-                loop.call_soon_threadsafe(self._fail_all, exc)
-                return
-            if outputs:
-                loop.call_soon_threadsafe(self._dispatch, outputs)
-            # Hand the GIL to the event loop now rather than after the switch interval (5 ms),
-            # so the outputs just dispatched reach the socket before the next step starts.
-            time.sleep(0)
-            try:
+                if outputs:
+                    loop.call_soon_threadsafe(self._dispatch, outputs)
+                # Hand the GIL to the event loop now rather than after the switch interval
+                # (5 ms), so the outputs just dispatched reach the socket before the store work
+                # and the next step.
+                time.sleep(0)
                 self.engine.flush_offload()  # the step's store work, after its tokens went out
             except BaseException as exc:
                 logger.exception("engine step failed; the server stops serving requests")

@@ -12,6 +12,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +96,24 @@ def start_daemon(workdir: Path, *extra: str, dram: str = "32MiB", ssd_dir: Path 
     daemon = RunningDaemon(proc, socket_path, http_url, ssd_dir, lines)
     wait_healthy(daemon)
     return daemon
+
+
+@contextmanager
+def daemon_factory(workdir: Path, **defaults) -> Iterator[Callable[..., RunningDaemon]]:
+    """``make(*flags, **kwargs)`` starts a dedicated daemon (``start_daemon``, ``defaults``
+    under ``kwargs``); every one started is stopped on exit. The conftests' ``make_daemon``."""
+    started: list[RunningDaemon] = []
+
+    def make(*extra: str, **kwargs) -> RunningDaemon:
+        running = start_daemon(workdir, *extra, **{**defaults, **kwargs})
+        started.append(running)
+        return running
+
+    try:
+        yield make
+    finally:
+        for running in started:
+            running.stop()
 
 
 def wait_healthy(daemon: RunningDaemon, timeout_s: float = 10.0) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_helpers import RunningDaemon, start_daemon
+from daemon_helpers import RunningDaemon, daemon_factory, start_daemon
 
 
 @pytest.fixture(scope="session")
@@ -21,13 +21,5 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """Start dedicated daemons (own flags, own SSD dir); all are stopped after the test."""
-    started: list[RunningDaemon] = []
-
-    def make(*extra: str, **kwargs) -> RunningDaemon:
-        running = start_daemon(tmp_path, *extra, **kwargs)
-        started.append(running)
-        return running
-
-    yield make
-    for running in started:
-        running.stop()
+    with daemon_factory(tmp_path) as make:
+        yield make

@@ -158,6 +158,24 @@ PREFILL_CASES = [
 ]
 
 
+def _prefill_against_reference(cp, bf16, case, seed: int, **variant):
+    """(ours, reference) of one PREFILL_CASES-shaped case; ``variant``: launcher keywords."""
+    from kernels.attention import paged_attention_prefill
+
+    block_size, lens, q_lens, num_q_heads, num_kv_heads, head_dim = case
+    rng = np.random.default_rng(seed)
+    kv, tables = _paged_case(rng, bf16, block_size, lens, num_kv_heads, head_dim)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), num_q_heads, head_dim)).astype(bf16)
+    ctx = np.array(lens, dtype=np.int32)
+    scale = head_dim ** -0.5
+    got = paged_attention_prefill(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
+                                  cp.asarray(cu), cp.asarray(ctx), scale, **variant)
+    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
+                                       cu, ctx, scale)
+    return cp.asnumpy(got), want
+
+
 @pytest.mark.parametrize("use_ldmatrix,num_warps,rows_per_warp,keys_per_tile",
                          [(True, 4, 32, 64), (True, 8, 32, 64), (False, 4, 32, 64),
                           (True, 4, 32, 32), (True, 8, 32, 32), (True, 8, 16, 64),
@@ -165,21 +183,11 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("case", PREFILL_CASES)
 def test_paged_prefill_matches_reference(cp, bf16, case, use_ldmatrix: bool, num_warps: int,
                                          rows_per_warp: int, keys_per_tile: int) -> None:
-    from kernels.attention import paged_attention_prefill
 
-    block_size, lens, q_lens, num_q_heads, num_kv_heads, head_dim = case
-    rng = np.random.default_rng(6)
-    kv, tables = _paged_case(rng, bf16, block_size, lens, num_kv_heads, head_dim)
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = rng.standard_normal((int(cu[-1]), num_q_heads, head_dim)).astype(bf16)
-    ctx = np.array(lens, dtype=np.int32)
-    scale = head_dim ** -0.5
-    got = paged_attention_prefill(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
-                                  cp.asarray(cu), cp.asarray(ctx), scale, use_ldmatrix, num_warps,
-                                  rows_per_warp, keys_per_tile)
-    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
-                                       cu, ctx, scale)
-    assert_close(cp.asnumpy(got), want, 2e-2)
+    got, want = _prefill_against_reference(cp, bf16, case, 6, use_ldmatrix=use_ldmatrix,
+                                           num_warps=num_warps, rows_per_warp=rows_per_warp,
+                                           keys_per_tile=keys_per_tile)
+    assert_close(got, want, 2e-2)
 
 
 DECODE_CASES = [
@@ -301,17 +309,5 @@ def test_qkv_prepare_matches_reference(cp, bf16, head_dim: int, norm: bool) -> N
 def test_paged_prefill_default_variant_matches_reference(cp, bf16, case) -> None:
     """The launcher's own choice (16-row warps for short queries over a long prefix, 256-row
     tiles otherwise) against the reference."""
-    from kernels.attention import paged_attention_prefill
-
-    block_size, lens, q_lens, num_q_heads, num_kv_heads, head_dim = case
-    rng = np.random.default_rng(9)
-    kv, tables = _paged_case(rng, bf16, block_size, lens, num_kv_heads, head_dim)
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = rng.standard_normal((int(cu[-1]), num_q_heads, head_dim)).astype(bf16)
-    ctx = np.array(lens, dtype=np.int32)
-    scale = head_dim ** -0.5
-    got = paged_attention_prefill(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
-                                  cp.asarray(cu), cp.asarray(ctx), scale)
-    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
-                                       cu, ctx, scale)
-    assert_close(cp.asnumpy(got), want, 2e-2)
+    got, want = _prefill_against_reference(cp, bf16, case, 9)
+    assert_close(got, want, 2e-2)

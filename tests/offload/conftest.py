@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_helpers import RunningDaemon, start_daemon
+from daemon_helpers import RunningDaemon, daemon_factory
 
 from engine.make_model import write_checkpoint
 
@@ -21,14 +21,5 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """Start dedicated `kvstore serve` processes; all are stopped after the test."""
-    started: list[RunningDaemon] = []
-
-    def make(*extra: str, **kwargs) -> RunningDaemon:
-        kwargs.setdefault("http", False)
-        running = start_daemon(tmp_path, *extra, **kwargs)
-        started.append(running)
-        return running
-
-    yield make
-    for running in started:
-        running.stop()
+    with daemon_factory(tmp_path, http=False) as make:
+        yield make

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_helpers import RunningDaemon, start_daemon
+from daemon_helpers import RunningDaemon, daemon_factory
 from reliability_helpers import GuardedArena
 
 from kvstore.ssd_files import OS_FILE_OPS, FileOps
@@ -35,17 +35,8 @@ def make_store() -> Iterator[Callable[..., TieredStore]]:
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """Dedicated `kvstore serve` processes (no admin HTTP unless asked), stopped after the test."""
-    started: list[RunningDaemon] = []
-
-    def make(*extra: str, **kwargs) -> RunningDaemon:
-        kwargs.setdefault("http", False)
-        running = start_daemon(tmp_path, *extra, **kwargs)
-        started.append(running)
-        return running
-
-    yield make
-    for running in started:
-        running.stop()
+    with daemon_factory(tmp_path, http=False) as make:
+        yield make
 
 
 @pytest.fixture
