@@ -12,6 +12,7 @@ import os
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,22 @@ from engine.tokenizer import Tokenizer
 from engine.weights import weights_identity
 from kernels import make_ops
 from kvstore.keys import ModelIdentity, Namespace
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one ``step`` spent its time: the previous step's deferred store work (``flush``),
+    taking in new requests (``add``: lookups sent), scheduling (restores polled, lookup replies
+    awaited), the forward and sampling (``execute``, device time included)."""
+
+    flush_s: float
+    add_s: float
+    schedule_s: float
+    execute_s: float
+    total_s: float
+    num_seqs: int
+    num_tokens: int
+    num_loading: int
 
 
 class LLMEngine:
@@ -85,6 +102,7 @@ class LLMEngine:
         self._num_finished = 0
         self._num_steps = 0
         self._stats = self._collect_stats()
+        self.last_step: StepTiming | None = None  # where the last step's time went (step thread)
         self._closed = False
 
     # -- request API (any thread) -----------------------------------------------------------
@@ -177,7 +195,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of requests that got a token or ended."""
+        t_start = time.perf_counter()
         self.flush_offload()
+        t_flushed = time.perf_counter()
         with self._lock:
             inbox, self._inbox = self._inbox, []
             abort_ids, self._abort_ids = self._abort_ids, []
@@ -188,12 +208,14 @@ class LLMEngine:
             seq = self.scheduler.abort(request_id)
             if seq is not None:
                 outputs.append(self._output(seq))
+        t_added = time.perf_counter()
         batch = self.scheduler.schedule()
         offload = self.offload
+        t_scheduled = time.perf_counter()
+        elapsed = 0.0
         if batch:
-            started = time.perf_counter()
             sampled = self.runner.execute(batch)
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - t_scheduled
             self.scheduler.advance(batch)
             if offload is not None:
                 offload.save_computed(batch.seqs)  # before finished sequences free their blocks
@@ -203,6 +225,11 @@ class LLMEngine:
             offload.wait_for_progress(0.005)  # only restores in flight: no busy loop
         if offload is not None:
             self._offload_pending = True  # see flush_offload
+        self.last_step = StepTiming(
+            flush_s=t_flushed - t_start, add_s=t_added - t_flushed,
+            schedule_s=t_scheduled - t_added, execute_s=elapsed,
+            total_s=time.perf_counter() - t_start, num_seqs=len(batch.seqs),
+            num_tokens=batch.num_tokens, num_loading=self.scheduler.num_loading)
         with self._lock:
             for out in outputs:
                 if out.finished:

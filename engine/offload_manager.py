@@ -43,9 +43,9 @@ _RESIDENT_BATCH = 1024
 _MAX_BLOCK_WAIT_S = 5.0
 # The most one step spends waiting for lookup replies of requests it is admitting.
 _LOOKUP_WAIT_PER_STEP_S = 0.002
-# Not worth a store round trip (and the step the request then waits) when recomputing the
-# rest is expected to take less than this.
-_MIN_RECOMPUTE_TO_ASK_S = 0.002
+# The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
+# when recomputing its blocks is expected to take longer (and longer than a step, when busy).
+_MIN_RESTORE_S = 0.002
 
 
 @dataclass
@@ -61,6 +61,7 @@ class _Restore:
     lease_id: int | None = None
     num_hit: int = 0  # blocks the lookup found (0 until it answered)
     waiting_since: float | None = None  # when a reservation first failed for lack of blocks
+    busy: bool = True  # other requests were running when it asked (a restore sits out a step)
 
 
 @dataclass
@@ -117,13 +118,13 @@ class OffloadManager:
         return sum(1 for r in self._restores.values()
                    if r.load is None and r.waiting_since is not None)
 
-    def prefetch(self, seq: Sequence) -> None:
+    def prefetch(self, seq: Sequence, busy: bool) -> None:
         """On arrival: send the lookup for the blocks past the HBM hit now, so that its reply
         is usually back by the time the scheduler reaches the request (``start_restore`` then
-        goes on without waiting a step for it)."""
+        goes on without waiting a step for it). ``busy``: other requests are running."""
         if seq.request_id in self._prefetched or seq.request_id in self._restores:
             return
-        r = self._lookup(seq, len(self.bm.match_prefix(seq)))
+        r = self._lookup(seq, len(self.bm.match_prefix(seq)), busy)
         if r is not None:
             self._prefetched[seq.request_id] = r
             self.counters["lookups_at_arrival"] += 1
@@ -134,18 +135,20 @@ class OffloadManager:
         if r is not None:
             self._orphans.append(r.lookup)
 
-    def start_restore(self, seq: Sequence, num_hbm_hit_blocks: int) -> bool:
+    def start_restore(self, seq: Sequence, num_hbm_hit_blocks: int, busy: bool) -> bool:
         """Ask the store for the blocks past the HBM hit (or use the lookup sent on arrival);
-        True if ``seq`` now waits on it (LOADING), False if it goes on without the store."""
+        True if ``seq`` now waits on it (LOADING), False if it goes on without the store.
+        ``busy``: other requests are running (a restore makes ``seq`` sit out this step)."""
         r = self._prefetched.pop(seq.request_id, None)
         if r is not None and r.first_block != num_hbm_hit_blocks:  # the HBM hit moved since
             self._orphans.append(r.lookup)
             self.counters["lookups_at_arrival_stale"] += 1
             r = None
         if r is None:
-            r = self._lookup(seq, num_hbm_hit_blocks)
+            r = self._lookup(seq, num_hbm_hit_blocks, busy)
             if r is None:
                 return False
+        r.busy = busy
         self._restores[seq.request_id] = r
         seq.status = SequenceStatus.LOADING
         if not r.lookup.poll():
@@ -162,14 +165,16 @@ class OffloadManager:
         del self._restores[seq.request_id]
         return False  # a miss or declined: admitted now, without the store
 
-    def _lookup(self, seq: Sequence, first: int) -> _Restore | None:
+    def _lookup(self, seq: Sequence, first: int, busy: bool) -> _Restore | None:
         """Send the lookup of blocks ``first..`` (None: not worth asking, or no store)."""
         bs = self.block_size
         last = (seq.num_tokens - 1) // bs  # leave at least one token to compute
         if first >= last or not self.connector.available:
             return None
-        if not self.always_restore and self.restore_policy.expected_prefill_s(
-                (last - first) * bs) < _MIN_RECOMPUTE_TO_ASK_S:
+        # Not worth a round trip when even an instant load of every block asked for would lose
+        # to recomputing them (a lookup reply may also cost a bounded wait in the step).
+        if not self.always_restore and not self.restore_policy.restore_wins(
+                _MIN_RESTORE_S, (last - first) * bs, busy):
             self.counters["lookups_skipped_small"] += 1
             seq.offload_checked = True
             return None
@@ -234,8 +239,8 @@ class OffloadManager:
         r.lease_id, r.tiers = reply.lease_id, list(reply.tiers)
         num_hit = reply.num_hit
         tokens = num_hit * self.block_size
-        if not self.always_restore and (self._expected_load_s(r.tiers)
-                                        >= self.restore_policy.expected_prefill_s(tokens)):
+        if not self.always_restore and not self.restore_policy.restore_wins(
+                self._expected_load_s(r.tiers), tokens, r.busy):
             self.counters["restores_declined"] += 1  # recomputing is expected to be faster
             self._release(r)
             return False
@@ -365,9 +370,8 @@ class OffloadManager:
         self.counters["resident_published"] += len(items)
 
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
-        """Feed the prefill rate the restore decision compares against."""
-        if num_prefill_tokens >= 2 * self.block_size:
-            self.restore_policy.observe_prefill(num_prefill_tokens, seconds)
+        """Feed the step model the restore decision compares against."""
+        self.restore_policy.observe_step(num_prefill_tokens, seconds)
 
     def wait_for_progress(self, timeout_s: float) -> None:
         """Nothing to run but restores in flight: wait up to ``timeout_s`` for a store reply."""

@@ -66,7 +66,8 @@ class Scheduler:
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
         if self.offload is not None:
-            self.offload.prefetch(seq)  # the reply is usually in by the time seq is admitted
+            # the reply is usually in by the time seq is admitted
+            self.offload.prefetch(seq, busy=bool(self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self._by_id)
@@ -127,7 +128,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit_ids = bm.match_prefix(seq)
             if (self.offload is not None and not seq.offload_checked
-                    and self.offload.start_restore(seq, len(hit_ids))):
+                    and self.offload.start_restore(seq, len(hit_ids), bool(self.running))):
                 self.waiting.popleft()  # LOADING: the offload manager holds it until it lands
                 continue
             num_hit_tokens = len(hit_ids) * bm.block_size

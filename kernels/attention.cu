@@ -3,12 +3,16 @@
 // query rows, K/V tiles of 64 keys stream through shared memory (cp.async, double-buffered), scores
 // and P @ V run on tensor cores (mma.sync m16n8k16 bf16 -> f32), online softmax in the log2 domain.
 //
-//   paged_prefill  causal varlen GQA: one CTA per (query tile, query head). Row i of sequence b sits at position context_lens[b] - q_len + i and sees keys 0..position.
-//                  The CTA finds its (sequence, tile) by walking cu_seqlens; the grid is an upper
-//                  bound on the tile count, so no host sync. Late (heavier) tiles start first.
+//   paged_prefill  causal varlen GQA: one CTA per (query head, query tile, context split). Row i
+//                  of sequence b sits at position context_lens[b] - q_len + i and sees keys
+//                  0..position. The CTA finds its (sequence, tile) by walking cu_seqlens; the grid
+//                  is an upper bound on the tile count, so no host sync. Late (heavier) tiles
+//                  start first. With more than one split (a few new tokens over a long cached
+//                  prefix: too few tiles to fill the GPU) each CTA covers keys_per_split keys and
+//                  writes normalized partials that combine_splits merges, as decode does.
 //   paged_decode   one query per sequence: one warp per (context split, KV head, sequence); the
 //                  group's query heads are the warp's rows, so K/V are read once per KV head.
-//   combine_splits merges the decode splits' normalized partials by their (max, sum).
+//   combine_splits merges the splits' normalized partials by their (max, sum).
 //
 // HEAD_DIM (multiple of 16, <= 256) is a compile-time define, so are PREFILL_WARPS (4 or 8) and
 // PREFILL_MT (16-row MMA tiles per warp, 1 or 2): a CTA holds 16 x MT x WARPS query rows; and
@@ -340,9 +344,10 @@ __device__ __forceinline__ void load_kv_tile(bf16_t* sK, bf16_t* sV, const Arena
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
 paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
               const int* __restrict__ block_tables, const int* __restrict__ cu_seqlens,
-              const int* __restrict__ context_lens, bf16_t* __restrict__ out, int num_seqs,
-              int max_blocks_per_seq, int num_q_heads, int num_layers, int layer, int block_size,
-              int block_shift, int num_kv_heads, float scale_log2) {
+              const int* __restrict__ context_lens, bf16_t* __restrict__ out,
+              float* __restrict__ part_o, float* __restrict__ part_ml, int split_rows,
+              int num_seqs, int max_blocks_per_seq, int num_q_heads, int num_layers, int layer, int block_size,
+              int block_shift, int num_kv_heads, int keys_per_split, float scale_log2) {
     extern __shared__ uint4 smem_u4[];
     bf16_t* sQ = reinterpret_cast<bf16_t*>(smem_u4);
     bf16_t* sK0 = sQ + BM * STRIDE;
@@ -377,7 +382,21 @@ paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     const int rows = min(BM, q_len - row0);
     const int pos0 = context_len - q_len + row0;          // position of the tile's first row
     const int key_end = min(context_len, pos0 + rows);    // keys the tile's last row sees
-    const int num_key_tiles = (key_end + PBN - 1) / PBN;
+    // This CTA's keys: [key_lo, key_hi) of the split (everything with one split).
+    const int num_splits = gridDim.z;
+    const int key_lo = blockIdx.z * keys_per_split;
+    const int key_hi = num_splits == 1 ? key_end : min(key_end, key_lo + keys_per_split);
+    const long long num_rows_total = split_rows;  // rows (token x head) of one split's partials
+    if (key_lo >= key_hi) {  // the split lies past what this tile sees: empty partials
+        for (int r = tid; r < rows; r += PREFILL_THREADS) {
+            const long long idx = blockIdx.z * num_rows_total +
+                                  (long long)(q_start + row0 + r) * num_q_heads + head;
+            part_ml[idx * 2] = NEG_INF;
+            part_ml[idx * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    const int num_key_tiles = (key_hi - key_lo + PBN - 1) / PBN;
     const int kv_head = head / (num_q_heads / num_kv_heads);
     const Arena arena{kv, num_layers, layer, block_size, block_shift, num_kv_heads};
     const int* block_table = block_tables + (long long)seq * max_blocks_per_seq;
@@ -389,7 +408,8 @@ paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
             valid ? q + ((long long)(q_start + row0 + r) * num_q_heads + head) * D + ch * 8 : q;
         cp_async16(sQ + r * STRIDE + ch * 8, src, valid);
     }
-    load_kv_tile<PBN>(sK0, sV0, arena, block_table, kv_head, 0, key_end, tid, PREFILL_THREADS);
+    load_kv_tile<PBN>(sK0, sV0, arena, block_table, kv_head, key_lo, key_hi, tid,
+                      PREFILL_THREADS);
     cp_async_commit();
 
     float m[MT][2], l[MT][2];
@@ -413,24 +433,24 @@ paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         const bool odd = j & 1;
         if (j + 1 < num_key_tiles) {
             load_kv_tile<PBN>(odd ? sK0 : sK1, odd ? sV0 : sV1, arena, block_table, kv_head,
-                              (j + 1) * PBN, key_end, tid, PREFILL_THREADS);
+                              key_lo + (j + 1) * PBN, key_hi, tid, PREFILL_THREADS);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        const int key_base = j * PBN;
+        const int key_base = key_lo + j * PBN;
         const bf16_t* sK = odd ? sK1 : sK0;
         const bf16_t* sV = odd ? sV1 : sV0;
         // Skip a warp whose rows are all padding, or for which every key of the tile is in the
-        // future of all its rows.
+        // future of all its rows. Mask where the diagonal or the split's end cuts the tile.
         if (warp_row0 < rows && key_base <= warp_last_pos) {
-            if (key_base + PBN - 1 > pos0 + warp_row0)
-                attend_tile<MT, PBN, true>(sQ, sK, sV, warp_row0, key_base, key_end, pos,
+            if (key_base + PBN - 1 > pos0 + warp_row0 || key_base + PBN > key_hi)
+                attend_tile<MT, PBN, true>(sQ, sK, sV, warp_row0, key_base, key_hi, pos,
                                            scale_log2, m, l, o, lane);
             else
-                attend_tile<MT, PBN, false>(sQ, sK, sV, warp_row0, key_base, key_end, pos,
+                attend_tile<MT, PBN, false>(sQ, sK, sV, warp_row0, key_base, key_hi, pos,
                                             scale_log2, m, l, o, lane);
         }
         __syncthreads();  // the buffer read here is refilled by the next iteration's prefetch
@@ -445,12 +465,26 @@ paged_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         for (int i = 0; i < 2; ++i) {
             const int r = warp_row0 + 16 * mt + g + 8 * i;
             if (r >= rows) continue;
-            bf16_t* dst =
-                out + ((long long)(q_start + row0 + r) * num_q_heads + head) * D + 2 * t;
+            const long long row = (long long)(q_start + row0 + r) * num_q_heads + head;
+            if (num_splits == 1) {
+                bf16_t* dst = out + row * D + 2 * t;
 #pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt)
-                *reinterpret_cast<unsigned*>(dst + nt * 8) =
-                    pack_bf16x2(o[mt][nt][2 * i] * inv[i], o[mt][nt][2 * i + 1] * inv[i]);
+                for (int nt = 0; nt < D / 8; ++nt)
+                    *reinterpret_cast<unsigned*>(dst + nt * 8) =
+                        pack_bf16x2(o[mt][nt][2 * i] * inv[i], o[mt][nt][2 * i + 1] * inv[i]);
+            } else {
+                const long long idx = blockIdx.z * num_rows_total + row;
+                float* dst = part_o + idx * D + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < D / 8; ++nt) {
+                    dst[nt * 8] = o[mt][nt][2 * i] * inv[i];
+                    dst[nt * 8 + 1] = o[mt][nt][2 * i + 1] * inv[i];
+                }
+                if (t == 0) {
+                    part_ml[idx * 2] = m[mt][i];
+                    part_ml[idx * 2 + 1] = l[mt][i];
+                }
+            }
         }
     }
 }

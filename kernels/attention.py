@@ -15,6 +15,7 @@ _PREFILL_WARPS = 8  # with 32 query rows each (two MMA row tiles): 256-row tiles
 _PREFILL_MT = 2
 _PREFILL_BN = 64
 _SHORT_QUERY_ROWS = 128  # below this many query rows per sequence (on average): 16-row warps
+_MIN_SPLIT_TILES = 4  # key tiles a prefill context split covers at least
 _BN = 64  # keys per tile
 _MAX_DECODE_GROUP = 16  # query heads per KV head that one decode warp holds
 _LOG2E = 1.4426950408889634
@@ -65,16 +66,31 @@ def _check_common(q, kv_cache, layer: int, block_tables, context_lens):
     return shape
 
 
+def prefill_splits(num_ctas: int, max_keys: int, keys_per_tile: int = _PREFILL_BN
+                   ) -> tuple[int, int]:
+    """(num_splits, keys_per_split) for a prefill grid of ``num_ctas`` (heads x query tiles)
+    over contexts of at most ``max_keys``: split the context when the tiles alone fill less than
+    the GPU about four times over, keeping at least ``_MIN_SPLIT_TILES`` key tiles per split."""
+    num_tiles = max(1, -(-max_keys // keys_per_tile))
+    wanted = -(-4 * _num_sms() // max(1, num_ctas))
+    num_splits = max(1, min(wanted, num_tiles // _MIN_SPLIT_TILES))
+    keys_per_split = -(-num_tiles // num_splits) * keys_per_tile
+    return -(-max_keys // keys_per_split) if max_keys else 1, keys_per_split
+
+
 def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
                             scale: float, use_ldmatrix: bool = True,
                             num_warps: int = _PREFILL_WARPS, rows_per_warp: int | None = None,
-                            keys_per_tile: int = _PREFILL_BN):
+                            keys_per_tile: int = _PREFILL_BN, keys_per_split: int | None = None):
     """Causal varlen GQA attention of bf16 ``q[T, Hq, D]`` over the paged K/V -> ``[T, Hq, D]``.
     ``use_ldmatrix``, ``num_warps`` (4 or 8), ``rows_per_warp`` (16 or 32) and ``keys_per_tile``
     (32 or 64) pick kernel variants with the same results, for tests and tuning. By default long
     queries get 256-row tiles (8 warps of 32 rows) and short ones (a few new tokens over a long
     cached prefix: under 128 rows per sequence on average) 128-row tiles of 16-row warps, where
-    32-row warps would compute mostly padding against every key."""
+    32-row warps would compute mostly padding against every key. Short queries whose tiles are
+    too few to fill the GPU also get their context split over CTAs, the partials merged
+    (``prefill_splits``); ``keys_per_split`` (a multiple of ``keys_per_tile``) forces a split
+    size, for tests."""
     import cupy as cp
 
     q, block_tables = contiguous(q), contiguous(block_tables)
@@ -88,8 +104,8 @@ def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q,
     out = cp.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    short = num_tokens < _SHORT_QUERY_ROWS * num_seqs
     if rows_per_warp is None:
-        short = num_tokens < _SHORT_QUERY_ROWS * num_seqs
         rows_per_warp = 16 if short else 16 * _PREFILL_MT
     if num_warps not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, got {num_warps}")
@@ -106,12 +122,39 @@ def paged_attention_prefill(q, kv_cache, layer: int, block_tables, cu_seqlens_q,
     fn = _function("paged_prefill", head_dim, use_ldmatrix, smem, num_warps, rows_per_warp // 16,
                    keys_per_tile)
     _, num_layers, _, block_size, num_kv_heads, _ = shape
-    fn((num_q_heads, num_tiles), (32 * num_warps,),
-       (q, kv_cache, block_tables, cu_seqlens_q, context_lens, out, np.int32(num_seqs),
-        np.int32(block_tables.shape[1]), np.int32(num_q_heads), np.int32(num_layers),
-        np.int32(layer), np.int32(block_size), np.int32(_shift(block_size)),
-        np.int32(num_kv_heads), np.float32(scale * _LOG2E)), shared_mem=smem)
+    max_keys = block_tables.shape[1] * block_size  # the table's width bounds every context
+    if keys_per_split is None:  # long queries fill the GPU with their own tiles
+        num_splits, keys_per_split = prefill_splits(num_q_heads * num_tiles, max_keys,
+                                                    keys_per_tile) if short else (1, max_keys)
+    else:
+        if keys_per_split <= 0 or keys_per_split % keys_per_tile:
+            raise ValueError(f"keys_per_split {keys_per_split} must be a positive multiple of "
+                             f"keys_per_tile {keys_per_tile}")
+        num_splits = max(1, -(-max_keys // keys_per_split))
+    if num_splits > 65535:
+        raise ValueError(f"{num_splits} context splits are too many for one grid")
+    split_rows = num_tokens * num_q_heads
+    if num_splits > 1:
+        part_o = cp.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=FLOAT32)
+        part_ml = cp.empty((num_splits, num_tokens, num_q_heads, 2), dtype=FLOAT32)
+    else:
+        part_o = part_ml = np.uint64(0)  # unused null pointers
+    fn((num_q_heads, num_tiles, num_splits), (32 * num_warps,),
+       (q, kv_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_ml,
+        np.int32(split_rows), np.int32(num_seqs), np.int32(block_tables.shape[1]),
+        np.int32(num_q_heads), np.int32(num_layers), np.int32(layer), np.int32(block_size),
+        np.int32(_shift(block_size)), np.int32(num_kv_heads), np.int32(keys_per_split),
+        np.float32(scale * _LOG2E)), shared_mem=smem)
+    if num_splits > 1:
+        _combine(part_o, part_ml, out, num_splits, split_rows, head_dim, use_ldmatrix)
     return out
+
+
+def _combine(part_o, part_ml, out, num_splits: int, num_rows: int, head_dim: int,
+             use_ldmatrix: bool) -> None:
+    combine = _function("combine_splits", head_dim, use_ldmatrix, 0)
+    combine((num_rows,), (min(head_dim, 128),),
+            (part_o, part_ml, out, np.int32(num_splits), np.int32(num_rows)))
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int) -> tuple[int, int]:
@@ -159,7 +202,6 @@ def paged_attention_decode(q, kv_cache, layer: int, block_tables, context_lens, 
         np.int32(num_kv_heads), np.int32(keys_per_split), np.float32(scale * _LOG2E)),
        shared_mem=smem)
     if num_splits > 1:
-        combine = _function("combine_splits", head_dim, use_ldmatrix, 0)
-        combine((num_seqs * num_q_heads,), (min(head_dim, 128),),
-                (part_o, part_ml, out, np.int32(num_splits), np.int32(num_seqs * num_q_heads)))
+        _combine(part_o, part_ml, out, num_splits, num_seqs * num_q_heads, head_dim,
+                 use_ldmatrix)
     return out

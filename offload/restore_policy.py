@@ -1,14 +1,22 @@
 """Cost-aware restore: load a cached prefix only when it is expected to beat recomputing it.
 
 Both sides of the comparison are measured online: the store's bandwidth per tier from completed
-loads, the engine's prefill rate from the steps it runs. Until a side has been measured, its prior
-is used (priors lean towards restoring, since a restore that turns out slow is what measures it).
+loads, the engine's step time from the steps it runs. A step is modelled as a floor (what a step
+costs with no prefill: launches, decode rows, sampling) plus a marginal cost per prefill token.
+Recomputing ``n`` cached tokens costs the request ``n`` marginal token costs. A restore costs the
+load and, while other requests run, at least the step the request sits out: it joins the first
+step that starts after its blocks landed. So a restore wins when
+``max(load, step floor if busy) < n x marginal cost``. Until a side has been measured its prior is
+used (priors lean towards restoring, since a restore that turns out slow is what measures it).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+# Steps computing fewer prefill tokens than this measure the floor, not the marginal cost.
+_MIN_PREFILL_SAMPLE_TOKENS = 32
 
 
 @dataclass
@@ -22,7 +30,8 @@ class _Ema:
 
 
 class RestorePolicy:
-    """Online estimates of tier bandwidth and prefill speed, and the restore decision they imply."""
+    """Online estimates of tier bandwidth, step floor and per-token prefill cost, and the restore
+    decision they imply. Thread-safe."""
 
     def __init__(self, prior_bytes_per_s: dict[str, float], prior_prefill_tokens_per_s: float,
                  fixed_overhead_s: float = 0.0005, alpha: float = 0.2) -> None:
@@ -30,7 +39,8 @@ class RestorePolicy:
         self._alpha = alpha
         self._fixed_overhead_s = fixed_overhead_s
         self._bandwidth = {tier: _Ema(bw) for tier, bw in prior_bytes_per_s.items()}
-        self._prefill = _Ema(prior_prefill_tokens_per_s)
+        self._step_floor = _Ema(0.0)  # seconds of a step without prefill
+        self._token_cost = _Ema(1.0 / prior_prefill_tokens_per_s)  # seconds per prefill token
 
     def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
         """A load of ``num_bytes`` from ``tier`` completed in ``seconds`` (round trip included)."""
@@ -40,12 +50,19 @@ class RestorePolicy:
             ema = self._bandwidth.setdefault(tier, _Ema(num_bytes / seconds))
             ema.update(num_bytes / seconds, self._alpha)
 
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A prefill step computed ``num_tokens`` in ``seconds``."""
-        if num_tokens <= 0 or seconds <= 0:
+    def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
+        """A step that computed ``num_prefill_tokens`` prompt tokens (besides any decode rows)
+        took ``seconds``: a sample of the floor, or of the marginal cost above it."""
+        if seconds <= 0 or num_prefill_tokens < 0:
             return
         with self._lock:
-            self._prefill.update(num_tokens / seconds, self._alpha)
+            if num_prefill_tokens < _MIN_PREFILL_SAMPLE_TOKENS:
+                self._step_floor.update(seconds, self._alpha)
+                return
+            # What the step cost beyond its floor; never less than a tenth of it (a floor
+            # measured on larger decode batches than this step's must not make prefill free).
+            above = max(seconds - self._step_floor.value, 0.1 * seconds)
+            self._token_cost.update(above / num_prefill_tokens, self._alpha)
 
     def expected_load_s(self, tier: str, num_bytes: int) -> float:
         with self._lock:
@@ -55,16 +72,30 @@ class RestorePolicy:
         return self._fixed_overhead_s + num_bytes / bandwidth
 
     def expected_prefill_s(self, num_tokens: int) -> float:
+        """What computing ``num_tokens`` more prompt tokens adds to a step."""
         with self._lock:
-            return num_tokens / self._prefill.value
+            return num_tokens * self._token_cost.value
 
-    def should_restore(self, tier: str, num_tokens: int, num_bytes: int) -> bool:
-        """True when loading ``num_bytes`` from ``tier`` beats recomputing ``num_tokens``."""
+    def step_floor_s(self) -> float:
+        """The time of a step without prefill (0 until one was measured)."""
+        with self._lock:
+            return self._step_floor.value
+
+    def restore_wins(self, load_s: float, num_tokens: int, busy: bool) -> bool:
+        """True when a restore that takes ``load_s`` beats recomputing ``num_tokens``; ``busy``:
+        other requests are running, so the request also sits out the current step."""
         if num_tokens <= 0:
             return False
-        return self.expected_load_s(tier, num_bytes) < self.expected_prefill_s(num_tokens)
+        wait_s = max(load_s, self.step_floor_s()) if busy else load_s
+        return wait_s < self.expected_prefill_s(num_tokens)
+
+    def should_restore(self, tier: str, num_tokens: int, num_bytes: int,
+                       busy: bool = False) -> bool:
+        """True when loading ``num_bytes`` from ``tier`` beats recomputing ``num_tokens``."""
+        return self.restore_wins(self.expected_load_s(tier, num_bytes), num_tokens, busy)
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"bandwidth_bytes_per_s": {t: e.value for t, e in self._bandwidth.items()},
-                    "prefill_tokens_per_s": self._prefill.value}
+                    "prefill_tokens_per_s": 1.0 / self._token_cost.value,
+                    "step_floor_s": self._step_floor.value}

@@ -311,3 +311,38 @@ def test_paged_prefill_default_variant_matches_reference(cp, bf16, case) -> None
     tiles otherwise) against the reference."""
     got, want = _prefill_against_reference(cp, bf16, case, 9)
     assert_close(got, want, 2e-2)
+
+
+@pytest.mark.parametrize("keys_per_split,rows_per_warp,keys_per_tile",
+                         [(64, 16, 64), (128, 32, 64), (64, 16, 32), (96, 32, 32)])
+@pytest.mark.parametrize("case", PREFILL_CASES[:2] + PREFILL_CASES[3:])
+def test_paged_prefill_context_splits_match_reference(cp, bf16, case, keys_per_split: int,
+                                                      rows_per_warp: int,
+                                                      keys_per_tile: int) -> None:
+    """Contexts split over CTAs (forced small splits: the diagonal and the splits' ends cut
+    tiles, whole splits lie past short contexts) merge to the unsplit result."""
+    got, want = _prefill_against_reference(cp, bf16, case, 11, rows_per_warp=rows_per_warp,
+                                           keys_per_tile=keys_per_tile,
+                                           keys_per_split=keys_per_split)
+    assert_close(got, want, 2e-2)
+
+
+@pytest.mark.parametrize("case", [(16, [3000], [40], 32, 8, 128),
+                                  (16, [5000, 3000, 64], [40, 7, 64], 32, 8, 128)])
+def test_short_queries_over_long_contexts_split_by_default(cp, bf16, case) -> None:
+    """A warm chat turn (a few new tokens over a long cached prefix) fills the GPU by splitting
+    the context, and matches the reference."""
+    from kernels.attention import prefill_splits
+
+    block_size, lens, q_lens, num_q_heads = case[:4]
+    width = -(-max(lens) // block_size) * block_size
+    num_tiles = -(-sum(q_lens) // 128) + len(lens) - 1  # the launcher's short-query tiles
+    num_splits, _ = prefill_splits(num_q_heads * num_tiles, width)
+    assert num_splits > 1
+    got, want = _prefill_against_reference(cp, bf16, case, 12)
+    assert_close(got, want, 2e-2)
+
+
+def test_paged_prefill_rejects_a_split_that_is_not_whole_tiles(cp, bf16) -> None:
+    with pytest.raises(ValueError, match="keys_per_split"):
+        _prefill_against_reference(cp, bf16, PREFILL_CASES[0], 1, keys_per_split=40)

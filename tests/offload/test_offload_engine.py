@@ -169,7 +169,7 @@ def test_small_remainders_skip_the_store(tiny_model_dir, make_daemon, reference)
     prompt = _prompt(1000, 16 * 6 + 1, seed=15)
     _store_through_an_engine(tiny_model_dir, daemon, [prompt])
     reader = _offload_llm(tiny_model_dir, daemon)
-    reader.engine.offload.restore_policy.observe_prefill(10**9, 1.0)  # recompute looks instant
+    reader.engine.offload.restore_policy.observe_step(10**9, 1.0)  # recompute looks instant
     out = reader.generate([prompt], GREEDY)[0]
     stats = reader.engine.stats()["kv_offload"]
     _close(reader)
