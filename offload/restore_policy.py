@@ -1,9 +1,11 @@
 """Cost-aware restore: load a cached prefix only when it is expected to beat recomputing it.
 
 Both sides of the comparison are measured online: the store's bandwidth per tier from completed
-loads, the engine's step time from the steps it runs. A step is modelled as a floor (what a step
-costs with no prefill: launches, decode rows, sampling) plus a marginal cost per prefill token.
-Recomputing ``n`` cached tokens costs the request ``n`` marginal token costs. A restore costs the
+loads, the engine's step time from the steps it runs. A step without prefill costs a floor
+(decode rows, sampling). A step with prefill costs a fixed part (an eager forward's launches) plus
+a marginal cost per prefill token: the slope of a decayed least-squares line through recent
+prefill steps, so a few small host-bound steps do not make large prefills look slow. Recomputing
+``n`` cached tokens costs the request ``n`` marginal token costs. A restore costs the
 load and, while other requests run, at least the step the request sits out: it joins the first
 step that starts after its blocks landed. So a restore wins when
 ``max(load, step floor if busy) < n x marginal cost``. Until a side has been measured its prior is
@@ -17,6 +19,32 @@ from dataclasses import dataclass
 
 # Steps computing fewer prefill tokens than this measure the floor, not the marginal cost.
 _MIN_PREFILL_SAMPLE_TOKENS = 32
+# Weight kept by the older prefill samples per new one (about the last 20 steps count).
+_FIT_DECAY = 0.95
+
+
+class _LineFit:
+    """Decayed least squares of seconds against prefill tokens; ``slope`` is None until the
+    samples' token counts vary enough to tell slope from intercept."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = _FIT_DECAY
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
+        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
+
+    @property
+    def slope(self) -> float | None:
+        if self.w < 2:
+            return None
+        var = self.xx / self.w - (self.x / self.w) ** 2
+        mean = self.x / self.w
+        if var <= (0.25 * mean) ** 2:  # token counts too alike: the slope is noise
+            return None
+        slope = (self.xy / self.w - mean * self.y / self.w) / var
+        return slope if slope > 0 else None
 
 
 @dataclass
@@ -40,7 +68,9 @@ class RestorePolicy:
         self._fixed_overhead_s = fixed_overhead_s
         self._bandwidth = {tier: _Ema(bw) for tier, bw in prior_bytes_per_s.items()}
         self._step_floor = _Ema(0.0)  # seconds of a step without prefill
-        self._token_cost = _Ema(1.0 / prior_prefill_tokens_per_s)  # seconds per prefill token
+        # Seconds per prefill token above the floor, averaged: the fallback of the line's slope.
+        self._token_cost = _Ema(1.0 / prior_prefill_tokens_per_s)
+        self._line = _LineFit()
 
     def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
         """A load of ``num_bytes`` from ``tier`` completed in ``seconds`` (round trip included)."""
@@ -63,6 +93,11 @@ class RestorePolicy:
             # measured on larger decode batches than this step's must not make prefill free).
             above = max(seconds - self._step_floor.value, 0.1 * seconds)
             self._token_cost.update(above / num_prefill_tokens, self._alpha)
+            self._line.add(num_prefill_tokens, seconds)
+
+    def _seconds_per_token(self) -> float:
+        slope = self._line.slope
+        return slope if slope is not None else self._token_cost.value
 
     def expected_load_s(self, tier: str, num_bytes: int) -> float:
         with self._lock:
@@ -74,7 +109,7 @@ class RestorePolicy:
     def expected_prefill_s(self, num_tokens: int) -> float:
         """What computing ``num_tokens`` more prompt tokens adds to a step."""
         with self._lock:
-            return num_tokens * self._token_cost.value
+            return num_tokens * self._seconds_per_token()
 
     def step_floor_s(self) -> float:
         """The time of a step without prefill (0 until one was measured)."""
@@ -97,5 +132,5 @@ class RestorePolicy:
     def snapshot(self) -> dict:
         with self._lock:
             return {"bandwidth_bytes_per_s": {t: e.value for t, e in self._bandwidth.items()},
-                    "prefill_tokens_per_s": 1.0 / self._token_cost.value,
+                    "prefill_tokens_per_s": 1.0 / self._seconds_per_token(),
                     "step_floor_s": self._step_floor.value}

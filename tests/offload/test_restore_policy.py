@@ -1,0 +1,66 @@
+"""The restore decision's step model: floor, marginal prefill cost, busy vs idle."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload.restore_policy import RestorePolicy
+
+
+def _policy() -> RestorePolicy:
+    return RestorePolicy({"dram": 50e9}, prior_prefill_tokens_per_s=1e4)
+
+
+def test_priors_decide_until_measured() -> None:
+    policy = _policy()
+    assert policy.expected_prefill_s(1000) == pytest.approx(0.1)
+    assert policy.step_floor_s() == 0.0
+    assert policy.should_restore("dram", 1000, 100 * 2**20)  # ~2.6 ms load vs 100 ms
+    assert not policy.should_restore("dram", 16, 2**30)
+
+
+def test_small_host_bound_prefills_do_not_make_large_ones_look_slow() -> None:
+    policy = _policy()
+    for _ in range(10):
+        policy.observe_step(0, 0.005)  # decode steps: the floor
+    for tokens, seconds in [(40, 0.015), (2000, 0.045), (40, 0.014), (1000, 0.030),
+                            (40, 0.016), (2000, 0.046)]:
+        policy.observe_step(tokens, seconds)
+    assert policy.step_floor_s() == pytest.approx(0.005)
+    per_token = policy.expected_prefill_s(1000) / 1000
+    assert 10e-6 < per_token < 20e-6  # the line's slope, not (15 - 5) ms / 40 tokens
+    assert policy.snapshot()["prefill_tokens_per_s"] == pytest.approx(1 / per_token)
+
+
+def test_alike_prefill_sizes_fall_back_to_the_average_cost() -> None:
+    policy = _policy()
+    policy.observe_step(0, 0.005)
+    for _ in range(5):
+        policy.observe_step(100, 0.007)
+    assert policy.expected_prefill_s(100) == pytest.approx(0.002)
+
+
+def test_a_busy_engine_restores_only_what_beats_a_step() -> None:
+    policy = _policy()
+    policy.observe_step(0, 0.005)
+    for tokens, seconds in [(100, 0.0065), (2000, 0.035), (500, 0.0125)]:
+        policy.observe_step(tokens, seconds)
+    assert policy.expected_prefill_s(200) < policy.step_floor_s()
+    # 200 tokens: cheaper to recompute than to sit out a step, but idle a quick load wins.
+    assert not policy.restore_wins(0.001, 200, busy=True)
+    assert policy.restore_wins(0.001, 200, busy=False)
+    # 2,000 tokens: worth a step either way; a load slower than recomputing never is.
+    assert policy.restore_wins(0.006, 2000, busy=True)
+    assert not policy.restore_wins(1.0, 2000, busy=False)
+    assert not policy.restore_wins(0.0, 0, busy=False)
+
+
+def test_nonsense_samples_are_ignored() -> None:
+    policy = _policy()
+    policy.observe_step(100, 0.0)
+    policy.observe_step(-5, 1.0)
+    policy.observe_load("dram", 0, 1.0)
+    policy.observe_load("dram", 10, -1.0)
+    assert policy.expected_prefill_s(1000) == pytest.approx(0.1)
+    assert policy.step_floor_s() == 0.0
+    assert policy.expected_load_s("dram", 50 * 10**9) == pytest.approx(1.0005)
