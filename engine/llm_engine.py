@@ -85,6 +85,9 @@ class LLMEngine:
                                    config.max_num_batched_tokens)
         self.offload: OffloadManager | None = None
         self._offload_pending = False  # the last step's store work is still to do
+        # A mid-prefill chunk samples nothing, so its step returns before the device finished it
+        # and the next step's time includes the rest: only steps between syncs are timed.
+        self._last_step_synced = True
         if config.kv_offload:
             engine_id = f"{self.model_name}-{os.getpid()}-{id(self):x}"
             self.offload = make_offload_manager(
@@ -217,9 +220,12 @@ class LLMEngine:
             sampled = self.runner.execute(batch)
             elapsed = time.perf_counter() - t_scheduled
             self.scheduler.advance(batch)
+            synced = bool(sampled)  # reading sampled tokens waited for the step's device work
             if offload is not None:
                 offload.save_computed(batch.seqs)  # before finished sequences free their blocks
-                offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
+                if synced and self._last_step_synced:  # else device time leaks across steps
+                    offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
+            self._last_step_synced = synced
             outputs.extend(self._append_token(seq, token) for seq, token in sampled)
         elif offload is not None and offload.num_loading:
             offload.wait_for_progress(0.005)  # only restores in flight: no busy loop
