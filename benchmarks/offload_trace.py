@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.engine import _machine
+from benchmarks.multiturn import _pct
 from server.demo import start_embedded_daemon
 
 CONFIGS = {  # name: EngineConfig overrides
@@ -64,13 +65,6 @@ def make_users(args: argparse.Namespace, vocab: int) -> list[_User]:
                      for _ in range(args.rounds)]
         users.append(_User(system + history, questions))
     return users
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_config(args: argparse.Namespace, name: str, num_kv_blocks: int, dram_bytes: int) -> dict:

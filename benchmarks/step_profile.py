@@ -26,15 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.engine import _machine
-
-
-def _one_step(engine, prompt: list[int], tag: str, params) -> float:
-    started = time.perf_counter()
-    engine.add_request(tag, prompt, params)
-    while True:
-        for out in engine.step():
-            if out.request_id == tag and out.finished:
-                return time.perf_counter() - started
+from benchmarks.ttft_ladder import _ttft
 
 
 def _device_ms(engine, prompt: list[int], tag: str, params) -> float | None:
@@ -102,17 +94,17 @@ def profile_length(engine, length: int, args: argparse.Namespace, rng) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     vocab = engine.vocab_size
     prefix = rng.integers(10, vocab, length).tolist()
-    cold_s = _one_step(engine, prefix + [11], f"cold-{length}", params)
+    cold_s = _ttft(engine, prefix + [11], f"cold-{length}")[0]
 
     def turn(i: int) -> list[int]:
         return prefix + rng.integers(10, vocab, args.new_tokens).tolist()
 
-    walls = [_one_step(engine, turn(i), f"w-{length}-{i}", params) for i in range(args.reps)]
+    walls = [_ttft(engine, turn(i), f"w-{length}-{i}")[0] for i in range(args.reps)]
     device = [_device_ms(engine, turn(i), f"d-{length}-{i}", params) for i in range(args.reps)]
     split = _forward_split(engine, turn(0), f"f-{length}", params, args.reps)
     prof = cProfile.Profile()
     prof.enable()
-    _one_step(engine, turn(0), f"p-{length}", params)
+    _ttft(engine, turn(0), f"p-{length}")
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
