@@ -186,9 +186,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvengine make-model", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--out", required=True, type=Path, help="folder to write (created)")
+    summary = __doc__.split("\n")[0].replace("``", "")  # plain text in --help, not RST
+    parser = argparse.ArgumentParser(prog="kvengine make-model", description=summary)
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS),
+                        help="model shape; required, no default")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="folder to write (created); required, no default")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="weights dtype (default: the preset's)")

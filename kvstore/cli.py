@@ -10,12 +10,13 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from kvstore.cli_support import OneLineParser, add_version, package_version
 from kvstore.sizes import format_bytes, parse_size
 
 DEFAULT_DRAM = "1GiB"
@@ -28,12 +29,6 @@ EXIT_FAILURE = 1
 
 class UsageError(Exception):
     """A user mistake: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    # argparse prints the whole usage block before the error; we want one clear line.
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _size(text: str) -> int:
@@ -54,8 +49,9 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvstore", description="Tiered KV-cache block store daemon.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser = OneLineParser(prog="kvstore", description="Tiered KV-cache block store daemon.")
+    add_version(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
@@ -76,13 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ssd-io", choices=("auto", "direct", "buffered"), default="auto",
                        help="SSD IO mode: O_DIRECT when the filesystem takes it (auto), "
                             "required (direct), or page cache + fdatasync (buffered)")
-    serve.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT",
-                       help=f"admin HTTP address, or 'off' (default {DEFAULT_HTTP})")
+    serve.add_argument("--http", default=None, metavar="HOST:PORT",
+                       help=f"admin HTTP address, or 'off' (default {DEFAULT_HTTP}, or a free "
+                            "port on 127.0.0.1 when another daemon holds it)")
     serve.add_argument("--lease-ttl", type=_positive_float, default=30.0, metavar="SECONDS",
                        help="default lifetime of a lookup's lease (default 30)")
-    serve.add_argument("--eviction", choices=("lru", "fifo"), default="lru")
+    serve.add_argument("--eviction", choices=("lru", "fifo"), default="lru",
+                       help="which unpinned DRAM blocks make room first")
     serve.add_argument("--log-level", default="warning",
-                       choices=("debug", "info", "warning", "error"))
+                       choices=("debug", "info", "warning", "error"),
+                       help="log level of the daemon's loggers (stderr)")
     serve.add_argument("--cluster", default=None, metavar="redis://HOST:PORT/DB",
                        help="share blocks with other daemons through this Redis index "
                             "(Redis 6.2+, standalone; default: no cluster)")
@@ -93,13 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "port); the port is bound on every interface: firewall it")
     serve.add_argument("--advertise", default=None, metavar="HOST:PORT",
                        help="address peers dial, if not --listen's (needed with a wildcard "
-                            "--listen host or behind NAT)")
+                            "--listen host or behind NAT; default: --listen's address)")
 
     stats = sub.add_parser("stats", help="print a running daemon's stats")
     stats.add_argument("--http", default=None, metavar="URL",
-                       help="read /stats from the admin HTTP app (e.g. http://127.0.0.1:8791)")
+                       help="read /stats from the admin HTTP app, e.g. http://127.0.0.1:8791 "
+                            "(default: read over the control socket)")
     stats.add_argument("--socket", type=Path, default=None,
-                       help="read stats over the control socket (the default without --http)")
+                       help="read stats over this control socket (default: the daemon's default "
+                            "socket, when --http is not given)")
     stats.add_argument("--json", action="store_true", help="print the raw JSON")
 
     sub.add_parser("demo", add_help=False,
@@ -208,6 +209,9 @@ def _cluster_config(args: argparse.Namespace) -> Any:
 def _start_cluster(config: Any, store: Any) -> tuple[Any, bool]:
     """Start a ClusterNode over ``store``: (node, registered in Redis). OSError if the peer
     port cannot be bound."""
+    # ucxx sets UCX_MEMTYPE_CACHE itself, which this UCX no longer reads: without this, every
+    # daemon starts with a two-line "unused environment variable" warning.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     from kvstore.cluster_node import ClusterNode
     from kvstore.ucx_devices import restrict_to_listen_address
 
@@ -233,13 +237,18 @@ def _describe_cluster(config: Any, node: Any, registered: bool) -> str:
             f"{config.redis_port}/{config.redis_db}: {redis_state}")
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
+def _admin_server(factory: Any, service: Any, addr: tuple[str, int], explicit: bool) -> Any:
+    """The admin app on ``addr``; when the address is the default (not asked for) and another
+    daemon holds it, on a free port of the same host instead, with a warning."""
     try:
-        return version("kvstore")
-    except PackageNotFoundError:
-        return "unknown"
+        return factory(service, *addr)
+    except OSError as exc:
+        if explicit:
+            raise
+        admin = factory(service, addr[0], 0)
+        logging.getLogger("kvstore.cli").warning(
+            "%s (another daemon?); admin HTTP on %s instead (--http picks one)", exc, admin.url)
+        return admin
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -252,7 +261,8 @@ def _serve(args: argparse.Namespace) -> int:
         env = load_env_settings()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    http = None if args.http.lower() in ("off", "none", "") else args.http
+    http = DEFAULT_HTTP if args.http is None else args.http
+    http = None if http.lower() in ("off", "none", "") else http
     try:
         http_addr = parse_host_port(http) if http else None
     except ValueError as exc:
@@ -267,6 +277,9 @@ def _serve(args: argparse.Namespace) -> int:
     from kvstore.service import Service
     from kvstore.tiered_store import TieredStore
 
+    print(f"kvstore: allocating the {format_bytes(config.dram_bytes)} DRAM pool and faulting "
+          "it in (about a second per few GiB)...", flush=True)
+    started = time.monotonic()
     try:
         store = TieredStore(config)
     except (OSError, ValueError, MemoryError) as exc:
@@ -274,14 +287,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvstore: error: cannot set up the store{hint}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
-                      debug_hash_bits=env.debug_hash_bits, version=_version())
+                      debug_hash_bits=env.debug_hash_bits, version=package_version())
     daemon = Daemon(service, socket_path)
     admin = None
     cluster_line = None
     try:
         daemon.bind()
         if http_addr is not None:
-            admin = AdminServer(service, *http_addr)
+            admin = _admin_server(AdminServer, service, http_addr, explicit=args.http is not None)
         if cluster_config is not None:  # last: nothing after it can fail before serving
             node, registered = _start_cluster(cluster_config, store)
             service.attach_cluster(node)  # stopped by service.close(), before the store closes
@@ -290,6 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
         store.close()
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    print(f"kvstore: store ready in {time.monotonic() - started:.1f} s", flush=True)
     print(_describe_start(config, store.stats(), daemon.socket_path,
                           admin.url if admin else None), flush=True)
     if cluster_line is not None:
@@ -314,15 +328,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _fetch_stats(args: argparse.Namespace) -> dict:
     if args.http:
-        import httpx
+        import urllib.error
+        import urllib.request
 
         url = args.http if "://" in args.http else f"http://{args.http}"
         try:
-            response = httpx.get(url.rstrip("/") + "/stats", timeout=10.0)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
+            with urllib.request.urlopen(url.rstrip("/") + "/stats", timeout=10.0) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError) as exc:
             raise ConnectionError(f"cannot read stats from {url}: {exc}") from None
-        return response.json()
     from kvstore.client import Client
 
     with Client(args.socket, timeout_s=10.0) as client:
@@ -390,10 +404,25 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plugin_command(name: str) -> Any:
+    """The ``main(argv) -> int`` that a package registers as ``kvstore NAME`` (entry point group
+    ``kvstore.commands``), or None. The demo joins every part (daemon, engine, server); kvstore
+    never imports the engine, so the server package registers it."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="kvstore.commands"):
+        if entry.name == name:
+            return entry.load()
+    return None
+
+
 def _demo(argv: list[str]) -> int:
-    # The tour joins every part (daemon, engine, server); kvstore itself never imports the
-    # engine, so the demo runs as its own program from the server package.
-    return subprocess.call([sys.executable, "-m", "server.demo", *argv])
+    main_of_demo = _plugin_command("demo")
+    if main_of_demo is None:
+        print("kvstore demo: error: no package registers the demo (entry point group "
+              "kvstore.commands); install the project with `pip install -e .`", file=sys.stderr)
+        return EXIT_FAILURE
+    return int(main_of_demo(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

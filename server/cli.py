@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+
+from kvstore.cli_support import OneLineParser, add_version
 
 
 def _positive_int(text: str) -> int:
@@ -52,32 +55,45 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `kvengine`."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvengine", description="An inference engine with a tiered KV-cache store.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_version(parser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=OneLineParser)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", required=True, help="model folder (config.json, "
-                       "*.safetensors, tokenizer.json)")
-    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000)
+                       "*.safetensors, tokenizer.json); required")
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where the model runs; auto takes the GPU when CuPy sees one")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_port, default=8000,
+                       help="port to listen on; 0 picks a free one")
     serve.add_argument("--kv-offload", action="store_true",
                        help="load cached prefixes from the kvstore daemon and save new blocks")
     serve.add_argument("--kv-store-socket", default=None, help="the daemon's socket "
                        "(default: $KVSTORE_SOCKET, else the per-user default)")
     serve.add_argument("--kv-offload-policy", choices=("write-through", "evict"),
-                       default="write-through")
+                       default="write-through",
+                       help="save full blocks after the step that computed them "
+                       "(write-through), or only when the engine evicts them (evict)")
     serve.add_argument("--no-kv-offload-share-hbm", dest="kv_offload_share_hbm",
                        action="store_false",
                        help="do not offer this engine's cached blocks to other engines on the "
                        "same daemon (the store's HBM tier)")
     serve.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                        help="KV blocks to allocate (default: from --gpu-memory-utilization)")
-    serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
-    serve.add_argument("--block-size", type=_positive_int, default=16)
-    serve.add_argument("--max-model-len", type=_positive_int, default=None)
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                       help="fraction of GPU memory the engine may take (weights + KV arena)")
+    serve.add_argument("--block-size", type=_positive_int, default=16,
+                       help="tokens per KV block")
+    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="longest prompt + completion in tokens (default: the model's "
+                       "max_position_embeddings, capped by the KV arena)")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                       help="requests running at once")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                       help="tokens computed per step (default: the engine's chunked-prefill "
+                       "budget)")
     serve.add_argument("--max-queue", type=_non_negative_int, default=None,
                        help="requests admitted beyond --max-num-seqs before answering 503 "
                        "(default: 2 x --max-num-seqs)")
@@ -85,12 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                        action="store_false", help="turn the HBM prefix cache off")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="GPU: launch every decode kernel from Python (no CUDA graphs)")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name in the API (default: the model folder's name)")
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="require `Authorization: Bearer KEY`; repeat for several keys "
-                       "(each key is its own cache tenant)")
+                       help="require 'Authorization: Bearer KEY'; repeat for several keys "
+                       "(each key is its own cache tenant; default: no key)")
     serve.add_argument("--log-level", default="warning",
-                       choices=("critical", "error", "warning", "info", "debug"))
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="log level (stderr)")
     commands.add_parser("make-model", add_help=False,
                         help="write a random-weight model folder (see make-model --help)")
     return parser
@@ -182,9 +200,16 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                   api_keys=tuple(args.api_key or ()), max_queue=args.max_queue)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
+    try:  # bound before the model loads: a busy port costs a second, not a model load
+        listener = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"kvengine: error: cannot listen on {args.host}:{args.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
     try:
         engine = _load_engine(config)
     except (OSError, ValueError, NotImplementedError) as exc:
+        listener.close()
         print(f"kvengine: error: cannot start the engine on {args.model}: {exc}",
               file=sys.stderr)
         return 1
@@ -200,7 +225,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # turns that into an exception so the engine below is closed (its KV arena freed).
         previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}
         try:
-            server.run()
+            server.run(sockets=[listener])
         except _Stopped:
             pass
         finally:
@@ -208,7 +233,23 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 signal.signal(sig, handler)
         return 0 if server.started else 1
     finally:
+        listener.close()
         engine.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 when the host is one); OSError if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> int:

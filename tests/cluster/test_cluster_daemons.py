@@ -248,3 +248,9 @@ def test_cluster_flags_are_checked_and_nothing_is_imported_without_them(tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=30, check=True, cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]"
+
+
+def test_a_cluster_daemon_starts_without_ucx_warnings(start_nodes):
+    # ucxx sets UCX_MEMTYPE_CACHE, which UCX no longer reads: its warning must not reach users.
+    (daemon,) = start_nodes("quiet")
+    assert not [line for line in daemon.lines if "UCX" in line and "WARN" in line], daemon.lines

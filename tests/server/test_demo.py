@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,3 +31,25 @@ def test_demo_rejects_bad_flags(tmp_path: Path) -> None:
          str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--users" in proc.stderr
+
+
+def _turn_rows(stdout: str) -> list[tuple[str, int, float, float]]:
+    """(label, cached tokens, TTFT ms, cold ms) of each row of the demo's table."""
+    row = re.compile(r"^\s*(turn \d+|restart)\s+\d+\s+\d+\s+(\d+)\s+\S+\s+([\d.]+)\s+([\d.]+)")
+    return [(m[1], int(m[2]), float(m[3]), float(m[4]))
+            for m in map(row.match, stdout.splitlines()) if m]
+
+
+@pytest.mark.gpu
+def test_gpu_demo_cached_turns_beat_their_cold_prefill(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "demo", "--device", "cuda", "--cache-dir",
+         str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "warm-up" in proc.stdout
+    rows = _turn_rows(proc.stdout)
+    cached = [r for r in rows if r[1] > 0]
+    assert len(rows) == 15 and len(cached) >= 12, proc.stdout
+    slower = [r for r in cached if r[2] >= r[3]]
+    assert not slower, f"cached turns not faster than cold: {slower}"
