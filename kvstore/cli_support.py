@@ -7,7 +7,7 @@ import argparse
 from typing import NoReturn
 
 EXIT_USAGE = 2
-DISTRIBUTION = "kvstore"
+DISTRIBUTION = "kvstore-tiered"  # "kvstore" on PyPI is an unrelated project
 
 
 def package_version() -> str:

@@ -43,6 +43,7 @@ def test_help_renders_without_rst_markup() -> None:
 
 
 def test_version() -> None:
+    assert package_version() != "unknown"  # the distribution (kvstore-tiered) is installed
     out = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == f"kvstore {package_version()}"
 
