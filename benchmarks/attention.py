@@ -29,6 +29,7 @@ import numpy as np
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PREFIX_HIT_QUERY = 512
+PREFILL_GRAPH_CALLS = 5
 
 
 def _median_ms(cp, fn, reps: int) -> float:
@@ -50,6 +51,20 @@ def _graph_ms(cp, fn, reps: int, calls: int) -> float:
     from kernels.cuda_graph import GraphCapturer
 
     graph = GraphCapturer().capture(lambda: [fn() for _ in range(calls)][-1])
+    return _median_ms(cp, graph.replay, reps) / calls
+
+
+def _torch_graph_ms(cp, torch, fn, reps: int, calls: int) -> float:
+    """Per-call time of ``calls`` torch calls captured in one CUDA graph (torch's own capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     return _median_ms(cp, graph.replay, reps) / calls
 
 
@@ -82,33 +97,63 @@ def _bench_prefill(cp, bf16, torch, rng, cudnn_attn, length: int, q_len: int, re
     ctx = cp.asarray(np.array([length], dtype=np.int32))
     args = (q, kv, 0, tables, cu, ctx, scale)
     ours_out = paged_attention_prefill(*args)
-    row: dict = {"ours_ms": _median_ms(cp, lambda: paged_attention_prefill(*args), reps)}
-    if cudnn_attn is not None:
+    row: dict = {"ours_ms": _median_ms(cp, lambda: paged_attention_prefill(*args), reps),
+                 "ours_graph_ms": _graph_ms(cp, lambda: paged_attention_prefill(*args), reps,
+                                            PREFILL_GRAPH_CALLS)}
+    # cuDNN both ways: K/V gathered into dense buffers first (the engine's choice for long
+    # queries), and read through the page tables in place
+    for name, gather in (("cudnn", True), ("cudnn_paged", False)):
+        if cudnn_attn is None:
+            break
+        cudnn_attn.gather = gather
         start = time.perf_counter()
         out = cudnn_attn.run_prefill(*args, q_len)
         cp.cuda.Device().synchronize()
-        row["cudnn_first_call_ms"] = (time.perf_counter() - start) * 1e3  # graph build
+        row[f"{name}_first_call_ms"] = (time.perf_counter() - start) * 1e3  # graph build
         if out is None:
-            row["cudnn_refused"] = list(cudnn_attn.refusals.values())[-1]
-        else:
-            row["cudnn_rel_err_vs_ours"] = _rel_err(cp, out, ours_out)
-            row["cudnn_ms"] = _median_ms(cp, lambda: cudnn_attn.run_prefill(*args, q_len), reps)
+            row[f"{name}_refused"] = list(cudnn_attn.refusals.values())[-1]
+            continue
+        row[f"{name}_rel_err_vs_ours"] = _rel_err(cp, out, ours_out)
+        row[f"{name}_ms"] = _median_ms(cp, lambda: cudnn_attn.run_prefill(*args, q_len), reps)
+        row[f"{name}_graph_ms"] = _graph_ms(cp, lambda: cudnn_attn.run_prefill(*args, q_len),
+                                            reps, PREFILL_GRAPH_CALLS)
+    if cudnn_attn is not None:
+        cudnn_attn.gather = True
+        from kernels.gather_kv import gather_kv
+
+        width = 1 << max(0, tables.shape[1] - 1).bit_length()
+        padded = cp.zeros((1, width), dtype=cp.int32)
+        padded[:, :tables.shape[1]] = tables
+        row["gather_ms"] = _median_ms(cp, lambda: gather_kv(kv, 0, padded), reps)
     F = torch.nn.functional
     tq = torch.randn(1, NUM_Q_HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     tk = torch.randn(1, NUM_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     tv = torch.randn_like(tk)
     # is_causal in torch is top-left aligned: only the full square (q_len == length) matches
     # the engine's mask; the prefix-hit shape times SDPA over all keys (an upper bound)
-    row["sdpa_ms"] = _median_ms(cp, lambda: F.scaled_dot_product_attention(
-        tq, tk, tv, is_causal=q_len == length, enable_gqa=True), reps)
+    def sdpa():
+        return F.scaled_dot_product_attention(tq, tk, tv, is_causal=q_len == length,
+                                              enable_gqa=True)
+
+    row["sdpa_ms"] = _median_ms(cp, sdpa, reps)
+    row["sdpa_graph_ms"] = _torch_graph_ms(cp, torch, sdpa, reps, PREFILL_GRAPH_CALLS)
     keys = length * q_len - q_len * (q_len - 1) / 2  # (query, key) pairs under the mask
     flops = 4 * keys * NUM_Q_HEADS * HEAD_DIM
-    for name in ("ours", "cudnn", "sdpa"):
+    return _ratios(row, flops, "tflops", 1e9, "throughput")
+
+
+def _ratios(row: dict, work: float, unit: str, per_ms: float, what: str) -> dict:
+    """Rates of every timed variant; each implementation's best time (eager or graph) over
+    SDPA's best, and eager over eager."""
+    for key in [k for k in row if k.endswith("_ms") and "first_call" not in k]:
+        if not key.startswith("gather"):
+            row[key[:-3] + "_" + unit] = work / row[key] / per_ms
+    best_sdpa = min(row["sdpa_ms"], row["sdpa_graph_ms"])
+    for name in ("ours", "cudnn", "cudnn_paged"):
         if f"{name}_ms" in row:
-            row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
-    if "cudnn_ms" in row:
-        row["cudnn_vs_sdpa_throughput"] = row["sdpa_ms"] / row["cudnn_ms"]
-    row["ours_vs_sdpa_throughput"] = row["sdpa_ms"] / row["ours_ms"]
+            best = min(row[f"{name}_ms"], row.get(f"{name}_graph_ms", float("inf")))
+            row[f"{name}_vs_sdpa_{what}"] = best_sdpa / best
+            row[f"{name}_vs_sdpa_{what}_eager"] = row["sdpa_ms"] / row[f"{name}_ms"]
     return row
 
 
@@ -144,18 +189,13 @@ def _bench_decode(cp, bf16, torch, rng, cudnn_attn, length: int, num_seqs: int, 
     tk = torch.randn(num_seqs, NUM_KV_HEADS, length, HEAD_DIM, device="cuda",
                      dtype=torch.bfloat16)
     tv = torch.randn_like(tk)
-    row["sdpa_ms"] = _median_ms(cp, lambda: F.scaled_dot_product_attention(
-        tq, tk, tv, enable_gqa=True), args.reps)
+    def sdpa():
+        return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+    row["sdpa_ms"] = _median_ms(cp, sdpa, args.reps)
+    row["sdpa_graph_ms"] = _torch_graph_ms(cp, torch, sdpa, args.reps, args.graph_calls)
     kv_bytes = 2 * num_seqs * length * NUM_KV_HEADS * HEAD_DIM * 2
-    for name in ("ours", "ours_graph", "cudnn", "cudnn_graph", "sdpa"):
-        if f"{name}_ms" in row:
-            row[f"{name}_kv_gbps"] = kv_bytes / row[f"{name}_ms"] / 1e6
-    best_ours = min(row["ours_ms"], row["ours_graph_ms"])
-    row["ours_vs_sdpa_bandwidth"] = row["sdpa_ms"] / best_ours
-    if "cudnn_ms" in row:
-        row["cudnn_vs_sdpa_bandwidth"] = row["sdpa_ms"] / min(
-            row["cudnn_ms"], row.get("cudnn_graph_ms", float("inf")))
-    return row
+    return _ratios(row, kv_bytes, "kv_gbps", 1e6, "bandwidth")
 
 
 def bench(args: argparse.Namespace) -> dict:

@@ -1,7 +1,8 @@
 """Which attention implementation serves each phase, from ``KVSTORE_ATTENTION``.
 
-``auto`` (the default): cuDNN's fused SDPA for prefill (2-2.5x our kernel on an H100), our
-flash-decoding kernel for decode; ``cudnn``: cuDNN for both; ``ours``: our kernels only. A
+``auto`` (the default) and ``cudnn``: cuDNN's fused SDPA for prefill and decode (on an H100 2x
+our prefill kernel at 16k, and 1.6-2x our decode kernel at batch 32-128, replayed from CUDA
+graphs: benchmarks/results/attention-cudnn-h100-2026-11-25.json); ``ours``: our kernels only. A
 backend that cannot load cuDNN serves every phase with our kernels and says so
 (``Ops.attention_backend``).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 
 _CHOICES = {
-    "auto": {"prefill": "cudnn", "decode": "ours"},
+    "auto": {"prefill": "cudnn", "decode": "cudnn"},
     "cudnn": {"prefill": "cudnn", "decode": "cudnn"},
     "ours": {"prefill": "ours", "decode": "ours"},
 }

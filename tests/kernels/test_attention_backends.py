@@ -8,12 +8,12 @@ from kernels import make_ops
 from kernels.attention_backends import wanted_backends
 
 
-def test_auto_is_cudnn_prefill_and_our_decode(monkeypatch) -> None:
+def test_auto_is_cudnn_for_both(monkeypatch) -> None:
     monkeypatch.delenv("KVSTORE_ATTENTION", raising=False)
-    assert wanted_backends() == {"prefill": "cudnn", "decode": "ours"}
-    assert wanted_backends(" Ours ") == {"prefill": "ours", "decode": "ours"}
-    monkeypatch.setenv("KVSTORE_ATTENTION", "cudnn")
     assert wanted_backends() == {"prefill": "cudnn", "decode": "cudnn"}
+    assert wanted_backends(" Ours ") == {"prefill": "ours", "decode": "ours"}
+    monkeypatch.setenv("KVSTORE_ATTENTION", "ours")
+    assert wanted_backends() == {"prefill": "ours", "decode": "ours"}
 
 
 def test_an_unknown_choice_is_refused(monkeypatch) -> None:
