@@ -140,7 +140,7 @@ def _bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int, eager: bo
                 decode_only: bool, prefill_only: bool) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    max_len = max(args.lengths) + args.decode_steps + 8
+    max_len = max(*args.lengths, args.decode_context) + args.decode_steps + 8
     batch = max(args.decode_batch)
     config = EngineConfig(str(model_dir), device=args.device, enable_prefix_caching=False,
                           max_num_batched_tokens=max(args.lengths), max_model_len=max_len,
@@ -163,8 +163,8 @@ def _bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int, eager: bo
         for num_seqs in [] if prefill_only else args.decode_batch:
             params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
             for _ in range(num_seqs):
-                engine.add_request(f"d{next(counter)}", rng.integers(3, vocab, 128).tolist(),
-                                   params)
+                engine.add_request(f"d{next(counter)}",
+                                   rng.integers(3, vocab, args.decode_context).tolist(), params)
             engine.step()  # the prefills
             times = []
             for _ in range(args.decode_steps):
@@ -215,6 +215,16 @@ def bench_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
     return result
 
 
+def _release_gpu_memory(device: str) -> None:
+    if device == "cuda":
+        import gc
+
+        import cupy
+
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model folder (default: make-model --preset)")
@@ -225,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--decode-batch", default="1", help="comma-separated batch sizes")
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-context", type=int, default=128,
+                        help="prompt tokens of each decoding sequence (its KV read every step)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -248,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                    *(argv if argv is not None else sys.argv[1:])]),
               "ours": bench_ours(model_dir, args, vocab)}
     if args.compare_attention:
+        _release_gpu_memory(args.device)  # the next engine sizes its arena from free memory
         report["ours_attention_ours"] = bench_ours(model_dir, args, vocab, attention="ours")
     if args.compare_eager:
         report["ours_eager"] = bench_ours(model_dir, args, vocab, eager=True, decode_only=True)
@@ -258,13 +271,21 @@ def main(argv: list[str] | None = None) -> int:
             "weight_bytes": weight_bytes, "hbm_copy_gbs": round(bandwidth, 1),
             "bound_ms": round(2 * weight_bytes / (bandwidth * 1e9) * 1e3, 2),
             "batch1_ms": round(report["ours"]["decode_step_ms"].get("1", float("nan")), 2)}
-    if args.device == "cuda":  # hand our cached blocks back so torch can have the memory
-        import gc
-
-        import cupy
-
-        gc.collect()
-        cupy.get_default_memory_pool().free_all_blocks()
+        # issue 17: a decode step <= 1.3 x (weight bytes + KV bytes read) / HBM bandwidth
+        config = json.loads((model_dir / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        kv_token_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] \
+            * head_dim * 2
+        context = args.decode_context + args.decode_steps // 2  # the median step's context
+        report["decode_kv_bound"] = {}
+        for b, ms in report["ours"]["decode_step_ms"].items():
+            kv_bytes = int(b) * context * kv_token_bytes
+            bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+            report["decode_kv_bound"][b] = {"context": context, "kv_bytes": kv_bytes,
+                                            "bound_ms": round(bound, 2),
+                                            "step_ms": round(ms, 2),
+                                            "ratio": round(ms / bound, 3)}
+    _release_gpu_memory(args.device)  # hand our cached blocks back so torch can have them
     if not args.no_hf:
         report["hf_sdpa"] = bench_hf(model_dir, args, vocab)
         # the cold-prefill target: ours <= 0.75 x HF (sdpa), same run
