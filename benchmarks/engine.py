@@ -161,11 +161,21 @@ def _bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int, eager: bo
         for length in [] if decode_only else args.lengths:
             result["prefill_ms"][str(length)] = _median_ms(lambda n=length: prefill(n), args.reps)
         for num_seqs in [] if prefill_only else args.decode_batch:
-            params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
+            # long prompts prefill over several steps, and the sequences already prefilled
+            # decode meanwhile: leave them tokens enough to still decode in the timed steps
+            prefill_steps = num_seqs * (-(-args.decode_context // max(args.lengths)) + 1)
+            params = SamplingParams(max_tokens=args.decode_steps + 2 + prefill_steps,
+                                    ignore_eos=True)
             for _ in range(num_seqs):
                 engine.add_request(f"d{next(counter)}",
                                    rng.integers(3, vocab, args.decode_context).tolist(), params)
-            engine.step()  # the prefills
+            started: set[str] = set()
+            for _ in range(prefill_steps + 10):  # the prefills, bounded
+                started.update(out.request_id for out in engine.step() if out.token_ids)
+                if len(started) == num_seqs:
+                    break
+            else:
+                raise RuntimeError(f"{num_seqs - len(started)} prompts did not finish prefill")
             times = []
             for _ in range(args.decode_steps):
                 start = time.perf_counter()
