@@ -147,7 +147,7 @@ def _bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int, eager: bo
                           max_num_seqs=max(batch, 1), num_kv_blocks=args.num_kv_blocks,
                           enforce_eager=eager)
     rng = np.random.default_rng(0)
-    result: dict = {"prefill_ms": {}, "decode_step_ms": {}}
+    result: dict = {"prefill_ms": {}, "decode_step_ms": {}, "decode_rows_min": {}}
     with LLMEngine(config) as engine:
         result["attention_backend"] = engine.runner.attention_backend
         counter = iter(range(10**9))
@@ -176,14 +176,17 @@ def _bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int, eager: bo
                     break
             else:
                 raise RuntimeError(f"{num_seqs - len(started)} prompts did not finish prefill")
-            times = []
+            times, rows = [], []
             for _ in range(args.decode_steps):
                 start = time.perf_counter()
-                engine.step()
+                rows.append(sum(bool(out.new_token_ids) for out in engine.step()))
                 times.append((time.perf_counter() - start) * 1e3)
             while engine.has_unfinished_requests():
                 engine.step()
             result["decode_step_ms"][str(num_seqs)] = statistics.median(times[1:] or times)
+            # fewer rows than sequences: the arena could not hold them all (preemption), and
+            # the step time is not that batch's
+            result["decode_rows_min"][str(num_seqs)] = min(rows)
     result["decode_tokens_per_s"] = {b: round(int(b) * 1e3 / ms)
                                      for b, ms in result["decode_step_ms"].items()}
     return result
