@@ -100,23 +100,30 @@ def _bench_prefill(cp, bf16, torch, rng, cudnn_attn, length: int, q_len: int, re
     row: dict = {"ours_ms": _median_ms(cp, lambda: paged_attention_prefill(*args), reps),
                  "ours_graph_ms": _graph_ms(cp, lambda: paged_attention_prefill(*args), reps,
                                             PREFILL_GRAPH_CALLS)}
-    # cuDNN both ways: K/V gathered into dense buffers first (the engine's choice for long
-    # queries), and read through the page tables in place
-    for name, gather in (("cudnn", True), ("cudnn_paged", False)):
+    # cuDNN three ways: the engine's (K/V gathered dense, one sequence at its exact sizes: the
+    # host knows its context), gathered dense with a padding mask (context unknown), and read
+    # through the page tables in place
+    for name, gather, context in (("cudnn", True, length), ("cudnn_padded", True, None),
+                                  ("cudnn_paged", False, None)):
         if cudnn_attn is None:
             break
         cudnn_attn.gather = gather
+
+        def run(context=context):
+            return cudnn_attn.run_prefill(*args, q_len, context)
+
         start = time.perf_counter()
-        out = cudnn_attn.run_prefill(*args, q_len)
+        out = run()
         cp.cuda.Device().synchronize()
         row[f"{name}_first_call_ms"] = (time.perf_counter() - start) * 1e3  # graph build
         if out is None:
             row[f"{name}_refused"] = list(cudnn_attn.refusals.values())[-1]
             continue
         row[f"{name}_rel_err_vs_ours"] = _rel_err(cp, out, ours_out)
-        row[f"{name}_ms"] = _median_ms(cp, lambda: cudnn_attn.run_prefill(*args, q_len), reps)
-        row[f"{name}_graph_ms"] = _graph_ms(cp, lambda: cudnn_attn.run_prefill(*args, q_len),
-                                            reps, PREFILL_GRAPH_CALLS)
+        row[f"{name}_ms"] = _median_ms(cp, run, reps)
+        row[f"{name}_graph_ms"] = _graph_ms(cp, run, reps, PREFILL_GRAPH_CALLS)
+    if cudnn_attn is not None:
+        row["cudnn_calls_by_path"] = {str(k): n for k, n in cudnn_attn.calls.items()}
     if cudnn_attn is not None:
         cudnn_attn.gather = True
         from kernels.gather_kv import gather_kv
@@ -149,7 +156,7 @@ def _ratios(row: dict, work: float, unit: str, per_ms: float, what: str) -> dict
         if not key.startswith("gather"):
             row[key[:-3] + "_" + unit] = work / row[key] / per_ms
     best_sdpa = min(row["sdpa_ms"], row["sdpa_graph_ms"])
-    for name in ("ours", "cudnn", "cudnn_paged"):
+    for name in ("ours", "cudnn", "cudnn_padded", "cudnn_paged"):
         if f"{name}_ms" in row:
             best = min(row[f"{name}_ms"], row.get(f"{name}_graph_ms", float("inf")))
             row[f"{name}_vs_sdpa_{what}"] = best_sdpa / best

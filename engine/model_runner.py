@@ -65,7 +65,11 @@ class ModelRunner:
         views = layout.views(self.ops.to_device(host))
         views["logits_indices"] = views["logits_indices"][: len(sampling)]
         forward_batch = ForwardBatch(is_decode=all(n == 1 for n in batch.num_new_tokens),
-                                     max_query_len=max(batch.num_new_tokens), **views)
+                                     max_query_len=max(batch.num_new_tokens),
+                                     max_context_len=max(seq.num_computed_tokens + n for seq, n
+                                                         in zip(batch.seqs,
+                                                                batch.num_new_tokens)),
+                                     **views)
         return forward_batch, sampling
 
     def forward(self, forward_batch: ForwardBatch) -> Array:

@@ -112,10 +112,10 @@ class CupyOps(Ops):
                                        positions, cos_sin_cache, kv_cache, layer, slot_mapping)
 
     def paged_attention_prefill(self, q, kv_cache, layer, block_tables, cu_seqlens_q,
-                                context_lens, scale, max_query_len=None):
+                                context_lens, scale, max_query_len=None, max_context_len=None):
         if self._cudnn is not None and self.attention_backends["prefill"] == "cudnn":
             out = self._cudnn.run_prefill(q, kv_cache, layer, block_tables, cu_seqlens_q,
-                                          context_lens, scale, max_query_len)
+                                          context_lens, scale, max_query_len, max_context_len)
             if out is not None:
                 return out
             self.num_attention_fallbacks += 1

@@ -40,7 +40,7 @@ class NumpyOps(Ops):
     silu_and_mul = staticmethod(reference.silu_and_mul)
     write_kv = staticmethod(reference.write_kv)
     def paged_attention_prefill(self, q, kv_cache, layer, block_tables, cu_seqlens_q,
-                                context_lens, scale, max_query_len=None):
+                                context_lens, scale, max_query_len=None, max_context_len=None):
         return reference.paged_attention_prefill(q, kv_cache, layer, block_tables, cu_seqlens_q,
                                                  context_lens, scale)
 

@@ -145,10 +145,11 @@ class Ops(ABC):
         context_lens: Array,
         scale: float,
         max_query_len: int | None = None,
+        max_context_len: int | None = None,
     ) -> Array:
         """Causal varlen GQA attention over paged K/V (prefix included) -> ``[T, Hq, D]``.
-        ``max_query_len``: the most query rows of one sequence, when the host knows it (a bound
-        that sizes library graphs; None means ``T``)."""
+        ``max_query_len`` / ``max_context_len``: the most query rows / context tokens of one
+        sequence, when the host knows them (they size library graphs; None: unknown)."""
 
     @abstractmethod
     def paged_attention_decode(

@@ -163,3 +163,21 @@ def test_gather_kv_copies_the_tabled_blocks_bit_exact(cp, bf16) -> None:
     want_k, want_v = gather_kv_reference(kv, 2, tables)
     np.testing.assert_array_equal(cp.asnumpy(k).view(np.uint16), want_k.view(np.uint16))
     np.testing.assert_array_equal(cp.asnumpy(v).view(np.uint16), want_v.view(np.uint16))
+
+
+@pytest.mark.parametrize("lens,q_len", [([1000], 1000), ([2100], 700)])
+def test_one_long_sequence_runs_at_its_exact_sizes(cp, bf16, cudnn_attn, lens, q_len) -> None:
+    """With the host's bounds, one long sequence (cold, or a long turn over a cached prefix)
+    runs the override-shape graph: no padding mask, same results."""
+    cudnn_attn.gather = True
+    rng = np.random.default_rng(15)
+    kv, tables = paged_case(rng, bf16, 16, lens, 8, 128, spare_width=5)
+    cu, ctx = np.array([0, q_len], dtype=np.int32), np.array(lens, dtype=np.int32)
+    q = rng.standard_normal((q_len, 32, 128)).astype(bf16)
+    before = cudnn_attn.calls.get(("exact",), 0)
+    got = cudnn_attn.run_prefill(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
+                                 cp.asarray(cu), cp.asarray(ctx), 0.088, q_len, lens[0])
+    assert cudnn_attn.calls.get(("exact",), 0) == before + 1, cudnn_attn.refusals
+    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
+                                       cu, ctx, 0.088)
+    assert rel_err(cp.asnumpy(got), want) < 1e-2
