@@ -169,7 +169,7 @@ def test_gather_kv_copies_the_tabled_blocks_bit_exact(cp, bf16) -> None:
 def test_one_long_sequence_runs_at_its_exact_sizes(cp, bf16, cudnn_attn, lens, q_len) -> None:
     """With the host's bounds, one long sequence (cold, or a long turn over a cached prefix)
     runs the override-shape graph: no padding mask, same results."""
-    cudnn_attn.gather = True
+    cudnn_attn.gather = cudnn_attn.exact = True
     rng = np.random.default_rng(15)
     kv, tables = paged_case(rng, bf16, 16, lens, 8, 128, spare_width=5)
     cu, ctx = np.array([0, q_len], dtype=np.int32), np.array(lens, dtype=np.int32)
