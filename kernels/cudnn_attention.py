@@ -296,12 +296,18 @@ class CudnnAttention:
             return False
         qo = _dense_layout(num_tokens, num_q_heads, head_dim, num_tokens)
         kv = _dense_layout(context_len, num_kv_heads, head_dim, max_keys)
+        try:
+            self._execute(plan, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
+                                 _UID_O: out.data.ptr},
+                          override_uids=[_UID_Q, _UID_K, _UID_V, _UID_O],
+                          override_shapes=[qo[0], kv[0], kv[0], qo[0]],
+                          override_strides=[qo[1], kv[1], kv[1], qo[1]])
+        except Exception as exc:  # the backend refuses the override: never try this key again
+            self.refusals[key] = f"{type(exc).__name__}: {exc}"
+            self._plans[key] = None
+            log.warning("cuDNN SDPA refuses overriding %s: %s", key, exc)
+            return False
         self.calls[key[:1]] = self.calls.get(key[:1], 0) + 1
-        self._execute(plan, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
-                             _UID_O: out.data.ptr},
-                      override_uids=[_UID_Q, _UID_K, _UID_V, _UID_O],
-                      override_shapes=[qo[0], kv[0], kv[0], qo[0]],
-                      override_strides=[qo[1], kv[1], kv[1], qo[1]])
         return True
 
     def run_decode(self, q, kv_cache, layer: int, block_tables, context_lens, scale: float):
