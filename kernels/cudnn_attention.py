@@ -100,9 +100,10 @@ class CudnnAttention:
         self._meta: _StepMeta | None = None
         self._ones: dict[int, Any] = {}
         self.gather = True  # dense prefill where it pays (_DENSE_ROWS_PER_SEQ); False: paged
-        # one long sequence at its exact sizes where the host knows them (``_run_exact``): off
-        # until test_one_long_sequence_runs_at_its_exact_sizes has passed on a GPU (written after
-        # the last H100 run of 2026-11-25; the padded dense path is the measured one)
+        # one long sequence at its exact sizes where the host knows them (``_run_exact``): off,
+        # since cuDNN 9.19 on an H100 refuses override shapes for this graph (no backend engine;
+        # the frontend's sdpa_fwd_prefill_sm90 engine needs nvidia-cutlass-dsl), measured
+        # 2026-11-25; a refusal falls back to the padded dense path, so turning it on is safe
         self.exact = False
         self.calls: dict[tuple, int] = {}  # calls per path: ("exact",), (causal, dense)
 
