@@ -120,18 +120,36 @@ def hbm_bandwidth_gbs(num_bytes: int = 2 * 1024**3, reps: int = 5) -> float:
 
 
 def bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int,
-               eager: bool = False, decode_only: bool = False) -> dict:
+               eager: bool = False, decode_only: bool = False, prefill_only: bool = False,
+               attention: str | None = None) -> dict:
+    """The engine's prefill and decode step times; ``attention`` sets KVSTORE_ATTENTION
+    (``ours``, ``cudnn``, ``auto``) for this engine only."""
+    saved = os.environ.get("KVSTORE_ATTENTION")
+    if attention is not None:
+        os.environ["KVSTORE_ATTENTION"] = attention
+    try:
+        return _bench_ours(model_dir, args, vocab, eager, decode_only, prefill_only)
+    finally:
+        if saved is None:
+            os.environ.pop("KVSTORE_ATTENTION", None)
+        else:
+            os.environ["KVSTORE_ATTENTION"] = saved
+
+
+def _bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int, eager: bool,
+                decode_only: bool, prefill_only: bool) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    max_len = max(args.lengths) + args.decode_steps + 8
+    max_len = max(*args.lengths, args.decode_context) + args.decode_steps + 8
     batch = max(args.decode_batch)
     config = EngineConfig(str(model_dir), device=args.device, enable_prefix_caching=False,
                           max_num_batched_tokens=max(args.lengths), max_model_len=max_len,
                           max_num_seqs=max(batch, 1), num_kv_blocks=args.num_kv_blocks,
                           enforce_eager=eager)
     rng = np.random.default_rng(0)
-    result: dict = {"prefill_ms": {}, "decode_step_ms": {}}
+    result: dict = {"prefill_ms": {}, "decode_step_ms": {}, "decode_rows_min": {}}
     with LLMEngine(config) as engine:
+        result["attention_backend"] = engine.runner.attention_backend
         counter = iter(range(10**9))
 
         def prefill(length: int) -> None:
@@ -142,20 +160,33 @@ def bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int,
 
         for length in [] if decode_only else args.lengths:
             result["prefill_ms"][str(length)] = _median_ms(lambda n=length: prefill(n), args.reps)
-        for num_seqs in args.decode_batch:
-            params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
+        for num_seqs in [] if prefill_only else args.decode_batch:
+            # long prompts prefill over several steps, and the sequences already prefilled
+            # decode meanwhile: leave them tokens enough to still decode in the timed steps
+            prefill_steps = num_seqs * (-(-args.decode_context // max(args.lengths)) + 1)
+            params = SamplingParams(max_tokens=args.decode_steps + 2 + prefill_steps,
+                                    ignore_eos=True)
             for _ in range(num_seqs):
-                engine.add_request(f"d{next(counter)}", rng.integers(3, vocab, 128).tolist(),
-                                   params)
-            engine.step()  # the prefills
-            times = []
+                engine.add_request(f"d{next(counter)}",
+                                   rng.integers(3, vocab, args.decode_context).tolist(), params)
+            started: set[str] = set()
+            for _ in range(prefill_steps + 10):  # the prefills, bounded
+                started.update(out.request_id for out in engine.step() if out.token_ids)
+                if len(started) == num_seqs:
+                    break
+            else:
+                raise RuntimeError(f"{num_seqs - len(started)} prompts did not finish prefill")
+            times, rows = [], []
             for _ in range(args.decode_steps):
                 start = time.perf_counter()
-                engine.step()
+                rows.append(sum(bool(out.new_token_ids) for out in engine.step()))
                 times.append((time.perf_counter() - start) * 1e3)
             while engine.has_unfinished_requests():
                 engine.step()
             result["decode_step_ms"][str(num_seqs)] = statistics.median(times[1:] or times)
+            # fewer rows than sequences: the arena could not hold them all (preemption), and
+            # the step time is not that batch's
+            result["decode_rows_min"][str(num_seqs)] = min(rows)
     result["decode_tokens_per_s"] = {b: round(int(b) * 1e3 / ms)
                                      for b, ms in result["decode_step_ms"].items()}
     return result
@@ -197,6 +228,16 @@ def bench_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
     return result
 
 
+def _release_gpu_memory(device: str) -> None:
+    if device == "cuda":
+        import gc
+
+        import cupy
+
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model folder (default: make-model --preset)")
@@ -207,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--decode-batch", default="1", help="comma-separated batch sizes")
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-context", type=int, default=128,
+                        help="prompt tokens of each decoding sequence (its KV read every step)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -214,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time decode with CUDA graphs off (--enforce-eager)")
     parser.add_argument("--fast-weights", action="store_true",
                         help="fill the checkpoint from a repeated random pool (timing only)")
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="also time the engine with our attention (KVSTORE_ATTENTION=ours)")
+    parser.add_argument("--name", default="", help="suffix of the result file's name")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -226,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.engine",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "ours": bench_ours(model_dir, args, vocab)}
+    if args.compare_attention:
+        _release_gpu_memory(args.device)  # the next engine sizes its arena from free memory
+        report["ours_attention_ours"] = bench_ours(model_dir, args, vocab, attention="ours")
     if args.compare_eager:
         report["ours_eager"] = bench_ours(model_dir, args, vocab, eager=True, decode_only=True)
     if args.device == "cuda":  # the decode bound: 2 x weight bytes / HBM bandwidth, same run
@@ -235,21 +284,34 @@ def main(argv: list[str] | None = None) -> int:
             "weight_bytes": weight_bytes, "hbm_copy_gbs": round(bandwidth, 1),
             "bound_ms": round(2 * weight_bytes / (bandwidth * 1e9) * 1e3, 2),
             "batch1_ms": round(report["ours"]["decode_step_ms"].get("1", float("nan")), 2)}
-    if args.device == "cuda":  # hand our cached blocks back so torch can have the memory
-        import gc
-
-        import cupy
-
-        gc.collect()
-        cupy.get_default_memory_pool().free_all_blocks()
+        # issue 17: a decode step <= 1.3 x (weight bytes + KV bytes read) / HBM bandwidth
+        config = json.loads((model_dir / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        kv_token_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] \
+            * head_dim * 2
+        context = args.decode_context + args.decode_steps // 2  # the median step's context
+        report["decode_kv_bound"] = {}
+        for b, ms in report["ours"]["decode_step_ms"].items():
+            kv_bytes = int(b) * context * kv_token_bytes
+            bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+            report["decode_kv_bound"][b] = {"context": context, "kv_bytes": kv_bytes,
+                                            "bound_ms": round(bound, 2),
+                                            "step_ms": round(ms, 2),
+                                            "ratio": round(ms / bound, 3)}
+    _release_gpu_memory(args.device)  # hand our cached blocks back so torch can have them
     if not args.no_hf:
         report["hf_sdpa"] = bench_hf(model_dir, args, vocab)
+        # the cold-prefill target: ours <= 0.75 x HF (sdpa), same run
+        report["prefill_ratio_vs_hf"] = {
+            n: round(ms / report["hf_sdpa"]["prefill_ms"][n], 3)
+            for n, ms in report["ours"]["prefill_ms"].items()}
     print(json.dumps(report, indent=2))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     name = model_dir.name if args.model else args.preset
-    path = out_dir / f"engine-{name}-{args.device}-{stamp}.json"
+    suffix = f"-{args.name}" if args.name else ""
+    path = out_dir / f"engine-{name}-{args.device}{suffix}-{stamp}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0

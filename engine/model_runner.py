@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, make_kv_cache
 from engine.model_config import ModelConfig
@@ -13,6 +15,8 @@ from engine.sequence import Sequence
 from engine.step_inputs import pack_step
 from engine.weights import CheckpointReader
 from kernels.ops import Array, Ops
+
+log = logging.getLogger("engine")
 
 
 class ModelRunner:
@@ -32,8 +36,14 @@ class ModelRunner:
         finally:
             reader.close()
         self.sampler = Sampler(ops)
+        log.info("attention: %s", ops.attention_backend)
         self.kv_cache: KVCache | None = None  # sized after the weights: see allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None
+
+    @property
+    def attention_backend(self) -> str:
+        """Which attention runs, e.g. ``prefill=cudnn decode=ours`` (for logs and /metrics)."""
+        return self.ops.attention_backend
 
     def allocate_kv_cache(self, device: str, num_kv_blocks: int) -> None:
         """Create the arena; once, after the weights are on the device."""
@@ -55,6 +65,10 @@ class ModelRunner:
         views = layout.views(self.ops.to_device(host))
         views["logits_indices"] = views["logits_indices"][: len(sampling)]
         forward_batch = ForwardBatch(is_decode=all(n == 1 for n in batch.num_new_tokens),
+                                     max_query_len=max(batch.num_new_tokens),
+                                     max_context_len=max(seq.num_computed_tokens + n for seq, n
+                                                         in zip(batch.seqs,
+                                                                batch.num_new_tokens)),
                                      **views)
         return forward_batch, sampling
 

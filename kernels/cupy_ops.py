@@ -23,8 +23,10 @@ from kernels import (
     sampling,
     write_kv,
 )
+from kernels.attention_backends import wanted_backends
 from kernels.cublas_gemm import CublasGemm
 from kernels.cuda_module import BF16, contiguous
+from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 from kernels.ops import CapturedGraph, Ops
 
 
@@ -42,6 +44,22 @@ class CupyOps(Ops):
         self.device_id = cp.cuda.Device().id
         self._capturer = None  # created on the first capture: most CPU-free tests never need it
         self._gemm = CublasGemm()
+        self.attention_backends = wanted_backends()
+        self.attention_note = ""  # why cuDNN is not used, when it is not
+        self.num_attention_fallbacks = 0  # calls cuDNN refused, served by our kernels
+        self._cudnn: CudnnAttention | None = None
+        if "cudnn" in self.attention_backends.values():
+            try:
+                self._cudnn = CudnnAttention()
+                self.attention_note = f"cuDNN {self._cudnn.version}"
+            except CudnnUnavailable as exc:  # no frontend or no libcudnn: our kernels serve all
+                self.attention_backends = {phase: "ours" for phase in self.attention_backends}
+                self.attention_note = str(exc)
+
+    @property
+    def attention_backend(self) -> str:
+        line = super().attention_backend
+        return f"{line} ({self.attention_note})" if self.attention_note else line
 
     def capture_graph(self, fn) -> CapturedGraph:
         from kernels.cuda_graph import GraphCapturer
@@ -94,11 +112,22 @@ class CupyOps(Ops):
                                        positions, cos_sin_cache, kv_cache, layer, slot_mapping)
 
     def paged_attention_prefill(self, q, kv_cache, layer, block_tables, cu_seqlens_q,
-                                context_lens, scale):
+                                context_lens, scale, max_query_len=None, max_context_len=None):
+        if self._cudnn is not None and self.attention_backends["prefill"] == "cudnn":
+            out = self._cudnn.run_prefill(q, kv_cache, layer, block_tables, cu_seqlens_q,
+                                          context_lens, scale, max_query_len, max_context_len)
+            if out is not None:
+                return out
+            self.num_attention_fallbacks += 1
         return attention.paged_attention_prefill(q, kv_cache, layer, block_tables, cu_seqlens_q,
                                                  context_lens, scale)
 
     def paged_attention_decode(self, q, kv_cache, layer, block_tables, context_lens, scale):
+        if self._cudnn is not None and self.attention_backends["decode"] == "cudnn":
+            out = self._cudnn.run_decode(q, kv_cache, layer, block_tables, context_lens, scale)
+            if out is not None:
+                return out
+            self.num_attention_fallbacks += 1
         return attention.paged_attention_decode(q, kv_cache, layer, block_tables, context_lens,
                                                 scale)
 

@@ -39,7 +39,11 @@ class NumpyOps(Ops):
     rope = staticmethod(reference.rope)
     silu_and_mul = staticmethod(reference.silu_and_mul)
     write_kv = staticmethod(reference.write_kv)
-    paged_attention_prefill = staticmethod(reference.paged_attention_prefill)
+    def paged_attention_prefill(self, q, kv_cache, layer, block_tables, cu_seqlens_q,
+                                context_lens, scale, max_query_len=None, max_context_len=None):
+        return reference.paged_attention_prefill(q, kv_cache, layer, block_tables, cu_seqlens_q,
+                                                 context_lens, scale)
+
     paged_attention_decode = staticmethod(reference.paged_attention_decode)
     argmax = staticmethod(reference.argmax)
     sampling_probs = staticmethod(reference.sampling_probs)

@@ -46,6 +46,13 @@ class Ops(ABC):
     kv_dtype: str
 
     supports_graphs = False
+    # Which attention runs: {"prefill": ..., "decode": ...}, each "reference", "ours" or "cudnn"
+    attention_backends: dict[str, str] = {"prefill": "reference", "decode": "reference"}
+
+    @property
+    def attention_backend(self) -> str:
+        """One line for logs and /metrics, e.g. ``prefill=cudnn decode=ours``."""
+        return " ".join(f"{phase}={name}" for phase, name in self.attention_backends.items())
 
     def capture_graph(self, fn: Callable[[], Array]) -> CapturedGraph:
         """Record ``fn`` (device work only: no host sync, no host-dependent shapes) into a graph.
@@ -137,8 +144,12 @@ class Ops(ABC):
         cu_seqlens_q: Array,
         context_lens: Array,
         scale: float,
+        max_query_len: int | None = None,
+        max_context_len: int | None = None,
     ) -> Array:
-        """Causal varlen GQA attention over paged K/V (prefix included) -> ``[T, Hq, D]``."""
+        """Causal varlen GQA attention over paged K/V (prefix included) -> ``[T, Hq, D]``.
+        ``max_query_len`` / ``max_context_len``: the most query rows / context tokens of one
+        sequence, when the host knows them (they size library graphs; None: unknown)."""
 
     @abstractmethod
     def paged_attention_decode(

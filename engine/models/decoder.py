@@ -16,6 +16,9 @@ class ForwardBatch:
 
     ``logits_indices`` are the token rows whose next-token logits are wanted, in output order.
     ``is_decode``: every sequence has exactly one new token (the decode attention kernel applies).
+    ``max_query_len`` / ``max_context_len``: the most new tokens / context tokens (cached
+    prefix + new) of one sequence, when the host knows them (they size the attention library's
+    graphs; None: unknown).
     """
 
     token_ids: Array
@@ -26,6 +29,8 @@ class ForwardBatch:
     context_lens: Array
     logits_indices: Array
     is_decode: bool
+    max_query_len: int | None = None
+    max_context_len: int | None = None
 
 
 @dataclass
@@ -136,7 +141,8 @@ class DecoderModel:
             else:
                 attn = ops.paged_attention_prefill(q, kv_cache, layer_index, batch.block_tables,
                                                    batch.cu_seqlens_q, batch.context_lens,
-                                                   self.scale)
+                                                   self.scale, batch.max_query_len,
+                                                   batch.max_context_len)
             hidden = ops.linear(attn.reshape(num_tokens, q_size), w.o, w.o_bias)
             x, residual = ops.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, w.gate_up, w.gate_up_bias)),

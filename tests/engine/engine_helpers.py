@@ -91,5 +91,6 @@ def run_forward(engine: LLMEngine, token_ids: list[int], start: int, block_ids: 
         cu_seqlens_q=dev(np.array([0, len(positions)], np.int32)),
         context_lens=dev(np.array([len(token_ids)], np.int32)),
         logits_indices=dev(np.arange(len(positions), dtype=np.int32)), is_decode=False,
+        max_query_len=len(positions), max_context_len=len(token_ids),
     )
     return engine.runner.forward(batch)

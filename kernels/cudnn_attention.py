@@ -1,0 +1,363 @@
+"""cuDNN's fused attention (SDPA) over the paged KV arena, driven from CuPy with raw pointers.
+
+The same contracts as ``kernels.reference.paged_attention_prefill`` / ``paged_attention_decode``:
+cuDNN reads K and V straight from the block-major arena through its page tables
+(``paged_attention_k_table``), the query and output rows are ragged (one offset per sequence into
+the packed ``[T, Hq, D]`` rows), per-sequence lengths mask the padding, and the causal mask is
+aligned bottom-right, so query row ``i`` of a sequence sits at ``context_len - q_len + i`` (a
+cached prefix plus new tokens). No torch: ``nvidia-cudnn-frontend`` builds the graph, the arena
+and the step's index arrays are CuPy arrays handed over as device pointers.
+
+A graph depends on the batch's sequence count, its query-row bound and its table width, never on
+the layer (the layer is a pointer offset into the arena): one graph serves every layer of a step.
+Long prefills (many query rows per sequence) first gather the context's K/V into dense buffers
+(``kernels/gather_kv.cu``) and run cuDNN's dense ragged path, ~25% faster at 16k than its paged
+path over 16-token pages for a copy of ~1-2% of the attention's time; short queries and decode
+read the pages in place. Row bounds and table widths are rounded up to powers of two (the table
+padded with block 0, which cuDNN never reads past a sequence's length) so a server builds a few
+dozen graphs, not one per prompt length. ``run_*`` return None where cuDNN refuses a shape; the
+caller then runs our kernel (``kernels/attention.py``), and ``refusals`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels.cuda_module import BF16, INT32, check, contiguous
+from kernels.gather_kv import gather_kv
+from kernels.write_kv import check_arena
+
+log = logging.getLogger("kernels.cudnn_attention")
+
+_UID_Q, _UID_K, _UID_V, _UID_O = 1, 2, 3, 4
+_UID_SEQ_Q, _UID_SEQ_KV, _UID_TABLE_K, _UID_TABLE_V = 5, 6, 7, 8
+_UID_OFFSET_Q, _UID_OFFSET_O = 9, 10
+_MIN_ROWS = 16  # the smallest query-row bound a prefill graph is built for
+# Prefill gathers the context into dense buffers (gather_kv) when the query rows are this many
+# per sequence or more: at 16k the copy costs ~0.05 ms a layer and saves ~0.9 ms over cuDNN's
+# paged path (16-token pages); with few rows per sequence (decode rows mixed in) the copy of every
+# context would cost more than the attention itself, and the paged path runs.
+_DENSE_ROWS_PER_SEQ = 256
+_MAX_GRAPHS = 256  # built graphs kept (each holds a plan, no device memory of its own)
+
+
+class CudnnUnavailable(RuntimeError):
+    """cuDNN cannot serve attention in this process (no frontend, no backend library, no GPU)."""
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclass
+class _Plan:
+    graph: Any
+    workspace_bytes: int
+
+
+@dataclass
+class _StepMeta:
+    """Per-step index arrays derived once and reused by every layer (the step's arrays are kept
+    alive here, so an identity match can never be a recycled allocation)."""
+
+    sources: tuple
+    seq_len_q: Any
+    offsets_q: Any
+    table: Any
+
+
+class CudnnAttention:
+    """One cuDNN handle, a cache of built SDPA graphs, and a growing workspace on the current
+    CUDA device. Raises CudnnUnavailable at construction when cuDNN cannot run here."""
+
+    def __init__(self) -> None:
+        try:
+            import cudnn
+        except Exception as exc:  # ImportError, or a frontend built for another Python/CUDA
+            raise CudnnUnavailable(f"nvidia-cudnn-frontend does not import: {exc}") from None
+        try:
+            self.backend_version = int(cudnn.backend_version())
+        except Exception as exc:
+            raise CudnnUnavailable(f"no cuDNN backend library (libcudnn.so.9): {exc}") from None
+        if self.backend_version < 90500:
+            raise CudnnUnavailable(f"cuDNN {self.backend_version} is older than 9.5 (paged SDPA)")
+        import cupy as cp
+
+        self._cp = cp
+        self._cudnn = cudnn
+        self.frontend_version = cudnn.__version__
+        try:
+            self._handle = cudnn.create_handle()
+        except Exception as exc:
+            raise CudnnUnavailable(f"cudnnCreate failed: {exc}") from None
+        self._plans: dict[tuple, _Plan | None] = {}
+        self.refusals: dict[tuple, str] = {}
+        self._workspace = cp.empty(1 << 20, dtype=cp.uint8)
+        self._meta: _StepMeta | None = None
+        self._ones: dict[int, Any] = {}
+        self.gather = True  # dense prefill where it pays (_DENSE_ROWS_PER_SEQ); False: paged
+        # one long sequence at its exact sizes where the host knows them (``_run_exact``): off,
+        # since cuDNN 9.19 on an H100 refuses override shapes for this graph (no backend engine;
+        # the frontend's sdpa_fwd_prefill_sm90 engine needs nvidia-cutlass-dsl), measured
+        # 2026-11-25; a refusal falls back to the padded dense path, so turning it on is safe
+        self.exact = False
+        self.calls: dict[tuple, int] = {}  # calls per path: ("exact",), (causal, dense)
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs built (refused shapes not counted)."""
+        return sum(plan is not None for plan in self._plans.values())
+
+    @property
+    def version(self) -> str:
+        v = self.backend_version
+        return f"frontend {self.frontend_version}, backend {v // 10000}.{v // 100 % 100}.{v % 100}"
+
+    # -- graphs ------------------------------------------------------------------------------
+
+    def _plan(self, key: tuple) -> _Plan | None:
+        if key in self._plans:
+            return self._plans[key]
+        try:
+            plan = self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
+        except Exception as exc:  # cuDNN refuses the shape (or this backend lacks a feature)
+            self.refusals[key] = f"{type(exc).__name__}: {exc}"
+            log.warning("cuDNN SDPA refuses %s, our kernel serves it: %s", key, exc)
+            plan = None
+        if len(self._plans) >= _MAX_GRAPHS:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+        return plan
+
+    def _build(self, causal: bool, dense: bool, num_seqs: int, max_rows: int,
+               table_width: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+               block_size: int, block_stride: tuple[int, int], scale: float) -> _Plan:
+        """``max_rows`` query rows at most per sequence; ragged (packed rows) when ``causal``
+        (prefill), one row per sequence otherwise (decode). K/V are read through the page
+        tables from the arena, or (``dense``) from ``[B, table_width * block_size, Hkv, D]``
+        buffers that ``gather_kv`` filled."""
+        cudnn = self._cudnn
+        dt = cudnn.data_type
+        g = cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
+                          compute_data_type=dt.FLOAT, handle=self._handle)
+        row_stride = num_q_heads * head_dim  # packed [T, Hq, D] rows
+        qo_dim = [num_seqs, num_q_heads, max_rows, head_dim]
+        qo_stride = [max_rows * row_stride, head_dim, row_stride, 1]
+        offsets_q = offsets_o = None
+        if causal:
+            offsets_q = g.tensor(name="offsets_q", dim=[num_seqs + 1, 1, 1, 1],
+                                 stride=[1, 1, 1, 1], data_type=dt.INT32, uid=_UID_OFFSET_Q)
+            offsets_o = g.tensor(name="offsets_o", dim=[num_seqs + 1, 1, 1, 1],
+                                 stride=[1, 1, 1, 1], data_type=dt.INT32, uid=_UID_OFFSET_O)
+        q = g.tensor(name="q", dim=qo_dim, stride=qo_stride, data_type=dt.BFLOAT16, uid=_UID_Q,
+                     ragged_offset=offsets_q)
+        max_keys = table_width * block_size
+        if dense:  # [B, max_keys, Hkv, D] buffers
+            kv_dim = [num_seqs, num_kv_heads, max_keys, head_dim]
+            kv_stride = [max_keys * num_kv_heads * head_dim, head_dim, num_kv_heads * head_dim, 1]
+        else:  # K and V of one layer: [num_blocks, Hkv, block_size, D] views of the arena
+            kv_dim = [block_stride[0], num_kv_heads, block_size, head_dim]
+            kv_stride = [block_stride[1], head_dim, num_kv_heads * head_dim, 1]
+        k = g.tensor(name="k", dim=kv_dim, stride=kv_stride, data_type=dt.BFLOAT16, uid=_UID_K)
+        v = g.tensor(name="v", dim=kv_dim, stride=kv_stride, data_type=dt.BFLOAT16, uid=_UID_V)
+        lens = dict(dim=[num_seqs, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32)
+        seq_q = g.tensor(name="seq_len_q", uid=_UID_SEQ_Q, **lens)
+        seq_kv = g.tensor(name="seq_len_kv", uid=_UID_SEQ_KV, **lens)
+        paged = {}
+        if not dense:
+            table = dict(dim=[num_seqs, 1, table_width, 1],
+                         stride=[table_width, table_width, 1, 1], data_type=dt.INT32)
+            paged = dict(paged_attention_k_table=g.tensor(name="table_k", uid=_UID_TABLE_K,
+                                                          **table),
+                         paged_attention_v_table=g.tensor(name="table_v", uid=_UID_TABLE_V,
+                                                          **table),
+                         paged_attention_max_seq_len_kv=max_keys)
+        o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=scale, generate_stats=False,
+                      use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
+                      use_causal_mask_bottom_right=causal, compute_data_type=dt.FLOAT, **paged)
+        o.set_output(True).set_dim(qo_dim).set_stride(qo_stride).set_data_type(dt.BFLOAT16)
+        o.set_uid(_UID_O)
+        if causal:
+            o.set_ragged_offset(offsets_o)
+        g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        return _Plan(g, int(g.get_workspace_size()))
+
+    def _build_exact(self, max_rows: int, max_keys: int, num_q_heads: int, num_kv_heads: int,
+                     head_dim: int, scale: float) -> _Plan:
+        """One sequence, dense K/V, built at its bounds and run at its exact sizes (override
+        shapes, cuDNN >= 9.18): no padding mask, whose per-row length checks cost ~6% at 16k."""
+        cudnn = self._cudnn
+        dt = cudnn.data_type
+        g = cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
+                          compute_data_type=dt.FLOAT, handle=self._handle,
+                          is_override_shape_enabled=True)
+        qo_dim, qo_stride = _dense_layout(max_rows, num_q_heads, head_dim, max_rows)
+        kv_dim, kv_stride = _dense_layout(max_keys, num_kv_heads, head_dim, max_keys)
+        q = g.tensor(name="q", dim=qo_dim, stride=qo_stride, data_type=dt.BFLOAT16, uid=_UID_Q)
+        k = g.tensor(name="k", dim=kv_dim, stride=kv_stride, data_type=dt.BFLOAT16, uid=_UID_K)
+        v = g.tensor(name="v", dim=kv_dim, stride=kv_stride, data_type=dt.BFLOAT16, uid=_UID_V)
+        o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=scale, generate_stats=False,
+                      use_causal_mask_bottom_right=True, compute_data_type=dt.FLOAT)
+        o.set_output(True).set_dim(qo_dim).set_stride(qo_stride).set_data_type(dt.BFLOAT16)
+        o.set_uid(_UID_O)
+        g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        return _Plan(g, int(g.get_workspace_size()))
+
+    def _execute(self, plan: _Plan, pointers: dict[int, int], **overrides) -> None:
+        cp = self._cp
+        if plan.workspace_bytes > self._workspace.nbytes:
+            self._workspace = cp.empty(plan.workspace_bytes, dtype=cp.uint8)
+        self._cudnn.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
+        plan.graph.execute(pointers, workspace=self._workspace.data.ptr, handle=self._handle,
+                           **overrides)
+
+    @staticmethod
+    def _layer_pointers(kv_cache, layer: int) -> tuple[int, int, tuple[int, int]]:
+        """(K pointer, V pointer, (num_blocks, block stride in elements)) of ``layer``."""
+        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        plane = block_size * num_kv_heads * head_dim
+        k_ptr = kv_cache.data.ptr + 2 * layer * plane * kv_cache.itemsize
+        return k_ptr, k_ptr + plane * kv_cache.itemsize, (num_blocks, num_layers * 2 * plane)
+
+    # -- per-step metadata ---------------------------------------------------------------
+
+    def _step_meta(self, cu_seqlens_q, block_tables, row_elems: int, table_width: int):
+        meta = self._meta
+        if meta is not None and meta.sources[0] is cu_seqlens_q and \
+                meta.sources[1] is block_tables and meta.table.shape[1] == table_width:
+            return meta
+        cp = self._cp
+        seq_len_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        offsets_q = cu_seqlens_q * np.int32(row_elems)
+        table = block_tables
+        if block_tables.shape[1] != table_width:
+            table = cp.zeros((block_tables.shape[0], table_width), dtype=cp.int32)
+            table[:, :block_tables.shape[1]] = block_tables
+        self._meta = _StepMeta((cu_seqlens_q, block_tables), seq_len_q, offsets_q, table)
+        return self._meta
+
+    # -- the two attention calls -------------------------------------------------------------
+
+    def run_prefill(self, q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
+                    scale: float, max_query_len: int | None = None,
+                    max_context_len: int | None = None):
+        """``[T, Hq, D]`` like ``paged_attention_prefill``, or None where cuDNN refuses.
+        ``max_query_len`` / ``max_context_len``: the host's bounds, when it knows them; a single
+        long sequence with both known runs at its exact sizes (``_build_exact``)."""
+        q, block_tables = contiguous(q), contiguous(block_tables)
+        cu_seqlens_q, context_lens = contiguous(cu_seqlens_q), contiguous(context_lens)
+        shape = _check(q, kv_cache, layer, block_tables, context_lens)
+        check(cu_seqlens_q, "cu_seqlens_q", INT32, 1)
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_seqs = context_lens.shape[0]
+        if cu_seqlens_q.shape[0] != num_seqs + 1:
+            raise ValueError(f"cu_seqlens_q needs {num_seqs + 1} entries, has "
+                             f"{cu_seqlens_q.shape[0]}")
+        out = self._cp.empty_like(q)
+        if num_tokens == 0 or num_seqs == 0:
+            return out
+        rows = num_tokens if max_query_len is None else min(num_tokens, max_query_len)
+        max_rows = _pow2(rows, _MIN_ROWS)
+        width = _pow2(block_tables.shape[1])
+        dense = self.gather and num_tokens >= _DENSE_ROWS_PER_SEQ * num_seqs
+        k_ptr, v_ptr, block_stride = self._layer_pointers(kv_cache, layer)
+        key = (True, dense, num_seqs, max_rows, width, num_q_heads, shape[4], head_dim,
+               shape[3], block_stride, float(scale))
+        meta = self._step_meta(cu_seqlens_q, block_tables, num_q_heads * head_dim, width)
+        if dense:
+            k, v = gather_kv(kv_cache, layer, meta.table)
+            k_ptr, v_ptr = k.data.ptr, v.data.ptr
+            if num_seqs == 1 and max_query_len == num_tokens and max_context_len and \
+                    self._run_exact(q, k, v, out, max_rows, max_context_len, scale):
+                return out
+        plan = self._plan(key)
+        if plan is None:
+            return None
+        self.calls[key[:2]] = self.calls.get(key[:2], 0) + 1
+        self._execute(plan, {
+            _UID_Q: q.data.ptr, _UID_K: k_ptr, _UID_V: v_ptr, _UID_O: out.data.ptr,
+            _UID_SEQ_Q: meta.seq_len_q.data.ptr, _UID_SEQ_KV: context_lens.data.ptr,
+            _UID_TABLE_K: meta.table.data.ptr, _UID_TABLE_V: meta.table.data.ptr,
+            _UID_OFFSET_Q: meta.offsets_q.data.ptr, _UID_OFFSET_O: meta.offsets_q.data.ptr})
+        return out
+
+    def _run_exact(self, q, k, v, out, max_rows: int, context_len: int, scale: float) -> bool:
+        """One sequence at its exact sizes; False where cuDNN refuses (the caller goes on)."""
+        num_tokens, num_q_heads, head_dim = q.shape
+        max_keys, num_kv_heads = k.shape[1], k.shape[2]
+        if not self.exact or context_len > max_keys or context_len < num_tokens:
+            return False
+        key = ("exact", max_rows, max_keys, num_q_heads, num_kv_heads, head_dim, float(scale))
+        plan = self._plan(key)
+        if plan is None:
+            return False
+        qo = _dense_layout(num_tokens, num_q_heads, head_dim, num_tokens)
+        kv = _dense_layout(context_len, num_kv_heads, head_dim, max_keys)
+        try:
+            self._execute(plan, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
+                                 _UID_O: out.data.ptr},
+                          override_uids=[_UID_Q, _UID_K, _UID_V, _UID_O],
+                          override_shapes=[qo[0], kv[0], kv[0], qo[0]],
+                          override_strides=[qo[1], kv[1], kv[1], qo[1]])
+        except Exception as exc:  # the backend refuses the override: never try this key again
+            self.refusals[key] = f"{type(exc).__name__}: {exc}"
+            self._plans[key] = None
+            log.warning("cuDNN SDPA refuses overriding %s: %s", key, exc)
+            return False
+        self.calls[key[:1]] = self.calls.get(key[:1], 0) + 1
+        return True
+
+    def run_decode(self, q, kv_cache, layer: int, block_tables, context_lens, scale: float):
+        """``[B, Hq, D]`` like ``paged_attention_decode``, or None where cuDNN refuses. The
+        table width is used as is (decode graphs fix it per bucket)."""
+        q, block_tables = contiguous(q), contiguous(block_tables)
+        context_lens = contiguous(context_lens)
+        shape = _check(q, kv_cache, layer, block_tables, context_lens)
+        num_seqs, num_q_heads, head_dim = q.shape
+        if context_lens.shape[0] != num_seqs:
+            raise ValueError(f"q has {num_seqs} rows for {context_lens.shape[0]} sequences")
+        out = self._cp.empty_like(q)
+        if num_seqs == 0:
+            return out
+        width = block_tables.shape[1]
+        k_ptr, v_ptr, block_stride = self._layer_pointers(kv_cache, layer)
+        key = (False, False, num_seqs, 1, width, num_q_heads, shape[4], head_dim, shape[3],
+               block_stride, float(scale))
+        plan = self._plan(key)
+        if plan is None:
+            return None
+        self.calls[key[:2]] = self.calls.get(key[:2], 0) + 1
+        ones = self._ones.get(num_seqs)
+        if ones is None:  # never written after creation: safe to share across graphs
+            ones = self._ones[num_seqs] = self._cp.ones(num_seqs, dtype=self._cp.int32)
+        self._execute(plan, {
+            _UID_Q: q.data.ptr, _UID_K: k_ptr, _UID_V: v_ptr, _UID_O: out.data.ptr,
+            _UID_SEQ_Q: ones.data.ptr, _UID_SEQ_KV: context_lens.data.ptr,
+            _UID_TABLE_K: block_tables.data.ptr, _UID_TABLE_V: block_tables.data.ptr})
+        return out
+
+
+def _dense_layout(num_rows: int, num_heads: int, head_dim: int, rows_per_seq: int
+                  ) -> tuple[list[int], list[int]]:
+    """(dims, strides) of one sequence's ``[rows, heads, D]`` rows as cuDNN's [B, H, S, D]."""
+    return ([1, num_heads, num_rows, head_dim],
+            [rows_per_seq * num_heads * head_dim, head_dim, num_heads * head_dim, 1])
+
+
+def _check(q, kv_cache, layer: int, block_tables, context_lens):
+    shape = check_arena(kv_cache, layer)
+    check(q, "q", BF16, 3)
+    check(block_tables, "block_tables", INT32, 2)
+    check(context_lens, "context_lens", INT32, 1)
+    if kv_cache.dtype != BF16:
+        raise TypeError(f"cuDNN attention reads a bfloat16 arena, got {kv_cache.dtype}")
+    if q.shape[2] != shape[5] or q.shape[1] % shape[4]:
+        raise ValueError(f"q {q.shape} does not fit the arena's heads {shape[4:]}")
+    if block_tables.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"block_tables {block_tables.shape} and context_lens "
+                         f"{context_lens.shape} disagree on the sequence count")
+    return shape

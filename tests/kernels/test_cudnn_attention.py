@@ -1,0 +1,187 @@
+"""cuDNN SDPA over the paged arena (kernels/cudnn_attention.py) against the NumPy references and
+our kernels, and the backend choice the CUDA ops report.
+
+Inputs are bf16-rounded; the references run in float32 on the rounded values. Contexts are
+ragged, blocks shuffled, and queries sit at the end of longer contexts (a cached prefix), so the
+page tables, the ragged row offsets and the bottom-right causal mask are all exercised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+@pytest.fixture(scope="module")
+def cudnn_attn():
+    from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
+
+    try:
+        return CudnnAttention()
+    except CudnnUnavailable as exc:
+        pytest.skip(f"cuDNN is not available here: {exc}")
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    got = got.astype(np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def paged_case(rng, bf16, block_size: int, context_lens: list[int], num_kv_heads: int,
+               head_dim: int, num_layers: int = 3, spare_width: int = 0):
+    """A random bf16 arena and shuffled block tables (``spare_width`` unused columns)."""
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    kv = rng.standard_normal((num_blocks, num_layers, 2, block_size, num_kv_heads,
+                              head_dim)).astype(bf16)
+    tables = np.zeros((len(context_lens), max(blocks_per_seq) + spare_width), dtype=np.int32)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    start = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    return kv, tables
+
+
+PREFILL_CASES = [
+    # block_size, context_lens, q_lens, Hq, Hkv, D
+    (16, [1000], [1000], 32, 8, 128),                     # a cold prompt, Qwen3-4B heads
+    (16, [300, 70, 1, 200], [300, 1, 1, 77], 32, 8, 128),  # prefix hits, decode rows mixed in
+    (16, [2100, 40], [100, 40], 32, 8, 128),              # a turn over a long cached prefix
+    (32, [129, 64], [65, 64], 16, 2, 64),                 # other heads, blocks and head dim
+]
+
+
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_cudnn_prefill_matches_reference(cp, bf16, cudnn_attn, case, gather: bool) -> None:
+    """Both layouts: long queries gathered dense (``gather``) and every shape read paged."""
+    from kernels.attention import paged_attention_prefill
+
+    cudnn_attn.gather = gather
+
+    block_size, lens, q_lens, num_q_heads, num_kv_heads, head_dim = case
+    rng = np.random.default_rng(11)
+    kv, tables = paged_case(rng, bf16, block_size, lens, num_kv_heads, head_dim, spare_width=3)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), num_q_heads, head_dim)).astype(bf16)
+    ctx = np.array(lens, dtype=np.int32)
+    scale = head_dim ** -0.5
+    args = (cp.asarray(q), cp.asarray(kv), 2, cp.asarray(tables), cp.asarray(cu),
+            cp.asarray(ctx), scale)
+    got = cudnn_attn.run_prefill(*args, max(q_lens))
+    assert got is not None, f"cuDNN refused the shape: {cudnn_attn.refusals}"
+    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 2, tables,
+                                       cu, ctx, scale)
+    assert rel_err(cp.asnumpy(got), want) < 1e-2
+    ours = cp.asnumpy(paged_attention_prefill(*args)).astype(np.float32)
+    assert rel_err(cp.asnumpy(got), ours) < 1e-2
+    # without the host's row bound the graph is sized by the token count: same result
+    again = cudnn_attn.run_prefill(*args)
+    assert rel_err(cp.asnumpy(again), want) < 1e-2
+
+
+DECODE_CASES = [
+    (16, [3000], 32, 8, 128),
+    (16, [1, 17, 64, 65, 500, 129], 32, 8, 128),
+    (16, [5, 40], 8, 2, 64),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_cudnn_decode_matches_reference(cp, bf16, cudnn_attn, case) -> None:
+    block_size, lens, num_q_heads, num_kv_heads, head_dim = case
+    rng = np.random.default_rng(12)
+    kv, tables = paged_case(rng, bf16, block_size, lens, num_kv_heads, head_dim)
+    q = rng.standard_normal((len(lens), num_q_heads, head_dim)).astype(bf16)
+    ctx = np.array(lens, dtype=np.int32)
+    got = cudnn_attn.run_decode(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
+                                cp.asarray(ctx), 0.1)
+    assert got is not None, f"cuDNN refused the shape: {cudnn_attn.refusals}"
+    want = ref.paged_attention_decode(q.astype(np.float32), kv.astype(np.float32), 1, tables,
+                                      ctx, 0.1)
+    assert rel_err(cp.asnumpy(got), want) < 1e-2
+
+
+def test_cudnn_graph_serves_every_layer(cp, bf16, cudnn_attn) -> None:
+    """One built graph per shape: a second layer reuses it with another arena offset."""
+    cudnn_attn.gather = False
+    rng = np.random.default_rng(13)
+    lens = [333]
+    kv, tables = paged_case(rng, bf16, 16, lens, 8, 128)
+    q = rng.standard_normal((333, 32, 128)).astype(bf16)
+    cu, ctx = np.array([0, 333], dtype=np.int32), np.array(lens, dtype=np.int32)
+    dev = (cp.asarray(q), cp.asarray(kv))
+    built = cudnn_attn.num_graphs
+    for layer in range(3):
+        got = cudnn_attn.run_prefill(dev[0], dev[1], layer, cp.asarray(tables), cp.asarray(cu),
+                                     cp.asarray(ctx), 0.08, 333)
+        want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), layer,
+                                           tables, cu, ctx, 0.08)
+        assert rel_err(cp.asnumpy(got), want) < 1e-2
+    assert cudnn_attn.num_graphs == built + 1
+
+
+def test_cuda_ops_report_and_honor_the_attention_choice(cp, monkeypatch) -> None:
+    from kernels import make_ops
+
+    monkeypatch.setenv("KVSTORE_ATTENTION", "ours")
+    ops = make_ops("cuda")
+    assert ops.attention_backends == {"prefill": "ours", "decode": "ours"}
+    assert ops.attention_backend == "prefill=ours decode=ours"
+    monkeypatch.setenv("KVSTORE_ATTENTION", "auto")
+    ops = make_ops("cuda")
+    assert ops.attention_backends["prefill"] == ops.attention_backends["decode"]
+    assert ops.attention_backends["prefill"] in ("cudnn", "ours")
+    assert "(" in ops.attention_backend  # the cuDNN version, or why cuDNN is missing
+
+
+def test_gather_kv_copies_the_tabled_blocks_bit_exact(cp, bf16) -> None:
+    from kernels.gather_kv import gather_kv, gather_kv_reference
+
+    rng = np.random.default_rng(14)
+    kv, tables = paged_case(rng, bf16, 16, [40, 200, 3], 8, 128, spare_width=2)
+    k, v = gather_kv(cp.asarray(kv), 2, cp.asarray(tables))
+    want_k, want_v = gather_kv_reference(kv, 2, tables)
+    np.testing.assert_array_equal(cp.asnumpy(k).view(np.uint16), want_k.view(np.uint16))
+    np.testing.assert_array_equal(cp.asnumpy(v).view(np.uint16), want_v.view(np.uint16))
+
+
+@pytest.mark.parametrize("lens,q_len", [([1000], 1000), ([2100], 700)])
+def test_one_long_sequence_runs_at_its_exact_sizes(cp, bf16, cudnn_attn, lens, q_len) -> None:
+    """With the host's bounds, one long sequence (cold, or a long turn over a cached prefix)
+    runs the override-shape graph: no padding mask, same results."""
+    cudnn_attn.gather = cudnn_attn.exact = True
+    rng = np.random.default_rng(15)
+    kv, tables = paged_case(rng, bf16, 16, lens, 8, 128, spare_width=5)
+    cu, ctx = np.array([0, q_len], dtype=np.int32), np.array(lens, dtype=np.int32)
+    q = rng.standard_normal((q_len, 32, 128)).astype(bf16)
+    before = cudnn_attn.calls.get(("exact",), 0)
+    got = cudnn_attn.run_prefill(cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables),
+                                 cp.asarray(cu), cp.asarray(ctx), 0.088, q_len, lens[0])
+    cudnn_attn.exact = False
+    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
+                                       cu, ctx, 0.088)
+    assert rel_err(cp.asnumpy(got), want) < 1e-2  # whichever path served it
+    exact_refusals = [why for key, why in cudnn_attn.refusals.items() if key[0] == "exact"]
+    if exact_refusals:  # cuDNN 9.19 on an H100: no engine takes override shapes for this graph
+        pytest.skip(f"this cuDNN refuses override shapes: {exact_refusals[0]}")
+    assert cudnn_attn.calls.get(("exact",), 0) == before + 1
