@@ -36,7 +36,7 @@ def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_d
     engine.step()
     engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=33), PARAMS)
     engine.step()  # "x" arrives and queues behind "busy": its lookup goes out now
-    assert engine.offload._prefetched["x"].lookup.wait(10.0)
+    assert engine.offload.restorer.prefetched["x"].lookup.wait(10.0)
     busy_done = x_first = None
     for step in range(100):
         for out in engine.step():
@@ -68,12 +68,12 @@ def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon,
     while not outs:
         outs = engine.step()  # the prefill step (after the lookup)
     offload = engine.offload
-    queued = [block for _, _, block_ids in offload._queued_saves for block in block_ids]
+    queued = [block for q in offload.saver.queued for block in q.block_ids]
     assert len(queued) == 8 and offload.counters["saves"] == 0
     holders = 1 if max_tokens == 1 else 2  # the pin (+ the running sequence)
     assert all(engine.block_manager._ref_counts[b] == holders for b in queued)
     engine.flush_offload()
-    assert offload.counters["saves"] == 1 and not offload._queued_saves
+    assert offload.counters["saves"] == 1 and not offload.saver.queued
     offload.wait_idle()
     with daemon.client() as c:
         assert c.stats()["tiers"]["dram"]["blocks"] == 8
