@@ -13,31 +13,17 @@ benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import sys
-from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (warps per CTA, query rows per warp, keys per tile)
 PREFILL_VARIANTS = [(4, 32, 64), (8, 32, 64), (4, 32, 32), (8, 32, 32), (8, 16, 64)]
-
-
-def _median_ms(cp, fn, reps: int) -> float:
-    fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def _random_bf16(cp, bf16, shape: tuple[int, ...]):
@@ -71,16 +57,17 @@ def bench(args: argparse.Namespace) -> dict:
         q = _random_bf16(cp, bf16, (length, NUM_Q_HEADS, HEAD_DIM))
         cu = cp.asarray(np.array([0, length], dtype=np.int32))
         ctx = cp.asarray(np.array([length], dtype=np.int32))
-        variants = {f"{w}x{r}x{n}": _median_ms(
+        variants = {f"{w}x{r}x{n}": cuda_median_ms(
             cp, lambda q=q, kv=kv, t=tables, cu=cu, c=ctx, w=w, r=r, n=n: paged_attention_prefill(
                 q, kv, 0, t, cu, c, scale, num_warps=w, rows_per_warp=r, keys_per_tile=n),
             args.reps) for w, r, n in PREFILL_VARIANTS}
-        ours = _median_ms(cp, lambda q=q, kv=kv, t=tables, cu=cu, c=ctx: paged_attention_prefill(
-            q, kv, 0, t, cu, c, scale), args.reps)  # the engine's default variant
+        ours = cuda_median_ms(  # the engine's default variant
+            cp, lambda q=q, kv=kv, t=tables, cu=cu, c=ctx: paged_attention_prefill(
+                q, kv, 0, t, cu, c, scale), args.reps)
         tq = torch.randn(1, NUM_Q_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         tk = torch.randn(1, NUM_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         tv = torch.randn_like(tk)
-        sdpa = _median_ms(cp, lambda tq=tq, tk=tk, tv=tv: F.scaled_dot_product_attention(
+        sdpa = cuda_median_ms(cp, lambda tq=tq, tk=tk, tv=tv: F.scaled_dot_product_attention(
             tq, tk, tv, is_causal=True, enable_gqa=True), args.reps)
         flops = 4 * length * length * NUM_Q_HEADS * HEAD_DIM / 2  # causal: half the square
         result["prefill"][str(length)] = {
@@ -92,14 +79,14 @@ def bench(args: argparse.Namespace) -> dict:
             kv, tables = _arena(cp, bf16, rng, num_seqs, length)
             q = _random_bf16(cp, bf16, (num_seqs, NUM_Q_HEADS, HEAD_DIM))
             ctx = cp.asarray(np.full(num_seqs, length, dtype=np.int32))
-            ours = _median_ms(cp, lambda q=q, kv=kv, t=tables, c=ctx: paged_attention_decode(
+            ours = cuda_median_ms(cp, lambda q=q, kv=kv, t=tables, c=ctx: paged_attention_decode(
                 q, kv, 0, t, c, scale), args.reps)
             tq = torch.randn(num_seqs, NUM_Q_HEADS, 1, HEAD_DIM, device="cuda",
                              dtype=torch.bfloat16)
             tk = torch.randn(num_seqs, NUM_KV_HEADS, length, HEAD_DIM, device="cuda",
                              dtype=torch.bfloat16)
             tv = torch.randn_like(tk)
-            sdpa = _median_ms(cp, lambda tq=tq, tk=tk, tv=tv: F.scaled_dot_product_attention(
+            sdpa = cuda_median_ms(cp, lambda tq=tq, tk=tk, tv=tv: F.scaled_dot_product_attention(
                 tq, tk, tv, enable_gqa=True), args.reps)
             kv_bytes = 2 * num_seqs * length * NUM_KV_HEADS * HEAD_DIM * 2
             result["decode"][f"{length}x{num_seqs}"] = {
@@ -126,15 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
               "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               "node": platform.node(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", "-m", "benchmarks.attention",
-                                   *(argv if argv is not None else sys.argv[1:])]),
+              "date": now_iso(utc=True),
+              "command": command("python -m benchmarks.attention", argv),
               **bench(args)}
     print(json.dumps(report, indent=2))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"attention-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_result(args.out, f"attention-{today()}.json", report)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 
