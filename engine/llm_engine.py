@@ -185,7 +185,9 @@ class LLMEngine:
         with self._lock:
             stats = dict(self._stats)
             stats["num_waiting"] += len(self._inbox)
-            return stats
+        if self.offload is not None:  # the store's health now, not as of the last step
+            stats["kv_offload"] = {**stats["kv_offload"], "store_state": self.offload.store_state}
+        return stats
 
     # -- the step loop (one thread) ---------------------------------------------------------
 

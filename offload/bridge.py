@@ -50,6 +50,11 @@ class StoreBridge(ABC):
     def hit_tokens_by_tier(self) -> Counter[str]:
         """Tokens restored so far, by the tier they came from."""
 
+    @property
+    @abstractmethod
+    def store_state(self) -> str:
+        """``ok``, ``hung`` or ``down``, as of now; safe to read from any thread."""
+
     @abstractmethod
     def prefetch(self, seq: OffloadSequence, busy: bool) -> None:
         """A request arrived (``busy``: others are running): maybe send its lookup now."""

@@ -43,6 +43,7 @@ class OffloadManager(StoreBridge):
         self.saver = Saver(connector, ledger, self.saved_keys, self.counters)
         self.publisher = ResidentPublisher(connector, ledger, generations, self.counters)
         ledger.enable_offload(track_released=policy == "evict", generations=generations)
+        self._store_epoch = connector.registration_epoch  # the registration saved_keys is about
         self._closed = False
 
     # -- restore ----------------------------------------------------------------------------
@@ -58,6 +59,10 @@ class OffloadManager(StoreBridge):
     @property
     def hit_tokens_by_tier(self) -> Counter[str]:
         return self.restorer.hit_tokens_by_tier
+
+    @property
+    def store_state(self) -> str:
+        return self.connector.live_state
 
     def prefetch(self, seq: OffloadSequence, busy: bool) -> None:
         self.restorer.prefetch(seq, busy)
@@ -80,6 +85,7 @@ class OffloadManager(StoreBridge):
     # -- after a step -----------------------------------------------------------------------
 
     def save_computed(self, seqs: list[OffloadSequence]) -> None:
+        self._check_store_epoch()
         if self.policy == "write-through":
             for seq in seqs:
                 self.saver.save_new_blocks(seq)
@@ -92,12 +98,24 @@ class OffloadManager(StoreBridge):
         (``evict``), publish evictions and resident blocks. The engine runs this after the
         step's outputs went out (at the latest before the next step is scheduled), so none of
         it delays a token."""
+        self._check_store_epoch()
         if self.saver.queued:
             self.saver.send_queued()
         self.saver.poll()
         if self.policy == "evict":
             self.saver.hand_over_released()
         self.publisher.publish()
+
+    def _check_store_epoch(self) -> None:
+        """A new registration may be a restarted daemon that holds nothing we saved: forget
+        what we believed it holds, so that every block is saved again (a "duplicate" reply
+        costs little if it did keep them)."""
+        epoch = self.connector.registration_epoch
+        if epoch != self._store_epoch:
+            if self._store_epoch:  # not the first registration: a reconnect
+                self.saved_keys.clear()
+                self.counters["store_resets"] += 1
+            self._store_epoch = epoch
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -121,4 +139,6 @@ class OffloadManager(StoreBridge):
         out["restore_policy"] = self.restore_policy.snapshot()
         out["num_loading"] = self.num_loading
         out["saves_in_flight"] = len(self.saver.in_flight)
+        out["blocks_quarantined_now"] = self.restorer.quarantine.num_held
+        out["store_state"] = self.connector.state  # ok, hung or down (transitions counted)
         return out

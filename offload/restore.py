@@ -14,17 +14,22 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from offload.connector import OffloadConnector, Transfer
+from offload.connector import OffloadConnector
 from offload.engine_view import BlockLedger, OffloadSequence, RestoreOutcome
 from offload.idents import sequence_idents
+from offload.quarantine import Quarantine
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
+from offload.transfer import Transfer
 
 # A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
 # long (well inside the lease's TTL), then gives up and recomputes.
 MAX_BLOCK_WAIT_S = 5.0
 # The most one step spends waiting for lookup replies of requests it is admitting.
 LOOKUP_WAIT_PER_STEP_S = 0.002
+# A request waits for a lookup reply at most this long (the store answers in well under a
+# millisecond; a hung store is given up sooner, as soon as its probe is overdue), then recomputes.
+MAX_LOOKUP_WAIT_S = 1.5
 # The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
 # when recomputing its blocks is expected to take longer (and longer than a step, when busy).
 MIN_RESTORE_S = 0.002
@@ -65,6 +70,7 @@ class Restorer:
         self.prefetched: dict[str, Restore] = {}  # lookups sent on arrival, not yet used
         self._orphans: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
+        self.quarantine = Quarantine(ledger, counters)
 
     @property
     def num_waiting_for_blocks(self) -> int:
@@ -144,14 +150,19 @@ class Restorer:
 
     def poll(self) -> RestoreOutcome:
         """Advance restores. Sequences aborted meanwhile are dropped here once nothing of
-        theirs is in flight."""
+        theirs is in flight; a hung store's restores are given up (recomputed)."""
         outcome = RestoreOutcome([], [])
-        self._lookup_wait_until = time.monotonic() + LOOKUP_WAIT_PER_STEP_S
+        now = time.monotonic()
+        self._lookup_wait_until = now + LOOKUP_WAIT_PER_STEP_S
         if self._orphans:
             self._release_orphans()
+        self.quarantine.poll()
+        hung = bool(self.restores) and self.connector.state == "hung"
         for request_id, r in list(self.restores.items()):
             if r.load is None:
                 if not r.lookup.poll():
+                    if hung or now - r.lookup.started_at > MAX_LOOKUP_WAIT_S:
+                        self._give_up(request_id, r, outcome)
                     continue
                 if r.seq.abort_requested:
                     del self.restores[request_id]
@@ -169,7 +180,26 @@ class Restorer:
                     self.ledger.free(r.seq)
                 else:
                     (outcome.ready if landed else outcome.requeue).append(r.seq)
+            elif hung:
+                self._give_up(request_id, r, outcome)
         return outcome
+
+    def _give_up(self, request_id: str, r: Restore, outcome: RestoreOutcome) -> None:
+        """Stop waiting for the store: the sequence recomputes. A lookup's reply (and lease)
+        is released when it comes; a load's blocks stay quarantined until it is answered."""
+        del self.restores[request_id]
+        seq = r.seq
+        seq.offload_checked = True
+        if r.load is None:
+            self._orphans.append(r.lookup)
+            self.counters["lookups_given_up"] += 1
+        else:
+            self.quarantine.hold(r.load, seq.block_ids[r.first_block:r.first_block + r.num_blocks])
+            self.counters["loads_given_up"] += 1
+            self.ledger.free(seq)
+            seq.num_computed_tokens = 0
+        if not seq.abort_requested:
+            outcome.requeue.append(seq)
 
     def _begin_load(self, r: Restore) -> bool:
         reply = r.lookup.result if r.lookup.ok else None
@@ -229,8 +259,7 @@ class Restorer:
         if r.load.timed_out:
             # No reply: the daemon may still write into these blocks. Keep them out of use for
             # good (counted) and start the sequence over on fresh blocks.
-            self.ledger.pin(dst)
-            self.counters["blocks_quarantined"] += len(dst)
+            self.quarantine.hold(r.load, dst)
             self.ledger.free(seq)
             seq.num_computed_tokens = 0
             return False

@@ -13,10 +13,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from offload.connector import OffloadConnector, Transfer
+from offload.connector import OffloadConnector
 from offload.engine_view import BlockLedger, OffloadSequence
 from offload.idents import sequence_idents
 from offload.saved_keys import SavedKeys
+from offload.transfer import Transfer
 from offload.vocab import ident_from_bytes
 
 # Saves of at most this many blocks per request keep each round trip short.
