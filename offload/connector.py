@@ -79,6 +79,12 @@ class OffloadConnector:
             self._link.want_connect()
         return state == "ok"
 
+    def keep_connected(self) -> None:
+        """Not connected: have the link reconnect (off this thread, rate-limited). The engine
+        calls this every step; a bare connector reconnects only when a request needs it."""
+        if self.state == "down":
+            self._link.want_connect()
+
     @property
     def registration_epoch(self) -> int:
         """Counts registrations made (one per connect): a new one starts with nothing published

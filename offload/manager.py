@@ -98,6 +98,7 @@ class OffloadManager(StoreBridge):
         (``evict``), publish evictions and resident blocks. The engine runs this after the
         step's outputs went out (at the latest before the next step is scheduled), so none of
         it delays a token."""
+        self.connector.keep_connected()
         self._check_store_epoch()
         if self.saver.queued:
             self.saver.send_queued()
