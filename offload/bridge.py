@@ -65,11 +65,12 @@ class StoreBridge(ABC):
 
     @abstractmethod
     def start_restore(self, seq: OffloadSequence, num_hbm_hit_blocks: int, busy: bool) -> bool:
-        """True if ``seq`` now waits on the store (LOADING), False to admit it without."""
+        """True if ``seq`` now waits on the store (LOADING), False to admit it without. Waits
+        at most what is left of the step's 2 ms budget for a lookup reply."""
 
     @abstractmethod
     def poll(self) -> RestoreOutcome:
-        """Advance restores; never blocks longer than the step's lookup budget (2 ms)."""
+        """Advance restores without waiting; restores a hung store holds are given up."""
 
     @abstractmethod
     def abort(self, seq: OffloadSequence) -> bool:

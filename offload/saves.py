@@ -128,6 +128,8 @@ class Saver:
         if self.queued:
             self.send_queued()
         deadline = time.monotonic() + timeout_s
-        while self.in_flight and time.monotonic() < deadline:
+        # A hung store answers nothing in time: waiting for it would only hold up the caller.
+        while (self.in_flight and time.monotonic() < deadline
+               and self.connector.state != "hung"):
             self.in_flight[0].transfer.wait(max(0.0, deadline - time.monotonic()))
             self.poll()
