@@ -27,11 +27,13 @@ from engine.make_model import write_checkpoint
 pytestmark = pytest.mark.timeout(120)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-STOP_S = 3.0  # how long the daemon stays stopped
+STOP_S = 4.0  # how long the daemon stays stopped
 # A request may wait for a hung store about as long as detecting the hang takes (a probe's
 # deadline plus its interval), never as long as the daemon stays stopped.
 MAX_REQUEST_S = 2.0
-MAX_STEP_S = 0.3  # a step waits at most 2 ms on the store; the rest is compute, under CI load
+# A step waits at most 2 ms on the store; outside the forward it does host work only. Generous:
+# CI machines are shared (before the fix a step under a stopped daemon took 11 s or more).
+MAX_STEP_S = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -57,19 +59,22 @@ def _stopped(pid: int) -> Iterator[float]:
 def _serve_one(engine, request_id: str, prompt: list[int], limit_s: float) -> tuple[
         list[int] | None, float, float]:
     """Drive the step loop until the request finished or ``limit_s`` passed: (its tokens or
-    None, seconds it took, the longest step)."""
+    None, seconds it took outside the forwards, the longest step's time outside its forward).
+    The forwards are compute, which a shared CI machine may slow down at will; the rest is
+    where waiting on the store would show."""
     started = time.monotonic()
     engine.add_request(request_id, prompt, GREEDY)
-    longest = 0.0
+    longest = compute_s = 0.0
     while time.monotonic() - started < limit_s:
         t = time.monotonic()
         outputs = engine.step()
+        compute_s += engine.last_step.execute_s
         engine.flush_offload()  # as the serving loop does, after the outputs went out
-        longest = max(longest, time.monotonic() - t)
+        longest = max(longest, time.monotonic() - t - engine.last_step.execute_s)
         for out in outputs:
             if out.request_id == request_id and out.finished:
-                return out.token_ids, time.monotonic() - started, longest
-    return None, time.monotonic() - started, longest
+                return out.token_ids, time.monotonic() - started - compute_s, longest
+    return None, time.monotonic() - started - compute_s, longest
 
 
 def _offload_stats(llm: LLM) -> dict:
@@ -96,8 +101,8 @@ def test_a_stopped_daemon_costs_requests_no_more_than_detecting_it(model_dir, ma
                                    max(0.1, STOP_S - (time.monotonic() - stopped_at)))
             stats_while_stopped = _offload_stats(llm)
         for i, (tokens, seconds, longest) in enumerate(results):
-            print(f"request {i} under a stopped daemon: {seconds * 1e3:.0f} ms, "
-                  f"longest step {longest * 1e3:.1f} ms")
+            print(f"request {i} under a stopped daemon: {seconds * 1e3:.0f} ms outside forwards, "
+                  f"longest step outside the forward {longest * 1e3:.1f} ms")
             assert tokens is not None, f"request {i} did not finish while the daemon was stopped"
             assert tokens == reference.generate([prompts[i]], GREEDY)[0].token_ids
             assert seconds < MAX_REQUEST_S, f"request {i} waited {seconds:.2f} s for the store"
@@ -135,7 +140,7 @@ def test_an_engine_started_against_a_stopped_daemon_serves_at_once(model_dir, ma
             tokens, seconds, longest = _serve_one(llm.engine, "first", _prompt(16 * 8 + 5, 3),
                                                   STOP_S)
             print(f"engine built in {built_s * 1e3:.0f} ms; first request {seconds * 1e3:.0f} "
-                  f"ms, longest step {longest * 1e3:.1f} ms")
+                  f"ms outside forwards, longest step outside the forward {longest * 1e3:.1f} ms")
             assert built_s < MAX_REQUEST_S, f"building the engine took {built_s:.2f} s"
             assert tokens is not None and seconds < MAX_REQUEST_S
             assert longest < MAX_STEP_S
