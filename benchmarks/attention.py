@@ -18,32 +18,18 @@ here only as the baseline. Writes JSON to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PREFIX_HIT_QUERY = 512
 PREFILL_GRAPH_CALLS = 5
-
-
-def _median_ms(cp, fn, reps: int) -> float:
-    fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def _graph_ms(cp, fn, reps: int, calls: int) -> float:
@@ -51,7 +37,7 @@ def _graph_ms(cp, fn, reps: int, calls: int) -> float:
     from kernels.cuda_graph import GraphCapturer
 
     graph = GraphCapturer().capture(lambda: [fn() for _ in range(calls)][-1])
-    return _median_ms(cp, graph.replay, reps) / calls
+    return cuda_median_ms(cp, graph.replay, reps) / calls
 
 
 def _torch_graph_ms(cp, torch, fn, reps: int, calls: int) -> float:
@@ -65,7 +51,7 @@ def _torch_graph_ms(cp, torch, fn, reps: int, calls: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return _median_ms(cp, graph.replay, reps) / calls
+    return cuda_median_ms(cp, graph.replay, reps) / calls
 
 
 def _random_bf16(cp, bf16, shape: tuple[int, ...]):
@@ -97,7 +83,7 @@ def _bench_prefill(cp, bf16, torch, rng, cudnn_attn, length: int, q_len: int, re
     ctx = cp.asarray(np.array([length], dtype=np.int32))
     args = (q, kv, 0, tables, cu, ctx, scale)
     ours_out = paged_attention_prefill(*args)
-    row: dict = {"ours_ms": _median_ms(cp, lambda: paged_attention_prefill(*args), reps),
+    row: dict = {"ours_ms": cuda_median_ms(cp, lambda: paged_attention_prefill(*args), reps),
                  "ours_graph_ms": _graph_ms(cp, lambda: paged_attention_prefill(*args), reps,
                                             PREFILL_GRAPH_CALLS)}
     # cuDNN three ways: K/V gathered dense and one sequence at its exact sizes (the host knows
@@ -120,7 +106,7 @@ def _bench_prefill(cp, bf16, torch, rng, cudnn_attn, length: int, q_len: int, re
             row[f"{name}_refused"] = list(cudnn_attn.refusals.values())[-1]
             continue
         row[f"{name}_rel_err_vs_ours"] = _rel_err(cp, out, ours_out)
-        row[f"{name}_ms"] = _median_ms(cp, run, reps)
+        row[f"{name}_ms"] = cuda_median_ms(cp, run, reps)
         row[f"{name}_graph_ms"] = _graph_ms(cp, run, reps, PREFILL_GRAPH_CALLS)
     if cudnn_attn is not None:
         cudnn_attn.exact = False
@@ -132,7 +118,7 @@ def _bench_prefill(cp, bf16, torch, rng, cudnn_attn, length: int, q_len: int, re
         width = 1 << max(0, tables.shape[1] - 1).bit_length()
         padded = cp.zeros((1, width), dtype=cp.int32)
         padded[:, :tables.shape[1]] = tables
-        row["gather_ms"] = _median_ms(cp, lambda: gather_kv(kv, 0, padded), reps)
+        row["gather_ms"] = cuda_median_ms(cp, lambda: gather_kv(kv, 0, padded), reps)
     F = torch.nn.functional
     tq = torch.randn(1, NUM_Q_HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     tk = torch.randn(1, NUM_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -143,7 +129,7 @@ def _bench_prefill(cp, bf16, torch, rng, cudnn_attn, length: int, q_len: int, re
         return F.scaled_dot_product_attention(tq, tk, tv, is_causal=q_len == length,
                                               enable_gqa=True)
 
-    row["sdpa_ms"] = _median_ms(cp, sdpa, reps)
+    row["sdpa_ms"] = cuda_median_ms(cp, sdpa, reps)
     row["sdpa_graph_ms"] = _torch_graph_ms(cp, torch, sdpa, reps, PREFILL_GRAPH_CALLS)
     keys = length * q_len - q_len * (q_len - 1) / 2  # (query, key) pairs under the mask
     flops = 4 * keys * NUM_Q_HEADS * HEAD_DIM
@@ -174,7 +160,7 @@ def _bench_decode(cp, bf16, torch, rng, cudnn_attn, length: int, num_seqs: int, 
     ctx = cp.asarray(np.full(num_seqs, length, dtype=np.int32))
     call = (q, kv, 0, tables, ctx, scale)
     ours_out = paged_attention_decode(*call)
-    row: dict = {"ours_ms": _median_ms(cp, lambda: paged_attention_decode(*call), args.reps),
+    row: dict = {"ours_ms": cuda_median_ms(cp, lambda: paged_attention_decode(*call), args.reps),
                  "ours_graph_ms": _graph_ms(cp, lambda: paged_attention_decode(*call),
                                             args.reps, args.graph_calls)}
     if cudnn_attn is not None:
@@ -186,7 +172,7 @@ def _bench_decode(cp, bf16, torch, rng, cudnn_attn, length: int, num_seqs: int, 
             row["cudnn_refused"] = list(cudnn_attn.refusals.values())[-1]
         else:
             row["cudnn_rel_err_vs_ours"] = _rel_err(cp, out, ours_out)
-            row["cudnn_ms"] = _median_ms(cp, lambda: cudnn_attn.run_decode(*call), args.reps)
+            row["cudnn_ms"] = cuda_median_ms(cp, lambda: cudnn_attn.run_decode(*call), args.reps)
             try:
                 row["cudnn_graph_ms"] = _graph_ms(cp, lambda: cudnn_attn.run_decode(*call),
                                                   args.reps, args.graph_calls)
@@ -200,7 +186,7 @@ def _bench_decode(cp, bf16, torch, rng, cudnn_attn, length: int, num_seqs: int, 
     def sdpa():
         return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
 
-    row["sdpa_ms"] = _median_ms(cp, sdpa, args.reps)
+    row["sdpa_ms"] = cuda_median_ms(cp, sdpa, args.reps)
     row["sdpa_graph_ms"] = _torch_graph_ms(cp, torch, sdpa, args.reps, args.graph_calls)
     kv_bytes = 2 * num_seqs * length * NUM_KV_HEADS * HEAD_DIM * 2
     return _ratios(row, kv_bytes, "kv_gbps", 1e6, "bandwidth")
@@ -257,16 +243,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
               "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               "node": platform.node(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", "-m", "benchmarks.attention",
-                                   *(argv if argv is not None else sys.argv[1:])]),
+              "date": now_iso(utc=True),
+              "command": command("python -m benchmarks.attention", argv),
               **bench(args)}
     print(json.dumps(report, indent=2))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = args.name or f"attention-{datetime.date.today().isoformat()}"
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_result(args.out, f"{args.name or f'attention-{today()}'}.json", report)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

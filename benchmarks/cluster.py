@@ -45,6 +45,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import write_result  # noqa: E402
+
 QWEN3_4B_BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2  # layers × K/V × tokens × KV heads × dim × bf16
 NODE_TIMINGS = {"heartbeat_interval_s": 0.5, "node_ttl_s": 5.0, "remote_timeout_s": 30.0}
 
@@ -288,10 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         redis.wait(5)
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({k: v for k, v in result.items() if k != "node_b_stats"}, indent=2))
-    args.out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.machine)
-    path = args.out / f"cluster-{slug}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result(args.out, f"cluster-{slug}-{result['date']}.json", result)
     print(f"wrote {path}")
     return 0
 

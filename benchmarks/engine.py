@@ -13,47 +13,20 @@ decode step at batch 1 <= 2 x weight bytes / HBM bandwidth. Writes JSON to bench
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-
-def _machine() -> dict:
-    info = {"node": platform.node(), "cpu": platform.processor() or platform.machine(),
-            "num_cpus": os.cpu_count(), "python": platform.python_version()}
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10).stdout.strip()
-            info["gpu"] = out.splitlines()[0] if out else None
-        except (OSError, subprocess.SubprocessError):
-            info["gpu"] = None
-    return info
+from benchmarks.common import command, machine_info, median_ms, now_iso, today, write_result
 
 
-def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _model_dir(args: argparse.Namespace) -> Path:
+def model_dir_for(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
     from engine.make_model import write_checkpoint
@@ -159,7 +132,7 @@ def _bench_ours(model_dir: Path, args: argparse.Namespace, vocab: int, eager: bo
             assert outs and outs[0].finished, "prefill did not finish in one step"
 
         for length in [] if decode_only else args.lengths:
-            result["prefill_ms"][str(length)] = _median_ms(lambda n=length: prefill(n), args.reps)
+            result["prefill_ms"][str(length)] = median_ms(lambda n=length: prefill(n), args.reps)
         for num_seqs in [] if prefill_only else args.decode_batch:
             # long prompts prefill over several steps, and the sequences already prefilled
             # decode meanwhile: leave them tokens enough to still decode in the timed steps
@@ -211,7 +184,7 @@ def bench_hf(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict:
                 model(ids, use_cache=False, logits_to_keep=1)
                 sync()
 
-            result["prefill_ms"][str(length)] = _median_ms(prefill, args.reps)
+            result["prefill_ms"][str(length)] = median_ms(prefill, args.reps)
         for num_seqs in args.decode_batch:
             ids = torch.randint(3, vocab, (num_seqs, 128), generator=gen).to(device)
             out = model(ids, use_cache=True, logits_to_keep=1)
@@ -264,13 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.decode_batch = [int(x) for x in args.decode_batch.split(",")]
-    model_dir = _model_dir(args)
+    model_dir = model_dir_for(args)
     vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 4000)
     report = {"benchmark": "engine", "model": str(model_dir), "preset": args.preset,
-              "device": args.device, "machine": _machine(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.engine",
-                                   *(argv if argv is not None else sys.argv[1:])]),
+              "device": args.device, "machine": machine_info(),
+              "date": now_iso(utc=True),
+              "command": command(f"{Path(sys.executable).name} -m benchmarks.engine", argv),
               "ours": bench_ours(model_dir, args, vocab)}
     if args.compare_attention:
         _release_gpu_memory(args.device)  # the next engine sizes its arena from free memory
@@ -306,13 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             n: round(ms / report["hf_sdpa"]["prefill_ms"][n], 3)
             for n, ms in report["ours"]["prefill_ms"].items()}
     print(json.dumps(report, indent=2))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
     name = model_dir.name if args.model else args.preset
     suffix = f"-{args.name}" if args.name else ""
-    path = out_dir / f"engine-{name}-{args.device}{suffix}-{stamp}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_result(args.out, f"engine-{name}-{args.device}{suffix}-{today()}.json", report)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

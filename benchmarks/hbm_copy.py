@@ -16,18 +16,14 @@ daemon's copier alone in this process with the same runs. Ratio = daemon load / 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from benchmarks.transfer import _median_ms
-from benchmarks.transfer_daemon import IDENT_BYTES, _start_daemon, _stop_daemon
+from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
+from benchmarks.transfer_daemon import IDENT_BYTES, start_daemon, stop_daemon
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 
@@ -61,8 +57,8 @@ def _raw_row(cp, n: int, src: int, dst: int, src_ids: list[int], dst_ids: list[i
 
     nbytes = n * BLOCK_BYTES
     stream = cp.cuda.Stream(non_blocking=True)
-    raw_ms = _median_ms(cp, lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, 3, stream.ptr),
-                        reps, stream)
+    raw_ms = cuda_median_ms(
+        cp, lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, 3, stream.ptr), reps, stream)
     copier = CudaCopier(cp.cuda.Device().id)
     runs = [CopyRun(src + s * BLOCK_BYTES, dst + d * BLOCK_BYTES, BLOCK_BYTES)
             for s, d in zip(src_ids, dst_ids, strict=True)]
@@ -128,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         cases[(n, "consecutive")] = (list(range(n)), list(range(n)))
     namespace = Namespace(name="hbm-copy").digest
     rows = []
-    proc, socket_path = _start_daemon(256 << 20, "default")
+    proc, socket_path = start_daemon(256 << 20, "default")
     try:
         with Client(socket_path, timeout_s=120.0) as owner, \
                 Client(socket_path, timeout_s=120.0) as reader:
@@ -157,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             exact = bool(cp.array_equal(reader_arena.kv[dst_ids], owner_arena.kv[src_ids]))
             stats = reader.stats()["tiers"]["hbm"]
     finally:
-        _stop_daemon(proc, socket_path)
+        stop_daemon(proc, socket_path)
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     out = {
         "benchmark": "hbm_copy", "block_bytes": BLOCK_BYTES, "rows": rows, "byte_exact": exact,
@@ -170,14 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                   "consecutive); ratio = daemon / raw",
         "machine": {"node": platform.node(), "gpu": gpu.decode() if isinstance(gpu, bytes)
                     else str(gpu), "cpus": os.cpu_count()},
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.hbm_copy " + " ".join(
-            sys.argv[1:] if argv is None else argv),
+        "date": now_iso(),
+        "command": command("python -m benchmarks.hbm_copy", argv),
     }
     print(f"byte-exact: {exact}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"hbm-copy-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(out, indent=2))
+    path = write_result(args.out, f"hbm-copy-{today()}.json", out)
     print(f"wrote {path}")
     return 0 if exact else 1
 

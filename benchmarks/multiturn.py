@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import math
 import os
 import random
@@ -36,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine import _machine
+from benchmarks.common import command, machine_info, now_iso, percentile, write_result
 from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
 
 TIERS = ("hbm", "dram", "ssd", "remote")
@@ -254,17 +252,6 @@ async def run_requests(config: RunConfig) -> tuple[list[RequestRecord], float, s
     return records, wall_s, model
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1e3
 
@@ -293,9 +280,9 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "num_requests": len(records), "num_ok": len(ok), "num_errors": len(records) - len(ok),
         "wall_s": wall_s,
         "ttft_ms": {"mean": _ms(statistics.fmean(ttfts)) if ttfts else None,
-                    "p50": _ms(_pct(ttfts, 0.5)), "p90": _ms(_pct(ttfts, 0.9)),
-                    "p99": _ms(_pct(ttfts, 0.99))},
-        "itl_ms": {"p50": _ms(_pct(itls, 0.5)), "p99": _ms(_pct(itls, 0.99))},
+                    "p50": _ms(percentile(ttfts, 0.5)), "p90": _ms(percentile(ttfts, 0.9)),
+                    "p99": _ms(percentile(ttfts, 0.99))},
+        "itl_ms": {"p50": _ms(percentile(itls, 0.5)), "p99": _ms(percentile(itls, 0.99))},
         "tpot_ms": {"mean": _ms(statistics.fmean(tpots)) if tpots else None},
         "e2e_ms": {"mean": _ms(statistics.fmean([r.e2e_s for r in ok])) if ok else None},
         "throughput": {
@@ -316,7 +303,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
                        "prompt_tokens_mean": (statistics.fmean([r.prompt_tokens or 0 for r in good])
                                               if good else None),
                        "ttft_ms_mean": _ms(statistics.fmean(t)) if t else None,
-                       "ttft_ms_p50": _ms(_pct(t, 0.5)), **_hits(good)})
+                       "ttft_ms_p50": _ms(percentile(t, 0.5)), **_hits(good)})
     out["rounds"] = rounds
     return out
 
@@ -423,14 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"multiturn: error: {exc}", file=sys.stderr)
         return 2
-    result = {**result, "machine": _machine(),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "python -m benchmarks.multiturn "
-                         + " ".join(sys.argv[1:] if argv is None else argv)}
+    result = {**result, "machine": machine_info(), "date": now_iso(),
+              "command": command("python -m benchmarks.multiturn", argv)}
     if args.output:  # written before anything is printed: the records outlive a closed stdout
-        path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
+        write_result(Path(args.output).parent, Path(args.output).name, result)
     print(format_summary(result["summary"]))
     if args.output:
         print(f"wrote {args.output}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import math
 import os
@@ -44,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import multiturn
-from benchmarks.engine import _machine
+from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.workload import WorkloadConfig, words_text
 
 PRESSURE_TARGET_SPEEDUP = 3.0
@@ -520,18 +519,17 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": str(args.model_dir), "device": args.device, "qps": qps_list,
         "regimes": regimes, "offload": offloads, "workload": asdict(workload), "sizing": sizing,
         "targets": evaluate_targets(points, qps_list),
-        "machine": _machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.multiturn_sweep "
-                   + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine_info(), "date": now_iso(),
+        "command": command("python -m benchmarks.multiturn_sweep", argv),
         "points": points,
     }
     print_report(result)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{args.device}-{args.model_dir.name}"
-    stem = out_dir / f"multiturn_sweep-{tag}-{datetime.date.today().isoformat()}"
+    stem = out_dir / f"multiturn_sweep-{tag}-{today()}"
     result["plots"] = plot(result, stem)
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    write_result(out_dir, f"{stem.name}.json", result, indent=1, default=str)
     print(f"wrote {stem}.json" + "".join(f", {p}" for p in result["plots"]))
     return 0 if any(not p["error"] for p in points) else 1
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
-import json
 import random
 import statistics
 import sys
@@ -35,8 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.engine import _machine
-from benchmarks.multiturn import _pct
+from benchmarks.common import command, machine_info, now_iso, percentile, today, write_result
 from server.demo import start_embedded_daemon
 
 CONFIGS = {  # name: EngineConfig overrides
@@ -166,7 +163,7 @@ def summarize(records: list[dict], steps: list[dict]) -> dict:
     return {
         "num_requests": len(records),
         "ttft_mean_ms": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p90_ms": _pct(ttft, 0.9),
+        "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p90_ms": percentile(ttft, 0.9),
         "ttft_mean_ms_by_round": {k: statistics.fmean(v) for k, v in sorted(by_round.items())},
         "cached_tokens": sum(r.get("cached_tokens") or 0 for r in records),
         "prompt_tokens": sum(r["prompt_tokens"] for r in records),
@@ -236,15 +233,12 @@ def main(argv: list[str] | None = None) -> int:
               "device": args.device, "regime": args.regime, "args": vars(args) | {
                   "model_dir": str(args.model_dir)},
               "num_kv_blocks": num_kv_blocks, "working_set_blocks": -(-working_set // 16),
-              "machine": _machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "python -m benchmarks.offload_trace " + " ".join(argv or sys.argv[1:]),
+              "machine": machine_info(), "date": now_iso(),
+              "command": command("python -m benchmarks.offload_trace", argv),
               "points": points}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = (f"offload_trace-{args.tag or args.device}-{args.regime}-"
-            f"{datetime.date.today().isoformat()}")
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out_dir / stem}.json")
+    stem = f"offload_trace-{args.tag or args.device}-{args.regime}-{today()}"
+    path = write_result(args.out, f"{stem}.json", result, indent=1, default=str)
+    print(f"wrote {path}")
     return 0
 
 

@@ -21,10 +21,7 @@ Writes JSON to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import random
 import re
 import shutil
@@ -38,20 +35,9 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.common import command, machine_info, now_iso, today, write_result
+
 TARGET_16K_P50_MS = 15.0
-
-
-def _machine() -> dict:
-    info = {"node": platform.node(), "cpu": platform.processor() or platform.machine(),
-            "num_cpus": os.cpu_count(), "python": platform.python_version()}
-    if shutil.which("nvidia-smi"):
-        try:
-            gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10).stdout.strip()
-            info["gpu"] = gpu.splitlines()[0] if gpu else None
-        except (OSError, subprocess.SubprocessError):
-            info["gpu"] = None
-    return info
 
 
 def _prompt_text(model_dir: Path, num_tokens: int, seed: int) -> str:
@@ -225,14 +211,12 @@ def main(argv: list[str] | None = None) -> int:
                                        if at_16k else None),
                    "met_new_turn": (at_16k[0]["new_turn"]["p50_ms"] <= TARGET_16K_P50_MS
                                     if at_16k else None)},
-        "machine": _machine(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.serve " + " ".join(argv or sys.argv[1:]),
+        "machine": machine_info(),
+        "date": now_iso(),
+        "command": command("python -m benchmarks.serve", argv),
     }
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     tag = args.preset or Path(model_dir).name
-    path = Path(args.out) / f"serve-{tag}-{args.device}-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(out, indent=2))
+    path = write_result(args.out, f"serve-{tag}-{args.device}-{today()}.json", out)
     print(f"wrote {path}")
     return 0
 

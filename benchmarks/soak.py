@@ -46,6 +46,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import write_result  # noqa: E402
 from kvstore.client import Client, ClientError, DaemonUnavailable  # noqa: E402
 from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
@@ -403,10 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python -m benchmarks.soak " + " ".join(shlex.quote(a) for a in argv)
     result = run(args, command)
-    args.out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.machine)
-    path = args.out / f"soak-{slug}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result(args.out, f"soak-{slug}-{result['date']}.json", result)
     v = result["verdict"]
     print(json.dumps({k: v[k] for k in ("flat", "checks", "rss_slope_mib_per_hour",
                                         "dram_use_drift_of_capacity",

@@ -18,7 +18,6 @@ Target (H100, Qwen3-4B shape, warm page cache): ready <= 5 s. Writes JSON to ben
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve import _machine
+from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.soak import read_rss_bytes
 
 TARGET_READY_S = 5.0
@@ -112,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ready = statistics.median(r["ready_s"] for r in warm)
     report = {
         "benchmark": "startup", "model": str(model_dir), "device": args.device,
-        "machine": _machine(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.startup",
-                             *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine_info(),
+        "date": now_iso(utc=True),
+        "command": command(f"{Path(sys.executable).name} -m benchmarks.startup", argv),
         "weight_bytes": weight_bytes, "runs": runs,
         "warm": {"ready_s_median": ready,
                  "first_token_s_median": statistics.median(r["first_token_s"] for r in warm),
@@ -123,11 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": {"ready_s": TARGET_READY_S, "met": ready <= TARGET_READY_S},
     }
     print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if args.device == "cpu" else (report["machine"].get("gpu") or "gpu").split()[1]
-    path = out / f"startup-{model_dir.name}-{tag.lower()}-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_result(args.out, f"startup-{model_dir.name}-{tag.lower()}-{today()}.json", report)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

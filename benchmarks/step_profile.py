@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -25,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.engine import _machine
-from benchmarks.ttft_ladder import _ttft
+from benchmarks.common import command, machine_info, now_iso, today, write_result
+from benchmarks.ttft_ladder import ttft
 
 
 def _device_ms(engine, prompt: list[int], tag: str, params) -> float | None:
@@ -94,17 +92,17 @@ def profile_length(engine, length: int, args: argparse.Namespace, rng) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     vocab = engine.vocab_size
     prefix = rng.integers(10, vocab, length).tolist()
-    cold_s = _ttft(engine, prefix + [11], f"cold-{length}")[0]
+    cold_s = ttft(engine, prefix + [11], f"cold-{length}")[0]
 
     def turn(i: int) -> list[int]:
         return prefix + rng.integers(10, vocab, args.new_tokens).tolist()
 
-    walls = [_ttft(engine, turn(i), f"w-{length}-{i}")[0] for i in range(args.reps)]
+    walls = [ttft(engine, turn(i), f"w-{length}-{i}")[0] for i in range(args.reps)]
     device = [_device_ms(engine, turn(i), f"d-{length}-{i}", params) for i in range(args.reps)]
     split = _forward_split(engine, turn(0), f"f-{length}", params, args.reps)
     prof = cProfile.Profile()
     prof.enable()
-    _ttft(engine, turn(0), f"p-{length}")
+    ttft(engine, turn(0), f"p-{length}")
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
@@ -153,14 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     result = {"benchmark": "step_profile", "model_dir": str(args.model_dir),
-              "device": args.device, "rows": rows, "machine": _machine(),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "python -m benchmarks.step_profile " + " ".join(argv or sys.argv[1:])}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"step_profile-{args.tag or args.device}-{datetime.date.today().isoformat()}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {out / stem}.json")
+              "device": args.device, "rows": rows, "machine": machine_info(), "date": now_iso(),
+              "command": command("python -m benchmarks.step_profile", argv)}
+    stem = f"step_profile-{args.tag or args.device}-{today()}"
+    path = write_result(args.out, f"{stem}.json", result, indent=1)
+    print(f"wrote {path}")
     return 0
 
 

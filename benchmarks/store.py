@@ -39,6 +39,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import write_result  # noqa: E402
 from kvstore.client import Client  # noqa: E402
 from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
@@ -317,10 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.machine)
-    path = args.out / f"store-{slug}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result(args.out, f"store-{slug}-{result['date']}.json", result)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0

@@ -12,29 +12,13 @@ slow-down of a decode-like GEMM loop while a save runs. Writes JSON to benchmark
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
-import sys
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
+
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
-
-
-def _median_ms(cp, fn, reps: int, stream) -> float:
-    fn()
-    stream.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        fn()
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def _measure_row(cp, copier, stream, n: int, max_blocks: int, dev_base: int, host_base: int,
@@ -63,7 +47,7 @@ def _measure_row(cp, copier, stream, n: int, max_blocks: int, dev_base: int, hos
     }
     res: dict = {"blocks": n, "bytes": nbytes}
     for name, (fn, strm) in cases.items():
-        res[name + "_gbps"] = nbytes / _median_ms(cp, fn, reps, strm) / 1e6
+        res[name + "_gbps"] = nbytes / cuda_median_ms(cp, fn, reps, strm) / 1e6
     for way in ("d2h", "h2d"):
         best = max(res[f"ours_memcpy_{way}_gbps"], res[f"ours_kernel_{way}_gbps"])
         res[f"ratio_{way}"] = best / res[f"raw_{way}_gbps"]
@@ -124,24 +108,22 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(50):
                 a @ w.T
 
-    alone = _median_ms(cp, decode_like, args.reps, compute)
+    alone = cuda_median_ms(cp, decode_like, args.reps, compute)
     runs = [CopyRun(d, h, BLOCK_BYTES) for d, h in pairs]
     copier.device_to_host(runs)
-    beside = _median_ms(cp, decode_like, 3, compute)
+    beside = cuda_median_ms(cp, decode_like, 3, compute)
     stream.synchronize()
     out = {
         "benchmark": "transfer", "block_bytes": BLOCK_BYTES, "rows": rows, "byte_exact": exact,
         "decode_gemm_ms_alone": alone, "decode_gemm_ms_during_save": beside,
         "machine": {"node": platform.node(),
                     "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()},
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.transfer " + " ".join(argv or sys.argv[1:]),
+        "date": now_iso(),
+        "command": command("python -m benchmarks.transfer", argv),
     }
     print(f"byte-exact round trip: {exact}; decode GEMM loop {alone:.2f} ms alone, "
           f"{beside:.2f} ms during a save")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"transfer-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(out, indent=2))
+    path = write_result(args.out, f"transfer-{today()}.json", out)
     print(f"wrote {path}")
     return 0 if exact else 1
 

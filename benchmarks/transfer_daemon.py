@@ -20,8 +20,6 @@ one batch: reserve all, one copy submission, wait, publish).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import queue
@@ -36,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.transfer import _median_ms
+from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
@@ -46,7 +44,7 @@ _SERVE = ("import sys, kvstore.cuda_transfer as t; {}; "
           "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def _start_daemon(dram_bytes: int, variant: str) -> tuple[subprocess.Popen, Path]:
+def start_daemon(dram_bytes: int, variant: str) -> tuple[subprocess.Popen, Path]:
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
     head = [sys.executable, "-m", "kvstore.cli"] if variant == "default" else \
         [sys.executable, "-c", _SERVE.format(_VARIANTS[variant])]
@@ -71,7 +69,7 @@ def _start_daemon(dram_bytes: int, variant: str) -> tuple[subprocess.Popen, Path
             return proc, socket_path
 
 
-def _stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
+def stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)
@@ -86,9 +84,9 @@ def _raw_row(cp, n: int, dev: int, alloc_host: int, pool_host: int, reps: int) -
     stream = cp.cuda.Stream(non_blocking=True)
     out = {}
     for name, host in (("raw", alloc_host), ("raw_registered", pool_host)):
-        d2h = _median_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(h, dev, nbytes, 2,
+        d2h = cuda_median_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(h, dev, nbytes, 2,
                                                                          stream.ptr), reps, stream)
-        h2d = _median_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(dev, h, nbytes, 1,
+        h2d = cuda_median_ms(cp, lambda h=host: cp.cuda.runtime.memcpyAsync(dev, h, nbytes, 1,
                                                                          stream.ptr), reps, stream)
         out[f"{name}_d2h_gbps"] = nbytes / d2h / 1e6
         out[f"{name}_h2d_gbps"] = nbytes / h2d / 1e6
@@ -233,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = ["single", "single_consecutive", "streamed"] if variant == "default" else \
             ["single"]
         depth = args.depth if "streamed" in modes else 1
-        proc, socket_path = _start_daemon(depth * total + (256 << 20), variant)
+        proc, socket_path = start_daemon(depth * total + (256 << 20), variant)
         try:
             with Client(socket_path, timeout_s=120.0) as client:
                 daemon_pinned = client.stats()["tiers"]["dram"]["pinned"]
@@ -264,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                     exact = _byte_exact(cp, client, reg, namespace, kv, shuffled[max_blocks])
                 client.unregister(reg)
         finally:
-            _stop_daemon(proc, socket_path)
+            stop_daemon(proc, socket_path)
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     out = {
@@ -276,15 +274,12 @@ def main(argv: list[str] | None = None) -> int:
                   "the blocks' bytes; ratio = daemon / raw (cudaHostAlloc) of the same row",
         "machine": {"node": platform.node(), "gpu": gpu.decode() if isinstance(gpu, bytes)
                     else str(gpu), "cpus": os.cpu_count()},
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.transfer_daemon " + " ".join(
-            sys.argv[1:] if argv is None else argv),
+        "date": now_iso(),
+        "command": command("python -m benchmarks.transfer_daemon", argv),
     }
     print(f"byte-exact save/scramble/load through the daemon: {exact}; daemon pool pinned: "
           f"{daemon_pinned}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"transfer-daemon-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(out, indent=2))
+    path = write_result(args.out, f"transfer-daemon-{today()}.json", out)
     print(f"wrote {path}")
     return 0 if exact else 1
 

@@ -17,21 +17,19 @@ Writes JSON (+ a PNG when matplotlib is there).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.engine import _machine, _model_dir
+from benchmarks.common import command, machine_info, now_iso, today, write_result
+from benchmarks.engine import model_dir_for
 from server.demo import start_embedded_daemon
 
 
-def _ttft(engine, prompt: list[int], tag: str) -> tuple[float, dict]:
+def ttft(engine, prompt: list[int], tag: str) -> tuple[float, dict]:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    model_dir = _model_dir(args)
+    model_dir = model_dir_for(args)
 
     from engine import EngineConfig, LLMEngine
 
@@ -122,16 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     vocab = engine.vocab_size
     prompts = {n: rng.integers(10, vocab, n).tolist() for n in lengths}
-    _ttft(engine, rng.integers(10, vocab, 64).tolist(), "warmup")  # kernels compiled, store warm
+    ttft(engine, rng.integers(10, vocab, 64).tolist(), "warmup")  # kernels compiled, store warm
     rows = {n: {"tokens": n} for n in lengths}
     for n in lengths:
         row = rows[n]
-        row["cold_ms"] = _ttft(engine, prompts[n], f"cold{n}")[0] * 1e3
+        row["cold_ms"] = ttft(engine, prompts[n], f"cold{n}")[0] * 1e3
         engine.offload.wait_idle()
-        t, tiers = _ttft(engine, prompts[n], f"hbm{n}")
+        t, tiers = ttft(engine, prompts[n], f"hbm{n}")
         row["hbm_ms"], row["hbm_tiers"] = t * 1e3, tiers
         engine.reset_prefix_cache()
-        t, tiers = _ttft(engine, prompts[n], f"dram{n}")
+        t, tiers = ttft(engine, prompts[n], f"dram{n}")
         row["dram_ms"], row["dram_tiers"] = t * 1e3, tiers
         engine.offload.wait_idle()
         engine.reset_prefix_cache()
@@ -145,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.2)
     for n in lengths:
         engine.reset_prefix_cache()
-        t, tiers = _ttft(engine, prompts[n], f"ssd{n}")
+        t, tiers = ttft(engine, prompts[n], f"ssd{n}")
         rows[n]["ssd_ms"], rows[n]["ssd_tiers"] = t * 1e3, tiers
         print(f"{n:6d} tokens: ssd {t * 1e3:8.1f} ms {tiers}", flush=True)
     block_bytes = engine.kv_cache.block_bytes
@@ -170,15 +168,13 @@ def main(argv: list[str] | None = None) -> int:
             rows[n]["dram_meets_target"] = rows[n]["dram_ms"] <= bound
     result = {
         "benchmark": "ttft_ladder", "preset": args.preset, "device": args.device,
-        "machine": _machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.ttft_ladder " + " ".join(argv or sys.argv[1:]),
+        "machine": machine_info(), "date": now_iso(),
+        "command": command("python -m benchmarks.ttft_ladder", argv),
         "block_bytes": block_bytes, "raw_h2d_gbps": raw_h2d, "rows": list(rows.values()),
         "offload_stats": offload_stats,
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"ttft_ladder-{args.preset}-{args.device}-{datetime.date.today().isoformat()}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str))
+    stem = f"ttft_ladder-{args.preset}-{args.device}-{today()}"
+    out_dir = write_result(args.out, f"{stem}.json", result, default=str).parent
     _plot(result, out_dir / f"{stem}.png")
     print(f"\n{'tokens':>7} {'cold':>9} {'hbm':>8} {'dram':>8} {'ssd':>8} {'HF cold':>9}"
           "   (ms; * = the cost model would recompute instead)")

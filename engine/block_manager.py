@@ -18,10 +18,11 @@ from __future__ import annotations
 import operator
 import struct
 from collections import OrderedDict, deque
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from engine.sequence import Sequence
-from kvstore.keys import chain_hashes
+from offload.engine_view import Generations
+from offload.vocab import chain_hashes
 
 
 class CachedBlock(NamedTuple):
@@ -41,14 +42,6 @@ class CachedBlock(NamedTuple):
 
 _CHECK = operator.itemgetter(CachedBlock._fields.index("check"))
 _TOKEN_BYTES = operator.itemgetter(CachedBlock._fields.index("token_bytes"))
-
-
-class Generations(Protocol):
-    """Per-block counters bumped on every allocation (``offload.block_generations``)."""
-
-    def bump(self, block_id: int) -> None: ...
-
-    def get(self, block_id: int) -> int: ...
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -75,18 +68,28 @@ class BlockManager:
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0
         self.num_collisions = 0
-        # For --kv-offload: evicted (namespace, key) pairs (``track_offload``) and, for the
-        # ``evict`` policy only, cached blocks whose last reference went away
-        # (``track_released``); both drained once per step by the offload manager.
-        self.track_offload = False
-        self.track_released = False
+        # For --kv-offload (``enable_offload``): evicted (namespace, key) pairs and, for the
+        # ``evict`` policy only, cached blocks whose last reference went away; both drained once
+        # per step by the offload bridge.
+        self._track_offload = False
+        self._track_released = False
         self._evicted: list[tuple[bytes, bytes]] = []
         self._released: list[int] = []
         # For the store's HBM tier: bumped per allocation, and the blocks registered since the
-        # last drain (``track_resident``).
-        self.generations: Generations | None = None
-        self.track_resident = False
+        # last drain (tracked once generations are given).
+        self._generations: Generations | None = None
+        self._track_resident = False
         self._registered: list[tuple[int, CachedBlock]] = []
+
+    def enable_offload(self, track_released: bool, generations: Generations | None) -> None:
+        """Start recording for the offload bridge: evictions (``drain_evicted_keys``), with
+        ``track_released`` cached blocks whose last user let go (``drain_released``), with
+        ``generations`` every allocation bumped there and every registration recorded
+        (``drain_resident``). Call before the first allocation."""
+        self._track_offload = True
+        self._track_released = track_released
+        self._generations = generations
+        self._track_resident = generations is not None
 
     # -- counts -----------------------------------------------------------------------------
 
@@ -185,7 +188,7 @@ class BlockManager:
         """Drop the sequence's references. Tail blocks are released first so that, among equally
         old cached blocks, a prefix's tail is evicted before its head."""
         refs, cached, evictable = self._ref_counts, self._cached, self._evictable
-        track_released = self.track_released
+        track_released = self._track_released
         for block in reversed(seq.block_ids):
             refs[block] -= 1
             if refs[block] == 0:
@@ -207,7 +210,7 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             cached = self._cached.pop(block)
             del self._by_key[cached.key]
-            if self.track_offload:
+            if self._track_offload:
                 self._evicted.append((cached.namespace, cached.key))
             self._free.append(block)
             num_evicted += 1
@@ -278,7 +281,7 @@ class BlockManager:
         tokens = seq.encoded_tokens(num_full * bs)
         by_key, cached_blocks = self._by_key, self._cached
         hashes, checks, namespace = seq.block_hashes, seq.block_checks, seq.namespace_digest
-        registered = self._registered if self.track_resident else None
+        registered = self._registered if self._track_resident else None
         for j in range(start, num_full):
             key = hashes[j]
             # Another sequence may have registered the same content first: keep that one.
@@ -301,10 +304,10 @@ class BlockManager:
             cached = self._cached.pop(block)
             del self._by_key[cached.key]
             self.num_evictions += 1
-            if self.track_offload:
+            if self._track_offload:
                 self._evicted.append((cached.namespace, cached.key))
-        if self.generations is not None:  # before anything can write the block again
-            self.generations.bump(block)
+        if self._generations is not None:  # before anything can write the block again
+            self._generations.bump(block)
         self._ref_counts[block] = 1
         return block
 

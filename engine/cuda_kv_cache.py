@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.kv_cache import KVCache
 from kernels.cuda_module import BF16
-from kvstore.layout import KVLayout, Region
+from offload.vocab import KVLayout, Region
 
 _DTYPES = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 

@@ -18,7 +18,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from kernels.ops import Array
-from kvstore.layout import KVLayout, Region
+from offload.vocab import KVLayout, Region
 
 KV_LAYOUT_NAME = "block-major"
 

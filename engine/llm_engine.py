@@ -24,7 +24,6 @@ from engine.kv_cache import KVCache, kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.offload_manager import OffloadManager, make_offload_manager
 from engine.outputs import RequestOutput, empty_tier_counts
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -32,7 +31,9 @@ from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from engine.weights import weights_identity
 from kernels import make_ops
-from kvstore.keys import ModelIdentity, Namespace
+from offload.bridge import StoreBridge
+from offload.factory import make_offload_manager
+from offload.vocab import ModelIdentity, Namespace
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class LLMEngine:
                                           config.enable_prefix_caching, config.debug_hash_bits)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.offload: OffloadManager | None = None
+        self.offload: StoreBridge | None = None
         self._offload_pending = False  # the last step's store work is still to do
         # A mid-prefill chunk samples nothing, so its step returns before the device finished it
         # and the next step's time includes the rest: only steps between syncs are timed.
@@ -184,7 +185,9 @@ class LLMEngine:
         with self._lock:
             stats = dict(self._stats)
             stats["num_waiting"] += len(self._inbox)
-            return stats
+        if self.offload is not None:  # the store's health now, not as of the last step
+            stats["kv_offload"] = {**stats["kv_offload"], "store_state": self.offload.store_state}
+        return stats
 
     # -- the step loop (one thread) ---------------------------------------------------------
 

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from engine.offload_manager import OffloadManager
+from offload.bridge import StoreBridge
 
 
 @dataclass
@@ -57,7 +54,7 @@ class Scheduler:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_prompt_tokens = 0
-        self.offload: OffloadManager | None = None  # set by the engine with --kv-offload
+        self.offload: StoreBridge | None = None  # set by the engine with --kv-offload
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
@@ -81,9 +78,11 @@ class Scheduler:
         assert self.offload is not None
         ready, requeue = self.offload.poll()
         for seq in ready:
+            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._count_admission(seq, seq.num_computed_tokens)
         for seq in reversed(requeue):
+            seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
     def _count_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
@@ -129,7 +128,8 @@ class Scheduler:
             hit_ids = bm.match_prefix(seq)
             if (self.offload is not None and not seq.offload_checked
                     and self.offload.start_restore(seq, len(hit_ids), bool(self.running))):
-                self.waiting.popleft()  # LOADING: the offload manager holds it until it lands
+                seq.status = SequenceStatus.LOADING
+                self.waiting.popleft()  # the offload bridge holds it until it lands
                 continue
             num_hit_tokens = len(hit_ids) * bm.block_size
             num_new = min(seq.num_tokens - num_hit_tokens, budget)

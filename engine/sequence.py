@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from kvstore.keys import encode_tokens
+from offload.vocab import encode_tokens
 
 
 class SequenceStatus(enum.Enum):
@@ -47,7 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
-    # --kv-offload state (see engine/offload_manager.py)
+    # --kv-offload state (see offload/bridge.py)
     offload_checked: bool = False  # the store was asked since the last (re)admission
     abort_requested: bool = False  # aborted while a load was in flight
     num_saved_blocks: int = 0  # leading full blocks handed to the store (or known there)

@@ -23,7 +23,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvstore.layout import GENERATION_BYTES, GENERATION_DTYPE
+from offload.vocab import GENERATION_BYTES, GENERATION_DTYPE
 
 
 def _release(shm: shared_memory.SharedMemory, words: memoryview | None) -> None:

@@ -1,23 +1,24 @@
 """The engine's link to the store: register the KV arena, look up, load, save, publish evictions.
 
-Everything here is asynchronous: each call returns a ``Transfer`` handle the step loop polls, and
-no call waits on the daemon. A store that is down, slow or answering errors turns into misses,
-failed transfers and counted errors, never into an exception in the step loop: the engine keeps
-serving by recompute and the connector reconnects (and re-registers) when the daemon is back.
+Everything here is asynchronous: each call queues a request for the ``StoreLink`` thread and
+returns a ``Transfer`` handle the step loop polls; no call waits on the daemon. A store that is
+down, hung, slow or answering errors turns into misses, failed transfers and counted errors,
+never into an exception or a stall in the step loop: the engine keeps serving by recompute, the
+link probes the daemon and reconnects (and re-registers) when it is back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.client import Client, ClientError, DaemonUnavailable, Pending
-from kvstore.layout import KVLayout
+from kvstore import Client, Pending
+from offload.store_link import Job, StoreLink
+from offload.transfer import Transfer
+from offload.vocab import KVLayout
 
 log = logging.getLogger("offload")
 
@@ -25,163 +26,114 @@ log = logging.getLogger("offload")
 # longer before it calls a request lost, so a late "failed" reply is still seen as a reply.
 _DEADLINE_MARGIN_S = 2.0
 
-
-class Transfer:
-    """One request in flight: ``poll()`` is non-blocking; ``result`` is set once it is done.
-
-    A request that fails (daemon gone, error reply, past its deadline) completes with
-    ``ok=False`` and ``result`` the fallback the caller gave (a miss, zero blocks loaded...).
-    """
-
-    def __init__(self, pending: Pending | None, deadline_s: float, fallback: Any,
-                 on_error: Callable[[str], None]) -> None:
-        self._pending = pending
-        self._deadline = time.monotonic() + deadline_s
-        self._fallback = fallback
-        self._on_error = on_error
-        self.started_at = time.monotonic()
-        self.finished_at: float | None = None
-        self.done = pending is None
-        self.ok = False
-        self.timed_out = False  # no reply at all: the daemon may still touch the blocks
-        self.result: Any = fallback
-        if pending is None:
-            self.finished_at = self.started_at
-
-    def poll(self) -> bool:
-        """True once finished (successfully or not); never blocks."""
-        if self.done:
-            return True
-        assert self._pending is not None
-        if self._pending.poll():
-            try:
-                self.result = self._pending.wait(0)
-                self.ok = True
-            except (ClientError, DaemonUnavailable) as exc:
-                self._on_error(getattr(exc, "code", "unavailable"))
-            self._finish()
-        elif time.monotonic() >= self._deadline:
-            self.timed_out = True
-            self._on_error("deadline")
-            self._finish()
-        return self.done
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until done or ``timeout_s`` (default: the deadline): tests, shutdown, and the
-        engine's bounded wait for lookup replies."""
-        if self.done:
-            return True
-        assert self._pending is not None
-        limit = max(0.0, self._deadline - time.monotonic())
-        if timeout_s is not None:
-            limit = min(limit, timeout_s)
-        with contextlib.suppress(ClientError, DaemonUnavailable, TimeoutError):
-            self._pending.wait(limit)
-        return self.poll() or (time.monotonic() >= self._deadline and self.poll())
-
-    @property
-    def elapsed_s(self) -> float:
-        end = self.finished_at if self.finished_at is not None else time.monotonic()
-        return end - self.started_at
-
-    def _finish(self) -> None:
-        self.done = True
-        self.finished_at = time.monotonic()
-        self._pending = None
+__all__ = ["OffloadConnector", "Transfer"]
 
 
 class OffloadConnector:
-    """Owns the client connection and the registration of one engine's KV arena."""
+    """Owns the link to the store and the registration of one engine's KV arena."""
 
     def __init__(self, socket_path: str | Path | None, layout: KVLayout, engine_id: str,
-                 timeout_s: float = 10.0, reconnect_interval_s: float = 1.0) -> None:
+                 timeout_s: float = 10.0, reconnect_interval_s: float = 1.0,
+                 connect_wait_s: float | None = None) -> None:
         self.socket_path = socket_path
         self.layout = layout
         self.engine_id = engine_id
         self.timeout_s = timeout_s
-        self.reconnect_interval_s = reconnect_interval_s
         self.counters: Counter[str] = Counter()
-        self._client: Client | None = None
-        self._registration_id: int | None = None
-        self._next_attempt = 0.0
-        self.connect()
+        self._link = StoreLink(socket_path, layout, engine_id, timeout_s, reconnect_interval_s,
+                               self.counters)
+        self._last_state = "down"
+        # A healthy daemon registers us in milliseconds: serve with the store from the first
+        # request. A hung one costs the caller at most the probe deadline.
+        self._link.wait_first_attempt(
+            self._link.probe_deadline_s if connect_wait_s is None else connect_wait_s)
 
     # ------------------------------------------------------------------------- connection
 
     @property
-    def available(self) -> bool:
-        """Connected and registered; tries to reconnect (rate-limited) when not."""
-        if self._client is not None and self._client.is_closed:
-            self._lost("unavailable")  # the daemon went away since the last request
-        if self._client is None:
-            self.connect()
-        return self._client is not None
+    def state(self) -> str:
+        """``ok``, ``hung`` or ``down``; changes are counted (``store_hung``, ``store_down``)
+        and logged once each. Never blocks."""
+        state = self._link.state
+        if state != self._last_state:
+            if state != "ok":
+                self.counters[f"store_{state}"] += 1
+            if state == "hung":
+                log.warning("kv offload: the store does not answer; recomputing until it does")
+            elif state == "ok" and self._last_state == "hung":
+                log.warning("kv offload: the store answers again")
+            self._last_state = state
+        return state
 
-    def connect(self) -> bool:
-        now = time.monotonic()
-        if self._client is not None:
-            return True
-        if now < self._next_attempt:
-            return False
-        self._next_attempt = now + self.reconnect_interval_s
-        try:
-            client = Client(self.socket_path, timeout_s=self.timeout_s)
-            self._registration_id = client.register(self.layout, self.engine_id)
-        except (DaemonUnavailable, ClientError, OSError) as exc:
-            if self.counters["connect_failures"] == 0:
-                log.warning("kv offload: store not available (%s); serving without it and "
-                            "retrying every %.1f s", exc, self.reconnect_interval_s)
-            self.counters["connect_failures"] += 1
-            return False
-        self._client = client
-        self.counters["connects"] += 1
-        if self.counters["connects"] > 1:
-            log.warning("kv offload: reconnected to the store (registration %d)",
-                        self._registration_id)
-        return True
+    @property
+    def live_state(self) -> str:
+        """``state`` for any thread (nothing counted)."""
+        return self._link.state
+
+    @property
+    def available(self) -> bool:
+        """Registered and answering: worth starting a lookup or a save. When not connected, a
+        reconnect is asked for (made off this thread)."""
+        state = self.state
+        if state == "down":
+            self._link.want_connect()
+        return state == "ok"
+
+    def keep_connected(self) -> None:
+        """Not connected: have the link reconnect (off this thread, rate-limited). The engine
+        calls this every step; a bare connector reconnects only when a request needs it."""
+        if self.state == "down":
+            self._link.want_connect()
+
+    @property
+    def registration_epoch(self) -> int:
+        """Counts registrations made (one per connect): a new one starts with nothing published
+        and may be a daemon that lost what it held."""
+        return self._link.epoch
+
+    @property
+    def daemon_pid(self) -> int | None:
+        return self._link.daemon_pid
 
     def _lost(self, code: str) -> None:
         self.counters[f"errors_{code}"] += 1
-        if code in ("unavailable", "deadline") and self._client is not None:
-            log.warning("kv offload: lost the store (%s); recomputing until it is back", code)
-            client, self._client, self._registration_id = self._client, None, None
-            with contextlib.suppress(OSError):
-                client.close()
+        if code == "deadline":  # no reply at all: start over on a fresh connection
+            self._link.want_drop()
 
-    def _request(self, send: Callable[[Client], Pending], fallback: Any,
+    def _request(self, send: Callable[[Client, int], Pending], fallback: Any,
                  deadline_s: float | None = None) -> Transfer:
+        """Queue a request; a hung store or a full queue completes it at once with
+        ``fallback``. Not connected: the link tries to connect first (rate-limited)."""
         deadline_s = self.timeout_s if deadline_s is None else deadline_s
-        if not self.available:
-            self.counters["skipped_unavailable"] += 1
-            return Transfer(None, 0.0, fallback, self._lost)
-        assert self._client is not None
-        try:
-            pending = send(self._client)
-        except (DaemonUnavailable, ClientError, OSError):
-            self._lost("unavailable")
-            return Transfer(None, 0.0, fallback, self._lost)
-        return Transfer(pending, deadline_s + _DEADLINE_MARGIN_S, fallback, self._lost)
+        if self.state == "hung":
+            self.counters["skipped_hung"] += 1
+            return Transfer(0.0, fallback, self._lost, queued=False)
+        transfer = Transfer(deadline_s + _DEADLINE_MARGIN_S, fallback, self._lost)
+        if not self._link.submit(Job(send, transfer)):
+            self.counters["skipped_queue_full"] += 1
+            return Transfer(0.0, fallback, self._lost, queued=False)
+        return transfer
 
     # ------------------------------------------------------------------------------ verbs
 
     def lookup(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                lease_ttl_s: float = 30.0) -> Transfer:
-        """Result: (num_hit, tiers, lease_id); a failure is (0, [], None)."""
+        """Result: (num_hit, tiers, lease_id); a failure is None."""
         self.counters["lookups"] += 1
+        hashes, idents = list(hashes), list(idents)
 
-        def send(c: Client) -> Pending:
+        def send(c: Client, registration_id: int) -> Pending:
             return c.lookup_async(namespace, hashes, idents, lease_ttl_s)
 
-        transfer = self._request(send, None)
-        return transfer
+        return self._request(send, None)
 
     def load(self, lease_id: int, block_ids: Sequence[int],
              deadline_s: float | None = None) -> Transfer:
         """Result: how many leading ``block_ids`` hold their block now; a failure is 0."""
         self.counters["loads"] += 1
-        registration_id = self._registration_id
+        block_ids = list(block_ids)
 
-        def send(c: Client) -> Pending:
+        def send(c: Client, registration_id: int) -> Pending:
             return c.load_async(registration_id, lease_id, block_ids, deadline_s)
 
         return self._request(send, 0, deadline_s)
@@ -190,21 +142,16 @@ class OffloadConnector:
              idents: Sequence[bytes]) -> Transfer:
         """Result: per-block outcomes ("saved", "duplicate", "failed"); a failure is None."""
         self.counters["saves"] += 1
-        registration_id = self._registration_id
+        block_ids, hashes, idents = list(block_ids), list(hashes), list(idents)
 
-        def send(c: Client) -> Pending:
+        def send(c: Client, registration_id: int) -> Pending:
             return c.save_async(registration_id, namespace, block_ids, hashes, idents)
 
         return self._request(send, None)
 
     def release(self, lease_id: int) -> None:
         """Give a lease back without waiting for the reply."""
-        self._request(lambda c: c.request("release", {"lease_id": lease_id}), None)
-
-    @property
-    def registration_epoch(self) -> int:
-        """Counts registrations made (one per connect): a new one starts with nothing published."""
-        return self.counters["connects"]
+        self._request(lambda c, _: c.request("release", {"lease_id": lease_id}), None)
 
     def resident(self, namespace: bytes, block_ids: Sequence[int], hashes: Sequence[bytes],
                  idents: Sequence[bytes], generations: Sequence[int]) -> None:
@@ -213,11 +160,10 @@ class OffloadConnector:
         if not block_ids:
             return
         self.counters["resident_published"] += len(block_ids)
-        registration_id = self._registration_id
+        rows = (list(block_ids), list(hashes), list(idents), list(generations))
 
-        def send(c: Client) -> Pending:
-            return c.resident_async(registration_id, namespace, block_ids, hashes, idents,
-                                    generations)
+        def send(c: Client, registration_id: int) -> Pending:
+            return c.resident_async(registration_id, namespace, *rows)
 
         self._request(send, None)
 
@@ -226,16 +172,14 @@ class OffloadConnector:
         if not hashes:
             return
         self.counters["evictions_published"] += len(hashes)
-        args = {"namespace": namespace, "hashes": list(hashes),
-                "registration_id": self._registration_id}
-        self._request(lambda c: c.request("evicted", args), None)
+        hashes = list(hashes)
+
+        def send(c: Client, registration_id: int) -> Pending:
+            return c.request("evicted", {"namespace": namespace, "hashes": hashes,
+                                         "registration_id": registration_id})
+
+        self._request(send, None)
 
     def close(self) -> None:
-        if self._client is not None:
-            try:
-                if self._registration_id is not None:
-                    self._client.unregister(self._registration_id)
-            except (DaemonUnavailable, ClientError, OSError):
-                pass
-            self._client.close()
-            self._client = None
+        """Unregister (the daemon forgets this arena's resident blocks) and close; bounded."""
+        self._link.close()

@@ -7,18 +7,17 @@ missing, dies, or serves short loads must only ever cost recompute.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from daemon_helpers import wait_until
+from offload_helpers import (
+    GREEDY,
+    close_llm,
+    offload_llm,
+    random_prompt,
+    store_through_an_engine,
+)
 
-from engine import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def _prompt(vocab_size: int, num_tokens: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(10, vocab_size, num_tokens).tolist()
+from engine import LLM
 
 
 @pytest.fixture(scope="module")
@@ -37,39 +36,21 @@ def reference(tiny_model_dir):
     llm.close()
 
 
-def _offload_llm(model_dir, daemon, **kwargs) -> LLM:
-    kwargs.setdefault("num_kv_blocks", 64)
-    return LLM(str(model_dir), device="cpu", kv_offload=True,
-               kv_store_socket=str(daemon.socket_path), **kwargs)
-
-
-def _close(llm: LLM) -> None:
-    llm.close()
-
-
-def _store_through_an_engine(model_dir, daemon, prompts: list[list[int]]) -> None:
-    """A first engine computes the prompts and saves them write-through, then goes away."""
-    writer = _offload_llm(model_dir, daemon)
-    writer.generate(prompts, GREEDY)
-    writer.engine.offload.wait_idle()
-    _close(writer)
-
-
 def test_restore_from_dram_in_a_fresh_engine_matches_no_cache(tiny_model_dir, make_daemon,
                                                              reference) -> None:
     daemon = make_daemon(dram="64MiB")
-    prompt = _prompt(1000, 16 * 12 + 5, seed=1)
-    first = _offload_llm(tiny_model_dir, daemon)
+    prompt = random_prompt(1000, 16 * 12 + 5, seed=1)
+    first = offload_llm(tiny_model_dir, daemon)
     out = first.generate([prompt], GREEDY)[0]
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["dram"] == 0
     first.engine.offload.wait_idle()
-    _close(first)
+    close_llm(first)
     with daemon.client() as c:
         assert c.stats()["tiers"]["dram"]["blocks"] >= 12  # write-through saved every full block
-    second = _offload_llm(tiny_model_dir, daemon)  # empty HBM: only the store can serve
+    second = offload_llm(tiny_model_dir, daemon)  # empty HBM: only the store can serve
     out = second.generate([prompt], GREEDY)[0]
-    _close(second)
+    close_llm(second)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["dram"] == 12 * 16
     assert out.num_cached_tokens == 12 * 16
@@ -81,29 +62,29 @@ def test_restore_from_ssd_after_daemon_restart(tiny_model_dir, make_daemon, refe
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     daemon = make_daemon(dram="64MiB", ssd_dir=ssd, ssd_size="64MiB")
-    prompt = _prompt(1000, 16 * 10 + 3, seed=2)
-    llm = _offload_llm(tiny_model_dir, daemon)
+    prompt = random_prompt(1000, 16 * 10 + 3, seed=2)
+    llm = offload_llm(tiny_model_dir, daemon)
     llm.generate([prompt], GREEDY)
     llm.engine.offload.wait_idle()
-    _close(llm)
+    close_llm(llm)
     daemon.stop()  # SIGTERM: DRAM is flushed to SSD, then the daemon exits
     daemon = make_daemon(dram="64MiB", ssd_dir=ssd, ssd_size="64MiB")
-    llm = _offload_llm(tiny_model_dir, daemon)
+    llm = offload_llm(tiny_model_dir, daemon)
     out = llm.generate([prompt], GREEDY)[0]
-    _close(llm)
+    close_llm(llm)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["ssd"] == 10 * 16
 
 
 def test_hbm_hit_first_then_store_for_the_rest(tiny_model_dir, make_daemon, reference) -> None:
     daemon = make_daemon(dram="64MiB")
-    prompt = _prompt(1000, 16 * 8 + 1, seed=3)
-    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
-    reader = _offload_llm(tiny_model_dir, daemon)
+    prompt = random_prompt(1000, 16 * 8 + 1, seed=3)
+    store_through_an_engine(tiny_model_dir, daemon, [prompt])
+    reader = offload_llm(tiny_model_dir, daemon)
     head = prompt[:16 * 3 + 2]  # puts blocks 0..2 into this engine's HBM
     reader.generate([head], GREEDY)
     out = reader.generate([prompt], GREEDY)[0]
-    _close(reader)
+    close_llm(reader)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["hbm"] == 3 * 16
     assert out.cached_tokens_by_tier["dram"] == 5 * 16
@@ -113,29 +94,29 @@ def test_evict_policy_hands_blocks_over_and_gets_them_back(tiny_model_dir, make_
                                                           reference) -> None:
     daemon = make_daemon(dram="64MiB")
     # 16 blocks of HBM: the second prompt evicts the first one's blocks from this engine.
-    llm = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_policy="evict",
+    llm = offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_policy="evict",
                        kv_offload_restore="always")
-    a = _prompt(1000, 16 * 10 + 4, seed=4)
-    b = _prompt(1000, 16 * 10 + 4, seed=5)
+    a = random_prompt(1000, 16 * 10 + 4, seed=4)
+    b = random_prompt(1000, 16 * 10 + 4, seed=5)
     llm.generate([a], GREEDY)
     llm.generate([b], GREEDY)
     llm.engine.offload.wait_idle()  # the hand-over of a's released blocks has landed
     out = llm.generate([a], GREEDY)[0]
     stats = llm.engine.stats()["kv_offload"]
     llm.engine.block_manager.check_integrity()
-    _close(llm)
+    close_llm(llm)
     assert out.token_ids == reference(a)
     assert out.cached_tokens_by_tier["dram"] > 0
     assert stats["evictions_published"] > 0
 
 
 def test_no_daemon_engine_serves_and_counts(tiny_model_dir, reference, tmp_path) -> None:
-    prompt = _prompt(1000, 40, seed=6)
+    prompt = random_prompt(1000, 40, seed=6)
     llm = LLM(str(tiny_model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
               kv_store_socket=str(tmp_path / "nobody-here.sock"))
     out = llm.generate([prompt], GREEDY)[0]
     stats = llm.engine.stats()["kv_offload"]
-    _close(llm)
+    close_llm(llm)
     assert out.token_ids == reference(prompt)
     assert stats["connector"]["connect_failures"] >= 1
 
@@ -143,15 +124,15 @@ def test_no_daemon_engine_serves_and_counts(tiny_model_dir, reference, tmp_path)
 def test_daemon_killed_then_back_engine_keeps_serving_and_reconnects(
         tiny_model_dir, make_daemon, reference, tmp_path) -> None:
     daemon = make_daemon(dram="64MiB")
-    llm = _offload_llm(tiny_model_dir, daemon)
-    first = _prompt(1000, 16 * 6 + 1, seed=7)
+    llm = offload_llm(tiny_model_dir, daemon)
+    first = random_prompt(1000, 16 * 6 + 1, seed=7)
     llm.generate([first], GREEDY)
     llm.engine.offload.wait_idle()
     daemon.kill9()
-    second = _prompt(1000, 16 * 6 + 1, seed=8)
+    second = random_prompt(1000, 16 * 6 + 1, seed=8)
     assert llm.generate([second], GREEDY)[0].token_ids == reference(second)
     revived = make_daemon(dram="64MiB", socket_path=daemon.socket_path)
-    third = _prompt(1000, 16 * 6 + 1, seed=9)
+    third = random_prompt(1000, 16 * 6 + 1, seed=9)
 
     def reconnected() -> bool:
         llm.generate([third], GREEDY)
@@ -161,18 +142,18 @@ def test_daemon_killed_then_back_engine_keeps_serving_and_reconnects(
     llm.engine.offload.wait_idle()
     with revived.client() as c:
         assert c.stats()["tiers"]["dram"]["blocks"] > 0  # saving again after the reconnect
-    _close(llm)
+    close_llm(llm)
 
 
 def test_small_remainders_skip_the_store(tiny_model_dir, make_daemon, reference) -> None:
     daemon = make_daemon(dram="64MiB")
-    prompt = _prompt(1000, 16 * 6 + 1, seed=15)
-    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
-    reader = _offload_llm(tiny_model_dir, daemon)
+    prompt = random_prompt(1000, 16 * 6 + 1, seed=15)
+    store_through_an_engine(tiny_model_dir, daemon, [prompt])
+    reader = offload_llm(tiny_model_dir, daemon)
     reader.engine.offload.restore_policy.observe_step(10**9, 1.0)  # recompute looks instant
     out = reader.generate([prompt], GREEDY)[0]
     stats = reader.engine.stats()["kv_offload"]
-    _close(reader)
+    close_llm(reader)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["dram"] == 0
     assert stats["lookups_skipped_small"] == 1 and stats.get("lookups", 0) == 0
@@ -181,11 +162,11 @@ def test_small_remainders_skip_the_store(tiny_model_dir, make_daemon, reference)
 def test_lookup_limit_leaves_a_token_to_compute(tiny_model_dir, make_daemon, reference) -> None:
     # A prompt of exactly N full blocks: the last block is never restored (its logits are needed).
     daemon = make_daemon(dram="64MiB")
-    prompt = _prompt(1000, 16 * 6, seed=10)
-    _store_through_an_engine(tiny_model_dir, daemon, [prompt + [5]])
-    reader = _offload_llm(tiny_model_dir, daemon)
+    prompt = random_prompt(1000, 16 * 6, seed=10)
+    store_through_an_engine(tiny_model_dir, daemon, [prompt + [5]])
+    reader = offload_llm(tiny_model_dir, daemon)
     out = reader.generate([prompt], GREEDY)[0]
-    _close(reader)
+    close_llm(reader)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["dram"] == 5 * 16
 
@@ -193,15 +174,15 @@ def test_lookup_limit_leaves_a_token_to_compute(tiny_model_dir, make_daemon, ref
 def test_reset_prefix_cache_sends_the_next_hit_to_the_store(tiny_model_dir, make_daemon,
                                                             reference) -> None:
     daemon = make_daemon(dram="64MiB")
-    prompt = _prompt(1000, 16 * 7 + 2, seed=11)
-    llm = _offload_llm(tiny_model_dir, daemon)
+    prompt = random_prompt(1000, 16 * 7 + 2, seed=11)
+    llm = offload_llm(tiny_model_dir, daemon)
     llm.generate([prompt], GREEDY)
     assert llm.generate([prompt], GREEDY)[0].cached_tokens_by_tier["hbm"] == 7 * 16
     llm.engine.offload.wait_idle()
     assert llm.engine.reset_prefix_cache() >= 7
     llm.engine.block_manager.check_integrity()
     out = llm.generate([prompt], GREEDY)[0]
-    _close(llm)
+    close_llm(llm)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier == {"hbm": 0, "dram": 7 * 16, "ssd": 0, "remote": 0}
 
@@ -209,22 +190,22 @@ def test_reset_prefix_cache_sends_the_next_hit_to_the_store(tiny_model_dir, make
 def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, make_daemon,
                                                              reference) -> None:
     daemon = make_daemon(dram="64MiB")
-    prompt = _prompt(1000, 16 * 6 + 1, seed=12)
-    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
-    reader = _offload_llm(tiny_model_dir, daemon)
+    prompt = random_prompt(1000, 16 * 6 + 1, seed=12)
+    store_through_an_engine(tiny_model_dir, daemon, [prompt])
+    reader = offload_llm(tiny_model_dir, daemon)
     reader.engine.offload.restore_policy.observe_load("dram", 1, 1.0)  # loading looks hopeless
     out = reader.generate([prompt], GREEDY)[0]
     stats = reader.engine.stats()["kv_offload"]
-    _close(reader)
+    close_llm(reader)
     assert out.token_ids == reference(prompt)
     assert out.cached_tokens_by_tier["dram"] == 0
     assert stats["restores_declined"] == 1
     with daemon.client() as c:
         assert wait_until(lambda: c.stats()["leases"] == 0, timeout_s=5.0)  # lease given back
-    forced = _offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
+    forced = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
     forced.engine.offload.restore_policy.observe_load("dram", 1, 1.0)
     out = forced.generate([prompt], GREEDY)[0]
-    _close(forced)
+    close_llm(forced)
     assert out.cached_tokens_by_tier["dram"] == 6 * 16
 
 
@@ -233,14 +214,14 @@ def test_restore_waits_for_blocks_instead_of_giving_up(tiny_model_dir, make_daem
     # Two long prompts arrive together in an arena that holds only one of them: the second's
     # restore must wait for blocks (keeping its lease) rather than fall back to recompute.
     daemon = make_daemon(dram="64MiB")
-    a = _prompt(1000, 16 * 9 + 3, seed=13)
-    b = _prompt(1000, 16 * 9 + 3, seed=14)
-    _store_through_an_engine(tiny_model_dir, daemon, [a, b])
-    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=14)
+    a = random_prompt(1000, 16 * 9 + 3, seed=13)
+    b = random_prompt(1000, 16 * 9 + 3, seed=14)
+    store_through_an_engine(tiny_model_dir, daemon, [a, b])
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=14)
     outs = reader.generate([a, b], GREEDY)
     stats = reader.engine.stats()["kv_offload"]
     reader.engine.block_manager.check_integrity()
-    _close(reader)
+    close_llm(reader)
     assert [o.token_ids for o in outs] == [reference(a), reference(b)]
     assert [o.cached_tokens_by_tier["dram"] for o in outs] == [9 * 16, 9 * 16]
     assert stats.get("restores_waited_for_blocks", 0) >= 1
@@ -250,9 +231,9 @@ def test_restore_waits_for_blocks_instead_of_giving_up(tiny_model_dir, make_daem
 def test_daemon_killed_while_a_restore_is_in_flight(tiny_model_dir, make_daemon,
                                                     reference) -> None:
     daemon = make_daemon(dram="64MiB")
-    prompt = _prompt(1000, 16 * 40 + 3, seed=16)
-    _store_through_an_engine(tiny_model_dir, daemon, [prompt])
-    reader = _offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
+    prompt = random_prompt(1000, 16 * 40 + 3, seed=16)
+    store_through_an_engine(tiny_model_dir, daemon, [prompt])
+    reader = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
     engine = reader.engine
     engine.add_request("r", prompt, GREEDY)
     engine.step()  # admits it: the store lookup is now in flight, the request LOADING
@@ -266,7 +247,7 @@ def test_daemon_killed_while_a_restore_is_in_flight(tiny_model_dir, make_daemon,
         if final is not None:
             break
     engine.block_manager.check_integrity()
-    _close(reader)
+    close_llm(reader)
     assert final is not None
     assert final.token_ids == reference(prompt)
 
@@ -275,13 +256,13 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     from server.metrics import ServerMetrics
 
     daemon = make_daemon(dram="64MiB")
-    llm = _offload_llm(tiny_model_dir, daemon)
-    llm.generate([_prompt(1000, 16 * 4 + 1, seed=17)], GREEDY)
+    llm = offload_llm(tiny_model_dir, daemon)
+    llm.generate([random_prompt(1000, 16 * 4 + 1, seed=17)], GREEDY)
     llm.engine.offload.wait_idle()
     llm.generate([[7] * 4], GREEDY)  # more steps (never a full block): the snapshot sees the saves
     metrics = ServerMetrics("tiny")
     metrics.update_engine(llm.engine.stats(), num_in_flight=0)
-    _close(llm)
+    close_llm(llm)
     text = metrics.render().decode()
     assert 'kvengine:kv_offload_events{event="blocks_saved",model_name="tiny"} 4.0' in text
     assert 'event="connects"' in text

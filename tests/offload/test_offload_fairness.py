@@ -4,18 +4,18 @@ either; overtaking starved restores for seconds under HBM pressure in the multi-
 
 from __future__ import annotations
 
-from test_offload_engine import _close, _offload_llm, _prompt, _store_through_an_engine
+from offload_helpers import close_llm, offload_llm, random_prompt, store_through_an_engine
 
 from engine import SamplingParams
 
 
 def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daemon) -> None:
     daemon = make_daemon(dram="64MiB")
-    a = _prompt(1000, 16 * 9 + 3, seed=21)
-    b = _prompt(1000, 16 * 9 + 3, seed=22)
-    c = _prompt(1000, 16 * 2 + 3, seed=23)  # short, new: would fit beside a while b waits
-    _store_through_an_engine(tiny_model_dir, daemon, [a, b])
-    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=14)
+    a = random_prompt(1000, 16 * 9 + 3, seed=21)
+    b = random_prompt(1000, 16 * 9 + 3, seed=22)
+    c = random_prompt(1000, 16 * 2 + 3, seed=23)  # short, new: would fit beside a while b waits
+    store_through_an_engine(tiny_model_dir, daemon, [a, b])
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=14)
     engine = reader.engine
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request("a", a, params)
@@ -43,6 +43,6 @@ def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daem
         step()
     stats = engine.stats()["kv_offload"]
     engine.block_manager.check_integrity()
-    _close(reader)
+    close_llm(reader)
     assert stats["restores_waited_for_blocks"] >= 1
     assert got_blocks["a"] < got_blocks["b"] <= got_blocks["c"]  # b got blocks before c did

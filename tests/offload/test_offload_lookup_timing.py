@@ -5,7 +5,7 @@ step makes are sent after its tokens went out."""
 from __future__ import annotations
 
 import pytest
-from test_offload_engine import _close, _offload_llm, _prompt
+from offload_helpers import close_llm, offload_llm, random_prompt
 
 from engine import SamplingParams
 
@@ -14,12 +14,12 @@ PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
 def test_a_missed_lookup_does_not_cost_a_step(tiny_model_dir, make_daemon) -> None:
     daemon = make_daemon(dram="64MiB")  # empty: every lookup misses
-    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
     engine = reader.engine
-    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=31), PARAMS)
+    engine.add_request("x", random_prompt(1000, 16 * 8 + 3, seed=31), PARAMS)
     first = engine.step()
     counters = engine.offload.counters
-    _close(reader)
+    close_llm(reader)
     assert counters["lookups"] == 1
     # Answered within the step's bound (the usual case): a miss, prefilled in that same step.
     on_time = counters["lookups_answered_on_time"] == 1
@@ -29,14 +29,14 @@ def test_a_missed_lookup_does_not_cost_a_step(tiny_model_dir, make_daemon) -> No
 
 def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_daemon) -> None:
     daemon = make_daemon(dram="64MiB")
-    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=64, max_num_seqs=1)
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=64, max_num_seqs=1)
     engine = reader.engine
-    engine.add_request("busy", _prompt(1000, 40, seed=32), SamplingParams(max_tokens=6,
+    engine.add_request("busy", random_prompt(1000, 40, seed=32), SamplingParams(max_tokens=6,
                                                                           ignore_eos=True))
     engine.step()
-    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=33), PARAMS)
+    engine.add_request("x", random_prompt(1000, 16 * 8 + 3, seed=33), PARAMS)
     engine.step()  # "x" arrives and queues behind "busy": its lookup goes out now
-    assert engine.offload._prefetched["x"].lookup.wait(10.0)
+    assert engine.offload.restorer.prefetched["x"].lookup.wait(10.0)
     busy_done = x_first = None
     for step in range(100):
         for out in engine.step():
@@ -47,7 +47,7 @@ def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_d
         if x_first is not None:
             break
     counters = engine.offload.counters
-    _close(reader)
+    close_llm(reader)
     assert counters["lookups_at_arrival"] == 2 and counters["lookups"] == 2
     assert counters["lookups_answered_late"] == 0
     assert x_first == busy_done + 1  # admitted the step after "busy" left, prefilled at once
@@ -60,22 +60,22 @@ def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon,
     save after the step returned its outputs (``flush_offload``, or the next step), also when
     the sequence has finished and given its blocks back meanwhile."""
     daemon = make_daemon(dram="64MiB")
-    reader = _offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
     engine = reader.engine
-    engine.add_request("x", _prompt(1000, 16 * 8 + 3, seed=34),
+    engine.add_request("x", random_prompt(1000, 16 * 8 + 3, seed=34),
                        SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     outs = []
     while not outs:
         outs = engine.step()  # the prefill step (after the lookup)
     offload = engine.offload
-    queued = [block for _, _, block_ids in offload._queued_saves for block in block_ids]
+    queued = [block for q in offload.saver.queued for block in q.block_ids]
     assert len(queued) == 8 and offload.counters["saves"] == 0
     holders = 1 if max_tokens == 1 else 2  # the pin (+ the running sequence)
     assert all(engine.block_manager._ref_counts[b] == holders for b in queued)
     engine.flush_offload()
-    assert offload.counters["saves"] == 1 and not offload._queued_saves
+    assert offload.counters["saves"] == 1 and not offload.saver.queued
     offload.wait_idle()
     with daemon.client() as c:
         assert c.stats()["tiers"]["dram"]["blocks"] == 8
     engine.block_manager.check_integrity()
-    _close(reader)
+    close_llm(reader)

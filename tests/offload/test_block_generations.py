@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
+from block_simulation import Simulation, make_seq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_block_manager import Simulation, make_seq
 
 from engine.block_manager import BlockManager
 from offload.block_generations import BlockGenerations
@@ -50,7 +50,7 @@ def test_published_blocks_change_only_under_a_new_generation(seed: int, num_bloc
     bm = BlockManager(num_blocks, block_size)
     gens = BlockGenerations(num_blocks)
     try:
-        bm.generations, bm.track_resident = gens, True
+        bm.enable_offload(track_released=False, generations=gens)
         sim = PublishingSimulation(bm, rng, gens)
         for i in range(150):
             action = rng.random()
@@ -72,7 +72,7 @@ def test_allocation_bumps_and_eviction_hides_a_registration() -> None:
     bm = BlockManager(2, 4)
     gens = BlockGenerations(2)
     try:
-        bm.generations, bm.track_resident = gens, True
+        bm.enable_offload(track_released=False, generations=gens)
         a = make_seq("a", list(range(5)))
         assert bm.admit(a, [], 5)
         assert [gens.get(b) for b in range(2)] == [1, 1]

@@ -1,0 +1,105 @@
+"""The one interface between the engine and the store: what the scheduler and the step loop call.
+
+The engine (``engine.scheduler``, ``engine.llm_engine``) holds a ``StoreBridge`` and nothing else
+of ``offload``; ``offload.manager.OffloadManager`` is the implementation. Every method runs on the
+engine's step thread and returns without waiting on the store (``wait_for_progress``,
+``wait_idle`` and ``close`` wait, bounded, and say so).
+
+The contract, in step order:
+
+- ``prefetch(seq)`` when a request arrives, ``forget(seq)`` when it leaves before admission.
+- ``poll()`` first in every ``schedule``: restores that landed (run them; their restored prefix
+  is computed and registered) and restores given up (requeue them, to recompute).
+- ``start_restore(seq, num_hbm_hit_blocks)`` when a waiting sequence reaches the head of the
+  queue and ``seq.offload_checked`` is false: True means the bridge now holds it (the scheduler
+  marks it LOADING and takes it off the queue until ``poll`` gives it back); False means admit it
+  now without the store. While ``num_waiting_for_blocks`` is non-zero nobody else is admitted.
+- ``save_computed(seqs)`` after a forward, before finished sequences free their blocks;
+  ``observe_step`` with the step's prefill tokens and seconds.
+- ``after_step()`` once the step's outputs went out: saves are sent, evictions published.
+- ``abort(seq)`` for a LOADING sequence: True if its load is still in flight (the bridge frees
+  its blocks when the load ends), False if the scheduler frees them itself.
+
+A store that is down, slow or hung costs recompute (a smaller hit, a counted event), never an
+exception or a stall of the step loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+
+from offload.engine_view import OffloadSequence, RestoreOutcome
+
+
+class StoreBridge(ABC):
+    """One engine's link to the store: restores, saves, resident blocks, evictions."""
+
+    @property
+    @abstractmethod
+    def num_loading(self) -> int:
+        """Sequences the bridge holds (LOADING: lookup or load in flight, or waiting for blocks)."""
+
+    @property
+    @abstractmethod
+    def num_waiting_for_blocks(self) -> int:
+        """Restores with a hit whose blocks could not be reserved yet."""
+
+    @property
+    @abstractmethod
+    def hit_tokens_by_tier(self) -> Counter[str]:
+        """Tokens restored so far, by the tier they came from."""
+
+    @property
+    @abstractmethod
+    def store_state(self) -> str:
+        """``ok``, ``hung`` or ``down``, as of now; safe to read from any thread."""
+
+    @abstractmethod
+    def prefetch(self, seq: OffloadSequence, busy: bool) -> None:
+        """A request arrived (``busy``: others are running): maybe send its lookup now."""
+
+    @abstractmethod
+    def forget(self, seq: OffloadSequence) -> None:
+        """The request left before admission: release what its prefetch holds."""
+
+    @abstractmethod
+    def start_restore(self, seq: OffloadSequence, num_hbm_hit_blocks: int, busy: bool) -> bool:
+        """True if ``seq`` now waits on the store (LOADING), False to admit it without. Waits
+        at most what is left of the step's 2 ms budget for a lookup reply."""
+
+    @abstractmethod
+    def poll(self) -> RestoreOutcome:
+        """Advance restores without waiting; restores a hung store holds are given up."""
+
+    @abstractmethod
+    def abort(self, seq: OffloadSequence) -> bool:
+        """Mark a LOADING sequence aborted; True if it is still in flight."""
+
+    @abstractmethod
+    def save_computed(self, seqs: list[OffloadSequence]) -> None:
+        """The step's sequences computed new tokens: pin the new full blocks to save."""
+
+    @abstractmethod
+    def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
+        """Feed the restore decision a timed step."""
+
+    @abstractmethod
+    def after_step(self) -> None:
+        """Send queued saves, finish landed ones, publish evictions and resident blocks."""
+
+    @abstractmethod
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Nothing runs but restores: wait at most ``timeout_s`` for one of them to move."""
+
+    @abstractmethod
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) until in-flight saves ended: shutdown, tests, benchmarks."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters for ``/metrics`` and ``stats()`` (plain data, safe to copy)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let saves finish (bounded), unregister from the store. Idempotent."""

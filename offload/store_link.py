@@ -1,0 +1,271 @@
+"""The engine's one connection to the daemon, owned by a background thread.
+
+Everything that can block on the daemon happens here, never on the engine's step thread: the
+connect and the registration of the KV arena, sending requests (a stopped daemon stops reading,
+so a send can block once the socket buffer is full), health probes, closing. The step thread
+hands requests over through a bounded queue and polls their ``Transfer`` handles.
+
+The state the engine reads (``state``): ``ok`` (registered, the last probe answered in time),
+``hung`` (a probe, the registration or a send has waited on the daemon longer than
+``probe_deadline_s``: it is alive enough to hold the socket but does not answer, as under
+SIGSTOP) or ``down`` (not connected). It is derived from timestamps, so it is right even while
+this thread itself is stuck in a send. A lost connection is made again on demand (a request, or
+the engine asking whether the store is available), at most once per ``reconnect_interval_s``;
+each new registration bumps ``epoch``: the daemon met again may have lost what it held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore import Client, ClientError, DaemonUnavailable, Pending
+from offload.transfer import Transfer
+from offload.vocab import KVLayout
+
+log = logging.getLogger("offload")
+
+# How often a connected link asks the daemon for ``health``, and how long an answer (or any
+# other wait on the daemon) may take before the store counts as hung. Generous against a loaded
+# machine; a request waits on a hung store about their sum at most.
+PROBE_INTERVAL_S = 0.25
+PROBE_DEADLINE_S = 0.75
+# Requests waiting for the link's thread; past this the store is too far behind: refused.
+MAX_QUEUED = 4096
+# The link's thread wakes at least this often (probes, reconnects, closing).
+_TICK_S = 0.05
+
+
+@dataclass
+class Job:
+    """One request for the link's thread: ``send(client, registration_id)`` puts it on the wire."""
+
+    send: Callable[[Client, int], Pending]
+    transfer: Transfer
+
+
+class StoreLink:
+    """A thread that owns the client, the registration and the health of one engine's store."""
+
+    def __init__(self, socket_path: str | Path | None, layout: KVLayout, engine_id: str,
+                 timeout_s: float, reconnect_interval_s: float, counters: Counter[str],
+                 probe_interval_s: float = PROBE_INTERVAL_S,
+                 probe_deadline_s: float = PROBE_DEADLINE_S, max_queued: int = MAX_QUEUED) -> None:
+        self.socket_path = socket_path
+        self.layout = layout
+        self.engine_id = engine_id
+        self.timeout_s = timeout_s
+        self.reconnect_interval_s = reconnect_interval_s
+        self.probe_interval_s = probe_interval_s
+        self.probe_deadline_s = probe_deadline_s
+        self.counters = counters
+        for key in ("connects", "connect_failures", "probes"):  # this thread's keys, made now
+            counters[key] += 0
+        self.epoch = 0  # registrations made; a new one starts with nothing published
+        self.daemon_pid: int | None = None  # from the last health answer
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queued)
+        self._client: Client | None = None
+        self._registration_id: int | None = None
+        self._busy_since: float | None = None  # this thread waits on the daemon since then
+        self._probe: Pending | None = None
+        self._probe_sent_at: float | None = None
+        self._next_probe_at = 0.0
+        self._next_attempt = 0.0
+        self._connect_wanted = threading.Event()
+        self._drop_wanted = threading.Event()
+        self._first_attempt_done = threading.Event()
+        self._closing = threading.Event()
+        self._connect_wanted.set()  # the first connect is wanted at once
+        self._thread = threading.Thread(target=self._run, name="kv-offload-link", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``ok``, ``hung`` or ``down`` (see the module docstring); never blocks."""
+        now = time.monotonic()
+        busy, probe_at = self._busy_since, self._probe_sent_at
+        if busy is not None and now - busy > self.probe_deadline_s:
+            return "hung"
+        if probe_at is not None and now - probe_at > self.probe_deadline_s:
+            return "hung"
+        client = self._client
+        if client is None or client.is_closed or self._registration_id is None:
+            return "down"
+        return "ok"
+
+    def wait_first_attempt(self, timeout_s: float) -> None:
+        """Let a caller give the first connect a moment (bounded) before it starts serving."""
+        self._first_attempt_done.wait(timeout_s)
+
+    def want_connect(self) -> None:
+        """Reconnect soon if not connected (rate-limited, on this link's thread)."""
+        self._connect_wanted.set()
+
+    def want_drop(self) -> None:
+        """Close the connection (a request got no reply by its deadline); reconnect on demand."""
+        self._drop_wanted.set()
+
+    def submit(self, job: Job) -> bool:
+        """Queue a request; False (the job untouched) if the queue is full or closing."""
+        if self._closing.is_set():
+            return False
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            return False
+        self._connect_wanted.set()
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Unregister (bounded), close the connection and stop the thread. Idempotent."""
+        self._closing.set()
+        with contextlib.suppress(queue.Full):
+            self._jobs.put_nowait(None)  # wake the thread
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # stuck in a send to a stopped daemon: cut the socket
+            client = self._client
+            if client is not None:
+                client.close()
+            self._thread.join(1.0)
+
+    # -- the link's thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                self._maintain()
+                try:
+                    job = self._jobs.get(timeout=_TICK_S)
+                except queue.Empty:
+                    job = None
+                if job is not None:
+                    self._send(job)
+        finally:
+            self._shutdown()
+
+    def _maintain(self) -> None:
+        if self._client is not None and (self._client.is_closed or self._drop_wanted.is_set()):
+            self._drop()
+        self._drop_wanted.clear()
+        if self._client is None and self._connect_wanted.is_set():
+            self._connect()
+        if self._client is not None:
+            self._probe_step()
+
+    def _send(self, job: Job) -> None:
+        if self._client is None:
+            self._connect()
+        client, registration_id = self._client, self._registration_id
+        if client is None or registration_id is None:
+            job.transfer.abandon()
+            return
+        self._busy_since = time.monotonic()
+        try:
+            job.transfer.attach(job.send(client, registration_id))
+        except (DaemonUnavailable, ClientError, OSError):
+            job.transfer.abandon()
+            self._drop()
+        finally:
+            self._busy_since = None
+
+    def _connect(self) -> None:
+        now = time.monotonic()
+        if now < self._next_attempt:
+            return
+        self._next_attempt = now + self.reconnect_interval_s
+        self._connect_wanted.clear()
+        self._busy_since = now
+        client = None
+        try:
+            client = Client(self.socket_path, timeout_s=self.timeout_s)
+            pending = client.request("register", {"layout": self.layout.to_wire(),
+                                                  "engine_id": self.engine_id})
+            registration_id = self._await(pending)["registration_id"]
+        except (DaemonUnavailable, ClientError, OSError) as exc:
+            if client is not None:
+                client.close()
+            if self.counters["connect_failures"] == 0:
+                log.warning("kv offload: store not available (%s); serving without it and "
+                            "retrying every %.1f s", exc, self.reconnect_interval_s)
+            self.counters["connect_failures"] += 1
+            return
+        finally:
+            self._busy_since = None
+            self._first_attempt_done.set()
+        self._client, self._registration_id = client, registration_id
+        self.epoch += 1
+        self.counters["connects"] += 1
+        self._next_probe_at = time.monotonic()
+        if self.counters["connects"] > 1:
+            log.warning("kv offload: reconnected to the store (registration %d)",
+                        registration_id)
+
+    def _await(self, pending: Pending) -> dict:
+        """The reply, waited for in slices so that closing is not held up (bounded by the
+        request's own deadline)."""
+        deadline = time.monotonic() + self.timeout_s + 1.0
+        while True:
+            try:
+                return pending.wait(_TICK_S)
+            except ClientError:
+                if pending.poll():
+                    raise  # the daemon's own error reply
+                if self._closing.is_set() or time.monotonic() >= deadline:
+                    raise
+
+    def _probe_step(self) -> None:
+        assert self._client is not None
+        now = time.monotonic()
+        if self._probe is not None:
+            if not self._probe.poll():
+                return  # still out: ``state`` turns hung once it is overdue
+            with contextlib.suppress(ClientError, DaemonUnavailable):
+                self.daemon_pid = self._probe.wait(0).get("pid")
+            self._probe = self._probe_sent_at = None
+            self._next_probe_at = now + self.probe_interval_s
+        if now < self._next_probe_at:
+            return
+        self._busy_since = now
+        try:
+            self._probe = self._client.request("health", timeout_s=self.timeout_s)
+            self._probe_sent_at = now
+            self.counters["probes"] += 1
+        except (DaemonUnavailable, ClientError, OSError):
+            self._drop()
+        finally:
+            self._busy_since = None
+
+    def _drop(self) -> None:
+        client, self._client, self._registration_id = self._client, None, None
+        self._probe = self._probe_sent_at = None
+        if client is not None:
+            log.warning("kv offload: lost the store; recomputing until it is back")
+            client.close()
+
+    def _shutdown(self) -> None:
+        """Give back what is queued, unregister (bounded) and close."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.transfer.abandon()
+        client, registration_id = self._client, self._registration_id
+        if client is None:
+            return
+        if registration_id is not None and not client.is_closed:
+            with contextlib.suppress(DaemonUnavailable, ClientError, OSError):
+                client.request("unregister", {"registration_id": registration_id},
+                               timeout_s=2.0).wait(2.0)
+        self._client = self._registration_id = None
+        client.close()

@@ -1,0 +1,23 @@
+"""The store's vocabulary the engine speaks: block keys, namespaces and the arena layout.
+
+The engine never imports ``kvstore``; what it shares with the store (the chained block hashes its
+prefix cache keys blocks by, the int32-LE token encoding they are made of, the model identity and
+tenant namespace that salt them, the layout a KV arena is registered with) comes through here, so
+both sides hash and describe blocks with the very same code (``kvstore.keys``, ``kvstore.layout``).
+"""
+
+from __future__ import annotations
+
+from kvstore.keys import (
+    ModelIdentity,
+    Namespace,
+    chain_hashes,
+    encode_tokens,
+    ident_from_bytes,
+)
+from kvstore.layout import GENERATION_BYTES, GENERATION_DTYPE, KVLayout, Region
+
+__all__ = [
+    "GENERATION_BYTES", "GENERATION_DTYPE", "KVLayout", "ModelIdentity", "Namespace", "Region",
+    "chain_hashes", "encode_tokens", "ident_from_bytes",
+]
