@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvstore.keys import ModelIdentity, Namespace, block_hash, block_hashes
 
-__all__ = ["ModelIdentity", "Namespace", "block_hash", "block_hashes", "Client"]
+__all__ = [
+    "ModelIdentity",
+    "Namespace",
+    "block_hash",
+    "block_hashes",
+    "Client",
+    "ClientError",
+    "DaemonUnavailable",
+    "Pending",
+]
+
+# The client pulls in msgpack and sockets; importing keys alone should stay light.
+_CLIENT_NAMES = frozenset({"Client", "ClientError", "DaemonUnavailable", "Pending"})
 
 
-def __getattr__(name: str):
-    # The client pulls in msgpack and sockets; importing keys alone should stay light.
-    if name == "Client":
-        from kvstore.client import Client
+def __getattr__(name: str) -> Any:
+    if name in _CLIENT_NAMES:
+        from kvstore.wire import client
 
-        return Client
+        return getattr(client, name)
     raise AttributeError(name)

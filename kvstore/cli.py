@@ -133,7 +133,7 @@ def _check_ssd_dir(directory: Path) -> Path:
 def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
     if args.dram <= 0:
         raise UsageError("--dram must be larger than 0")
-    from kvstore.host_memory import check_pool_fits
+    from kvstore.store.host_memory import check_pool_fits
 
     try:  # the pool is faulted in at start: one too large would end in swap or the OOM killer
         check_pool_fits(args.dram)
@@ -145,7 +145,7 @@ def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
     if ssd_size > 0 and args.ssd_dir is None:
         raise UsageError("--ssd-size needs --ssd-dir")
     ssd_dir = _check_ssd_dir(args.ssd_dir) if ssd_size > 0 else None
-    from kvstore.tiered_store import StoreConfig
+    from kvstore.store.tiered import StoreConfig
 
     try:
         return StoreConfig(dram_bytes=args.dram, ssd_dir=ssd_dir, ssd_bytes=ssd_size,
@@ -196,7 +196,7 @@ def _cluster_config(args: argparse.Namespace) -> Any:
         if given:
             raise UsageError(f"{', '.join(given)} need(s) --cluster redis://HOST:PORT/DB")
         return None
-    from kvstore.cluster_config import ClusterConfig  # no redis or ucxx import: just parsing
+    from kvstore.cluster.config import ClusterConfig  # no redis or ucxx import: just parsing
 
     try:
         return ClusterConfig.from_args(args.cluster, node_id=args.node_id, listen=args.listen,
@@ -208,8 +208,8 @@ def _cluster_config(args: argparse.Namespace) -> Any:
 def _start_cluster(config: Any, store: Any) -> tuple[Any, bool]:
     """Start a ClusterNode over ``store``: (node, registered in Redis). OSError if the peer
     port cannot be bound."""
-    from kvstore.cluster_node import ClusterNode
-    from kvstore.ucx_devices import restrict_to_listen_address
+    from kvstore.cluster.node import ClusterNode
+    from kvstore.cluster.ucx.devices import restrict_to_listen_address
 
     if config.advertise_host == config.listen_host:  # peers dial the address we listen on
         restrict_to_listen_address(config.listen_host)  # before UCX starts: its data lanes too
@@ -260,12 +260,12 @@ def _serve(args: argparse.Namespace) -> int:
     config = _store_config(args, env.debug_hash_bits)
     socket_path = args.socket if args.socket is not None else default_socket_path()
 
-    from kvstore.admin import AdminServer
-    from kvstore.daemon import Daemon
-    from kvstore.host_pool import PinError
-    from kvstore.listener import SocketSetupError
-    from kvstore.service import Service
-    from kvstore.tiered_store import TieredStore
+    from kvstore.daemon.admin import AdminServer
+    from kvstore.daemon.server import Daemon
+    from kvstore.daemon.service import Service
+    from kvstore.store.host_pool import PinError
+    from kvstore.store.tiered import TieredStore
+    from kvstore.wire.listener import SocketSetupError
 
     try:
         store = TieredStore(config)
@@ -323,7 +323,7 @@ def _fetch_stats(args: argparse.Namespace) -> dict:
         except httpx.HTTPError as exc:
             raise ConnectionError(f"cannot read stats from {url}: {exc}") from None
         return response.json()
-    from kvstore.client import Client
+    from kvstore.wire.client import Client
 
     with Client(args.socket, timeout_s=10.0) as client:
         return client.stats()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.client import Client, ClientError, DaemonUnavailable, Pending
+from kvstore import Client, ClientError, DaemonUnavailable, Pending
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("offload")

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from cluster_parts import FAST, RedisServer
 
-from kvstore.cluster_config import ClusterConfig
+from kvstore.cluster.config import ClusterConfig
 
 
 @pytest.fixture(scope="session")
 def ucx_runtime():
     """Hold the process's UCX runtime for the whole session: nodes then start and stop without
     re-initialising UCX each time (about a second per test)."""
-    from kvstore.ucx_runtime import UcxRuntime
+    from kvstore.cluster.ucx.runtime import UcxRuntime
 
     runtime = UcxRuntime.acquire()
     yield runtime
@@ -35,8 +35,8 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture
 def make_node(redis_server: RedisServer, ucx_runtime):
     """``make_node(node_id, **config)`` → (ClusterNode, TieredStore), all stopped at teardown."""
-    from kvstore.cluster_node import ClusterNode
-    from kvstore.tiered_store import StoreConfig, TieredStore
+    from kvstore.cluster.node import ClusterNode
+    from kvstore.store.tiered import StoreConfig, TieredStore
 
     made: list[tuple[ClusterNode, TieredStore]] = []
 

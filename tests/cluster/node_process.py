@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from cluster_parts import FAST, make_blocks  # noqa: E402
 
-from kvstore.cluster_config import ClusterConfig  # noqa: E402
-from kvstore.cluster_node import ClusterNode  # noqa: E402
-from kvstore.tiered_store import StoreConfig, TieredStore  # noqa: E402
+from kvstore.cluster.config import ClusterConfig  # noqa: E402
+from kvstore.cluster.node import ClusterNode  # noqa: E402
+from kvstore.store.tiered import StoreConfig, TieredStore  # noqa: E402
 
 
 def main() -> None:

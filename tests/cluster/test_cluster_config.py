@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.cluster_config import ClusterConfig, format_host_port, parse_host_port
+from kvstore.cluster.config import ClusterConfig, format_host_port, parse_host_port
 
 
 def test_from_args_parses_every_flag():

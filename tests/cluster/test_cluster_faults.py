@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from cluster_parts import FAST, free_port, make_blocks, wait_until
 
-from kvstore.cluster_config import ClusterConfig
-from kvstore.cluster_index import ClusterIndex
-from kvstore.peer_transport import (
+from kvstore.cluster.config import ClusterConfig
+from kvstore.cluster.index import ClusterIndex
+from kvstore.cluster.peers.transport import (
     PROTOCOL_VERSION,
     TAG_PAYLOAD,
     TAG_REQ,
@@ -23,7 +23,7 @@ from kvstore.peer_transport import (
     recv_frame,
     send_frame,
 )
-from kvstore.ucx_runtime import UcxRuntime
+from kvstore.cluster.ucx.runtime import UcxRuntime
 
 pytestmark = pytest.mark.cluster
 

@@ -9,8 +9,8 @@ import threading
 
 from cluster_parts import make_blocks, wait_until
 
-from kvstore.block_store import Tier
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.block_store import Tier
+from kvstore.store.tiered import StoreConfig, TieredStore
 
 BLOCK = 64 << 10
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.cuda_transfer import _chunks
+from kvstore.engines.transfer import _chunks
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, wait_until
 
-from kvstore.client import Client, ClientError
 from kvstore.layout import KVLayout, Region
+from kvstore.wire.client import Client, ClientError
 
 pytestmark = pytest.mark.timeout(90)
 

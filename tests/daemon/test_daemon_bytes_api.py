@@ -9,7 +9,7 @@ import pytest
 from daemon_helpers import RunningDaemon, random_bytes
 
 from kvstore import Client
-from kvstore.client import ClientError, DaemonUnavailable, LookupReply
+from kvstore.wire.client import ClientError, DaemonUnavailable, LookupReply
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,8 @@ import pytest
 from daemon_helpers import REPO_ROOT, RunningDaemon, make_chain, wait_until
 from hbm_arena import BLOCK_BYTES, NUM_BLOCKS, Arena
 
-from kvstore.client import Client, ClientError
 from kvstore.layout import KVLayout, Region
+from kvstore.wire.client import Client, ClientError
 from offload.block_generations import BlockGenerations
 
 pytestmark = pytest.mark.timeout(90)
@@ -177,7 +177,7 @@ def test_owner_killed_drops_its_entries(daemon: RunningDaemon, arenas: list[Aren
         sys.path.insert(0, {str(REPO_ROOT / "tests" / "daemon")!r})
         from daemon_helpers import make_chain
         from hbm_arena import Arena
-        from kvstore.client import Client
+        from kvstore.wire.client import Client
         arena = Arena(9)
         chain = make_chain("hbm-killed", 5, seed=8)
         c = Client({str(daemon.socket_path)!r})

@@ -17,8 +17,8 @@ from daemon_helpers import (
     wait_until,
 )
 
-from kvstore.client import ClientError
 from kvstore.keys import Namespace
+from kvstore.wire.client import ClientError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,7 +83,7 @@ def test_crashed_engine_process_leaves_nothing_behind(daemon: RunningDaemon) -> 
         import os, sys
         import xxhash
         from multiprocessing import shared_memory
-        from kvstore.client import Client
+        from kvstore.wire.client import Client
         from kvstore.keys import Namespace
         from kvstore.layout import KVLayout, Region
         shm = shared_memory.SharedMemory(create=True, size=8 * 4096)

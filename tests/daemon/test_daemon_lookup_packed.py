@@ -7,10 +7,10 @@ from multiprocessing import shared_memory
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, raw_connect, recv_message, send_message
 
-from kvstore import protocol as proto
-from kvstore.block_store import Tier
-from kvstore.client import Client, ClientError
 from kvstore.layout import KVLayout, Region
+from kvstore.store.block_store import Tier
+from kvstore.wire import protocol as proto
+from kvstore.wire.client import Client, ClientError
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore import protocol as proto
+from kvstore.wire import protocol as proto
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,7 +81,7 @@ def test_no_pickle_anywhere() -> None:
 
     import kvstore
 
-    for path in pathlib.Path(kvstore.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(kvstore.__file__).parent.rglob("*.py"):
         text = path.read_text()
         assert "import pickle" not in text and "pickle.loads" not in text, path
 

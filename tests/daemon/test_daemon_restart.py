@@ -9,8 +9,8 @@ import pytest
 import xxhash
 from daemon_helpers import random_bytes, wait_until
 
-from kvstore.client import Client
 from kvstore.keys import Namespace
+from kvstore.wire.client import Client
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -26,10 +26,10 @@ from daemon_helpers import (
     send_message,
 )
 
-from kvstore import protocol as proto
-from kvstore.daemon import Daemon
-from kvstore.service import Service
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.daemon.server import Daemon
+from kvstore.daemon.service import Service
+from kvstore.store.tiered import StoreConfig, TieredStore
+from kvstore.wire import protocol as proto
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -13,9 +13,9 @@ import pytest
 from daemon_helpers import make_chain
 from hbm_arena import BLOCK_BYTES, Arena
 
-from kvstore.hbm_tier import HbmTier
-from kvstore.registry import Registry
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.engines.hbm.tier import HbmTier
+from kvstore.engines.registry import Registry
+from kvstore.store.tiered import StoreConfig, TieredStore
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.cuda_copier import CopyRun, coalesce
+from kvstore.engines.copier import CopyRun, coalesce
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ def test_save_scramble_load_round_trip_is_byte_exact(method: str) -> None:
     import cupy as cp
 
     from kernels.block_copy import copy_runs
-    from kvstore.cuda_copier import CudaCopier
+    from kvstore.engines.copier import CudaCopier
 
     num_blocks = 64
     arena = cp.random.randint(0, 256, size=num_blocks * BLOCK_BYTES, dtype=cp.uint8)
@@ -68,7 +68,7 @@ def test_device_to_device_runs_of_uneven_lengths_are_byte_exact(num_runs: int) -
     ``copy_runs_varlen`` launch for many; every byte lands where it should, nothing else moves."""
     import cupy as cp
 
-    from kvstore.cuda_copier import CudaCopier
+    from kvstore.engines.copier import CudaCopier
 
     rng = np.random.default_rng(2)
     sizes = (rng.integers(1, 4096, num_runs) * 16).tolist()

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.client import Client, ClientError
 from kvstore.keys import Namespace, block_hashes, block_ident
 from kvstore.layout import KVLayout, Region
+from kvstore.wire.client import Client, ClientError
 
 pytestmark = pytest.mark.gpu
 
@@ -247,7 +247,7 @@ _DYING_ENGINE = textwrap.dedent("""
     import cupy as cp
     sys.path.insert(0, {tests!r})
     from test_daemon_cuda import _Arena, _chain
-    from kvstore.client import Client
+    from kvstore.wire.client import Client
     arena = _Arena({num_blocks}, seed=7)
     ns, hashes, idents = _chain("gpu-dying", {num_blocks})
     client = Client({socket!r}, timeout_s=60.0)

@@ -22,8 +22,8 @@ from daemon_helpers import REPO_ROOT, make_chain, start_daemon, wait_until
 
 from engine import LLM, SamplingParams
 from engine.make_model import write_checkpoint
-from kvstore.client import ClientError
 from kvstore.layout import KVLayout, Region
+from kvstore.wire.client import ClientError
 from offload.block_generations import BlockGenerations
 
 pytestmark = pytest.mark.gpu

@@ -10,8 +10,8 @@ import pytest
 from daemon_helpers import RunningDaemon, daemon_factory
 from reliability_helpers import GuardedArena
 
-from kvstore.ssd_files import OS_FILE_OPS, FileOps
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.ssd.files import OS_FILE_OPS, FileOps
+from kvstore.store.tiered import StoreConfig, TieredStore
 
 # schemathesis comes with the `test` extra (CI has it); the GPU machine runs `-m gpu` without it.
 collect_ignore = [] if importlib.util.find_spec("schemathesis") else ["test_http_schema.py"]

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.client import Client
-from kvstore.daemon import Daemon
+from kvstore.daemon.server import Daemon
+from kvstore.daemon.service import Service
 from kvstore.keys import Namespace, block_hash, block_ident
 from kvstore.layout import KVLayout, Region
-from kvstore.service import Service
-from kvstore.ssd_files import ALIGNMENT, FileOps
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.ssd.files import ALIGNMENT, FileOps
+from kvstore.store.tiered import StoreConfig, TieredStore
+from kvstore.wire.client import Client
 
 NS = Namespace(name="reliability-tests").digest
 

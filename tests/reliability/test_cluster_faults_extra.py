@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, random_bytes, start_daemon, wait_until
 
+from kvstore.cluster.peers.transport import checksum
 from kvstore.layout import KVLayout, Region
-from kvstore.peer_transport import checksum
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 from cluster_parts import RedisServer, free_port  # noqa: E402
@@ -41,7 +41,8 @@ SLACK_S = 1.0
 # in $KVSTORE_TEST_LIE_ABOUT (their true XXH3-64 values), as a flipped bit on the wire would.
 LYING_SITECUSTOMIZE = '''
 import os
-from kvstore import peer_server, peer_transport
+from kvstore.cluster.peers import server as peer_server
+from kvstore.cluster.peers import transport as peer_transport
 
 _BAD = {int(v) for v in os.environ["KVSTORE_TEST_LIE_ABOUT"].split(",")}
 

@@ -22,7 +22,7 @@ import pytest
 from daemon_helpers import REPO_ROOT, make_chain, random_bytes, wait_until
 from reliability_helpers import InProcessDaemon
 
-from kvstore.tiered_store import StoreConfig
+from kvstore.store.tiered import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +35,7 @@ _CLIENT = textwrap.dedent("""
     import json, random, sys, threading, time
     from daemon_helpers import make_chain, random_bytes
     from reliability_helpers import GuardedArena
-    from kvstore.client import Client
+    from kvstore.wire.client import Client
     from kvstore.layout import KVLayout, Region
 
     sock, proc, layout_json, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]

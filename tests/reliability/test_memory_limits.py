@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from daemon_helpers import REPO_ROOT, make_chain, random_bytes, start_daemon
 
-from kvstore.client import ClientError
-from kvstore.host_memory import available_bytes, check_pool_fits
 from kvstore.layout import KVLayout, Region
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.host_memory import available_bytes, check_pool_fits
+from kvstore.store.tiered import StoreConfig, TieredStore
+from kvstore.wire.client import ClientError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.tiered import StoreConfig, TieredStore
 
 
 @pytest.fixture

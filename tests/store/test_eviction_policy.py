@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.eviction import POLICIES, FIFOPolicy, LRUPolicy, make_policy
+from kvstore.store.eviction import POLICIES, FIFOPolicy, LRUPolicy, make_policy
 
 
 @pytest.fixture(params=sorted(POLICIES))

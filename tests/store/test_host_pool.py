@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.allocator import OffsetAllocator
-from kvstore.host_pool import HostPool, PinError
+from kvstore.store.allocator import OffsetAllocator
+from kvstore.store.host_pool import HostPool, PinError
 
 
 def test_allocations_are_aligned_views_of_one_buffer():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from store_helpers import NS, block_bytes, block_key
 
-from kvstore.block_store import BlockUnavailable, StoreError, Tier
+from kvstore.store.block_store import BlockUnavailable, StoreError, Tier
 
 BLOCK = 16 * 1024
 DRAM_BLOCKS = 4

@@ -10,8 +10,8 @@ import lmdb
 import pytest
 from store_helpers import NS, block_bytes, block_key
 
-from kvstore.block_store import Tier
-from kvstore.ssd_tier import SSDTier, SSDWrite
+from kvstore.store.block_store import Tier
+from kvstore.store.ssd.tier import SSDTier, SSDWrite
 
 BLOCK = 16 * 1024
 

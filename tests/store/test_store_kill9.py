@@ -19,7 +19,7 @@ _CHILD = """
 import sys
 import time
 from store_helpers import NS, block_bytes, block_key
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.tiered import StoreConfig, TieredStore
 
 BLOCK = 16 * 1024
 store = TieredStore(StoreConfig(dram_bytes=16 * BLOCK, ssd_dir=sys.argv[1],

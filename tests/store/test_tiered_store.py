@@ -8,8 +8,8 @@ import time
 import pytest
 from store_helpers import NS, block_bytes, block_key
 
-from kvstore.block_store import BlockUnavailable, StoreError, Tier
-from kvstore.tiered_store import StoreConfig
+from kvstore.store.block_store import BlockUnavailable, StoreError, Tier
+from kvstore.store.tiered import StoreConfig
 
 KIB = 1024
 BLOCK = 16 * KIB  # four 4 KiB units per block
