@@ -42,7 +42,7 @@ BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
 # Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
 _VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0"}
-_SERVE = ("import sys, kvstore.engines.transfer as t; {}; "
+_SERVE = ("import sys, kvstore.engines.cuda_copies as t; {}; "
           "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvstore.daemon.service import CallContext, Deferred, Service, ServiceError
+from kvstore.daemon.calls import CallContext, Deferred, ServiceError
+from kvstore.daemon.service import Service
 from kvstore.wire import protocol as proto
 from kvstore.wire.listener import bind_unix_socket, peer_uid, socket_identity, unlink_if_ours
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.engines.transfer import _chunks
+from kvstore.engines.cuda_copies import chunk_spans
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 
@@ -13,7 +13,7 @@ BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 @pytest.mark.parametrize("chunk_bytes", [0, 1, BLOCK_BYTES, 32 << 20])
 def test_chunks_cover_the_request_in_order_and_grow_to_the_limit(num_blocks: int,
                                                                  chunk_bytes: int) -> None:
-    spans = list(_chunks(num_blocks, BLOCK_BYTES, chunk_bytes))
+    spans = list(chunk_spans(num_blocks, BLOCK_BYTES, chunk_bytes))
     assert [i for span in spans for i in span] == list(range(num_blocks))
     if chunk_bytes <= 0:
         assert len(spans) == 1  # one submission for the whole request

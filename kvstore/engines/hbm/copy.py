@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvstore.engines import copier as cuda_copier
 from kvstore.engines.copier import CopyHandle, CopyRun
 from kvstore.engines.hbm.index import HbmEntry
-from kvstore.engines.registry import Registration, RegistrationClosed
+from kvstore.engines.registration import Registration, RegistrationClosed
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.engines.registry import Registration
+from kvstore.engines.registration import Registration
 
 
 @dataclass(eq=False, slots=True)

@@ -22,10 +22,14 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.engines.copier import CopyHandle
-from kvstore.engines.registry import Registration, host_address
+from kvstore.engines.registration import host_address
 from kvstore.store.block_store import BlockStore, Lease, StoreError, WriteSlot
+
+if TYPE_CHECKING:  # the registration calls these functions: no import at run time
+    from kvstore.engines.cuda_registration import CudaRegistration
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class _Chunk:
     num_blocks: int = 0
 
 
-def _chunks(num_items: int, block_bytes: int, chunk_bytes: int | None) -> Iterator[range]:
+def chunk_spans(num_items: int, block_bytes: int, chunk_bytes: int | None) -> Iterator[range]:
     limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if limit <= 0:
         yield range(num_items)
@@ -81,7 +85,7 @@ def _drain(chunks: Sequence[_Chunk]) -> None:
                 chunk.handle.wait()
 
 
-def save_blocks(store: BlockStore, reg: Registration, namespace: bytes,
+def save_blocks(store: BlockStore, reg: CudaRegistration, namespace: bytes,
                 block_ids: Sequence[int], hashes: Sequence[bytes], idents: Sequence[bytes],
                 stopped: Callable[[], bool], chunk_bytes: int | None = None) -> list[str]:
     """Copy engine blocks into the store; one outcome per block: saved, duplicate or failed.
@@ -95,7 +99,7 @@ def save_blocks(store: BlockStore, reg: Registration, namespace: bytes,
     outcomes: list[str] = ["failed"] * len(block_ids)
     pending: deque[_Chunk] = deque()  # submitted, not yet published, oldest first
     try:
-        for span in _chunks(len(block_ids), num_bytes, chunk_bytes):
+        for span in chunk_spans(len(block_ids), num_bytes, chunk_bytes):
             if stopped():
                 break
             chunk, runs = _Chunk(), []
@@ -152,7 +156,7 @@ def _publish_done(pending: deque[_Chunk], outcomes: list[str], num_bytes: int,
     return False
 
 
-def load_blocks(store: BlockStore, reg: Registration, lease: Lease, block_ids: Sequence[int],
+def load_blocks(store: BlockStore, reg: CudaRegistration, lease: Lease, block_ids: Sequence[int],
                 stopped: Callable[[], bool], chunk_bytes: int | None = None,
                 first_index: int = 0) -> int:
     """Copy the lease's blocks ``first_index .. first_index + len(block_ids) - 1`` into engine
@@ -188,7 +192,7 @@ def load_blocks(store: BlockStore, reg: Registration, lease: Lease, block_ids: S
 
     try:
         stop = False
-        for span in _chunks(len(block_ids), num_bytes, chunk_bytes):
+        for span in chunk_spans(len(block_ids), num_bytes, chunk_bytes):
             if stopped():
                 break
             chunk, runs = _Chunk(start=span.start), []
