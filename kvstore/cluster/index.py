@@ -28,90 +28,28 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.cluster.config import ClusterConfig
+from kvstore.cluster.membership import Holder, Membership, parse_members
+from kvstore.cluster.redis_scripts import (
+    DEREGISTER_LUA,
+    FORGET,
+    LOOKUP_LUA,
+    PUBLISH,
+    UNPUBLISH,
+    WRITE_LUA,
+)
 from kvstore.keys import HASH_BYTES
 
 log = logging.getLogger(__name__)
 
 _KEY_BYTES = 2 * HASH_BYTES  # namespace + block hash
 
-# ARGV: namespace-hash key prefix, node key prefix, packed 32-byte (namespace, hash) keys, one op
-# per key ('1' add this node's entry, '0' remove this node's entry, '2' remove the given entry if
-# it is stale), then one "node_id/incarnation" entry per key. Staleness is decided here, against
-# the node keys, not by the reader's membership view, which may not know a node that just joined.
-_WRITE_LUA = """
-local prefix, node_prefix, blob, ops = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local live = {}
-for i = 1, #ops do
-  local key = prefix .. string.sub(blob, i * 32 - 31, i * 32 - 16)
-  local field = string.sub(blob, i * 32 - 15, i * 32)
-  local op, entry = string.byte(ops, i), ARGV[4 + i]
-  local node, inc = string.match(entry, '^([^/]+)/(.*)$')
-  local skip = false
-  if op == 50 then
-    if live[node] == nil then
-      live[node] = redis.call('GET', node_prefix .. node) or false
-    end
-    local cur = live[node]
-    skip = cur and string.sub(cur, 1, #inc + 1) == inc .. ' '
-  end
-  local old = (not skip) and redis.call('HGET', key, field)
-  if old then
-    local kept = {}
-    for e in string.gmatch(old, '[^ ]+') do
-      if (op == 50 and e ~= entry) or (op ~= 50 and string.sub(e, 1, #node + 1) ~= node .. '/') then
-        kept[#kept + 1] = e
-      end
-    end
-    if op == 49 then kept[#kept + 1] = entry end
-    if #kept > 0 then
-      redis.call('HSET', key, field, table.concat(kept, ' '))
-    else
-      redis.call('HDEL', key, field)
-    end
-  elseif op == 49 then
-    redis.call('HSET', key, field, entry)
-  end
-end
-return #ops
-"""
-
-# KEYS[1]: the namespace's hash. ARGV[1]: packed 16-byte block hashes. Returns the entries of the
-# blocks before the first unclaimed one, joined by newlines (one bulk string: cheap to parse).
-_LOOKUP_LUA = """
-local blob = ARGV[1]
-local fields = {}
-for i = 1, #blob / 16 do fields[i] = string.sub(blob, i * 16 - 15, i * 16) end
-local values = redis.call('HMGET', KEYS[1], unpack(fields))
-local out = {}
-for i = 1, #fields do
-  if not values[i] then break end
-  out[i] = values[i]
-end
-return table.concat(out, '\\n')
-"""
-
-_DEREGISTER_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-_PUBLISH, _UNPUBLISH, _FORGET = b"1", b"0", b"2"
-
-
-class Holder(NamedTuple):
-    """A live node that claims a block: its id, its current incarnation and where to reach it."""
-
-    node_id: str
-    incarnation: str
-    addr: str
 
 
 class ClusterIndex:
@@ -135,8 +73,8 @@ class ClusterIndex:
             socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False, health_check_interval=0,
         )
-        self._write_script = self._redis.register_script(_WRITE_LUA)
-        self._lookup_script = self._redis.register_script(_LOOKUP_LUA)
+        self._write_script = self._redis.register_script(WRITE_LUA)
+        self._lookup_script = self._redis.register_script(LOOKUP_LUA)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._held: set[bytes] = set()  # (namespace + hash) of every block published, for resync
@@ -145,8 +83,7 @@ class ClusterIndex:
         self._pending_since = 0.0
         self._flushing = 0  # events taken from _pending but not yet acknowledged by Redis
         self._flush_now = False
-        self._members: dict[bytes, Holder] = {}  # "node_id/incarnation" → live node, this one too
-        self._parsed: dict[bytes, list[Holder]] = {}  # index value → live holders; per view
+        self._members = Membership(self.node_id)
         self._up = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -186,7 +123,7 @@ class ClusterIndex:
             if thread.is_alive():
                 log.warning("cluster index thread did not stop within %.1f s", timeout_s)
         try:  # peers drop this node now, not after the TTL (unless a newer life took the id)
-            self._redis.eval(_DEREGISTER_LUA, 1, self._node_key, self._node_value)
+            self._redis.eval(DEREGISTER_LUA, 1, self._node_key, self._node_value)
         except (redis.RedisError, OSError) as exc:
             log.info("could not deregister from Redis (%s); the heartbeat key will expire", exc)
         self._redis.close()
@@ -203,7 +140,7 @@ class ClusterIndex:
 
     def _enqueue(self, namespace: bytes, block_hashes: Sequence[bytes], held: bool) -> None:
         _check_key(namespace, block_hashes)
-        event = (_PUBLISH if held else _UNPUBLISH, self._entry)
+        event = (PUBLISH if held else UNPUBLISH, self._entry)
         with self._lock:
             for h in block_hashes:
                 key = namespace + h
@@ -265,7 +202,9 @@ class ClusterIndex:
                 self._count("lookup_errors")
                 log.warning("cluster index lookup failed: %s", exc)
                 return []
-            found = self._parse(namespace, chunk, raw)
+            found, stale = self._members.parse(namespace, chunk, raw)
+            if stale:
+                self._forget(stale)
             out += found
             if len(found) < len(chunk):
                 break
@@ -276,38 +215,13 @@ class ClusterIndex:
         with self._lock:
             self._counters[name] += n
 
-    def _parse(self, namespace: bytes, chunk: Sequence[bytes], raw: bytes) -> list[list[Holder]]:
-        if not raw:
-            return []
-        parsed, members = self._parsed, self._members
-        out: list[list[Holder]] = []
-        stale: list[tuple[bytes, bytes]] = []
-        for h, value in zip(chunk, raw.split(b"\n")):
-            holders = parsed.get(value)
-            if holders is None:
-                holders = []
-                for entry in value.split(b" "):
-                    member = members.get(entry)
-                    if member is None:
-                        stale.append((namespace + h, entry))
-                    elif member.node_id != self.node_id:
-                        holders.append(member)
-                if not stale and len(parsed) < _PARSED_CACHE_MAX:
-                    parsed[value] = holders
-            if not holders:
-                break
-            out.append(holders)
-        if stale:
-            self._forget(stale)
-        return out
-
     def _forget(self, stale: list[tuple[bytes, bytes]]) -> None:
         """Queue the deletion of entries that look like those of dead nodes or older
         incarnations; the write script deletes only those that really are."""
         with self._lock:
             for key, entry in stale:
                 if key not in self._pending:
-                    self._pending[key] = (_FORGET, entry)
+                    self._pending[key] = (FORGET, entry)
             self._counters["stale_entries"] += len(stale)
             self._after_enqueue_locked()
 
@@ -327,7 +241,7 @@ class ClusterIndex:
 
     def live_nodes(self) -> dict[str, Holder]:
         """This node's view of the live nodes (itself included), as of the last heartbeat."""
-        return {m.node_id: m for m in self._members.values()}
+        return self._members.live_nodes()
 
     @property
     def up(self) -> bool:
@@ -390,22 +304,15 @@ class ClusterIndex:
         pipe.sadd(self._nodes_key, self.node_id)
         pipe.smembers(self._nodes_key)
         if not self._up:  # (re)connected: make sure the hot path never meets NOSCRIPT
-            pipe.script_load(_LOOKUP_LUA)
-            pipe.script_load(_WRITE_LUA)
+            pipe.script_load(LOOKUP_LUA)
+            pipe.script_load(WRITE_LUA)
         previous, _, node_ids, *_ = pipe.execute()
         node_ids = sorted(node_ids)
         values = self._redis.mget([self._node_prefix.encode() + n for n in node_ids])
-        members: dict[bytes, Holder] = {}
-        for node_id, value in zip(node_ids, values):
-            if value is None:
-                continue  # expired: dead, or not yet back
-            inc, _, addr = value.decode().partition(" ")
-            members[node_id + b"/" + inc.encode()] = Holder(node_id.decode(), inc, addr)
+        members = parse_members(node_ids, values)
         self._count("heartbeats")
         with self._lock:
-            if members != self._members:
-                self._members = members
-                self._parsed = {}
+            self._members.update(members)
             if previous is not None and previous != self._node_value:
                 self._counters["node_id_conflicts"] += 1
                 log.warning("cluster index: node id %s was registered by someone else (%r); "
@@ -417,7 +324,7 @@ class ClusterIndex:
                     self._counters["resyncs"] += 1
                     log.info("cluster index: registration was lost; re-publishing %d blocks",
                              len(self._held))
-                event = (_PUBLISH, self._entry)
+                event = (PUBLISH, self._entry)
                 for key in self._held:
                     self._pending[key] = event
                 if self._pending:
@@ -466,7 +373,6 @@ class ClusterIndex:
 
 
 _LOOKUP_CHUNK = 4096  # hashes per lookup script call (Lua's unpack limit is near 8000)
-_PARSED_CACHE_MAX = 4096
 
 
 def _check_key(namespace: bytes, block_hashes: Sequence[bytes]) -> None:

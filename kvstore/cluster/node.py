@@ -19,7 +19,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvstore.cluster.config import ClusterConfig
-from kvstore.cluster.index import ClusterIndex, Holder
+from kvstore.cluster.index import ClusterIndex
+from kvstore.cluster.membership import Holder
 from kvstore.cluster.peers.client import PeerClient
 from kvstore.cluster.peers.server import PeerServer
 from kvstore.store.block_store import BlockStore

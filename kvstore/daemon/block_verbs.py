@@ -1,8 +1,8 @@
 """The block verbs: ``put``/``get`` (the bytes API), ``lookup``, ``release`` and ``remove``.
 
 A lookup runs on the event loop; only one that goes on to the peers is handed to a worker
-(``Deferred``). A lookup another engine's HBM can serve (``hbm_tier``) is answered from there and
-the store, under one lease, without asking peers.
+(``Deferred``). A lookup another engine's HBM can serve (``engines/hbm/tier.py``) is answered
+from there and the store, under one lease, without asking peers.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class BlockVerbs:
         lease_ttl_s = ttl if ttl > 0 else None
         hashes, idents, packed = proto.lookup_items(args)  # a packed request gets runs back
         hbm = self._hbm.lookup(args["namespace"], hashes, idents, ctx.owner, lease_ttl_s)
-        if hbm is not None:  # another engine holds some of it: no peers asked (see hbm_tier)
+        if hbm is not None:  # another engine holds some of it: no peers asked
             return self._hbm_lookup_reply(hbm, ctx, lease_ttl_s, packed)
         result = self._store.lookup(args["namespace"], hashes, idents,
                                     lease_ttl_s=lease_ttl_s, owner=ctx.owner)

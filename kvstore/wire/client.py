@@ -14,121 +14,21 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstore.layout import KVLayout
 from kvstore.settings import default_socket_path
 from kvstore.wire import protocol as proto
-
-# The client waits this much longer than the deadline it sent, so the daemon's own
-# deadline_exceeded reply normally arrives first.
-_GRACE_S = 1.0
-
-
-class ClientError(Exception):
-    """The daemon answered with an error; ``code`` is a protocol error code (``bad_request``...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class RequestTimeout(ClientError, TimeoutError):
-    """No reply within the wait's timeout; the request may still complete in the daemon."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("timeout", message)
-
-
-class DaemonUnavailable(ConnectionError):
-    """The daemon is not running, refused us, or the connection broke."""
-
-
-@dataclass(frozen=True)
-class LookupReply:
-    num_hit: int
-    tiers: list[str]
-    lease_id: int | None
-
-
-@dataclass(frozen=True)
-class SaveReply:
-    outcomes: list[str]  # per block: "saved", "duplicate" or "failed"
-
-    @property
-    def num_saved(self) -> int:
-        return self.outcomes.count("saved")
-
-
-def _lookup_reply(r: dict) -> LookupReply:
-    """Either reply form: per-block ``tiers``, or ``tier_runs`` for a packed request."""
-    tiers = proto.expand_tier_runs(r["tier_runs"]) if "tier_runs" in r else list(r["tiers"])
-    return LookupReply(int(r["num_hit"]), tiers, r["lease_id"])
-
-
-_NO_RESULT = object()
-
-
-class Pending:
-    """A request in flight: ``poll()`` never blocks, ``wait()`` returns the result or raises."""
-
-    def __init__(self, client: Client, request_id: int, verb: str, timeout_s: float,
-                 convert: Callable[[Any], Any] | None) -> None:
-        self.request_id = request_id
-        self.verb = verb
-        self.timeout_s = timeout_s
-        self._client = client
-        self._convert = convert
-        # A lock held until the reply lands: waking a waiter on it is cheaper than an Event.
-        self._done = False
-        self._gate = threading.Lock()
-        self._gate.acquire()
-        self._result: Any = _NO_RESULT
-        self._error: BaseException | None = None
-
-    def _finish(self, result: Any = _NO_RESULT, error: BaseException | None = None) -> None:
-        # Called only by whoever popped this request from the client's table: exactly once.
-        if self._done:
-            return
-        if error is None and self._convert is not None:
-            try:
-                result = self._convert(result)
-            except Exception as exc:  # a reply we cannot read is the daemon's bug; surface it
-                error = ClientError("bad_reply", f"{self.verb}: unreadable reply: {exc}")
-        self._result, self._error = result, error
-        self._done = True
-        self._gate.release()
-
-    def poll(self) -> bool:
-        """True once the reply (or a failure) is in; ``wait()`` then returns without blocking."""
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """The result; raises ClientError, RequestTimeout or DaemonUnavailable.
-
-        ``timeout`` None waits the request's own deadline plus a grace second; after that the
-        handle is given up (the daemon has answered deadline_exceeded or is stuck).
-        """
-        limit = self.timeout_s + _GRACE_S if timeout is None else timeout
-        if not self._done and not self._wait_gate(limit):
-            if timeout is None:
-                self._client._forget(self.request_id)
-            raise RequestTimeout(f"{self.verb} (request {self.request_id}) got no reply in "
-                                 f"{limit:.3g} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    result = wait
-
-    def _wait_gate(self, limit: float) -> bool:
-        if not self._gate.acquire(timeout=max(limit, 0.0)):
-            return self._done
-        self._gate.release()  # leave it open for any other waiter
-        return True
+from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error types, re-exported)
+    ClientError,
+    DaemonUnavailable,
+    LookupReply,
+    Pending,
+    RequestTimeout,
+    SaveReply,
+    lookup_reply,
+)
 
 
 class Client:
@@ -179,7 +79,7 @@ class Client:
         message = {"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
                    "args": args or {}}
         frame = proto.encode_frame(message, self.max_frame_bytes)
-        pending = Pending(self, request_id, verb, timeout_s, convert)
+        pending = Pending(self._forget, request_id, verb, timeout_s, convert)
         with self._lock:
             if self._closed_error is not None:
                 raise self._closed_error
@@ -251,10 +151,10 @@ class Client:
         if pending is None:
             return  # nobody waits any more (timed out and forgotten), or a connection-level error
         if reply.get("ok"):
-            pending._finish(reply.get("result"))
+            pending.finish(reply.get("result"))
         else:
             err = reply.get("error") or {}
-            pending._finish(error=ClientError(str(err.get("code")), str(err.get("message"))))
+            pending.finish(error=ClientError(str(err.get("code")), str(err.get("message"))))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -262,7 +162,7 @@ class Client:
                 self._closed_error = error
             pending, self._pending = list(self._pending.values()), {}
         for p in pending:
-            p._finish(error=error)
+            p.finish(error=error)
 
     @property
     def is_closed(self) -> bool:
@@ -316,7 +216,7 @@ class Client:
             args.update(packed)
         if lease_ttl_s is not None:
             args["lease_ttl_s"] = lease_ttl_s
-        return self.request("lookup", args, convert=_lookup_reply)
+        return self.request("lookup", args, convert=lookup_reply)
 
     def lookup(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                lease_ttl_s: float | None = None) -> LookupReply:

@@ -1,4 +1,4 @@
-"""Serves this daemon's blocks to peers over UCX (the protocol is in ``peer_transport.py``).
+"""Serves this daemon's blocks to peers over UCX (the protocol is in ``transport.py``).
 
 Each request is answered from the local store: a lookup with the client's idents (a hit is
 verified at the owner), under a lease held until the payloads are sent, then a header and the

@@ -8,8 +8,8 @@ the tag, and Python's str hash differs between processes):
                                                         error}
     server → client   PAYLOAD + i       the bytes of block i, for each non-empty entry of blocks
 
-The server (``peer_server.py``) answers with the verified prefix its store holds; the client
-(``peer_client.py``) checks every entry against what it asked for and every payload against its
+The server (``server.py``) answers with the verified prefix its store holds; the client
+(``client.py``) checks every entry against what it asked for and every payload against its
 XXH3-64 before a block counts. A surprise of any kind ends the answer and drops the endpoint.
 """
 

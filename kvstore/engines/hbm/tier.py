@@ -4,7 +4,7 @@ A lookup first asks the index (``HbmIndex``) which blocks another engine of a co
 registration holds, then asks the store (DRAM, SSD) for the others, in one lease: per block the
 HBM copy is preferred (on GPU a device-to-device copy beats any host-to-device one). The hit is
 the longest prefix every block of which one of them serves. A load walks the hit in runs of one
-source: HBM runs go through ``hbm_copy`` (generation-checked), store runs through the caller's
+source: HBM runs go through ``copy.py`` (generation-checked), store runs through the caller's
 store path; the first short run ends the count (fail closed).
 
 Eligible sources for a requester (its connection's registrations): another connection's

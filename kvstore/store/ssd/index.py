@@ -44,6 +44,17 @@ for name in names:
 """
 
 
+
+def block_checksum(key: bytes, ident: bytes, data: bytes | memoryview) -> bytes:
+    """XXH3-128 binding the bytes to their key and ident (a reused slot cannot pass for another)."""
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<II", len(key), len(ident)))
+    h.update(key)
+    h.update(ident)
+    h.update(data)
+    return h.digest()
+
+
 @dataclass(eq=False)
 class SSDEntry:
     """A durable block. ``live`` turns False once dropped; a pinned slot is freed at last unpin."""

@@ -9,8 +9,9 @@ carries all queued deletes, so it lands no later than the write that reused the 
 between leaves a stale entry that fails its checksum. A missing or unreadable index starts the
 tier empty.
 
-Thread-safe: one lock guards the in-memory index, the policy and the allocators; IO, fsync and
-index commits run outside it. Entries being read or pinned by a lease are never evicted.
+Thread-safe: one lock guards the in-memory catalog (index, policy, allocators: ``catalog.py``);
+IO, fsync and index commits run outside it. Entries being read or pinned by a lease are never
+evicted.
 """
 
 from __future__ import annotations
@@ -19,19 +20,17 @@ import errno
 import fcntl
 import logging
 import os
-import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-import xxhash
-
-from kvstore.store.allocator import Allocation, OffsetAllocator, align_up
+from kvstore.store.allocator import Allocation
 from kvstore.store.eviction import make_policy
+from kvstore.store.ssd.catalog import SSDCatalog
 from kvstore.store.ssd.files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
-from kvstore.store.ssd.index import SSDEntry, SSDIndex, layout_key
+from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum, layout_key
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +46,6 @@ COUNTERS = (
     "lost_at_start", "index_resets", "index_commit_failures", "layout_resets", "sparse_files",
     "direct_io_fallbacks",
 )
-
-
-def block_checksum(key: bytes, ident: bytes, data: bytes | memoryview) -> bytes:
-    """XXH3-128 binding the bytes to their key and ident (a reused slot cannot pass for another)."""
-    h = xxhash.xxh3_128()
-    h.update(struct.pack("<II", len(key), len(ident)))
-    h.update(key)
-    h.update(ident)
-    h.update(data)
-    return h.digest()
 
 
 class SSDWrite(NamedTuple):
@@ -92,15 +81,9 @@ class SSDTier:
         self._durable = durable
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._index: dict[bytes, SSDEntry] = {}
-        self._policy = make_policy(eviction)
         self._pending: set[bytes] = set()  # keys being written: not visible, not rewritten
-        self._zombies: set[SSDEntry] = set()  # dropped while pinned: slot freed at last unpin
         self._commits_in_flight = 0
         self._closed = False
-        # Told the key of every entry dropped for good (not one rewritten in place), under this
-        # tier's lock: it must only take note (TieredStore reports drops outside its locks).
-        self.on_drop: Callable[[bytes], None] | None = None
         self._lock_fd = self._take_dir_lock()
         db = None
         try:
@@ -116,10 +99,22 @@ class SSDTier:
             os.close(self._lock_fd)
             raise
         self._db = db
-        self._allocators = [OffsetAllocator(file_bytes, ALIGNMENT) for _ in range(num_files)]
+        self._catalog = SSDCatalog(num_files, file_bytes, make_policy(eviction), db,
+                                   self._counters)
         self._load_index()
         log.info("SSD tier %s: %d file(s) of %d B, %d block(s), io_mode=%s (%s)", self.dir,
-                 num_files, file_bytes, len(self._index), self.io_mode, self.io_mode_reason)
+                 num_files, file_bytes, self._catalog.num_blocks, self.io_mode,
+                 self.io_mode_reason)
+
+    @property
+    def on_drop(self) -> Callable[[bytes], None] | None:
+        """Told the key of every entry dropped for good (not one rewritten in place), under
+        this tier's lock: it must only take note (TieredStore reports drops outside its locks)."""
+        return self._catalog.on_drop
+
+    @on_drop.setter
+    def on_drop(self, hook: Callable[[bytes], None] | None) -> None:
+        self._catalog.on_drop = hook
 
     @property
     def io_mode(self) -> str:
@@ -134,23 +129,16 @@ class SSDTier:
     def lookup(self, key: bytes) -> SSDEntry | None:
         """The live entry for ``key`` (its ident is for the caller to compare), not pinned."""
         with self._lock:
-            return self._index.get(key)
+            return self._catalog.get(key)
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[SSDEntry]:
         """Live entries of ``keys`` in order, up to the first key not held; not pinned."""
-        out: list[SSDEntry] = []
         with self._lock:
-            index = self._index
-            for key in keys:
-                entry = index.get(key)
-                if entry is None:
-                    break
-                out.append(entry)
-        return out
+            return self._catalog.prefix(keys)
 
     def contains(self, key: bytes, ident: bytes) -> bool:
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._catalog.get(key)
             return entry is not None and entry.ident == ident
 
     def pin(self, entry: SSDEntry) -> bool:
@@ -160,22 +148,16 @@ class SSDTier:
     def pin_many(self, entries: Sequence[SSDEntry]) -> int:
         """Pin entries in order up to the first one dropped meanwhile; returns how many."""
         with self._lock:
-            for n, entry in enumerate(entries):
-                if not entry.live:
-                    return n
-                entry.pins += 1
-            return len(entries)
+            return self._catalog.pin_many(entries)
 
     def unpin(self, entry: SSDEntry) -> None:
         with self._lock:
-            self._unpin_locked(entry)
+            self._catalog.unpin(entry)
 
     def touch_many(self, entries: Sequence[SSDEntry]) -> None:
         """Record accesses (for the eviction order) of the live ones among ``entries``."""
         with self._lock:
-            for entry in entries:
-                if entry.live:
-                    self._policy.touch(entry.key)
+            self._catalog.touch_many(entries)
 
     # -- write path ----------------------------------------------------------------------------
 
@@ -197,15 +179,15 @@ class SSDTier:
                     continue
                 if item.key in self._pending:
                     continue
-                cur = self._index.get(item.key)
+                cur = self._catalog.get(item.key)
                 if cur is not None:
                     if cur.ident == item.ident:
                         results[i] = True
                         continue
                     if cur.pins:
                         continue
-                    self._drop_locked(cur, dropped, "replaced")
-                placed = self._place_locked(item.num_bytes, dropped)
+                    self._catalog.drop(cur, dropped, "replaced")
+                placed = self._catalog.place(item.num_bytes, dropped)
                 if placed is None:
                     self._counters["write_no_room"] += 1
                     continue
@@ -218,7 +200,7 @@ class SSDTier:
             if not self._db.commit(written, dropped) and written:
                 with self._lock:  # the blocks never became visible: give their slots back
                     for entry in written:
-                        self._allocators[entry.file_idx].free(entry.alloc)
+                        self._catalog.free(entry.file_idx, entry.alloc)
                     self._counters["index_commit_failures"] += 1
                     self._counters["write_errors"] += len(written)
                 written = []
@@ -228,8 +210,7 @@ class SSDTier:
                 for _, item, _, _ in plans:
                     self._pending.discard(item.key)
                 for entry in written:
-                    self._index[entry.key] = entry
-                    self._policy.insert(entry.key)
+                    self._catalog.publish(entry)
                     self._counters["writes"] += 1
                     self._counters["write_bytes"] += entry.num_bytes
         done = {entry.key for entry in written}
@@ -251,10 +232,10 @@ class SSDTier:
                 except OSError as exc:
                     full = exc.errno == errno.ENOSPC
                     with self._lock:
-                        self._allocators[file_idx].free(alloc)
+                        self._catalog.free(file_idx, alloc)
                         self._counters["enospc" if full else "write_errors"] += 1
                         # A slot that held an older block is backed by real disk blocks.
-                        placed = (self._reuse_slot_locked(item.num_bytes, dropped)
+                        placed = (self._catalog.reuse_slot(item.num_bytes, dropped)
                                   if full and attempt == 0 else None)
                     if placed is None:
                         log.warning("SSD write of %d B failed: %s", item.num_bytes, exc)
@@ -276,40 +257,9 @@ class SSDTier:
                 written = [e for e in written if e.file_idx != file_idx]
                 with self._lock:
                     for entry in lost:
-                        self._allocators[file_idx].free(entry.alloc)
+                        self._catalog.free(file_idx, entry.alloc)
                     self._counters["write_errors"] += len(lost)
         return written
-
-    def _place_locked(self, num_bytes: int, dropped: list[SSDEntry]):
-        """(file, slot) in the file with most free space, evicting the oldest unpinned blocks."""
-        order = sorted(range(len(self._allocators)), key=lambda i: -self._allocators[i].free_bytes)
-        while True:
-            for file_idx in order:
-                alloc = self._allocators[file_idx].allocate(num_bytes)
-                if alloc is not None:
-                    return file_idx, alloc
-            victim = self._next_victim_locked()
-            if victim is None:
-                return None
-            self._drop_locked(victim, dropped, "evictions")
-
-    def _reuse_slot_locked(self, num_bytes: int, dropped: list[SSDEntry]):
-        need = align_up(max(num_bytes, 1), ALIGNMENT)
-        while (victim := self._next_victim_locked()) is not None:
-            self._drop_locked(victim, dropped, "evictions")
-            if victim.alloc.reserved_bytes >= need:
-                alloc = self._allocators[victim.file_idx].allocate_at(victim.alloc.offset,
-                                                                      num_bytes)
-                if alloc is not None:
-                    return victim.file_idx, alloc
-        return None
-
-    def _next_victim_locked(self) -> SSDEntry | None:
-        for key in self._policy.victims():
-            entry = self._index[key]
-            if entry.pins == 0:
-                return entry
-        return None
 
     # -- read path -----------------------------------------------------------------------------
 
@@ -337,12 +287,12 @@ class SSDTier:
         finally:
             dropped: list[SSDEntry] = []
             with self._lock:
-                self._unpin_locked(entry)
+                self._catalog.unpin(entry)
                 if ok:
                     self._counters["reads"] += 1
                     self._counters["read_bytes"] += entry.num_bytes
                 elif entry.live:
-                    self._drop_locked(entry, dropped, reason)
+                    self._catalog.drop(entry, dropped, reason)
         if dropped:
             log.warning("SSD block at %s+%d dropped: %s",
                         self._files.paths[entry.file_idx].name, entry.alloc.offset, reason)
@@ -358,48 +308,24 @@ class SSDTier:
             self._check_open()
             if not entry.live or entry.pins:
                 return False
-            self._drop_locked(entry, dropped, "removes")
+            self._catalog.drop(entry, dropped, "removes")
         self._db.commit([], dropped)
         return True
-
-    def _drop_locked(self, entry: SSDEntry, dropped: list[SSDEntry], counter: str) -> None:
-        if not entry.live:
-            return
-        entry.live = False
-        del self._index[entry.key]
-        self._policy.remove(entry.key)
-        self._counters[counter] += 1
-        dropped.append(entry)
-        self._db.note_delete(entry)  # any commit from now on carries it; see SSDIndex
-        if self.on_drop is not None and counter != "replaced":
-            self.on_drop(entry.key)
-        if entry.pins == 0:
-            self._allocators[entry.file_idx].free(entry.alloc)
-        else:
-            self._zombies.add(entry)
-
-    def _unpin_locked(self, entry: SSDEntry) -> None:
-        if entry.pins <= 0:
-            raise ValueError("unpin of an unpinned SSD entry")
-        entry.pins -= 1
-        if entry.pins == 0 and not entry.live:
-            self._zombies.discard(entry)
-            self._allocators[entry.file_idx].free(entry.alloc)
 
     # -- reporting and lifecycle ---------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
-        return len(self._index)
+        return self._catalog.num_blocks
 
     @property
     def used_bytes(self) -> int:
-        return sum(a.used_bytes for a in self._allocators)
+        return self._catalog.used_bytes
 
     def locate(self, key: bytes) -> tuple[Path, int, int] | None:
         """(data file, offset, num_bytes) of a block: for tools and damage tests."""
         with self._lock:
-            e = self._index.get(key)
+            e = self._catalog.get(key)
             return None if e is None else (self._files.paths[e.file_idx], e.alloc.offset,
                                            e.num_bytes)
 
@@ -408,33 +334,25 @@ class SSDTier:
             return {
                 "capacity_bytes": self.capacity_bytes,
                 "used_bytes": self.used_bytes,
-                "blocks": len(self._index),
-                "files": len(self._allocators),
+                "blocks": self._catalog.num_blocks,
+                "files": self._catalog.num_files,
                 "io_mode": self.io_mode,
                 "io_mode_reason": self.io_mode_reason,
-                "pinned_blocks": sum(1 for e in self._index.values() if e.pins),
+                "pinned_blocks": self._catalog.num_pinned,
                 "counters": dict(self._counters),
             }
 
     def check_integrity(self) -> None:
         """Allocators tile their files; index, policy, allocations (and LMDB when idle) agree."""
         with self._lock:
-            held: list[set[tuple[int, int]]] = [set() for _ in self._allocators]
-            for allocator in self._allocators:
-                allocator.check_integrity()
-            for key, e in self._index.items():
-                assert e.live and e.key == key, f"index entry {key.hex()} is not live"
-                held[e.file_idx].add((e.alloc.offset, e.alloc.reserved_bytes))
-            assert set(self._policy.victims()) == set(self._index), "policy and index differ"
-            if self._commits_in_flight or self._pending:
+            idle = not (self._commits_in_flight or self._pending)
+            self._catalog.check_integrity(idle)
+            if not idle:
                 return
-            for e in self._zombies:
-                held[e.file_idx].add((e.alloc.offset, e.alloc.reserved_bytes))
-            for i, allocator in enumerate(self._allocators):
-                assert set(allocator.allocations()) == held[i], f"file {i}: allocations"
             on_disk, deferred = self._db.keys()
-            assert set(self._index) <= on_disk, "a visible block is not in LMDB"
-            assert on_disk - set(self._index) <= deferred, "LMDB holds dropped blocks"
+            index = self._catalog.keys()
+            assert index <= on_disk, "a visible block is not in LMDB"
+            assert on_disk - index <= deferred, "LMDB holds dropped blocks"
 
     def close(self) -> None:
         """Close the files and the index (everything visible is already durable)."""
@@ -461,20 +379,8 @@ class SSDTier:
 
     def _load_index(self) -> None:
         entries, bad = self._db.load()
-        kept: list[SSDEntry] = []
-        for entry in sorted(entries, key=lambda e: -e.seq):  # on overlap the newest wins
-            fits = (entry.file_idx < len(self._allocators) and entry.alloc.offset % ALIGNMENT == 0
-                    and entry.alloc.offset + entry.num_bytes
-                    <= self._files.valid_bytes[entry.file_idx])
-            if fits and self._allocators[entry.file_idx].allocate_at(
-                    entry.alloc.offset, entry.num_bytes) is not None:
-                kept.append(entry)
-            else:
-                bad.append(entry.key)
-        for entry in reversed(kept):
-            self._index[entry.key] = entry
-            self._policy.insert(entry.key)  # oldest written first: restart keeps write order
-        self._next_seq = max((e.seq for e in kept), default=0) + 1
+        bad += self._catalog.load(entries, self._files.valid_bytes)
+        self._next_seq = self._catalog.max_seq() + 1
         if bad:
             log.warning("SSD index: %d entr(ies) damaged or pointing at missing, truncated or "
                         "overlapping data", len(bad))
