@@ -30,7 +30,7 @@ from kvstore.wire.client import Client, ClientError
 
 pytestmark = pytest.mark.gpu
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2  # Qwen3-4B: layers x K,V x tokens x KV heads x dim x bf16
 NUM_BLOCKS = 64
 

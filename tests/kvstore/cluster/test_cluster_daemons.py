@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import httpx
@@ -17,8 +16,7 @@ import numpy as np
 import pytest
 from cluster_parts import free_port
 from daemon_helpers import RunningDaemon, make_chain, random_bytes, start_daemon, wait_until
-
-from kvstore.layout import KVLayout, Region
+from support.arena import ShmArena
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -72,24 +70,9 @@ def _remote_errors(cluster: dict) -> int:
     return sum(v for k, v in cluster.items() if k.startswith("remote_errors_"))
 
 
-class ShmBuffer:
+def _arena(num_blocks: int, seed: int | None) -> ShmArena:
     """An engine's KV arena in POSIX shared memory, one contiguous region of blocks."""
-
-    def __init__(self, num_blocks: int, seed: int | None) -> None:
-        self.shm = shared_memory.SharedMemory(create=True, size=num_blocks * BLOCK)
-        self.array = np.ndarray((num_blocks * BLOCK,), np.uint8, self.shm.buf)
-        self.array[:] = 0 if seed is None else np.random.default_rng(seed).integers(
-            0, 256, self.array.size)
-        region = Region(self.shm.name, self.shm.size, 0, BLOCK, BLOCK)
-        self.layout = KVLayout(num_blocks, (region,), device="cpu", dtype="uint8")
-
-    def block(self, block_id: int) -> bytes:
-        return self.array[block_id * BLOCK:(block_id + 1) * BLOCK].tobytes()
-
-    def close(self) -> None:
-        del self.array
-        self.shm.close()
-        self.shm.unlink()
+    return ShmArena(num_blocks, BLOCK, seed)
 
 
 def test_put_on_a_get_on_b_and_blocks_come_back_as_remote(start_nodes):
@@ -110,7 +93,7 @@ def test_put_on_a_get_on_b_and_blocks_come_back_as_remote(start_nodes):
 
     # Block verbs: b holds the first 3 blocks of a chain, a all 8. One lookup on b hits all 8,
     # the last 5 as "remote", and a load through its lease gives a's exact bytes.
-    src, dst = ShmBuffer(8, seed=3), ShmBuffer(8, seed=None)
+    src, dst = _arena(8, seed=3), _arena(8, seed=None)
     chain = make_chain("cluster-blocks", 8, seed=4)
     try:
         with a.client() as ca, b.client() as cb:
@@ -239,7 +222,7 @@ def test_cluster_flags_are_checked_and_nothing_is_imported_without_them(tmp_path
         proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--http", "off",
                                "--socket", str(tmp_path / "s.sock"), *flags],
                               capture_output=True, text=True, timeout=30,
-                              cwd=Path(__file__).resolve().parents[2])
+                              cwd=Path(__file__).resolve().parents[3])
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     code = ("import sys, kvstore.cli, kvstore.daemon.server, kvstore.daemon.service, "
@@ -247,5 +230,5 @@ def test_cluster_flags_are_checked_and_nothing_is_imported_without_them(tmp_path
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'ucxx') "
             "or m.startswith(('kvstore.cluster.node', 'kvstore.cluster.peers'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30, check=True, cwd=Path(__file__).resolve().parents[2])
+                         timeout=30, check=True, cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "[]"

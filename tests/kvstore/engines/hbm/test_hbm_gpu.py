@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemon_helpers import REPO_ROOT, make_chain, start_daemon, wait_until
+from support.arena import CudaArena
 
 from engine import LLM, SamplingParams
 from engine.make_model import write_checkpoint
-from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import ClientError
-from offload.block_generations import BlockGenerations
 
 pytestmark = pytest.mark.gpu
 
@@ -33,34 +32,9 @@ NUM_BLOCKS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-class _Arena:
+def _arena(num_blocks: int, seed: int | None) -> CudaArena:
     """``kv[num_blocks, BLOCK_BYTES]`` in its own cudaMalloc, plus block generations."""
-
-    def __init__(self, num_blocks: int, seed: int | None) -> None:
-        import cupy as cp
-
-        self.memory = cp.cuda.Memory(num_blocks * BLOCK_BYTES)
-        self.kv = cp.ndarray((num_blocks, BLOCK_BYTES), cp.uint8,
-                             cp.cuda.MemoryPointer(self.memory, 0))
-        if seed is None:
-            self.kv[...] = 0
-        else:
-            self.kv[...] = cp.random.RandomState(seed).randint(0, 256, self.kv.shape,
-                                                               dtype=cp.uint8)
-        cp.cuda.Device().synchronize()
-        self.generations = BlockGenerations(num_blocks)
-        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
-        region = Region(handle, num_blocks * BLOCK_BYTES, 0, BLOCK_BYTES, BLOCK_BYTES)
-        self.layout = KVLayout(num_blocks, (region,), device="cuda:0", dtype="bfloat16",
-                               generations=self.generations.name)
-
-    def allocate(self, block_ids: list[int]) -> list[int]:
-        for b in block_ids:
-            self.generations.bump(b)
-        return [self.generations.get(b) for b in block_ids]
-
-    def blocks(self, block_ids: list[int]) -> np.ndarray:
-        return self.kv[block_ids].get()
+    return CudaArena(num_blocks, BLOCK_BYTES, seed)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +45,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_device_to_device_copies_are_byte_exact_and_generation_checked(daemon) -> None:
-    owner_arena, reader_arena = _Arena(NUM_BLOCKS, seed=1), _Arena(NUM_BLOCKS, seed=None)
+    owner_arena, reader_arena = _arena(NUM_BLOCKS, seed=1), _arena(NUM_BLOCKS, seed=None)
     rng = np.random.default_rng(2)
     # Scattered ids (a copy each) and a consecutive run on both sides (coalesced copies).
     src_ids = [int(b) for b in rng.permutation(40)[:24]] + list(range(40, 48))
@@ -108,7 +82,7 @@ def test_device_to_device_copies_are_byte_exact_and_generation_checked(daemon) -
 
 
 def test_sizes_and_block_ids_are_checked_against_the_allocation(daemon) -> None:
-    arena = _Arena(8, seed=4)
+    arena = _arena(8, seed=4)
     region = arena.layout.regions[0]
     with daemon.client(timeout_s=60.0) as c:
         # The engine claims twice the memory its IPC handle has: the driver's size wins.

@@ -11,19 +11,27 @@ from collections.abc import Iterator
 
 import pytest
 from daemon_helpers import make_chain
-from hbm_arena import BLOCK_BYTES, Arena
+from support.arena import ShmArena
 
 from kvstore.engines.hbm.tier import HbmTier
 from kvstore.engines.registry import Registry
 from kvstore.store.tiered import StoreConfig, TieredStore
 
+NUM_BLOCKS = 16
+BLOCK_BYTES = 32 * 1024
+
+
+def _arena(seed: int | None, num_blocks: int = NUM_BLOCKS, split_kv: bool = False) -> ShmArena:
+    """An engine's arena that shares its block generations (the HBM tier reads them)."""
+    return ShmArena(num_blocks, BLOCK_BYTES, seed, split_kv=split_kv, generations=True)
+
 
 @pytest.fixture
-def parts() -> Iterator[tuple[TieredStore, Registry, HbmTier, list[Arena]]]:
+def parts() -> Iterator[tuple[TieredStore, Registry, HbmTier, list[ShmArena]]]:
     store = TieredStore(StoreConfig(dram_bytes=1 << 20, pin_memory=False))
     registry = Registry()
     tier = HbmTier(store, registry)
-    arenas: list[Arena] = []
+    arenas: list[ShmArena] = []
     yield store, registry, tier, arenas
     registry.close_all()
     store.close()
@@ -33,7 +41,7 @@ def parts() -> Iterator[tuple[TieredStore, Registry, HbmTier, list[Arena]]]:
 
 def _setup(parts, num_blocks: int):
     store, registry, tier, arenas = parts
-    owner_arena, reader_arena = Arena(11), Arena(None)
+    owner_arena, reader_arena = _arena(11), _arena(None)
     arenas += [owner_arena, reader_arena]
     owner = registry.register(owner_arena.layout.to_wire(), "owner", "conn-owner")
     reader = registry.register(reader_arena.layout.to_wire(), "reader", "conn-reader")

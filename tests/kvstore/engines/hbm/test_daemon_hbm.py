@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 from daemon_helpers import REPO_ROOT, RunningDaemon, make_chain, wait_until
-from hbm_arena import BLOCK_BYTES, NUM_BLOCKS, Arena
+from support.arena import ShmArena
 
 from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client, ClientError
@@ -26,15 +26,24 @@ from offload.block_generations import BlockGenerations
 pytestmark = pytest.mark.timeout(90)
 
 
+NUM_BLOCKS = 16
+BLOCK_BYTES = 32 * 1024
+
+
+def _arena(seed: int | None, num_blocks: int = NUM_BLOCKS, split_kv: bool = False) -> ShmArena:
+    """An engine's arena that shares its block generations (the HBM tier reads them)."""
+    return ShmArena(num_blocks, BLOCK_BYTES, seed, split_kv=split_kv, generations=True)
+
+
 @pytest.fixture
-def arenas() -> Iterator[list[Arena]]:
-    made: list[Arena] = []
+def arenas() -> Iterator[list[ShmArena]]:
+    made: list[ShmArena] = []
     yield made
     for a in made:
         a.close()
 
 
-def _publish(c: Client, reg: int, arena: Arena, chain, block_ids: list[int],
+def _publish(c: Client, reg: int, arena: ShmArena, chain, block_ids: list[int],
              first: int = 0) -> int:
     gens = arena.allocate(block_ids)
     span = slice(first, first + len(block_ids))
@@ -47,9 +56,9 @@ def _hbm(c: Client) -> dict:
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
-def test_second_engine_copies_resident_blocks(daemon: RunningDaemon, arenas: list[Arena],
+def test_second_engine_copies_resident_blocks(daemon: RunningDaemon, arenas: list[ShmArena],
                                               split_kv: bool) -> None:
-    owner_arena, reader_arena = Arena(1, split_kv=split_kv), Arena(None, split_kv=split_kv)
+    owner_arena, reader_arena = _arena(1, split_kv=split_kv), _arena(None, split_kv=split_kv)
     arenas += [owner_arena, reader_arena]
     chain = make_chain(f"hbm-copy-{split_kv}", 8, seed=3)
     src_ids = [9, 2, 14, 3, 4, 5, 0, 11]
@@ -79,8 +88,8 @@ def test_second_engine_copies_resident_blocks(daemon: RunningDaemon, arenas: lis
 
 
 def test_generation_bumped_after_lookup_fails_that_block(daemon: RunningDaemon,
-                                                        arenas: list[Arena]) -> None:
-    owner_arena, reader_arena = Arena(2), Arena(None)
+                                                        arenas: list[ShmArena]) -> None:
+    owner_arena, reader_arena = _arena(2), _arena(None)
     arenas += [owner_arena, reader_arena]
     chain = make_chain("hbm-generation", 6, seed=4)
     src_ids = list(range(6))
@@ -106,8 +115,8 @@ def test_generation_bumped_after_lookup_fails_that_block(daemon: RunningDaemon,
                               chain.idents[3:4], [owner_arena.generations.get(3) - 1]) == 0
 
 
-def test_hbm_and_dram_runs_in_one_lease(daemon: RunningDaemon, arenas: list[Arena]) -> None:
-    owner_arena, reader_arena = Arena(5), Arena(None)
+def test_hbm_and_dram_runs_in_one_lease(daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    owner_arena, reader_arena = _arena(5), _arena(None)
     arenas += [owner_arena, reader_arena]
     chain = make_chain("hbm-mixed", 9, seed=5)
     with daemon.client() as owner, daemon.client() as reader:
@@ -133,8 +142,8 @@ def test_hbm_and_dram_runs_in_one_lease(daemon: RunningDaemon, arenas: list[Aren
 
 
 def test_evictions_and_unregister_withdraw_entries(daemon: RunningDaemon,
-                                                   arenas: list[Arena]) -> None:
-    owner_arena, reader_arena = Arena(6), Arena(None)
+                                                   arenas: list[ShmArena]) -> None:
+    owner_arena, reader_arena = _arena(6), _arena(None)
     arenas += [owner_arena, reader_arena]
     chain = make_chain("hbm-withdraw", 4, seed=6)
     with daemon.client() as owner, daemon.client() as reader:
@@ -152,8 +161,8 @@ def test_evictions_and_unregister_withdraw_entries(daemon: RunningDaemon,
 
 
 def test_a_reader_without_a_compatible_registration_gets_no_hbm_hit(
-        daemon: RunningDaemon, arenas: list[Arena]) -> None:
-    owner_arena, other = Arena(7), Arena(None, num_blocks=4)
+        daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    owner_arena, other = _arena(7), _arena(None, num_blocks=4)
     arenas += [owner_arena, other]
     chain = make_chain("hbm-compat", 2, seed=7)
     small = KVLayout(4, (Region(other.shm.name, 4 * BLOCK_BYTES, 0, BLOCK_BYTES // 2,
@@ -167,18 +176,17 @@ def test_a_reader_without_a_compatible_registration_gets_no_hbm_hit(
         assert reader.lookup(chain.namespace, chain.hashes, chain.idents).num_hit == 0
 
 
-def test_owner_killed_drops_its_entries(daemon: RunningDaemon, arenas: list[Arena]) -> None:
-    reader_arena = Arena(None)
+def test_owner_killed_drops_its_entries(daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    reader_arena = _arena(None)
     arenas.append(reader_arena)
     chain = make_chain("hbm-killed", 5, seed=8)
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
-        sys.path.insert(0, {str(REPO_ROOT / "tests" / "daemon")!r})
         from daemon_helpers import make_chain
-        from hbm_arena import Arena
+        from support.arena import ShmArena
         from kvstore.wire.client import Client
-        arena = Arena(9)
+        arena = ShmArena(16, 32 * 1024, 9, generations=True)
         chain = make_chain("hbm-killed", 5, seed=8)
         c = Client({str(daemon.socket_path)!r})
         reg = c.register(arena.layout, "doomed-owner")
@@ -212,8 +220,8 @@ def test_owner_killed_drops_its_entries(daemon: RunningDaemon, arenas: list[Aren
 
 
 def test_sizes_and_ids_are_checked_against_the_memory(daemon: RunningDaemon,
-                                                       arenas: list[Arena]) -> None:
-    arena = Arena(10)
+                                                       arenas: list[ShmArena]) -> None:
+    arena = _arena(10)
     arenas.append(arena)
     chain = make_chain("hbm-checks", 2, seed=9)
     segment = arena.shm.size

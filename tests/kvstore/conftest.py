@@ -1,4 +1,5 @@
-"""Fixtures for the daemon tests: one shared real daemon, and a factory for dedicated ones."""
+"""Fixtures for kvstore's tests: stores closed after each test, one shared real daemon, and a
+factory for dedicated ones."""
 
 from __future__ import annotations
 
@@ -7,6 +8,22 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import RunningDaemon, daemon_factory, start_daemon
+
+from kvstore.store.tiered import StoreConfig, TieredStore
+
+
+@pytest.fixture
+def make_store() -> Iterator[Callable[..., TieredStore]]:
+    stores: list[TieredStore] = []
+
+    def make(**kwargs) -> TieredStore:
+        store = TieredStore(StoreConfig(**kwargs))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
 
 
 @pytest.fixture(scope="session")

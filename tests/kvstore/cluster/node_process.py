@@ -1,7 +1,7 @@
 """A cluster node in its own process, for the tests that kill one: prints its address, then
 serves until stdin closes or it is killed.
 
-    python tests/cluster/node_process.py REDIS_URL NODE_ID NUM_BLOCKS SEED
+    python tests/kvstore/cluster/node_process.py REDIS_URL NODE_ID NUM_BLOCKS SEED
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ time.sleep(60)
 
 
 def test_kill_9_then_restart_serves_durable_blocks_byte_exact(make_store, tmp_path):
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parents[1])]))
+    here = Path(__file__).resolve().parent  # tests/kvstore/store
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here.parents[2])]))
     ssd_dir = tmp_path / "ssd"
     script = _CHILD.format(num_durable=NUM_DURABLE, num_later=NUM_LATER)
     child = subprocess.Popen([sys.executable, "-c", script, str(ssd_dir)], stdout=subprocess.PIPE,

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
-
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, raw_connect, recv_message, send_message
+from support.arena import ShmArena
 
-from kvstore.layout import KVLayout, Region
 from kvstore.store.block_store import Tier
 from kvstore.wire import protocol as proto
 from kvstore.wire.client import Client, ClientError
@@ -92,13 +90,12 @@ def test_tier_runs_round_trip(tiers: list) -> None:
 
 def _save_chain(client: Client, name: str, num_blocks: int):
     chain = make_chain(name, num_blocks)
-    shm = shared_memory.SharedMemory(create=True, size=num_blocks * BLOCK_BYTES)
-    layout = KVLayout(num_blocks, (Region(shm.name, shm.size, 0, BLOCK_BYTES, BLOCK_BYTES),))
-    reg = client.register(layout, f"packed-{name}")
+    arena = ShmArena(num_blocks, BLOCK_BYTES)
+    reg = client.register(arena.layout, f"packed-{name}")
     assert client.save(reg, chain.namespace, range(num_blocks), chain.hashes,
                        chain.idents).num_saved == num_blocks
     assert client.unregister(reg)
-    return chain, shm
+    return chain, arena
 
 
 def _list_lookup(client: Client, namespace: bytes, hashes: list, idents: list, ttl=None):
@@ -110,7 +107,7 @@ def _list_lookup(client: Client, namespace: bytes, hashes: list, idents: list, t
 
 def test_packed_and_list_forms_agree_through_the_daemon(daemon: RunningDaemon) -> None:
     with daemon.client() as c:
-        chain, shm = _save_chain(c, "packed-agree", 64)
+        chain, arena = _save_chain(c, "packed-agree", 64)
         try:
             assert len({len(i) for i in chain.idents}) == 1  # the engine's case: packed
             for num_hit, hashes in [
@@ -131,13 +128,12 @@ def test_packed_and_list_forms_agree_through_the_daemon(daemon: RunningDaemon) -
             bad_idents = [b"\xff" * len(chain.idents[0])] + chain.idents[1:]
             assert c.lookup(chain.namespace, chain.hashes, bad_idents, 0).num_hit == 0
         finally:
-            shm.close()
-            shm.unlink()
+            arena.close()
 
 
 def test_packed_request_gets_runs_on_the_wire(daemon: RunningDaemon) -> None:
     with daemon.client() as c:
-        chain, shm = _save_chain(c, "packed-wire", 16)
+        chain, arena = _save_chain(c, "packed-wire", 16)
     try:
         sock = raw_connect(daemon.socket_path)
         args = {"namespace": chain.namespace, "lease_ttl_s": 0,
@@ -153,8 +149,7 @@ def test_packed_request_gets_runs_on_the_wire(daemon: RunningDaemon) -> None:
         assert "not a multiple of ident_len" in reply["error"]["message"]
         sock.close()
     finally:
-        shm.close()
-        shm.unlink()
+        arena.close()
 
 
 def test_client_falls_back_to_lists_for_unequal_idents(daemon: RunningDaemon) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, wait_until
+from support.arena import ShmArena
 
 from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client, ClientError
@@ -18,42 +18,16 @@ NUM_BLOCKS = 8
 BLOCK_BYTES = 64 * 1024
 
 
-class EngineBuffer:
-    """An engine's KV arena in POSIX shared memory: ``num_blocks`` blocks, K and V regions."""
-
-    def __init__(self, num_blocks: int, block_bytes: int, fill_seed: int | None,
-                 split_kv: bool = False) -> None:
-        self.num_blocks, self.block_bytes = num_blocks, block_bytes
-        self.shm = shared_memory.SharedMemory(create=True, size=num_blocks * block_bytes + 4096)
-        self.array = np.ndarray((num_blocks * block_bytes + 4096,), np.uint8, self.shm.buf)
-        if fill_seed is None:
-            self.array[:] = 0
-        else:
-            self.array[:] = np.random.default_rng(fill_seed).integers(0, 256, self.array.size)
-        if split_kv:  # K pieces in the first half, V pieces in the second, 4 KiB of slack first
-            half = block_bytes // 2
-            regions = (Region(self.shm.name, self.shm.size, 4096, half, half),
-                       Region(self.shm.name, self.shm.size, 4096 + num_blocks * half, half, half))
-        else:
-            regions = (Region(self.shm.name, self.shm.size, 0, block_bytes, block_bytes),)
-        self.layout = KVLayout(num_blocks, regions, device="cpu", dtype="uint8")
-
-    def block(self, block_id: int) -> bytes:
-        out = bytearray()
-        for r in self.layout.regions:
-            start, end = r.piece_bounds(block_id)
-            out += self.array[start:end].tobytes()
-        return bytes(out)
-
-    def close(self) -> None:
-        del self.array
-        self.shm.close()
-        self.shm.unlink()
+def _engine_arena(num_blocks: int, block_bytes: int, fill_seed: int | None,
+                  split_kv: bool = False) -> ShmArena:
+    """An engine's KV arena; split K and V regions start after 4 KiB of slack (offsets count)."""
+    return ShmArena(num_blocks, block_bytes, fill_seed, split_kv=split_kv,
+                    lead_bytes=4096 if split_kv else 0)
 
 
 @pytest.fixture
-def buffers() -> Iterator[list[EngineBuffer]]:
-    made: list[EngineBuffer] = []
+def buffers() -> Iterator[list[ShmArena]]:
+    made: list[ShmArena] = []
     yield made
     for b in made:
         b.close()
@@ -64,10 +38,10 @@ def _stats_daemon(c: Client) -> dict:
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
-def test_save_lookup_load_round_trip(daemon: RunningDaemon, buffers: list[EngineBuffer],
+def test_save_lookup_load_round_trip(daemon: RunningDaemon, buffers: list[ShmArena],
                                      split_kv: bool) -> None:
-    src = EngineBuffer(NUM_BLOCKS, BLOCK_BYTES, fill_seed=11, split_kv=split_kv)
-    dst = EngineBuffer(NUM_BLOCKS, BLOCK_BYTES, fill_seed=None, split_kv=split_kv)
+    src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=11, split_kv=split_kv)
+    dst = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=None, split_kv=split_kv)
     buffers += [src, dst]
     chain = make_chain(f"round-trip-{split_kv}", NUM_BLOCKS, seed=int(split_kv))
     src_ids = [3, 1, 4, 0, 5, 2, 6, 7]  # engine blocks need not be in chain order
@@ -95,9 +69,9 @@ def test_save_lookup_load_round_trip(daemon: RunningDaemon, buffers: list[Engine
         assert engine_b.release(hit.lease_id) is False
 
 
-def test_prefix_load_and_partial_hit(daemon: RunningDaemon, buffers: list[EngineBuffer]) -> None:
-    src = EngineBuffer(NUM_BLOCKS, BLOCK_BYTES, fill_seed=21)
-    dst = EngineBuffer(NUM_BLOCKS, BLOCK_BYTES, fill_seed=None)
+def test_prefix_load_and_partial_hit(daemon: RunningDaemon, buffers: list[ShmArena]) -> None:
+    src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=21)
+    dst = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=None)
     buffers += [src, dst]
     chain = make_chain("prefix", NUM_BLOCKS, seed=5)
     with daemon.client() as c:
@@ -119,8 +93,8 @@ def test_prefix_load_and_partial_hit(daemon: RunningDaemon, buffers: list[Engine
 
 
 def test_out_of_range_block_ids_touch_nothing(daemon: RunningDaemon,
-                                              buffers: list[EngineBuffer]) -> None:
-    src = EngineBuffer(NUM_BLOCKS, BLOCK_BYTES, fill_seed=31)
+                                              buffers: list[ShmArena]) -> None:
+    src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=31)
     buffers.append(src)
     chain = make_chain("out-of-range", 3, seed=9)
     with daemon.client() as c:
@@ -140,8 +114,8 @@ def test_out_of_range_block_ids_touch_nothing(daemon: RunningDaemon,
         assert c.release(hit.lease_id) is True
 
 
-def test_registration_errors(daemon: RunningDaemon, buffers: list[EngineBuffer]) -> None:
-    src = EngineBuffer(NUM_BLOCKS, BLOCK_BYTES, fill_seed=41)
+def test_registration_errors(daemon: RunningDaemon, buffers: list[ShmArena]) -> None:
+    src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=41)
     buffers.append(src)
     with daemon.client() as c:
         cuda = KVLayout(4, (Region(b"\x00" * 64, 4 * BLOCK_BYTES, 0, BLOCK_BYTES, BLOCK_BYTES),),
@@ -173,8 +147,8 @@ def test_registration_errors(daemon: RunningDaemon, buffers: list[EngineBuffer])
 
 
 def test_leases_and_registrations_belong_to_their_connection(
-        daemon: RunningDaemon, buffers: list[EngineBuffer]) -> None:
-    src = EngineBuffer(NUM_BLOCKS, BLOCK_BYTES, fill_seed=51)
+        daemon: RunningDaemon, buffers: list[ShmArena]) -> None:
+    src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=51)
     buffers.append(src)
     chain = make_chain("ownership", 2, seed=3)
     with daemon.client() as a, daemon.client() as b:
@@ -188,11 +162,11 @@ def test_leases_and_registrations_belong_to_their_connection(
         assert a.release(hit.lease_id) is True
 
 
-def test_ssd_tier_round_trip(make_daemon, tmp_path, buffers: list[EngineBuffer]) -> None:
+def test_ssd_tier_round_trip(make_daemon, tmp_path, buffers: list[ShmArena]) -> None:
     num_blocks, block_bytes = 48, 256 * 1024  # 12 MiB of blocks through a 4 MiB DRAM pool
     running = make_daemon(dram="4MiB", ssd_dir=tmp_path / "ssd", ssd_size="64MiB", http=False)
-    src = EngineBuffer(num_blocks, block_bytes, fill_seed=61)
-    dst = EngineBuffer(num_blocks, block_bytes, fill_seed=None)
+    src = _engine_arena(num_blocks, block_bytes, fill_seed=61)
+    dst = _engine_arena(num_blocks, block_bytes, fill_seed=None)
     buffers += [src, dst]
     chain = make_chain("ssd-round-trip", num_blocks, seed=17)
     with running.client() as c:
@@ -218,13 +192,13 @@ def test_ssd_tier_round_trip(make_daemon, tmp_path, buffers: list[EngineBuffer])
 
 
 def test_one_lease_larger_than_dram_loads_completely(make_daemon, tmp_path,
-                                                    buffers: list[EngineBuffer]) -> None:
+                                                    buffers: list[ShmArena]) -> None:
     # 48 blocks of 256 KiB (12 MiB) under one lease, restored through a 4 MiB DRAM pool: the
     # load lets go of each block once copied, so its DRAM goes to the next promotion.
     num_blocks, block_bytes = 48, 256 * 1024
     ssd_dir = tmp_path / "ssd"
-    src = EngineBuffer(num_blocks, block_bytes, fill_seed=67)
-    dst = EngineBuffer(num_blocks, block_bytes, fill_seed=None)
+    src = _engine_arena(num_blocks, block_bytes, fill_seed=67)
+    dst = _engine_arena(num_blocks, block_bytes, fill_seed=None)
     buffers += [src, dst]
     chain = make_chain("lease-larger-than-dram", num_blocks, seed=19)
     first = make_daemon(dram="4MiB", ssd_dir=ssd_dir, ssd_size="64MiB", http=False)
@@ -251,12 +225,12 @@ def test_one_lease_larger_than_dram_loads_completely(make_daemon, tmp_path,
 
 
 def test_damaged_ssd_block_fails_closed(make_daemon, tmp_path,
-                                        buffers: list[EngineBuffer]) -> None:
+                                        buffers: list[ShmArena]) -> None:
     num_blocks, block_bytes = 32, 256 * 1024
     ssd_dir = tmp_path / "ssd"
     running = make_daemon(dram="4MiB", ssd_dir=ssd_dir, ssd_size="32MiB", http=False)
-    src = EngineBuffer(num_blocks, block_bytes, fill_seed=71)
-    dst = EngineBuffer(num_blocks, block_bytes, fill_seed=None)
+    src = _engine_arena(num_blocks, block_bytes, fill_seed=71)
+    dst = _engine_arena(num_blocks, block_bytes, fill_seed=None)
     buffers += [src, dst]
     chain = make_chain("damaged", num_blocks, seed=23)
     with running.client() as c:
