@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvstore.keys import Namespace
     from kvstore.layout import KVLayout, Region
-    from kvstore.store.host_pool import HostPool
+    from kvstore.store.dram.pool import HostPool
     from kvstore.wire.client import Client
 
     counts = [int(x) for x in args.blocks.split(",")]

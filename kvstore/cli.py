@@ -133,7 +133,7 @@ def _check_ssd_dir(directory: Path) -> Path:
 def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
     if args.dram <= 0:
         raise UsageError("--dram must be larger than 0")
-    from kvstore.store.host_memory import check_pool_fits
+    from kvstore.store.dram.host_memory import check_pool_fits
 
     try:  # the pool is faulted in at start: one too large would end in swap or the OOM killer
         check_pool_fits(args.dram)
@@ -263,7 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvstore.daemon.admin import AdminServer
     from kvstore.daemon.server import Daemon
     from kvstore.daemon.service import Service
-    from kvstore.store.host_pool import PinError
+    from kvstore.store.dram.pool import PinError
     from kvstore.store.tiered import TieredStore
     from kvstore.wire.listener import SocketSetupError
 

@@ -25,12 +25,12 @@ from kvstore.store.block_store import BlockStore, Lease, LookupResult, WriteSlot
 from kvstore.store.config import StoreConfig
 from kvstore.store.demoter import DEMOTE_BATCH_BYTES, Demoter
 from kvstore.store.dram.blocks import BlockState
+from kvstore.store.dram.pool import HostPool
 from kvstore.store.dram.tier import DramTier
 from kvstore.store.dram.writes import WritePath
 from kvstore.store.drop_reports import DropHook, DropReports
 from kvstore.store.eviction import make_policy
 from kvstore.store.guard import StoreGuard
-from kvstore.store.host_pool import HostPool
 from kvstore.store.index_keys import IndexKeys
 from kvstore.store.lease_pins import LeasePins
 from kvstore.store.leases import LeaseTable

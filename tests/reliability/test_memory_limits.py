@@ -22,7 +22,7 @@ import pytest
 from daemon_helpers import REPO_ROOT, make_chain, random_bytes, start_daemon
 from support.arena import ShmArena
 
-from kvstore.store.host_memory import available_bytes, check_pool_fits
+from kvstore.store.dram.host_memory import available_bytes, check_pool_fits
 from kvstore.store.tiered import StoreConfig, TieredStore
 from kvstore.wire.client import ClientError
 

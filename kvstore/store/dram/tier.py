@@ -15,8 +15,8 @@ from itertools import repeat
 from kvstore.keys import HASH_BYTES
 from kvstore.store.allocator import Allocation
 from kvstore.store.dram.blocks import ABSENT, Block, BlockState
+from kvstore.store.dram.pool import HostPool
 from kvstore.store.eviction import EvictionPolicy
-from kvstore.store.host_pool import HostPool
 from kvstore.store.leases import HeldLease
 
 _NO_BLOCKS: dict[bytes, Block] = {}  # never written: the READY index of an unknown namespace

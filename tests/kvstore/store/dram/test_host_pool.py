@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.store.allocator import OffsetAllocator
-from kvstore.store.host_pool import HostPool, PinError
+from kvstore.store.dram.pool import HostPool, PinError
 
 
 def test_allocations_are_aligned_views_of_one_buffer():
