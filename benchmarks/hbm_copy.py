@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import cupy as cp
 
+    from kvstore import Client
     from kvstore.keys import Namespace
-    from kvstore.wire.client import Client
 
     counts = [int(x) for x in args.blocks.split(",")]
     max_blocks = max(counts)

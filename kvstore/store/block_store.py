@@ -45,15 +45,15 @@ class Lease:
     expires_at: float
     owner: str = ""
     released: bool = False
-    _store: BlockStore | None = field(default=None, repr=False)
+    store: BlockStore | None = field(default=None, repr=False)  # the store that granted it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def expired(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.expires_at
 
     def release(self) -> None:
-        if self._store is not None:
-            self._store.release(self)
+        if self.store is not None:
+            self.store.release(self)
 
     def __enter__(self) -> Lease:
         return self

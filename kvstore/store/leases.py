@@ -42,7 +42,7 @@ class LeaseTable:
         """A new lease over the given (already pinned) blocks; the TTL is capped."""
         ttl = min(max(float(ttl_s), 0.0), self._max_ttl_s)
         lease = Lease(self._next_id, namespace, list(block_hashes), tiers,
-                      time.monotonic() + ttl, owner, _store=self._store)
+                      time.monotonic() + ttl, owner, store=self._store)
         self._next_id += 1
         self._held[lease.lease_id] = HeldLease(lease, dram, ssd)
         return lease

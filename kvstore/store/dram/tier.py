@@ -175,6 +175,8 @@ class DramTier:
                 self.unpin(block)
 
     def unpin(self, block: Block) -> None:
+        """Drop one pin that ``pins`` counts (a lazily held lease's only after
+        ``count_lease_pins``); a private copy is freed with its last pin."""
         block.pins -= 1
         if block.indexed:
             # The access a leased lookup made is recorded here: the block could not be evicted
