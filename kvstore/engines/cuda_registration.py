@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.engines import copier as cuda_copier
 from kvstore.engines import cuda_copies
@@ -97,9 +97,10 @@ class CudaRegistration(Registration):
         self._ipc_handles: list[bytes] = []  # distinct, acquired
 
     @classmethod
-    def open(cls, registration_id: int, engine_id: str, layout: KVLayout, owner: str,
+    def open(cls, ids: Iterator[int], engine_id: str, layout: KVLayout, owner: str,
              copier_of: Callable[[int], CudaCopier], ipc_table: IpcTable) -> CudaRegistration:
-        """Open every region's IPC handle; RegistryError (nothing left mapped) if one fails."""
+        """Open every region's IPC handle; RegistryError (nothing left mapped) if one fails.
+        The id is drawn from ``ids`` only once the layout names a usable device and handles."""
         device_id = cuda_device_id(layout.device)
         handles = []
         for i, region in enumerate(layout.regions):
@@ -108,7 +109,7 @@ class CudaRegistration(Registration):
                 raise RegistryError("bad_request", f"region {i}: a CUDA region's handle must be "
                                     f"the {CUDA_IPC_HANDLE_BYTES} bytes of a CUDA IPC handle")
             handles.append(region.handle)
-        reg = cls(registration_id, engine_id, layout, owner, device_id, copier_of(device_id),
+        reg = cls(next(ids), engine_id, layout, owner, device_id, copier_of(device_id),
                   ipc_table)
         mapped: dict[bytes, int] = {}
         try:

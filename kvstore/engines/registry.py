@@ -47,7 +47,7 @@ class Registry:
             raise RegistryError("bad_request", f"invalid layout: {exc}") from None
         reg: Registration
         if layout.device != "cpu":
-            reg = CudaRegistration.open(next(self._ids), engine_id, layout, owner, self._copier,
+            reg = CudaRegistration.open(self._ids, engine_id, layout, owner, self._copier,
                                         self._ipc)
         else:
             reg = ShmRegistration.open(next(self._ids), engine_id, layout, owner)

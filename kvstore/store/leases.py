@@ -23,7 +23,7 @@ class HeldLease:
     """
 
     lease: Lease
-    dram: list  # list[_Block | None]
+    dram: list  # list[Block | None] (store/dram/blocks.py)
     ssd: list  # list[SSDEntry | None]
     counted: bool = True
 
