@@ -106,27 +106,37 @@ class ShmArena:
 
 
 class CudaArena:
-    """``kv[num_blocks, block_bytes]`` in its own cudaMalloc, plus block generations (needs
-    CuPy and a GPU: the ``gpu`` tests only)."""
+    """``kv[num_blocks, block_bytes]`` in its own cudaMalloc (an IPC handle names a whole
+    allocation, so not from CuPy's pool), filled from ``seed`` (None: zeros), with block
+    generations unless ``generations=False``. Needs CuPy and a GPU: the ``gpu`` tests only."""
 
     def __init__(self, num_blocks: int, block_bytes: int, seed: int | None,
-                 dtype: str = "bfloat16") -> None:
+                 dtype: str = "bfloat16", *, generations: bool = True,
+                 meta: dict | None = None) -> None:
         import cupy as cp
 
+        self.num_blocks = num_blocks
         self.memory = cp.cuda.Memory(num_blocks * block_bytes)
         self.kv = cp.ndarray((num_blocks, block_bytes), cp.uint8,
                              cp.cuda.MemoryPointer(self.memory, 0))
+        self.fill(seed)
+        self.generations = BlockGenerations(num_blocks) if generations else None
+        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
+        region = Region(handle, num_blocks * block_bytes, 0, block_bytes, block_bytes)
+        self.layout = KVLayout(num_blocks, (region,), device="cuda:0", dtype=dtype,
+                               generations=self.generations.name if generations else "",
+                               **({"meta": meta} if meta is not None else {}))
+
+    def fill(self, seed: int | None) -> None:
+        """Every byte from ``seed`` (None: zeros)."""
+        import cupy as cp
+
         if seed is None:
             self.kv[...] = 0
         else:
             self.kv[...] = cp.random.RandomState(seed).randint(0, 256, self.kv.shape,
                                                                dtype=cp.uint8)
         cp.cuda.Device().synchronize()
-        self.generations = BlockGenerations(num_blocks)
-        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
-        region = Region(handle, num_blocks * block_bytes, 0, block_bytes, block_bytes)
-        self.layout = KVLayout(num_blocks, (region,), device="cuda:0", dtype=dtype,
-                               generations=self.generations.name)
 
     def allocate(self, block_ids: list[int]) -> list[int]:
         """What the engine's block manager does on allocation; returns the new generations."""

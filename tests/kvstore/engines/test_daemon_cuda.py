@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.arena import CudaArena
 
 from kvstore.keys import Namespace, block_hashes, block_ident
 from kvstore.layout import KVLayout, Region
@@ -89,36 +90,11 @@ def _start_daemon(*extra: str, dram: str = "1GiB") -> _Daemon:
             return daemon
 
 
-class _Arena:
-    """An engine-like KV arena: ``kv[num_blocks, block_bytes]`` in its own cudaMalloc."""
-
-    def __init__(self, num_blocks: int, seed: int) -> None:
-        import cupy as cp
-
-        self.num_blocks = num_blocks
-        self.memory = cp.cuda.Memory(num_blocks * BLOCK_BYTES)
-        self.kv = cp.ndarray((num_blocks, BLOCK_BYTES), cp.uint8,
-                             cp.cuda.MemoryPointer(self.memory, 0))
-        self.fill(seed)
-
-    def fill(self, seed: int) -> None:
-        import cupy as cp
-
-        rng = cp.random.RandomState(seed)
-        self.kv[...] = rng.randint(0, 256, self.kv.shape, dtype=cp.uint8)
-        cp.cuda.Device().synchronize()
-
-    def layout(self) -> KVLayout:
-        import cupy as cp
-
-        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
-        region = Region(handle, self.num_blocks * BLOCK_BYTES, 0, BLOCK_BYTES, BLOCK_BYTES)
-        return KVLayout(self.num_blocks, (region,), device="cuda:0", dtype="bfloat16",
-                        meta={"num_layers": 36, "block_size": 16, "num_kv_heads": 8,
-                              "head_dim": 128})
-
-    def blocks(self, block_ids: list[int]) -> np.ndarray:
-        return self.kv[block_ids].get()
+def _arena(num_blocks: int, seed: int) -> CudaArena:
+    """An engine-like KV arena: ``kv[num_blocks, BLOCK_BYTES]`` in its own cudaMalloc."""
+    return CudaArena(num_blocks, BLOCK_BYTES, seed, generations=False,
+                     meta={"num_layers": 36, "block_size": 16, "num_kv_heads": 8,
+                           "head_dim": 128})
 
 
 def _chain(name: str, num_blocks: int, seed: int = 0) -> tuple[bytes, list[bytes], list[bytes]]:
@@ -151,7 +127,7 @@ def daemon():
 
 
 def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> None:
-    arena = _Arena(NUM_BLOCKS, seed=1)
+    arena = _arena(NUM_BLOCKS, seed=1)
     rng = np.random.default_rng(2)
     # Scattered ids (one copy each) and a consecutive run (coalesced copies).
     save_ids = [int(b) for b in rng.permutation(48)[:24]] + list(range(48, 56))
@@ -159,7 +135,7 @@ def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> 
     expect = arena.blocks(save_ids)
     with daemon.client() as c:
         assert c.stats()["tiers"]["dram"]["pinned"] is True
-        reg = c.register(arena.layout(), "gpu-engine")
+        reg = c.register(arena.layout, "gpu-engine")
         reply = c.save(reg, namespace, save_ids, hashes, idents)
         assert reply.outcomes == ["saved"] * len(save_ids)
         assert c.save(reg, namespace, save_ids, hashes, idents).outcomes == \
@@ -184,8 +160,8 @@ def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> 
 
 
 def test_cuda_registration_and_block_id_errors(daemon: _Daemon) -> None:
-    arena = _Arena(8, seed=4)
-    good = arena.layout()
+    arena = _arena(8, seed=4)
+    good = arena.layout
     region = good.regions[0]
     with daemon.client() as c:
         for bad_handle in (b"\x00" * 64, b"\x01" * 10):
@@ -211,7 +187,7 @@ def test_cuda_registration_and_block_id_errors(daemon: _Daemon) -> None:
         assert c.load(reg_b, hit.lease_id, [7, 0]) == 2  # reg_a's unmap left reg_b's mapping
         assert c.health()["status"] == "ok"
     # Saved from blocks (0, 7) and loaded back into (7, 0): the arena's two blocks swapped.
-    fresh = _Arena(8, seed=4)
+    fresh = _arena(8, seed=4)
     assert np.array_equal(arena.blocks([7, 0]), fresh.blocks([0, 7]))
 
 
@@ -219,12 +195,12 @@ def test_load_promotes_ssd_blocks_and_stays_byte_exact(tmp_path: Path) -> None:
     daemon = _start_daemon("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "1GiB",
                            dram="128MiB")
     try:
-        arena = _Arena(NUM_BLOCKS, seed=5)
+        arena = _arena(NUM_BLOCKS, seed=5)
         first_ids, second_ids = list(range(40)), list(range(40, 60))
         ns, hashes, idents = _chain("gpu-ssd", 60)
         expect = arena.blocks(first_ids)
         with daemon.client() as c:
-            reg = c.register(arena.layout(), "gpu-engine")
+            reg = c.register(arena.layout, "gpu-engine")
             # 40 + 20 blocks (141 MB) overflow the 128 MiB pool: the oldest go to SSD.
             assert c.save(reg, ns, first_ids, hashes[:40], idents[:40]).num_saved == 40
             assert c.save(reg, ns, second_ids, hashes[40:], idents[40:]).num_saved == 20
@@ -246,12 +222,13 @@ _DYING_ENGINE = textwrap.dedent("""
     import os, sys, time
     import cupy as cp
     sys.path.insert(0, {tests!r})
-    from test_daemon_cuda import _Arena, _chain
+    sys.path.insert(0, {tests_root!r})
+    from test_daemon_cuda import _arena, _chain
     from kvstore.wire.client import Client
-    arena = _Arena({num_blocks}, seed=7)
+    arena = _arena({num_blocks}, seed=7)
     ns, hashes, idents = _chain("gpu-dying", {num_blocks})
     client = Client({socket!r}, timeout_s=60.0)
-    reg = client.register(arena.layout(), "dying-engine")
+    reg = client.register(arena.layout, "dying-engine")
     client.save_async(reg, ns, list(range({num_blocks})), hashes, idents)
     time.sleep({delay_s})
     os._exit(0)
@@ -263,7 +240,8 @@ def test_engine_killed_mid_save_leaves_daemon_healthy(delay_s: float) -> None:
     daemon = _start_daemon(dram="2GiB")
     try:
         num_blocks = 512  # 1.2 GB: a save that runs for tens of milliseconds
-        script = _DYING_ENGINE.format(tests=str(Path(__file__).parent), num_blocks=num_blocks,
+        script = _DYING_ENGINE.format(tests=str(Path(__file__).parent),
+                                      tests_root=str(REPO_ROOT / "tests"), num_blocks=num_blocks,
                                       socket=str(daemon.socket_path), delay_s=delay_s)
         child = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, timeout=120,
                                capture_output=True, text=True)
@@ -283,10 +261,10 @@ def test_engine_killed_mid_save_leaves_daemon_healthy(delay_s: float) -> None:
             assert dram["blocks"] == events.get("blocks_saved", 0)
             assert c.health()["status"] == "ok"
             # The daemon's CUDA context still works: a fresh engine round-trips its blocks.
-            arena = _Arena(8, seed=8)
+            arena = _arena(8, seed=8)
             ns, hashes, idents = _chain("gpu-after-crash", 4)
             expect = arena.blocks([0, 1, 2, 3])
-            reg = c.register(arena.layout(), "next-engine")
+            reg = c.register(arena.layout, "next-engine")
             assert c.save(reg, ns, [0, 1, 2, 3], hashes, idents).num_saved == 4
             arena.fill(seed=9)
             hit = c.lookup(ns, hashes, idents)
