@@ -21,7 +21,8 @@ from kvstore.store.dram.tier import DramTier
 from kvstore.store.drop_reports import DropReports
 from kvstore.store.guard import StoreGuard
 from kvstore.store.lease_pins import LeasePins
-from kvstore.store.ssd.tier import SSDTier, SSDWrite
+from kvstore.store.ssd.tier import SSDTier
+from kvstore.store.ssd.writer import SSDWrite
 
 log = logging.getLogger("kvstore.store.tiered")  # the store's logger, as before the split
 

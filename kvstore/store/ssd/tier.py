@@ -24,13 +24,12 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
-from kvstore.store.allocator import Allocation
 from kvstore.store.eviction import make_policy
 from kvstore.store.ssd.catalog import SSDCatalog
 from kvstore.store.ssd.files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
 from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum, layout_key
+from kvstore.store.ssd.writer import SSDWrite, SSDWriter
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,6 @@ __all__ = ["DEFAULT_MAX_FILE_BYTES", "IO_MODES", "SSDEntry", "SSDTier", "SSDWrit
            "block_checksum"]
 
 DEFAULT_MAX_FILE_BYTES = 4 << 30
-MAX_KEY_BYTES = 511  # LMDB's key limit
 # Every outcome the tier counts, present from the start so exported series never appear late.
 COUNTERS = (
     "writes", "write_bytes", "write_rejected", "write_no_room", "write_errors", "enospc",
@@ -46,15 +44,6 @@ COUNTERS = (
     "lost_at_start", "index_resets", "index_commit_failures", "layout_resets", "sparse_files",
     "direct_io_fallbacks",
 )
-
-
-class SSDWrite(NamedTuple):
-    """One block to write: ``data`` holds its ``num_bytes``, optionally followed by padding."""
-
-    key: bytes
-    ident: bytes
-    data: memoryview
-    num_bytes: int
 
 
 class SSDTier:
@@ -78,11 +67,8 @@ class SSDTier:
         self.capacity_bytes = file_bytes * num_files
         self.dir = Path(ssd_dir)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._durable = durable
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._pending: set[bytes] = set()  # keys being written: not visible, not rewritten
-        self._commits_in_flight = 0
         self._closed = False
         self._lock_fd = self._take_dir_lock()
         db = None
@@ -101,7 +87,9 @@ class SSDTier:
         self._db = db
         self._catalog = SSDCatalog(num_files, file_bytes, make_policy(eviction), db,
                                    self._counters)
-        self._load_index()
+        next_seq = self._load_index()
+        self._writer = SSDWriter(self._lock, self._catalog, self._files, db, self._counters,
+                                 file_bytes, durable, self._check_open, next_seq)
         log.info("SSD tier %s: %d file(s) of %d B, %d block(s), io_mode=%s (%s)", self.dir,
                  num_files, file_bytes, self._catalog.num_blocks, self.io_mode,
                  self.io_mode_reason)
@@ -162,104 +150,9 @@ class SSDTier:
     # -- write path ----------------------------------------------------------------------------
 
     def write_many(self, items: Sequence[SSDWrite]) -> list[bool]:
-        """Make each block durable, evicting the oldest unpinned blocks for room.
-
-        Per item True when the block is on SSD afterwards (written now or already there). False
-        when it cannot be stored (larger than a data file, everything pinned, IO error, disk
-        full); never raises for those.
-        """
-        results = [False] * len(items)
-        plans: list[tuple[int, SSDWrite, int, Allocation]] = []
-        dropped: list[SSDEntry] = []
-        with self._lock:
-            self._check_open()
-            for i, item in enumerate(items):
-                if len(item.key) > MAX_KEY_BYTES or item.num_bytes > self.file_bytes:
-                    self._counters["write_rejected"] += 1
-                    continue
-                if item.key in self._pending:
-                    continue
-                cur = self._catalog.get(item.key)
-                if cur is not None:
-                    if cur.ident == item.ident:
-                        results[i] = True
-                        continue
-                    if cur.pins:
-                        continue
-                    self._catalog.drop(cur, dropped, "replaced")
-                placed = self._catalog.place(item.num_bytes, dropped)
-                if placed is None:
-                    self._counters["write_no_room"] += 1
-                    continue
-                self._pending.add(item.key)
-                plans.append((i, item, *placed))
-            self._commits_in_flight += 1
-        written: list[SSDEntry] = []
-        try:
-            written = self._write_planned(plans, dropped)  # IO errors end in counted misses
-            if not self._db.commit(written, dropped) and written:
-                with self._lock:  # the blocks never became visible: give their slots back
-                    for entry in written:
-                        self._catalog.free(entry.file_idx, entry.alloc)
-                    self._counters["index_commit_failures"] += 1
-                    self._counters["write_errors"] += len(written)
-                written = []
-        finally:
-            with self._lock:
-                self._commits_in_flight -= 1
-                for _, item, _, _ in plans:
-                    self._pending.discard(item.key)
-                for entry in written:
-                    self._catalog.publish(entry)
-                    self._counters["writes"] += 1
-                    self._counters["write_bytes"] += entry.num_bytes
-        done = {entry.key for entry in written}
-        for i, item, _, _ in plans:
-            results[i] = item.key in done
-        return results
-
-    def _write_planned(self, plans, dropped: list[SSDEntry]) -> list[SSDEntry]:
-        written: list[SSDEntry] = []
-        for _, item, file_idx, alloc in plans:
-            checksum = block_checksum(item.key, item.ident, item.data[:item.num_bytes])
-            placed: tuple[int, Allocation] | None = (file_idx, alloc)
-            for attempt in (0, 1):
-                file_idx, alloc = placed
-                try:
-                    self._files.write(file_idx, alloc.offset, alloc.reserved_bytes, item.data,
-                                      item.num_bytes)
-                    break
-                except OSError as exc:
-                    full = exc.errno == errno.ENOSPC
-                    with self._lock:
-                        self._catalog.free(file_idx, alloc)
-                        self._counters["enospc" if full else "write_errors"] += 1
-                        # A slot that held an older block is backed by real disk blocks.
-                        placed = (self._catalog.reuse_slot(item.num_bytes, dropped)
-                                  if full and attempt == 0 else None)
-                    if placed is None:
-                        log.warning("SSD write of %d B failed: %s", item.num_bytes, exc)
-                        break
-            if placed is None:
-                continue
-            with self._lock:
-                seq = self._next_seq
-                self._next_seq += 1
-            written.append(SSDEntry(item.key, bytes(item.ident), file_idx, alloc, checksum, seq))
-        if not self._durable:
-            return written
-        for file_idx in sorted({e.file_idx for e in written}):
-            try:
-                self._files.sync(file_idx)
-            except OSError as exc:
-                log.error("fdatasync of %s failed: %s", self._files.paths[file_idx], exc)
-                lost = [e for e in written if e.file_idx == file_idx]
-                written = [e for e in written if e.file_idx != file_idx]
-                with self._lock:
-                    for entry in lost:
-                        self._catalog.free(file_idx, entry.alloc)
-                    self._counters["write_errors"] += len(lost)
-        return written
+        """Make each block durable, evicting the oldest unpinned blocks for room (see
+        ``SSDWriter.write_many``)."""
+        return self._writer.write_many(items)
 
     # -- read path -----------------------------------------------------------------------------
 
@@ -345,7 +238,7 @@ class SSDTier:
     def check_integrity(self) -> None:
         """Allocators tile their files; index, policy, allocations (and LMDB when idle) agree."""
         with self._lock:
-            idle = not (self._commits_in_flight or self._pending)
+            idle = self._writer.idle_locked()
             self._catalog.check_integrity(idle)
             if not idle:
                 return
@@ -377,12 +270,13 @@ class SSDTier:
             raise OSError(errno.EBUSY, f"{self.dir} is in use by another kvstore process") from None
         return fd
 
-    def _load_index(self) -> None:
+    def _load_index(self) -> int:
+        """Take what LMDB holds; returns the sequence number the next write gets."""
         entries, bad = self._db.load()
         bad += self._catalog.load(entries, self._files.valid_bytes)
-        self._next_seq = self._catalog.max_seq() + 1
         if bad:
             log.warning("SSD index: %d entr(ies) damaged or pointing at missing, truncated or "
                         "overlapping data", len(bad))
             self._counters["lost_at_start"] += len(bad)
             self._db.delete_keys(bad)
+        return self._catalog.max_seq() + 1
