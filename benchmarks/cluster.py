@@ -63,9 +63,9 @@ def _chain(num_blocks: int, seed: int) -> tuple[bytes, list[bytes], list[bytes]]
 
 
 def _node(redis_url: str, node_id: str, dram_bytes: int):
-    from kvstore.cluster_config import ClusterConfig
-    from kvstore.cluster_node import ClusterNode
-    from kvstore.tiered_store import StoreConfig, TieredStore
+    from kvstore.cluster.config import ClusterConfig
+    from kvstore.cluster.node import ClusterNode
+    from kvstore.store.tiered import StoreConfig, TieredStore
 
     store = TieredStore(StoreConfig(dram_bytes=dram_bytes))
     node = ClusterNode(ClusterConfig(redis_url=redis_url, node_id=node_id, **NODE_TIMINGS), store)
@@ -79,7 +79,7 @@ def _node(redis_url: str, node_id: str, dram_bytes: int):
 def _owner_main(conn, redis_url: str, num_blocks: int, block_bytes: int, ucx_tls: str | None):
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
-    from kvstore.ucx_runtime import UcxRuntime
+    from kvstore.cluster.ucx.runtime import UcxRuntime
 
     node, store = _node(redis_url, "bench-a", num_blocks * block_bytes + (64 << 20))
     ns, hashes, idents = _chain(num_blocks, seed=1)
@@ -159,7 +159,7 @@ def _gbps(num_bytes: int, seconds: list[float]) -> dict:
 
 
 def run(args: argparse.Namespace, redis_url: str) -> dict:
-    from kvstore.ucx_runtime import UcxRuntime
+    from kvstore.cluster.ucx.runtime import UcxRuntime
 
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls

@@ -53,7 +53,7 @@ class _Arena:
 def _raw_row(cp, n: int, src: int, dst: int, src_ids: list[int], dst_ids: list[int],
              reps: int) -> dict:
     """CUDA-event bandwidths (GB/s): one memcpy of n blocks' bytes, and the copier's runs."""
-    from kvstore.cuda_copier import CopyRun, CudaCopier
+    from kvstore.engines.copier import CopyRun, CudaCopier
 
     nbytes = n * BLOCK_BYTES
     stream = cp.cuda.Stream(non_blocking=True)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import cupy as cp
 
-    from kvstore.client import Client
+    from kvstore import Client
     from kvstore.keys import Namespace
 
     counts = [int(x) for x in args.blocks.split(",")]

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import write_result  # noqa: E402
-from kvstore.client import Client, ClientError, DaemonUnavailable  # noqa: E402
+from kvstore import Client, ClientError, DaemonUnavailable  # noqa: E402
 from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import parse_size  # noqa: E402

@@ -40,11 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import write_result  # noqa: E402
-from kvstore.client import Client  # noqa: E402
+from kvstore import Client  # noqa: E402
 from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import format_bytes, parse_size  # noqa: E402
-from kvstore.tiered_store import StoreConfig, TieredStore  # noqa: E402
+from kvstore.store.tiered import StoreConfig, TieredStore  # noqa: E402
 
 QWEN3_4B_BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2  # layers x K/V x tokens x kv heads x dim x bf16
 LOOKUP_BLOCKS = 1024

@@ -40,7 +40,7 @@ BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
 # Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
 _VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0"}
-_SERVE = ("import sys, kvstore.cuda_transfer as t; {}; "
+_SERVE = ("import sys, kvstore.engines.cuda_copies as t; {}; "
           "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
@@ -95,7 +95,7 @@ def _raw_row(cp, n: int, dev: int, alloc_host: int, pool_host: int, reps: int) -
 
 def _copier_row(n: int, dev: int, host: int, block_ids: list[int], reps: int) -> dict:
     """The copier alone in this process: shuffled blocks to and from consecutive pool slots."""
-    from kvstore.cuda_copier import CopyRun, CudaCopier
+    from kvstore.engines.copier import CopyRun, CudaCopier
 
     out = {}
     copier = CudaCopier(0)
@@ -194,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import cupy as cp
 
-    from kvstore.client import Client
-    from kvstore.host_pool import HostPool
+    from kvstore import Client
     from kvstore.keys import Namespace
     from kvstore.layout import KVLayout, Region
+    from kvstore.store.dram.pool import HostPool
 
     counts = [int(x) for x in args.blocks.split(",")]
     max_blocks = max(counts)

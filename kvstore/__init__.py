@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvstore.keys import ModelIdentity, Namespace, block_hash, block_hashes
 
-__all__ = ["ModelIdentity", "Namespace", "block_hash", "block_hashes", "Client", "ClientError",
-           "DaemonUnavailable", "Pending"]
+__all__ = [
+    "ModelIdentity",
+    "Namespace",
+    "block_hash",
+    "block_hashes",
+    "Client",
+    "ClientError",
+    "DaemonUnavailable",
+    "Pending",
+]
 
-# Names of the client module offered at the top level (loaded on first use).
-_CLIENT_NAMES = ("Client", "ClientError", "DaemonUnavailable", "Pending")
+# The client pulls in msgpack and sockets; importing keys alone should stay light.
+_CLIENT_NAMES = frozenset({"Client", "ClientError", "DaemonUnavailable", "Pending"})
 
 
-def __getattr__(name: str):
-    # The client pulls in msgpack and sockets; importing keys alone should stay light.
+def __getattr__(name: str) -> Any:
     if name in _CLIENT_NAMES:
-        from kvstore import client
+        from kvstore.wire import client
 
         return getattr(client, name)
     raise AttributeError(name)

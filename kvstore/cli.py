@@ -7,7 +7,6 @@ with one line on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.cli_stats import stats_command
 from kvstore.cli_support import OneLineParser, add_version, package_version
 from kvstore.sizes import format_bytes, parse_size
 
@@ -134,7 +134,7 @@ def _check_ssd_dir(directory: Path) -> Path:
 def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
     if args.dram <= 0:
         raise UsageError("--dram must be larger than 0")
-    from kvstore.host_memory import check_pool_fits
+    from kvstore.store.dram.host_memory import check_pool_fits
 
     try:  # the pool is faulted in at start: one too large would end in swap or the OOM killer
         check_pool_fits(args.dram)
@@ -146,7 +146,7 @@ def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
     if ssd_size > 0 and args.ssd_dir is None:
         raise UsageError("--ssd-size needs --ssd-dir")
     ssd_dir = _check_ssd_dir(args.ssd_dir) if ssd_size > 0 else None
-    from kvstore.tiered_store import StoreConfig
+    from kvstore.store.tiered import StoreConfig
 
     try:
         return StoreConfig(dram_bytes=args.dram, ssd_dir=ssd_dir, ssd_bytes=ssd_size,
@@ -197,7 +197,7 @@ def _cluster_config(args: argparse.Namespace) -> Any:
         if given:
             raise UsageError(f"{', '.join(given)} need(s) --cluster redis://HOST:PORT/DB")
         return None
-    from kvstore.cluster_config import ClusterConfig  # no redis or ucxx import: just parsing
+    from kvstore.cluster.config import ClusterConfig  # no redis or ucxx import: just parsing
 
     try:
         return ClusterConfig.from_args(args.cluster, node_id=args.node_id, listen=args.listen,
@@ -212,8 +212,8 @@ def _start_cluster(config: Any, store: Any) -> tuple[Any, bool]:
     # ucxx sets UCX_MEMTYPE_CACHE itself, which this UCX no longer reads: without this, every
     # daemon starts with a two-line "unused environment variable" warning.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    from kvstore.cluster_node import ClusterNode
-    from kvstore.ucx_devices import restrict_to_listen_address
+    from kvstore.cluster.node import ClusterNode
+    from kvstore.cluster.ucx.devices import restrict_to_listen_address
 
     if config.advertise_host == config.listen_host:  # peers dial the address we listen on
         restrict_to_listen_address(config.listen_host)  # before UCX starts: its data lanes too
@@ -270,12 +270,12 @@ def _serve(args: argparse.Namespace) -> int:
     config = _store_config(args, env.debug_hash_bits)
     socket_path = args.socket if args.socket is not None else default_socket_path()
 
-    from kvstore.admin import AdminServer
-    from kvstore.daemon import Daemon
-    from kvstore.host_pool import PinError
-    from kvstore.listener import SocketSetupError
-    from kvstore.service import Service
-    from kvstore.tiered_store import TieredStore
+    from kvstore.daemon.admin import AdminServer
+    from kvstore.daemon.server import Daemon
+    from kvstore.daemon.service import Service
+    from kvstore.store.dram.pool import PinError
+    from kvstore.store.tiered import TieredStore
+    from kvstore.wire.listener import SocketSetupError
 
     print(f"kvstore: allocating the {format_bytes(config.dram_bytes)} DRAM pool and faulting "
           "it in (about a second per few GiB)...", flush=True)
@@ -323,87 +323,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------------- stats
-
-
-def _fetch_stats(args: argparse.Namespace) -> dict:
-    if args.http:
-        import urllib.error
-        import urllib.request
-
-        url = args.http if "://" in args.http else f"http://{args.http}"
-        try:
-            with urllib.request.urlopen(url.rstrip("/") + "/stats", timeout=10.0) as response:
-                return json.loads(response.read())
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ConnectionError(f"cannot read stats from {url}: {exc}") from None
-    from kvstore.client import Client
-
-    with Client(args.socket, timeout_s=10.0) as client:
-        return client.stats()
-
-
-def _cell(value: Any, as_bytes: bool = False) -> str:
-    if value is None:
-        return "-"
-    if as_bytes and isinstance(value, (int, float)):
-        return format_bytes(value)
-    return str(value)
-
-
-def format_stats_table(stats: dict) -> str:
-    """The human view of ``/stats``: one row per tier, then the daemon's counters."""
-    tiers = stats.get("tiers") or {}
-    columns = ["tier", "capacity", "used", "blocks", "hits", "misses"]
-    rows = [columns]
-    for tier, fields in tiers.items():
-        if not isinstance(fields, dict):
-            continue
-        rows.append([tier, _cell(fields.get("capacity_bytes"), True),
-                     _cell(fields.get("used_bytes"), True), _cell(fields.get("blocks")),
-                     _cell(fields.get("hits")), _cell(fields.get("misses"))])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
-    for key, value in stats.items():
-        if key not in ("tiers", "daemon") and not isinstance(value, (dict, list)):
-            lines.append(f"{key}: {value}")
-    counters = stats.get("counters") or {}
-    if "lookup_blocks" in counters:
-        lines.append(f"lookups: {counters.get('lookups', 0)} ({counters['lookup_blocks']} "
-                     f"blocks asked, {counters.get('miss_blocks', 0)} missed everywhere)")
-    cluster = stats.get("cluster") or {}
-    if cluster:
-        index = cluster.get("index") or {}
-        errors = sum(v for k, v in cluster.items() if k.startswith("remote_errors_"))
-        lines.append(f"cluster: node {cluster.get('node_id')} at {cluster.get('addr')}, Redis "
-                     f"{index.get('state')}, {index.get('live_nodes', 0)} live node(s), "
-                     f"{index.get('published_blocks', 0)} blocks published; remote: "
-                     f"{cluster.get('remote_hit_blocks', 0)} blocks fetched, "
-                     f"{cluster.get('remote_misses', 0)} misses, {errors} errors")
-    daemon = stats.get("daemon") or {}
-    if daemon:
-        lines.append(f"daemon: uptime {daemon.get('uptime_s', 0):.1f} s, connections "
-                     f"{daemon.get('connections')}, leases {daemon.get('leases_active')}, "
-                     f"registrations {daemon.get('registrations')}")
-        for name in ("requests", "errors", "events"):
-            counts = daemon.get(name) or {}
-            if counts:
-                lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in sorted(
-                    counts.items())))
-    return "\n".join(lines)
-
-
-def _stats(args: argparse.Namespace) -> int:
-    try:
-        stats = _fetch_stats(args)
-    except ConnectionError as exc:
-        print(f"kvstore: error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats_table(stats))
-    return 0
-
-
 def _plugin_command(name: str) -> Any:
     """The ``main(argv) -> int`` that a package registers as ``kvstore NAME`` (entry point group
     ``kvstore.commands``), or None. The demo joins every part (daemon, engine, server); kvstore
@@ -435,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "stats":
-            return _stats(args)
+            return stats_command(args)
         return _demo([])
     except UsageError as exc:
         print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore import protocol as proto
-from kvstore.client import Client
 from kvstore.keys import Namespace, block_hashes, block_ident
+from kvstore.wire import protocol as proto
+from kvstore.wire.client import Client
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 30.0

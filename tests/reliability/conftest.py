@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import RunningDaemon, daemon_factory
-from reliability_helpers import GuardedArena
+from reliability_helpers import guarded_arena
+from support.arena import ShmArena
 
-from kvstore.ssd_files import OS_FILE_OPS, FileOps
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.ssd.files import OS_FILE_OPS, FileOps
+from kvstore.store.tiered import StoreConfig, TieredStore
 
 # schemathesis comes with the `test` extra (CI has it); the GPU machine runs `-m gpu` without it.
 collect_ignore = [] if importlib.util.find_spec("schemathesis") else ["test_http_schema.py"]
@@ -40,12 +41,12 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
 
 
 @pytest.fixture
-def arenas() -> Iterator[Callable[..., GuardedArena]]:
+def arenas() -> Iterator[Callable[..., ShmArena]]:
     """Guarded shared-memory arenas, unlinked after the test (also when a client was killed)."""
-    made: list[GuardedArena] = []
+    made: list[ShmArena] = []
 
-    def make(num_blocks: int, block_bytes: int, seed: int | None) -> GuardedArena:
-        arena = GuardedArena(num_blocks, block_bytes, seed)
+    def make(num_blocks: int, block_bytes: int, seed: int | None) -> ShmArena:
+        arena = guarded_arena(num_blocks, block_bytes, seed)
         made.append(arena)
         return arena
 

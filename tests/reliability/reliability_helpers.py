@@ -10,18 +10,17 @@ import shutil
 import tempfile
 import threading
 from collections import Counter
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
+from support.arena import ShmArena
 
-from kvstore.client import Client
-from kvstore.daemon import Daemon
+from kvstore.daemon.server import Daemon
+from kvstore.daemon.service import Service
 from kvstore.keys import Namespace, block_hash, block_ident
-from kvstore.layout import KVLayout, Region
-from kvstore.service import Service
-from kvstore.ssd_files import ALIGNMENT, FileOps
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.ssd.files import ALIGNMENT, FileOps
+from kvstore.store.tiered import StoreConfig, TieredStore
+from kvstore.wire.client import Client
 
 NS = Namespace(name="reliability-tests").digest
 
@@ -193,44 +192,10 @@ class InProcessDaemon:
 GUARD_BYTES = 4096
 
 
-class GuardedArena:
+def guarded_arena(num_blocks: int, block_bytes: int, seed: int | None) -> ShmArena:
     """An engine's KV arena in POSIX shared memory: ``num_blocks`` blocks between two guards.
 
     The registered region starts after the first guard and ends before the second, which lies
     outside it altogether: a copy to or from a block id outside the arena would hit a guard.
     """
-
-    def __init__(self, num_blocks: int, block_bytes: int, seed: int | None) -> None:
-        self.num_blocks, self.block_bytes = num_blocks, block_bytes
-        size = 2 * GUARD_BYTES + num_blocks * block_bytes
-        self.shm = shared_memory.SharedMemory(create=True, size=size)
-        self.array = np.ndarray((size,), np.uint8, self.shm.buf)
-        if seed is None:
-            self.array[:] = 0
-        else:
-            self.array[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-        self.array[:GUARD_BYTES] = 0xA5
-        self.array[-GUARD_BYTES:] = 0x5A
-        region = Region(self.shm.name, GUARD_BYTES + num_blocks * block_bytes, GUARD_BYTES,
-                        block_bytes, block_bytes)
-        self.layout = KVLayout(num_blocks, (region,), device="cpu", dtype="uint8")
-
-    def block_offset(self, block_id: int) -> int:
-        """Where block ``block_id`` starts in ``array`` (``num_blocks``: where the blocks end)."""
-        return GUARD_BYTES + block_id * self.block_bytes
-
-    def block(self, block_id: int) -> bytes:
-        start = self.block_offset(block_id)
-        return self.array[start:start + self.block_bytes].tobytes()
-
-    def snapshot(self) -> bytes:
-        return self.array.tobytes()
-
-    def guards_intact(self) -> bool:
-        return bool((self.array[:GUARD_BYTES] == 0xA5).all()
-                    and (self.array[-GUARD_BYTES:] == 0x5A).all())
-
-    def close(self) -> None:
-        del self.array
-        self.shm.close()
-        self.shm.unlink()
+    return ShmArena(num_blocks, block_bytes, seed, guard_bytes=GUARD_BYTES)

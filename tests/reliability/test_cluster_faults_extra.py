@@ -1,13 +1,14 @@
 """Cluster faults on real `kvstore serve --cluster` daemons over UCX and a real redis-server, the
-cases tests/cluster does not cover: a peer killed or paused (SIGSTOP) in the middle of sending a
-lookup's blocks, a peer that sends wrong bytes (its SSD copy damaged; a daemon variant whose peer
-server announces wrong checksums), Redis paused and flushed (FLUSHALL) under running daemons.
+cases tests/kvstore/cluster does not cover: a peer killed or paused (SIGSTOP) in the middle of
+sending a lookup's blocks, a peer that sends wrong bytes (its SSD copy damaged; a daemon variant
+whose peer server announces wrong checksums), Redis paused and flushed (FLUSHALL) under running
+daemons.
 
 Each ends the same way: the fetching daemon answers by its deadline with a miss (or a verified
 prefix), never wrong bytes; no write slot or DRAM stays reserved; its local service goes on
 meanwhile; and sharing works again once the fault is gone. (Redis stopped and restarted under
-running daemons is tests/cluster/test_cluster_daemons.py; lying, silent, stalling and unreachable
-in-process peers are tests/cluster/test_cluster_faults.py.)
+running daemons is tests/kvstore/cluster/test_cluster_daemons.py; lying, silent, stalling and
+unreachable in-process peers are tests/kvstore/cluster/test_cluster_faults.py.)
 """
 
 from __future__ import annotations
@@ -18,17 +19,16 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, random_bytes, start_daemon, wait_until
+from support.arena import ShmArena
 
-from kvstore.layout import KVLayout, Region
-from kvstore.peer_transport import checksum
+from kvstore.cluster.peers.transport import checksum
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvstore" / "cluster"))
 from cluster_parts import RedisServer, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -41,7 +41,8 @@ SLACK_S = 1.0
 # in $KVSTORE_TEST_LIE_ABOUT (their true XXH3-64 values), as a flipped bit on the wire would.
 LYING_SITECUSTOMIZE = '''
 import os
-from kvstore import peer_server, peer_transport
+from kvstore.cluster.peers import server as peer_server
+from kvstore.cluster.peers import transport as peer_transport
 
 _BAD = {int(v) for v in os.environ["KVSTORE_TEST_LIE_ABOUT"].split(",")}
 
@@ -121,31 +122,12 @@ def _remote_errors(daemon: RunningDaemon) -> dict:
     return {k: v for k, v in cluster.items() if k.startswith("remote_errors_") and v}
 
 
-class Arena:
-    """An engine's KV arena in shared memory: ``num_blocks`` blocks of ``block_bytes``."""
-
-    def __init__(self, num_blocks: int, block_bytes: int, seed: int | None) -> None:
-        self.block_bytes = block_bytes
-        self.shm = shared_memory.SharedMemory(create=True, size=num_blocks * block_bytes)
-        self.array = np.ndarray((num_blocks, block_bytes), np.uint8, self.shm.buf)
-        if seed is not None:
-            self.array[:] = np.random.default_rng(seed).integers(0, 256, self.array.shape,
-                                                                 dtype=np.uint8)
-        region = Region(self.shm.name, self.shm.size, 0, block_bytes, block_bytes)
-        self.layout = KVLayout(num_blocks, (region,), dtype="uint8")
-
-    def close(self) -> None:
-        del self.array
-        self.shm.close()
-        self.shm.unlink()
-
-
 @pytest.fixture
 def arena():
-    made: list[Arena] = []
+    made: list[ShmArena] = []
 
-    def make(num_blocks: int, block_bytes: int, seed: int | None = None) -> Arena:
-        made.append(Arena(num_blocks, block_bytes, seed))
+    def make(num_blocks: int, block_bytes: int, seed: int | None = None) -> ShmArena:
+        made.append(ShmArena(num_blocks, block_bytes, seed))
         return made[-1]
 
     yield make
@@ -267,7 +249,7 @@ def test_peer_fault_mid_transfer_is_a_bounded_miss(start_node, arena, fault: str
             time.sleep(0.25)
         reg = cb.register(dst.layout, "engine-b")
         assert cb.load(reg, reply.lease_id, range(NUM_BLOCKS)) == NUM_BLOCKS
-    assert np.array_equal(dst.array, src.array)
+    assert np.array_equal(dst.blocks, src.blocks)
 
 
 def test_peer_with_damaged_ssd_sends_no_wrong_bytes(start_node, tmp_path: Path) -> None:
@@ -328,7 +310,7 @@ def test_peer_announcing_wrong_checksums_is_a_verified_prefix(start_node, arena,
     repo = Path(__file__).resolve().parents[2]
     liar, b = _start_pair(start_node, "liar", "b", a_kwargs={"env": {
         "PYTHONPATH": os.pathsep.join([str(hooks), str(repo), os.environ.get("PYTHONPATH", "")]),
-        "KVSTORE_TEST_LIE_ABOUT": str(checksum(src.array[3]))}})
+        "KVSTORE_TEST_LIE_ABOUT": str(checksum(src.blocks[3]))}})
     chain = make_chain("lying-peer", 6, seed=8)
     with liar.client() as cl:
         reg = cl.register(src.layout, "engine-liar")
@@ -343,7 +325,7 @@ def test_peer_announcing_wrong_checksums_is_a_verified_prefix(start_node, arena,
         reg = cb.register(dst.layout, "engine-b")
         assert cb.load(reg, reply.lease_id, range(3)) == 3
         cb.release(reply.lease_id)
-        assert np.array_equal(dst.array[:3], src.array[:3])
+        assert np.array_equal(dst.blocks[:3], src.blocks[:3])
         assert _remote_errors(b) == {"remote_errors_bad_block": 1}
         assert wait_until(lambda: _dram_at_rest(b, 3 * block_bytes), 5.0)
         # The liar is suspect now: asking for the rest costs no transfer.

@@ -1,6 +1,6 @@
 """Bad save/load/register requests against a real daemon: typed errors, nothing touched.
 
-A real `kvstore serve` maps two guarded shared-memory arenas (``GuardedArena``: guard bytes
+A real `kvstore serve` maps two guarded shared-memory arenas (``guarded_arena``: guard bytes
 before and after the registered blocks). Hypothesis sends save, load and register requests with
 block ids out of range, negative or huge, of the wrong types, with other connections' leases and
 registrations, and layouts that reach past the memory. Every reply is a result or a typed error
@@ -25,7 +25,8 @@ from daemon_helpers import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_helpers import GUARD_BYTES, GuardedArena
+from reliability_helpers import GUARD_BYTES, guarded_arena
+from support.arena import ShmArena
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,8 +63,8 @@ class Setup:
     daemon: RunningDaemon
     conn: Conn
     other: Conn  # a second client: its leases and registrations are not ours
-    src: GuardedArena
-    dst: GuardedArena
+    src: ShmArena
+    dst: ShmArena
     reg_src: int
     reg_dst: int
     chain: object
@@ -72,8 +73,8 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     daemon = start_daemon(tmp_path_factory.mktemp("bad-input"), dram="32MiB", http=False)
-    src = GuardedArena(NUM_BLOCKS, BLOCK_BYTES, seed=1)
-    dst = GuardedArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
+    src = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=1)
+    dst = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
     try:
         conn, other = Conn(daemon), Conn(daemon)
         reg_src = conn.ok("register", {"layout": src.layout.to_wire(), "engine_id": "src"})
@@ -195,7 +196,7 @@ def test_fuzzed_saves_publish_only_whole_blocks(setup: Setup, block_ids, extra, 
 
 _INTS = st.one_of(st.integers(-8, 8), st.integers(0, 4 * GUARD_BYTES + NUM_BLOCKS * BLOCK_BYTES),
                   st.integers(-(2**63), 2**63 - 1))
-_SIZE = GUARD_BYTES + NUM_BLOCKS * BLOCK_BYTES  # the registered part of a GuardedArena
+_SIZE = GUARD_BYTES + NUM_BLOCKS * BLOCK_BYTES  # the registered part of a guarded arena
 
 
 def _near(*values: int) -> st.SearchStrategy[int]:

@@ -22,7 +22,7 @@ import pytest
 from daemon_helpers import REPO_ROOT, make_chain, random_bytes, wait_until
 from reliability_helpers import InProcessDaemon
 
-from kvstore.tiered_store import StoreConfig
+from kvstore.store.tiered import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,8 +34,8 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 _CLIENT = textwrap.dedent("""
     import json, random, sys, threading, time
     from daemon_helpers import make_chain, random_bytes
-    from reliability_helpers import GuardedArena
-    from kvstore.client import Client
+    from reliability_helpers import guarded_arena
+    from kvstore.wire.client import Client
     from kvstore.layout import KVLayout, Region
 
     sock, proc, layout_json, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -65,7 +65,7 @@ _CLIENT = textwrap.dedent("""
 
     def worker(t):
         rng = random.Random(proc * 100 + t)
-        dst = GuardedArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
+        dst = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
         try:
             with Client(sock, timeout_s=30.0) as c:
                 reg_src = c.register(src_layout, f"engine-{proc}-{t}")

@@ -13,7 +13,7 @@ from daemon_helpers import random_bytes
 from reliability_helpers import InProcessDaemon
 
 from kvstore.keys import ModelIdentity, Namespace, block_hashes, block_ident, truncate_hash
-from kvstore.tiered_store import StoreConfig
+from kvstore.store.tiered import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,9 +18,9 @@ import pytest
 import xxhash
 from daemon_helpers import make_chain, random_bytes
 
-from kvstore.client import DaemonUnavailable
 from kvstore.keys import Namespace
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.tiered import StoreConfig, TieredStore
+from kvstore.wire.client import DaemonUnavailable
 from offload.connector import OffloadConnector
 
 pytestmark = pytest.mark.timeout(180)

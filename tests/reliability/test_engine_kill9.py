@@ -22,7 +22,7 @@ import pytest
 from daemon_helpers import REPO_ROOT, make_chain, wait_until
 from reliability_helpers import InProcessDaemon
 
-from kvstore.tiered_store import StoreConfig
+from kvstore.store.tiered import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,7 @@ _ENGINE = textwrap.dedent("""
     import json, socket, struct, sys, time
     import msgpack
     from daemon_helpers import make_chain
-    from kvstore.client import Client
+    from kvstore.wire.client import Client
     from kvstore.layout import KVLayout, Region
 
     sock_path, mode, wire, num_blocks = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]

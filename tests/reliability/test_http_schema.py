@@ -149,9 +149,9 @@ def admin_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDa
 
 @pytest.fixture(scope="module")
 def admin_schema(admin_daemon: RunningDaemon):
-    from kvstore.admin import create_app
-    from kvstore.service import Service
-    from kvstore.tiered_store import StoreConfig, TieredStore
+    from kvstore.daemon.admin import create_app
+    from kvstore.daemon.service import Service
+    from kvstore.store.tiered import StoreConfig, TieredStore
 
     # The schema comes from the same create_app the daemon serves; the requests go to the daemon.
     store = TieredStore(StoreConfig(dram_bytes=1 << 20))

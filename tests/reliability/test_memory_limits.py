@@ -15,17 +15,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
 import pytest
 from daemon_helpers import REPO_ROOT, make_chain, random_bytes, start_daemon
+from support.arena import ShmArena
 
-from kvstore.client import ClientError
-from kvstore.host_memory import available_bytes, check_pool_fits
-from kvstore.layout import KVLayout, Region
-from kvstore.tiered_store import StoreConfig, TieredStore
+from kvstore.store.dram.host_memory import available_bytes, check_pool_fits
+from kvstore.store.tiered import StoreConfig, TieredStore
+from kvstore.wire.client import ClientError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,12 +79,11 @@ def test_pool_full_of_leased_blocks_refuses_saves_then_recovers(tmp_path: Path) 
     """Every byte of the pool held by a lease: saves answer "failed" (nothing evicted under the
     lease, nothing half-written); once the lease is done the same saves succeed."""
     daemon = start_daemon(tmp_path, dram="1MiB", http=False)
-    shm = shared_memory.SharedMemory(create=True, size=32 * VALUE_BYTES)
+    shm_arena = ShmArena(32, VALUE_BYTES)
     try:
-        arena = np.ndarray((32, VALUE_BYTES), np.uint8, shm.buf)
+        arena = shm_arena.blocks
         arena[:] = np.random.default_rng(1).integers(0, 256, arena.shape, dtype=np.uint8)
-        layout = KVLayout(32, (Region(shm.name, shm.size, 0, VALUE_BYTES, VALUE_BYTES),),
-                          dtype="uint8")
+        layout = shm_arena.layout
         held, extra = make_chain("pool-full", 16, seed=1), make_chain("pool-extra", 8, seed=2)
         with daemon.client() as c:
             reg = c.register(layout, "engine")
@@ -115,8 +113,7 @@ def test_pool_full_of_leased_blocks_refuses_saves_then_recovers(tmp_path: Path) 
         assert daemon.proc.poll() is None
     finally:
         del arena
-        shm.close()
-        shm.unlink()
+        shm_arena.close()
         daemon.stop()
 
 

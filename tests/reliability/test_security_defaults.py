@@ -1,7 +1,7 @@
 """Security defaults, checked on running processes: what listens where (read from /proc, the
 process's own sockets), what the API key covers (every route the app has, enumerated), and that
 no code path deserializes with pickle or evaluates input. (The control socket's modes and peer
-uid check are tests/daemon/test_daemon_socket.py.)
+uid check are tests/kvstore/wire/test_daemon_socket.py.)
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_engine_api_listens_on_loopback_by_default(tiny_model: Path) -> None:
 @pytest.fixture(scope="module")
 def cluster_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, int]]:
     """A `kvstore serve --cluster ... --listen 127.0.0.1:PORT` daemon (with admin HTTP)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvstore" / "cluster"))
     from cluster_parts import RedisServer, free_port
 
     work = tmp_path_factory.mktemp("sec-cluster")

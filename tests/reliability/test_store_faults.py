@@ -25,7 +25,7 @@ from reliability_helpers import (
     put_blocks,
 )
 
-from kvstore.block_store import BlockUnavailable, Tier
+from kvstore.store.block_store import BlockUnavailable, Tier
 
 pytestmark = pytest.mark.timeout(60)
 

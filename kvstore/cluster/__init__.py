@@ -1,0 +1,1 @@
+"""Sharing blocks across daemons: the Redis index, this node, peers over UCX."""

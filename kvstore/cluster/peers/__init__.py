@@ -1,0 +1,1 @@
+"""Peer block transfer over UCX: the client that fetches, the server that serves, their protocol."""

@@ -1,0 +1,1 @@
+"""The process's UCX runtime and the network devices it may use."""

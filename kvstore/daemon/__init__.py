@@ -1,0 +1,1 @@
+"""The daemon process: its socket loop, the verbs, the leases it grants, the admin HTTP app."""

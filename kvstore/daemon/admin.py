@@ -1,0 +1,224 @@
+"""The daemon's admin HTTP app: ``GET /health``, ``GET /stats`` (JSON), ``GET /metrics``.
+
+It only reads: every answer comes from ``Service.health()`` / ``Service.stats()`` at request time,
+and the Prometheus registry is private to the app (no process-global collectors). It runs under
+uvicorn on its own thread, so a slow scrape never delays the control socket.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from kvstore.daemon.service import Service
+
+_TIER_GAUGES = ("capacity_bytes", "used_bytes", "blocks")
+# The cluster section's levels; every other number in it only ever grows (a counter).
+_CLUSTER_GAUGES = frozenset({"suspect_peers", "live_nodes", "pending_events", "published_blocks",
+                             "connections"})
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _metric_name(*parts: str) -> str:
+    return _NAME_UNSAFE.sub("_", "_".join(p for p in parts if p))
+
+
+def _is_counter(name: str) -> bool:
+    return name.endswith(("_total", "hits", "misses", "count")) or name in {
+        "hits", "misses", "collisions", "evictions", "demotions", "promotions"}
+
+
+class StatsCollector:
+    """Turns one ``Service.stats()`` snapshot into metric families, at scrape time."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.service.stats()
+        yield from self._tiers(stats.get("tiers") or {})
+        yield from self._daemon(stats.get("daemon") or {})
+        counters = stats.get("counters") or {}
+        for key, value in sorted(counters.items()):  # the store's counted outcomes
+            if _is_number(value):
+                yield CounterMetricFamily(_metric_name("kvstore_store", key),
+                                          f"store counter {key}", value=float(value))
+        yield from self._cluster(stats.get("cluster"))
+        # Anything else the store reports that is a number (or a map of numbers) goes out too.
+        for key, value in sorted(stats.items()):
+            if key in ("tiers", "daemon", "counters", "cluster"):
+                continue
+            yield from self._flat(_metric_name("kvstore_store", key), value)
+
+    def _tiers(self, tiers: dict) -> Iterator[Metric]:
+        by_name: dict[str, tuple[str, list[tuple[str, float]]]] = {}
+        for tier, fields in sorted(tiers.items()):
+            if not isinstance(fields, dict):
+                continue
+            for field, value in sorted(fields.items()):
+                if _is_number(value):
+                    kind = "gauge" if field in _TIER_GAUGES or not _is_counter(field) else \
+                        "counter"
+                    by_name.setdefault(field, (kind, []))[1].append((tier, float(value)))
+                elif field == "counters" and isinstance(value, dict):  # e.g. the SSD's corrupt
+                    for name, count in value.items():
+                        if _is_number(count):
+                            by_name.setdefault(name, ("counter", []))[1].append(
+                                (tier, float(count)))
+        for field, (kind, samples) in sorted(by_name.items()):
+            name = _metric_name("kvstore_tier", field.removesuffix("_total"))
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, f"per-tier {field}", labels=["tier"])
+            for tier, value in samples:
+                family.add_metric([tier], value)
+            yield family
+
+    def _daemon(self, daemon: dict) -> Iterator[Metric]:
+        for name, labelled, label in (("requests", "kvstore_requests", "verb"),
+                                      ("errors", "kvstore_errors", "code"),
+                                      ("events", "kvstore_events", "event")):
+            family = CounterMetricFamily(labelled, f"daemon {name} by {label}", labels=[label])
+            for key, value in sorted((daemon.get(name) or {}).items()):
+                family.add_metric([str(key)], float(value))
+            yield family
+        for gauge in ("uptime_s", "connections", "leases_active", "registrations"):
+            if _is_number(daemon.get(gauge)):
+                yield GaugeMetricFamily(_metric_name("kvstore", gauge), f"daemon {gauge}",
+                                        value=float(daemon[gauge]))
+
+    def _cluster(self, cluster: Any) -> Iterator[Metric]:
+        """``kvstore_cluster_*``: remote outcomes, then the index, peer server and client's."""
+        if not isinstance(cluster, dict):
+            return
+        index = cluster.get("index") or {}
+        yield GaugeMetricFamily("kvstore_cluster_index_up", "1 while Redis answers",
+                                value=float(index.get("state") == "up"))
+        for section, fields in [("", cluster), *((k, v) for k, v in sorted(cluster.items())
+                                                 if isinstance(v, dict))]:
+            for key, value in sorted(fields.items()):
+                if not _is_number(value):
+                    continue
+                name = _metric_name("kvstore_cluster", section, key)
+                family = GaugeMetricFamily if key in _CLUSTER_GAUGES else CounterMetricFamily
+                yield family(name, " ".join(filter(None, ("cluster", section, key))),
+                             value=float(value))
+
+    def _flat(self, name: str, value: Any, depth: int = 0) -> Iterator[Metric]:
+        if _is_number(value):
+            family = CounterMetricFamily if _is_counter(name) else GaugeMetricFamily
+            yield family(name.removesuffix("_total"), name, value=float(value))
+        elif isinstance(value, dict) and depth < 3:
+            for key, sub in sorted(value.items()):
+                yield from self._flat(_metric_name(name, str(key)), sub, depth + 1)
+
+
+class HealthReply(BaseModel):
+    status: str
+    uptime_s: float
+    pid: int
+    version: str
+
+
+class TierStats(BaseModel):
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+
+
+class Tiers(BaseModel):
+    """DRAM and SSD are always there (SSD with zeros when off); other tiers may be added."""
+
+    dram: TierStats
+    ssd: TierStats
+
+
+class DaemonStats(BaseModel):
+    uptime_s: float
+    connections: int
+    leases_active: int
+    registrations: int
+    requests: dict[str, int]
+    errors: dict[str, int]
+    events: dict[str, int]
+
+
+class StatsReply(BaseModel):
+    """The fields `/stats` always has; the store adds more (counters, cluster...)."""
+
+    tiers: Tiers
+    counters: dict[str, int]
+    daemon: DaemonStats
+
+
+def create_app(service: Service) -> FastAPI:
+    """The admin app over ``service``; each app has its own Prometheus registry."""
+    app = FastAPI(title="kvstore admin", docs_url=None, redoc_url=None, openapi_url=None)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(service))
+
+    # The routes answer with ready JSON; the models only document it (the OpenAPI schema that
+    # tests/reliability/test_http_schema.py fuzzes the daemon against).
+    @app.get("/health", response_model=HealthReply)
+    def health() -> JSONResponse:
+        return JSONResponse(service.health())
+
+    @app.get("/stats", response_model=StatsReply)
+    def stats() -> JSONResponse:
+        return JSONResponse(service.stats())
+
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class AdminServer:
+    """uvicorn serving ``create_app(service)`` on a thread; binds in the constructor."""
+
+    def __init__(self, service: Service, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(f"cannot listen for HTTP on {host}:{port}: {exc.strerror}") from None
+        self._sock.listen(128)
+        self.host, self.port = self._sock.getsockname()[:2]
+        config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+                                lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._sock]},
+                                        name="kvstore-admin", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        self._sock.close()

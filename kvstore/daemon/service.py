@@ -1,0 +1,154 @@
+"""The service: every verb the control protocol names, by an explicit table, over one store.
+
+Every handler runs on a worker thread (the daemon's event loop never waits on the store) or, for
+``inline`` verbs, on the loop itself, and gets a ``CallContext`` naming the connection that owns
+what the call creates. Leases (``LeaseTable``) and registrations belong to one connection; when
+it closes, ``drop_owner`` releases and unmaps all of them.
+
+The handlers live with their nouns: ``block_verbs`` (put, get, lookup, release, remove),
+``engine_verbs`` (register, unregister, save, load, resident, evicted); ``cluster_link`` shares
+the store with peers (``--cluster``) and ``stats`` merges the stats reply.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvstore.daemon.block_verbs import MAX_LEASE_TTL_S, BlockVerbs
+from kvstore.daemon.calls import CallContext, Deferred, ServiceError, with_mapped_errors
+from kvstore.daemon.cluster_link import ClusterLink
+from kvstore.daemon.counters import DaemonCounters
+from kvstore.daemon.engine_verbs import EngineVerbs
+from kvstore.daemon.lease_table import LeaseTable
+from kvstore.daemon.stats import merge_stats
+from kvstore.engines.hbm.tier import HbmTier
+from kvstore.engines.registry import Registry
+from kvstore.store.block_store import BlockStore
+
+if TYPE_CHECKING:  # imported only with --cluster: it pulls in redis and ucxx
+    from kvstore.cluster.node import ClusterNode
+
+__all__ = ["MAX_LEASE_TTL_S", "CallContext", "Deferred", "Service", "ServiceError"]
+
+Handler = Callable[[dict, CallContext], Any]
+
+
+class Service:
+    """The daemon's verbs over one BlockStore; thread-safe."""
+
+    def __init__(self, store: BlockStore, default_lease_ttl_s: float = 30.0,
+                 debug_hash_bits: int | None = None, version: str = "",
+                 cluster: ClusterNode | None = None) -> None:
+        self.store = store
+        self.registry = Registry()
+        self.hbm = HbmTier(store, self.registry)  # takes registry.on_close
+        self.default_lease_ttl_s = default_lease_ttl_s
+        self.version = version
+        self.started_at = time.monotonic()
+        self.counters = DaemonCounters()
+        self.leases = LeaseTable(store.release)
+        self._cluster = ClusterLink(store, self.counters)
+        blocks = BlockVerbs(store, self.hbm, self.leases, self._cluster, default_lease_ttl_s,
+                            debug_hash_bits)
+        engines = EngineVerbs(store, self.registry, self.hbm, self.leases, self._cluster,
+                              self.counters)
+        # Every verb of the protocol (wire/protocol.py SCHEMAS), by name: grep finds each.
+        self.verbs: dict[str, Handler] = {
+            "health": lambda args, ctx: self.health(),
+            "stats": lambda args, ctx: self.stats(),
+            "put": blocks.put,
+            "get": blocks.get,
+            "lookup": blocks.lookup,
+            "release": blocks.release,
+            "remove": blocks.remove,
+            "register": engines.register,
+            "unregister": engines.unregister,
+            "save": engines.save,
+            "load": engines.load,
+            "evicted": engines.evicted,
+            "resident": engines.resident,
+        }
+        if cluster is not None:
+            self.attach_cluster(cluster)
+
+    @property
+    def cluster(self) -> ClusterNode | None:
+        return self._cluster.node
+
+    def attach_cluster(self, cluster: ClusterNode) -> None:
+        """Share the store through ``cluster`` (started by the caller, stopped by ``close()``
+        before the store closes): advertise what is stored, withdraw what is dropped, fetch
+        what lookups miss."""
+        self._cluster.attach(cluster)
+
+    # ------------------------------------------------------------------------- connections
+
+    def open_owner(self, owner: str) -> None:
+        self.leases.open_owner(owner)
+        self.counters.add(connections_total=1)
+
+    def drop_owner(self, owner: str) -> None:
+        """The owner's connection closed: release its leases and unmap its registrations."""
+        num_leases = self.leases.close_owner(owner)
+        self.counters.add(leases_dropped_on_disconnect=num_leases)
+        num_dropped = self.registry.drop_owner(owner)  # and their HBM-tier entries
+        self.counters.add(registrations_dropped_on_disconnect=num_dropped)
+
+    def count(self, verb: str, error_code: str | None) -> None:
+        """Every request ends here exactly once: counted by verb, and by code if it failed."""
+        self.counters.count_request(verb, error_code)
+
+    # ------------------------------------------------------------------------------ leases
+
+    def release_abandoned(self, result: Any) -> None:
+        """A lookup whose reply missed its deadline: nobody will use or release its lease."""
+        if isinstance(result, dict) and result.get("lease_id") is not None:
+            self.leases.drop(result["lease_id"])
+
+    def expire_leases(self) -> int:
+        """Release leases past their deadline, in the store and in the table; returns how many."""
+        now = time.monotonic()
+        num_expired = self.store.expire_leases(now)
+        num_stale = self.leases.expire(now)
+        self.counters.add(leases_expired=max(num_expired, num_stale))
+        return num_stale
+
+    def num_leases(self, owner: str | None = None) -> int:
+        return self.leases.count(owner)
+
+    # ------------------------------------------------------------------------------- verbs
+
+    def call(self, verb: str, args: dict[str, Any], ctx: CallContext) -> Any:
+        """Run one validated request; ServiceError carries the code the client sees."""
+        ctx.check()
+        handler = self.verbs.get(verb)
+        if handler is None:  # the protocol validated the verb: a table out of step with it
+            raise ServiceError("unknown_verb", f"no handler for verb {verb!r}")
+        return with_mapped_errors(handler, args, ctx)
+
+    def health(self) -> dict:
+        return {"status": "ok", "uptime_s": round(time.monotonic() - self.started_at, 3),
+                "pid": os.getpid(), "version": self.version}
+
+    def stats(self) -> dict:
+        """The store's stats plus a ``daemon`` section of counters."""
+        store_stats = self.store.stats()
+        counts = self.counters.snapshot()
+        daemon = {
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+            "connections": self.leases.num_owners,
+            "leases_active": self.leases.count(),
+            **counts,
+            "registrations": len(self.registry),
+        }
+        return merge_stats(store_stats, daemon, self.hbm.stats(),
+                           self._cluster.stats(counts["events"]))
+
+    def close(self) -> None:
+        """Stop the cluster node (peers stop reading the store), release every lease."""
+        self._cluster.stop()
+        self.leases.clear()
+        self.registry.close_all()

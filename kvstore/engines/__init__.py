@@ -1,0 +1,1 @@
+"""What the daemon knows of registered engines: their memory, the HBM tier, the copies."""

@@ -1,0 +1,178 @@
+"""A GPU engine's registration: its KV regions opened by CUDA IPC handle, copied by the copier.
+
+A CUDA region's size is checked against the allocation size the driver reports for the opened
+IPC mapping, never taken on the engine's word. CUDA maps a handle at most once per process, so
+registrations of the same buffer share one refcounted mapping (``IpcTable``). Copies go through
+the device's ``CudaCopier`` (``block_runs`` gives the runs); saves and loads are pipelined
+batches (``cuda_copies``). Importable without CuPy: nothing here touches it until a CUDA layout
+is registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+from kvstore.engines import copier as cuda_copier
+from kvstore.engines import cuda_copies
+from kvstore.engines.copier import CopyRun, CudaCopier, CudaIpcMapping
+from kvstore.engines.registration import (
+    Cancellation,
+    Registration,
+    RegistryError,
+    host_address,
+)
+from kvstore.layout import KVLayout
+from kvstore.store.block_store import BlockStore, Lease
+
+log = logging.getLogger(__name__)
+
+_CUDA_DEVICE = re.compile(r"^cuda(?::(\d{1,3}))?$")
+CUDA_IPC_HANDLE_BYTES = 64
+
+
+class IpcTable:
+    """CUDA IPC mappings open in this process, by (device, handle), with reference counts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, bytes], list] = {}  # key -> [mapping, num_users]
+
+    def acquire(self, handle: bytes, size_bytes: int, device_id: int) -> CudaIpcMapping:
+        with self._lock:
+            entry = self._open.get((device_id, handle))
+            if entry is None:
+                entry = [CudaIpcMapping(handle, size_bytes, device_id), 0]
+                self._open[(device_id, handle)] = entry
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, handle: bytes, device_id: int) -> None:
+        with self._lock:
+            entry = self._open[(device_id, handle)]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._open[(device_id, handle)]
+        try:
+            entry[0].close()
+        except Exception as exc:  # a broken CUDA context: nothing left to unmap
+            log.warning("closing a CUDA IPC mapping on device %d failed: %s", device_id, exc)
+
+
+def cuda_device_id(device: str) -> int:
+    """The device index ``device`` ("cuda" or "cuda:N") names; RegistryError if unusable."""
+    match = _CUDA_DEVICE.match(device)
+    if match is None:
+        raise RegistryError("bad_request", f"unknown device {device!r}")
+    device_id = int(match.group(1) or 0)
+    if not cuda_copier.cuda_available():
+        raise RegistryError("unsupported", f"device {device!r}: CUDA IPC regions need a CUDA "
+                            "device and this daemon sees none (CuPy missing or no GPU); register "
+                            "a CPU shared-memory layout")
+    import cupy
+
+    num_devices = cupy.cuda.runtime.getDeviceCount()
+    if device_id >= num_devices:
+        raise RegistryError("bad_request", f"device {device!r}: this daemon sees "
+                            f"{num_devices} CUDA device(s)")
+    return device_id
+
+
+class CudaRegistration(Registration):
+    """One device address per region; device memory stays mapped until ``close`` and the last
+    copy."""
+
+    is_cuda = True
+
+    def __init__(self, registration_id: int, engine_id: str, layout: KVLayout, owner: str,
+                 device_id: int, copier: CudaCopier, ipc_table: IpcTable) -> None:
+        super().__init__(registration_id, engine_id, layout, owner)
+        self.device_id = device_id
+        self.copier = copier
+        self._ipc_table = ipc_table
+        self._region_ptrs: list[int] = []  # one per region
+        self._ipc_handles: list[bytes] = []  # distinct, acquired
+
+    @classmethod
+    def open(cls, ids: Iterator[int], engine_id: str, layout: KVLayout, owner: str,
+             copier_of: Callable[[int], CudaCopier], ipc_table: IpcTable) -> CudaRegistration:
+        """Open every region's IPC handle; RegistryError (nothing left mapped) if one fails.
+        The id is drawn from ``ids`` only once the layout names a usable device and handles."""
+        device_id = cuda_device_id(layout.device)
+        handles = []
+        for i, region in enumerate(layout.regions):
+            if not isinstance(region.handle, bytes) or len(region.handle) != \
+                    CUDA_IPC_HANDLE_BYTES:
+                raise RegistryError("bad_request", f"region {i}: a CUDA region's handle must be "
+                                    f"the {CUDA_IPC_HANDLE_BYTES} bytes of a CUDA IPC handle")
+            handles.append(region.handle)
+        reg = cls(next(ids), engine_id, layout, owner, device_id, copier_of(device_id),
+                  ipc_table)
+        mapped: dict[bytes, int] = {}
+        try:
+            for i, handle in enumerate(handles):
+                if handle not in mapped:
+                    size = max(r.size_bytes for r, h in zip(layout.regions, handles)
+                               if h == handle)
+                    try:
+                        mapping = ipc_table.acquire(handle, size, device_id)
+                    except Exception as exc:  # CUDARuntimeError: stale, foreign or own handle
+                        raise RegistryError("bad_request", f"region {i}: cannot open its CUDA "
+                                            f"IPC handle on {layout.device}: {exc}") from None
+                    reg._ipc_handles.append(handle)
+                    if size > mapping.mapped_bytes:
+                        raise RegistryError("bad_request", f"region {i}: size_bytes {size} "
+                                            "exceeds the CUDA allocation behind its IPC handle "
+                                            f"({mapping.mapped_bytes} bytes)")
+                    mapped[handle] = mapping.ptr
+                reg._region_ptrs.append(mapped[handle])
+        except BaseException:
+            reg.unmap()
+            raise
+        return reg
+
+    def piece_ptrs(self, block_id: int) -> list[int]:
+        """The device address of each of block ``block_id``'s region pieces."""
+        return [base + region.offset + block_id * region.block_stride
+                for region, base in zip(self.layout.regions, self._region_ptrs)]
+
+    def block_runs(self, block_id: int, host_addr: int, to_device: bool) -> list[CopyRun]:
+        """The copies moving block ``block_id`` between its device pieces and the
+        ``block_bytes`` at ``host_addr`` (pieces concatenated in region order)."""
+        runs = []
+        for region, base in zip(self.layout.regions, self._region_ptrs):
+            dev = base + region.offset + block_id * region.block_stride
+            runs.append(CopyRun(host_addr, dev, region.block_bytes) if to_device
+                        else CopyRun(dev, host_addr, region.block_bytes))
+            host_addr += region.block_bytes
+        return runs
+
+    def read_block(self, block_id: int, out: memoryview) -> None:
+        self.copier.device_to_host(self.block_runs(block_id, host_address(out),
+                                                   to_device=False)).wait()
+
+    def write_block(self, block_id: int, data: memoryview) -> None:
+        self.copier.host_to_device(self.block_runs(block_id, host_address(data),
+                                                   to_device=True)).wait()
+
+    def save_blocks(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
+                    hashes: Sequence[bytes], idents: Sequence[bytes],
+                    cancel: Cancellation, outcomes: list[str]) -> None:
+        # pipelined D2H batches; see cuda_copies
+        outcomes += cuda_copies.save_blocks(store, self, namespace, block_ids, hashes, idents,
+                                            lambda: cancel.cancelled)
+
+    def load_blocks(self, store: BlockStore, lease: Lease, first_index: int,
+                    block_ids: Sequence[int], cancel: Cancellation) -> int:
+        # pipelined H2D batches; see cuda_copies
+        return cuda_copies.load_blocks(store, self, lease, block_ids, lambda: cancel.cancelled,
+                                       first_index=first_index)
+
+    def _unmap_memory(self) -> None:
+        self._region_ptrs.clear()
+        while self._ipc_handles:
+            self._ipc_table.release(self._ipc_handles.pop(), self.device_id)
+

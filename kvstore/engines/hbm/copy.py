@@ -1,0 +1,186 @@
+"""HBM-tier copies: blocks from other engines' arenas into a requester's, checked by generation.
+
+The owner of a source block is never stalled: nothing pins its blocks. Instead every block is
+copied seqlock-style. Its generation is read before the copy is issued and again after the copy
+has completed (on GPU: after the copy's CUDA event); the owner bumps a block's generation before
+anything may write the block again, so an unchanged generation after the copy proves the bytes
+copied were the published ones. A changed one (or a closed source registration) fails that block:
+the count of copied blocks stops before it, so the requester's hit shrinks and nothing it uses
+is wrong. Blocks after a failed one may have been written into the requester's blocks but are not
+counted (the requester recomputes them).
+
+CPU: a memcpy between the two shared-memory mappings. GPU: ``cudaMemcpyAsync`` device to device
+(peers included) on the destination device's copy stream, coalesced runs, chunked so the first
+chunk copies while the next is built, completion by event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.engines import copier as cuda_copier
+from kvstore.engines.copier import CopyHandle, CopyRun
+from kvstore.engines.hbm.index import HbmEntry
+from kvstore.engines.registration import Registration, RegistrationClosed
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 << 20  # one device-to-device submission (~40 us of copying on an H100)
+
+# Why a copy stopped short (None: it did not).
+GENERATION = "generation"  # the owner reallocated the block
+CLOSED = "closed"  # the owner unregistered or its connection closed
+INCOMPATIBLE = "incompatible"  # other block shape, other device kind, no peer access
+COPY_ERROR = "copy_error"  # CUDA reported an error
+STOPPED = "stopped"  # deadline or disconnect of the requester
+
+
+@dataclass
+class CopyOutcome:
+    """``num_copied`` leading blocks arrived intact; ``failure`` says why the rest did not;
+    ``stale`` is the entry whose generation check failed (to be dropped from the index)."""
+
+    num_copied: int
+    failure: str | None = None
+    stale: HbmEntry | None = None
+
+
+def compatible(src: Registration, dst: Registration) -> bool:
+    """Blocks of ``src`` can be copied into ``dst``: same piece sizes, both in host shared
+    memory, or both on CUDA devices that can reach each other."""
+    if src.is_cuda != dst.is_cuda:
+        return False
+    if [r.block_bytes for r in src.layout.regions] != [r.block_bytes for r in dst.layout.regions]:
+        return False
+    if src.is_cuda:
+        return cuda_copier.can_access_peer(dst.device_id, src.device_id)
+    return True
+
+
+def copy_blocks(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence[int],
+                stopped: Callable[[], bool],
+                after_copy: Callable[[int], None] | None = None) -> CopyOutcome:
+    """Copy each source block into ``dst`` block ``dst_ids[i]``, in order; call inside
+    ``dst.open_for_copy()`` with the ids checked. Returns only once no copy is in flight.
+
+    ``after_copy(i)`` (tests) runs once block ``i``'s bytes (GPU: its chunk's) have landed,
+    before their generations are checked again.
+    """
+    with contextlib.ExitStack() as stack:
+        opened: set[int] = set()
+
+        def check(entry: HbmEntry) -> str | None:
+            """Whether block copying may start: None, or why not."""
+            reg = entry.reg
+            if reg.registration_id not in opened:
+                if not compatible(reg, dst):
+                    return INCOMPATIBLE
+                try:
+                    stack.enter_context(reg.open_for_copy())
+                except RegistrationClosed:
+                    return CLOSED
+                opened.add(reg.registration_id)
+            if not entry.current():
+                return CLOSED if reg.closed else GENERATION
+            return None
+
+        if dst.is_cuda:
+            return _copy_cuda(sources, dst, dst_ids, stopped, check, after_copy)
+        return _copy_host(sources, dst, dst_ids, stopped, check, after_copy)
+
+
+def _after_failure(entry: HbmEntry, reason: str, num_copied: int) -> CopyOutcome:
+    return CopyOutcome(num_copied, reason, entry if reason == GENERATION else None)
+
+
+def _verify(entry: HbmEntry) -> str | None:
+    """After the copy landed: None if the block was the published one throughout."""
+    if entry.current():
+        return None
+    return CLOSED if entry.reg.closed else GENERATION
+
+
+def _copy_host(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence[int],
+               stopped: Callable[[], bool], check: Callable[[HbmEntry], str | None],
+               after_copy: Callable[[int], None] | None) -> CopyOutcome:
+    for i, (entry, dst_id) in enumerate(zip(sources, dst_ids)):
+        if stopped():
+            return CopyOutcome(i, STOPPED)
+        reason = check(entry)
+        if reason is not None:
+            return _after_failure(entry, reason, i)
+        for src_piece, dst_piece in zip(entry.reg.piece_views(entry.block_id),
+                                        dst.piece_views(dst_id)):
+            dst_piece[:] = src_piece
+        if after_copy is not None:
+            after_copy(i)
+        reason = _verify(entry)
+        if reason is not None:
+            return _after_failure(entry, reason, i)
+    return CopyOutcome(len(sources))
+
+
+@dataclass(eq=False)
+class _Chunk:
+    handle: CopyHandle
+    start: int  # carries blocks start .. end - 1
+    end: int
+
+
+def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence[int],
+               stopped: Callable[[], bool], check: Callable[[HbmEntry], str | None],
+               after_copy: Callable[[int], None] | None) -> CopyOutcome:
+    num_blocks = len(sources)
+    per_chunk = max(1, CHUNK_BYTES // max(1, dst.block_bytes))
+    sizes = [r.block_bytes for r in dst.layout.regions]
+    chunks: list[_Chunk] = []
+    # Submission stops at the first block that may not be copied; what is before it counts.
+    early: CopyOutcome | None = None
+    try:
+        i = 0
+        while i < num_blocks and early is None:
+            if stopped():
+                early = CopyOutcome(i, STOPPED)
+                break
+            start, runs = i, []
+            while i < num_blocks and i - start < per_chunk:
+                entry = sources[i]
+                reason = check(entry)
+                if reason is not None:
+                    early = _after_failure(entry, reason, i)
+                    break
+                for src_ptr, dst_ptr, num_bytes in zip(entry.reg.piece_ptrs(entry.block_id),
+                                                       dst.piece_ptrs(dst_ids[i]), sizes):
+                    runs.append(CopyRun(src_ptr, dst_ptr, num_bytes))
+                i += 1
+            if not runs:
+                break
+            try:
+                handle = dst.copier.device_to_device(runs)
+            except Exception as exc:  # the copier waited out what it had enqueued
+                log.error("submitting %d device-to-device block copies failed: %s",
+                          i - start, exc)
+                early = CopyOutcome(start, COPY_ERROR)
+                break
+            chunks.append(_Chunk(handle, start, i))
+        # Count in order: a chunk's blocks are checked again once its event has completed.
+        for chunk in chunks:
+            try:
+                chunk.handle.wait()
+            except Exception as exc:  # a CUDA error surfaces at the event
+                log.error("device-to-device block copies failed: %s", exc)
+                return CopyOutcome(chunk.start, COPY_ERROR)
+            if after_copy is not None:
+                after_copy(chunk.start)
+            for j in range(chunk.start, chunk.end):
+                reason = _verify(sources[j])
+                if reason is not None:
+                    return _after_failure(sources[j], reason, j)
+        return early if early is not None else CopyOutcome(num_blocks)
+    finally:
+        for chunk in chunks:  # whatever happened, no copy is in flight once this returns
+            with contextlib.suppress(Exception):
+                chunk.handle.wait()

@@ -1,0 +1,206 @@
+"""The HBM tier's index: which full blocks sit in which registered engine's arena, at which id.
+
+An engine that shares its block generations publishes (``resident``) the blocks its prefix cache
+holds: block id, hash, ident and the generation the block had when it was filled. An entry is a
+claim, never trusted on its own: it is good only while the engine's generation counter of that
+block still equals the published one (the engine bumps it whenever it reallocates the block,
+before anything can write it), and a hit is verified against the ident like any store hit.
+Entries leave when the engine publishes the eviction, when a lookup or a copy finds their
+generation moved on, and all at once when the registration closes. One entry per (registration,
+block id): a new publication for a block replaces the old one, so the index never holds more
+entries than the registered engines have blocks.
+
+Thread-safe: lookups and publications run on the daemon's event loop, copies and disconnects on
+worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.engines.registration import Registration
+
+
+@dataclass(eq=False, slots=True)
+class HbmEntry:
+    """Block ``block_id`` of ``reg`` held the block (``namespace``, ``block_hash``) as of
+    ``generation``."""
+
+    reg: Registration
+    block_id: int
+    generation: int
+    namespace: bytes
+    block_hash: bytes
+    ident: bytes
+
+    def current(self) -> bool:
+        """The block still holds what was published (a fresh read of its generation)."""
+        return self.reg.generation(self.block_id) == self.generation
+
+
+# Outcomes counted here; present from the start so exported series never appear late.
+COUNTERS = ("published", "published_stale", "withdrawn", "dropped_stale", "dropped_closed",
+            "collisions")
+
+
+class HbmIndex:
+    """Published resident blocks by (namespace, hash) and by (registration, block id)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_hash: dict[bytes, dict[bytes, list[HbmEntry]]] = {}  # namespace -> hash -> ...
+        self._by_reg: dict[int, dict[int, HbmEntry]] = {}  # registration id -> block id -> ...
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+
+    def publish(self, reg: Registration, namespace: bytes, block_ids: Sequence[int],
+                hashes: Sequence[bytes], idents: Sequence[bytes],
+                generations: Sequence[int]) -> int:
+        """Index blocks of ``reg`` (ids already checked); returns how many were current."""
+        num_indexed = 0
+        with self._lock:
+            if reg.closed:
+                return 0
+            blocks = self._by_reg.setdefault(reg.registration_id, {})
+            table = self._by_hash.setdefault(namespace, {})
+            for block_id, block_hash, ident, gen in zip(block_ids, hashes, idents, generations):
+                old = blocks.pop(block_id, None)
+                if old is not None:
+                    self._unlink_locked(old)
+                if reg.generation(block_id) != gen:  # reallocated since the engine published
+                    self.counters["published_stale"] += 1
+                    continue
+                entry = HbmEntry(reg, block_id, gen, namespace, block_hash, ident)
+                blocks[block_id] = entry
+                table.setdefault(block_hash, []).append(entry)
+                num_indexed += 1
+            if not table:
+                del self._by_hash[namespace]
+            if not blocks:
+                del self._by_reg[reg.registration_id]
+            self.counters["published"] += num_indexed
+        return num_indexed
+
+    def withdraw(self, regs: Sequence[Registration], namespace: bytes,
+                 hashes: Sequence[bytes]) -> int:
+        """The engine(s) evicted these blocks: forget their entries; returns how many went."""
+        reg_ids = {r.registration_id for r in regs}
+        num_removed = 0
+        with self._lock:
+            table = self._by_hash.get(namespace)
+            if not table:
+                return 0
+            for block_hash in hashes:
+                entries = table.get(block_hash)
+                if not entries:
+                    continue
+                for entry in [e for e in entries if e.reg.registration_id in reg_ids]:
+                    self._remove_locked(entry)
+                    num_removed += 1
+            self.counters["withdrawn"] += num_removed
+        return num_removed
+
+    def drop_registration(self, reg: Registration) -> int:
+        """The registration closed: every entry of it goes; returns how many."""
+        with self._lock:
+            blocks = self._by_reg.pop(reg.registration_id, None) or {}
+            for entry in blocks.values():
+                self._unlink_locked(entry)
+            self.counters["dropped_closed"] += len(blocks)
+        return len(blocks)
+
+    def discard(self, entry: HbmEntry) -> None:
+        """A copy found the entry's block reallocated: forget it (if still indexed)."""
+        with self._lock:
+            blocks = self._by_reg.get(entry.reg.registration_id)
+            if blocks is not None and blocks.get(entry.block_id) is entry:
+                self._remove_locked(entry)
+                self.counters["dropped_stale"] += 1
+
+    def holds(self, namespace: bytes) -> bool:
+        """Any entry in ``namespace`` (a hint: read without the lock)."""
+        return bool(self._by_hash.get(namespace))
+
+    def find(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+             usable: Callable[[Registration], bool]) -> list[HbmEntry | None] | None:
+        """Per hash, a current, verified entry of a ``usable`` registration, or None; None
+        instead of the list when no hash has one (the common case costs one dict lookup)."""
+        table = self._by_hash.get(namespace)
+        if not table:
+            return None
+        candidates = list(map(table.get, hashes))
+        if not any(candidates):
+            return None
+        found: list[HbmEntry | None] = [None] * len(hashes)
+        fit: dict[int, bool] = {}  # usable() per registration id, asked once per lookup
+        picked: dict[int, list[int]] = {}  # registration id -> indices whose entry it holds
+        with self._lock:
+            for i, entries in enumerate(candidates):
+                if not entries:
+                    continue
+                for entry in entries:
+                    reg_id = entry.reg.registration_id
+                    ok = fit.get(reg_id)
+                    if ok is None:
+                        ok = fit[reg_id] = usable(entry.reg)
+                    if not ok:
+                        continue
+                    if entry.ident != idents[i]:
+                        self.counters["collisions"] += 1
+                        continue
+                    found[i] = entry
+                    picked.setdefault(reg_id, []).append(i)
+                    break
+            # The generations of each registration's picks in one read: an entry whose block
+            # was reallocated (its eviction is on its way) is dropped, and that block misses.
+            for indices in picked.values():
+                entries = [found[i] for i in indices]
+                now = entries[0].reg.generations_of([e.block_id for e in entries])
+                want = np.fromiter((e.generation for e in entries), dtype=np.uint64,
+                                   count=len(entries))
+                if now is not None and np.array_equal(now, want):
+                    continue
+                for k, (i, entry) in enumerate(zip(indices, entries)):
+                    if now is None or int(now[k]) != entry.generation:
+                        found[i] = None
+                        self._remove_locked(entry)
+                        self.counters["dropped_stale"] += 1
+        return found if any(found) else None
+
+    def stats(self) -> dict:
+        with self._lock:
+            num_blocks = sum(len(blocks) for blocks in self._by_reg.values())
+            return {"blocks": num_blocks, "registrations": len(self._by_reg),
+                    "index": dict(self.counters)}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(blocks) for blocks in self._by_reg.values())
+
+    def _remove_locked(self, entry: HbmEntry) -> None:
+        blocks = self._by_reg.get(entry.reg.registration_id)
+        if blocks is not None and blocks.get(entry.block_id) is entry:
+            del blocks[entry.block_id]
+            if not blocks:
+                del self._by_reg[entry.reg.registration_id]
+        self._unlink_locked(entry)
+
+    def _unlink_locked(self, entry: HbmEntry) -> None:
+        table = self._by_hash.get(entry.namespace)
+        if table is None:
+            return
+        entries = table.get(entry.block_hash)
+        if entries is None:
+            return
+        try:
+            entries.remove(entry)
+        except ValueError:
+            return
+        if not entries:
+            del table[entry.block_hash]
+            if not table:
+                del self._by_hash[entry.namespace]

@@ -1,0 +1,165 @@
+"""The HBM tier: serve blocks resident in other registered engines by a copy between arenas.
+
+A lookup first asks the index (``HbmIndex``) which blocks another engine of a compatible
+registration holds, then asks the store (DRAM, SSD) for the others, in one lease: per block the
+HBM copy is preferred (on GPU a device-to-device copy beats any host-to-device one). The hit is
+the longest prefix every block of which one of them serves. A load walks the hit in runs of one
+source: HBM runs go through ``copy.py`` (generation-checked), store runs through the caller's
+store path; the first short run ends the count (fail closed).
+
+Eligible sources for a requester (its connection's registrations): another connection's
+registration that publishes generations, with the same block pieces, on the host for a host
+requester, on the same or a peer-accessible device for a CUDA one. Without any usable entry the
+lookup returns None and the caller's plain store path runs, untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.engines.hbm import copy as hbm_copy
+from kvstore.engines.hbm.index import HbmEntry, HbmIndex
+from kvstore.engines.registry import Registration, Registry
+from kvstore.store.block_store import BlockStore, Lease, Tier
+
+# Counted outcomes, present from the start: hits and misses are blocks of lookups that found
+# HBM candidates (a miss: a block of such a lookup the HBM tier did not serve); copies are
+# submitted runs; the failures are the reasons a copy stopped short.
+_FAILURES = {hbm_copy.GENERATION: "generation_failures", hbm_copy.CLOSED: "owner_closed_failures",
+             hbm_copy.INCOMPATIBLE: "incompatible_failures", hbm_copy.COPY_ERROR: "copy_errors",
+             hbm_copy.STOPPED: "copies_stopped"}
+COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_FAILURES.values())
+
+
+@dataclass
+class HbmHit:
+    """A hit with HBM blocks in it: per block of the hit, its HBM source (or None) and its index
+    in the store's ``lease`` (or None). ``lease`` is None when the store serves none of it or
+    no lease was asked for."""
+
+    num_hit: int
+    tiers: list[Tier]
+    lease: Lease | None
+    sources: list[HbmEntry | None]
+    store_index: list[int | None]
+
+
+class HbmTier:
+    """The index plus lookups and loads across it and the store; thread-safe."""
+
+    def __init__(self, store: BlockStore, registry: Registry) -> None:
+        self.store = store
+        self.registry = registry
+        self.index = HbmIndex()
+        registry.on_close = self.index.drop_registration
+        self._lock = threading.Lock()
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+
+    # -- publications -----------------------------------------------------------------------
+
+    def publish(self, reg: Registration, namespace: bytes, block_ids: Sequence[int],
+                hashes: Sequence[bytes], idents: Sequence[bytes],
+                generations: Sequence[int]) -> int:
+        """Index ``reg``'s resident blocks (ids checked by the caller); returns how many."""
+        return self.index.publish(reg, namespace, block_ids, hashes, idents, generations)
+
+    def withdraw(self, regs: Sequence[Registration], namespace: bytes,
+                 hashes: Sequence[bytes]) -> int:
+        return self.index.withdraw(regs, namespace, hashes)
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def lookup(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+               owner: str, lease_ttl_s: float | None) -> HbmHit | None:
+        """The hit with HBM blocks in it, or None when no block has a usable HBM source (then
+        nothing was asked of the store or counted)."""
+        if not self.index.holds(namespace):  # the common case: one dict lookup, no lock
+            return None
+        targets = self.registry.of_owner(owner)
+        if not targets:
+            return None
+
+        def usable(src: Registration) -> bool:
+            return (src.owner != owner and src.has_generations and not src.closed
+                    and any(hbm_copy.compatible(src, dst) for dst in targets))
+
+        found = self.index.find(namespace, hashes, idents, usable)
+        if found is None:
+            return None
+        rest = [i for i, entry in enumerate(found) if entry is None]
+        result = None
+        num_hit = len(hashes)
+        if rest:
+            result = self.store.lookup(namespace, [hashes[i] for i in rest],
+                                       [idents[i] for i in rest], lease_ttl_s=lease_ttl_s,
+                                       owner=owner)
+            if result.num_hit < len(rest):
+                num_hit = rest[result.num_hit]
+        if result is None:  # all of it from other engines' arenas
+            tiers, store_index, num_store = [Tier.HBM] * num_hit, [None] * num_hit, 0
+        else:
+            tiers, store_index, num_store = [], [], 0
+            for entry in found[:num_hit]:
+                if entry is None:
+                    tiers.append(result.tiers[num_store])
+                    store_index.append(num_store)
+                    num_store += 1
+                else:
+                    tiers.append(Tier.HBM)
+                    store_index.append(None)
+        num_hbm = num_hit - num_store
+        with self._lock:
+            self.counters["lookups"] += 1
+            self.counters["hits"] += num_hbm
+            self.counters["misses"] += len(hashes) - num_hbm
+        return HbmHit(num_hit, tiers, result.lease if result is not None else None,
+                      found[:num_hit], store_index)
+
+    # -- loads ------------------------------------------------------------------------------
+
+    def load(self, hit: HbmHit, dst: Registration, block_ids: Sequence[int],
+             load_from_store: Callable[[int, Sequence[int]], int],
+             stopped: Callable[[], bool],
+             after_copy: Callable[[int], None] | None = None) -> int:
+        """Fill ``block_ids`` (a prefix of the hit) in order; returns how many, from the first,
+        arrived intact. ``load_from_store(first_lease_index, block_ids)`` loads a store run and
+        returns its count. Call inside ``dst.open_for_copy()``."""
+        num_blocks = len(block_ids)
+        num_loaded, i = 0, 0
+        while i < num_blocks:
+            from_hbm = hit.sources[i] is not None
+            j = i + 1
+            while j < num_blocks and (hit.sources[j] is not None) == from_hbm:
+                j += 1
+            if from_hbm:
+                out = hbm_copy.copy_blocks(hit.sources[i:j], dst, block_ids[i:j], stopped,
+                                           after_copy)
+                got = out.num_copied
+                if out.stale is not None:
+                    self.index.discard(out.stale)
+                with self._lock:
+                    self.counters["copies"] += 1
+                    self.counters["blocks_copied"] += got
+                    if out.failure is not None:
+                        self.counters[_FAILURES[out.failure]] += 1
+            else:
+                got = load_from_store(hit.store_index[i], block_ids[i:j])
+            num_loaded += got
+            if got < j - i:
+                break
+            i = j
+        return num_loaded
+
+    def stats(self) -> dict:
+        """``tiers.hbm`` of the daemon's stats: resident blocks indexed, hits and misses, and
+        the copy and index counters."""
+        index = self.index.stats()
+        with self._lock:
+            counters = dict(self.counters)
+        counters.update({f"index_{k}": v for k, v in index["index"].items()})
+        return {"blocks": index["blocks"], "registrations": index["registrations"],
+                "hits": counters.pop("hits"), "misses": counters.pop("misses"),
+                "counters": counters}

@@ -1,0 +1,138 @@
+"""Registered engines by id: opening a layout's memory, finding it per connection, closing it.
+
+A CPU layout opens a ``ShmRegistration``, a GPU one a ``CudaRegistration`` (one ``CudaCopier``
+per device, one refcounted IPC table for the process). Owners are connection names: a
+disconnect closes every registration of its connection.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+
+from kvstore.engines.copier import CudaCopier
+from kvstore.engines.cuda_registration import CudaRegistration, IpcTable
+from kvstore.engines.registration import (  # noqa: F401 (the registry's errors, re-exported)
+    BlockIdsOutOfRange,
+    Registration,
+    RegistrationClosed,
+    RegistryError,
+)
+from kvstore.engines.shm_registration import ShmRegistration, map_shm
+from kvstore.layout import GENERATION_BYTES, KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class Registry:
+    """Registrations by id; thread-safe. Owners are connection names, so a disconnect drops all."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[int, Registration] = {}
+        self._ids = itertools.count(1)
+        self._ipc = IpcTable()
+        self._copiers: dict[int, CudaCopier] = {}
+        # Told of every registration that leaves (unregistered, its connection closed, shutdown),
+        # before its mappings go: the HBM tier forgets its blocks.
+        self.on_close: Callable[[Registration], None] | None = None
+
+    def register(self, layout_wire: dict, engine_id: str, owner: str) -> Registration:
+        """Map a layout's memory; RegistryError(bad_request|unsupported|not_found) if impossible."""
+        try:
+            layout = KVLayout.from_wire(layout_wire)
+        except (ValueError, TypeError) as exc:
+            raise RegistryError("bad_request", f"invalid layout: {exc}") from None
+        reg: Registration
+        if layout.device != "cpu":
+            reg = CudaRegistration.open(self._ids, engine_id, layout, owner, self._copier,
+                                        self._ipc)
+        else:
+            reg = ShmRegistration.open(next(self._ids), engine_id, layout, owner)
+        if layout.generations:
+            try:
+                self._map_generations(reg)
+            except BaseException:
+                reg.close()
+                raise
+        with self._lock:
+            self._by_id[reg.registration_id] = reg
+        return reg
+
+    @staticmethod
+    def _map_generations(reg: Registration) -> None:
+        name = reg.layout.generations
+        mapping = map_shm(name, writable=False)
+        needed, size = reg.layout.num_blocks * GENERATION_BYTES, len(mapping)
+        if size < needed:
+            mapping.close()
+            raise RegistryError("bad_request", f"block generations {name!r} hold {size} bytes, "
+                                f"{reg.layout.num_blocks} blocks need {needed}")
+        reg.attach_generations(mapping)
+
+    def _copier(self, device_id: int) -> CudaCopier:
+        with self._lock:
+            copier = self._copiers.get(device_id)
+            if copier is None:
+                copier = self._copiers[device_id] = CudaCopier(device_id)
+            return copier
+
+    def get(self, registration_id: int, owner: str) -> Registration:
+        with self._lock:
+            reg = self._by_id.get(registration_id)
+        if reg is None or reg.owner != owner:
+            raise RegistryError("not_found", f"no registration {registration_id} on this "
+                                "connection")
+        return reg
+
+    def of_owner(self, owner: str) -> list[Registration]:
+        """The open registrations of one connection."""
+        with self._lock:
+            return [r for r in self._by_id.values() if r.owner == owner]
+
+    def unregister(self, registration_id: int, owner: str) -> bool:
+        with self._lock:
+            reg = self._by_id.get(registration_id)
+            if reg is None or reg.owner != owner:
+                return False
+            del self._by_id[registration_id]
+        self._close(reg)
+        return True
+
+    def drop_owner(self, owner: str) -> int:
+        """Close every registration of ``owner`` (its connection closed); returns how many."""
+        with self._lock:
+            regs = [r for r in self._by_id.values() if r.owner == owner]
+            for reg in regs:
+                del self._by_id[reg.registration_id]
+        for reg in regs:
+            self._close(reg)
+        return len(regs)
+
+    def close_all(self) -> None:
+        with self._lock:
+            regs = list(self._by_id.values())
+            self._by_id.clear()
+        for reg in regs:
+            self._close(reg)
+
+    def _close(self, reg: Registration) -> None:
+        reg.close()  # first: a copy that checks ``closed`` after this fails its block
+        if self.on_close is not None:
+            try:
+                self.on_close(reg)
+            except Exception:  # the registration is gone either way
+                log.exception("on_close of registration %d failed", reg.registration_id)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
+
+    def describe(self) -> list[dict]:
+        with self._lock:
+            regs = list(self._by_id.values())
+        return [{"registration_id": r.registration_id, "engine_id": r.engine_id,
+                 "num_blocks": r.num_blocks, "block_bytes": r.block_bytes, "device":
+                 r.layout.device, "publishes_resident": r.has_generations} for r in regs]

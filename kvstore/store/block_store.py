@@ -1,0 +1,178 @@
+"""The in-process block store contract: what the daemon's verbs call, whatever the tiers are.
+
+A block is addressed by (namespace digest, block hash), both 16 bytes, and carries an ``ident``: the
+bytes that prove a hit is the block asked for (parent hash + token ids for KV blocks, the full user
+key for the bytes API). A hit whose stored ident differs is a miss (counted as a collision), never
+data. Thread-safe: the daemon calls it from its event loop and from worker threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class Tier(str, enum.Enum):
+    HBM = "hbm"
+    DRAM = "dram"
+    SSD = "ssd"
+    REMOTE = "remote"
+
+
+class StoreError(Exception):
+    """A request the store cannot honour (bad argument, value larger than the pool...)."""
+
+
+class BlockUnavailable(StoreError):
+    """A leased block could not be produced (damaged on SSD, lost): the hit shrinks before it."""
+
+
+@dataclass
+class Lease:
+    """Pins a run of blocks against eviction until released or expired; use as a context manager.
+
+    Only the store creates leases. ``released`` flips once; releasing twice is harmless.
+    """
+
+    lease_id: int
+    namespace: bytes
+    block_hashes: list[bytes]
+    tiers: list[Tier]
+    expires_at: float
+    owner: str = ""
+    released: bool = False
+    store: BlockStore | None = field(default=None, repr=False)  # the store that granted it
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self.expires_at
+
+    def release(self) -> None:
+        if self.store is not None:
+            self.store.release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class LookupResult:
+    """The verified prefix: ``num_hit`` blocks from the start, the tier of each, and their lease."""
+
+    num_hit: int
+    tiers: list[Tier]
+    lease: Lease | None
+
+
+class WriteSlot(ABC):
+    """A reserved, not yet visible block: fill ``buffer``, then ``commit()`` or ``abort()``.
+
+    Until commit the block is in flight: no lookup sees it and eviction never touches it.
+    """
+
+    buffer: memoryview
+
+    @abstractmethod
+    def commit(self) -> bool:
+        """Publish the block; False when an equal block was published meanwhile (idempotent)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop the reservation; the bytes never become visible."""
+
+
+class BlockStore(ABC):
+    """Tiered storage of blocks with verified hits, leases and counted outcomes."""
+
+    @abstractmethod
+    def lookup(self, namespace: bytes, block_hashes: Sequence[bytes], idents: Sequence[bytes],
+               lease_ttl_s: float | None = 30.0, owner: str = "") -> LookupResult:
+        """Longest verified prefix of ``block_hashes``; stops at the first miss or ident mismatch.
+
+        With ``lease_ttl_s`` and a non-empty hit, the hit blocks are pinned by the returned lease.
+        """
+
+    @abstractmethod
+    def read(self, lease: Lease, index: int) -> memoryview:
+        """The bytes of the lease's block ``index`` in DRAM, promoting it from SSD first if needed.
+
+        Valid while the lease is held. Raises BlockUnavailable if the block turned out damaged
+        (it is then dropped from the store) and StoreError if the lease was released or expired.
+        """
+
+    @abstractmethod
+    def done(self, lease: Lease, index: int) -> None:
+        """The reader has copied block ``index`` of the lease out: its pin goes now, not at release.
+
+        Lets a lease cover more SSD blocks than DRAM holds: each block read promotes it into
+        DRAM, and ``done`` after its copy lets the next promotion reuse that room. Call it only
+        once every copy out of ``read``'s view has finished (an async copy: after it completed);
+        the view is invalid from then on and a later ``read`` of ``index`` raises StoreError.
+        The other blocks stay pinned until they are done, or the lease is released or expires.
+        Idempotent; a no-op on a released lease.
+        """
+
+    @abstractmethod
+    def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
+                    num_bytes: int) -> WriteSlot | None:
+        """Reserve DRAM for a new block (evicting or demoting unpinned blocks if needed).
+
+        None when the block is already stored with the same ident (a put is idempotent). Raises
+        StoreError when ``num_bytes`` can never fit or every byte of the pool is pinned.
+        """
+
+    @abstractmethod
+    def remove(self, namespace: bytes, block_hash: bytes) -> bool:
+        """Drop a block from every tier unless pinned; True if something was dropped."""
+
+    @abstractmethod
+    def release(self, lease: Lease) -> None:
+        """Unpin a lease's blocks. Idempotent."""
+
+    @abstractmethod
+    def expire_leases(self, now: float | None = None) -> int:
+        """Release every lease past its deadline; returns how many."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """``tiers.{dram,ssd}.{capacity_bytes,used_bytes,blocks}`` plus counted outcomes."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError if accounting is off (free + used + in-flight != capacity...)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background work and flush what must survive a restart."""
+
+    def put(self, namespace: bytes, block_hash: bytes, ident: bytes,
+            data: bytes | memoryview) -> bool:
+        """Store a copy of ``data``; False if an equal block was already there."""
+        view = memoryview(data).cast("B")
+        slot = self.begin_write(namespace, block_hash, ident, view.nbytes)
+        if slot is None:
+            return False
+        try:
+            slot.buffer[:] = view
+        except BaseException:
+            slot.abort()
+            raise
+        return slot.commit()
+
+    def get(self, namespace: bytes, block_hash: bytes, ident: bytes) -> bytes | None:
+        """A copy of the block's bytes from whichever tier holds it, or None."""
+        result = self.lookup(namespace, [block_hash], [ident], lease_ttl_s=60.0)
+        if result.lease is None:
+            return None
+        with result.lease as lease:
+            try:
+                return bytes(self.read(lease, 0))
+            except BlockUnavailable:
+                return None

@@ -1,0 +1,126 @@
+"""The DRAM tier's write path: write slots, admission, commit and abort."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+from kvstore.store.block_store import StoreError, WriteSlot
+from kvstore.store.demoter import Demoter
+from kvstore.store.dram.blocks import Block, BlockState
+from kvstore.store.dram.tier import DramTier
+from kvstore.store.drop_reports import DropReports
+from kvstore.store.guard import StoreGuard
+from kvstore.store.index_keys import IndexKeys
+from kvstore.store.ssd.tier import SSDTier
+
+
+class _Slot(WriteSlot):
+    def __init__(self, writes: WritePath, block: Block, buffer: memoryview) -> None:
+        self._writes, self._block, self.buffer = writes, block, buffer
+
+    def commit(self) -> bool:
+        published = self._writes.commit(self._block)
+        self._retire()
+        return published
+
+    def abort(self) -> None:
+        self._writes.abort(self._block)
+        self._retire()
+
+    def _retire(self) -> None:
+        # Later writes through the slot then raise; if the caller still exports the buffer (a
+        # NumPy array), the contract alone forbids them.
+        with contextlib.suppress(BufferError):
+            self.buffer.release()
+
+
+class WritePath:
+    """``begin_write`` and what a slot's commit or abort does to the DRAM tier."""
+
+    def __init__(self, guard: StoreGuard, keys: IndexKeys, dram: DramTier, ssd: SSDTier | None,
+                 demoter: Demoter, drops: DropReports, counters: Counter[str]) -> None:
+        self._guard = guard
+        self._keys = keys
+        self._dram = dram
+        self._pool = dram.pool
+        self._ssd = ssd
+        self._demoter = demoter
+        self._drops = drops
+        self._counters = counters
+
+    def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
+                    num_bytes: int) -> WriteSlot | None:
+        """A slot for a new block, or None if the store keeps what it has (counted why)."""
+        try:
+            return self._begin_write(namespace, block_hash, ident, num_bytes)
+        finally:
+            if self._drops.pending:  # room was made by evicting blocks
+                self._drops.report()
+
+    def _begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
+                     num_bytes: int) -> WriteSlot | None:
+        key = self._keys.key(namespace, block_hash)
+        if num_bytes < 0:
+            raise StoreError("num_bytes must be >= 0")
+        with self._guard.cond:
+            self._guard.check_open()
+            if self._pool.reserved_size(num_bytes) > self._pool.capacity_bytes:
+                self._counters["put_too_large"] += 1
+                raise StoreError(f"a {num_bytes} B block can never fit the "
+                                 f"{self._pool.capacity_bytes} B DRAM pool")
+            alloc = None
+            while True:
+                verdict = self._admit_locked(key, ident)
+                if verdict is not None:
+                    if alloc is not None:
+                        self._pool.free(alloc)
+                    self._counters[verdict] += 1
+                    return None
+                if alloc is not None:
+                    break
+                alloc = self._demoter.allocate_locked(num_bytes)  # may drop the lock: again
+            block = self._dram.reserve(key, bytes(ident), alloc)
+            return _Slot(self, block, self._pool.view(alloc))
+
+    def _admit_locked(self, key: bytes, ident: bytes) -> str | None:
+        """None when a new block may be written under ``key``; else the counter saying why not."""
+        cur = self._dram.get(key)
+        if cur is not None:
+            if cur.ident == ident:
+                self._dram.touch(key)
+                return "duplicate_puts"
+            if cur.state is not BlockState.READY or self._dram.is_pinned(cur) or cur.demoting:
+                return "put_collisions_dropped"
+            self._dram.drop(cur)  # an unpinned block with another ident: newest wins
+            self._drops.note(key)  # a drop only if the new block never arrives
+            self._counters["collisions_replaced"] += 1
+        if self._ssd is not None:
+            entry = self._ssd.lookup(key)
+            if entry is not None:
+                if entry.ident == ident:
+                    self._ssd.touch_many([entry])
+                    return "duplicate_puts"
+                if self._ssd.remove(entry):
+                    self._counters["collisions_replaced"] += 1
+        return None
+
+    def commit(self, block: Block) -> bool:
+        """Publish a filled block; False if it was dropped meanwhile (the store closed...)."""
+        with self._guard.cond:
+            if block.state is not BlockState.IN_FLIGHT or not self._dram.holds(block):
+                return False
+            pad = self._pool.view(block.alloc, padded=True)[block.alloc.num_bytes:]
+            pad[:] = bytes(len(pad))  # stale bytes of an older block never reach the SSD
+            self._dram.publish(block)
+            self._counters["puts"] += 1
+            self._counters["put_bytes"] += block.alloc.num_bytes
+            self._demoter.note_growth_locked()
+            return True
+
+    def abort(self, block: Block) -> None:
+        """Give up a reserved block: its bytes are freed, no lookup ever saw it."""
+        with self._guard.cond:
+            if block.state is BlockState.IN_FLIGHT and self._dram.holds(block):
+                self._dram.discard(block)
+                self._counters["aborts"] += 1

@@ -1,0 +1,75 @@
+"""The store's leases as pins: granting one over found blocks, letting go on release or expiry.
+
+Runs under the store's lock. DRAM blocks of a new lease are held lazily (``DramTier``); SSD
+entries are pinned by the caller before the grant (a pin can fail there) and unpinned here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+from kvstore.store.block_store import Lease, Tier
+from kvstore.store.dram.tier import DramTier
+from kvstore.store.guard import StoreGuard
+from kvstore.store.leases import HeldLease, LeaseTable
+from kvstore.store.ssd.tier import SSDTier
+
+
+class LeasePins:
+    """The store's live leases, what each pins, and the letting go of it."""
+
+    def __init__(self, guard: StoreGuard, dram: DramTier, ssd: SSDTier | None,
+                 table: LeaseTable, counters: Counter[str]) -> None:
+        self._guard = guard
+        self._dram = dram
+        self._ssd = ssd
+        self._table = table
+        self._counters = counters
+
+    def grant(self, namespace: bytes, block_hashes: Sequence[bytes], tiers: list[Tier],
+              dram: list, ssd: list, ttl_s: float, owner: str, has_dram: bool) -> Lease:
+        """A lease over found blocks: ``dram`` blocks (some, if ``has_dram``) held lazily,
+        ``ssd`` entries already pinned by the caller."""
+        lease = self._table.grant(namespace, block_hashes, tiers, dram, ssd, ttl_s, owner)
+        if has_dram:
+            self._dram.hold_lazily(self._table.find(lease))
+        self._counters["leases_granted"] += 1
+        return lease
+
+    def live(self, lease: Lease) -> HeldLease:
+        """What ``lease`` holds; StoreError if it was released or has expired."""
+        return self._table.live(lease)
+
+    def find(self, lease: Lease) -> HeldLease | None:
+        """What ``lease`` holds, expired or not; None once it was released."""
+        return self._table.find(lease)
+
+    def holds(self, lease: Lease) -> bool:
+        return lease in self._table
+
+    def release(self, lease: Lease) -> None:
+        """Let go of everything ``lease`` pins (harmless if already released)."""
+        held = self._table.pop(lease)
+        if held is None:
+            return
+        self._dram.let_go(held)
+        if self._ssd is not None and any(held.ssd):
+            for entry in held.ssd:
+                if entry is not None:
+                    self._ssd.unpin(entry)
+        self._guard.cond.notify_all()
+
+    def expire(self, now: float) -> int:
+        """Release every lease past its deadline; returns how many."""
+        expired = self._table.expired(now)
+        for lease in expired:
+            self.release(lease)
+        self._counters["leases_expired"] += len(expired)
+        return len(expired)
+
+    def __iter__(self) -> Iterator[HeldLease]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)

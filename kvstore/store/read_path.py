@@ -1,0 +1,164 @@
+"""The tiered store's read path: verified lookups that grant leases, reads, and ``done``.
+
+Lookups of long chains are the hot path: READY blocks are found by namespace and hash, idents
+are compared list against list, and a lease does not visit its DRAM blocks (the DRAM tier counts
+their pins lazily, and records their access when the lease lets go of them). Reading an SSD
+block through a lease promotes it into DRAM; ``done`` lets go of a lease's block once its reader
+has copied it, so a lease may cover more SSD blocks than DRAM holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvstore.keys import HASH_BYTES
+from kvstore.store.block_store import Lease, LookupResult, StoreError, Tier
+from kvstore.store.dram.blocks import ABSENT, BAD_SIZES, Block, verified_len
+from kvstore.store.dram.tier import DramTier
+from kvstore.store.drop_reports import DropReports
+from kvstore.store.guard import StoreGuard
+from kvstore.store.index_keys import IndexKeys
+from kvstore.store.lease_pins import LeasePins
+from kvstore.store.promoter import Promoter
+from kvstore.store.ssd.tier import SSDEntry, SSDTier
+
+
+class ReadPath:
+    """``lookup``, ``read`` and ``done`` of the tiered store."""
+
+    def __init__(self, guard: StoreGuard, keys: IndexKeys, dram: DramTier, ssd: SSDTier | None,
+                 leases: LeasePins, promoter: Promoter, drops: DropReports,
+                 counters: Counter[str]) -> None:
+        self._guard = guard
+        self._keys = keys
+        self._dram = dram
+        self._ssd = ssd
+        self._leases = leases
+        self._promoter = promoter
+        self._drops = drops
+        self._counters = counters
+
+    def lookup(self, namespace: bytes, block_hashes: Sequence[bytes], idents: Sequence[bytes],
+               lease_ttl_s: float | None, owner: str) -> LookupResult:
+        """The verified prefix of the chain, leased unless ``lease_ttl_s`` is None."""
+        num_blocks = len(block_hashes)
+        if num_blocks != len(idents):
+            raise StoreError("block_hashes and idents differ in length")
+        if len(namespace) != HASH_BYTES:
+            raise StoreError(BAD_SIZES)
+        namespace = bytes(namespace)
+        hashes = self._keys.hashes(block_hashes)
+        if type(idents) is not list:
+            idents = list(idents)
+        want_lease = lease_ttl_s is not None
+        ssd_tier = self._ssd
+        with self._guard.cond:
+            self._guard.check_open()
+            found, hashes = self._dram.find_ready(namespace, hashes, ssd_tier is not None)
+            # The common case stays in C: every block is in DRAM and every ident matches.
+            stored_idents = [block.ident for block in found]
+            if stored_idents == idents:
+                num_dram = num_blocks
+            else:
+                num_dram = verified_len(found, stored_idents, idents)
+                # A hash found in DRAM has the right size; the rest must be checked, before
+                # anything is counted or pinned.
+                if not {HASH_BYTES}.issuperset(map(len, block_hashes[num_dram:])):
+                    raise StoreError(BAD_SIZES)
+            dram: list[Block | None] = found if num_dram == num_blocks else found[:num_dram]
+            ssd: list[SSDEntry | None] = [None] * num_dram
+            collided = num_dram < len(found) and found[num_dram] is not ABSENT
+            if num_dram < num_blocks and not collided and ssd_tier is not None:
+                collided = self._extend_from_ssd_locked(namespace, hashes, idents, found, dram,
+                                                        ssd)
+            entries = [e for e in ssd if e is not None] if len(dram) > num_dram else []
+            if want_lease and entries:
+                # Entries the SSD dropped since lookup_prefix (another thread's write evicted
+                # them) cannot be pinned: the hit ends before the first of them.
+                num_pinned = ssd_tier.pin_many(entries)
+                if num_pinned < len(entries):
+                    cut = ssd.index(entries[num_pinned])
+                    del dram[cut:], ssd[cut:], entries[num_pinned:]
+            num_hit, num_ssd = len(dram), len(entries)
+            if entries:
+                ssd_tier.touch_many(entries)
+                tiers = [Tier.SSD if b is None else Tier.DRAM for b in dram]
+            else:
+                tiers = [Tier.DRAM] * num_hit
+            c = self._counters
+            c["lookups"] += 1
+            c["lookup_blocks"] += num_blocks
+            c["miss_blocks"] += num_blocks - num_hit
+            c["collisions"] += collided
+            c["hit_blocks_dram"] += num_hit - num_ssd
+            c["hit_blocks_ssd"] += num_ssd
+            if not want_lease or num_hit == 0:
+                self._dram.touch_all(dram)
+                return LookupResult(num_hit, tiers, None)
+            # The lease's DRAM blocks are pinned by the lease itself, counted into their ``pins``
+            # only when something asks; their access is recorded when the lease lets go of them.
+            # A lookup whose lease ends before DRAM runs short of room never touches its blocks
+            # one by one.
+            lease = self._leases.grant(namespace, block_hashes[:num_hit], tiers, dram, ssd,
+                                       lease_ttl_s, owner, has_dram=num_hit > num_ssd)
+            return LookupResult(num_hit, tiers, lease)
+
+    def _extend_from_ssd_locked(self, namespace: bytes, hashes: list[bytes], idents: list,
+                                found: list, dram: list, ssd: list) -> bool:
+        """Continue a hit past its DRAM prefix: each further block from DRAM if READY there,
+        else from SSD, up to the first block neither holds. True if it stopped at a collision.
+        """
+        start = len(dram)
+        # SSD entries of the keys DRAM lacks, in order. lookup_prefix iterates the keys once and
+        # stops at the first it lacks, so they are made as it goes (a miss makes one).
+        below = iter(self._ssd.lookup_prefix(
+            namespace + hashes[i] for i in range(start, len(found)) if found[i] is ABSENT))
+        for i in range(start, len(found)):
+            block = found[i]
+            if block is not ABSENT:
+                if block.ident != idents[i]:
+                    return True
+                dram.append(block)
+                ssd.append(None)
+                continue
+            entry = next(below, None)
+            if entry is None:
+                return False
+            if entry.ident != idents[i]:
+                return True
+            dram.append(None)
+            ssd.append(entry)
+        return False
+
+    def read(self, lease: Lease, index: int) -> memoryview:
+        """Block ``index`` of ``lease``, promoted into DRAM first if it is on SSD."""
+        try:
+            with self._guard.cond:
+                held = self._leases.live(lease)
+                if not 0 <= index < len(held.dram):
+                    raise StoreError(f"lease {lease.lease_id} has no block {index}")
+                if held.dram[index] is not None:
+                    return self._dram.view(held.dram[index])
+                if held.ssd[index] is None:
+                    raise StoreError(f"block {index} of lease {lease.lease_id} was already done")
+                return self._promoter.promote_locked(held, index)
+        finally:
+            if self._drops.pending:  # a promotion made room, or found its SSD copy damaged
+                self._drops.report()
+
+    def done(self, lease: Lease, index: int) -> None:
+        """The reader copied block ``index``: the lease stops pinning it."""
+        with self._guard.cond:
+            held = self._leases.find(lease)
+            if held is None:
+                return  # released or expired: nothing of it is pinned any more
+            if not 0 <= index < len(held.dram):
+                raise StoreError(f"lease {lease.lease_id} has no block {index}")
+            self._dram.count_lease_pins(held)
+            block, entry = held.dram[index], held.ssd[index]
+            held.dram[index] = held.ssd[index] = None
+            if block is not None:
+                self._dram.unpin(block)
+            if entry is not None:
+                self._ssd.unpin(entry)

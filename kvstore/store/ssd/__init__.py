@@ -1,0 +1,1 @@
+"""The SSD tier: preallocated data files, an LMDB index, offset allocators."""

@@ -1,0 +1,228 @@
+"""The daemon's block store: a pinned DRAM pool in front of an optional SSD tier.
+
+Every block lives in DRAM, on SSD, or both. Writes land in DRAM (``dram/writes.py``); the
+demoter (``demoter.py``) moves least recently used unpinned blocks to SSD, or evicts them without
+one; lookups, reads and ``done`` are the read path (``read_path.py``), which promotes leased SSD
+blocks into DRAM (``promoter.py``). This module ties the parts together and keeps removal,
+leases, stats and the lifecycle.
+
+Blocks that leave every tier (evicted without SSD, evicted or dropped as damaged on SSD, removed)
+are reported to ``on_dropped`` in batches, outside the lock, by the thread that dropped them: the
+cluster withdraws them from its index. A DRAM → SSD demotion is no drop.
+
+Locking: one lock (``StoreGuard``) guards the DRAM tier, leases and counters. SSD IO runs outside
+it on blocks marked ``demoting`` or freshly reserved (IN_FLIGHT, invisible). Lock order: this
+store's lock, then the SSD tier's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from kvstore.store.block_store import BlockStore, Lease, LookupResult, WriteSlot
+from kvstore.store.config import StoreConfig
+from kvstore.store.demoter import DEMOTE_BATCH_BYTES, Demoter
+from kvstore.store.dram.blocks import BlockState
+from kvstore.store.dram.pool import HostPool
+from kvstore.store.dram.tier import DramTier
+from kvstore.store.dram.writes import WritePath
+from kvstore.store.drop_reports import DropHook, DropReports
+from kvstore.store.eviction import make_policy
+from kvstore.store.guard import StoreGuard
+from kvstore.store.index_keys import IndexKeys
+from kvstore.store.lease_pins import LeasePins
+from kvstore.store.leases import LeaseTable
+from kvstore.store.promoter import Promoter
+from kvstore.store.read_path import ReadPath
+from kvstore.store.ssd.files import OS_FILE_OPS, FileOps
+from kvstore.store.ssd.tier import SSDTier
+
+__all__ = ["DEMOTE_BATCH_BYTES", "StoreConfig", "TieredStore"]
+
+# Every outcome the store counts, present from the start so exported series never appear late.
+# Per block: lookup_blocks == hit_blocks_dram + hit_blocks_ssd + miss_blocks; ``collisions``
+# counts the lookups that stopped at an ident mismatch (their misses are in miss_blocks).
+COUNTERS = (
+    "lookups", "lookup_blocks", "hit_blocks_dram", "hit_blocks_ssd", "miss_blocks", "collisions",
+    "leases_granted", "leases_expired", "puts", "put_bytes", "duplicate_puts",
+    "put_collisions_dropped", "collisions_replaced", "put_too_large", "aborts", "evictions",
+    "dram_releases", "demotions", "demotion_failures", "promotions", "promotion_failures",
+    "removes",
+)
+
+
+class TieredStore(BlockStore):
+    """DRAM + optional SSD block store with verified hits, leases and background demotion."""
+
+    def __init__(self, config: StoreConfig, ssd_file_ops: FileOps = OS_FILE_OPS) -> None:
+        """``ssd_file_ops``: the SSD data files' IO calls (the default is ``os``; tests pass
+        one that injects faults)."""
+        self.config = config
+        pool = HostPool(config.dram_bytes, config.alignment, config.pin_memory)
+        self._ssd: SSDTier | None = None
+        if config.ssd_enabled:
+            try:
+                self._ssd = SSDTier(config.ssd_dir, config.ssd_bytes, config.eviction,
+                                    config.ssd_io_mode, config.ssd_max_file_bytes,
+                                    file_ops=ssd_file_ops)
+            except BaseException:
+                pool.close()
+                raise
+        self._guard = StoreGuard()
+        self._lock = self._guard.lock  # tests check that hooks run without it
+        self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._drops = DropReports(self._still_gone)
+        if self._ssd is not None:
+            self._ssd.on_drop = self._drops.note
+        self._dram = DramTier(pool, make_policy(config.eviction))
+        keys = IndexKeys(config.debug_hash_bits)
+        self._keys = keys
+        self._leases = LeasePins(self._guard, self._dram, self._ssd,
+                                 LeaseTable(self, config.lease_ttl_s), self._counters)
+        self._demoter = Demoter(self._guard, self._dram, self._ssd, self._leases, self._drops,
+                                self._counters, config.demote_high_watermark,
+                                config.demote_low_watermark)
+        self._promoter = Promoter(self._guard, self._dram, self._ssd, self._leases,
+                                  self._demoter, self._counters)
+        self._reads = ReadPath(self._guard, keys, self._dram, self._ssd, self._leases,
+                               self._promoter, self._drops, self._counters)
+        self._writes = WritePath(self._guard, keys, self._dram, self._ssd, self._demoter,
+                                 self._drops, self._counters)
+
+    @property
+    def on_dropped(self) -> DropHook | None:
+        """Told (namespace, block hashes) of blocks no tier holds any more, outside the lock."""
+        return self._drops.hook
+
+    @on_dropped.setter
+    def on_dropped(self, hook: DropHook | None) -> None:
+        self._drops.hook = hook
+
+    # -- the BlockStore verbs ------------------------------------------------------------------
+
+    def lookup(self, namespace: bytes, block_hashes: Sequence[bytes], idents: Sequence[bytes],
+               lease_ttl_s: float | None = 30.0, owner: str = "") -> LookupResult:
+        return self._reads.lookup(namespace, block_hashes, idents, lease_ttl_s, owner)
+
+    def read(self, lease: Lease, index: int) -> memoryview:
+        return self._reads.read(lease, index)
+
+    def done(self, lease: Lease, index: int) -> None:
+        self._reads.done(lease, index)
+
+    def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
+                    num_bytes: int) -> WriteSlot | None:
+        return self._writes.begin_write(namespace, block_hash, ident, num_bytes)
+
+    def remove(self, namespace: bytes, block_hash: bytes) -> bool:
+        key = self._keys.key(namespace, block_hash)
+        with self._guard.cond:
+            self._guard.check_open()
+            block = self._dram.get(key)
+            if block is not None and (self._dram.is_pinned(block) or block.demoting
+                                      or block.state is not BlockState.READY):
+                return False
+            entry = self._ssd.lookup(key) if self._ssd is not None else None
+            if entry is not None and entry.pins:
+                return False
+            if block is not None:
+                self._dram.drop(block)
+                self._drops.note(key)
+        # The SSD drop commits to LMDB (an fsync): done off the store lock. A lease taken on
+        # the SSD copy in between wins (the entry stays).
+        removed = block is not None
+        if entry is not None:
+            removed = self._ssd.remove(entry) or removed
+        if removed:
+            with self._guard.cond:
+                self._counters["removes"] += 1
+        if self._drops.pending:
+            self._drops.report()
+        return removed
+
+    def release(self, lease: Lease) -> None:
+        with self._guard.cond:
+            self._leases.release(lease)
+
+    def expire_leases(self, now: float | None = None) -> int:
+        with self._guard.cond:
+            return self._leases.expire(time.monotonic() if now is None else now)
+
+    def flush_to_ssd(self) -> int:
+        """Write every DRAM block that the SSD lacks to SSD, keeping DRAM copies; returns #written.
+
+        For tests, tools and graceful shutdown: afterwards a restart from ``ssd_dir`` serves every
+        block that was ready when this was called (and that fit on SSD).
+        """
+        if self._ssd is None:
+            return 0
+        with self._guard.cond:
+            num_written = self._demoter.flush_locked()
+        if self._drops.pending:  # the SSD evicted older blocks to take these
+            self._drops.report()
+        return num_written
+
+    # -- reporting and lifecycle ---------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self._guard.cond:
+            c = dict(self._counters)
+            dram = self._dram.stats()
+            pool = self._dram.pool
+            dram.update({
+                "demoting_blocks": self._demoter.num_demoting,
+                "pinned": pool.pinned,  # page-locked host memory
+                "pin_error": pool.pin_error,  # why not, where pinning was tried
+                "hits": c.get("hit_blocks_dram", 0),
+            })
+            if self._ssd is not None:
+                ssd = self._ssd.stats()
+                ssd["enabled"] = True
+            else:
+                ssd = {"enabled": False, "capacity_bytes": 0, "used_bytes": 0, "blocks": 0}
+            ssd["hits"] = c.get("hit_blocks_ssd", 0)
+            return {"tiers": {"dram": dram, "ssd": ssd}, "counters": c,
+                    "leases": len(self._leases)}
+
+    def check_integrity(self) -> None:
+        with self._guard.cond:
+            held_leases = list(self._leases)
+            for held in held_leases:
+                assert not held.lease.released, "a released lease is still held"
+                assert len(held.lease.block_hashes) == len(held.dram) == len(held.ssd)
+            self._dram.check_integrity(held_leases, self._promoter.blocks(),
+                                       self._demoter.num_demoting)
+            if self._ssd is not None:
+                self._ssd.check_integrity()
+
+    def close(self) -> None:
+        with self._guard.cond:
+            if self._guard.closed:
+                return
+            self._guard.closed = True
+            self._guard.cond.notify_all()
+            while self._demoter.num_demoting or self._promoter.busy:
+                self._guard.cond.wait(0.1)
+        self._demoter.join()
+        if self._ssd is not None:
+            self._ssd.close()
+        self._dram.pool.close()
+
+    @property
+    def ssd_tier(self) -> SSDTier | None:
+        """The SSD tier, for stats and tools (``locate``); None when SSD is off."""
+        return self._ssd
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _still_gone(self, keys: set[bytes]) -> list[bytes]:
+        """The keys of ``keys`` no tier holds now (takes the store's lock)."""
+        with self._guard.cond:
+            return [k for k in keys if k not in self._dram
+                    and (self._ssd is None or self._ssd.lookup(k) is None)]

@@ -1,0 +1,302 @@
+"""The Python client of the daemon: one connection, many requests in flight, thread-safe.
+
+Every request returns a ``Pending`` handle (``poll()``, ``wait(timeout)``); the blocking methods
+are ``request(...).wait()``. A reader thread dispatches replies by request id, so an engine's step
+loop can send a load, keep stepping, and poll it. Dropping a handle detaches the observer, not the
+work: the daemon still finishes (or times out) the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvstore.layout import KVLayout
+from kvstore.settings import default_socket_path
+from kvstore.wire import protocol as proto
+from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error types, re-exported)
+    ClientError,
+    DaemonUnavailable,
+    LookupReply,
+    Pending,
+    RequestTimeout,
+    SaveReply,
+    lookup_reply,
+)
+
+
+class Client:
+    """A connection to ``kvstore serve``; usable from many threads at once."""
+
+    def __init__(self, socket_path: str | Path | None = None, timeout_s: float = 30.0,
+                 max_frame_bytes: int = proto.MAX_FRAME_BYTES) -> None:
+        self.socket_path = Path(socket_path) if socket_path is not None else default_socket_path()
+        self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._ids = itertools.count(1)
+        # Two locks: the reader thread takes only _lock (the table), never _send_lock, so replies
+        # keep draining while a large request is being written (else both sides could block).
+        self._lock = threading.Lock()  # guards _pending and _closed_error
+        self._send_lock = threading.Lock()  # one frame at a time on the socket
+        self._pending: dict[int, Pending] = {}
+        self._closed_error: BaseException | None = None
+        self._sock = self._connect()
+        self._reader = threading.Thread(target=self._read_loop, name="kvstore-client-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(min(self.timeout_s, 10.0))
+        try:
+            sock.connect(os.fspath(self.socket_path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonUnavailable(f"kvstore daemon not reachable at {self.socket_path} "
+                                    f"({exc.strerror}); is `kvstore serve` running?") from None
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"cannot connect to kvstore daemon at {self.socket_path}: "
+                                    f"{exc.strerror or exc}") from None
+        sock.settimeout(None)
+        return sock
+
+    # ----------------------------------------------------------------------------- plumbing
+
+    def request(self, verb: str, args: dict[str, Any] | None = None,
+                timeout_s: float | None = None,
+                convert: Callable[[Any], Any] | None = None) -> Pending:
+        """Send a request without waiting; the daemon enforces ``timeout_s`` as its deadline."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline_ms = max(1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS))
+        request_id = next(self._ids)
+        message = {"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
+                   "args": args or {}}
+        frame = proto.encode_frame(message, self.max_frame_bytes)
+        pending = Pending(self._forget, request_id, verb, timeout_s, convert)
+        with self._lock:
+            if self._closed_error is not None:
+                raise self._closed_error
+            self._pending[request_id] = pending
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame[0])
+                self._sock.sendall(frame[1])
+        except OSError as exc:
+            # A frame may be half written: the stream is unusable from here on.
+            error = DaemonUnavailable(f"kvstore daemon at {self.socket_path} closed the "
+                                      f"connection ({exc})")
+            self._fail_all(error)
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            raise error from None
+        return pending
+
+    def call(self, verb: str, args: dict[str, Any] | None = None,
+             timeout_s: float | None = None) -> Any:
+        """Send a request and wait for its result."""
+        return self.request(verb, args, timeout_s).wait()
+
+    def _forget(self, request_id: int) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    def _recv_exactly(self, num_bytes: int) -> bytearray | None:
+        buf = bytearray(num_bytes)
+        view = memoryview(buf)
+        got = 0
+        while got < num_bytes:
+            n = self._sock.recv_into(view[got:])
+            if n == 0:
+                return None
+            got += n
+        return buf
+
+    def _read_loop(self) -> None:
+        error: BaseException = DaemonUnavailable(
+            f"kvstore daemon at {self.socket_path} closed the connection")
+        try:
+            while True:
+                header = self._recv_exactly(proto.HEADER_BYTES)
+                if header is None:
+                    break
+                body = self._recv_exactly(proto.frame_length(bytes(header),
+                                                             self.max_frame_bytes))
+                if body is None:
+                    break
+                reply = proto.decode_body(body)
+                if not isinstance(reply, dict):
+                    raise proto.ProtocolError("bad_reply", "reply is not a map")
+                self._dispatch(reply)
+                if reply.get("id") is None and not reply.get("ok"):
+                    # A connection-level refusal (permission, malformed frame): it closes next.
+                    err = reply.get("error") or {}
+                    error = ClientError(str(err.get("code")), str(err.get("message")))
+        except proto.ProtocolError as exc:
+            error = DaemonUnavailable(f"unreadable reply from the daemon: {exc.message}")
+        except OSError as exc:
+            if self._closed_error is None:
+                error = DaemonUnavailable(f"connection to kvstore daemon lost: {exc}")
+        self._fail_all(error)
+
+    def _dispatch(self, reply: dict) -> None:
+        with self._lock:
+            pending = self._pending.pop(reply.get("id"), None)
+        if pending is None:
+            return  # nobody waits any more (timed out and forgotten), or a connection-level error
+        if reply.get("ok"):
+            pending.finish(reply.get("result"))
+        else:
+            err = reply.get("error") or {}
+            pending.finish(error=ClientError(str(err.get("code")), str(err.get("message"))))
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            if self._closed_error is None:
+                self._closed_error = error
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.finish(error=error)
+
+    @property
+    def is_closed(self) -> bool:
+        """True once the connection is gone (closed here, or the daemon went away)."""
+        return self._closed_error is not None
+
+    def close(self) -> None:
+        """Close the connection; requests still in flight fail with DaemonUnavailable."""
+        with self._lock:
+            if self._closed_error is None:
+                self._closed_error = DaemonUnavailable("client closed")
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5.0)
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------- the bytes API
+
+    def put(self, key: bytes, value: Any, namespace: str = "default") -> None:
+        """Store ``value`` (bytes, memoryview, any buffer such as a numpy array) under ``key``."""
+        self.call("put", {"namespace": namespace, "key": bytes(key), "value": _as_bytes(value)})
+
+    def get(self, key: bytes, namespace: str = "default") -> bytes | None:
+        """Exactly the bytes put under ``key``, or None."""
+        return self.call("get", {"namespace": namespace, "key": bytes(key)})["value"]
+
+    def stats(self) -> dict:
+        return self.call("stats")
+
+    def health(self) -> dict:
+        return self.call("health")
+
+    # ----------------------------------------------------------------------- the block API
+
+    def lookup_async(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+                     lease_ttl_s: float | None = None) -> Pending:
+        """Idents of one length (the engine's case) go packed: two bins, not 2N items."""
+        hashes, idents = list(hashes), list(idents)
+        packed = proto.pack_lookup(hashes, idents)
+        args: dict[str, Any] = {"namespace": namespace}
+        if packed is None:
+            args["hashes"], args["idents"] = hashes, idents
+        else:
+            args.update(packed)
+        if lease_ttl_s is not None:
+            args["lease_ttl_s"] = lease_ttl_s
+        return self.request("lookup", args, convert=lookup_reply)
+
+    def lookup(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+               lease_ttl_s: float | None = None) -> LookupReply:
+        """Longest verified prefix; a hit comes with a lease (``lease_ttl_s`` 0: no lease)."""
+        return self.lookup_async(namespace, hashes, idents, lease_ttl_s).wait()
+
+    def release(self, lease_id: int) -> bool:
+        return self.call("release", {"lease_id": lease_id})["released"]
+
+    def remove(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        """Drop blocks from every tier (unless leased); returns how many were dropped."""
+        return self.call("remove", {"namespace": namespace, "hashes": list(hashes)})["num_removed"]
+
+    def register(self, layout: KVLayout | dict, engine_id: str) -> int:
+        """Describe this engine's KV memory to the daemon; returns the registration id."""
+        wire = layout.to_wire() if isinstance(layout, KVLayout) else layout
+        return self.call("register", {"layout": wire, "engine_id": engine_id})["registration_id"]
+
+    def unregister(self, registration_id: int) -> bool:
+        return self.call("unregister", {"registration_id": registration_id})["unregistered"]
+
+    def save_async(self, registration_id: int, namespace: bytes, block_ids: Sequence[int],
+                   hashes: Sequence[bytes], idents: Sequence[bytes],
+                   timeout_s: float | None = None) -> Pending:
+        args = {"registration_id": registration_id, "namespace": namespace,
+                "block_ids": [int(b) for b in block_ids], "hashes": list(hashes),
+                "idents": list(idents)}
+        return self.request("save", args, timeout_s, lambda r: SaveReply(list(r["outcomes"])))
+
+    def save(self, registration_id: int, namespace: bytes, block_ids: Sequence[int],
+             hashes: Sequence[bytes], idents: Sequence[bytes],
+             timeout_s: float | None = None) -> SaveReply:
+        """Copy engine blocks into the store; the reply comes after every copy is done."""
+        return self.save_async(registration_id, namespace, block_ids, hashes, idents,
+                               timeout_s).wait()
+
+    def load_async(self, registration_id: int, lease_id: int, block_ids: Sequence[int],
+                   timeout_s: float | None = None) -> Pending:
+        args = {"registration_id": registration_id, "lease_id": lease_id,
+                "block_ids": [int(b) for b in block_ids]}
+        return self.request("load", args, timeout_s, lambda r: int(r["num_loaded"]))
+
+    def load(self, registration_id: int, lease_id: int, block_ids: Sequence[int],
+             timeout_s: float | None = None) -> int:
+        """Copy leased blocks into engine blocks; returns how many arrived (a prefix)."""
+        return self.load_async(registration_id, lease_id, block_ids, timeout_s).wait()
+
+    def resident_async(self, registration_id: int, namespace: bytes, block_ids: Sequence[int],
+                       hashes: Sequence[bytes], idents: Sequence[bytes],
+                       generations: Sequence[int]) -> Pending:
+        args = {"registration_id": registration_id, "namespace": namespace,
+                "block_ids": [int(b) for b in block_ids], "hashes": list(hashes),
+                "idents": list(idents), "generations": [int(g) for g in generations]}
+        return self.request("resident", args, convert=lambda r: int(r["num_indexed"]))
+
+    def resident(self, registration_id: int, namespace: bytes, block_ids: Sequence[int],
+                 hashes: Sequence[bytes], idents: Sequence[bytes],
+                 generations: Sequence[int]) -> int:
+        """Publish blocks held in this engine's KV memory (the HBM tier), as of each block's
+        generation; returns how many the daemon indexed (the rest were already reallocated)."""
+        return self.resident_async(registration_id, namespace, block_ids, hashes, idents,
+                                   generations).wait()
+
+    def evicted(self, namespace: bytes, hashes: Sequence[bytes],
+                registration_id: int | None = None) -> int:
+        """Tell the daemon the engine dropped these blocks from its HBM."""
+        args: dict[str, Any] = {"namespace": namespace, "hashes": list(hashes)}
+        if registration_id is not None:
+            args["registration_id"] = registration_id
+        return self.call("evicted", args)["num_acknowledged"]
+
+
+def _as_bytes(value: Any) -> bytes | memoryview:
+    # Any C-contiguous buffer goes out without a copy; a strided one is copied in C order.
+    if isinstance(value, bytes):
+        return value
+    view = memoryview(value)
+    if not view.c_contiguous:
+        return view.tobytes()
+    try:
+        return view.cast("B")
+    except TypeError:
+        return view.tobytes()

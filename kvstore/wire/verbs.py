@@ -1,0 +1,285 @@
+"""Per-verb argument schemas of the control protocol, and the packed lookup form.
+
+Every verb's args are checked against its schema before a handler runs: unknown args, missing
+ones and wrong types are a ProtocolError(bad_request) naming the arg. The list checks run on
+every lookup of 1,024 hashes, so they stay in C.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.keys import HASH_BYTES
+from kvstore.wire.framing import (
+    BAD_REQUEST,
+    MAX_IDENT_LEN,
+    ProtocolError,
+    ensure_plain,
+    kind_of,
+)
+
+Check = Callable[[Any], bool]
+
+
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_uint(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and v == v  # NaN is not a duration
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bytes(v: Any) -> bool:
+    return isinstance(v, bytes)
+
+
+def _is_hash(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) == HASH_BYTES
+
+
+def _is_map(v: Any) -> bool:
+    if type(v) is not dict:
+        return False
+    try:
+        ensure_plain(v)  # a free-form map: the one place a timestamp could hide
+    except ProtocolError:
+        return False
+    return True
+
+
+def _list_of(check: Check) -> Check:
+    return lambda v: type(v) is list and all(check(x) for x in v)
+
+
+def _optional(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+# The list checks below run on every lookup of 1,024 hashes, so they stay in C: bytes.join
+# accepts only bytes-like items, and decoded msgpack holds no bytes-like type but bytes.
+def _all_bytes(v: list) -> bool:
+    try:
+        b"".join(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _HASHES(v: Any) -> bool:  # noqa: N802
+    return type(v) is list and _all_bytes(v) and {HASH_BYTES}.issuperset(map(len, v))
+
+
+def _BYTES_LIST(v: Any) -> bool:  # noqa: N802
+    return type(v) is list and _all_bytes(v)
+
+
+def _UINTS(v: Any) -> bool:  # noqa: N802
+    return type(v) is list and {int}.issuperset(map(type, v)) and (not v or min(v) >= 0)
+
+
+@dataclass(frozen=True)
+class Field:
+    check: Check
+    expect: str  # what the check wants, for the error message
+    required: bool = True
+
+
+SCHEMAS: dict[str, dict[str, Field]] = {
+    "health": {},
+    "stats": {},
+    "put": {
+        "namespace": Field(_is_str, "str", required=False),
+        "key": Field(_is_bytes, "bin"),
+        "value": Field(_is_bytes, "bin"),
+    },
+    "get": {
+        "namespace": Field(_is_str, "str", required=False),
+        "key": Field(_is_bytes, "bin"),
+    },
+    "lookup": {  # hashes + idents, or the packed three: _check_lookup_forms
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "hashes": Field(_HASHES, "array of 16-byte bin", required=False),
+        "idents": Field(_BYTES_LIST, "array of bin", required=False),
+        "hashes_packed": Field(_is_bytes, "bin", required=False),
+        "idents_packed": Field(_is_bytes, "bin", required=False),
+        "ident_len": Field(_is_int, "int", required=False),
+        "lease_ttl_s": Field(_optional(_is_number), "number or nil", required=False),
+    },
+    "release": {"lease_id": Field(_is_uint, "non-negative int")},
+    "remove": {
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+    },
+    "register": {
+        "layout": Field(_is_map, "map (KVLayout.to_wire())"),
+        "engine_id": Field(_is_str, "str"),
+    },
+    "unregister": {"registration_id": Field(_is_uint, "non-negative int")},
+    "save": {
+        "registration_id": Field(_is_uint, "non-negative int"),
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "block_ids": Field(_UINTS, "array of non-negative int"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+        "idents": Field(_BYTES_LIST, "array of bin"),
+    },
+    "load": {
+        "registration_id": Field(_is_uint, "non-negative int"),
+        "lease_id": Field(_is_uint, "non-negative int"),
+        "block_ids": Field(_UINTS, "array of non-negative int"),
+    },
+    "evicted": {
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+        "registration_id": Field(_optional(_is_uint), "non-negative int or nil", required=False),
+    },
+    "resident": {
+        "registration_id": Field(_is_uint, "non-negative int"),
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "block_ids": Field(_UINTS, "array of non-negative int"),
+        "hashes": Field(_HASHES, "array of 16-byte bin"),
+        "idents": Field(_BYTES_LIST, "array of bin"),
+        "generations": Field(_UINTS, "array of non-negative int"),
+    },
+}
+
+# Arrays that must pair up one to one.
+_SAME_LENGTH: dict[str, tuple[str, ...]] = {
+    "lookup": ("hashes", "idents"),
+    "save": ("block_ids", "hashes", "idents"),
+    "resident": ("block_ids", "hashes", "idents", "generations"),
+}
+
+
+def validate_args(verb: str, args: dict[str, Any]) -> None:
+    """Raise ProtocolError(bad_request) unless ``args`` matches the verb's schema exactly."""
+    schema = SCHEMAS[verb]
+    unknown = set(args) - set(schema)
+    if unknown:
+        raise ProtocolError(BAD_REQUEST, f"{verb}: unknown args {sorted(map(str, unknown))}")
+    for name, field in schema.items():
+        if name not in args:
+            if field.required:
+                raise ProtocolError(BAD_REQUEST, f"{verb}: missing arg {name!r} ({field.expect})")
+            continue
+        if not field.check(args[name]):
+            raise ProtocolError(BAD_REQUEST, f"{verb}: arg {name!r} must be {field.expect}, "
+                                             f"got {kind_of(args[name])}")
+    if verb == "lookup":
+        _check_lookup_forms(args)
+    group = _SAME_LENGTH.get(verb)
+    if group and group[0] in args:
+        lengths = {name: len(args[name]) for name in group}
+        if len(set(lengths.values())) > 1:
+            raise ProtocolError(BAD_REQUEST, f"{verb}: {', '.join(group)} must have equal "
+                                             f"lengths, got {lengths}")
+
+
+_LOOKUP_LISTS = ("hashes", "idents")
+_LOOKUP_PACKED = ("hashes_packed", "idents_packed", "ident_len")
+
+
+def _check_lookup_forms(args: dict[str, Any]) -> None:
+    """Exactly one of the list form and the packed form, complete; packed lengths consistent."""
+    lists = [name for name in _LOOKUP_LISTS if name in args]
+    packed = [name for name in _LOOKUP_PACKED if name in args]
+    if lists and packed:
+        raise ProtocolError(BAD_REQUEST, f"lookup: give either {'/'.join(_LOOKUP_LISTS)} or "
+                                         f"{'/'.join(_LOOKUP_PACKED)}, not both")
+    if not packed:
+        missing = [name for name in _LOOKUP_LISTS if name not in args]
+        if missing:
+            raise ProtocolError(BAD_REQUEST, f"lookup: missing arg {missing[0]!r} (or the packed "
+                                             f"form {'/'.join(_LOOKUP_PACKED)})")
+        return
+    missing = [name for name in _LOOKUP_PACKED if name not in args]
+    if missing:
+        raise ProtocolError(BAD_REQUEST, f"lookup: packed form is missing {missing}")
+    ident_len = args["ident_len"]
+    if not 1 <= ident_len <= MAX_IDENT_LEN:
+        raise ProtocolError(BAD_REQUEST, f"lookup: ident_len must be in 1..{MAX_IDENT_LEN}, "
+                                         f"got {ident_len}")
+    num_hash_bytes, num_ident_bytes = len(args["hashes_packed"]), len(args["idents_packed"])
+    if num_hash_bytes % HASH_BYTES:
+        raise ProtocolError(BAD_REQUEST, f"lookup: hashes_packed length {num_hash_bytes} is not "
+                                         f"a multiple of {HASH_BYTES}")
+    if num_ident_bytes % ident_len:
+        raise ProtocolError(BAD_REQUEST, f"lookup: idents_packed length {num_ident_bytes} is "
+                                         f"not a multiple of ident_len {ident_len}")
+    if num_hash_bytes // HASH_BYTES != num_ident_bytes // ident_len:
+        raise ProtocolError(BAD_REQUEST, f"lookup: {num_hash_bytes // HASH_BYTES} hashes but "
+                                         f"{num_ident_bytes // ident_len} idents")
+
+
+@functools.lru_cache(maxsize=64)
+def _splitter(count: int, item_len: int) -> struct.Struct:
+    return struct.Struct(f"{item_len}s" * count)
+
+
+def split_packed(data: bytes, item_len: int) -> list[bytes]:
+    """``data`` (a multiple of ``item_len`` bytes, already validated) cut into its items, in C."""
+    if not data:
+        return []
+    return list(_splitter(len(data) // item_len, item_len).unpack(data))
+
+
+def lookup_items(args: dict[str, Any]) -> tuple[list[bytes], list[bytes], bool]:
+    """A validated lookup's (hashes, idents, packed) whichever form it came in."""
+    if "hashes_packed" not in args:
+        return args["hashes"], args["idents"], False
+    return (split_packed(args["hashes_packed"], HASH_BYTES),
+            split_packed(args["idents_packed"], args["ident_len"]), True)
+
+
+def pack_lookup(hashes: list[bytes], idents: list[bytes]) -> dict[str, Any] | None:
+    """The packed lookup args for these lists, or None when they do not fit the packed form
+    (idents of unequal lengths, an empty or oversized ident, a hash of the wrong size)."""
+    if not idents:
+        return None
+    ident_len = len(idents[0])
+    if not 1 <= ident_len <= MAX_IDENT_LEN or len(hashes) != len(idents):
+        return None
+    try:
+        hashes_packed, idents_packed = b"".join(hashes), b"".join(idents)
+    except TypeError:
+        return None
+    # Equal total lengths with every item at least as long would still allow 15 + 17: check each.
+    if len(hashes_packed) != HASH_BYTES * len(hashes) or len(idents_packed) != \
+            ident_len * len(idents) or not {ident_len}.issuperset(map(len, idents)) or \
+            not {HASH_BYTES}.issuperset(map(len, hashes)):
+        return None
+    return {"hashes_packed": hashes_packed, "idents_packed": idents_packed,
+            "ident_len": ident_len}
+
+
+def tier_runs(tiers: list[str]) -> list[list]:
+    """Run-length form of a lookup's per-block tiers: ``[[tier, count], ...]``."""
+    if not tiers:
+        return []
+    first = tiers[0]
+    if tiers.count(first) == len(tiers):
+        return [[getattr(first, "value", first), len(tiers)]]  # a Tier goes out as its value
+    return [[getattr(tier, "value", tier), len(list(group))]
+            for tier, group in itertools.groupby(tiers)]
+
+
+def expand_tier_runs(runs: list) -> list[str]:
+    """The per-block tiers back from ``tier_runs``."""
+    tiers: list[str] = []
+    for tier, count in runs:
+        tiers += [tier] * count
+    return tiers

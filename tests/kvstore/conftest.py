@@ -1,0 +1,42 @@
+"""Fixtures for kvstore's tests: stores closed after each test, one shared real daemon, and a
+factory for dedicated ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from daemon_helpers import RunningDaemon, daemon_factory, start_daemon
+
+from kvstore.store.tiered import StoreConfig, TieredStore
+
+
+@pytest.fixture
+def make_store() -> Iterator[Callable[..., TieredStore]]:
+    stores: list[TieredStore] = []
+
+    def make(**kwargs) -> TieredStore:
+        store = TieredStore(StoreConfig(**kwargs))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """A `kvstore serve` shared by the tests that only need a running daemon (no SSD)."""
+    running = start_daemon(tmp_path_factory.mktemp("daemon"), dram="64MiB")
+    yield running
+    code = running.stop()
+    assert code == 0, "the shared daemon did not exit cleanly:\n" + "\n".join(running.lines)
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
+    """Start dedicated daemons (own flags, own SSD dir); all are stopped after the test."""
+    with daemon_factory(tmp_path) as make:
+        yield make

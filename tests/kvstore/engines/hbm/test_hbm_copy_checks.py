@@ -1,0 +1,105 @@
+"""The HBM tier's seqlock check, in process: a generation that moves while a block is being copied.
+
+The daemon's copy path is driven directly (a real store, registry and shared-memory arenas) so
+the owner's reallocation can land exactly between a block's copy and its second generation
+check: that block must fail and the count stop before it, whatever bytes it copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from daemon_helpers import make_chain
+from support.arena import ShmArena
+
+from kvstore.engines.hbm.tier import HbmTier
+from kvstore.engines.registry import Registry
+from kvstore.store.tiered import StoreConfig, TieredStore
+
+NUM_BLOCKS = 16
+BLOCK_BYTES = 32 * 1024
+
+
+def _arena(seed: int | None, num_blocks: int = NUM_BLOCKS, split_kv: bool = False) -> ShmArena:
+    """An engine's arena that shares its block generations (the HBM tier reads them)."""
+    return ShmArena(num_blocks, BLOCK_BYTES, seed, split_kv=split_kv, generations=True)
+
+
+@pytest.fixture
+def parts() -> Iterator[tuple[TieredStore, Registry, HbmTier, list[ShmArena]]]:
+    store = TieredStore(StoreConfig(dram_bytes=1 << 20, pin_memory=False))
+    registry = Registry()
+    tier = HbmTier(store, registry)
+    arenas: list[ShmArena] = []
+    yield store, registry, tier, arenas
+    registry.close_all()
+    store.close()
+    for arena in arenas:
+        arena.close()
+
+
+def _setup(parts, num_blocks: int):
+    store, registry, tier, arenas = parts
+    owner_arena, reader_arena = _arena(11), _arena(None)
+    arenas += [owner_arena, reader_arena]
+    owner = registry.register(owner_arena.layout.to_wire(), "owner", "conn-owner")
+    reader = registry.register(reader_arena.layout.to_wire(), "reader", "conn-reader")
+    chain = make_chain("hbm-seqlock", num_blocks, seed=12)
+    ids = list(range(num_blocks))
+    assert tier.publish(owner, chain.namespace, ids, chain.hashes, chain.idents,
+                        owner_arena.allocate(ids)) == num_blocks
+    hit = tier.lookup(chain.namespace, chain.hashes, chain.idents, "conn-reader", 30.0)
+    assert hit is not None and hit.num_hit == num_blocks and hit.lease is None
+    return owner, reader, owner_arena, reader_arena, chain, hit
+
+
+def _no_store(first_index: int, block_ids) -> int:
+    raise AssertionError("every block of these hits is in the HBM tier")
+
+
+def test_reallocation_during_a_copy_fails_that_block(parts) -> None:
+    _, _, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 5)
+
+    def owner_reallocates(i: int) -> None:
+        if i == 2:  # block 2's bytes were copied; the owner reallocates and overwrites it now
+            owner_arena.allocate([2])
+            owner_arena.array[2 * BLOCK_BYTES:3 * BLOCK_BYTES] = 0
+
+    with reader.open_for_copy():
+        num = tier.load(hit, reader, [8, 9, 10, 11, 12], _no_store, lambda: False,
+                        owner_reallocates)
+    assert num == 2
+    assert [reader_arena.block(8 + i) == owner_arena.block(i) for i in range(2)] == [True, True]
+    counters = tier.stats()["counters"]
+    assert counters["generation_failures"] == 1 and counters["blocks_copied"] == 2
+    assert counters["index_dropped_stale"] == 1  # the entry went with it
+    again = tier.lookup(chain.namespace, chain.hashes, chain.idents, "conn-reader", None)
+    assert again.num_hit == 2
+
+
+def test_owner_gone_during_a_copy_fails_the_rest(parts) -> None:
+    _, registry, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 4)
+
+    def owner_disconnects(i: int) -> None:
+        if i == 1:
+            registry.drop_owner("conn-owner")
+
+    with reader.open_for_copy():
+        num = tier.load(hit, reader, [4, 5, 6, 7], _no_store, lambda: False, owner_disconnects)
+    assert num == 1
+    assert tier.stats()["counters"]["owner_closed_failures"] == 1
+    assert tier.stats()["blocks"] == 0
+    assert tier.lookup(chain.namespace, chain.hashes, chain.idents, "conn-reader", None) is None
+
+
+def test_a_stopped_copy_counts_only_what_it_finished(parts) -> None:
+    _, _, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 4)
+    calls = iter([False, False, True])
+    with reader.open_for_copy():
+        num = tier.load(hit, reader, [0, 1, 2, 3], _no_store, lambda: next(calls, True))
+    assert num == 2
+    assert tier.stats()["counters"]["copies_stopped"] == 1

@@ -1,0 +1,1 @@
+"""Test parts shared across test folders (a fake engine's KV arena...)."""
