@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -13,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from server import openapi
 from server.async_engine import AsyncEngine
 from server.auth import APIKeyMiddleware
+from server.engine_protocol import ServedEngine
 from server.errors import error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -20,9 +20,10 @@ from server.serving import OpenAIServing
 from server.settings import ServerSettings
 
 
-def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `engine` (an LLMEngine). The step thread starts with the app's lifespan
-    and stops with it; the caller still owns the engine and closes it after the server exits.
+def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `engine` (an LLMEngine, or any ServedEngine). The step thread starts with
+    the app's lifespan and stops with it; the caller still owns the engine and closes it after
+    the server exits.
 
     `app.state.async_engine`, `.metrics` and `.model_name` are there for the CLI and tests.
     """
@@ -30,7 +31,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or str(engine.model_name)
-    max_num_seqs = int(getattr(getattr(engine, "config", None), "max_num_seqs", 256))
+    max_num_seqs = int(engine.config.max_num_seqs)
     async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs))
     metrics = ServerMetrics(model_name)
     serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams)

@@ -12,6 +12,8 @@ from typing import Any
 
 import uvicorn
 
+from server.engine_protocol import ServedEngine
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -120,7 +122,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig(**fields)
 
 
-def _load_engine(config: Any) -> Any:
+def _load_engine(config: Any) -> ServedEngine:
     from engine import LLMEngine
 
     print(f"kvengine: loading {config.model_dir} ...", file=sys.stderr, flush=True)
@@ -131,11 +133,9 @@ def _load_engine(config: Any) -> Any:
     return engine
 
 
-def _startup_line(engine: Any, model_name: str, host: str, port: int) -> str:
-    stats = engine.stats()
-    device = getattr(engine, "device", None) or getattr(engine.config, "device", "?")
-    num_blocks = stats.get("num_kv_blocks", "?")
-    block_size = getattr(engine.config, "block_size", "?")
+def _startup_line(engine: ServedEngine, model_name: str, host: str, port: int) -> str:
+    num_blocks = engine.stats().get("num_kv_blocks", "?")
+    device, block_size = engine.device, engine.config.block_size
     shown_host = f"[{host}]" if ":" in host else host
     return (f"kvengine: serving {model_name} on {device}: {num_blocks} KV blocks of {block_size} "
             f"tokens, max_model_len {engine.max_model_len}; listening on "

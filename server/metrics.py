@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from server.engine_protocol import offload_stats
 from server.responses import TIERS
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -133,8 +134,8 @@ class ServerMetrics:
             value = snapshot.get(key)
             if isinstance(value, int | float):
                 gauge.labels(self._model).set(value)
-        offload = snapshot.get("kv_offload")
-        if isinstance(offload, Mapping):
+        offload = offload_stats(snapshot)
+        if offload is not None:
             connector = offload.get("connector")
             events = dict(connector) if isinstance(connector, Mapping) else {}
             events.update(offload)  # the manager's names win where both count the same thing

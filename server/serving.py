@@ -21,6 +21,7 @@ from server.async_engine import (
     RequestGroup,
 )
 from server.auth import KEY_SALT_SCOPE, tenant_salt
+from server.engine_protocol import EngineOutput, ServedEngine
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.prompt_tokenizer import PromptTokenizer
@@ -58,12 +59,11 @@ class OpenAIServing:
         self.metrics = metrics
         self.model_name = model_name
         self._params_cls = sampling_params_cls
-        core = engine.engine
+        core: ServedEngine = engine.engine
         self.tokenizer = core.tokenizer
-        self.prompt_tokenizer = PromptTokenizer(core.tokenizer,
-                                                getattr(core.config, "model_dir", None))
+        self.prompt_tokenizer = PromptTokenizer(core.tokenizer, core.config.model_dir)
         self.max_model_len = int(core.max_model_len)
-        self.vocab_size = _vocab_size(core)
+        self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -119,8 +119,9 @@ class OpenAIServing:
         if not self.engine.has_room(body.n):  # before tokenizing: overload should be cheap
             self.metrics.request_rejected("overloaded")
             raise APIError(503, "server is overloaded; retry later", code="overloaded")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
+        for name, value in (("presence_penalty", body.presence_penalty),
+                            ("frequency_penalty", body.frequency_penalty)):
+            if value:
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of is not supported", param="best_of")
@@ -201,7 +202,7 @@ class OpenAIServing:
         return group
 
     # ---- results ---------------------------------------------------------------------------
-    def _observe(self, job: _Job, out: Any) -> R.ChoiceState:
+    def _observe(self, job: _Job, out: EngineOutput) -> R.ChoiceState:
         """Fold one RequestOutput into its choice and the metrics."""
         now = time.perf_counter()
         choice = job.choices[out.request_id]
@@ -288,11 +289,3 @@ class OpenAIServing:
             self._close(job, group)
         yield R.SSE_DONE
 
-
-def _vocab_size(core: Any) -> int | None:
-    """The vocabulary bound for token-id prompts, from whatever the engine exposes."""
-    for owner, name in ((core, "vocab_size"), (core.tokenizer, "vocab_size")):
-        value = getattr(owner, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
