@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from server import openapi
 from server.async_engine import AsyncEngine
 from server.auth import APIKeyMiddleware
-from server.engine_protocol import ServedEngine
+from server.body_limit import BodyLimitMiddleware
+from server.engine_protocol import ServedEngine, kv_store_state
 from server.errors import error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
             yield
         finally:
             async_engine.stop()
+            serving.prompts.close()
 
     app = FastAPI(title="kvengine", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -51,7 +53,11 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     app.state.metrics = metrics
     app.state.model_name = model_name
     install_error_handlers(app)
-    app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys))
+    # Added last runs first: keys are checked before a body is read, then the body is bounded.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes,
+                       on_refused=lambda: metrics.request_rejected("request_too_large"))
+    app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys),
+                       metrics_key=settings.metrics_key)
     openapi.install(app, with_api_keys=bool(settings.api_keys))
 
     @app.post("/v1/completions", response_model=None, responses={
@@ -83,7 +89,11 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
         if not async_engine.alive:
             return error_response(503, f"engine is not running: {async_engine.error!r}",
                                   code="engine_dead")
-        return JSONResponse({"status": "ok"})
+        body = {"status": "ok"}
+        state = kv_store_state(async_engine.stats())
+        if state is not None:  # a hung or down store is served around by recomputing: still 200
+            body["kv_store"] = state
+        return JSONResponse(body)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def prometheus() -> Response:

@@ -24,9 +24,11 @@ from server.auth import KEY_SALT_SCOPE, tenant_salt
 from server.engine_protocol import EngineOutput, ServedEngine
 from server.errors import APIError
 from server.metrics import ServerMetrics
+from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
+from server.tokenize_pool import TokenizePool
 
 
 def derive_seed(seed: int, sample_index: int) -> int:
@@ -60,9 +62,11 @@ class OpenAIServing:
         self.model_name = model_name
         self._params_cls = sampling_params_cls
         core: ServedEngine = engine.engine
-        self.tokenizer = core.tokenizer
-        self.prompt_tokenizer = PromptTokenizer(core.tokenizer, core.config.model_dir)
         self.max_model_len = int(core.max_model_len)
+        self.prompts = PromptBuilder(
+            core.tokenizer, PromptTokenizer(core.tokenizer, core.config.model_dir),
+            self.max_model_len, TokenizePool(),
+            on_overloaded=lambda: metrics.request_rejected("overloaded"))
         self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
 
     # ---- endpoints -------------------------------------------------------------------------
@@ -76,8 +80,9 @@ class OpenAIServing:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        prompts = self._completion_prompts(body.prompt)
-        job = self._prepare(body, request, prompts, body.max_tokens, "prompt", "cmpl", arrival)
+        salt = self._tenant(body, request)
+        prompts = await self.prompts.completion(body.prompt, salt)
+        job = self._prepare(body, salt, prompts, body.max_tokens, "prompt", "cmpl", arrival)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(job, self._submit(job), include_usage, chat=False)
@@ -97,14 +102,10 @@ class OpenAIServing:
             raise APIError(400, "only response_format type 'text' is supported",
                            param="response_format")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt)
-        except Exception as exc:  # a template can reject a conversation (e.g. role order)
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
-        prompts = [self._encode(text, add_special_tokens=False)]  # the template has them
+        salt = self._tenant(body, request)
+        prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt)]
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = self._prepare(body, request, prompts, max_tokens, "messages", "chatcmpl", arrival)
+        job = self._prepare(body, salt, prompts, max_tokens, "messages", "chatcmpl", arrival)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(job, self._submit(job), include_usage, chat=True)
@@ -126,19 +127,12 @@ class OpenAIServing:
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of is not supported", param="best_of")
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.prompt_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    @staticmethod
+    def _tenant(body: _SamplingFields, request: Request) -> str:
+        """The request's tenant: its API key's salt and its `cache_salt`, as the engine keys KV."""
+        return tenant_salt(request.scope.get(KEY_SALT_SCOPE, ""), body.cache_salt)
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [self._encode(prompt)]
-        if isinstance(prompt[0], int):
-            return [list(prompt)]
-        if isinstance(prompt[0], str):
-            return [self._encode(p) for p in prompt]
-        return [list(p) for p in prompt]
-
-    def _prepare(self, body: _SamplingFields, request: Request, prompts: list[list[int]],
+    def _prepare(self, body: _SamplingFields, salt: str, prompts: list[list[int]],
                  max_tokens: int | None, prompt_param: str, id_prefix: str,
                  arrival: float) -> _Job:
         for token_ids in prompts:
@@ -158,7 +152,6 @@ class OpenAIServing:
                     f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in "
                     f"the prompt, {max_tokens} to generate)", param="max_tokens",
                     code="context_length_exceeded")
-        salt = tenant_salt(request.scope.get(KEY_SALT_SCOPE, ""), body.cache_salt)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         requests: list[EngineRequest] = []
         choices: dict[str, R.ChoiceState] = {}

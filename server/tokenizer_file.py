@@ -1,0 +1,128 @@
+"""TokenizerFile: what the server reads from a model's tokenizer.json, and a GIL-free encoder.
+
+The `tokenizers` binding holds the GIL for the whole of `Tokenizer.encode`, so a long prompt
+encoded on a worker thread still stops the event loop (1 s for 1 MB of text); `encode_batch`
+releases it while the Rust code runs. The server uses its own `tokenizers.Tokenizer` loaded from
+the same file as the engine's, and checks that both give the same ids before relying on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("kvengine.server")
+
+# Unicode normalization can shrink text (NFKC composes a base and its combining marks, Hangul jamo
+# into a syllable: about 3 characters into 1), so the character bound gets this much slack. Other
+# normalizers and pre-tokenizers can drop characters outright (Strip, Whitespace, a Split that
+# removes its matches): with them no character bound holds and the early check is off.
+_NORMALIZER_SLACK = 4
+_UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"})
+
+
+class TokenizerFile:
+    """The parts of tokenizer.json the server needs; every field has a safe empty value when the
+    file is missing or unreadable (no segmenting, no early length bound, the engine's encoder)."""
+
+    def __init__(self, model_dir: str | Path | None) -> None:
+        self.verbatim_added_tokens: dict[str, int] = {}
+        self.max_chars_per_token: int | None = None
+        self._encoder: Any = None
+        if model_dir is None:
+            return
+        path = Path(model_dir) / "tokenizer.json"
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(spec, dict):
+            return
+        self.verbatim_added_tokens = _verbatim_added_tokens(spec.get("added_tokens") or [])
+        self.max_chars_per_token = _max_chars_per_token(spec)
+        try:
+            from tokenizers import Tokenizer
+
+            self._encoder = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - any failure means: use the engine's encoder
+            logger.warning("cannot load %s for encoding off the GIL: %s", path, exc)
+
+    @property
+    def has_encoder(self) -> bool:
+        """True when `encode_plain` releases the GIL (the file loaded into `tokenizers`)."""
+        return self._encoder is not None
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens, computed with the GIL released."""
+        assert self._encoder is not None
+        return self._encoder.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """A lower bound on the tokens of any text of `num_chars` characters (0: unknown).
+
+        Sound because every token covers at most `max_chars_per_token` characters of its
+        vocabulary's alphabet, and an input character is at least one of those (a byte-level
+        vocabulary spells each UTF-8 byte as one character)."""
+        if not self.max_chars_per_token:
+            return 0
+        return num_chars // self.max_chars_per_token
+
+
+def _max_chars_per_token(spec: dict[str, Any]) -> int | None:
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: piece -> id
+        pieces = list(vocab)
+    elif isinstance(vocab, list):  # Unigram: [piece, score] pairs
+        pieces = [entry[0] for entry in vocab if isinstance(entry, list) and entry]
+    else:
+        return None
+    pieces += [t.get("content", "") for t in spec.get("added_tokens") or [] if isinstance(t, dict)]
+    longest = max((len(p) for p in pieces if isinstance(p, str)), default=0)
+    normalizers = _steps(spec.get("normalizer"))
+    if longest <= 0 or normalizers is None or not _keeps_characters(spec.get("pre_tokenizer")):
+        return None
+    if any(step.get("type") not in _UNICODE_NORMALIZERS for step in normalizers):
+        return None
+    return longest * (_NORMALIZER_SLACK if normalizers else 1)
+
+
+def _steps(component: Any) -> list[dict[str, Any]] | None:
+    """The steps of a normalizer or pre-tokenizer (a Sequence flattened); None if malformed."""
+    if component is None:
+        return []
+    if not isinstance(component, dict):
+        return None
+    if component.get("type") != "Sequence":
+        return [component]
+    steps: list[dict[str, Any]] = []
+    for part in component.get("normalizers") or component.get("pretokenizers") or []:
+        inner = _steps(part)
+        if inner is None:
+            return None
+        steps += inner
+    return steps
+
+
+def _keeps_characters(pre_tokenizer: Any) -> bool:
+    steps = _steps(pre_tokenizer)
+    return steps is not None and all(
+        step.get("type") in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed"
+        for step in steps)
+
+
+def _verbatim_added_tokens(added: list[Any]) -> dict[str, int]:
+    """content -> id of tokenizer.json's added tokens, or {} if any is not matched verbatim."""
+    specials: dict[str, int] = {}
+    for token in added:
+        if not isinstance(token, dict):
+            return {}
+        if any(token.get(flag) for flag in ("lstrip", "rstrip", "single_word", "normalized")):
+            return {}
+        content = token.get("content")
+        if not isinstance(content, str) or not content or not isinstance(token.get("id"), int):
+            return {}
+        specials[content] = token["id"]
+    return specials
