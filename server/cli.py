@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import signal
 import sys
 import time
@@ -12,7 +14,11 @@ from typing import Any
 
 import uvicorn
 
+from server.connection_guard import ConnectionGuard, ConnectionLimits
 from server.engine_protocol import ServedEngine
+from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+_FDS_KEPT_FOR_THE_PROCESS = 128  # model files, shared memory, the store's socket, logs
 
 
 def _positive_int(text: str) -> int:
@@ -39,6 +45,16 @@ def _port(text: str) -> int:
     value = _non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value}")
     return value
 
 
@@ -91,6 +107,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="require `Authorization: Bearer KEY`; repeat for several keys "
                        "(each key is its own cache tenant)")
+    serve.add_argument("--metrics-key", default=None, metavar="KEY",
+                       help="the operator's key for GET /metrics, which shows every tenant's "
+                       "traffic (default: $KVENGINE_METRICS_KEY; with --api-key and no metrics "
+                       "key /metrics is refused, without --api-key it is open)")
+    serve.add_argument("--max-request-body-bytes", type=_positive_int,
+                       default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="larger request bodies get a 413 before they are parsed "
+                       "(default: %(default)s = 4 MiB)")
+    serve.add_argument("--max-connections", type=_positive_int, default=1024,
+                       help="open HTTP connections; more are refused with a 503 at once "
+                       "(default: %(default)s, lowered to fit the open-file limit)")
+    serve.add_argument("--timeout-keep-alive", type=_seconds, default=5.0, metavar="SECONDS",
+                       help="close a connection that sends nothing for this long "
+                       "(default: %(default)s)")
+    serve.add_argument("--request-read-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                       help="close a connection whose request (headers and body) is not all "
+                       "there this long after it began, with a 408 (default: %(default)s)")
     serve.add_argument("--log-level", default="warning",
                        choices=("critical", "error", "warning", "info", "debug"))
     commands.add_parser("make-model", add_help=False,
@@ -131,6 +164,28 @@ def _load_engine(config: Any) -> ServedEngine:
     print(f"kvengine: model loaded in {time.perf_counter() - start:.1f} s",
           file=sys.stderr, flush=True)
     return engine
+
+
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The connection bounds, with --max-connections lowered to what the open-file limit leaves
+    (after raising the soft limit as far as the hard one allows)."""
+    max_connections = args.max_connections
+    needed = max_connections + _FDS_KEPT_FOR_THE_PROCESS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+        if soft < needed:
+            max_connections = max(1, soft - _FDS_KEPT_FOR_THE_PROCESS)
+            print(f"kvengine: the open-file limit is {soft}: at most {max_connections} HTTP "
+                  "connections", file=sys.stderr, flush=True)
+    return ConnectionLimits(max_connections=max_connections,
+                            timeout_keep_alive_s=args.timeout_keep_alive,
+                            request_read_timeout_s=args.request_read_timeout)
 
 
 def _startup_line(engine: ServedEngine, model_name: str, host: str, port: int) -> str:
@@ -178,8 +233,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--model {args.model}: no such directory")
     try:
         config = _engine_config(args)
+        metrics_key = args.metrics_key or os.environ.get("KVENGINE_METRICS_KEY") or None
         settings = ServerSettings(served_model_name=args.served_model_name,
-                                  api_keys=tuple(args.api_key or ()), max_queue=args.max_queue)
+                                  api_keys=tuple(args.api_key or ()), max_queue=args.max_queue,
+                                  max_request_body_bytes=args.max_request_body_bytes,
+                                  metrics_key=metrics_key)
+        limits = _connection_limits(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     try:
@@ -191,9 +250,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         app = build_app(engine, settings)
         model_name = app.state.model_name
+        guard = ConnectionGuard(limits)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=args.log_level in ("info", "debug"),
-                                   timeout_graceful_shutdown=5)
+                                   timeout_graceful_shutdown=5, http=guard.protocol_factory,
+                                   timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)))
         server = _Server(uv_config, lambda port: _startup_line(engine, model_name, args.host,
                                                                 port))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our handler
