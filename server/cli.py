@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import resource
 import signal
@@ -14,11 +15,9 @@ from typing import Any
 
 import uvicorn
 
-from server.connection_guard import ConnectionGuard, ConnectionLimits
+from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
-
-_FDS_KEPT_FOR_THE_PROCESS = 128  # model files, shared memory, the store's socket, logs
 
 
 def _positive_int(text: str) -> int:
@@ -167,25 +166,26 @@ def _load_engine(config: Any) -> ServedEngine:
 
 
 def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
-    """The connection bounds, with --max-connections lowered to what the open-file limit leaves
-    (after raising the soft limit as far as the hard one allows)."""
-    max_connections = args.max_connections
-    needed = max_connections + _FDS_KEPT_FOR_THE_PROCESS
+    """The connection bounds; the open-file limit is raised as far as the hard limit allows (up
+    to 64k), and what it still lacks lowers --max-connections and the accept backlog."""
+    wanted = ConnectionLimits(max_connections=args.max_connections,
+                              timeout_keep_alive_s=args.timeout_keep_alive,
+                              request_read_timeout_s=args.request_read_timeout)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    target = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+    if soft < target:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-            soft = raised
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
         except (ValueError, OSError):
             pass
-        if soft < needed:
-            max_connections = max(1, soft - _FDS_KEPT_FOR_THE_PROCESS)
-            print(f"kvengine: the open-file limit is {soft}: at most {max_connections} HTTP "
-                  "connections", file=sys.stderr, flush=True)
-    return ConnectionLimits(max_connections=max_connections,
-                            timeout_keep_alive_s=args.timeout_keep_alive,
-                            request_read_timeout_s=args.request_read_timeout)
+    limits = fit_to_open_files(wanted, soft)
+    if limits.max_connections < wanted.max_connections:
+        print(f"kvengine: the open-file limit is {soft}: at most {limits.max_connections} HTTP "
+              "connections", file=sys.stderr, flush=True)
+    return limits
 
 
 def _startup_line(engine: ServedEngine, model_name: str, host: str, port: int) -> str:
@@ -211,11 +211,13 @@ def _raise_stop(signum: int, _frame: Any) -> None:
 class _Server(uvicorn.Server):
     """uvicorn's server, printing our startup line once the socket is bound."""
 
-    def __init__(self, config: uvicorn.Config, line: Any) -> None:
+    def __init__(self, config: uvicorn.Config, line: Any, guard: ConnectionGuard) -> None:
         super().__init__(config)
         self._line = line
+        self._guard = guard
 
     async def startup(self, sockets: list | None = None) -> None:
+        self._guard.install(asyncio.get_running_loop())
         await super().startup(sockets)
         if self.started:
             port = self.config.port
@@ -254,9 +256,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=args.log_level in ("info", "debug"),
                                    timeout_graceful_shutdown=5, http=guard.protocol_factory,
-                                   timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)))
+                                   timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)),
+                                   backlog=limits.accept_backlog)
         server = _Server(uv_config, lambda port: _startup_line(engine, model_name, args.host,
-                                                                port))
+                                                                port), guard)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our handler
         # turns that into an exception so the engine below is closed (its KV arena freed).
         previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}

@@ -13,7 +13,9 @@ uvicorn's h11 connections (composition: the h11 protocol does the HTTP) and
   while not a byte of it came, `request_read_timeout_s` once some did (a 408 if nothing was
   answered yet). A request fully read is never timed out here: generating can take long.
 
-Events are logged at most once per interval per kind.
+Events are logged at most once per interval per kind, also asyncio's own "socket.accept() out of
+system resource" (which it logs with a traceback for every failed accept of a burst, and then
+retries: megabytes of log a second once descriptors run out).
 """
 
 from __future__ import annotations
@@ -49,17 +51,26 @@ _TIMED_OUT = _raw_response(408, "Request Timeout", "the request did not arrive i
                            "request_timeout")
 
 
+FDS_KEPT_FOR_THE_PROCESS = 64  # model files, shared memory, the store's socket, device nodes
+MAX_ACCEPT_BACKLOG = 2048  # uvicorn's default
+_ACCEPT_MESSAGE = "socket.accept() out of system resource"  # asyncio's, for EMFILE and the like
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """Bounds on HTTP connections; validated once."""
+    """Bounds on HTTP connections; validated once. `accept_backlog` is the listen backlog, and
+    also how many connections asyncio accepts at one wake-up before any of them is refused."""
 
     max_connections: int = 1024
     timeout_keep_alive_s: float = 5.0
     request_read_timeout_s: float = 30.0
+    accept_backlog: int = MAX_ACCEPT_BACKLOG
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.accept_backlog < 1:
+            raise ValueError(f"accept_backlog must be >= 1, got {self.accept_backlog}")
         for name, value in (("timeout_keep_alive_s", self.timeout_keep_alive_s),
                             ("request_read_timeout_s", self.request_read_timeout_s)):
             if not value > 0:
@@ -69,6 +80,17 @@ class ConnectionLimits:
     def tick_s(self) -> float:
         """How often deadlines are checked: a small part of the shortest bound."""
         return min(1.0, self.timeout_keep_alive_s / 4, self.request_read_timeout_s / 4)
+
+
+def fit_to_open_files(limits: ConnectionLimits, max_open_files: int) -> ConnectionLimits:
+    """`limits` with the backlog and the connection cap lowered to what `max_open_files` leaves:
+    admitted connections, plus up to three accept bursts of refused ones (a refused socket holds
+    its descriptor for a few turns of the loop), plus the process's own files."""
+    budget = max(4, max_open_files - FDS_KEPT_FOR_THE_PROCESS)
+    backlog = max(1, min(limits.accept_backlog, budget // 8))
+    max_connections = max(1, min(limits.max_connections, budget - 3 * backlog))
+    return ConnectionLimits(max_connections, limits.timeout_keep_alive_s,
+                            limits.request_read_timeout_s, backlog)
 
 
 class GuardedConnection(asyncio.Protocol):
@@ -173,6 +195,21 @@ class ConnectionGuard:
         inner = H11Protocol(config=config, server_state=server_state, app_state=app_state,
                             _loop=_loop)
         return GuardedConnection(self, inner)
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Route asyncio's accept-failure reports on `loop` through the rate-limited log."""
+        previous = loop.get_exception_handler()
+
+        def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            if context.get("message") == _ACCEPT_MESSAGE:
+                self._log.event("accept_failed", f"cannot accept a connection: "
+                                f"{context.get('exception')!r}", level=logging.ERROR)
+            elif previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+
+        loop.set_exception_handler(handler)
 
     def admit(self, connection: GuardedConnection) -> bool:
         """Take `connection` into account, or refuse it (False) when the cap is reached."""

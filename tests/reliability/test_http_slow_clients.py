@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -24,6 +25,7 @@ KEY = "slow-client-key"
 READ_TIMEOUT_S = 2.0
 KEEP_ALIVE_S = 1.0
 MAX_CONNECTIONS = 64
+MAX_OPEN_FILES = 256
 SLACK_S = 2.0  # the guard checks deadlines a few times a second; scheduling under load
 PARTIAL_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
                 KEY.encode() + b"\r\nContent-Type: application/json\r\n"
@@ -37,7 +39,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     running = EngineProcess(model_dir, "--api-key", KEY,
                             "--request-read-timeout", str(READ_TIMEOUT_S),
                             "--timeout-keep-alive", str(KEEP_ALIVE_S),
-                            "--max-connections", str(MAX_CONNECTIONS), max_open_files=256)
+                            "--max-connections", str(MAX_CONNECTIONS),
+                            max_open_files=MAX_OPEN_FILES)
     yield running
     running.stop()
 
@@ -105,28 +108,33 @@ def test_a_timed_out_request_gets_a_408(engine: EngineProcess) -> None:
 
 def test_connections_past_the_cap_are_refused_and_descriptors_stay_bounded(
         engine: EngineProcess) -> None:
+    """300 idle connections on a process with 256 descriptors and a cap of 64: each one is
+    refused with a 503 or closed by the idle bound; the process never runs out of descriptors
+    and serves again right after."""
     port = _port(engine)
     log_bytes_before = engine.stderr_bytes
-    socks, refused, most_fds = [], 0, 0
-    for _ in range(300):  # more than the process's 256 descriptors
-        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        socks.append(sock)
+    socks, most_fds = [], 0
+    for _ in range(300):  # more than the process's descriptors
+        socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         if len(socks) % 25 == 0:
             most_fds = max(most_fds, engine.num_open_fds())
-    time.sleep(0.5)
-    most_fds = max(most_fds, engine.num_open_fds())
+    outcomes: Counter[str] = Counter()
+    deadline = time.monotonic() + KEEP_ALIVE_S + 2 * SLACK_S
     for sock in socks:
-        sock.settimeout(5)
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
         try:
             head = sock.recv(64)
+            outcomes["503" if head.startswith(b"HTTP/1.1 503") else
+                     "closed" if not head else "other"] += 1
         except TimeoutError:
-            continue  # admitted: idle until the keep-alive bound
-        refused += head.startswith(b"HTTP/1.1 503")
-    for sock in socks:
+            outcomes["still open"] += 1
+        except OSError:
+            outcomes["reset"] += 1
+        most_fds = max(most_fds, engine.num_open_fds())
         sock.close()
-    assert refused >= 300 - MAX_CONNECTIONS - 5, refused
-    assert most_fds < MAX_CONNECTIONS + 64, most_fds
-    time.sleep(KEEP_ALIVE_S + SLACK_S)
+    assert outcomes["503"] >= 1 and not outcomes["other"], outcomes
+    assert outcomes["still open"] == 0, outcomes
+    assert most_fds < MAX_OPEN_FILES - 16, most_fds  # never out of descriptors
     assert engine.health_s(timeout_s=5) < 1.0  # recovered: room for new clients
     r = httpx.post(engine.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"prompt": "still here", "max_tokens": 2}, timeout=60)
@@ -141,4 +149,4 @@ def test_the_guard_logs_no_more_than_a_line_per_interval(engine: EngineProcess) 
     """Across this module's hundreds of refused and timed-out connections, a handful of lines."""
     text = "".join(engine.lines)
     assert text.count("closed a connection that did not send") <= 4, text[-3000:]
-    assert "out of system resource" not in text
+    assert "out of system resource" not in text and "cannot accept" not in text
