@@ -36,9 +36,9 @@ class APIKeyMiddleware:
     """Rejects requests without a valid `Authorization: Bearer KEY` (401) except on OPEN_PATHS.
 
     With no keys configured every request passes with an empty key salt. /metrics (every
-    tenant's traffic) takes only the operator's `metrics_key`: while API keys are set it is
-    refused to tenant keys (403), and to everyone when no metrics key is set; without API keys
-    it is open unless a metrics key is set.
+    tenant's traffic) takes only the operator's `metrics_key`: while API keys are set a tenant's
+    key gets 403 and no key or a wrong one 401 (so with no metrics key nobody reads it); without
+    API keys it is open unless a metrics key is set.
     """
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...],
@@ -85,19 +85,16 @@ class APIKeyMiddleware:
                 token, self._metrics_key):
             scope[KEY_SALT_SCOPE] = ""
             await self._app(scope, receive, send)
-            return
-        if self._metrics_key is None:
-            await _reject(send, 403, "/metrics shows every tenant's traffic and needs the "
-                          "operator's key; start the server with --metrics-key (or "
-                          "KVENGINE_METRICS_KEY)", "metrics_forbidden")
         elif token is not None and self._match(header) is not None:
+            how = ("use the operator's metrics key" if self._metrics_key is not None else
+                   "start the server with --metrics-key (or KVENGINE_METRICS_KEY) for the "
+                   "operator")
             await _reject(send, 403, "a tenant's API key cannot read /metrics (it shows every "
-                          "tenant's traffic); use the operator's metrics key",
-                          "metrics_forbidden")
+                          f"tenant's traffic); {how}", "metrics_forbidden")
         else:
             message = "missing metrics key" if header is None else "invalid metrics key"
-            await _reject(send, 401, message + " (send `Authorization: Bearer METRICS_KEY`)",
-                          "invalid_api_key")
+            await _reject(send, 401, message + " (/metrics needs `Authorization: Bearer "
+                          "METRICS_KEY`, the operator's --metrics-key)", "invalid_api_key")
 
 
 def _bearer(header: bytes | None) -> bytes | None:
