@@ -119,11 +119,13 @@ class GuardedConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self._admitted:
             return  # refused: the transport is closing
-        if self.owing_since is not None:
-            self.bytes_while_owing += len(data)
         self._inner.data_received(data)
         if not self.owes_request():
             self.owing_since = None  # a whole request arrived: no deadline while it is served
+            return
+        if self.owing_since is None:  # the first bytes of the next request on a kept connection
+            self.owing_since, self.bytes_while_owing = time.monotonic(), 0
+        self.bytes_while_owing += len(data)
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received() if self._admitted else None
