@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,7 +249,7 @@ class OpenAIServing:
                                    on_close=lambda: self._close(job, group))
 
     async def _events(self, job: _Job, group: RequestGroup, include_usage: bool,
-                      chat: bool) -> AsyncIterator[bytes]:
+                      chat: bool) -> AsyncGenerator[bytes, None]:
         rid, created, model = job.response_id, job.created, self.model_name
         try:
             if chat:  # the role first, for every choice, as OpenAI does
