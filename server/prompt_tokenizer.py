@@ -17,7 +17,9 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Protocol
 
 from server.engine_protocol import PromptCodec
 from server.tokenizer_file import TokenizerFile
@@ -30,6 +32,26 @@ _SELF_CHECK_TEXTS = (
     "{0}system\nYou are terse.{1}\n{0}user\nHello there!  How are you?{1}\n{0}assistant\n",
     "{1}{0}{0} leading and trailing spaces {1} x{1}\n\n{0}",
 )
+
+
+class PieceCodec(Protocol):
+    """Text without special tokens to ids: `short` for small pieces, `long` for large ones."""
+
+    def short(self, text: str) -> list[int]: ...
+
+    def long(self, text: str) -> list[int]: ...
+
+
+class _EnginePieces:
+    """The engine's tokenizer as a PieceCodec (holds the GIL; its word cache is shared)."""
+
+    def __init__(self, tokenizer: PromptCodec) -> None:
+        self._tokenizer = tokenizer
+
+    def short(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    long = short
 
 
 class PromptTokenizer:
@@ -54,6 +76,7 @@ class PromptTokenizer:
         self.num_misses = 0
         self._special_ids: dict[str, int] = {}
         self._pattern: re.Pattern[str] | None = None
+        self._engine_pieces = _EnginePieces(tokenizer)
         self._off_gil = self._file.has_encoder and self._plain_encoders_agree()
         specials = self._file.verbatim_added_tokens
         if specials:
@@ -88,28 +111,37 @@ class PromptTokenizer:
         if add_special_tokens and self._affixes is None:
             return list(self._tokenizer.encode(text, add_special_tokens=True))
         ids: list[int] = []
-        if self._pattern is None:
-            ids.extend(self._segment(text, tenant))
-        else:
-            for i, piece in enumerate(self._pattern.split(text)):
-                if i % 2:  # odd pieces are the separators: special tokens
-                    ids.append(self._special_ids[piece])
-                elif piece:
-                    ids.extend(self._segment(piece, tenant))
+        with self._pieces() as pieces:
+            if self._pattern is None:
+                ids.extend(self._segment(text, tenant, pieces))
+            else:
+                for i, piece in enumerate(self._pattern.split(text)):
+                    if i % 2:  # odd pieces are the separators: special tokens
+                        ids.append(self._special_ids[piece])
+                    elif piece:
+                        ids.extend(self._segment(piece, tenant, pieces))
         if add_special_tokens:
             assert self._affixes is not None
             prefix, suffix = self._affixes
             return [*prefix, *ids, *suffix]
         return ids
 
-    def _encode_plain(self, piece: str) -> list[int]:
-        if self._off_gil:
-            return self._file.encode_plain(piece)
-        return list(self._tokenizer.encode(piece, add_special_tokens=False))
+    def num_uncached_chars(self, text: str, tenant: str = "") -> int:
+        """Characters of `text` that `encode` would hand to the tokenizer now (not in
+        `tenant`'s cache), for deciding where to encode it."""
+        pieces = [text] if self._pattern is None else self._pattern.split(text)[::2]
+        with self._lock:
+            return sum(len(p) for p in pieces
+                       if len(p) < _MIN_CACHED_CHARS or (tenant, p) not in self._cache)
 
-    def _segment(self, piece: str, tenant: str) -> list[int] | array:
+    def _pieces(self) -> AbstractContextManager[PieceCodec]:
+        """The encoder of one prompt: the server's own (GIL released, no word cache shared with
+        other requests) where it agrees with the engine's tokenizer, else the engine's."""
+        return self._file.checkout() if self._off_gil else nullcontext(self._engine_pieces)
+
+    def _segment(self, piece: str, tenant: str, pieces: PieceCodec) -> list[int] | array:
         if len(piece) < _MIN_CACHED_CHARS:
-            return self._tokenizer.encode(piece, add_special_tokens=False)
+            return pieces.short(piece)
         key = (tenant, piece)
         with self._lock:
             hit = self._cache.get(key)
@@ -118,7 +150,7 @@ class PromptTokenizer:
                 self.num_hits += 1
                 return hit
             self.num_misses += 1
-        ids = array("i", self._encode_plain(piece))
+        ids = array("i", pieces.long(piece))
         if len(ids) <= self._max_cached_tokens:
             with self._lock:
                 if key not in self._cache:  # another thread may have encoded it meanwhile
@@ -132,8 +164,10 @@ class PromptTokenizer:
     def _plain_encoders_agree(self) -> bool:
         for template in _SELF_CHECK_TEXTS:
             text = template.format("<s>", "</s>") * 3
-            if self._file.encode_plain(text) != list(
-                    self._tokenizer.encode(text, add_special_tokens=False)):
+            expected = list(self._tokenizer.encode(text, add_special_tokens=False))
+            with self._file.checkout() as pieces:
+                agree = pieces.long(text) == expected and pieces.short(text) == expected
+            if not agree:
                 logger.warning("tokenizer.json loaded by the server disagrees with the engine's "
                                "tokenizer; long prompts are tokenized holding the GIL")
                 return False

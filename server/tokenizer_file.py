@@ -2,14 +2,22 @@
 
 The `tokenizers` binding holds the GIL for the whole of `Tokenizer.encode`, so a long prompt
 encoded on a worker thread still stops the event loop (1 s for 1 MB of text); `encode_batch`
-releases it while the Rust code runs. The server uses its own `tokenizers.Tokenizer` loaded from
-the same file as the engine's, and checks that both give the same ids before relying on it.
+releases it while the Rust code runs. The server uses its own `tokenizers.Tokenizer`s loaded from
+the same file as the engine's, and checks that they give the same ids before relying on them.
+
+A BPE model keeps a word cache shared by every call (the first 10,000 words it meets), which
+would let one tenant time whether another sent a rare word. Each prompt is encoded by an
+encoder of its own (`checkout`), whose word cache is cleared first: words repeated inside a
+prompt still hit, nothing carries over from another request.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,9 @@ class TokenizerFile:
     def __init__(self, model_dir: str | Path | None) -> None:
         self.verbatim_added_tokens: dict[str, int] = {}
         self.max_chars_per_token: int | None = None
-        self._encoder: Any = None
+        self._spec_text: str | None = None
+        self._lock = threading.Lock()
+        self._idle: list[PieceEncoder] = []
         if model_dir is None:
             return
         path = Path(model_dir) / "tokenizer.json"
@@ -46,19 +56,33 @@ class TokenizerFile:
         try:
             from tokenizers import Tokenizer
 
-            self._encoder = Tokenizer.from_file(str(path))
+            self._spec_text = path.read_text()
+            self._idle.append(PieceEncoder(Tokenizer.from_str(self._spec_text)))
         except Exception as exc:  # noqa: BLE001 - any failure means: use the engine's encoder
             logger.warning("cannot load %s for encoding off the GIL: %s", path, exc)
+            self._spec_text = None
 
     @property
     def has_encoder(self) -> bool:
-        """True when `encode_plain` releases the GIL (the file loaded into `tokenizers`)."""
-        return self._encoder is not None
+        """True when `checkout` gives encoders (the file loaded into `tokenizers`)."""
+        return self._spec_text is not None
 
-    def encode_plain(self, text: str) -> list[int]:
-        """Token ids of `text` without special tokens, computed with the GIL released."""
-        assert self._encoder is not None
-        return self._encoder.encode_batch([text], add_special_tokens=False)[0].ids
+    @contextmanager
+    def checkout(self) -> Iterator[PieceEncoder]:
+        """An encoder for one prompt, used by nobody else meanwhile, its word cache empty."""
+        assert self._spec_text is not None
+        with self._lock:
+            encoder = self._idle.pop() if self._idle else None
+        if encoder is None:  # one per thread encoding at once: the loop and the pool's workers
+            from tokenizers import Tokenizer
+
+            encoder = PieceEncoder(Tokenizer.from_str(self._spec_text))
+        encoder.forget()
+        try:
+            yield encoder
+        finally:
+            with self._lock:
+                self._idle.append(encoder)
 
     def min_num_tokens(self, num_chars: int) -> int:
         """A lower bound on the tokens of any text of `num_chars` characters (0: unknown).
@@ -69,6 +93,35 @@ class TokenizerFile:
         if not self.max_chars_per_token:
             return 0
         return num_chars // self.max_chars_per_token
+
+
+class PieceEncoder:
+    """One `tokenizers.Tokenizer`: text without special tokens to ids."""
+
+    _warned = False
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        model = tokenizer.model
+        # `_clear_cache` came with tokenizers 0.21; older ones keep the shared word cache.
+        self._clear = model._clear_cache if hasattr(model, "_clear_cache") else None
+        if self._clear is None and not PieceEncoder._warned:
+            PieceEncoder._warned = True
+            logger.warning("this tokenizers version cannot clear its word cache: requests can "
+                           "time whether rare words were sent before (tokenizers>=0.21 can)")
+
+    def forget(self) -> None:
+        """Empty the word cache (a few microseconds)."""
+        if self._clear is not None:
+            self._clear()
+
+    def short(self, text: str) -> list[int]:
+        """Ids of a short text (holding the GIL costs less than releasing it)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def long(self, text: str) -> list[int]:
+        """Ids of a long text, computed with the GIL released."""
+        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _max_chars_per_token(spec: dict[str, Any]) -> int | None:
