@@ -65,9 +65,9 @@ class PromptTokenizer:
     """
 
     def __init__(self, tokenizer: PromptCodec, model_dir: str | Path | None,
-                 max_cached_tokens: int = 1 << 20) -> None:
+                 max_cached_tokens: int = 1 << 20, num_threads: int = 1) -> None:
         self._tokenizer = tokenizer
-        self._file = TokenizerFile(model_dir)
+        self._file = TokenizerFile(model_dir, num_encoders=num_threads)
         self._max_cached_tokens = max_cached_tokens
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], array] = OrderedDict()  # (tenant, piece)

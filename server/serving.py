@@ -63,9 +63,11 @@ class OpenAIServing:
         self._params_cls = sampling_params_cls
         core: ServedEngine = engine.engine
         self.max_model_len = int(core.max_model_len)
+        pool = TokenizePool()
+        prompt_tokenizer = PromptTokenizer(core.tokenizer, core.config.model_dir,
+                                           num_threads=pool.num_workers + 1)  # + the loop
         self.prompts = PromptBuilder(
-            core.tokenizer, PromptTokenizer(core.tokenizer, core.config.model_dir),
-            self.max_model_len, TokenizePool(),
+            core.tokenizer, prompt_tokenizer, self.max_model_len, pool,
             on_overloaded=lambda: metrics.request_rejected("overloaded"))
         self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
 

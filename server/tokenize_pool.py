@@ -30,6 +30,7 @@ class TokenizePool:
             raise ValueError(f"need 1 <= num_workers <= max_pending, got {num_workers}, "
                              f"{max_pending}")
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kvengine-tokenize")
+        self.num_workers = num_workers
         self.max_pending = max_pending
         self._num_pending = 0  # event loop thread only
 

@@ -34,9 +34,10 @@ _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctu
 
 class TokenizerFile:
     """The parts of tokenizer.json the server needs; every field has a safe empty value when the
-    file is missing or unreadable (no segmenting, no early length bound, the engine's encoder)."""
+    file is missing or unreadable (no segmenting, no early length bound, the engine's encoder).
+    `num_encoders`: how many threads will encode at once (more are made when needed)."""
 
-    def __init__(self, model_dir: str | Path | None) -> None:
+    def __init__(self, model_dir: str | Path | None, num_encoders: int = 1) -> None:
         self.verbatim_added_tokens: dict[str, int] = {}
         self.max_chars_per_token: int | None = None
         self._spec_text: str | None = None
@@ -57,7 +58,9 @@ class TokenizerFile:
             from tokenizers import Tokenizer
 
             self._spec_text = path.read_text()
-            self._idle.append(PieceEncoder(Tokenizer.from_str(self._spec_text)))
+            # One per thread that encodes at once, made now: building one takes up to 0.2 s.
+            self._idle += [PieceEncoder(Tokenizer.from_str(self._spec_text))
+                           for _ in range(max(1, num_encoders))]
         except Exception as exc:  # noqa: BLE001 - any failure means: use the engine's encoder
             logger.warning("cannot load %s for encoding off the GIL: %s", path, exc)
             self._spec_text = None
