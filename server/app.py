@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -13,6 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from server import openapi
 from server.async_engine import AsyncEngine
 from server.auth import APIKeyMiddleware
+from server.body_limit import BodyLimitMiddleware
+from server.engine_protocol import ServedEngine, kv_store_state
 from server.errors import error_response, install_error_handlers
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -20,9 +21,10 @@ from server.serving import OpenAIServing
 from server.settings import ServerSettings
 
 
-def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `engine` (an LLMEngine). The step thread starts with the app's lifespan
-    and stops with it; the caller still owns the engine and closes it after the server exits.
+def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `engine` (an LLMEngine, or any ServedEngine). The step thread starts with
+    the app's lifespan and stops with it; the caller still owns the engine and closes it after
+    the server exits.
 
     `app.state.async_engine`, `.metrics` and `.model_name` are there for the CLI and tests.
     """
@@ -30,7 +32,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or str(engine.model_name)
-    max_num_seqs = int(getattr(getattr(engine, "config", None), "max_num_seqs", 256))
+    max_num_seqs = int(engine.config.max_num_seqs)
     async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs))
     metrics = ServerMetrics(model_name)
     serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams)
@@ -43,6 +45,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             yield
         finally:
             async_engine.stop()
+            serving.prompts.close()
 
     app = FastAPI(title="kvengine", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -50,7 +53,11 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.model_name = model_name
     install_error_handlers(app)
-    app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys))
+    # Added last runs first: keys are checked before a body is read, then the body is bounded.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes,
+                       on_refused=lambda: metrics.request_rejected("request_too_large"))
+    app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys),
+                       metrics_key=settings.metrics_key)
     openapi.install(app, with_api_keys=bool(settings.api_keys))
 
     @app.post("/v1/completions", response_model=None, responses={
@@ -82,7 +89,11 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         if not async_engine.alive:
             return error_response(503, f"engine is not running: {async_engine.error!r}",
                                   code="engine_dead")
-        return JSONResponse({"status": "ok"})
+        body = {"status": "ok"}
+        state = kv_store_state(async_engine.stats())
+        if state is not None:  # a hung or down store is served around by recomputing: still 200
+            body["kv_store"] = state
+        return JSONResponse(body)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def prometheus() -> Response:

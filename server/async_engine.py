@@ -8,7 +8,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+from server.engine_protocol import EngineOutput, EngineStats, ServedEngine
+
+if TYPE_CHECKING:
+    from engine import SamplingParams
 
 logger = logging.getLogger("kvengine.server")
 
@@ -27,7 +32,7 @@ class EngineRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: Any  # engine.SamplingParams
+    params: SamplingParams
     cache_salt: str = ""
 
 
@@ -41,7 +46,7 @@ class RequestGroup:
     def __init__(self, owner: AsyncEngine, request_ids: Sequence[str]) -> None:
         self._owner = owner
         self.request_ids = tuple(request_ids)
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         self._unfinished = set(request_ids)
         self._closed = False
 
@@ -50,10 +55,10 @@ class RequestGroup:
         """True when every member has delivered its final output."""
         return not self._unfinished
 
-    def __aiter__(self) -> AsyncIterator[Any]:
+    def __aiter__(self) -> AsyncIterator[EngineOutput]:
         return self._outputs()
 
-    async def _outputs(self) -> AsyncIterator[Any]:
+    async def _outputs(self) -> AsyncIterator[EngineOutput]:
         while self._unfinished:
             item = await self.queue.get()
             if isinstance(item, BaseException):
@@ -81,7 +86,7 @@ class AsyncEngine:
     each step's outputs over with one `call_soon_threadsafe`.
     """
 
-    def __init__(self, engine: Any, max_in_flight: int) -> None:
+    def __init__(self, engine: ServedEngine, max_in_flight: int) -> None:
         self.engine = engine
         self.max_in_flight = max_in_flight
         self._cond = threading.Condition()
@@ -123,9 +128,9 @@ class AsyncEngine:
         """Engine requests admitted and not yet finished or aborted."""
         return self._num_in_flight
 
-    def stats(self) -> dict[str, Any]:
-        """The engine's counters as of its last step (LLMEngine.stats() is thread-safe)."""
-        return dict(self.engine.stats())
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step (ServedEngine.stats() is thread-safe)."""
+        return self.engine.stats()
 
     # ---- event loop side -------------------------------------------------------------------
     def has_room(self, num_requests: int) -> bool:
@@ -172,7 +177,7 @@ class AsyncEngine:
             self._groups.pop(request_id, None)
         self._num_in_flight -= len(group.request_ids)
 
-    def _dispatch(self, outputs: list[Any]) -> None:
+    def _dispatch(self, outputs: Sequence[EngineOutput]) -> None:
         for out in outputs:
             group = self._groups.get(out.request_id)
             if group is not None:  # None: aborted by its client, output arrived late

@@ -12,6 +12,7 @@ from server.errors import error_body
 
 KEY_SALT_SCOPE = "kvengine.key_salt"  # scope entry the middleware sets for the route handlers
 OPEN_PATHS = frozenset({"/health"})
+METRICS_PATH = "/metrics"
 
 
 def key_salt(api_key: str) -> str:
@@ -34,20 +35,22 @@ def tenant_salt(key_part: str, body_salt: str | None) -> str:
 class APIKeyMiddleware:
     """Rejects requests without a valid `Authorization: Bearer KEY` (401) except on OPEN_PATHS.
 
-    With no keys configured every request passes with an empty key salt.
+    With no keys configured every request passes with an empty key salt. /metrics (every
+    tenant's traffic) takes only the operator's `metrics_key`: while API keys are set a tenant's
+    key gets 403 and no key or a wrong one 401 (so with no metrics key nobody reads it); without
+    API keys it is open unless a metrics key is set.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...],
+                 metrics_key: str | None = None) -> None:
         self._app = app
         self._salts = [(key.encode(), key_salt(key)) for key in api_keys]
+        self._metrics_key = metrics_key.encode() if metrics_key is not None else None
 
     def _match(self, header: bytes | None) -> str | None:
-        if header is None:
+        token = _bearer(header)
+        if token is None:
             return None
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None
-        token = token.strip()
         found = None
         for key, salt in self._salts:  # compare with every key: time does not reveal which one
             if hmac.compare_digest(token, key):
@@ -55,33 +58,57 @@ class APIKeyMiddleware:
         return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._salts:
-            if scope["type"] == "http":
-                scope[KEY_SALT_SCOPE] = ""
-            await self._app(scope, receive, send)
-            return
-        if scope["path"] in OPEN_PATHS:
-            scope[KEY_SALT_SCOPE] = ""
+        if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
         header = dict(scope.get("headers", ())).get(b"authorization")
+        if scope["path"] == METRICS_PATH and (self._salts or self._metrics_key is not None):
+            await self._metrics(scope, receive, send, header)
+            return
+        if not self._salts or scope["path"] in OPEN_PATHS:
+            scope[KEY_SALT_SCOPE] = ""
+            await self._app(scope, receive, send)
+            return
         salt = self._match(header)
         if salt is None:
             message = "missing API key" if header is None else "invalid API key"
-            body = json.dumps(
-                error_body(401, message + " (send `Authorization: Bearer KEY`)",
-                           code="invalid_api_key")
-            ).encode()
-            await send({
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            })
-            await send({"type": "http.response.body", "body": body})
+            await _reject(send, 401, message + " (send `Authorization: Bearer KEY`)",
+                          "invalid_api_key")
             return
         scope[KEY_SALT_SCOPE] = salt
         await self._app(scope, receive, send)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send,
+                       header: bytes | None) -> None:
+        token = _bearer(header)
+        if self._metrics_key is not None and token is not None and hmac.compare_digest(
+                token, self._metrics_key):
+            scope[KEY_SALT_SCOPE] = ""
+            await self._app(scope, receive, send)
+        elif token is not None and self._match(header) is not None:
+            how = ("use the operator's metrics key" if self._metrics_key is not None else
+                   "start the server with --metrics-key (or KVENGINE_METRICS_KEY) for the "
+                   "operator")
+            await _reject(send, 403, "a tenant's API key cannot read /metrics (it shows every "
+                          f"tenant's traffic); {how}", "metrics_forbidden")
+        else:
+            message = "missing metrics key" if header is None else "invalid metrics key"
+            await _reject(send, 401, message + " (/metrics needs `Authorization: Bearer "
+                          "METRICS_KEY`, the operator's --metrics-key)", "invalid_api_key")
+
+
+def _bearer(header: bytes | None) -> bytes | None:
+    if header is None:
+        return None
+    scheme, _, token = header.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+async def _reject(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

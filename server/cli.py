@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import resource
 import signal
 import socket
 import sys
@@ -14,6 +17,9 @@ from typing import Any
 import uvicorn
 
 from kvstore.cli_support import OneLineParser, add_version
+from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
+from server.engine_protocol import ServedEngine
+from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def _positive_int(text: str) -> int:
@@ -40,6 +46,16 @@ def _port(text: str) -> int:
     value = _non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value}")
     return value
 
 
@@ -106,6 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY'; repeat for several keys "
                        "(each key is its own cache tenant; default: no key)")
+    serve.add_argument("--metrics-key", default=None, metavar="KEY",
+                       help="the operator's key for GET /metrics, which shows every tenant's "
+                       "traffic (default: $KVENGINE_METRICS_KEY; with --api-key and no metrics "
+                       "key /metrics is refused, without --api-key it is open)")
+    serve.add_argument("--max-request-body-bytes", type=_positive_int,
+                       default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="larger request bodies get a 413 before they are parsed "
+                       "(default: %(default)s = 4 MiB)")
+    serve.add_argument("--max-connections", type=_positive_int, default=1024,
+                       help="open HTTP connections; more are refused with a 503 at once "
+                       "(default: %(default)s, lowered to fit the open-file limit)")
+    serve.add_argument("--timeout-keep-alive", type=_seconds, default=5.0, metavar="SECONDS",
+                       help="close a connection that sends nothing for this long "
+                       "(default: %(default)s)")
+    serve.add_argument("--request-read-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                       help="close a connection whose request (headers and body) is not all "
+                       "there this long after it began, with a 408 (default: %(default)s)")
     serve.add_argument("--log-level", default="warning",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="log level (stderr)")
@@ -138,7 +171,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig(**fields)
 
 
-def _load_engine(config: Any) -> Any:
+def _load_engine(config: Any) -> ServedEngine:
     from engine import LLMEngine
 
     print(f"kvengine: loading {config.model_dir} ...", file=sys.stderr, flush=True)
@@ -149,11 +182,32 @@ def _load_engine(config: Any) -> Any:
     return engine
 
 
-def _startup_line(engine: Any, model_name: str, host: str, port: int) -> str:
-    stats = engine.stats()
-    device = getattr(engine, "device", None) or getattr(engine.config, "device", "?")
-    num_blocks = stats.get("num_kv_blocks", "?")
-    block_size = getattr(engine.config, "block_size", "?")
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The connection bounds; the open-file limit is raised as far as the hard limit allows (up
+    to 64k), and what it still lacks lowers --max-connections and the accept backlog."""
+    wanted = ConnectionLimits(max_connections=args.max_connections,
+                              timeout_keep_alive_s=args.timeout_keep_alive,
+                              request_read_timeout_s=args.request_read_timeout)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    target = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    limits = fit_to_open_files(wanted, soft)
+    if limits.max_connections < wanted.max_connections:
+        print(f"kvengine: the open-file limit is {soft}: at most {limits.max_connections} HTTP "
+              "connections", file=sys.stderr, flush=True)
+    return limits
+
+
+def _startup_line(engine: ServedEngine, model_name: str, host: str, port: int) -> str:
+    num_blocks = engine.stats().get("num_kv_blocks", "?")
+    device, block_size = engine.device, engine.config.block_size
     shown_host = f"[{host}]" if ":" in host else host
     return (f"kvengine: serving {model_name} on {device}: {num_blocks} KV blocks of {block_size} "
             f"tokens, max_model_len {engine.max_model_len}; listening on "
@@ -174,11 +228,13 @@ def _raise_stop(signum: int, _frame: Any) -> None:
 class _Server(uvicorn.Server):
     """uvicorn's server, printing our startup line once the socket is bound."""
 
-    def __init__(self, config: uvicorn.Config, line: Any) -> None:
+    def __init__(self, config: uvicorn.Config, line: Any, guard: ConnectionGuard) -> None:
         super().__init__(config)
         self._line = line
+        self._guard = guard
 
     async def startup(self, sockets: list | None = None) -> None:
+        self._guard.install(asyncio.get_running_loop())
         await super().startup(sockets)
         if self.started:
             port = self.config.port
@@ -196,8 +252,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--model {args.model}: no such directory")
     try:
         config = _engine_config(args)
+        metrics_key = args.metrics_key or os.environ.get("KVENGINE_METRICS_KEY") or None
         settings = ServerSettings(served_model_name=args.served_model_name,
-                                  api_keys=tuple(args.api_key or ()), max_queue=args.max_queue)
+                                  api_keys=tuple(args.api_key or ()), max_queue=args.max_queue,
+                                  max_request_body_bytes=args.max_request_body_bytes,
+                                  metrics_key=metrics_key)
+        limits = _connection_limits(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     try:  # bound before the model loads: a busy port costs a second, not a model load
@@ -216,11 +276,14 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         app = build_app(engine, settings)
         model_name = app.state.model_name
+        guard = ConnectionGuard(limits)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=args.log_level in ("info", "debug"),
-                                   timeout_graceful_shutdown=5)
+                                   timeout_graceful_shutdown=5, http=guard.protocol_factory,
+                                   timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)),
+                                   backlog=limits.accept_backlog)
         server = _Server(uv_config, lambda port: _startup_line(engine, model_name, args.host,
-                                                                port))
+                                                                port), guard)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our handler
         # turns that into an exception so the engine below is closed (its KV arena freed).
         previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}

@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from server.engine_protocol import kv_store_state, offload_stats
 from server.responses import TIERS
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -80,6 +81,10 @@ class ServerMetrics:
             "blocks_loaded, blocks_saved, restores_declined, errors_*...): cumulative counts, "
             "exported as gauges because the engine owns them.",
             labels + ["event"], registry=reg)
+        self._kv_store_up = Gauge(
+            "kvengine:kv_store_up",
+            "1 while the kvstore daemon answers, 0 while it is hung or down (the engine then "
+            "recomputes); absent without --kv-offload.", labels, registry=reg)
         self._model = model_name
         # Touch every labelled child so a scrape lists zeros before the first request.
         for reason in FINISH_REASONS:
@@ -133,14 +138,17 @@ class ServerMetrics:
             value = snapshot.get(key)
             if isinstance(value, int | float):
                 gauge.labels(self._model).set(value)
-        offload = snapshot.get("kv_offload")
-        if isinstance(offload, Mapping):
+        offload = offload_stats(snapshot)
+        if offload is not None:
             connector = offload.get("connector")
             events = dict(connector) if isinstance(connector, Mapping) else {}
             events.update(offload)  # the manager's names win where both count the same thing
             for event, value in events.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self._offload_events.labels(self._model, event).set(value)
+        state = kv_store_state(snapshot)
+        if state is not None:
+            self._kv_store_up.labels(self._model).set(1 if state == "ok" else 0)
         total = snapshot.get("num_kv_blocks")
         used = snapshot.get("num_blocks_in_use")
         if isinstance(total, int | float) and isinstance(used, int | float) and total > 0:

@@ -97,7 +97,11 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
+    """`kv_store` only with --kv-offload, where the offload layer reports the store's state;
+    the engine serves (recomputing) whatever it is, so /health stays 200."""
+
     status: Literal["ok"]
+    kv_store: Literal["ok", "hung", "down"] | None = None
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -115,16 +119,19 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("bad parameters, a malformed body, or a prompt over the context length"),
     401: _error("missing or wrong API key (when the server has keys)"),
     404: _error("`model` names a model this server does not serve"),
+    413: _error("the request body is over --max-request-body-bytes"),
     503: _error("overloaded (retry later) or the engine is not running"),
 }
 READ_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _error("missing or wrong API key (when the server has keys)"),
 }
 # /metrics answers text/plain, so FastAPI would file a `model` under text/plain: name the JSON.
+_JSON_ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
 METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: {"description": "missing or wrong API key (when the server has keys)",
-          "content": {"application/json": {
-              "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}},
+    401: {"description": "missing or wrong metrics key (when the server has API or metrics "
+          "keys)", "content": _JSON_ERROR},
+    403: {"description": "a tenant's API key, or API keys without a metrics key: /metrics "
+          "shows every tenant's traffic and is for the operator", "content": _JSON_ERROR},
 }
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: _error("the engine's step loop is not running"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +21,14 @@ from server.async_engine import (
     RequestGroup,
 )
 from server.auth import KEY_SALT_SCOPE, tenant_salt
+from server.engine_protocol import EngineOutput, ServedEngine
 from server.errors import APIError
 from server.metrics import ServerMetrics
+from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
+from server.tokenize_pool import TokenizePool
 
 
 def derive_seed(seed: int, sample_index: int) -> int:
@@ -58,12 +61,15 @@ class OpenAIServing:
         self.metrics = metrics
         self.model_name = model_name
         self._params_cls = sampling_params_cls
-        core = engine.engine
-        self.tokenizer = core.tokenizer
-        self.prompt_tokenizer = PromptTokenizer(core.tokenizer,
-                                                getattr(core.config, "model_dir", None))
+        core: ServedEngine = engine.engine
         self.max_model_len = int(core.max_model_len)
-        self.vocab_size = _vocab_size(core)
+        pool = TokenizePool()
+        prompt_tokenizer = PromptTokenizer(core.tokenizer, core.config.model_dir,
+                                           num_threads=pool.num_workers + 1)  # + the loop
+        self.prompts = PromptBuilder(
+            core.tokenizer, prompt_tokenizer, self.max_model_len, pool,
+            on_overloaded=lambda: metrics.request_rejected("overloaded"))
+        self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -76,8 +82,9 @@ class OpenAIServing:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        prompts = self._completion_prompts(body.prompt)
-        job = self._prepare(body, request, prompts, body.max_tokens, "prompt", "cmpl", arrival)
+        salt = self._tenant(body, request)
+        prompts = await self.prompts.completion(body.prompt, salt)
+        job = self._prepare(body, salt, prompts, body.max_tokens, "prompt", "cmpl", arrival)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(job, self._submit(job), include_usage, chat=False)
@@ -97,14 +104,10 @@ class OpenAIServing:
             raise APIError(400, "only response_format type 'text' is supported",
                            param="response_format")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt)
-        except Exception as exc:  # a template can reject a conversation (e.g. role order)
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
-        prompts = [self._encode(text, add_special_tokens=False)]  # the template has them
+        salt = self._tenant(body, request)
+        prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt)]
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = self._prepare(body, request, prompts, max_tokens, "messages", "chatcmpl", arrival)
+        job = self._prepare(body, salt, prompts, max_tokens, "messages", "chatcmpl", arrival)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(job, self._submit(job), include_usage, chat=True)
@@ -119,25 +122,19 @@ class OpenAIServing:
         if not self.engine.has_room(body.n):  # before tokenizing: overload should be cheap
             self.metrics.request_rejected("overloaded")
             raise APIError(503, "server is overloaded; retry later", code="overloaded")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
+        for name, value in (("presence_penalty", body.presence_penalty),
+                            ("frequency_penalty", body.frequency_penalty)):
+            if value:
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of is not supported", param="best_of")
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.prompt_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    @staticmethod
+    def _tenant(body: _SamplingFields, request: Request) -> str:
+        """The request's tenant: its API key's salt and its `cache_salt`, as the engine keys KV."""
+        return tenant_salt(request.scope.get(KEY_SALT_SCOPE, ""), body.cache_salt)
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [self._encode(prompt)]
-        if isinstance(prompt[0], int):
-            return [list(prompt)]
-        if isinstance(prompt[0], str):
-            return [self._encode(p) for p in prompt]
-        return [list(p) for p in prompt]
-
-    def _prepare(self, body: _SamplingFields, request: Request, prompts: list[list[int]],
+    def _prepare(self, body: _SamplingFields, salt: str, prompts: list[list[int]],
                  max_tokens: int | None, prompt_param: str, id_prefix: str,
                  arrival: float) -> _Job:
         for token_ids in prompts:
@@ -157,7 +154,6 @@ class OpenAIServing:
                     f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in "
                     f"the prompt, {max_tokens} to generate)", param="max_tokens",
                     code="context_length_exceeded")
-        salt = tenant_salt(request.scope.get(KEY_SALT_SCOPE, ""), body.cache_salt)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         requests: list[EngineRequest] = []
         choices: dict[str, R.ChoiceState] = {}
@@ -201,7 +197,7 @@ class OpenAIServing:
         return group
 
     # ---- results ---------------------------------------------------------------------------
-    def _observe(self, job: _Job, out: Any) -> R.ChoiceState:
+    def _observe(self, job: _Job, out: EngineOutput) -> R.ChoiceState:
         """Fold one RequestOutput into its choice and the metrics."""
         now = time.perf_counter()
         choice = job.choices[out.request_id]
@@ -255,7 +251,7 @@ class OpenAIServing:
                                    on_close=lambda: self._close(job, group))
 
     async def _events(self, job: _Job, group: RequestGroup, include_usage: bool,
-                      chat: bool) -> AsyncIterator[bytes]:
+                      chat: bool) -> AsyncGenerator[bytes, None]:
         rid, created, model = job.response_id, job.created, self.model_name
         try:
             if chat:  # the role first, for every choice, as OpenAI does
@@ -288,11 +284,3 @@ class OpenAIServing:
             self._close(job, group)
         yield R.SSE_DONE
 
-
-def _vocab_size(core: Any) -> int | None:
-    """The vocabulary bound for token-id prompts, from whatever the engine exposes."""
-    for owner, name in ((core, "vocab_size"), (core.tokenizer, "vocab_size")):
-        value = getattr(owner, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Big enough for a 128k-token prompt as text or as token ids in JSON, far below what hurts.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -14,11 +17,17 @@ class ServerSettings:
     them as a Bearer token, and each key is its own cache tenant.
     `max_queue` bounds the engine requests admitted beyond `max_num_seqs`; past it the server
     answers 503. None derives it from `max_num_seqs`.
+    `max_request_body_bytes`: larger request bodies get a 413 before anything parses them.
+    `metrics_key`: the operator's key for /metrics. /metrics shows every tenant's traffic, so
+    when `api_keys` are set it needs this key (and is refused to all while it is None); without
+    API keys it is open unless a metrics key is set.
     """
 
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     max_queue: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    metrics_key: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.api_keys, str):
@@ -29,6 +38,14 @@ class ServerSettings:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be blank")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got "
+                             f"{self.max_request_body_bytes}")
+        if self.metrics_key is not None and not self.metrics_key:
+            raise ValueError("the metrics key must not be empty")
+        if self.metrics_key is not None and self.metrics_key in self.api_keys:
+            raise ValueError("the metrics key must differ from every API key (a tenant must "
+                             "not read the other tenants' traffic)")
 
     def max_in_flight(self, max_num_seqs: int) -> int:
         """Engine requests admitted at once: the running batch plus the waiting queue."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.responses import Response
@@ -47,7 +47,7 @@ async def until_disconnect(work: Awaitable[T], receive: Receive) -> T:
 
 
 class EventStreamResponse(Response):
-    """Server-sent events from an async iterator of already-framed `data: ...\\n\\n` chunks.
+    """Server-sent events from an async generator of already-framed `data: ...\\n\\n` chunks.
 
     Unlike Starlette's StreamingResponse (which, under ASGI 2.4, only notices a disconnect at
     the next write), this watches `receive` the whole time and cancels the iterator at once, so a
@@ -57,8 +57,8 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
-                 status_code: int = 200) -> None:
+    def __init__(self, chunks: AsyncGenerator[bytes, None],
+                 on_close: Callable[[], None] | None = None, status_code: int = 200) -> None:
         self._chunks = chunks
         self._on_close = on_close
         self.status_code = status_code
@@ -83,8 +83,6 @@ class EventStreamResponse(Response):
             for task in (pump, watch):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
-            aclose = getattr(self._chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await self._chunks.aclose()
             if self._on_close is not None:  # runs even if the iterator never started
                 self._on_close()

@@ -27,6 +27,7 @@ from engine.make_model import write_checkpoint
 pytestmark = pytest.mark.timeout(120)
 
 API_KEY = "sec-key"
+METRICS_KEY = "sec-operator-key"
 _LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
 
 
@@ -204,7 +205,8 @@ def keyed_server(tiny_model: Path) -> Iterator:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
     from server_helpers import start_server, stop_server
 
-    running = start_server(tiny_model, api_keys=(API_KEY, "other-key"), max_model_len=128)
+    running = start_server(tiny_model, api_keys=(API_KEY, "other-key"), max_model_len=128,
+                           metrics_key=METRICS_KEY)
     yield running
     stop_server(running)
 
@@ -243,10 +245,13 @@ def test_api_key_covers_every_route_but_health(keyed_server) -> None:
                     assert r.status_code == 200, (method, path, headers, r.status_code)
                 else:
                     assert _is_401(r), (method, path, headers, r.status_code, r.text[:200])
-            for key in (API_KEY, "other-key"):  # either key opens every route
+            for key in (API_KEY, "other-key"):  # either key opens every route but /metrics
                 r = c.request(method, path, json=body, headers={"Authorization":
                                                                 f"Bearer {key}"})
-                assert r.status_code == 200, (method, path, r.status_code, r.text[:200])
+                wanted = 403 if path == "/metrics" else 200  # /metrics: the operator's key
+                assert r.status_code == wanted, (method, path, r.status_code, r.text[:200])
+        r = c.get("/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"})
+        assert r.status_code == 200, r.text[:200]
         # Paths and methods the app does not have, and near-misses of /health: 401, not 404.
         for method, path in [("GET", "/nope"), ("DELETE", "/v1/models"), ("GET", "/docs"),
                              ("GET", "/openapi.json"), ("GET", "/health/"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import API_KEYS, RunningServer, start_server, stop_server
+from server_helpers import API_KEYS, METRICS_KEY, RunningServer, start_server, stop_server
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +23,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    """The shared server: two API keys (two tenants), max_model_len 512."""
-    running = start_server(tiny_model_dir, api_keys=API_KEYS, served_model_name="tiny")
+    """The shared server: two API keys (two tenants), an operator key for /metrics,
+    max_model_len 512."""
+    running = start_server(tiny_model_dir, api_keys=API_KEYS, served_model_name="tiny",
+                           metrics_key=METRICS_KEY)
     yield running
     stop_server(running)
 

@@ -12,6 +12,7 @@ import httpx
 import uvicorn
 
 API_KEYS = ("key-alpha", "key-beta")
+METRICS_KEY = "key-operator"  # /metrics: the operator's key, not a tenant's
 MAX_MODEL_LEN = 512
 
 
@@ -54,7 +55,8 @@ class RunningServer:
 
 
 def start_server(model_dir: Path, *, api_keys: tuple[str, ...] = (), max_queue: int | None = None,
-                 served_model_name: str | None = None, **engine_kwargs) -> RunningServer:
+                 served_model_name: str | None = None, metrics_key: str | None = None,
+                 **engine_kwargs) -> RunningServer:
     """An engine on CPU behind build_app, served by uvicorn in a thread."""
     from engine import EngineConfig, LLMEngine
     from server.app import build_app
@@ -65,7 +67,7 @@ def start_server(model_dir: Path, *, api_keys: tuple[str, ...] = (), max_queue: 
     fields.update(engine_kwargs)
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), **fields))
     settings = ServerSettings(served_model_name=served_model_name, api_keys=api_keys,
-                              max_queue=max_queue)
+                              max_queue=max_queue, metrics_key=metrics_key)
     server = RunningServer(build_app(engine, settings))
     try:
         return server.start()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 
 import httpx
-from server_helpers import metric_value
+from server_helpers import METRICS_KEY, metric_value
+
+OPERATOR = {"Authorization": f"Bearer {METRICS_KEY}"}
 
 NAMES = [
     "kvengine:request_success_total",
@@ -24,7 +26,7 @@ NAMES = [
 
 
 def test_metrics_count_what_was_served(http: httpx.Client) -> None:
-    before = http.get("/metrics")
+    before = http.get("/metrics", headers=OPERATOR)
     assert before.status_code == 200
     assert before.headers["content-type"].startswith("text/plain")
     for name in NAMES:
@@ -34,7 +36,7 @@ def test_metrics_count_what_was_served(http: httpx.Client) -> None:
     body = {"prompt": prompt, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
     for _ in range(2):  # the second run hits the HBM prefix cache
         assert http.post("/v1/completions", json=body).status_code == 200
-    after = http.get("/metrics").text
+    after = http.get("/metrics", headers=OPERATOR).text
 
     def delta(name: str, **labels: str) -> float:
         return metric_value(after, name, **labels) - metric_value(before.text, name, **labels)

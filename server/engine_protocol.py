@@ -1,0 +1,141 @@
+"""ServedEngine: exactly what the HTTP server needs from the engine, as typed protocols.
+
+The server never probes the engine with `getattr`; it calls what is named here, and
+`engine.LLMEngine` satisfies it structurally. A second engine (a remote one, a test double of an
+outside system) only has to provide these members to be served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from engine import SamplingParams
+
+KV_STORE_STATES = ("ok", "hung", "down")  # what the offload layer reports as `store_state`
+
+
+class PromptCodec(Protocol):
+    """The engine's tokenizer as the server uses it: text in, token ids out."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (BOS)."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation; raises for a conversation the template refuses."""
+        ...
+
+
+class EngineSettingsView(Protocol):
+    """The parts of the engine's configuration the server reads."""
+
+    @property
+    def model_dir(self) -> str: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
+class EngineOutput(Protocol):
+    """One request's state after a step: cumulative tokens and text plus this step's delta."""
+
+    request_id: str
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+
+
+class OffloadStats(TypedDict, total=False):
+    """The engine's `--kv-offload` counters; `store_state` is one of KV_STORE_STATES where the
+    offload layer reports it. Other keys are counters (ints) or nested dicts of them."""
+
+    store_state: str
+    connector: dict[str, Any]
+
+
+class EngineStats(TypedDict, total=False):
+    """A snapshot of the engine's counters as of its last step (`ServedEngine.stats()`)."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_blocks_in_use: int
+    kv_offload: OffloadStats | None
+
+
+class ServedEngine(Protocol):
+    """An engine the server can serve. Threading contract: `add_request`, `abort_request`,
+    `has_unfinished_requests` and `stats` are safe from any thread; `step`, `flush_offload` and
+    `close` run on one thread (the server's step thread, then the owner at shutdown)."""
+
+    model_name: str
+    max_model_len: int
+    device: str
+    tokenizer: PromptCodec
+
+    @property
+    def config(self) -> EngineSettingsView: ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Prompt token ids must be below this."""
+        ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, cache_salt: str = "") -> None:
+        """Queue a request (generate/stream: its outputs come from `step`); ValueError for a
+        prompt or params the engine refuses."""
+        ...
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel: the request ends with reason "abort" at the next step; unknown ids ignored."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> Sequence[EngineOutput]:
+        """Run one scheduling step; outputs of the requests that got a token or ended."""
+        ...
+
+    def flush_offload(self) -> None:
+        """The store work the last step left for after its outputs (a no-op without offload)."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Counters as of the last step (a copy)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def offload_stats(snapshot: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The offload part of a stats snapshot, or None when the engine runs without offload."""
+    offload = snapshot.get("kv_offload")
+    return offload if isinstance(offload, Mapping) else None
+
+
+def kv_store_state(snapshot: Mapping[str, Any]) -> str | None:
+    """The store's state ("ok", "hung", "down") as the offload layer reports it; None without
+    offload or when the offload layer does not report a state."""
+    offload = offload_stats(snapshot)
+    if offload is None:
+        return None
+    state = offload.get("store_state")
+    if state is None and isinstance(offload.get("connector"), Mapping):
+        state = offload["connector"].get("store_state")
+    return state if isinstance(state, str) else None

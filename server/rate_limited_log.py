@@ -1,0 +1,39 @@
+"""RateLimitedLog: at most one log line per kind of event per interval, with a count of the rest.
+
+An attack repeats one event thousands of times a second (connections refused, requests timed
+out); logging each one turned a file-descriptor flood into half a gigabyte of log in minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+
+class RateLimitedLog:
+    """Logs the first event of a kind at once, then at most one line per `interval_s`, saying
+    how many events of that kind the line stands for. Not thread-safe: one event loop's use."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last_s: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self.counts: dict[str, int] = {}
+
+    def event(self, kind: str, message: str, level: int = logging.WARNING) -> None:
+        """Count one event of `kind`; log `message` unless a line for `kind` went out lately."""
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        now = self._clock()
+        last = self._last_s.get(kind)
+        if last is not None and now - last < self._interval_s:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last_s[kind] = now
+        skipped = self._suppressed.pop(kind, 0)
+        if skipped:
+            message += f" (and {skipped} more like it in the last {now - last:.0f} s)"
+        self._logger.log(level, message)
