@@ -175,7 +175,7 @@ def test_reset_prefix_cache_sends_the_next_hit_to_the_store(tiny_model_dir, make
                                                             reference) -> None:
     daemon = make_daemon(dram="64MiB")
     prompt = random_prompt(1000, 16 * 7 + 2, seed=11)
-    llm = offload_llm(tiny_model_dir, daemon)
+    llm = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")  # not the policy's call
     llm.generate([prompt], GREEDY)
     assert llm.generate([prompt], GREEDY)[0].cached_tokens_by_tier["hbm"] == 7 * 16
     llm.engine.offload.wait_idle()

@@ -49,7 +49,9 @@ def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_d
     counters = engine.offload.counters
     close_llm(reader)
     assert counters["lookups_at_arrival"] == 2 and counters["lookups"] == 2
-    assert counters["lookups_answered_late"] == 0
+    # "busy"'s own lookup may miss its 2 ms on a loaded machine; "x"'s was answered (waited for
+    # above) before "x" reached the head of the queue, so it never waits in LOADING.
+    assert counters["lookups_answered_late"] <= 1
     assert x_first == busy_done + 1  # admitted the step after "busy" left, prefilled at once
 
 
