@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from kvstore.keys import ModelIdentity, Namespace, block_hash, block_hashes
 
-__all__ = ["ModelIdentity", "Namespace", "block_hash", "block_hashes", "Client"]
+__all__ = ["ModelIdentity", "Namespace", "block_hash", "block_hashes", "Client", "ClientError",
+           "DaemonUnavailable", "Pending"]
 
 
 def __getattr__(name: str):
     # The client pulls in msgpack and sockets; importing keys alone should stay light.
-    if name == "Client":
-        from kvstore.client import Client
+    if name in ("Client", "ClientError", "DaemonUnavailable", "Pending"):
+        from kvstore import client
 
-        return Client
+        return getattr(client, name)
     raise AttributeError(name)
