@@ -13,14 +13,12 @@ vLLM's objects (requests, scheduler output, tensors) into plain values and back.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,12 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
-from offload.vllm.block_mover import BlockMover, DirectMover, StagedMover, direct_layout
+from offload.vllm.block_mover import BlockMover
+from offload.vllm.kv_tensors import make_mover
 from offload.vllm.plan import StepPlan
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings
 from offload.vllm.store_link import StoreLink
-from offload.vllm.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
 from offload.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -196,41 +194,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not self._worker.connect():
             log.warning("kvstore connector: no store at start; vLLM recomputes until it is up")
 
-    def _spec(self, name: str, t: torch.Tensor, offset_bytes: int,
-              buffer_bytes: int) -> TensorSpec:
-        dims = name_dims(tuple(t.shape), (), {}, self._num_blocks)
-        return TensorSpec(name, tuple(t.shape), tuple(t.stride()), t.element_size(), dims,
-                          offset_bytes, buffer_bytes)
-
     def _make_mover(self, names: list[str], tensors: list[torch.Tensor]) -> BlockMover:
-        dtype = str(tensors[0].dtype).removeprefix("torch.")
-        specs, handles, sizes = [], [], []
-        for name, t in zip(names, tensors):
-            storage = t.untyped_storage()
-            if t.is_cuda:
-                # (device, handle, size, offset in the IPC allocation, ...): the handle names
-                # the caching allocator's whole segment, so offsets count from its start.
-                shared = storage._share_cuda_()
-                handle, offset = bytes(shared[1]), int(shared[3])
-                base = offset + t.storage_offset() * t.element_size()
-                specs.append(self._spec(name, t, base, offset + storage.nbytes()))
-                handles.append(handle)
-                sizes.append(offset + storage.nbytes())
-            else:
-                nbytes = storage.nbytes() - t.storage_offset() * t.element_size()
-                specs.append(self._spec(name, t, 0, nbytes))
-        pieces = [regions_of(s) for s in specs]
         meta = {"engine": "vllm", "block_size": self.facts.block_size,
-                "num_layers": len(names), "tensor_layout": layout_signature(specs[0]),
                 "namespace_layout": self.facts.layout_signature}
-        if tensors[0].is_cuda:
-            layout = direct_layout(handles, sizes, pieces, self._num_blocks,
-                                   f"cuda:{tensors[0].device.index or 0}", dtype, meta)
-            return DirectMover(layout)
-        views = [np.ctypeslib.as_array(ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
-                                       shape=(s.buffer_bytes,)) for t, s in zip(tensors, specs)]
-        return StagedMover(views, pieces, self._num_blocks,
-                           self.settings.load_blocks + self.settings.save_blocks, dtype, meta)
+        return make_mover(names, tensors, self._num_blocks,
+                          self.settings.load_blocks + self.settings.save_blocks, meta)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

@@ -96,7 +96,9 @@ class StoreLink:
     @property
     def connected(self) -> bool:
         if self._client is not None and self._client.is_closed:
-            self.trip("unavailable", self.generation)
+            # Found closed while idle (the daemon went away between requests): no request
+            # waited on it, so the next call may try a new connection at once.
+            self.trip("unavailable", self.generation, pause=False)
         return self._client is not None
 
     def ensure(self) -> Client | None:
@@ -144,7 +146,7 @@ class StoreLink:
             return Call(None, None, 0.0, fallback)
         return Call(self, pending, deadline_s, fallback, self.generation)
 
-    def trip(self, code: str, generation: int) -> None:
+    def trip(self, code: str, generation: int, pause: bool = True) -> None:
         """A call failed by deadline or connection: drop this connection, pause the retries."""
         self.counters[f"errors_{code}"] += 1
         if generation != self.generation or self._client is None:
@@ -152,7 +154,8 @@ class StoreLink:
         log.warning("kvstore connector: lost the store (%s); recomputing for %.1f s before "
                     "retrying", code, self.retry_interval_s)
         client, self._client = self._client, None
-        self._retry_at = time.monotonic() + self.retry_interval_s
+        if pause:
+            self._retry_at = time.monotonic() + self.retry_interval_s
         with contextlib.suppress(OSError):
             client.close()
 

@@ -120,11 +120,11 @@ def regions_of(spec: TensorSpec) -> list[Piece]:
 
 def layout_signature(spec: TensorSpec) -> str:
     """What a block's bytes mean for this tensor: outer dims, then the piece's dims, by name and
-    size in physical order (e.g. ``kv2|tokens128.heads2.dim32``). Equal signatures (and dtype,
+    size in physical order (e.g. ``d0=2|d2=128.d3=2.d4=32``). Equal signatures (and dtype,
     model) mean interchangeable bytes; it goes into the namespace."""
     outer, inner = split_dims(spec)
     def fmt(dims: list[int]) -> str:
-        return ".".join(f"{spec.dim_names[d]}{spec.shape[d]}" for d in dims)
+        return ".".join(f"{spec.dim_names[d]}={spec.shape[d]}" for d in dims)
     return f"{fmt(outer)}|{fmt(inner)}"
 
 
