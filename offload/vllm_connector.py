@@ -173,6 +173,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreConnectorMetadata(plan=self._scheduler.plan_step(scheduled))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Failed blocks first: they belong to loads that are reported finished in the same pass.
+        self._scheduler.loads_failed(set(getattr(connector_output, "invalid_block_ids", None)
+                                         or ()))
         if connector_output.finished_recving:
             self._scheduler.loads_finished(connector_output.finished_recving)
 

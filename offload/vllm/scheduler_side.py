@@ -33,6 +33,8 @@ class _Tracked:
     num_stored_blocks: int = 0  # blocks [0, this) are in the store (hit, loaded or saved)
     hit: tuple[int, int, list[str]] | None = None  # (first block, num blocks, tiers) to load
     load_blocks: int = 0  # blocks of the load in flight (budgeted)
+    load_first: int = 0  # the load's first block index in the request
+    load_ids: list[int] = field(default_factory=list)  # its vLLM block ids
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class SchedulerSide:
         self._loads_to_send.append(BlockTransfer(
             request_id, ids, keys.namespace, keys.hashes[first:first + num_blocks],
             keys.idents[first:first + num_blocks]))
-        tracked.load_blocks = num_blocks
+        tracked.load_blocks, tracked.load_first, tracked.load_ids = num_blocks, first, ids
         self._load_blocks_in_flight += num_blocks
         tracked.num_stored_blocks = first + num_blocks  # already in the store: never saved back
         self.counters["loads_planned"] += 1
@@ -174,6 +176,21 @@ class SchedulerSide:
             if tracked is not None and tracked.load_blocks:
                 self._load_blocks_in_flight -= tracked.load_blocks
                 tracked.load_blocks = 0
+            if tracked is not None:
+                tracked.load_ids = []
+
+    def loads_failed(self, block_ids: set[int]) -> None:
+        """Blocks the worker could not load: vLLM recomputes them, so they are saved again."""
+        if not block_ids:
+            return
+        for tracked in self._requests.values():
+            for i, block_id in enumerate(tracked.load_ids):
+                if block_id in block_ids:
+                    tracked.num_stored_blocks = min(tracked.num_stored_blocks,
+                                                    tracked.load_first + i)
+                    self.counters["blocks_load_failed"] += len(tracked.load_ids) - i
+                    tracked.load_ids = []
+                    break
 
     def finished(self, request_id: str) -> None:
         """The request is done; a load still in flight keeps its budget until it reports."""

@@ -38,7 +38,7 @@ class Instance:
                         for t in self.layers)
 
     def save(self, rid: str, tokens: list[int], block_ids: list[int], salt=None) -> None:
-        assert self.scheduler.match(rid, tokens, 0, salt, None) == 0 or True
+        self.scheduler.match(rid, tokens, 0, salt, None)  # as vLLM: asked first, then tracked
         self.scheduler.after_alloc(rid, block_ids, 0)
         plan = self.scheduler.plan_step([ScheduledRequest(rid, 0, len(tokens), None)])
         self.worker.save(plan)
