@@ -190,6 +190,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         names = [n for n in self._layer_names if n in kv_caches] or sorted(kv_caches)
         tensors = [kv_caches[n] for n in names]
         mover = self._make_mover(names, tensors)
+        log.info("kvstore connector: %d layers, block size %d, namespace layout %s, tensor "
+                 "layout %s", len(names), self.facts.block_size, self.facts.layout_signature,
+                 mover.meta.get("tensor_layout"))
         engine_id = f"vllm-{os.getpid()}"
         self._worker = WorkerSide(self._link, mover, engine_id, self.settings.load_timeout_s,
                                   self.settings.save_timeout_s)

@@ -34,6 +34,8 @@ class BlockMover(ABC):
     ``give_back(slots)`` returns ids once the daemon is done with them. A ``Slots`` of a lost
     connection is never given back (its buffer is abandoned instead)."""
 
+    meta: dict  # what the registration's meta says (num_layers, tensor_layout...)
+
     #: True when the daemon reads vLLM's own blocks: a save must finish before vLLM may reuse
     #: them, so the worker waits for it (bounded) in ``wait_for_save``.
     saves_read_engine_blocks: bool = False
@@ -66,6 +68,7 @@ class DirectMover(BlockMover):
     def __init__(self, layout: KVLayout) -> None:
         layout.validate()
         self.layout = layout
+        self.meta = layout.meta
 
     def open(self) -> KVLayout:
         return self.layout

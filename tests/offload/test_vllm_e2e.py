@@ -93,6 +93,41 @@ def test_second_instance_serves_a_repeated_prompt_from_the_store(engines, store)
     assert_same_logprobs(second, want)
 
 
+def test_loaded_blocks_are_really_used(engines, store, model_dir) -> None:
+    """Random bytes stored under exactly the keys vLLM asks for: vLLM takes the hit and its
+    answer changes, so a hit's KV is what attention reads (the daemon cannot tell garbage)."""
+    torch = pytest.importorskip("torch")
+    from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
+    from offload.vllm.kv_tensors import make_mover
+    from offload.vllm.plan import BlockTransfer, StepPlan
+    from offload.vllm.store_link import StoreLink
+    from offload.vllm.worker_side import WorkerSide
+
+    # What the connector reads from vLLM for this model on CPU (see its log line).
+    facts = VllmModelFacts("Qwen3ForCausalLM", 2, 2, 32, "bfloat16", BLOCK_SIZE,
+                           weights_identity(str(model_dir)), "cpu:LBHNC:kvheads2:head32/32")
+    p = prompt(11)
+    keys = KeyMaker(facts).keys(p)
+    num_blocks = keys.num_blocks
+    raw = torch.randn(2 * num_blocks * 2 * BLOCK_SIZE * 64, generator=torch.Generator()
+                      .manual_seed(0)).to(torch.bfloat16)
+    layers = list(raw.view(2, num_blocks, 2, BLOCK_SIZE, 64).unbind(0))
+    worker = WorkerSide(StoreLink(store["daemon"].socket_path, 5.0, 1.0),
+                        make_mover(["l0", "l1"], layers, num_blocks, num_blocks, {}), "forger",
+                        5.0, 5.0)
+    try:
+        worker.save(StepPlan(saves=[BlockTransfer("g", list(range(num_blocks)),
+                                                  keys.namespace, keys.hashes, keys.idents)]))
+        worker.drain(10.0)
+        assert worker.counters["blocks_saved"] == num_blocks
+    finally:
+        worker.close()
+    want = engines["baseline"].ask(p)
+    got = engines["second"].ask(p)
+    assert got["num_cached_tokens"] == full_blocks_tokens(len(p))
+    assert got["logprobs"] != want["logprobs"]
+
+
 def test_different_cache_salts_never_share(engines, store) -> None:
     p = prompt(2)
     before = dram_blocks(store)
