@@ -34,7 +34,8 @@ class Instance:
     worker: WorkerSide
 
     def block(self, block_id: int) -> bytes:
-        return b"".join(t[block_id].contiguous().view(torch.uint8).numpy().tobytes()
+        dim = 1 if self.layers[0].shape[0] == 2 else 0  # flash layout: [2, blocks, ...]
+        return b"".join(t.select(dim, block_id).contiguous().view(torch.uint8).numpy().tobytes()
                         for t in self.layers)
 
     def save(self, rid: str, tokens: list[int], block_ids: list[int], salt=None) -> None:
@@ -65,12 +66,18 @@ class Instance:
         raise AssertionError("load never finished")
 
 
-def make_instance(socket_path, seed: int | None, load_blocks: int = 16) -> Instance:
+def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
+                  flash: bool = False) -> Instance:
+    """``flash``: each layer ``[2, num_blocks, block_size, heads, head_dim]`` (two regions
+    per layer) instead of the CPU backend's ``[num_blocks, heads, block_size, 2 * head_dim]``."""
     raw = torch.zeros(LAYERS * NUM_BLOCKS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM,
                       dtype=torch.bfloat16)
     if seed is not None:
         raw.copy_(torch.randn(raw.shape, generator=torch.Generator().manual_seed(seed)))
-    layers = list(raw.view(LAYERS, NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM).unbind(0))
+    if flash:
+        layers = list(raw.view(LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM).unbind(0))
+    else:
+        layers = list(raw.view(LAYERS, NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM).unbind(0))
     mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, load_blocks + 16,
                        {"engine": "vllm-test"})
     worker = WorkerSide(StoreLink(socket_path, LOAD_TIMEOUT_S, RETRY_S), mover, "vllm-test",
@@ -90,8 +97,10 @@ def daemon(make_daemon):
     return make_daemon(dram="32MiB")
 
 
-def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon) -> None:
-    a, b = make_instance(daemon.socket_path, 1), make_instance(daemon.socket_path, None)
+@pytest.mark.parametrize("flash", [False, True], ids=["cpu-layout", "flash-layout"])
+def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon, flash) -> None:
+    a = make_instance(daemon.socket_path, 1, flash=flash)
+    b = make_instance(daemon.socket_path, None, flash=flash)
     tokens, a_ids, b_ids = prompt(1), list(range(3, 14)), list(range(12, 23))
     a.save("r", tokens, a_ids)
     assert a.worker.counters["blocks_saved"] == 10
@@ -100,7 +109,6 @@ def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon) -> No
     for i in range(10):
         assert b.block(b_ids[i]) == a.block(a_ids[i])
     assert b.block(b_ids[10]) == bytes(len(a.block(0)))  # the partial block was not touched
-    # Saved again by B (its own compute of the same tokens): duplicates, nothing new stored.
     assert b.worker.counters["blocks_loaded"] == 10
 
 
@@ -133,6 +141,20 @@ def test_a_short_hit_reports_the_missing_blocks_for_recompute(daemon) -> None:
         time.sleep(0.002)
     assert failed == set(ids[6:10])
     assert all(b.block(i) == a.block(i) for i in ids[:6])
+
+
+def test_blocks_that_failed_to_load_are_saved_again_after_recompute(daemon) -> None:
+    a, b = make_instance(daemon.socket_path, 9), make_instance(daemon.socket_path, None)
+    tokens, ids = prompt(9, num_blocks=4), list(range(5))
+    a.save("r", tokens, ids)
+    n = b.scheduler.match("r", tokens, 0, None, None)
+    b.scheduler.after_alloc("r", ids, n)
+    assert [t.block_ids for t in b.scheduler.plan_step([]).loads] == [[0, 1, 2, 3]]
+    b.scheduler.loads_failed({2, 3})  # as vLLM reports them: it recomputes blocks 2 and 3
+    b.scheduler.loads_finished({"r"})
+    plan = b.scheduler.plan_step([ScheduledRequest("r", 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 3,
+                                                   None)])
+    assert [t.block_ids for t in plan.saves] == [[2, 3]]
 
 
 def test_load_budget_caps_a_hit(daemon) -> None:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 from daemon_helpers import start_daemon
-from vllm_process import VllmProcess, vllm_available, wait_for
 
+from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
 from engine.make_model import write_checkpoint
 
 pytestmark = [pytest.mark.vllm,

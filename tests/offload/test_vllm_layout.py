@@ -147,3 +147,4 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         ConnectorSettings.from_extra_config({"load_blocks": 1.5})
     with pytest.raises(ValueError, match="positive"):
         ConnectorSettings.from_extra_config({"lookup_timeout_s": 0})
+

@@ -1,4 +1,4 @@
-"""Drive a real vLLM process (``vllm_child.py``) from tests and benchmarks: start, ask, stop."""
+"""Drive a real vLLM process (``vllm_child.py``) from benchmarks and tests: start, ask, stop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("vllm_child.py")
 
 
@@ -83,11 +83,10 @@ class VllmProcess:
 
 
 def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """vllm is installed (found, not imported: importing it costs seconds and pulls in torch)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
@@ -97,3 +96,33 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def start_store(dram: str = "1GiB") -> tuple[subprocess.Popen, Path]:
+    """A ``kvstore serve`` on a fresh socket for a benchmark; returns once it is ready."""
+    import tempfile
+
+    socket_path = Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "kvstore.sock"
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
+                             str(socket_path), "--dram", dram, "--http", "off"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO_ROOT, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "kvstore: ready" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep it drained
+            return proc, socket_path
+    raise RuntimeError(f"kvstore serve exited with {proc.wait()}")
+
+
+def stop_store(proc: subprocess.Popen, socket_path: Path) -> None:
+    import shutil
+
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    shutil.rmtree(socket_path.parent, ignore_errors=True)
