@@ -19,9 +19,18 @@ from offload.vllm.tensor_layout import TensorSpec, layout_signature, name_dims, 
 
 def _spec(name: str, t: Any, num_blocks: int, offset_bytes: int,
           buffer_bytes: int) -> TensorSpec:
-    dims = name_dims(tuple(t.shape), (), {}, num_blocks)
+    dims = name_dims(tuple(t.shape), tuple(t.stride()), num_blocks)
     return TensorSpec(name, tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
                       int(t.element_size()), dims, offset_bytes, buffer_bytes)
+
+
+def _group_kernel_blocks(t: Any, num_blocks: int) -> Any:
+    """vLLM may split each of its blocks into kernel blocks (dim 0 of ``num_blocks * k``);
+    view them as ``[num_blocks, k, ...]`` so a store block is still vLLM's whole block."""
+    shape = tuple(t.shape)
+    if num_blocks in shape or not shape or shape[0] % num_blocks:
+        return t
+    return t.unflatten(0, (num_blocks, shape[0] // num_blocks))
 
 
 def host_bytes(t: Any, num_bytes: int) -> np.ndarray:
@@ -44,6 +53,7 @@ def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, nu
     if any(bool(t.is_cuda) != on_cuda for t in tensors):
         raise ValueError("KV tensors on mixed devices")
     dtype = str(tensors[0].dtype).removeprefix("torch.")
+    tensors = [_group_kernel_blocks(t, num_blocks) for t in tensors]
     specs, handles, sizes = [], [], []
     for name, t in zip(names, tensors):
         storage = t.untyped_storage()

@@ -15,7 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-# Logical names of the dims of a KV tensor (as the backend's shape function reveals them).
+# The label of the block dim in ``TensorSpec.dim_names``.
 DIM_BLOCKS = "blocks"
 
 
@@ -128,22 +128,18 @@ def layout_signature(spec: TensorSpec) -> str:
     return f"{fmt(outer)}|{fmt(inner)}"
 
 
-def name_dims(shape: tuple[int, ...], probe_shape: tuple[int, ...],
-              probe_names: dict[int, str], num_blocks: int) -> tuple[str, ...]:
-    """Label the dims of ``shape`` from a probe: the backend's shape function called with
-    distinct sentinel sizes (``probe_names``: sentinel size -> name). Without a probe (empty
-    ``probe_shape``), the one dim of size ``num_blocks`` is the block dim; ambiguity is an error.
-    """
-    if probe_shape:
-        if len(probe_shape) != len(shape):
-            raise ValueError(f"probe shape {probe_shape} does not match tensor shape {shape}")
-        names = []
-        for i, size in enumerate(probe_shape):
-            names.append(probe_names.get(size, f"d{i}"))
-        if names.count(DIM_BLOCKS) != 1:
-            raise ValueError(f"cannot find the block dim of {shape} from probe {probe_shape}")
-        return tuple(names)
-    matches = [i for i, s in enumerate(shape) if s == num_blocks]
-    if len(matches) != 1:
-        raise ValueError(f"cannot tell the block dim of shape {shape} ({num_blocks} blocks)")
-    return tuple(DIM_BLOCKS if i == matches[0] else f"d{i}" for i in range(len(shape)))
+def name_dims(shape: tuple[int, ...], strides: tuple[int, ...],
+              num_blocks: int) -> tuple[str, ...]:
+    """Label the block dim of a KV tensor (the others ``d0``, ``d1``...): the dim of size
+    ``num_blocks``; when several dims have that size (16 blocks of 16 tokens), the one laid out
+    outermost, since no vLLM layout stores a block's tokens outside its blocks (its layouts
+    permute [layers, blocks, heads, tokens, content] with tokens and content always inside
+    blocks). Equal strides too: an error, never a guess."""
+    candidates = [i for i, s in enumerate(shape) if s == num_blocks]
+    if len(candidates) > 1:
+        top = max(strides[i] for i in candidates)
+        candidates = [i for i in candidates if strides[i] == top]
+    if len(candidates) != 1:
+        raise ValueError(f"cannot tell the block dim of shape {shape}, strides {strides} "
+                         f"({num_blocks} blocks)")
+    return tuple(DIM_BLOCKS if i == candidates[0] else f"d{i}" for i in range(len(shape)))

@@ -76,9 +76,13 @@ def test_a_buffer_too_small_is_refused() -> None:
 
 
 def test_block_dim_is_found_or_the_ambiguity_reported() -> None:
-    assert name_dims((2, 100, 16, 2, 32), (), {}, 100)[1] == "blocks"
+    assert name_dims((2, 100, 16, 2, 32), (102400, 1024, 64, 32, 1), 100)[1] == "blocks"
+    # 16 blocks of 16 tokens: the blocks are the outer of the two.
+    assert name_dims((2, 16, 16, 8, 128), (262144, 16384, 1024, 128, 1), 16)[1] == "blocks"
     with pytest.raises(ValueError, match="cannot tell"):
-        name_dims((16, 16, 32), (), {}, 16)
+        name_dims((16, 16, 32), (0, 0, 1), 16)
+    with pytest.raises(ValueError, match="cannot tell"):
+        name_dims((8, 32), (32, 1), 16)
 
 
 def _facts(**overrides) -> VllmModelFacts:
