@@ -108,6 +108,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
+            # Every rank holds a different shard of a block under the same key: the keys would
+            # need the rank, which the scheduler side (one for all ranks) does not know.
+            raise ValueError("KVStoreConnector supports one worker per engine (tensor and "
+                             "pipeline parallel size 1); use data parallelism to scale out")
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra_config(extra)
         self.facts = _model_facts(vllm_config, kv_cache_config)
