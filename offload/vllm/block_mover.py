@@ -44,6 +44,10 @@ class BlockMover(ABC):
     def open(self) -> KVLayout: ...
 
     @abstractmethod
+    def registered(self) -> None:
+        """The daemon has answered the registration of ``open()``'s layout (or refused it)."""
+
+    @abstractmethod
     def slots_for_save(self, block_ids: list[int]) -> Slots | None: ...
 
     @abstractmethod
@@ -72,6 +76,9 @@ class DirectMover(BlockMover):
 
     def open(self) -> KVLayout:
         return self.layout
+
+    def registered(self) -> None:
+        pass
 
     def slots_for_save(self, block_ids: list[int]) -> Slots | None:
         return Slots(list(block_ids))
@@ -123,6 +130,12 @@ class StagedMover(BlockMover):
             self.buffer.unlink()  # abandoned: jobs that still hold it finish on it
         self.buffer = StagingBuffer(self.num_slots, self.block_bytes)
         return self.buffer.layout(self.dtype, self.meta)
+
+    def registered(self) -> None:
+        # The daemon mapped the segment by name while registering: the name can go now, so a
+        # crash of this process (or of the daemon) leaves nothing behind in /dev/shm.
+        if self.buffer is not None:
+            self.buffer.unlink()
 
     def _check(self, block_ids: list[int]) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.intp)

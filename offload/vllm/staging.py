@@ -6,7 +6,8 @@ ordinary process memory, which no other process can map. So the worker registers
 saves copy vLLM -> slots before the daemon reads them, loads copy slots -> vLLM after the daemon
 wrote them. Slots are handed out and given back explicitly; a buffer whose connection was lost is
 abandoned whole (unlinked at once, freed once no job holds it), so a daemon that wakes up late
-can only ever write into memory nobody reads.
+can only ever write into memory nobody reads. The segment's name is removed as soon as the daemon
+has mapped it (``unlink``), so nothing is left in /dev/shm whichever process dies.
 """
 
 from __future__ import annotations

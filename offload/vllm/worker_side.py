@@ -66,10 +66,13 @@ class WorkerSide:
     def _register(self, client: Client) -> None:
         """Run on every (re)connect: a fresh layout (fresh staging) registered with a bound."""
         layout = self.mover.open()
-        pending = client.request("register", {"layout": layout.to_wire(),
-                                              "engine_id": self.engine_id},
-                                 timeout_s=self.register_timeout_s)
-        self.registration_id = int(pending.wait(self.register_timeout_s)["registration_id"])
+        try:
+            pending = client.request("register", {"layout": layout.to_wire(),
+                                                  "engine_id": self.engine_id},
+                                     timeout_s=self.register_timeout_s)
+            self.registration_id = int(pending.wait(self.register_timeout_s)["registration_id"])
+        finally:
+            self.mover.registered()
         self.counters["registrations"] += 1
 
     def connect(self) -> bool:
