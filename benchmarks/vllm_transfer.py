@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                            2 * num_blocks, {})
         worker = WorkerSide(StoreLink(socket_path, 120.0, 1.0), mover, "vllm-bench", 120.0,
                             120.0)
-        if not worker.connect():
+        if not worker.connect(wait_s=60.0):
             raise RuntimeError("could not register the CUDA tensors with the daemon")
         for n in counts:
             save_s, load_s = [], []

@@ -201,7 +201,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                  mover.meta.get("tensor_layout"))
         engine_id = f"vllm-{os.getpid()}"
         self._worker = WorkerSide(self._link, mover, engine_id, self.settings.load_timeout_s,
-                                  self.settings.save_timeout_s)
+                                  self.settings.save_timeout_s, self.settings.register_timeout_s)
         self._on_cuda = tensors[0].is_cuda
         if not self._worker.connect():
             log.warning("kvstore connector: no store at start; vLLM recomputes until it is up")

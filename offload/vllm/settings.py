@@ -15,11 +15,13 @@ class ConnectorSettings:
     load_timeout_s: float = 10.0  # a load's whole life: lookup, staging room, copy
     save_timeout_s: float = 10.0
     retry_interval_s: float = 2.0  # after a failure, no request is sent for this long
+    register_timeout_s: float = 30.0  # a (re)registration's deadline; it never blocks a step
     load_blocks: int = 64  # staging room for loads (CPU) and the budget of blocks loading
     save_blocks: int = 64  # staging room for saves (CPU); a save that does not fit is skipped
 
     def __post_init__(self) -> None:
-        for f in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "retry_interval_s"):
+        for f in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "retry_interval_s",
+                  "register_timeout_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"kv_connector_extra_config.{f} must be positive")
         for f in ("load_blocks", "save_blocks"):

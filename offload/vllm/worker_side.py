@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from kvstore import Client
+from kvstore import Client, ClientError, DaemonUnavailable, Pending
 from offload.vllm.block_mover import BlockMover, Slots
 from offload.vllm.plan import BlockTransfer, StepPlan
 from offload.vllm.store_link import Call, StoreLink
@@ -29,7 +29,6 @@ class _Load:
     lookup: Call
     started_at: float
     generation: int
-    registration_id: int | None
     num_hit: int = 0
     lease_id: int | None = None
     slots: Slots | None = None
@@ -48,7 +47,7 @@ class WorkerSide:
 
     def __init__(self, link: StoreLink, mover: BlockMover, engine_id: str,
                  load_timeout_s: float, save_timeout_s: float,
-                 register_timeout_s: float = 2.0) -> None:
+                 register_timeout_s: float = 30.0) -> None:
         self.link = link
         self.mover = mover
         self.engine_id = engine_id
@@ -57,6 +56,9 @@ class WorkerSide:
         self.register_timeout_s = register_timeout_s
         self.counters: Counter[str] = Counter()
         self.registration_id: int | None = None
+        self._registered_on = -1  # the link generation the registration belongs to
+        self._registering: Pending | None = None
+        self._registering_until = 0.0
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
         self._finished: set[str] = set()
@@ -64,20 +66,55 @@ class WorkerSide:
         link.on_connect = self._register
 
     def _register(self, client: Client) -> None:
-        """Run on every (re)connect: a fresh layout (fresh staging) registered with a bound."""
+        """Run on every (re)connect: send the registration of a fresh layout (fresh staging)
+        without waiting; ``ready`` polls it. A daemon's first CUDA registration can take
+        seconds (it sets up its copier), and a stopped daemon never answers: neither may stall
+        a vLLM step."""
         layout = self.mover.open()
+        self.registration_id = None
         try:
-            pending = client.request("register", {"layout": layout.to_wire(),
-                                                  "engine_id": self.engine_id},
-                                     timeout_s=self.register_timeout_s)
-            self.registration_id = int(pending.wait(self.register_timeout_s)["registration_id"])
-        finally:
+            self._registering = client.request("register", {"layout": layout.to_wire(),
+                                                            "engine_id": self.engine_id},
+                                               timeout_s=self.register_timeout_s)
+        except BaseException:
             self.mover.registered()
-        self.counters["registrations"] += 1
+            raise
+        self._registering_until = time.monotonic() + self.register_timeout_s
 
-    def connect(self) -> bool:
-        """Connect and register now (at startup); False if the store is not there (yet)."""
-        return self.link.ensure() is not None
+    def ready(self) -> bool:
+        """Connected and registered on this connection (advances a registration in flight)."""
+        if self.link.ensure() is None:
+            return False
+        pending = self._registering
+        if pending is not None:
+            if pending.poll():
+                self._registering = None
+                self.mover.registered()
+                try:
+                    self.registration_id = int(pending.wait(0)["registration_id"])
+                    self._registered_on = self.link.generation
+                    self.counters["registrations"] += 1
+                except (ClientError, DaemonUnavailable) as exc:
+                    self.counters["register_failures"] += 1
+                    self.link.trip(getattr(exc, "code", "unavailable"), self.link.generation)
+            elif time.monotonic() >= self._registering_until:
+                self._registering = None
+                self.mover.registered()
+                self.counters["register_failures"] += 1
+                self.link.trip("deadline", self.link.generation)
+        return self.registration_id is not None and self._registered_on == self.link.generation
+
+    def connect(self, wait_s: float = 5.0) -> bool:
+        """Connect and register now (at startup), waiting at most ``wait_s`` for the reply; a
+        registration still in flight then finishes in the background."""
+        deadline = time.monotonic() + wait_s
+        while not self.ready():
+            if self._registering is None and self.link.ensure() is None:
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+        return True
 
     # ---------------------------------------------------------------------------------- loads
 
@@ -90,12 +127,13 @@ class WorkerSide:
                 return c.lookup_async(t.namespace, t.hashes, t.idents, LEASE_TTL_S)
 
             call = self.link.send(send, None, self.load_timeout_s)
-            self._loads.append(_Load(t, call, time.monotonic(), self.link.generation,
-                                     self.registration_id))
+            self._loads.append(_Load(t, call, time.monotonic(), self.link.generation))
 
     def poll(self) -> tuple[set[str], set[int]]:
         """Advance loads and saves; (request ids whose load finished, vLLM block ids that
         failed to load) since the last call."""
+        if self._registering is not None:
+            self.ready()  # a registration in flight advances even in idle steps
         still = []
         for job in self._loads:
             if not self._advance(job):
@@ -125,10 +163,17 @@ class WorkerSide:
                     return False  # no staging room yet; retried next step
                 self._release(job)
                 return self._end(job, 0, "load_no_room")
-            if job.generation != self.link.generation or job.registration_id is None:
+            if job.generation != self.link.generation:
                 self._release(job)
-                return self._end(job, 0, "load_reconnected")
-            reg, lease, ids = job.registration_id, job.lease_id, job.slots.block_ids
+                return self._end(job, 0, "load_reconnected")  # the lease was that connection's
+            if not self.ready():
+                self.mover.give_back(job.slots)
+                job.slots = None
+                if time.monotonic() - job.started_at < self.load_timeout_s:
+                    return False  # the registration is still on its way
+                self._release(job)
+                return self._end(job, 0, "load_not_registered")
+            reg, lease, ids = self.registration_id, job.lease_id, job.slots.block_ids
 
             def send(c: Client):
                 return c.load_async(reg, lease, ids, self.load_timeout_s)
@@ -166,7 +211,7 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         """Write-through: send every planned save (after the forward computed the blocks)."""
         for t in plan.saves:
-            if not self.link.connected and self.link.ensure() is None:
+            if not self.ready():
                 self.counters["blocks_save_skipped_unavailable"] += t.num_blocks
                 continue
             slots = self.mover.slots_for_save(t.block_ids)

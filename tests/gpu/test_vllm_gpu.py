@@ -51,7 +51,8 @@ def _layers(seed: int | None, heads_major: bool = False) -> list:
 def _instance(socket_path, layers):
     mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, 1, {})
     worker = WorkerSide(StoreLink(socket_path, 30.0, 1.0), mover, "vllm-gpu-test", 30.0, 30.0)
-    assert worker.connect(), "could not register the CUDA tensors with the daemon"
+    # The daemon's first CUDA registration sets up its copier: allow it time.
+    assert worker.connect(wait_s=60.0), "could not register the CUDA tensors with the daemon"
     scheduler = SchedulerSide(KeyMaker(FACTS), StoreLink(socket_path, 30.0, 1.0), 256, 5.0)
     return scheduler, worker
 

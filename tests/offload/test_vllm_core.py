@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from daemon_helpers import start_daemon
+from daemon_helpers import start_daemon, wait_until
 
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
@@ -82,7 +82,7 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
                        {"engine": "vllm-test"})
     worker = WorkerSide(StoreLink(socket_path, LOAD_TIMEOUT_S, RETRY_S), mover, "vllm-test",
                         LOAD_TIMEOUT_S, LOAD_TIMEOUT_S, register_timeout_s=1.0)
-    worker.connect()
+    assert worker.connect()
     scheduler = SchedulerSide(KeyMaker(FACTS), StoreLink(socket_path, LOAD_TIMEOUT_S, RETRY_S),
                               load_blocks, LOOKUP_TIMEOUT_S)
     return Instance(layers, scheduler, worker)
@@ -216,7 +216,12 @@ def test_a_killed_daemon_means_recompute_until_a_new_one_is_up(daemon, tmp_path)
     fresh = start_daemon(tmp_path, socket_path=daemon.socket_path, http=False)
     try:
         time.sleep(RETRY_S + 0.1)
-        a.save("r3", tokens, ids)  # reconnects, registers a new staging buffer
+        # The next step reconnects and sends the registration of a new staging buffer without
+        # waiting for it (its saves are skipped, counted); a later step finds it registered.
+        a.save("r3", tokens, ids)
+        assert a.worker.counters["blocks_save_skipped_unavailable"] >= 10
+        assert wait_until(a.worker.ready, 5.0)
+        a.save("r3b", tokens, ids)  # the same tokens again (a skipped save is not retried)
         assert a.worker.counters["registrations"] == 2
         assert a.worker.counters["blocks_saved"] == 20
         time.sleep(RETRY_S + 0.1)

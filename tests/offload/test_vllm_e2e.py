@@ -116,6 +116,7 @@ def test_loaded_blocks_are_really_used(engines, store, model_dir) -> None:
                         make_mover(["l0", "l1"], layers, num_blocks, num_blocks, {}), "forger",
                         5.0, 5.0)
     try:
+        assert worker.connect()
         worker.save(StepPlan(saves=[BlockTransfer("g", list(range(num_blocks)),
                                                   keys.namespace, keys.hashes, keys.idents)]))
         worker.drain(10.0)
@@ -190,6 +191,9 @@ def test_a_stopped_daemon_means_recompute_within_a_bounded_wait(engines, store) 
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     time.sleep(RETRY_S + 0.2)
+    # The first request after the outage reconnects; the worker's registration is sent without
+    # waiting (that request's saves are skipped), so the store is used from the next one on.
+    engines["first"].ask(prompt(96, 64))
     p = prompt(7)
     engines["first"].ask(p)
     assert wait_for(lambda: dram_blocks(store) >= len(p) // BLOCK_SIZE, 10.0)
@@ -210,6 +214,7 @@ def test_a_killed_daemon_means_recompute_and_a_new_one_is_used(engines, store,
     store["daemon"] = start_daemon(tmp_path, socket_path=daemon.socket_path, dram="256MiB",
                                    http=False)
     time.sleep(RETRY_S + 0.2)
+    engines["first"].ask(prompt(95, 64))  # reconnects and registers (see the test above)
     p = prompt(10)
     engines["first"].ask(p)
     assert wait_for(lambda: dram_blocks(store) >= len(p) // BLOCK_SIZE, 10.0)
