@@ -132,8 +132,10 @@ class WorkerSide:
     def poll(self) -> tuple[set[str], set[int]]:
         """Advance loads and saves; (request ids whose load finished, vLLM block ids that
         failed to load) since the last call."""
-        if self._registering is not None:
-            self.ready()  # a registration in flight advances even in idle steps
+        # Every step (vLLM calls this even in steps without a forward) advances a registration
+        # in flight and, after an outage, reconnects (rate-limited by the link's breaker; the
+        # registration is only sent here), so the store is back before the next save needs it.
+        self.ready()
         still = []
         for job in self._loads:
             if not self._advance(job):
