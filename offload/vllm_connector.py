@@ -4,7 +4,7 @@ Enable with::
 
     --kv-transfer-config '{"kv_connector": "KVStoreConnector",
                            "kv_connector_module_path": "offload.vllm_connector",
-                           "kv_role": "kv_both",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"kv_store_socket": "/path/kvstore.sock"}}'
 
 Everything with logic lives in ``offload/vllm/`` (tested without vLLM); this class only turns
@@ -128,10 +128,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._failed_block_ids: set[int] = set()
         self._reported: Counter[str] = Counter()
         if role == KVConnectorRole.SCHEDULER:
+            self._recompute_failed_loads()
             self._scheduler = SchedulerSide(self.keys, link, self.settings.load_blocks,
                                             self.settings.lookup_timeout_s)
 
     # ------------------------------------------------------------------------- scheduler side
+
+    def _recompute_failed_loads(self) -> None:
+        """vLLM 0.32 fails a request whose KV load failed unless ``kv_load_failure_policy`` is
+        "recompute" (its default is "fail"). For a cache a block it cannot deliver (evicted
+        since the lookup, damaged on SSD, a daemon gone) is a miss: the scheduler, which reads
+        the policy right after building this connector, is switched to recompute."""
+        config = self._kv_transfer_config
+        if getattr(config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("kvstore connector: kv_load_failure_policy %r -> 'recompute' (a block "
+                        "the store cannot deliver is recomputed, never a failed request)",
+                        config.kv_load_failure_policy)
+            config.kv_load_failure_policy = "recompute"
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

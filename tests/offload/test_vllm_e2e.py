@@ -2,8 +2,8 @@
 
 One daemon and three vLLM engines for the module (each start costs ~10 s): ``baseline`` runs
 without the connector (the reference logprobs), ``first`` and ``second`` run with it. Each test
-uses its own prompts, so what one test stores never answers another's. The killed-daemon test
-runs last: it restarts the daemon on the same socket.
+uses its own prompts, so what one test stores never answers another's. The killed-daemon and
+damaged-SSD tests run last: they restart the daemon on the same socket.
 """
 
 from __future__ import annotations
@@ -49,10 +49,16 @@ def model_dir(tmp_path_factory):
     return out
 
 
+def _serve(workdir, ssd_dir, socket_path=None):
+    return start_daemon(workdir, dram="256MiB", ssd_dir=ssd_dir, ssd_size="256MiB", http=False,
+                        socket_path=socket_path)
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    holder = {"daemon": start_daemon(tmp_path_factory.mktemp("vllm-daemon"), dram="256MiB",
-                                     http=False)}
+    ssd_dir = tmp_path_factory.mktemp("vllm-ssd")
+    holder = {"daemon": _serve(tmp_path_factory.mktemp("vllm-daemon"), ssd_dir),
+              "ssd_dir": ssd_dir}
     yield holder
     holder["daemon"].stop()
 
@@ -211,8 +217,7 @@ def test_a_killed_daemon_means_recompute_and_a_new_one_is_used(engines, store,
     got, want = _stalled_answer(engines, 9)
     assert_same_logprobs(got, want)
     assert time.monotonic() - start < 30.0
-    store["daemon"] = start_daemon(tmp_path, socket_path=daemon.socket_path, dram="256MiB",
-                                   http=False)
+    store["daemon"] = _serve(tmp_path, store["ssd_dir"], daemon.socket_path)
     time.sleep(RETRY_S + 0.2)
     engines["first"].ask(prompt(95, 64))  # reconnects and registers (see the test above)
     p = prompt(10)
@@ -220,3 +225,33 @@ def test_a_killed_daemon_means_recompute_and_a_new_one_is_used(engines, store,
     assert wait_for(lambda: dram_blocks(store) >= len(p) // BLOCK_SIZE, 10.0)
     second = engines["second"].ask(p)
     assert second["num_cached_tokens"] == full_blocks_tokens(len(p))
+
+
+def test_damaged_ssd_blocks_are_recomputed_never_wrong(engines, store, tmp_path) -> None:
+    p = prompt(12)
+    want = engines["baseline"].ask(p)
+    before = dram_blocks(store)
+    engines["first"].ask(p)
+    assert wait_for(lambda: dram_blocks(store) >= before + len(p) // BLOCK_SIZE, 10.0)
+    daemon = store["daemon"]
+    assert daemon.stop() == 0  # SIGTERM writes the DRAM-only blocks to SSD first
+    files = list(store["ssd_dir"].glob("data-*.bin"))
+    assert files
+    for data_file in files:  # flip one byte in every 4 KiB: every stored block is damaged
+        with open(data_file, "r+b") as f:
+            for offset in range(123, data_file.stat().st_size, 4096):
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    store["daemon"] = _serve(tmp_path, store["ssd_dir"], daemon.socket_path)
+    time.sleep(RETRY_S + 0.2)
+    engines["second"].ask(prompt(94, 64))  # reconnects and registers
+    got = engines["second"].ask(p)
+    assert_same_logprobs(got, want)
+    with store["daemon"].client() as c:
+        ssd = c.stats()["tiers"]["ssd"]
+    # The lookup found the blocks; the load read the first, found it damaged and stopped: vLLM
+    # was told every block failed and recomputed them all.
+    assert ssd["counters"]["corrupt"] >= 1
+    assert got["num_cached_tokens"] == 0
