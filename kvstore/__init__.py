@@ -10,8 +10,20 @@ __all__ = ["ModelIdentity", "Namespace", "block_hash", "block_hashes", "Client",
 
 def __getattr__(name: str):
     # The client pulls in msgpack and sockets; importing keys alone should stay light.
-    if name in ("Client", "ClientError", "DaemonUnavailable", "Pending"):
-        from kvstore import client
+    if name == "Client":
+        from kvstore.client import Client
 
-        return getattr(client, name)
+        return Client
+    if name == "ClientError":
+        from kvstore.client import ClientError
+
+        return ClientError
+    if name == "DaemonUnavailable":
+        from kvstore.client import DaemonUnavailable
+
+        return DaemonUnavailable
+    if name == "Pending":
+        from kvstore.client import Pending
+
+        return Pending
     raise AttributeError(name)
