@@ -37,12 +37,17 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Shapes of the real Qwen3 checkpoints; "tiny" is for tests and smoke runs.
+# Shapes of the real Qwen3 checkpoints; "tiny" and "small" are for tests and smoke runs.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=None,
                  max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
                  dtype="float32"),
+    # The smallest shape vLLM's CPU attention backend loads (it needs head_dim >= 32).
+    "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=None,
+                  max_position_embeddings=8192, rope_theta=10000.0, tie_word_embeddings=False,
+                  dtype="float32"),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,

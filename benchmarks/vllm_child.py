@@ -1,0 +1,71 @@
+"""A vLLM process the vllm tests drive over stdin/stdout (one JSON request per line).
+
+Run as ``python vllm_child.py MODEL_DIR SOCKET|- [EXTRA_CONFIG_JSON]`` ("-": no connector).
+Prints ``READY`` once the engine is up, then one ``RESULT {json}`` line per request line
+``{"prompt_token_ids": [...], "cache_salt": null, "max_tokens": 4}``. The guard matters: vLLM
+spawns, and a spawned child re-imports this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _counter(llm, name: str) -> float:
+    total = 0.0
+    for m in llm.get_metrics():
+        if m.name == name:
+            total += float(getattr(m, "value", 0) or 0)
+    return total
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    model_dir, socket_path = sys.argv[1], sys.argv[2]
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    kwargs = {}
+    if socket_path != "-":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "offload.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kv_store_socket": socket_path, **extra},
+        }
+    llm = LLM(model_dir, max_model_len=8192, enforce_eager=True, max_num_batched_tokens=8192,
+              kv_cache_memory_bytes=64 << 20, disable_log_stats=False, seed=0, **kwargs)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+        if req.get("cache_salt"):
+            prompt["cache_salt"] = req["cache_salt"]
+        params = SamplingParams(max_tokens=req.get("max_tokens", 4), temperature=0.0,
+                                logprobs=5, ignore_eos=True)
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - start
+        completion = out.outputs[0]
+        result = {
+            "token_ids": list(completion.token_ids),
+            "logprobs": [{str(k): v.logprob for k, v in step.items()}
+                         for step in completion.logprobs],
+            "num_cached_tokens": out.num_cached_tokens,
+            "elapsed_s": elapsed,
+            "ttft_s": (out.metrics.first_token_latency
+                       if getattr(out, "metrics", None) is not None
+                       and getattr(out.metrics, "first_token_latency", None) else None),
+            "external_hits": _counter(llm, "vllm:external_prefix_cache_hits"),
+            "external_queries": _counter(llm, "vllm:external_prefix_cache_queries"),
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Drive a real vLLM process (``vllm_child.py``) from benchmarks and tests: start, ask, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).with_name("vllm_child.py")
+
+
+class VllmProcess:
+    """One vLLM engine in its own process; ``ask`` sends a prompt and returns its result."""
+
+    def __init__(self, model_dir: Path, socket_path: Path | None, extra: dict | None = None,
+                 wait: bool = True) -> None:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.pop("KVSTORE_SOCKET", None)
+        args = [sys.executable, str(CHILD), str(model_dir),
+                str(socket_path) if socket_path is not None else "-", json.dumps(extra or {})]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=env)
+        self.lines: list[str] = []
+        self._results: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> VllmProcess:
+        """Block until the engine is up (start several first, then wait: they overlap)."""
+        if not self._ready.wait(timeout_s) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("vLLM did not start:\n" + self.tail())
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if line == "READY":
+                self._ready.set()
+            elif line.startswith("RESULT "):
+                self._results.put(json.loads(line[len("RESULT "):]))
+        self._results.put(None)
+        self._ready.set()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def ask(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+            max_tokens: int = 4, timeout_s: float = 120.0) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt_token_ids": prompt_token_ids,
+                                          "cache_salt": cache_salt,
+                                          "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        try:
+            result = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"vLLM gave no answer in {timeout_s} s:\n{self.tail()}") from None
+        if result is None:
+            raise RuntimeError(f"vLLM exited:\n{self.tail()}")
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def vllm_available() -> bool:
+    """vllm is installed (found, not imported: importing it costs seconds and pulls in torch)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def start_store(dram: str = "1GiB") -> tuple[subprocess.Popen, Path]:
+    """A ``kvstore serve`` on a fresh socket for a benchmark; returns once it is ready."""
+    import tempfile
+
+    socket_path = Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "kvstore.sock"
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
+                             str(socket_path), "--dram", dram, "--http", "off"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO_ROOT, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "kvstore: ready" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep it drained
+            return proc, socket_path
+    raise RuntimeError(f"kvstore serve exited with {proc.wait()}")
+
+
+def stop_store(proc: subprocess.Popen, socket_path: Path) -> None:
+    import shutil
+
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    shutil.rmtree(socket_path.parent, ignore_errors=True)

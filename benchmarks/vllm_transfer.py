@@ -1,0 +1,177 @@
+"""The vLLM connector's GPU data path against raw pinned cudaMemcpy of the same bytes, one run.
+
+vLLM's side is this process: ``--layers`` torch CUDA tensors in vLLM's flash-attention layout
+``[2, num_blocks, block_size, kv_heads, head_dim]`` (Qwen3-4B shape by default: 36 layers,
+8 KV heads, head_dim 128, bf16, vLLM's GPU block size 16: 2.36 MB a block, 72 regions of 32 KiB),
+registered with a real ``kvstore serve`` through CUDA IPC by the connector's own core
+(``offload.vllm.kv_tensors.make_mover``). For 64..1024 shuffled block ids it times, by wall
+clock, what vLLM's worker waits for: a write-through save (``WorkerSide.save``, waited as the
+connector waits for it) and a load (``WorkerSide.start`` + ``poll`` until the request finished:
+the lease lookup and the copy). Raw: one ``copy_`` of the same number of bytes between a
+contiguous CUDA tensor and pinned host memory (CUDA events). Ratios are connector over raw.
+
+    python -m benchmarks.vllm_transfer [--blocks 64,128,256,512,1024] [--reps 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.vllm_process import start_store, stop_store
+from offload.vllm.block_keys import KeyMaker, VllmModelFacts
+from offload.vllm.kv_tensors import make_mover
+from offload.vllm.plan import BlockTransfer, StepPlan
+from offload.vllm.scheduler_side import SAVE_CHUNK_BLOCKS
+from offload.vllm.store_link import StoreLink
+from offload.vllm.worker_side import WorkerSide
+
+
+def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
+    """(device->host, host->device) GB/s of one copy of ``nbytes`` (CPU: a plain memcpy)."""
+    cuda = device == "cuda"
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    out = []
+    for dst, src in ((host, dev), (dev, host)):
+        times = []
+        for rep in range(reps + 1):
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                seconds = time.perf_counter() - t0
+            if rep:
+                times.append(seconds)
+        out.append(nbytes / float(np.median(times)) / 1e9)
+    return out[0], out[1]
+
+
+def _transfer(keys: KeyMaker, block_ids: list[int], seed: int) -> BlockTransfer:
+    bs = keys.block_size
+    rng = random.Random(seed)
+    tokens = [rng.randrange(10, 150000) for _ in range(len(block_ids) * bs)]
+    k = keys.keys(tokens)
+    return BlockTransfer(f"r{seed}", block_ids, k.namespace, k.hashes, k.idents)
+
+
+def _wait_load(worker: WorkerSide, request_id: str, timeout_s: float = 120.0) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    failed: set[int] = set()
+    while time.monotonic() < deadline:
+        done, bad = worker.poll()
+        failed |= bad
+        if request_id in done:
+            return failed
+    raise RuntimeError(f"load of {request_id} did not finish in {timeout_s} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", default="64,128,256,512,1024")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: the staged path with CPU tensors (a smoke run, not the target)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    import torch
+
+    cuda = args.device == "cuda"
+
+    counts = [int(x) for x in args.blocks.split(",")]
+    num_blocks = max(counts)
+    shape = (2, num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    layers = [torch.randn(shape, device=args.device, dtype=torch.float32).to(torch.bfloat16)
+              for _ in range(args.layers)]
+    if cuda:
+        torch.cuda.synchronize()
+    block_bytes = args.layers * 2 * args.block_size * args.kv_heads * args.head_dim * 2
+    facts = VllmModelFacts("Qwen3ForCausalLM", args.layers, args.kv_heads, args.head_dim,
+                           "bfloat16", args.block_size, "bench", "cuda:bench")
+    keys = KeyMaker(facts)
+    dram = int(block_bytes * num_blocks * 1.25) + (256 << 20)
+    proc, socket_path = start_store(str(dram))
+    rows = []
+    try:
+        # CPU: staging room for one whole save and one whole load.
+        mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
+                           2 * num_blocks, {})
+        worker = WorkerSide(StoreLink(socket_path, 120.0, 1.0), mover, "vllm-bench", 120.0,
+                            120.0)
+        if not worker.connect(wait_s=60.0):
+            raise RuntimeError("could not register the CUDA tensors with the daemon")
+        for n in counts:
+            save_s, load_s = [], []
+            for rep in range(args.reps + 1):  # the first rep warms up
+                ids = random.Random(rep).sample(range(num_blocks), n)
+                t = _transfer(keys, ids, n * 1000 + rep)
+                before = worker.counters["blocks_saved"]
+                t0 = time.perf_counter()
+                worker.save(StepPlan(saves=t.chunks(SAVE_CHUNK_BLOCKS)))
+                worker.drain(120.0)  # CPU saves are not waited for by save() itself
+                t1 = time.perf_counter()
+                if worker.counters["blocks_saved"] - before != n:
+                    got = worker.counters["blocks_saved"] - before
+                    raise RuntimeError(f"{n} blocks: saved {got}")
+                t2 = time.perf_counter()
+                worker.start(StepPlan(loads=[t]))
+                failed = _wait_load(worker, t.request_id)
+                t3 = time.perf_counter()
+                if failed:
+                    raise RuntimeError(f"{n} blocks: {len(failed)} failed to load")
+                client = worker.link.ensure()  # free the DRAM for the next rep
+                if client is not None:
+                    client.remove(t.namespace, t.hashes)
+                if rep:
+                    save_s.append(t1 - t0)
+                    load_s.append(t3 - t2)
+            raw_d2h, raw_h2d = _raw_gbps(torch, n * block_bytes, args.reps, args.device)
+            save_gbps = n * block_bytes / float(np.median(save_s)) / 1e9
+            load_gbps = n * block_bytes / float(np.median(load_s)) / 1e9
+            row = {"blocks": n, "bytes": n * block_bytes, "save_gbps": save_gbps,
+                   "load_gbps": load_gbps, "raw_d2h_gbps": raw_d2h, "raw_h2d_gbps": raw_h2d,
+                   "save_vs_raw": save_gbps / raw_d2h, "load_vs_raw": load_gbps / raw_h2d,
+                   "save_ms_median": float(np.median(save_s)) * 1e3,
+                   "load_ms_median": float(np.median(load_s)) * 1e3}
+            rows.append(row)
+            print(f"{n:5d} blocks: save {save_gbps:6.1f} GB/s ({row['save_vs_raw']:.0%} of raw "
+                  f"{raw_d2h:.1f}), load {load_gbps:6.1f} GB/s ({row['load_vs_raw']:.0%} of raw "
+                  f"{raw_h2d:.1f})", flush=True)
+        worker.close()
+    finally:
+        stop_store(proc, socket_path)
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or 'host'})"
+    tag = "h200" if "H200" in device else "h100" if "H100" in device else args.device
+    out = {"benchmark": "vllm_transfer", "date": datetime.date.today().isoformat(),
+           "device": device, "host": platform.node(), "layout": "flash [2, B, N, H, D]",
+           "path": "CUDA IPC, daemon copies" if cuda else "staged through shared memory",
+           "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+           "block_size": args.block_size, "block_bytes": block_bytes, "reps": args.reps,
+           "rows": rows}
+    path = Path(args.out) / f"vllm_transfer-{tag}-{out['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

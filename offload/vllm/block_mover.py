@@ -1,0 +1,190 @@
+"""How block bytes get between vLLM's KV tensors and the blocks the daemon copies.
+
+``DirectMover`` (GPU): the daemon maps each layer's tensor through CUDA IPC and copies whole
+blocks itself, with vLLM's own block ids. ``StagedMover`` (CPU): vLLM's tensors are ordinary
+process memory, so blocks go through a registered ``StagingBuffer`` (see there for why).
+Both describe vLLM's tensors with the same ``Piece`` list per layer (``tensor_layout``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.layout import KVLayout, Region
+from offload.vllm.staging import StagingBuffer
+from offload.vllm.tensor_layout import Piece
+
+
+@dataclass
+class Slots:
+    """Daemon-side block ids lent for one transfer, and the buffer they belong to (if any)."""
+
+    block_ids: list[int]
+    buffer: StagingBuffer | None = None
+
+
+class BlockMover(ABC):
+    """Contract: ``open()`` makes the layout to register (called on every (re)connect);
+    ``slots_for_save(ids)`` returns daemon block ids holding vLLM blocks ``ids`` (None: no room,
+    the save is skipped); ``slots_for_load(n)`` lends ids for a load (None: no room yet);
+    ``land(slots, ids, n)`` makes the first ``n`` loaded blocks visible in vLLM blocks ``ids``;
+    ``give_back(slots)`` returns ids once the daemon is done with them. A ``Slots`` of a lost
+    connection is never given back (its buffer is abandoned instead)."""
+
+    meta: dict  # what the registration's meta says (num_layers, tensor_layout...)
+
+    #: True when the daemon reads vLLM's own blocks: a save must finish before vLLM may reuse
+    #: them, so the worker waits for it (bounded) in ``wait_for_save``.
+    saves_read_engine_blocks: bool = False
+
+    @abstractmethod
+    def open(self) -> KVLayout: ...
+
+    @abstractmethod
+    def registered(self) -> None:
+        """The daemon has answered the registration of ``open()``'s layout (or refused it)."""
+
+    @abstractmethod
+    def slots_for_save(self, block_ids: list[int]) -> Slots | None: ...
+
+    @abstractmethod
+    def slots_for_load(self, block_ids: list[int]) -> Slots | None: ...
+
+    @abstractmethod
+    def land(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None: ...
+
+    @abstractmethod
+    def give_back(self, slots: Slots) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop what ``open`` made."""
+
+
+class DirectMover(BlockMover):
+    """The daemon copies vLLM's blocks itself (CUDA IPC regions built by the caller)."""
+
+    saves_read_engine_blocks = True
+
+    def __init__(self, layout: KVLayout) -> None:
+        layout.validate()
+        self.layout = layout
+        self.meta = layout.meta
+
+    def open(self) -> KVLayout:
+        return self.layout
+
+    def registered(self) -> None:
+        pass
+
+    def slots_for_save(self, block_ids: list[int]) -> Slots | None:
+        return Slots(list(block_ids))
+
+    def slots_for_load(self, block_ids: list[int]) -> Slots | None:
+        return Slots(list(block_ids))
+
+    def land(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None:
+        pass  # the daemon wrote into vLLM's blocks
+
+    def give_back(self, slots: Slots) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the memory is vLLM's
+
+
+class StagedMover(BlockMover):
+    """Copies between vLLM's host tensors (byte views, one per layer) and staging slots."""
+
+    def __init__(self, layer_bytes: list[np.ndarray], layer_pieces: list[list[Piece]],
+                 num_blocks: int, num_slots: int, dtype: str, meta: dict) -> None:
+        if len(layer_bytes) != len(layer_pieces) or not layer_bytes:
+            raise ValueError("one byte view and one piece list per layer")
+        self.num_blocks = num_blocks
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.meta = meta
+        # Per piece: a [num_blocks, piece_bytes] strided view of vLLM's memory and its columns
+        # in a staged block.
+        self._views: list[tuple[np.ndarray, int, int]] = []
+        col = 0
+        for buf, pieces in zip(layer_bytes, layer_pieces):
+            for p in pieces:
+                end = p.offset + (num_blocks - 1) * p.block_stride + p.block_bytes
+                if end > buf.nbytes:
+                    raise ValueError(f"piece at {p.offset} ends at {end}, past its "
+                                     f"{buf.nbytes}-byte layer")
+                view = np.lib.stride_tricks.as_strided(
+                    buf[p.offset:], shape=(num_blocks, p.block_bytes),
+                    strides=(p.block_stride, 1), writeable=True)
+                self._views.append((view, col, col + p.block_bytes))
+                col += p.block_bytes
+        self.block_bytes = col
+        self.buffer: StagingBuffer | None = None
+
+    def open(self) -> KVLayout:
+        if self.buffer is not None:
+            self.buffer.unlink()  # abandoned: jobs that still hold it finish on it
+        self.buffer = StagingBuffer(self.num_slots, self.block_bytes)
+        return self.buffer.layout(self.dtype, self.meta)
+
+    def registered(self) -> None:
+        # The daemon mapped the segment by name while registering: the name can go now, so a
+        # crash of this process (or of the daemon) leaves nothing behind in /dev/shm.
+        if self.buffer is not None:
+            self.buffer.unlink()
+
+    def _check(self, block_ids: list[int]) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.intp)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block ids outside 0..{self.num_blocks - 1}")
+        return ids
+
+    def slots_for_save(self, block_ids: list[int]) -> Slots | None:
+        buf = self.buffer
+        ids = self._check(block_ids)
+        got = buf.take(len(block_ids)) if buf is not None else None
+        if got is None:
+            return None
+        rows = np.asarray(got, dtype=np.intp)
+        for view, lo, hi in self._views:
+            buf.slots[rows, lo:hi] = view[ids]
+        return Slots(got, buf)
+
+    def slots_for_load(self, block_ids: list[int]) -> Slots | None:
+        buf = self.buffer
+        got = buf.take(len(block_ids)) if buf is not None else None
+        return None if got is None else Slots(got, buf)
+
+    def land(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None:
+        if num_loaded <= 0:
+            return
+        ids = self._check(block_ids[:num_loaded])
+        rows = np.asarray(slots.block_ids[:num_loaded], dtype=np.intp)
+        for view, lo, hi in self._views:
+            view[ids] = slots.buffer.slots[rows, lo:hi]
+
+    def give_back(self, slots: Slots) -> None:
+        if slots.buffer is not None and slots.buffer is self.buffer:
+            slots.buffer.give_back(slots.block_ids)
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.unlink()
+            self.buffer = None
+
+
+def direct_layout(handles: list[bytes], buffer_bytes: list[int], layer_pieces: list[list[Piece]],
+                  num_blocks: int, device: str, dtype: str, meta: dict) -> KVLayout:
+    """The registration of vLLM's device tensors: one region per piece of each layer, naming
+    that layer's CUDA IPC handle (offsets are within the IPC allocation)."""
+    regions = []
+    for handle, size, pieces in zip(handles, buffer_bytes, layer_pieces):
+        for p in pieces:
+            regions.append(Region(handle=handle, size_bytes=size, offset=p.offset,
+                                  block_stride=p.block_stride, block_bytes=p.block_bytes))
+    return KVLayout(num_blocks=num_blocks, regions=tuple(regions), device=device, dtype=dtype,
+                    meta=meta)

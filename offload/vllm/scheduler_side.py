@@ -1,0 +1,207 @@
+"""The scheduler half of the connector: ask the store, plan loads, plan write-through saves.
+
+``match`` asks the daemon (a lookup without a lease, bounded by ``lookup_timeout_s``) how many of
+a request's blocks past vLLM's own prefix hit the store holds; the worker takes the lease when it
+loads (a lease belongs to the connection that took it). ``after_alloc`` turns a hit into a load of
+the blocks vLLM reserved; ``plan_step`` adds the full blocks each scheduled request completes this
+step as saves. Loads in flight are budgeted (``max_load_blocks``, the worker's staging room).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore import Client
+from offload.vllm.block_keys import KeyMaker, RequestKeys
+from offload.vllm.plan import BlockTransfer, StepPlan
+from offload.vllm.store_link import StoreLink
+
+# The most blocks one save of the plan carries: short round trips, bounded staging per save.
+SAVE_CHUNK_BLOCKS = 64
+
+
+@dataclass
+class _Tracked:
+    """One request the scheduler side follows: its tokens, its blocks, what is stored."""
+
+    token_ids: Sequence[int]  # vLLM's live list: it grows as tokens are sampled
+    cache_salt: str | None
+    lora_id: str | None
+    block_ids: list[int] = field(default_factory=list)
+    num_stored_blocks: int = 0  # blocks [0, this) are in the store (hit, loaded or saved)
+    hit: tuple[int, int, list[str]] | None = None  # (first block, num blocks, tiers) to load
+    load_blocks: int = 0  # blocks of the load in flight (budgeted)
+    load_first: int = 0  # the load's first block index in the request
+    load_ids: list[int] = field(default_factory=list)  # its vLLM block ids
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """A request in this step's schedule, as plain values."""
+
+    request_id: str
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int
+    new_block_ids: list[int] | None  # blocks added this step (None: none)
+    replaces_blocks: bool = False  # resumed after preemption: the list is the whole table
+
+
+class SchedulerSide:
+    """Owns the scheduler's requests, its lookups and the load budget."""
+
+    def __init__(self, keys: KeyMaker, link: StoreLink, max_load_blocks: int,
+                 lookup_timeout_s: float) -> None:
+        if max_load_blocks <= 0:
+            raise ValueError("max_load_blocks must be positive")
+        self.keys = keys
+        self.link = link
+        self.block_size = keys.block_size
+        self.max_load_blocks = max_load_blocks
+        self.lookup_timeout_s = lookup_timeout_s
+        self.counters: Counter[str] = Counter()
+        self._requests: dict[str, _Tracked] = {}
+        self._loads_to_send: list[BlockTransfer] = []
+        self._load_blocks_in_flight = 0
+
+    # -------------------------------------------------------------------------------- lookups
+
+    def match(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+              cache_salt: str | None, lora_id: str | None) -> int:
+        """Tokens past ``num_computed_tokens`` (block aligned) the store can load; 0 on a miss,
+        a store that is down or slow, or no load budget left."""
+        bs = self.block_size
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            tracked = self._requests[request_id] = _Tracked(token_ids, cache_salt, lora_id)
+        tracked.hit = None
+        first = num_computed_tokens // bs
+        last = (len(token_ids) - 1) // bs  # vLLM computes at least the last token itself
+        room = min(self.max_load_blocks, self.max_load_blocks - self._load_blocks_in_flight)
+        if first >= last:
+            return 0
+        if room <= 0:
+            self.counters["lookups_skipped_budget"] += 1
+            return 0
+        keys = self.keys.keys(token_ids, cache_salt, lora_id, num_blocks=last)
+        hashes, idents = keys.hashes[first:last], keys.idents[first:last]
+        self.counters["lookups"] += 1
+
+        def send(c: Client):
+            return c.lookup_async(keys.namespace, hashes, idents, lease_ttl_s=0)
+
+        call = self.link.send(send, None, self.lookup_timeout_s)
+        if not call.wait() or call.result is None:
+            self.counters["lookup_failures"] += 1
+            return 0
+        reply = call.result
+        num_hit = min(int(reply.num_hit), room)
+        if num_hit <= 0:
+            self.counters["lookup_misses"] += 1
+            return 0
+        self.counters["lookup_hits"] += 1
+        tracked.hit = (first, num_hit, list(reply.tiers[:num_hit]))
+        return num_hit * bs
+
+    def hit_tiers(self, request_id: str) -> list[str]:
+        """The tier of each block of the request's planned load (``dram``, ``ssd``...)."""
+        tracked = self._requests.get(request_id)
+        return list(tracked.hit[2]) if tracked is not None and tracked.hit else []
+
+    # ---------------------------------------------------------------------------- allocation
+
+    def after_alloc(self, request_id: str, block_ids: list[int],
+                    num_external_tokens: int) -> None:
+        """vLLM reserved ``block_ids`` (the request's whole table); a hit becomes a load."""
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return
+        tracked.block_ids = list(block_ids)
+        if num_external_tokens <= 0 or tracked.hit is None:
+            return
+        first, num_hit, _ = tracked.hit
+        tracked.hit = None
+        num_blocks = min(num_hit, num_external_tokens // self.block_size)
+        ids = tracked.block_ids[first:first + num_blocks]
+        if len(ids) < num_blocks:
+            raise ValueError(f"request {request_id}: {len(ids)} blocks reserved for a load of "
+                             f"{num_blocks}")
+        keys = self._keys(tracked, first + num_blocks)
+        self._loads_to_send.append(BlockTransfer(
+            request_id, ids, keys.namespace, keys.hashes[first:first + num_blocks],
+            keys.idents[first:first + num_blocks]))
+        tracked.load_blocks, tracked.load_first, tracked.load_ids = num_blocks, first, ids
+        self._load_blocks_in_flight += num_blocks
+        tracked.num_stored_blocks = first + num_blocks  # already in the store: never saved back
+        self.counters["loads_planned"] += 1
+        self.counters["blocks_load_planned"] += num_blocks
+
+    # -------------------------------------------------------------------------------- steps
+
+    def plan_step(self, scheduled: list[ScheduledRequest]) -> StepPlan:
+        """This step's loads (planned since the last step) and saves (full blocks completed)."""
+        plan = StepPlan(loads=self._loads_to_send)
+        self._loads_to_send = []
+        bs = self.block_size
+        for s in scheduled:
+            tracked = self._requests.get(s.request_id)
+            if tracked is None:
+                continue
+            if s.replaces_blocks:
+                tracked.block_ids = list(s.new_block_ids or [])
+            elif s.new_block_ids:
+                tracked.block_ids.extend(s.new_block_ids)
+            if tracked.num_stored_blocks == 0 and tracked.load_blocks == 0:
+                # vLLM's own prefix hit was computed (and saved) before: start past it.
+                tracked.num_stored_blocks = s.num_computed_tokens // bs
+            computed = min(s.num_computed_tokens + s.num_scheduled_tokens,
+                           len(tracked.token_ids))
+            full = min(computed // bs, len(tracked.block_ids))
+            start = tracked.num_stored_blocks
+            if full <= start:
+                continue
+            keys = self._keys(tracked, full)
+            save = BlockTransfer(s.request_id, tracked.block_ids[start:full], keys.namespace,
+                                 keys.hashes[start:full], keys.idents[start:full])
+            plan.saves.extend(save.chunks(SAVE_CHUNK_BLOCKS))
+            tracked.num_stored_blocks = full
+            self.counters["blocks_save_planned"] += full - start
+        return plan
+
+    def loads_finished(self, request_ids: set[str] | list[str]) -> None:
+        """The worker reported these loads done (loaded or failed): their budget is free."""
+        for rid in request_ids:
+            tracked = self._requests.get(rid)
+            if tracked is not None and tracked.load_blocks:
+                self._load_blocks_in_flight -= tracked.load_blocks
+                tracked.load_blocks = 0
+            if tracked is not None:
+                tracked.load_ids = []
+
+    def loads_failed(self, block_ids: set[int]) -> None:
+        """Blocks the worker could not load: vLLM recomputes them, so they are saved again."""
+        if not block_ids:
+            return
+        for tracked in self._requests.values():
+            for i, block_id in enumerate(tracked.load_ids):
+                if block_id in block_ids:
+                    tracked.num_stored_blocks = min(tracked.num_stored_blocks,
+                                                    tracked.load_first + i)
+                    self.counters["blocks_load_failed"] += len(tracked.load_ids) - i
+                    tracked.load_ids = []
+                    break
+
+    def finished(self, request_id: str) -> None:
+        """The request is done; a load still in flight keeps its budget until it reports."""
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None and tracked.load_blocks:
+            self._load_blocks_in_flight -= tracked.load_blocks
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._requests)
+
+    def _keys(self, tracked: _Tracked, num_blocks: int) -> RequestKeys:
+        return self.keys.keys(tracked.token_ids, tracked.cache_salt, tracked.lora_id,
+                              num_blocks=num_blocks)

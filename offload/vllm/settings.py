@@ -1,0 +1,55 @@
+"""The connector's settings, read once from vLLM's ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Every knob, with its key in ``kv_connector_extra_config`` (the field name)."""
+
+    kv_store_socket: str | None = None  # None: $KVSTORE_SOCKET or the daemon's default path
+    lookup_timeout_s: float = 1.0  # the scheduler waits this long for a lookup, then recomputes
+    load_timeout_s: float = 10.0  # a load's whole life: lookup, staging room, copy
+    save_timeout_s: float = 10.0
+    retry_interval_s: float = 2.0  # after a failure, no request is sent for this long
+    register_timeout_s: float = 30.0  # a (re)registration's deadline; it never blocks a step
+    load_blocks: int = 64  # staging room for loads (CPU) and the budget of blocks loading
+    save_blocks: int = 64  # staging room for saves (CPU); a save that does not fit is skipped
+
+    def __post_init__(self) -> None:
+        for f in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "retry_interval_s",
+                  "register_timeout_s"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"kv_connector_extra_config.{f} must be positive")
+        for f in ("load_blocks", "save_blocks"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"kv_connector_extra_config.{f} must be a positive integer")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """Known keys only: a typo is an error, not a silently ignored setting."""
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: "
+                             f"{sorted(known)}")
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            kind = known[key].type
+            try:
+                if key == "kv_store_socket":
+                    values[key] = None if value in (None, "") else str(value)
+                elif "int" in str(kind):
+                    if isinstance(value, bool) or int(value) != value:
+                        raise ValueError
+                    values[key] = int(value)
+                else:
+                    values[key] = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config.{key}: bad value {value!r}") \
+                    from None
+        return cls(**values)

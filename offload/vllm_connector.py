@@ -1,0 +1,284 @@
+"""kvstore as a vLLM v1 KV connector: the thin class vLLM loads; the only module importing vllm.
+
+Enable with::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "offload.vllm_connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"kv_store_socket": "/path/kvstore.sock"}}'
+
+Everything with logic lives in ``offload/vllm/`` (tested without vLLM); this class only turns
+vLLM's objects (requests, scheduler output, tensors) into plain values and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
+from offload.vllm.block_mover import BlockMover
+from offload.vllm.kv_tensors import make_mover
+from offload.vllm.plan import StepPlan
+from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
+from offload.vllm.settings import ConnectorSettings
+from offload.vllm.store_link import StoreLink
+from offload.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("offload.vllm")
+
+_TIER_SOURCES = {"hbm": CacheHitSource.DEVICE, "dram": CacheHitSource.HOST,
+                 "ssd": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Worker counters for one interval (blocks loaded, saved, failed...), summed over workers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _model_facts(vllm_config: VllmConfig, kv_cache_config: Any) -> VllmModelFacts:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"KVStoreConnector supports models with one KV cache group (full "
+                         f"attention in every layer); this one has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    if getattr(spec, "sliding_window", None) or type(spec).__name__ != "FullAttentionSpec":
+        raise ValueError(f"KVStoreConnector supports full attention only, not "
+                         f"{type(spec).__name__}")
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or cc.kv_cache_layout or "default"
+    from vllm.platforms import current_platform
+
+    # What a block's bytes mean: the platform's attention KV format and vLLM's resolved layout;
+    # the worker's tensors add their own signature to the registration's meta.
+    signature = (f"{current_platform.device_type}:{layout}:kvheads{spec.num_kv_heads}:"
+                 f"head{spec.head_size}/{getattr(spec, 'head_size_v', spec.head_size)}")
+    arch = (getattr(mc.hf_config, "architectures", None) or [mc.architecture])[0]
+    return VllmModelFacts(
+        architecture=str(arch), num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
+        kv_dtype=str(spec.dtype).removeprefix("torch."), block_size=int(spec.block_size),
+        weights_id=weights_identity(str(mc.model), getattr(mc, "revision", None)),
+        layout_signature=signature)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's handle on kvstore: scheduler side (lookups, plans) or worker side (copies)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
+            # Every rank holds a different shard of a block under the same key: the keys would
+            # need the rank, which the scheduler side (one for all ranks) does not know.
+            raise ValueError("KVStoreConnector supports one worker per engine (tensor and "
+                             "pipeline parallel size 1); use data parallelism to scale out")
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.settings = ConnectorSettings.from_extra_config(extra)
+        self.facts = _model_facts(vllm_config, kv_cache_config)
+        self.keys = KeyMaker(self.facts)
+        self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        link = StoreLink(self.settings.kv_store_socket, self.settings.load_timeout_s,
+                         self.settings.retry_interval_s)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._link = link
+        self._failed_block_ids: set[int] = set()
+        self._reported: Counter[str] = Counter()
+        if role == KVConnectorRole.SCHEDULER:
+            self._recompute_failed_loads()
+            self._scheduler = SchedulerSide(self.keys, link, self.settings.load_blocks,
+                                            self.settings.lookup_timeout_s)
+
+    # ------------------------------------------------------------------------- scheduler side
+
+    def _recompute_failed_loads(self) -> None:
+        """vLLM 0.32 fails a request whose KV load failed unless ``kv_load_failure_policy`` is
+        "recompute" (its default is "fail"). For a cache a block it cannot deliver (evicted
+        since the lookup, damaged on SSD, a daemon gone) is a miss: the scheduler, which reads
+        the policy right after building this connector, is switched to recompute."""
+        config = self._kv_transfer_config
+        if getattr(config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("kvstore connector: kv_load_failure_policy %r -> 'recompute' (a block "
+                        "the store cannot deliver is recomputed, never a failed request)",
+                        config.kv_load_failure_policy)
+            config.kv_load_failure_policy = "recompute"
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if getattr(request, "mm_features", None):
+            return 0, False  # placeholder token ids do not identify image inputs
+        lora = request.lora_request
+        n = self._scheduler.match(request.request_id, request.all_token_ids,
+                                  num_computed_tokens, request.cache_salt,
+                                  f"{lora.lora_name}:{lora.lora_int_id}" if lora else None)
+        return n, n > 0
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens <= 0:
+            return {}
+        tiers = self._scheduler.hit_tiers(request.request_id)
+        bs = self.facts.block_size
+        out: Counter = Counter()
+        for tier in tiers[:num_external_tokens // bs]:
+            out[_TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)] += bs
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.HOST: num_external_tokens}
+        return dict(out)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request.request_id, list(blocks.get_block_ids()[0]),
+                                    num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled = []
+        num_tokens = scheduler_output.num_scheduled_tokens
+        for r in scheduler_output.scheduled_new_reqs:
+            scheduled.append(ScheduledRequest(r.req_id, r.num_computed_tokens,
+                                              num_tokens.get(r.req_id, 0), list(r.block_ids[0]),
+                                              replaces_blocks=True))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            scheduled.append(ScheduledRequest(
+                rid, cached.num_computed_tokens[i], num_tokens.get(rid, 0),
+                list(new_ids[0]) if new_ids is not None else None,
+                replaces_blocks=rid in resumed))
+        return KVStoreConnectorMetadata(plan=self._scheduler.plan_step(scheduled))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Failed blocks first: they belong to loads that are reported finished in the same pass.
+        self._scheduler.loads_failed(set(getattr(connector_output, "invalid_block_ids", None)
+                                         or ()))
+        if connector_output.finished_recving:
+            self._scheduler.loads_finished(connector_output.finished_recving)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None  # saves never read freed blocks (staged, or waited for)
+
+    # ---------------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = [n for n in self._layer_names if n in kv_caches] or sorted(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        mover = self._make_mover(names, tensors)
+        log.info("kvstore connector: %d layers, block size %d, namespace layout %s, tensor "
+                 "layout %s", len(names), self.facts.block_size, self.facts.layout_signature,
+                 mover.meta.get("tensor_layout"))
+        engine_id = f"vllm-{os.getpid()}"
+        self._worker = WorkerSide(self._link, mover, engine_id, self.settings.load_timeout_s,
+                                  self.settings.save_timeout_s, self.settings.register_timeout_s)
+        self._on_cuda = tensors[0].is_cuda
+        if not self._worker.connect():
+            log.warning("kvstore connector: no store at start; vLLM recomputes until it is up")
+
+    def _make_mover(self, names: list[str], tensors: list[torch.Tensor]) -> BlockMover:
+        meta = {"engine": "vllm", "block_size": self.facts.block_size,
+                "namespace_layout": self.facts.layout_signature}
+        return make_mover(names, tensors, self._num_blocks,
+                          self.settings.load_blocks + self.settings.save_blocks, meta)
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVStoreConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and plan.loads and self._worker is not None:
+            self._worker.start(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads are async: a request runs only after its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        pass  # whole blocks are saved after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is None or not plan.saves or self._worker is None:
+            return
+        if self._on_cuda:
+            torch.cuda.current_stream().synchronize()  # the daemon copies on its own stream
+        self._worker.save(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        if self._worker is None:
+            return None, None
+        finished, failed = self._worker.poll()
+        self._failed_block_ids |= failed
+        return None, finished or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        counters = self._worker.counters + self._link.counters
+        delta = {k: v - self._reported[k] for k, v in counters.items() if v != self._reported[k]}
+        self._reported = Counter(counters)
+        return KVStoreConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.drain(2.0)
+            self._worker.close()
+        else:
+            self._link.close()

@@ -1,0 +1,24 @@
+"""benchmarks.vllm_transfer on CPU tensors (the staged path) for a few blocks: every save and
+load goes through a real daemon and the JSON has a row per block count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import vllm_transfer
+
+pytestmark = pytest.mark.timeout(120)
+pytest.importorskip("torch")
+
+
+def test_vllm_transfer_smoke(tmp_path: Path) -> None:
+    assert vllm_transfer.main(["--device", "cpu", "--blocks", "4,16", "--reps", "1",
+                               "--layers", "2", "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("vllm_transfer-cpu-*.json")
+    result = json.loads(path.read_text())
+    assert [r["blocks"] for r in result["rows"]] == [4, 16]
+    assert all(r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in result["rows"])
+    assert result["path"] == "staged through shared memory"

@@ -1,0 +1,232 @@
+"""The vLLM connector's core against a real daemon, without vLLM: torch tensors shaped like
+vLLM's CPU backend, saved by one "instance" and loaded by another through the staging path."""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+
+import pytest
+from daemon_helpers import start_daemon, wait_until
+
+from offload.vllm.block_keys import KeyMaker, VllmModelFacts
+from offload.vllm.kv_tensors import make_mover
+from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
+from offload.vllm.store_link import StoreLink
+from offload.vllm.worker_side import WorkerSide
+
+torch = pytest.importorskip("torch")
+
+NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 24, 16, 2, 32, 2
+FACTS = VllmModelFacts("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
+                       "test-weights", "cpu:LBHNC")
+LOOKUP_TIMEOUT_S, LOAD_TIMEOUT_S, RETRY_S = 0.3, 1.5, 0.5
+
+
+@dataclass
+class Instance:
+    """One vLLM-like instance: its KV tensors (CPU layout, one storage for all layers as vLLM
+    allocates them), its scheduler side and its worker side."""
+
+    layers: list
+    scheduler: SchedulerSide
+    worker: WorkerSide
+
+    def block(self, block_id: int) -> bytes:
+        dim = 1 if self.layers[0].shape[0] == 2 else 0  # flash layout: [2, blocks, ...]
+        return b"".join(t.select(dim, block_id).contiguous().view(torch.uint8).numpy().tobytes()
+                        for t in self.layers)
+
+    def save(self, rid: str, tokens: list[int], block_ids: list[int], salt=None) -> None:
+        self.scheduler.match(rid, tokens, 0, salt, None)  # as vLLM: asked first, then tracked
+        self.scheduler.after_alloc(rid, block_ids, 0)
+        plan = self.scheduler.plan_step([ScheduledRequest(rid, 0, len(tokens), None)])
+        self.worker.save(plan)
+        self.worker.drain(5.0)
+
+    def load(self, rid: str, tokens: list[int], block_ids: list[int], salt=None,
+             max_wait_s: float = 10.0) -> tuple[int, set[int], float]:
+        """(tokens the scheduler matched, failed block ids, seconds until finished)."""
+        start = time.monotonic()
+        n = self.scheduler.match(rid, tokens, 0, salt, None)
+        self.scheduler.after_alloc(rid, block_ids, n)
+        plan = self.scheduler.plan_step([])
+        if not plan.loads:
+            return n, set(), time.monotonic() - start
+        self.worker.start(plan)
+        failed: set[int] = set()
+        while time.monotonic() - start < max_wait_s:
+            done, bad = self.worker.poll()
+            failed |= bad
+            if rid in done:
+                self.scheduler.loads_finished(done)
+                return n, failed, time.monotonic() - start
+            time.sleep(0.002)
+        raise AssertionError("load never finished")
+
+
+def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
+                  flash: bool = False) -> Instance:
+    """``flash``: each layer ``[2, num_blocks, block_size, heads, head_dim]`` (two regions
+    per layer) instead of the CPU backend's ``[num_blocks, heads, block_size, 2 * head_dim]``."""
+    raw = torch.zeros(LAYERS * NUM_BLOCKS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM,
+                      dtype=torch.bfloat16)
+    if seed is not None:
+        raw.copy_(torch.randn(raw.shape, generator=torch.Generator().manual_seed(seed)))
+    if flash:
+        layers = list(raw.view(LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM).unbind(0))
+    else:
+        layers = list(raw.view(LAYERS, NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM).unbind(0))
+    mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, load_blocks + 16,
+                       {"engine": "vllm-test"})
+    worker = WorkerSide(StoreLink(socket_path, LOAD_TIMEOUT_S, RETRY_S), mover, "vllm-test",
+                        LOAD_TIMEOUT_S, LOAD_TIMEOUT_S, register_timeout_s=1.0)
+    assert worker.connect()
+    scheduler = SchedulerSide(KeyMaker(FACTS), StoreLink(socket_path, LOAD_TIMEOUT_S, RETRY_S),
+                              load_blocks, LOOKUP_TIMEOUT_S)
+    return Instance(layers, scheduler, worker)
+
+
+def prompt(seed: int, num_blocks: int = 10) -> list[int]:
+    return [(seed * 1009 + i * 31) % 5000 for i in range(num_blocks * BLOCK_SIZE + 3)]
+
+
+@pytest.fixture
+def daemon(make_daemon):
+    return make_daemon(dram="32MiB")
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["cpu-layout", "flash-layout"])
+def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon, flash) -> None:
+    a = make_instance(daemon.socket_path, 1, flash=flash)
+    b = make_instance(daemon.socket_path, None, flash=flash)
+    tokens, a_ids, b_ids = prompt(1), list(range(3, 14)), list(range(12, 23))
+    a.save("r", tokens, a_ids)
+    assert a.worker.counters["blocks_saved"] == 10
+    n, failed, _ = b.load("r", tokens, b_ids)
+    assert n == 10 * BLOCK_SIZE and not failed
+    for i in range(10):
+        assert b.block(b_ids[i]) == a.block(a_ids[i])
+    assert b.block(b_ids[10]) == bytes(len(a.block(0)))  # the partial block was not touched
+    assert b.worker.counters["blocks_loaded"] == 10
+
+
+def test_cache_salts_never_share(daemon) -> None:
+    a, b = make_instance(daemon.socket_path, 2), make_instance(daemon.socket_path, None)
+    tokens = prompt(2)
+    a.save("r", tokens, list(range(11)), salt="alice")
+    assert b.load("r1", tokens, list(range(11)), salt="bob")[0] == 0
+    assert b.load("r2", tokens, list(range(11)))[0] == 0
+    assert b.load("r3", tokens, list(range(11)), salt="alice")[0] == 10 * BLOCK_SIZE
+
+
+def test_a_short_hit_reports_the_missing_blocks_for_recompute(daemon) -> None:
+    a, b = make_instance(daemon.socket_path, 3), make_instance(daemon.socket_path, None)
+    tokens, ids = prompt(3), list(range(11))
+    a.save("r", tokens, ids)
+    n = b.scheduler.match("r", tokens, 0, None, None)
+    assert n == 10 * BLOCK_SIZE
+    keys = KeyMaker(FACTS).keys(tokens)
+    with daemon.client() as c:  # evicted between the scheduler's lookup and the worker's load
+        assert c.remove(keys.namespace, keys.hashes[6:]) == 4
+    b.scheduler.after_alloc("r", ids, n)
+    b.worker.start(b.scheduler.plan_step([]))
+    failed: set[int] = set()
+    for _ in range(2000):
+        done, bad = b.worker.poll()
+        failed |= bad
+        if done:
+            break
+        time.sleep(0.002)
+    assert failed == set(ids[6:10])
+    assert all(b.block(i) == a.block(i) for i in ids[:6])
+
+
+def test_blocks_that_failed_to_load_are_saved_again_after_recompute(daemon) -> None:
+    a, b = make_instance(daemon.socket_path, 9), make_instance(daemon.socket_path, None)
+    tokens, ids = prompt(9, num_blocks=4), list(range(5))
+    a.save("r", tokens, ids)
+    n = b.scheduler.match("r", tokens, 0, None, None)
+    b.scheduler.after_alloc("r", ids, n)
+    assert [t.block_ids for t in b.scheduler.plan_step([]).loads] == [[0, 1, 2, 3]]
+    b.scheduler.loads_failed({2, 3})  # as vLLM reports them: it recomputes blocks 2 and 3
+    b.scheduler.loads_finished({"r"})
+    plan = b.scheduler.plan_step([ScheduledRequest("r", 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 3,
+                                                   None)])
+    assert [t.block_ids for t in plan.saves] == [[2, 3]]
+
+
+def test_load_budget_caps_a_hit(daemon) -> None:
+    a = make_instance(daemon.socket_path, 4)
+    b = make_instance(daemon.socket_path, None, load_blocks=4)
+    tokens = prompt(4)
+    a.save("r", tokens, list(range(11)))
+    n, failed, _ = b.load("r", tokens, list(range(11)))
+    assert n == 4 * BLOCK_SIZE and not failed
+    assert b.block(3) == a.block(3) and b.block(4) != a.block(4)
+
+
+def test_a_stopped_daemon_costs_a_bounded_wait_then_the_store_is_used_again(daemon) -> None:
+    a, b = make_instance(daemon.socket_path, 5), make_instance(daemon.socket_path, None)
+    tokens, ids = prompt(5), list(range(11))
+    a.save("r", tokens, ids)
+    n = b.scheduler.match("r", tokens, 0, None, None)
+    b.scheduler.after_alloc("r", ids, n)
+    plan = b.scheduler.plan_step([])
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert b.scheduler.match("r2", prompt(5), 0, None, None) == 0
+        assert time.monotonic() - start < LOOKUP_TIMEOUT_S + 0.5
+        start = time.monotonic()
+        assert b.scheduler.match("r3", prompt(5), 0, None, None) == 0  # breaker open: at once
+        assert time.monotonic() - start < 0.1
+        b.worker.start(plan)  # its load was planned before the stop
+        failed: set[int] = set()
+        while time.monotonic() - start < LOAD_TIMEOUT_S + 2.0:
+            done, bad = b.worker.poll()
+            failed |= bad
+            if done:
+                break
+            time.sleep(0.005)
+        assert done == {"r"} and failed == set(ids[:10])
+        a.save("r4", prompt(6), ids)  # write-through while stopped: never blocks the step
+        assert a.worker.counters["blocks_saved"] == 10
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    time.sleep(RETRY_S + 0.1)
+    c = make_instance(daemon.socket_path, None)
+    n, failed, _ = c.load("r5", tokens, ids)
+    assert n == 10 * BLOCK_SIZE and not failed
+    assert c.block(0) == a.block(0)
+
+
+def test_a_killed_daemon_means_recompute_until_a_new_one_is_up(daemon, tmp_path) -> None:
+    a, b = make_instance(daemon.socket_path, 7), make_instance(daemon.socket_path, None)
+    tokens, ids = prompt(7), list(range(11))
+    a.save("r", tokens, ids)
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    start = time.monotonic()
+    assert b.load("r1", tokens, ids)[0] == 0
+    a.save("r2", prompt(8), ids)
+    assert time.monotonic() - start < 1.0
+    assert a.worker.counters["blocks_saved"] == 10
+    fresh = start_daemon(tmp_path, socket_path=daemon.socket_path, http=False)
+    try:
+        time.sleep(RETRY_S + 0.1)
+        # The next step reconnects and sends the registration of a new staging buffer without
+        # waiting for it (its saves are skipped, counted); a later step finds it registered.
+        a.save("r3", tokens, ids)
+        assert a.worker.counters["blocks_save_skipped_unavailable"] >= 10
+        assert wait_until(a.worker.ready, 5.0)
+        a.save("r3b", tokens, ids)  # the same tokens again (a skipped save is not retried)
+        assert a.worker.counters["registrations"] == 2
+        assert a.worker.counters["blocks_saved"] == 20
+        time.sleep(RETRY_S + 0.1)
+        n, failed, _ = b.load("r4", tokens, ids)
+        assert n == 10 * BLOCK_SIZE and not failed
+        assert all(b.block(i) == a.block(i) for i in ids[:10])
+    finally:
+        fresh.stop()

@@ -1,0 +1,101 @@
+"""GPU: the vLLM connector's data path with torch CUDA tensors in vLLM's flash-attention layout.
+
+Each layer is a ``[2, num_blocks, block_size, kv_heads, head_dim]`` CUDA tensor, registered with
+a real daemon through CUDA IPC (one K and one V region per layer, read from the tensor's strides).
+One "instance" saves blocks through the connector's core (``WorkerSide``/``SchedulerSide``), a
+second loads them into other block ids: the bytes must be equal, and untouched blocks stay zero.
+vLLM itself cannot be installed on the GPU machine; the CPU end-to-end tests cover vLLM's side.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from daemon_helpers import start_daemon
+
+from offload.vllm.block_keys import KeyMaker, VllmModelFacts
+from offload.vllm.kv_tensors import make_mover
+from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
+from offload.vllm.store_link import StoreLink
+from offload.vllm.worker_side import WorkerSide
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("torch has no CUDA here", allow_module_level=True)
+
+LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 96, 16, 8, 128
+FACTS = VllmModelFacts("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
+                       "gpu-test", "cuda:LBNHC:kvheads8:head128/128")
+
+
+def _layers(seed: int | None, heads_major: bool = False) -> list:
+    out = []
+    for i in range(LAYERS):
+        if heads_major:  # physically [2, B, H, N, D]; vLLM's logical view [2, B, N, H, D]
+            t = torch.zeros(2, NUM_BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16,
+                            device="cuda").transpose(2, 3)
+        else:
+            t = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, dtype=torch.bfloat16,
+                            device="cuda")
+        if seed is not None:
+            g = torch.Generator(device="cuda").manual_seed(seed * 100 + i)
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float32))
+        out.append(t)
+    torch.cuda.synchronize()
+    return out
+
+
+def _instance(socket_path, layers):
+    mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, 1, {})
+    worker = WorkerSide(StoreLink(socket_path, 30.0, 1.0), mover, "vllm-gpu-test", 30.0, 30.0)
+    # The daemon's first CUDA registration sets up its copier: allow it time.
+    assert worker.connect(wait_s=60.0), "could not register the CUDA tensors with the daemon"
+    scheduler = SchedulerSide(KeyMaker(FACTS), StoreLink(socket_path, 30.0, 1.0), 256, 5.0)
+    return scheduler, worker
+
+
+def _block(layers, block_id: int) -> list:
+    return [t[:, block_id].contiguous() for t in layers]
+
+
+@pytest.mark.parametrize("heads_major", [False, True], ids=["NHD", "HND"])
+def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool) -> None:
+    daemon = start_daemon(tmp_path, dram="512MiB", http=False)
+    try:
+        a_layers, b_layers = _layers(1, heads_major), _layers(None, heads_major)
+        a_sched, a_worker = _instance(daemon.socket_path, a_layers)
+        b_sched, b_worker = _instance(daemon.socket_path, b_layers)
+        num_blocks = 40
+        tokens = [random.Random(3).randrange(10, 5000) for _ in range(num_blocks * BLOCK_SIZE + 1)]
+        a_ids = random.Random(1).sample(range(NUM_BLOCKS), num_blocks + 1)
+        b_ids = random.Random(2).sample(range(NUM_BLOCKS), num_blocks + 1)
+        a_sched.match("r", tokens, 0, None, None)
+        a_sched.after_alloc("r", a_ids, 0)
+        a_worker.save(a_sched.plan_step([ScheduledRequest("r", 0, len(tokens), None)]))
+        assert a_worker.counters["blocks_saved"] == num_blocks, a_worker.counters
+
+        n = b_sched.match("r", tokens, 0, None, None)
+        assert n == num_blocks * BLOCK_SIZE
+        b_sched.after_alloc("r", b_ids, n)
+        b_worker.start(b_sched.plan_step([]))
+        deadline = time.monotonic() + 30.0
+        failed: set[int] = set()
+        done: set[str] = set()
+        while not done and time.monotonic() < deadline:
+            done, bad = b_worker.poll()
+            failed |= bad
+        assert done == {"r"} and not failed
+        torch.cuda.synchronize()
+        for a_id, b_id in zip(a_ids[:num_blocks], b_ids[:num_blocks]):
+            for got, want in zip(_block(b_layers, b_id), _block(a_layers, a_id)):
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        untouched = sorted(set(range(NUM_BLOCKS)) - set(b_ids[:num_blocks]))
+        for t in b_layers:
+            assert not bool((t[:, untouched].view(torch.int16) != 0).any())
+        a_worker.close()
+        b_worker.close()
+    finally:
+        daemon.stop()
