@@ -39,6 +39,28 @@ def host_bytes(t: Any, num_bytes: int) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(num_bytes,))
 
 
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+_TORCH_CUDA_MALLOC, _TORCH_EXPANDABLE = ord("c"), ord("e")  # c10's shareable handle types
+
+
+def raw_ipc_handle(shared: bytes) -> bytes:
+    """The ``cudaIpcMemHandle_t`` inside torch's shareable handle (``_share_cuda_()[1]``).
+
+    Older torch gives the 64 raw bytes; newer torch writes a version byte, a type byte and then
+    the payload: for a plain ``cudaMalloc`` block (type ``c``) the payload is the raw handle.
+    Expandable segments (type ``e``) are not one CUDA IPC allocation: refused, with the fix.
+    """
+    if len(shared) == CUDA_IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) >= 2 + CUDA_IPC_HANDLE_BYTES and shared[1] == _TORCH_CUDA_MALLOC:
+        return shared[2:2 + CUDA_IPC_HANDLE_BYTES]
+    if len(shared) >= 2 and shared[1] == _TORCH_EXPANDABLE:
+        raise ValueError("vLLM's KV tensors live in torch expandable segments, which the store "
+                         "cannot map by CUDA IPC: run vLLM with "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+    raise ValueError(f"unrecognised torch CUDA IPC handle ({len(shared)} bytes)")
+
+
 def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, num_slots: int,
                meta: dict) -> BlockMover:
     """The mover for these layers (in this order, which is the order of a block's bytes).
@@ -60,7 +82,7 @@ def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, nu
         start = int(t.storage_offset()) * int(t.element_size())
         if on_cuda:
             shared = storage._share_cuda_()
-            handle, alloc_offset = bytes(shared[1]), int(shared[3])
+            handle, alloc_offset = raw_ipc_handle(bytes(shared[1])), int(shared[3])
             size = alloc_offset + int(storage.nbytes())
             specs.append(_spec(name, t, num_blocks, alloc_offset + start, size))
             handles.append(handle)
