@@ -61,6 +61,10 @@ class CupyOps(Ops):
         line = super().attention_backend
         return f"{line} ({self.attention_note})" if self.attention_note else line
 
+    @property
+    def num_attention_graphs(self) -> int:
+        return self._cudnn.num_graphs if self._cudnn is not None else 0
+
     def capture_graph(self, fn) -> CapturedGraph:
         from kernels.cuda_graph import GraphCapturer
 
