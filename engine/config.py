@@ -9,6 +9,7 @@ from pathlib import Path
 DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_POLICIES = ("write-through", "evict")
 RESTORE_MODES = ("cost-aware", "always")
+PREFILL_ORDERS = ("shortest-first", "fcfs")
 
 
 def _is_int(value: object) -> bool:
@@ -34,6 +35,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Which prefill gets the budget first (engine/prefill_order.py): "shortest-first" (a restored
+    # or short prompt before a long cold one) or "fcfs"; a prefill waits at most this many steps.
+    prefill_order: str = "shortest-first"
+    max_prefill_wait_steps: int = 4
     kv_offload: bool = False
     kv_store_socket: str | None = None
     kv_offload_policy: str = "write-through"
@@ -67,6 +72,13 @@ class EngineConfig:
         if (not isinstance(utilization, (int, float)) or isinstance(utilization, bool)
                 or not math.isfinite(utilization) or not 0.0 < utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, "
+                             f"got {self.prefill_order!r}")
+        wait = self.max_prefill_wait_steps
+        if not _is_int(wait) or wait < 0:
+            raise ValueError(f"max_prefill_wait_steps must be a non-negative integer, "
+                             f"got {wait!r}")
         if self.kv_offload_policy not in OFFLOAD_POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {OFFLOAD_POLICIES}, "
                              f"got {self.kv_offload_policy!r}")
