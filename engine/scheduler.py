@@ -139,9 +139,11 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING:  # not preempted by an earlier decode
                 self._schedule_running(step, seq, 1)
-        if self.offload is not None and not step.preempted:
-            self._start_restores()  # loads cost no budget: start them whatever the step holds
         self._schedule_prefills(step)
+        if self.offload is not None and not step.preempted:
+            # Loads cost no budget: start them whatever the step holds, after this step's
+            # chunks have their blocks (a restore reserves blocks too).
+            self._start_restores()
         self.num_steps += 1
         return step.batch
 
