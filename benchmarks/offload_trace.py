@@ -45,6 +45,8 @@ CONFIGS = {  # name: EngineConfig overrides
     # scheduler's shortest-first order against it, with and without the store.
     "fcfs": {"kv_offload": True, "prefill_order": "fcfs"},
     "fcfs-off": {"prefill_order": "fcfs"},
+    # Short steps while a restore is in flight or a first token is due (latency_chunk_tokens).
+    "short-steps": {"kv_offload": True, "latency_chunk_tokens": 512},
 }
 
 

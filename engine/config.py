@@ -39,6 +39,9 @@ class EngineConfig:
     # or short prompt before a long cold one) or "fcfs"; a prefill waits at most this many steps.
     prefill_order: str = "shortest-first"
     max_prefill_wait_steps: int = 4
+    # While a restore is in flight or a prefill finishes in the step, a prefill that does not
+    # finish takes at most this many tokens (short steps for first tokens); None: off.
+    latency_chunk_tokens: int | None = None
     kv_offload: bool = False
     kv_store_socket: str | None = None
     kv_offload_policy: str = "write-through"
@@ -64,7 +67,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "latency_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

@@ -85,7 +85,8 @@ class LLMEngine:
                                           config.enable_prefix_caching, config.debug_hash_bits)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            PrefillOrder(config.prefill_order, config.max_prefill_wait_steps))
+            PrefillOrder(config.prefill_order, config.max_prefill_wait_steps,
+                         config.latency_chunk_tokens))
         self.offload: StoreBridge | None = None
         self._offload_pending = False  # the last step's store work is still to do
         # A mid-prefill chunk samples nothing, so its step returns before the device finished it

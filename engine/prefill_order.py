@@ -11,6 +11,12 @@ landed restore can join them), then an aged waiting head. So a running prompt wa
 ``k`` times that), whatever stream of short prompts arrives, and the waiting head waits at most
 for the aged running prompts ahead of it. ``fcfs`` keeps the old order: running sequences in
 admission order, then the waiting queue.
+
+``latency_chunk_tokens`` (off by default) shortens the steps a first token waits for: while a
+restore is in flight or some prefill can finish in this step, a prefill that cannot finish takes
+at most that many tokens, so a restored turn's load lands during short steps and its own step is
+not as long as a full chunk of someone else's long prompt (the long prompt still progresses every
+step it is scheduled).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class PrefillOrder:
 
     policy: str = "shortest-first"
     max_wait_steps: int = 4
+    latency_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in PREFILL_ORDERS:
@@ -35,6 +42,19 @@ class PrefillOrder:
         if not isinstance(self.max_wait_steps, int) or self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be a non-negative integer, "
                              f"got {self.max_wait_steps!r}")
+        cap = self.latency_chunk_tokens
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
+            raise ValueError(f"latency_chunk_tokens must be a positive integer or None, "
+                             f"got {cap!r}")
+
+    def chunk(self, num_remaining: int, budget: int, latency_bound: bool) -> int:
+        """Tokens a prefill with ``num_remaining`` left gets from ``budget``: all it can, but
+        at most ``latency_chunk_tokens`` in a latency-bound step unless it finishes now."""
+        num_new = min(num_remaining, budget)
+        cap = self.latency_chunk_tokens
+        if latency_bound and cap is not None and num_new < num_remaining:
+            num_new = min(num_new, cap)
+        return num_new
 
     def is_aged(self, seq: Sequence, step: int) -> bool:
         """The sequence has waited its bound for a chunk: it goes before the others."""

@@ -157,10 +157,14 @@ class Scheduler:
             if not step.has(seq))
         index = 0
         head_key = self._head_key(step)
+        latency_bound = order.latency_chunk_tokens is not None and (
+            self.num_loading > 0 or self._head_remaining() <= step.budget
+            or any(s.num_tokens - s.num_computed_tokens <= step.budget
+                   for _, _, s in candidates))
         while step.budget > 0 and not step.stopped:
             run_key = candidates[index][0] if index < len(candidates) else None
             if head_key is not None and (run_key is None or head_key < run_key):
-                if not self._admit_head(step):
+                if not self._admit_head(step, latency_bound):
                     step.admitting = False
                 head_key = self._head_key(step)
                 continue
@@ -169,7 +173,8 @@ class Scheduler:
             seq = candidates[index][2]
             index += 1
             if seq.status is SequenceStatus.RUNNING and not step.has(seq):
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+                num_new = order.chunk(seq.num_tokens - seq.num_computed_tokens, step.budget,
+                                      latency_bound)
                 self._schedule_running(step, seq, num_new)
 
     def _schedule_running(self, step: _Step, seq: Sequence, num_new: int) -> None:
@@ -199,7 +204,15 @@ class Scheduler:
         num_hit_tokens = len(hit_ids) * self.block_manager.block_size
         return self.prefill_order.waiting_key(seq, num_hit_tokens, self.num_steps)
 
-    def _admit_head(self, step: _Step) -> bool:
+    def _head_remaining(self) -> int:
+        """Prompt tokens the waiting head has past its HBM hit (a large number if none)."""
+        if not self.waiting:
+            return 1 << 62
+        seq = self.waiting[0]
+        return seq.num_tokens - len(self.block_manager.match_prefix(seq)) * \
+            self.block_manager.block_size
+
+    def _admit_head(self, step: _Step, latency_bound: bool) -> bool:
         """Admit the waiting head with its first chunk; False (nothing changed) if it does not
         fit or waits for the store."""
         bm = self.block_manager
@@ -209,7 +222,8 @@ class Scheduler:
             return True  # the head moved on
         hit_ids = bm.match_prefix(seq)  # again: chunks scheduled since may have evicted some
         num_hit_tokens = len(hit_ids) * bm.block_size
-        num_new = min(seq.num_tokens - num_hit_tokens, step.budget)
+        num_new = self.prefill_order.chunk(seq.num_tokens - num_hit_tokens, step.budget,
+                                           latency_bound)
         if not self.running:
             # Alone, it may take every block: shrink the chunk so progress is guaranteed.
             num_new = min(num_new, bm.admittable_tokens(hit_ids))

@@ -19,9 +19,9 @@ def prompt(num_tokens: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 1000, num_tokens).tolist()
 
 
-def engine_llm(model_dir, order: str, max_wait: int = 3) -> LLM:
+def engine_llm(model_dir, order: str, max_wait: int = 3, **config) -> LLM:
     return LLM(str(model_dir), device="cpu", num_kv_blocks=256, max_num_batched_tokens=BUDGET,
-               prefill_order=order, max_prefill_wait_steps=max_wait)
+               prefill_order=order, max_prefill_wait_steps=max_wait, **config)
 
 
 def reference_tokens(model_dir, prompts: list[list[int]], params: SamplingParams) -> list:
@@ -118,7 +118,37 @@ def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(tiny_model_d
         tiny_model_dir, [long_prompt, short], GREEDY)
 
 
-@pytest.mark.parametrize("bad", [dict(policy="lifo"), dict(max_wait_steps=-1)])
+def test_a_latency_bound_step_caps_the_long_chunk(tiny_model_dir) -> None:
+    llm = engine_llm(tiny_model_dir, "shortest-first", latency_chunk_tokens=16)
+    engine = llm.engine
+    long_prompt, short = prompt(640, seed=5), prompt(40, seed=6)
+    engine.add_request("long", long_prompt, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    chunks: list[tuple[int, bool]] = []  # (long's chunk, short finished its prompt that step)
+    try:
+        for index in range(200):
+            if index == 3:
+                engine.add_request("short", short, GREEDY)
+            before = _computed(engine, "long")
+            outs = engine.step()
+            for out in outs:
+                tokens[out.request_id] = out.token_ids
+            first = any(o.request_id == "short" and len(o.token_ids) == 1 for o in outs)
+            if _computed(engine, "long") < 1 << 30:
+                chunks.append((_computed(engine, "long") - before, first))
+            if not engine.has_unfinished_requests():
+                break
+    finally:
+        llm.close()
+    assert (16, True) in chunks  # the step carrying the short prompt's first token was short
+    assert all(n == 16 for n, first in chunks if first)
+    assert chunks[0][0] == BUDGET and chunks[1][0] == BUDGET  # alone: full chunks
+    assert [tokens["long"], tokens["short"]] == reference_tokens(
+        tiny_model_dir, [long_prompt, short], GREEDY)
+
+
+@pytest.mark.parametrize("bad", [dict(policy="lifo"), dict(max_wait_steps=-1),
+                                 dict(latency_chunk_tokens=0)])
 def test_bad_prefill_order_is_refused(bad) -> None:
     with pytest.raises(ValueError):
         PrefillOrder(**bad)
