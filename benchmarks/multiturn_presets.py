@@ -277,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--qps must be > 0 and --pressure-factor > 1")
     sweep_args = _sweep_args(args, pressure_factor)
     sizing = multiturn_sweep.plan_sizing(sweep_args, workload, block_bytes, max_positions)
+    # The sweep's fits pool (1.5x the working set) outgrows an 80 GB card at these lengths: the
+    # working set plus a tenth is enough for "fits in HBM".
+    ws_blocks = sizing["working_set_blocks_est"]
+    fits_blocks = max(int(ws_blocks * 1.1) + 16, -(-sizing["max_model_len"] // args.block_size))
+    sizing["regimes"]["fits"] = {"num_kv_blocks": fits_blocks,
+                                 "working_set_over_hbm": ws_blocks / fits_blocks}
     for note in sizing["notes"]:
         print(f"warning: {note}")
     kv_bytes_per_token = block_bytes / args.block_size
