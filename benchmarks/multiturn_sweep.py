@@ -97,7 +97,7 @@ class _Process:
                 self.proc.wait(10)
 
 
-def _model_shape(model_dir: Path, block_size: int) -> tuple[int, int]:
+def model_shape(model_dir: Path, block_size: int) -> tuple[int, int]:
     """(bytes of one KV block, max_position_embeddings) from config.json."""
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -108,7 +108,7 @@ def _model_shape(model_dir: Path, block_size: int) -> tuple[int, int]:
     return block_bytes, int(cfg.get("max_position_embeddings") or 32768)
 
 
-def _tokens_per_word(model_dir: Path, seed: int) -> float | None:
+def tokens_per_word_of(model_dir: Path, seed: int) -> float | None:
     """Tokens per generated word with the model's own tokenizer (None without tokenizer.json)."""
     path = model_dir / "tokenizer.json"
     if not path.exists():
@@ -480,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pressure-factor: the working set must be more than the HBM pool (> 1)")
     if not (args.model_dir / "config.json").exists():
         parser.error(f"--model-dir {args.model_dir}: no config.json")
-    block_bytes, max_positions = _model_shape(args.model_dir, args.block_size)
-    tokens_per_word = args.tokens_per_word or _tokens_per_word(args.model_dir, args.seed) or 1.3
+    block_bytes, max_positions = model_shape(args.model_dir, args.block_size)
+    tokens_per_word = args.tokens_per_word or tokens_per_word_of(args.model_dir, args.seed) or 1.3
     try:
         workload = WorkloadConfig(
             num_users=args.users, num_rounds=args.rounds, system_prompt_len=args.system_prompt_len,

@@ -41,6 +41,12 @@ CONFIGS = {  # name: EngineConfig overrides
     "write-through": {"kv_offload": True, "kv_offload_policy": "write-through"},
     "evict": {"kv_offload": True, "kv_offload_policy": "evict"},
     "private": {"kv_offload": True, "kv_offload_share_hbm": False},
+    # The old prefill order (running sequences' chunks first, in admission order): the
+    # scheduler's shortest-first order against it, with and without the store.
+    "fcfs": {"kv_offload": True, "prefill_order": "fcfs"},
+    "fcfs-off": {"prefill_order": "fcfs"},
+    # Short steps while a restore is in flight or a first token is due (latency_chunk_tokens).
+    "short-steps": {"kv_offload": True, "latency_chunk_tokens": 512},
 }
 
 
@@ -159,6 +165,7 @@ def summarize(records: list[dict], steps: list[dict]) -> dict:
                for key in ("flush_s", "add_s", "schedule_s", "execute_s", "total_s",
                            "flush_after_s")}
     prefill = [s for s in steps if s["num_tokens"] > s["num_seqs"]]
+    loading = [s for s in steps if s["num_loading"]]
     decode = [s for s in steps if s["num_seqs"] and s["num_tokens"] == s["num_seqs"]]
     return {
         "num_requests": len(records),
@@ -171,6 +178,12 @@ def summarize(records: list[dict], steps: list[dict]) -> dict:
         "step_ms_sum": step_ms,
         "decode_step_execute_ms_mean": (statistics.fmean(s["execute_s"] for s in decode) * 1e3
                                         if decode else None),
+        # Loads overlap other requests' steps: steps that ran while a restore was in flight,
+        # against steps (and their time) in which the engine had only loads to wait for.
+        "overlap": {"steps_loading": len(loading),
+                    "steps_computing_while_loading": sum(1 for s in loading if s["num_seqs"]),
+                    "ms_idle_waiting_for_loads": sum(s["total_s"] for s in loading
+                                                     if not s["num_seqs"]) * 1e3},
         "prefill_step_execute_ms_per_1k_tokens": (
             sum(s["execute_s"] for s in prefill) * 1e6 / sum(s["num_tokens"] for s in prefill)
             if prefill else None),
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>14}: TTFT mean {s['ttft_mean_ms']:7.1f} ms  p50 {s['ttft_p50_ms']:7.1f}"
               f"  p90 {s['ttft_p90_ms']:7.1f}  by round "
               + " ".join(f"{v:.1f}" for v in s["ttft_mean_ms_by_round"].values())
-              + f"  steps {s['num_steps']}  "
+              + f"  steps {s['num_steps']} (loading {s['overlap']['steps_loading']}, "
+              + f"computing while loading {s['overlap']['steps_computing_while_loading']})  "
               + " ".join(f"{k[:-2]} {v:.0f}" for k, v in s["step_ms_sum"].items()) + " ms",
               flush=True)
         points.append(point)

@@ -9,6 +9,7 @@ from pathlib import Path
 DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_POLICIES = ("write-through", "evict")
 RESTORE_MODES = ("cost-aware", "always")
+PREFILL_ORDERS = ("shortest-first", "fcfs")
 
 
 def _is_int(value: object) -> bool:
@@ -34,6 +35,13 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Which prefill gets the budget first (engine/prefill_order.py): "shortest-first" (a restored
+    # or short prompt before a long cold one) or "fcfs"; a prefill waits at most this many steps.
+    prefill_order: str = "shortest-first"
+    max_prefill_wait_steps: int = 4
+    # While a restore is in flight or a prefill finishes in the step, a prefill that does not
+    # finish takes at most this many tokens (short steps for first tokens); None: off.
+    latency_chunk_tokens: int | None = None
     kv_offload: bool = False
     kv_store_socket: str | None = None
     kv_offload_policy: str = "write-through"
@@ -59,7 +67,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "latency_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -67,6 +75,13 @@ class EngineConfig:
         if (not isinstance(utilization, (int, float)) or isinstance(utilization, bool)
                 or not math.isfinite(utilization) or not 0.0 < utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, "
+                             f"got {self.prefill_order!r}")
+        wait = self.max_prefill_wait_steps
+        if not _is_int(wait) or wait < 0:
+            raise ValueError(f"max_prefill_wait_steps must be a non-negative integer, "
+                             f"got {wait!r}")
         if self.kv_offload_policy not in OFFLOAD_POLICIES:
             raise ValueError(f"kv_offload_policy must be one of {OFFLOAD_POLICIES}, "
                              f"got {self.kv_offload_policy!r}")

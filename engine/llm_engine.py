@@ -25,6 +25,7 @@ from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, empty_tier_counts
+from engine.prefill_order import PrefillOrder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -82,8 +83,10 @@ class LLMEngine:
                                              -(-self.max_model_len // config.block_size))
         self.block_manager = BlockManager(num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.debug_hash_bits)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            PrefillOrder(config.prefill_order, config.max_prefill_wait_steps,
+                         config.latency_chunk_tokens))
         self.offload: StoreBridge | None = None
         self._offload_pending = False  # the last step's store work is still to do
         # A mid-prefill chunk samples nothing, so its step returns before the device finished it

@@ -1,22 +1,31 @@
 """Decides what runs each step: continuous batching, chunked prefill, preemption by recompute.
 
-A step has a token budget (``max_num_batched_tokens``). Running sequences go first, in admission
-order: one token each when decoding, the next chunk of their prompt otherwise. When a running
-sequence needs a block and none is free, the most recently admitted running sequence is preempted:
-its blocks are freed (full ones stay in the prefix cache) and it goes back to the head of the
-waiting queue to be recomputed. Then, if nothing was preempted, waiting sequences are admitted in
-arrival order while budget, ``max_num_seqs`` and blocks allow, each starting after its verified
-prefix-cache hit.
+A step has a token budget (``max_num_batched_tokens``). Decoding sequences go first, one token
+each, in admission order. The rest of the budget goes to prefill chunks in the order of
+``engine/prefill_order.py``: by default the sequence with the least prompt left first (a turn
+restored from the store, or an HBM hit, does not wait behind another user's long cold prompt),
+and a sequence that has waited its bound of steps for a chunk before everyone else. The waiting
+queue is admitted in arrival order: its head competes for the budget with the running prefills.
+When a sequence needs a block and none is free, the most recently admitted running sequence not
+yet in the batch is preempted (itself if none is left): its blocks are freed (full ones stay in
+the prefix cache) and it goes back to the head of the waiting queue to be recomputed; nobody is
+admitted in a step that preempted. With ``--kv-offload``, waiting sequences near the head are
+handed to the store bridge in every step whatever the budget (a load costs no step tokens).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.prefill_order import PrefillOrder
 from engine.sequence import Sequence, SequenceStatus
 from offload.bridge import StoreBridge
+
+# How deep into the waiting queue restores are started each step (each costs a lookup check).
+RESTORE_SCAN_DEPTH = 8
 
 
 @dataclass
@@ -38,13 +47,37 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+class _Step:
+    """One ``schedule`` call's working state: the batch, the budget left, what happened."""
+
+    def __init__(self, budget: int) -> None:
+        self.batch = ScheduledBatch()
+        self.budget = budget
+        self.preempted = False  # someone was preempted: nobody is admitted this step
+        self.stopped = False  # a sequence preempted itself: no blocks left to grow anyone
+        self.admitting = True  # the waiting head may still be admitted
+        self._ids: set[int] = set()
+
+    def has(self, seq: Sequence) -> bool:
+        return id(seq) in self._ids
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.batch.add(seq, num_new_tokens)
+        self._ids.add(id(seq))
+        self.budget -= num_new_tokens
+
+
 class Scheduler:
     """Owns the waiting and running queues; the only caller of the block manager's allocations."""
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+        prefill_order: PrefillOrder | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.prefill_order = prefill_order or PrefillOrder()
+        self.num_steps = 0  # schedule() calls so far: the clock of the aging rule
+        self._head_blocked = False  # the waiting head did not fit in the free blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -60,6 +93,7 @@ class Scheduler:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in the engine")
         seq.status = SequenceStatus.WAITING
+        seq.ready_since_step = self.num_steps
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
         if self.offload is not None:
@@ -79,10 +113,12 @@ class Scheduler:
         ready, requeue = self.offload.poll()
         for seq in ready:
             seq.status = SequenceStatus.RUNNING
+            seq.ready_since_step = self.num_steps
             self.running.append(seq)
             self._count_admission(seq, seq.num_computed_tokens)
         for seq in reversed(requeue):
             seq.status = SequenceStatus.WAITING
+            seq.ready_since_step = min(seq.ready_since_step, self.num_steps)
             self.waiting.appendleft(seq)
 
     def _count_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
@@ -97,53 +133,134 @@ class Scheduler:
         """Pick this step's sequences and allocate the blocks their new tokens need."""
         if self.offload is not None:
             self._absorb_restores()
-        batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
+        step = _Step(self.max_num_batched_tokens)
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
+            if step.budget <= 0 or step.stopped:
                 break
-            batch.add(seq, num_new)
-            budget -= num_new
-            index += 1
-        if not preempted:
-            self._admit_waiting(batch, budget)
-        return batch
+            if seq.status is SequenceStatus.RUNNING:  # not preempted by an earlier decode
+                self._schedule_running(step, seq, 1)
+        self._schedule_prefills(step)
+        if self.offload is not None and not step.preempted:
+            # Loads cost no budget: start them whatever the step holds, after this step's
+            # chunks have their blocks (a restore reserves blocks too).
+            self._start_restores()
+        self.num_steps += 1
+        return step.batch
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        bm = self.block_manager
-        if self.offload is not None and self.offload.num_waiting_for_blocks:
-            return  # an earlier request's restore waits for blocks: nobody overtakes it
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            hit_ids = bm.match_prefix(seq)
-            if (self.offload is not None and not seq.offload_checked
-                    and self.offload.start_restore(seq, len(hit_ids), bool(self.running))):
-                seq.status = SequenceStatus.LOADING
-                self.waiting.popleft()  # the offload bridge holds it until it lands
+    def _schedule_prefills(self, step: _Step) -> None:
+        """Running sequences with prompt left and the waiting queue's head, in the prefill
+        order's priority (``engine/prefill_order.py``), while the budget lasts."""
+        now = self.num_steps
+        order = self.prefill_order
+        candidates = sorted(
+            (order.running_key(seq, i, now), i, seq) for i, seq in enumerate(self.running)
+            if not step.has(seq))
+        index = 0
+        head_key = self._head_key(step)
+        latency_bound = order.latency_chunk_tokens is not None and (
+            self.num_loading > 0 or self._head_remaining() <= step.budget
+            or any(s.num_tokens - s.num_computed_tokens <= step.budget
+                   for _, _, s in candidates))
+        while step.budget > 0 and not step.stopped:
+            run_key = candidates[index][0] if index < len(candidates) else None
+            if head_key is not None and (run_key is None or head_key < run_key):
+                if not self._admit_head(step, latency_bound):
+                    step.admitting = False
+                head_key = self._head_key(step)
                 continue
-            num_hit_tokens = len(hit_ids) * bm.block_size
-            num_new = min(seq.num_tokens - num_hit_tokens, budget)
-            if not self.running:
-                # Alone, it may take every block: shrink the chunk so progress is guaranteed.
-                num_new = min(num_new, bm.admittable_tokens(hit_ids))
-            if num_new <= 0 or not bm.admit(seq, hit_ids, num_new):
+            if run_key is None:
                 break
+            seq = candidates[index][2]
+            index += 1
+            if seq.status is SequenceStatus.RUNNING and not step.has(seq):
+                num_new = order.chunk(seq.num_tokens - seq.num_computed_tokens, step.budget,
+                                      latency_bound)
+                self._schedule_running(step, seq, num_new)
+
+    def _schedule_running(self, step: _Step, seq: Sequence, num_new: int) -> None:
+        """Grow ``seq`` by ``num_new`` tokens, preempting the most recently admitted running
+        sequence not in the batch while blocks are short (``seq`` itself when none is left)."""
+        while not self.block_manager.grow(seq, seq.num_computed_tokens + num_new):
+            victim = next((s for s in reversed(self.running)
+                           if s is not seq and not step.has(s)), seq)
+            self.running.remove(victim)
+            self._preempt(victim)
+            step.preempted = True
+            step.admitting = False
+            if victim is seq:
+                step.stopped = True  # nothing else can give blocks back this step
+                return
+        step.add(seq, num_new)
+        seq.ready_since_step = self.num_steps + 1
+
+    def _head_key(self, step: _Step) -> tuple[int, int, int] | None:
+        """The priority key of the waiting head if it may be admitted now."""
+        if not (step.admitting and self.waiting and len(self.running) < self.max_num_seqs):
+            return None
+        if self.offload is not None and self.offload.num_waiting_for_blocks:
+            return None  # an earlier request's restore waits for blocks: nobody overtakes it
+        seq = self.waiting[0]
+        hit_ids = self.block_manager.match_prefix(seq)
+        num_hit_tokens = len(hit_ids) * self.block_manager.block_size
+        return self.prefill_order.waiting_key(seq, num_hit_tokens, self.num_steps)
+
+    def _head_remaining(self) -> int:
+        """Prompt tokens the waiting head has past its HBM hit (a large number if none)."""
+        if not self.waiting:
+            return 1 << 62
+        seq = self.waiting[0]
+        return seq.num_tokens - len(self.block_manager.match_prefix(seq)) * \
+            self.block_manager.block_size
+
+    def _admit_head(self, step: _Step, latency_bound: bool) -> bool:
+        """Admit the waiting head with its first chunk; False (nothing changed) if it does not
+        fit or waits for the store."""
+        bm = self.block_manager
+        seq = self.waiting[0]
+        if self.offload is not None and not seq.offload_checked and self._try_restore(seq):
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._count_admission(seq, num_hit_tokens)
-            batch.add(seq, num_new)
-            budget -= num_new
+            return True  # the head moved on
+        hit_ids = bm.match_prefix(seq)  # again: chunks scheduled since may have evicted some
+        num_hit_tokens = len(hit_ids) * bm.block_size
+        num_new = self.prefill_order.chunk(seq.num_tokens - num_hit_tokens, step.budget,
+                                           latency_bound)
+        if not self.running:
+            # Alone, it may take every block: shrink the chunk so progress is guaranteed.
+            num_new = min(num_new, bm.admittable_tokens(hit_ids))
+        if num_new <= 0 or not bm.admit(seq, hit_ids, num_new):
+            self._head_blocked = True
+            return False
+        self._head_blocked = False
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._count_admission(seq, num_hit_tokens)
+        step.add(seq, num_new)
+        seq.ready_since_step = self.num_steps + 1
+        return True
+
+    def _start_restores(self) -> None:
+        """Hand waiting sequences whose prefix the store may hold to the bridge, in arrival
+        order, whether or not this step has budget left: a load costs no step tokens, and a
+        restore issued now lands while others compute. Behind a head that lacks blocks only
+        the head may reserve (a restore reserves blocks too)."""
+        assert self.offload is not None
+        depth = 1 if self._head_blocked else RESTORE_SCAN_DEPTH
+        for seq in list(itertools.islice(self.waiting, depth)):
+            if (self.offload.num_waiting_for_blocks
+                    or len(self.running) + self.offload.num_loading >= self.max_num_seqs):
+                return
+            if not seq.offload_checked and self._try_restore(seq):
+                self.waiting.remove(seq)
+
+    def _try_restore(self, seq: Sequence) -> bool:
+        """True if the bridge now holds ``seq`` (LOADING; the caller takes it off the queue)."""
+        assert self.offload is not None
+        hit_ids = self.block_manager.match_prefix(seq)
+        if self.offload.start_restore(seq, len(hit_ids), bool(self.running)):
+            seq.status = SequenceStatus.LOADING  # the offload bridge holds it until it lands
+            return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

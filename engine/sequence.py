@@ -47,6 +47,9 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
+    # The scheduler step since which it waits for its next prefill chunk (aging, see
+    # engine/prefill_order.py); moved on whenever it gets tokens or (re)joins a queue.
+    ready_since_step: int = 0
     # --kv-offload state (see offload/bridge.py)
     offload_checked: bool = False  # the store was asked since the last (re)admission
     abort_requested: bool = False  # aborted while a load was in flight

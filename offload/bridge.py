@@ -10,10 +10,12 @@ The contract, in step order:
 - ``prefetch(seq)`` when a request arrives, ``forget(seq)`` when it leaves before admission.
 - ``poll()`` first in every ``schedule``: restores that landed (run them; their restored prefix
   is computed and registered) and restores given up (requeue them, to recompute).
-- ``start_restore(seq, num_hbm_hit_blocks)`` when a waiting sequence reaches the head of the
-  queue and ``seq.offload_checked`` is false: True means the bridge now holds it (the scheduler
-  marks it LOADING and takes it off the queue until ``poll`` gives it back); False means admit it
-  now without the store. While ``num_waiting_for_blocks`` is non-zero nobody else is admitted.
+- ``start_restore(seq, num_hbm_hit_blocks)`` for waiting sequences near the head of the queue
+  (in arrival order, every step, whatever the step's token budget: a load costs none) whose
+  ``seq.offload_checked`` is false: True means the bridge now holds it (the scheduler marks it
+  LOADING and takes it off the queue until ``poll`` gives it back); False means admit it
+  without the store. While ``num_waiting_for_blocks`` is non-zero nobody else is admitted and no
+  other restore is started.
 - ``save_computed(seqs)`` after a forward, before finished sequences free their blocks;
   ``observe_step`` with the step's prefill tokens and seconds.
 - ``after_step()`` once the step's outputs went out: saves are sent, evictions published.

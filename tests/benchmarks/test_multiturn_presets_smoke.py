@@ -1,0 +1,74 @@
+"""benchmarks.multiturn_presets: the presets' shapes, the on-against-off figures computed from
+records, and one scaled-down run end to end on CPU (a real daemon, real `kvengine serve`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import multiturn_presets as presets
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_presets_have_the_issue_shapes() -> None:
+    long = presets.PRESETS["long-context"]
+    wl = long["workload"]
+    assert wl.num_users >= 15 and wl.answer_len == 100 and long["qps"] == 0.5
+    assert 900 <= wl.system_prompt_len <= 1100 and 18000 <= wl.history_len <= 20000
+    assert long["pressure_factor"] == 3.0  # HBM about a third of the working set
+    agent = presets.PRESETS["agentic"]["workload"]
+    assert agent.agentic and agent.answer_len <= 64 and 100 <= agent.tool_result_len <= 500
+    small = presets.scaled(wl, 0.01)
+    assert (small.history_len, small.answer_len, small.num_users) == (180, 4, wl.num_users)
+    with pytest.raises(ValueError):
+        presets.scaled(wl, 0)
+
+
+def _record(round_: int, ttft_s: float, restored: int = 0, sent_s: float = 0.0) -> dict:
+    return {"round": round_, "ttft_s": ttft_s, "itl_s": [0.01, 0.02], "error": None,
+            "sent_s": sent_s, "cached_tokens_by_tier": {"hbm": 0, "dram": restored}}
+
+
+def test_figures_and_comparison_from_records() -> None:
+    hits = {"hit_rate": 0.5}
+    on = {"records": [_record(0, 0.7), _record(1, 0.1, restored=1000), _record(2, 0.1, 1000)],
+          "summary": {"hits": hits}}
+    off = {"records": [_record(0, 0.8), _record(1, 0.8), _record(2, 0.8)],
+           "summary": {"hits": hits}}
+    f_on = presets.summarize_point(on, kv_bytes_per_token=1e5, h2d_gbps=50.0)
+    f_off = presets.summarize_point(off, kv_bytes_per_token=1e5, h2d_gbps=50.0)
+    assert f_on["ttft_ms"]["mean_first_turns"] == pytest.approx(700)
+    assert f_on["ttft_ms"]["mean_later_turns"] == pytest.approx(100)
+    assert f_on["restores"]["num"] == 2
+    assert f_on["restores"]["load_floor_ms_mean"] == pytest.approx(2.0)  # 1e8 B at 50 GB/s
+    cmp = presets.compare(f_on, f_off)
+    assert cmp["figures"]["later_speedup"] == pytest.approx(8.0)
+    assert cmp["met"]["later_speedup"] is True and cmp["met"]["first_ratio"] is True
+    assert cmp["met"]["all_speedup"] is False  # 0.8 / 0.3 = 2.67 < 3
+
+
+def test_a_scaled_down_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    code = presets.main(["--preset", "agentic", "--model-dir", str(tiny_model_dir),
+                         "--device", "cpu", "--scale", "0.05", "--users", "2", "--rounds", "2",
+                         "--qps", "50", "--no-progress", "--start-timeout", "60",
+                         "--request-timeout", "60", "--out", str(tmp_path), "--tag", "smoke"])
+    assert code == 0
+    [path] = tmp_path.glob("multiturn-agentic-smoke-*.json")
+    result = json.loads(path.read_text())
+    assert [(p["offload"], p["error"]) for p in result["points"]] == [(True, None),
+                                                                      (False, None)]
+    for point in result["points"]:
+        figures = point["figures"]
+        assert figures["num_ok"] == 4
+        assert figures["ttft_ms"]["mean_first_turns"] > 0
+        assert figures["ttft_ms"]["mean_later_turns"] > 0
+        assert figures["itl_ms"]["p50"] > 0
+    on = result["points"][0]["figures"]
+    assert on["hits"]["hit_rate"] > 0  # later turns hit a cache
+    assert set(result["comparison"]["pressure"]["figures"]) >= {"later_speedup", "p99_ratio"}
+    assert result["note"]  # a scaled-down run says its numbers are not the targets
+    if result["plot"]:
+        assert Path(result["plot"]).stat().st_size > 0
