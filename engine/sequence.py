@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from offload.vocab import encode_tokens
 
@@ -47,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
     # --kv-offload state (see offload/bridge.py)
     offload_checked: bool = False  # the store was asked since the last (re)admission
     abort_requested: bool = False  # aborted while a load was in flight
