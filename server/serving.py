@@ -228,7 +228,7 @@ class OpenAIServing:
             )
         except ValueError as exc:  # the engine's checks name the field first
             field = str(exc).split(" ", 1)[0]
-            raise APIError(400, str(exc), param=field if field in body.model_fields else None,
+            raise APIError(400, str(exc), param=field if field in type(body).model_fields else None,
                            code="invalid_value") from exc
 
     def _submit(self, job: _Job) -> RequestGroup:
