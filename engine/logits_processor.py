@@ -67,9 +67,9 @@ class LogitsProcessor:
                             + params.presence_penalty).astype(np.float32)
                 logits[row, self._ids(out_ids[keep])] -= self.ops.to_device(subtract)
         if params.min_p > 0.0 and not params.greedy:
-            values = logits[row]
+            values = logits[row]  # a view: the masked assignment writes into logits
             floor = values.max() + np.float32(params.temperature * math.log(params.min_p))
-            logits[row] = xp.where(values < floor, np.float32(-np.inf), values)
+            values[values < floor] = -np.inf
 
     def _ids(self, ids: Iterable[int] | np.ndarray) -> Array:
         return self.ops.to_device(np.asarray(list(ids) if not isinstance(ids, np.ndarray)

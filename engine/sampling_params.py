@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI and vLLM's default allow
 MAX_LOGIT_BIAS = 100.0  # |bias| bound, as in the OpenAI API
+# repetition_penalty bounds: far beyond any useful value, and in float32 a logit divided or
+# multiplied by them stays finite (a penalty that rounds to 0 would make inf and NaN).
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,10 @@ class SamplingParams:
     def _check_vllm_extras(self) -> None:
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        r = self.repetition_penalty
-        if not _is_number(r) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        r, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if not _is_number(r) or not low <= r <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), "
+                             f"got {r!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:

@@ -111,7 +111,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     # vLLM's sampling extras (engine.SamplingParams says what each does)
     min_p: Annotated[float, Field(ge=0.0, le=1.0, strict=True)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, strict=True)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=1e-3, le=1e3, strict=True)] | None = None
     min_tokens: Annotated[int, Field(ge=0, strict=True)] = 0
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, strict=True)]] | None = None
     stop_token_ids: list[TokenId] | None = None

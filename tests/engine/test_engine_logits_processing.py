@@ -205,6 +205,8 @@ def test_rows_are_adjusted_independently_in_a_batch(llm: LLM) -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+    ({"repetition_penalty": 1e4}, "repetition_penalty"),
     ({"repetition_penalty": float("nan")}, "repetition_penalty"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 20, "max_tokens": 10}, "exceed"),
