@@ -225,3 +225,35 @@ def test_token_ids_beyond_the_vocabulary_are_refused(llm: LLM) -> None:
     for params in (SamplingParams(stop_token_ids=[vocab]), SamplingParams(logit_bias={vocab: 1})):
         with pytest.raises(ValueError, match="out of range"):
             llm.engine.add_request("bad", [5, 6], params)
+
+
+@pytest.mark.gpu
+def test_cuda_backend_adjusts_logits_as_numpy_does() -> None:
+    """The same adjustments through CuPy: equal logits, equal sampling probabilities, and the
+    logprobs of the raw logits."""
+    from engine.sampler import Sampler
+
+    logits = np.random.default_rng(32).normal(0, 3, (4, 300)).astype(np.float32)
+    params = [SamplingParams(temperature=0.8, min_p=0.1, repetition_penalty=1.4, min_tokens=5,
+                             logit_bias={3: 5.0, 7: -100.0}, stop_token_ids=[9], logprobs=3),
+              SamplingParams(presence_penalty=1.0, frequency_penalty=-0.5),
+              SamplingParams(temperature=1.2, top_k=20, top_p=0.9),
+              SamplingParams()]
+    seqs = [_seq(p, [1, 2, 3, 3, 5]) for p in params]
+    for seq in seqs:
+        seq.token_ids += [5, 5, 8]
+    cpu, gpu = make_ops("cpu"), make_ops("cuda")
+    want = LogitsProcessor(cpu, [0])(logits, seqs)
+    got = gpu.to_host(LogitsProcessor(gpu, [0])(gpu.to_device(logits), seqs))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert (np.isneginf(got) == np.isneginf(want)).all()
+    temps, ks, ps = (np.array([1, 1, 1.2, 1], np.float32), np.array([0, 0, 20, 0], np.int32),
+                     np.array([1, 1, 0.9, 1], np.float32))
+    np.testing.assert_allclose(gpu.to_host(gpu.sampling_probs(gpu.to_device(want), *map(
+        gpu.to_device, (temps, ks, ps)))), cpu.sampling_probs(want, temps, ks, ps), atol=1e-6)
+    [(token, entry), *_] = Sampler(gpu, [0])(gpu.to_device(logits), seqs)
+    raw = logits[0].astype(np.float64)
+    log_softmax = raw - raw.max() - np.log(np.exp(raw - raw.max()).sum())
+    assert token not in (7, 9) and entry.token_id == token  # bias -100; min_tokens bans 9
+    assert entry.logprob == pytest.approx(log_softmax[token], abs=1e-5)
+    assert [i for i, _ in entry.top] == np.argsort(-log_softmax, kind="stable")[:3].tolist()
