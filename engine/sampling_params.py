@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI and vLLM's default allow
 MAX_LOGIT_BIAS = 100.0  # |bias| bound, as in the OpenAI API
@@ -143,7 +144,7 @@ def _normalize_ids(ids: object) -> tuple[int, ...] | None:
     return tuple(dict.fromkeys(ids)) or None
 
 
-def _normalize_bias(bias: object) -> dict[int, float] | None:
+def _normalize_bias(bias: object) -> Mapping[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, Mapping):
@@ -156,4 +157,4 @@ def _normalize_bias(bias: object) -> dict[int, float] | None:
             raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
                              f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token_id}")
         out[int(token_id)] = float(value)
-    return out or None
+    return MappingProxyType(out) if out else None  # read-only, as the rest of the params
