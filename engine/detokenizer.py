@@ -10,35 +10,44 @@ class IncrementalDetokenizer:
 
     Each update decodes ``ids[prefix_offset:]`` and ``ids[prefix_offset:read_offset]``; the
     difference is the new text. Text ending in U+FFFD (half a UTF-8 character) is held back until
-    the next token completes it. After a stop string matched, ``text`` ends just before it.
+    the next token completes it. After a stop string matched, ``text`` ends just before it (just
+    after it with ``include_stop_str``). ``skip_special_tokens`` False keeps special tokens' text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] | None) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] | None,
+                 skip_special_tokens: bool = True, include_stop_str: bool = False) -> None:
         self._tokenizer = tokenizer
         self.stop = stop or ()
+        self._skip_special_tokens = skip_special_tokens
+        self._include_stop_str = include_stop_str
         self.text = ""
         self.stopped = False
         self._prefix_offset = 0
         self._read_offset = 0
         self._max_stop_chars = max((len(s) for s in self.stop), default=0)
 
-    def update(self, output_ids: list[int]) -> bool:
-        """Take the ids generated so far; True when a stop string just matched."""
+    def update(self, output_ids: list[int], check_stop: bool = True) -> bool:
+        """Take the ids generated so far; True when a stop string just matched. With
+        ``check_stop`` False (before ``min_tokens``) the new text is not searched for them."""
         if self.stopped:
             return True
+        skip = self._skip_special_tokens
         decode = self._tokenizer.decode
-        prefix_text = decode(output_ids[self._prefix_offset : self._read_offset])
-        full_text = decode(output_ids[self._prefix_offset :])
+        prefix_text = decode(output_ids[self._prefix_offset : self._read_offset],
+                             skip_special_tokens=skip)
+        full_text = decode(output_ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return False
         old_len = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
-        if self.stop:
+        if self.stop and check_stop:
             start = max(0, old_len - self._max_stop_chars + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop)
+                    if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, stop = min(hits, key=lambda hit: hit[0])
+                self.text = self.text[: at + len(stop) if self._include_stop_str else at]
                 self.stopped = True
         return self.stopped
 

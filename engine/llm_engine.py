@@ -22,6 +22,7 @@ from engine.config import EngineConfig, resolve_device
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
+from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, empty_tier_counts
@@ -72,7 +73,8 @@ class LLMEngine:
             weights_id=weights_identity(model_dir),
         )
         self.model_name = config.served_model_name or model_dir.resolve().name
-        self.runner = ModelRunner(mc, str(model_dir), ops, config.block_size, limit)
+        self.runner = ModelRunner(mc, str(model_dir), ops, config.block_size, limit,
+                                  self.tokenizer.eos_token_ids)
         block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
                                      mc.head_dim, np.dtype(ops.kv_dtype).itemsize)
         budget = kv_budget_bytes(config, self.device) if config.num_kv_blocks is None else 0
@@ -129,11 +131,17 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if params.max_token_id() >= self.model_config.vocab_size:
+            raise ValueError(f"token id {params.max_token_id()} in stop_token_ids or logit_bias "
+                             f"is out of range: the vocabulary has "
+                             f"{self.model_config.vocab_size} tokens")
         ids, token_bytes = self._check_prompt(prompt_token_ids)
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        namespace_digest=self.namespace(cache_salt).digest,
                        generator=np.random.default_rng(params.seed),
-                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+                       detokenizer=IncrementalDetokenizer(
+                           self.tokenizer, params.stop, params.skip_special_tokens,
+                           params.include_stop_str_in_output),
                        token_bytes=token_bytes)
         with self._lock:
             if request_id in self._live_ids:
@@ -232,7 +240,8 @@ class LLMEngine:
                 if synced and self._last_step_synced:  # else device time leaks across steps
                     offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
             self._last_step_synced = synced
-            outputs.extend(self._append_token(seq, token) for seq, token in sampled)
+            outputs.extend(self._append_token(seq, token, logprobs)
+                           for seq, token, logprobs in sampled)
         elif offload is not None and offload.num_loading:
             offload.wait_for_progress(0.005)  # only restores in flight: no busy loop
         if offload is not None:
@@ -251,14 +260,21 @@ class LLMEngine:
             self._stats = self._collect_stats()
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token_id: int,
+                      logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.token_ids.append(token_id)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
         self._num_generation_tokens += 1
         params = seq.params
         reason = None
-        if token_id in self._eos_token_ids and not params.ignore_eos:
-            reason = "stop"  # the eos token stays in token_ids, never in the text
-        elif seq.detokenizer.update(seq.output_token_ids):
+        if (token_id in self._eos_token_ids and not params.ignore_eos
+                or params.stop_token_ids and token_id in params.stop_token_ids):
+            reason = "stop"  # the token stays in token_ids; its text only on request
+            if params.include_stop_str_in_output:
+                seq.detokenizer.update(seq.output_token_ids, check_stop=False)
+        elif seq.detokenizer.update(seq.output_token_ids,
+                                    check_stop=seq.num_output_tokens > params.min_tokens):
             reason = "stop"
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.max_model_len):
@@ -272,6 +288,8 @@ class LLMEngine:
         output_ids = seq.output_token_ids
         text = seq.detokenizer.visible_text(finished)
         new_ids = output_ids[seq.num_emitted_tokens :]
+        logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
+        new_logprobs = logprobs[seq.num_emitted_tokens :] if logprobs is not None else None
         new_text = text[seq.num_emitted_chars :]
         seq.num_emitted_tokens = len(output_ids)
         seq.num_emitted_chars = len(text)
@@ -284,7 +302,8 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=output_ids, text=text, finished=finished, finish_reason=seq.finish_reason,
             num_cached_tokens=num_cached, cached_tokens_by_tier=by_tier,
-            new_token_ids=new_ids, new_text=new_text,
+            new_token_ids=new_ids, new_text=new_text, logprobs=logprobs,
+            new_logprobs=new_logprobs,
         )
 
     def _collect_stats(self) -> dict:

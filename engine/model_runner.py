@@ -6,6 +6,7 @@ import logging
 
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, make_kv_cache
+from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.models.rope import cos_sin_cache
@@ -24,7 +25,7 @@ class ModelRunner:
 
     def __init__(
         self, model_config: ModelConfig, model_dir: str, ops: Ops, block_size: int,
-        max_positions: int,
+        max_positions: int, eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model_config = model_config
         self.ops = ops
@@ -35,7 +36,7 @@ class ModelRunner:
             self.model = DecoderModel.load(model_config, reader, ops, ops.to_device(table))
         finally:
             reader.close()
-        self.sampler = Sampler(ops)
+        self.sampler = Sampler(ops, eos_token_ids)
         log.info("attention: %s", ops.attention_backend)
         self.kv_cache: KVCache | None = None  # sized after the weights: see allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None
@@ -76,12 +77,15 @@ class ModelRunner:
         """float32 logits for the batch's ``logits_indices`` rows."""
         return self.model.forward(forward_batch, self.kv_cache.array)
 
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run the step; (sequence, sampled token id) for every sequence that samples."""
+    def execute(self, batch: ScheduledBatch
+                ) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
+        """Run the step; (sequence, sampled token id, its logprobs if asked) for every sequence
+        that samples."""
         logits, sampling = self._replayed(batch) or self._eager(batch)
         if not sampling:
             return []
-        return list(zip(sampling, self.sampler(logits, sampling)))
+        return [(seq, token_id, logprobs) for seq, (token_id, logprobs)
+                in zip(sampling, self.sampler(logits, sampling))]
 
     def _eager(self, batch: ScheduledBatch) -> tuple[Array, list[Sequence]]:
         forward_batch, sampling = self.prepare(batch)

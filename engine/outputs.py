@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprobs
+
 TIERS = ("hbm", "dram", "ssd", "remote")
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -20,7 +22,9 @@ class RequestOutput:
     (max_tokens or the model length) or "abort". ``num_cached_tokens`` prompt tokens were served
     from cache instead of computed, split by where they came from in ``cached_tokens_by_tier``.
     ``prompt_token_ids`` is one list shared by all of a request's outputs (not copied per step):
-    read it, do not mutate it.
+    read it, do not mutate it. ``logprobs`` (requests with ``params.logprobs``) has one entry per
+    generated token; it is the request's own list, growing while it runs (read, do not mutate);
+    ``new_logprobs`` the entries of ``new_token_ids``.
     """
 
     request_id: str
@@ -33,3 +37,5 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=empty_tier_counts)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
+from engine.logits_processor import LogitsProcessor
+from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.sequence import Sequence
 from kernels.ops import Array, Ops
 
@@ -11,13 +15,30 @@ from kernels.ops import Array, Ops
 class Sampler:
     """Greedy rows take the argmax; the others sample from temperature/top-k/top-p filtered
     probabilities with one uniform drawn from the request's own generator, so a seeded request
-    gets the same tokens whatever it is batched with."""
+    gets the same tokens whatever it is batched with. Rows whose params adjust the logits
+    (penalties, bias, min_tokens, min_p) go through ``LogitsProcessor`` first; rows that ask for
+    logprobs get them from the raw logits."""
 
-    def __init__(self, ops: Ops) -> None:
+    def __init__(self, ops: Ops, eos_token_ids: Iterable[int] = ()) -> None:
         self.ops = ops
+        self.processor = LogitsProcessor(ops, eos_token_ids)
 
-    def __call__(self, logits: Array, seqs: list[Sequence]) -> list[int]:
-        """``logits[len(seqs), V]`` float32 on the device -> one token id per sequence."""
+    def __call__(self, logits: Array, seqs: list[Sequence]
+                 ) -> list[tuple[int, TokenLogprobs | None]]:
+        """``logits[len(seqs), V]`` float32 on the device -> (token id, logprobs or None) per
+        sequence."""
+        token_ids = self._sample(self.processor(logits, seqs), seqs)
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if wanted:
+            raw = self.ops.to_host(logits[self.ops.to_device(np.array(wanted))])
+            entries = token_logprobs(raw, [token_ids[i] for i in wanted],
+                                     [seqs[i].params.logprobs for i in wanted])
+            for i, entry in zip(wanted, entries):
+                logprobs[i] = entry
+        return list(zip(token_ids, logprobs))
+
+    def _sample(self, logits: Array, seqs: list[Sequence]) -> list[int]:
         ops = self.ops
         greedy = np.array([s.params.greedy for s in seqs], dtype=bool)
         out = np.empty(len(seqs), dtype=np.int32)

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI and vLLM's default allow
+MAX_LOGIT_BIAS = 100.0  # |bias| bound, as in the OpenAI API
+# repetition_penalty bounds: far beyond any useful value, and in float32 a logit divided or
+# multiplied by them stays finite (a penalty that rounds to 0 would make inf and NaN).
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass(frozen=True)
@@ -11,8 +19,22 @@ class SamplingParams:
     """``temperature`` 0 is greedy. ``top_k`` 0 and ``top_p`` 1.0 switch those filters off.
 
     ``max_tokens`` None means: until the model length runs out. ``stop`` (a string or a list of
-    strings) ends generation at the first occurrence and trims it from the text. ``seed`` fixes the
-    request's own random stream, whatever else is batched with it.
+    strings) ends generation at the first occurrence and trims it from the text (kept with
+    ``include_stop_str_in_output``). ``seed`` fixes the request's own random stream, whatever else
+    is batched with it.
+
+    vLLM's extras, with vLLM's meaning: ``min_p`` drops tokens less likely than ``min_p`` times
+    the most likely one (after temperature); ``repetition_penalty`` (1.0 = off) divides the
+    positive logits and multiplies the negative ones of every token in the prompt or the output;
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's) subtract once per token that occurs in
+    the output / once per occurrence; ``logit_bias`` adds to the logits of the given ids;
+    ``min_tokens`` forbids eos and ``stop_token_ids`` (and ignores stop strings) until that many
+    tokens were generated; ``stop_token_ids`` end generation like eos (the token stays in
+    ``token_ids``, its text is only shown with ``include_stop_str_in_output``);
+    ``logprobs`` N returns, per generated token, its log-probability and the N most likely
+    alternatives (0: the token only), computed from the model's raw logits (vLLM's default
+    ``raw_logprobs``: before penalties, bias and temperature); ``skip_special_tokens`` False keeps
+    special tokens in the text. Greedy rows get the penalties, bias and ``min_tokens`` too.
     """
 
     temperature: float = 0.0
@@ -22,13 +44,23 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        if not _is_number(p) or not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
@@ -37,17 +69,59 @@ class SamplingParams:
                              f"got {self.max_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
+        self._check_vllm_extras()
+
+    def _check_vllm_extras(self) -> None:
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        r, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if not _is_number(r) or not low <= r <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off), "
+                             f"got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                             f"({self.max_tokens})")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.logprobs!r}")
+        object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _normalize_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits change before sampling (penalties, bias, min_tokens, min_p)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias)
+                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.greedy))
+
+    def max_token_id(self) -> int:
+        """The largest token id the params name (-1 if none): the engine checks it against the
+        vocabulary."""
+        ids = list(self.stop_token_ids or ()) + list(self.logit_bias or ())
+        return max(ids, default=-1)
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...] | None:
@@ -60,3 +134,27 @@ def _normalize_stop(stop: object) -> tuple[str, ...] | None:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
     return tuple(items) or None
+
+
+def _normalize_ids(ids: object) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+    return tuple(dict.fromkeys(ids)) or None
+
+
+def _normalize_bias(bias: object) -> Mapping[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    out: dict[int, float] = {}
+    for token_id, value in bias.items():
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token_id}")
+        out[int(token_id)] = float(value)
+    return MappingProxyType(out) if out else None  # read-only, as the rest of the params

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from offload.vocab import encode_tokens
 
@@ -50,6 +51,7 @@ class Sequence:
     # The scheduler step since which it waits for its next prefill chunk (aging, see
     # engine/prefill_order.py); moved on whenever it gets tokens or (re)joins a queue.
     ready_since_step: int = 0
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
     # --kv-offload state (see offload/bridge.py)
     offload_checked: bool = False  # the store was asked since the last (re)admission
     abort_requested: bool = False  # aborted while a load was in flight

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from engine.chat_template import ChatTemplate
+
+# The special tokens transformers hands a chat template (its `special_tokens_map`).
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                        "cls_token", "mask_token")
 
 
 def _token_text(value: Any) -> str | None:
@@ -28,14 +31,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
     return data if isinstance(data, dict) else {}
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 class Tokenizer:
@@ -58,7 +53,8 @@ class Tokenizer:
             eos_ids.append(self._tok.token_to_id(self.eos_token))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_ids))
         self.chat_template = _find_chat_template(folder, config)
-        self._template: jinja2.Template | None = None
+        self._special_tokens = _special_tokens_map(config)
+        self._template: ChatTemplate | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -75,19 +71,26 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """Render the folder's chat template (sandboxed jinja2) over ``messages``."""
+        """Render the folder's chat template over ``messages`` as transformers does
+        (engine/chat_template.py); ``kwargs`` (``tools``, ``enable_thinking``, ...) reach it."""
         if self.chat_template is None:
             raise ValueError("this model folder has no chat template")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
-        )
+            self._template = ChatTemplate(self.chat_template, self._special_tokens)
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     **kwargs)
+
+
+def _special_tokens_map(config: dict[str, Any]) -> dict[str, Any]:
+    tokens: dict[str, Any] = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        text = _token_text(config.get(name))
+        if text is not None:
+            tokens[name] = text
+    extra = [_token_text(t) for t in config.get("additional_special_tokens") or ()]
+    if any(extra):
+        tokens["additional_special_tokens"] = [t for t in extra if t]
+    return tokens
 
 
 def _find_chat_template(folder: Path, config: dict[str, Any]) -> str | None:

@@ -28,9 +28,14 @@ class PromptCodec(Protocol):
         """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (BOS)."""
         ...
 
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids (logprobs show each token's own text)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; raises for a conversation the template refuses."""
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text of a conversation; `kwargs` are template variables
+        (`chat_template_kwargs`). Raises for a conversation the template refuses."""
         ...
 
 
@@ -58,6 +63,7 @@ class EngineOutput(Protocol):
     finish_reason: str | None
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
+    new_logprobs: Sequence[Any] | None  # per new token (server/logprobs.TokenLogprobsView)
 
 
 class OffloadStats(TypedDict, total=False):

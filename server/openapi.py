@@ -43,10 +43,20 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    """With `logprobs: N`: per generated token its text, logprob, the N most likely
+    alternatives (plus the token itself) and its offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
@@ -65,10 +75,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """With `logprobs: true` (and `top_logprobs: N`)."""
+
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 

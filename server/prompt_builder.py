@@ -46,12 +46,15 @@ class PromptBuilder:
         return [list(p) for p in prompt]
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                   tenant: str) -> list[int]:
-        """The prompt of a chat: the template rendered, checked, then tokenized."""
+                   tenant: str, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt of a chat: the template rendered (with `template_kwargs` as variables),
+        checked, then tokenized."""
+        kwargs = template_kwargs or {}
         num_chars = sum(len(m["content"]) for m in messages)
         if len(messages) > INLINE_TEMPLATE_MESSAGES or num_chars > INLINE_TEMPLATE_CHARS:
-            return await self._run(self._chat_job, messages, add_generation_prompt, tenant)
-        text = self._render(messages, add_generation_prompt)
+            return await self._run(self._chat_job, messages, add_generation_prompt, tenant,
+                                   kwargs)
+        text = self._render(messages, add_generation_prompt, kwargs)
         return await self._encode(text, False, tenant)
 
     def close(self) -> None:
@@ -68,10 +71,11 @@ class PromptBuilder:
             return self.prompt_tokenizer.encode(text, add_special_tokens, tenant)
         return await self._run(self.prompt_tokenizer.encode, text, add_special_tokens, tenant)
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                kwargs: dict[str, Any]) -> str:
         try:
             text = self._codec.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt)
+                messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # a template can reject a conversation (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
         # The rendered text, not the messages: a template may drop parts of them.
@@ -79,8 +83,8 @@ class PromptBuilder:
         return text
 
     def _chat_job(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                  tenant: str) -> list[int]:
-        text = self._render(messages, add_generation_prompt)
+                  tenant: str, kwargs: dict[str, Any]) -> list[int]:
+        text = self._render(messages, add_generation_prompt, kwargs)
         return self.prompt_tokenizer.encode(text, add_special_tokens=False, tenant=tenant)
 
     async def _run(self, fn: Any, *args: Any) -> list[int]:

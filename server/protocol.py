@@ -1,4 +1,9 @@
-"""Pydantic models of the OpenAI request bodies (plus vLLM's extras: top_k, cache_salt)."""
+"""Pydantic models of the OpenAI request bodies, plus the vLLM extras kvengine implements.
+
+A field that is neither declared here nor in PASSTHROUGH_FIELDS is refused with 400 (serving.py
+checks `model_extra`): a client must never get silently different output because we ignored
+what it asked for. A field sent as null counts as not sent.
+"""
 
 from __future__ import annotations
 
@@ -18,12 +23,27 @@ from pydantic import (
 )
 
 MAX_N = 128
+MAX_LOGPROBS = 20  # as engine.sampling_params (the server does not import the engine eagerly)
+
+# Variables the chat template gets from the request itself (engine.chat_template.RESERVED_NAMES;
+# the engine package is heavy to import): chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+# Accepted and ignored: OpenAI bookkeeping that changes nothing in the generated output.
+PASSTHROUGH_FIELDS = frozenset({
+    "user",  # an end-user id for abuse monitoring
+    "service_tier",  # OpenAI's latency tier; one tier here
+    "metadata",  # tags for OpenAI's stored completions
+    "store",  # OpenAI's stored completions (nothing is stored)
+    "parallel_tool_calls",  # meaningful only with tools, which are refused
+})
 
 # Strict number types: "0.5" or true for temperature is a client bug, answered with 400.
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, strict=True)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, strict=True)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, strict=True)]
 TokenId = Annotated[int, Field(ge=0, strict=True)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS, strict=True)]
 
 
 class StreamOptions(BaseModel):
@@ -55,9 +75,10 @@ def _lone_surrogate_path(value: Any, path: str) -> str | None:
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored, as vLLM does."""
+    """Fields shared by both endpoints. Unknown fields are kept in `model_extra` for the
+    serving layer to refuse (or pass, see PASSTHROUGH_FIELDS)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +109,27 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Penalty | None = None
     best_of: StrictInt | None = None
     user: str | None = None
+    # vLLM's sampling extras (engine.SamplingParams says what each does)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, strict=True)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=1e-3, le=1e3, strict=True)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, strict=True)] = 0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, strict=True)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or ():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (as strings), got {key!r}")
+        return value
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields the client sent that kvengine neither implements nor may ignore."""
+        extra = self.model_extra or {}
+        return sorted(k for k, v in extra.items() if v is not None and k not in PASSTHROUGH_FIELDS)
 
     @field_validator("stop")
     @classmethod
@@ -113,7 +155,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = 16
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: NumLogprobs | None = None  # N alternatives per token (0: the token's own only)
     suffix: str | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -147,6 +189,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # history fields chat templates read (Qwen3: reasoning_content; tool results and calls)
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role, content text, and what else was set."""
+        fields: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for name in ("name", "reasoning_content", "tool_calls", "tool_call_id"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return fields
 
     def text(self) -> str:
         """The content as one string (text parts concatenated)."""
@@ -164,7 +218,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: NumLogprobs | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}

@@ -26,6 +26,18 @@ class ChoiceState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     role_sent: bool = False
+    logprobs: list[Any] | None = None  # engine entries so far, when the request asked for them
+    num_sent_logprobs: int = 0  # entries already streamed
+    logprobs_text_offset: int = 0  # completions: text_offset where the next streamed token starts
+    logprobs_body: dict[str, Any] | None = None  # the response's `logprobs`, built at the end
+
+    def take_logprobs(self) -> list[Any]:
+        """Entries not streamed yet (they go out with the next chunk of this choice)."""
+        if not self.logprobs:
+            return []
+        entries = self.logprobs[self.num_sent_logprobs:]
+        self.num_sent_logprobs = len(self.logprobs)
+        return entries
 
     def take_delta(self, final: bool) -> str:
         """Text not streamed yet. An unfinished tail that is an incomplete UTF-8 character
@@ -74,7 +86,8 @@ def completion_body(response_id: str, created: int, model: str,
         "model": model,
         "system_fingerprint": None,
         "choices": [
-            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            {"index": c.index, "text": c.text, "logprobs": c.logprobs_body,
+             "finish_reason": c.finish_reason}
             for c in sorted(choices, key=lambda c: c.index)
         ],
         "usage": usage(choices),
@@ -94,7 +107,7 @@ def chat_body(response_id: str, created: int, model: str,
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": c.logprobs_body,
                 "finish_reason": c.finish_reason,
             }
             for c in sorted(choices, key=lambda c: c.index)
@@ -104,7 +117,8 @@ def chat_body(response_id: str, created: int, model: str,
 
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None, with_usage_field: bool) -> dict[str, Any]:
+                     finish_reason: str | None, with_usage_field: bool,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed `text_completion` chunk for one choice."""
     chunk: dict[str, Any] = {
         "id": response_id,
@@ -112,7 +126,7 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, tex
         "created": created,
         "model": model,
         "choices": [
-            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
     }
     if with_usage_field:
@@ -121,7 +135,8 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, tex
 
 
 def chat_chunk(response_id: str, created: int, model: str, index: int, delta: dict[str, Any],
-               finish_reason: str | None, with_usage_field: bool) -> dict[str, Any]:
+               finish_reason: str | None, with_usage_field: bool,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed `chat.completion.chunk` for one choice."""
     chunk: dict[str, Any] = {
         "id": response_id,
@@ -130,7 +145,7 @@ def chat_chunk(response_id: str, created: int, model: str, index: int, delta: di
         "model": model,
         "system_fingerprint": None,
         "choices": [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
     }
     if with_usage_field:

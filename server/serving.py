@@ -23,10 +23,17 @@ from server.async_engine import (
 from server.auth import KEY_SALT_SCOPE, tenant_salt
 from server.engine_protocol import EngineOutput, ServedEngine
 from server.errors import APIError
+from server.logprobs import LogprobsFormatter
 from server.metrics import ServerMetrics
 from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
-from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from server.protocol import (
+    PASSTHROUGH_FIELDS,
+    RESERVED_TEMPLATE_NAMES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 from server.tokenize_pool import TokenizePool
 
@@ -50,6 +57,7 @@ class _Job:
     arrival: float
     requests: list[EngineRequest]
     choices: dict[str, R.ChoiceState]
+    logprobs: str | None = None  # "completion" or "chat": the shape of the `logprobs` asked for
 
 
 class OpenAIServing:
@@ -70,6 +78,7 @@ class OpenAIServing:
             core.tokenizer, prompt_tokenizer, self.max_model_len, pool,
             on_overloaded=lambda: metrics.request_rejected("overloaded"))
         self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
+        self.logprobs = LogprobsFormatter(core.tokenizer.decode)
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -78,13 +87,14 @@ class OpenAIServing:
         self._check_common(body)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         salt = self._tenant(body, request)
         prompts = await self.prompts.completion(body.prompt, salt)
-        job = self._prepare(body, salt, prompts, body.max_tokens, "prompt", "cmpl", arrival)
+        job = self._prepare(body, salt, prompts, body.max_tokens, "prompt", "cmpl", arrival,
+                            body.logprobs)
+        if body.logprobs is not None:
+            job.logprobs = "completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(job, self._submit(job), include_usage, chat=False)
@@ -96,18 +106,31 @@ class OpenAIServing:
         """POST /v1/chat/completions."""
         arrival = time.perf_counter()
         self._check_common(body)
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.tools:
             raise APIError(400, "tools are not supported", param="tools")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice other than 'none' or 'auto' needs tools, which are "
+                           "not supported", param="tool_choice")
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format type 'text' is supported",
                            param="response_format")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        template_kwargs = body.chat_template_kwargs or {}
+        reserved = RESERVED_TEMPLATE_NAMES & template_kwargs.keys()
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}: they are "
+                           "request fields of their own", param="chat_template_kwargs")
+        messages = [m.template_fields() for m in body.messages]
         salt = self._tenant(body, request)
-        prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt)]
+        prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt,
+                                           template_kwargs)]
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = self._prepare(body, salt, prompts, max_tokens, "messages", "chatcmpl", arrival)
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        job = self._prepare(body, salt, prompts, max_tokens, "messages", "chatcmpl", arrival,
+                            num_logprobs)
+        if num_logprobs is not None:
+            job.logprobs = "chat"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(job, self._submit(job), include_usage, chat=True)
@@ -122,10 +145,13 @@ class OpenAIServing:
         if not self.engine.has_room(body.n):  # before tokenizing: overload should be cheap
             self.metrics.request_rejected("overloaded")
             raise APIError(503, "server is overloaded; retry later", code="overloaded")
-        for name, value in (("presence_penalty", body.presence_penalty),
-                            ("frequency_penalty", body.frequency_penalty)):
-            if value:
-                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+        unsupported = body.unsupported_fields()
+        if unsupported:
+            raise APIError(
+                400, f"unsupported request field(s): {', '.join(unsupported)}. kvengine does not "
+                "implement them and will not silently ignore them (accepted without effect: "
+                f"{', '.join(sorted(PASSTHROUGH_FIELDS))})", param=unsupported[0],
+                code="unsupported_parameter")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of is not supported", param="best_of")
 
@@ -136,7 +162,7 @@ class OpenAIServing:
 
     def _prepare(self, body: _SamplingFields, salt: str, prompts: list[list[int]],
                  max_tokens: int | None, prompt_param: str, id_prefix: str,
-                 arrival: float) -> _Job:
+                 arrival: float, num_logprobs: int | None = None) -> _Job:
         for token_ids in prompts:
             if not token_ids:
                 raise APIError(400, "the prompt is empty after tokenization", param=prompt_param)
@@ -161,14 +187,24 @@ class OpenAIServing:
             for sample in range(body.n):
                 index = prompt_index * body.n + sample
                 request_id = f"{response_id}-{index}"
-                params = self._sampling_params(body, sample, max_tokens, len(token_ids))
+                params = self._sampling_params(body, sample, max_tokens, len(token_ids),
+                                               num_logprobs)
                 requests.append(EngineRequest(request_id, token_ids, params, salt))
                 choices[request_id] = R.ChoiceState(index, prompt_index, len(token_ids))
         return _Job(response_id, int(time.time()), arrival, requests, choices)
 
     def _sampling_params(self, body: _SamplingFields, sample: int, max_tokens: int | None,
-                         num_prompt_tokens: int) -> Any:
+                         num_prompt_tokens: int, num_logprobs: int | None) -> Any:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
+        if bias and self.vocab_size is not None and max(bias) >= self.vocab_size:
+            raise APIError(400, f"logit_bias names token id {max(bias)}, out of range: the "
+                           f"vocabulary has {self.vocab_size} tokens", param="logit_bias")
+        stop_ids = body.stop_token_ids
+        if stop_ids and self.vocab_size is not None and max(stop_ids) >= self.vocab_size:
+            raise APIError(400, f"stop_token_ids names token id {max(stop_ids)}, out of range: "
+                           f"the vocabulary has {self.vocab_size} tokens",
+                           param="stop_token_ids")
         try:
             return self._params_cls(
                 temperature=1.0 if body.temperature is None else body.temperature,
@@ -178,9 +214,22 @@ class OpenAIServing:
                 seed=None if body.seed is None else derive_seed(body.seed, sample),
                 stop=body.stop,
                 ignore_eos=body.ignore_eos,
+                min_p=body.min_p or 0.0,
+                repetition_penalty=(1.0 if body.repetition_penalty is None
+                                    else body.repetition_penalty),
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                logit_bias=bias,
+                min_tokens=body.min_tokens,
+                stop_token_ids=stop_ids,
+                logprobs=num_logprobs,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
             )
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+        except ValueError as exc:  # the engine's checks name the field first
+            field = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=field if field in type(body).model_fields else None,
+                           code="invalid_value") from exc
 
     def _submit(self, job: _Job) -> RequestGroup:
         try:
@@ -218,6 +267,10 @@ class OpenAIServing:
         choice.cached_tokens_by_tier = dict(out.cached_tokens_by_tier or {})
         choice.text = out.text
         choice.num_tokens = len(out.token_ids)
+        if job.logprobs is not None and out.new_logprobs:
+            if choice.logprobs is None:
+                choice.logprobs = []
+            choice.logprobs.extend(out.new_logprobs)
         if out.finished:
             choice.finish_reason = out.finish_reason or "stop"
             self.metrics.request_finished(choice.finish_reason, now - job.arrival)
@@ -243,7 +296,24 @@ class OpenAIServing:
             raise APIError(500, str(exc), code="engine_dead") from exc
         finally:
             self._close(job, group)
+        for choice in job.choices.values():
+            if job.logprobs == "chat":
+                choice.logprobs_body = self.logprobs.chat(choice.logprobs or [])
+            elif job.logprobs == "completion":
+                choice.logprobs_body, _ = self.logprobs.completion(choice.logprobs or [], 0)
         return list(job.choices.values())
+
+    def _chunk_logprobs(self, job: _Job, choice: R.ChoiceState) -> dict[str, Any] | None:
+        """The `logprobs` of a stream chunk: the tokens not streamed yet (a chunk's text can lag
+        its tokens, e.g. behind a possible stop string; their logprobs go out with it)."""
+        if job.logprobs is None:
+            return None
+        entries = choice.take_logprobs()
+        if job.logprobs == "chat":
+            return self.logprobs.chat(entries)
+        body, choice.logprobs_text_offset = self.logprobs.completion(
+            entries, choice.logprobs_text_offset)
+        return body
 
     def _stream(self, job: _Job, group: RequestGroup, include_usage: bool,
                 chat: bool) -> EventStreamResponse:
@@ -265,13 +335,14 @@ class OpenAIServing:
                 if not delta and not out.finished:
                     continue
                 reason = choice.finish_reason if out.finished else None
+                logprobs = self._chunk_logprobs(job, choice)
                 if chat:
                     payload = R.chat_chunk(rid, created, model, choice.index,
                                            {"content": delta} if delta else {}, reason,
-                                           include_usage)
+                                           include_usage, logprobs)
                 else:
                     payload = R.completion_chunk(rid, created, model, choice.index, delta,
-                                                 reason, include_usage)
+                                                 reason, include_usage, logprobs)
                 yield R.sse(payload)
             if include_usage:
                 name = "chat.completion.chunk" if chat else "text_completion"

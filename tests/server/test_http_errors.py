@@ -39,8 +39,9 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
 ]
 
 

@@ -1,0 +1,77 @@
+"""LogprobsFormatter: the engine's per-token logprobs as OpenAI's `logprobs` objects.
+
+Completions (legacy shape): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, where
+`top_logprobs[i]` maps token text to logprob for the N alternatives plus the sampled token (so up
+to N+1 entries, as OpenAI documents). Chat: `{"content": [{"token", "logprob", "bytes",
+"top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}`. A token's text is its own decode with
+special tokens kept; a token that is only part of a UTF-8 character reads as U+FFFD (its `bytes`
+are those of that text, not the raw byte piece).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM send this floor instead
+_MAX_CACHED_TOKENS = 1 << 16
+
+
+class TokenLogprobsView(Protocol):
+    """What the engine hands back per generated token (engine.logprobs.TokenLogprobs)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+class LogprobsFormatter:
+    """Builds the objects; token texts are decoded once and kept (a bounded cache)."""
+
+    def __init__(self, decode: Callable[..., str]) -> None:
+        self._decode = decode
+        self._texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if len(self._texts) >= _MAX_CACHED_TOKENS:
+                self._texts.clear()
+            text = self._decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
+
+    def completion(self, entries: Sequence[TokenLogprobsView], text_offset: int
+                   ) -> tuple[dict[str, Any], int]:
+        """The legacy object for `entries`, offsets counted from `text_offset`; also returns
+        the offset after the last token (where a stream's next chunk continues)."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for entry in entries:
+            text = self.token_text(entry.token_id)
+            tokens.append(text)
+            token_logprobs.append(_floor(entry.logprob))
+            top = {self.token_text(i): _floor(lp) for i, lp in entry.top}
+            top.setdefault(text, _floor(entry.logprob))
+            tops.append(top)
+            offsets.append(text_offset)
+            text_offset += len(text)
+        body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+        return body, text_offset
+
+    def chat(self, entries: Sequence[TokenLogprobsView]) -> dict[str, Any]:
+        """The chat object for `entries`."""
+        content = []
+        for entry in entries:
+            item = self._chat_token(entry.token_id, entry.logprob)
+            item["top_logprobs"] = [self._chat_token(i, lp) for i, lp in entry.top]
+            content.append(item)
+        return {"content": content}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
+
+
+def _floor(logprob: float) -> float:
+    return max(float(logprob), _MIN_LOGPROB)
