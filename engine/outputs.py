@@ -33,3 +33,8 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=empty_tier_counts)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # time.perf_counter() stamps: added to the engine, first in a batch, first token, this output
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    output_time: float = 0.0

@@ -11,7 +11,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.errors import error_body
 
 KEY_SALT_SCOPE = "kvengine.key_salt"  # scope entry the middleware sets for the route handlers
-OPEN_PATHS = frozenset({"/health"})
+# Open as in vLLM: the version and the API's own description show nothing of any tenant.
+OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/openapi.json"})
 METRICS_PATH = "/metrics"
 
 

@@ -28,6 +28,14 @@ class PromptCodec(Protocol):
         """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (BOS)."""
         ...
 
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `token_ids`; special tokens dropped unless `skip_special_tokens` is False."""
+        ...
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (as transformers' convert_ids_to_tokens)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation; raises for a conversation the template refuses."""
@@ -46,6 +54,37 @@ class EngineSettingsView(Protocol):
     @property
     def block_size(self) -> int: ...
 
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+
+    @property
+    def gpu_memory_utilization(self) -> float: ...
+
+    @property
+    def kv_offload(self) -> bool: ...
+
+    @property
+    def kv_offload_policy(self) -> str: ...
+
+
+class KernelsView(Protocol):
+    """The engine's kernel backend as /metrics reads it."""
+
+    kv_dtype: str
+    num_attention_fallbacks: int  # attention calls the chosen backend refused (ours served them)
+
+
+class RunnerView(Protocol):
+    """The engine's model runner as /metrics reads it."""
+
+    @property
+    def attention_backend(self) -> str:
+        """``prefill=NAME decode=NAME`` (each "reference", "ours" or "cudnn")."""
+        ...
+
+    @property
+    def ops(self) -> KernelsView: ...
+
 
 class EngineOutput(Protocol):
     """One request's state after a step: cumulative tokens and text plus this step's delta."""
@@ -58,6 +97,12 @@ class EngineOutput(Protocol):
     finish_reason: str | None
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
+    prompt_token_ids: list[int]
+    # time.perf_counter() stamps: added to the engine, first in a batch, first token, this output
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    output_time: float
 
 
 class OffloadStats(TypedDict, total=False):
@@ -75,6 +120,10 @@ class EngineStats(TypedDict, total=False):
     num_waiting: int
     num_kv_blocks: int
     num_blocks_in_use: int
+    prefix_cache_queries: int  # prompt tokens looked up (each request once)
+    prefix_cache_hits: int  # of them, served by this engine's own prefix cache
+    prefix_cache_hit_tokens: dict[str, int]  # by tier: own cache and the store's tiers
+    num_preemptions: int
     kv_offload: OffloadStats | None
 
 
@@ -87,6 +136,7 @@ class ServedEngine(Protocol):
     max_model_len: int
     device: str
     tokenizer: PromptCodec
+    runner: RunnerView
 
     @property
     def config(self) -> EngineSettingsView: ...
