@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      parser_class=OneLineParser)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
+    parser.set_defaults(serve_parser=serve)
     commands.add_parser("make-model", add_help=False,
                         help="write a random-weight model folder (see make-model --help)")
     return parser
@@ -248,6 +249,17 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that in `serve --model DIR --typo 8000` the typo's value, which
+    argparse hands to the positional MODEL, is reported with the typo."""
+    args, extras = parser.parse_known_args(argv)
+    if extras and args.command == "serve" and args.model_tag and args.model:
+        tail = argv[argv.index(extras[0]):]
+        shown = [token for token in tail if token in extras or token == args.model_tag]
+        args.serve_parser.error(f"unrecognized arguments: {' '.join(shown)}")
+    return parser.parse_args(argv) if extras else args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvengine` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -257,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = make_model_main(argv[1:])
         return result if isinstance(result, int) else 0
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command == "serve":
         return serve(args, parser)
     parser.error(f"unknown command {args.command!r}")

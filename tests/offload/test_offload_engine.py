@@ -265,10 +265,10 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     text = metrics.render().decode()
     close_llm(llm)
     # Counts are counters; levels (loads in flight, saves in flight) are a separate gauge.
-    assert ('kvengine:kv_offload_events_total{model_name="tiny",event="blocks_saved"} 4.0'
+    assert ('kvengine:kv_offload_events_total{event="blocks_saved",model_name="tiny"} 4.0'
             in text)
     assert 'event="connects"' in text
-    assert '# TYPE kvengine:kv_offload_events counter' in text
+    assert '# TYPE kvengine:kv_offload_events_total counter' in text
     assert 'kvengine:kv_offload_in_flight{model_name="tiny",what="saves_in_flight"}' in text
     assert 'event="saves_in_flight"' not in text
     # The store's tiers are the external prefix cache, as vLLM names a connector's hits.
