@@ -49,6 +49,11 @@ class EngineSettingsView(Protocol):
     def model_dir(self) -> str: ...
 
     @property
+    def tokenizer_dir(self) -> str | None:
+        """The tokenizer's folder when it is not the model's (--tokenizer)."""
+        ...
+
+    @property
     def max_num_seqs(self) -> int: ...
 
     @property
