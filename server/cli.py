@@ -178,6 +178,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     configure_logging(args.log_level)
     model_dir, tokenizer_dir = _model_folders(args, parser)
+    name = args.model_tag or args.model
+    if not args.served_model_name and not Path(name).expanduser().is_dir():
+        args.served_model_name = [name]  # a hub id names the model, as in vLLM
     try:
         config = _engine_config(args, model_dir, tokenizer_dir)
         metrics_key = args.metrics_key or os.environ.get("KVENGINE_METRICS_KEY") or None
