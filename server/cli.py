@@ -200,6 +200,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"kvengine: error: cannot listen on {args.host}:{args.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 1
+    from server.package_check import foreign_kernels_owners, kernels_conflict_message
+
+    owners = foreign_kernels_owners()
+    if owners:  # checked before the engine imports `kernels`, which may be the other one
+        listener.close()
+        print(f"kvengine: error: {kernels_conflict_message(owners)}", file=sys.stderr)
+        return 1
     try:
         engine = _load_engine(config)
     except (OSError, ValueError, NotImplementedError) as exc:
