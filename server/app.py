@@ -118,7 +118,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         return JSONResponse(await tokenization.detokenize(body))
 
-    @app.get("/version", response_model=VersionResponse)
+    @app.get("/version", response_model=VersionResponse, responses=openapi.READ_RESPONSES)
     async def version() -> JSONResponse:
         return JSONResponse({"version": package_version()})
 

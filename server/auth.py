@@ -11,8 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.errors import error_body
 
 KEY_SALT_SCOPE = "kvengine.key_salt"  # scope entry the middleware sets for the route handlers
-# Open as in vLLM: the version and the API's own description show nothing of any tenant.
-OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
 
 

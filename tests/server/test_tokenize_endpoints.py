@@ -55,16 +55,19 @@ def test_bad_tokenization_requests(http: httpx.Client, server: RunningServer) ->
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
 
 
-def test_version_docs_and_schema_are_open(server: RunningServer) -> None:
+def test_version_docs_and_schema(http: httpx.Client, server: RunningServer) -> None:
+    """As vLLM's, but behind the API key like every route but /health (vLLM leaves them open)."""
     from kvstore.cli_support import package_version
 
-    r = httpx.get(server.url + "/version", timeout=10)
+    r = http.get("/version")
     assert r.status_code == 200 and r.json() == {"version": package_version()}
-    schema = httpx.get(server.url + "/openapi.json", timeout=10)
+    for path in ("/version", "/docs", "/openapi.json"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 401, path
+    schema = http.get("/openapi.json")
     assert schema.status_code == 200
     paths = schema.json()["paths"]
     for path in ("/tokenize", "/detokenize", "/version", "/v1/completions"):
         assert path in paths, path
     assert paths["/tokenize"]["post"]["security"] == [{"bearer": []}]
-    docs = httpx.get(server.url + "/docs", timeout=10)
+    docs = http.get("/docs")
     assert docs.status_code == 200 and "/openapi.json" in docs.text
