@@ -96,6 +96,8 @@ def test_refusals_are_one_line(tiny_model_dir: Path, args: list[str], code: int,
 def test_dtype_float32_is_what_cpu_computes_in(tiny_model_dir: Path) -> None:
     with kvengine_serve([str(tiny_model_dir), "--dtype", "float32"]) as served:
         assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+        # The default --log-level (warning) keeps the engine's info lines out.
+        assert not any(" INFO engine:" in line for line in served.lines), served.lines
 
 
 def test_tokenizer_from_another_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
