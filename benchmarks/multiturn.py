@@ -154,36 +154,24 @@ async def _one_round(client: Any, model: str, conv: Conversation, config: RunCon
 
 
 class _Progress:
-    """tqdm when installed, else one status line rewritten in place."""
+    """A tqdm bar of requests done (with the error count), on stderr, only on a terminal."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self._bar = None
-        self._done = self._errors = 0
-        self._total = total
-        self._enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
+        from tqdm import tqdm
 
-                self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
-            except ImportError:
-                pass
+        self._errors = 0
+        # disable=None: off when stderr is not a terminal (a log file gets no bar).
+        self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True,
+                         disable=None if enabled else True)
 
     def update(self, record: RequestRecord) -> None:
-        self._done += 1
         self._errors += 0 if record.ok else 1
-        if self._bar is not None:
-            self._bar.update(1)
+        self._bar.update(1)
+        if not record.ok:
             self._bar.set_postfix(errors=self._errors, refresh=False)
-        elif self._enabled:
-            print(f"\r{self._done}/{self._total} requests, {self._errors} errors", end="",
-                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        elif self._enabled:
-            print(file=sys.stderr)
+        self._bar.close()
 
 
 async def run_requests(config: RunConfig) -> tuple[list[RequestRecord], float, str]:

@@ -195,9 +195,10 @@ def _engine_offload_events(url: str) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
     events = {}
     for line in text.splitlines():
-        if line.startswith("kvengine:kv_offload_events{"):
+        if line.startswith(("kvengine:kv_offload_events_total{", "kvengine:kv_offload_in_flight{")):
             labels, value = line.rsplit(" ", 1)
-            name = labels.split('event="', 1)[1].split('"', 1)[0]
+            key = 'event="' if 'event="' in labels else 'what="'
+            name = labels.split(key, 1)[1].split('"', 1)[0]
             events[name] = float(value)
     return events
 

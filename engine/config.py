@@ -10,6 +10,9 @@ DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_POLICIES = ("write-through", "evict")
 RESTORE_MODES = ("cost-aware", "always")
 PREFILL_ORDERS = ("shortest-first", "fcfs")
+# vLLM's --dtype spellings -> ours; what a backend computes in is checked at engine start.
+DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+          "half": "float16", "float32": "float32", "float": "float32"}
 
 
 def _is_int(value: object) -> bool:
@@ -25,6 +28,12 @@ class EngineConfig:
     - ``max_model_len``: the checkpoint's ``max_position_embeddings``, capped to what the KV arena
       holds. An explicit value larger than either is an error.
     - ``served_model_name``: the model folder's name.
+    - ``tokenizer_dir``: the model folder.
+
+    ``dtype`` is what weights and activations must be in ("auto": the backend's own: float32 on
+    CPU, bfloat16 on GPU); a dtype the backend does not compute in stops the engine at start.
+    ``seed`` seeds the random streams of requests that bring no seed of their own (None: OS
+    entropy). ``chat_template`` replaces the tokenizer folder's template (the template text).
     """
 
     model_dir: str
@@ -54,6 +63,10 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
     cpu_kv_cache_bytes: int = 2 * 1024**3
     debug_hash_bits: int | None = None  # truncate block hashes (collision tests only)
+    dtype: str = "auto"
+    seed: int | None = None
+    tokenizer_dir: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, (str, Path)) or not str(self.model_dir):
@@ -97,9 +110,26 @@ class EngineConfig:
         if self.served_model_name is not None and (
                 not isinstance(self.served_model_name, str) or not self.served_model_name):
             raise ValueError("served_model_name must be a non-empty string or None")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", DTYPES[self.dtype])
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        if self.tokenizer_dir is not None:
+            object.__setattr__(self, "tokenizer_dir", str(self.tokenizer_dir))
+        if self.chat_template is not None and (
+                not isinstance(self.chat_template, str) or not self.chat_template.strip()):
+            raise ValueError("chat_template must be non-empty template text or None")
         bits = self.debug_hash_bits
         if bits is not None and (not _is_int(bits) or not 1 <= bits <= 128):
             raise ValueError(f"debug_hash_bits must be in 1..128 or None, got {bits!r}")
+
+
+def check_dtype(wanted: str, computes_in: str, device: str) -> None:
+    """ValueError unless ``wanted`` ("auto" or a dtype name) is what the backend computes in."""
+    if wanted not in ("auto", computes_in):
+        raise ValueError(f"--dtype {wanted} is not supported on {device}: this backend computes "
+                         f"in {computes_in} (use --dtype auto or {computes_in})")
 
 
 def resolve_device(device: str) -> str:

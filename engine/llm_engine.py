@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, resolve_device
+from engine.config import EngineConfig, check_dtype, resolve_device
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
@@ -64,8 +64,13 @@ class LLMEngine:
             raise FileNotFoundError(f"model folder {config.model_dir!r} does not exist")
         self.device = resolve_device(config.device)
         self.model_config = mc = ModelConfig.load(model_dir)
-        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
+        self.tokenizer = Tokenizer(config.tokenizer_dir or model_dir, mc.eos_token_ids)
+        if config.chat_template is not None:  # --chat-template: replaces the folder's template
+            self.tokenizer.chat_template = config.chat_template
         ops = make_ops(self.device)
+        check_dtype(config.dtype, ops.kv_dtype, self.device)
+        # Requests without a seed draw theirs from here: --seed makes a whole run repeatable.
+        self._seeds = np.random.default_rng(config.seed)
         limit = max_len_limit(config, mc.max_position_embeddings)
         self.model_identity = ModelIdentity(
             architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
@@ -136,13 +141,17 @@ class LLMEngine:
                              f"is out of range: the vocabulary has "
                              f"{self.model_config.vocab_size} tokens")
         ids, token_bytes = self._check_prompt(prompt_token_ids)
+        seed = params.seed
+        if seed is None:
+            with self._lock:
+                seed = int(self._seeds.integers(1 << 63))
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        namespace_digest=self.namespace(cache_salt).digest,
-                       generator=np.random.default_rng(params.seed),
+                       generator=np.random.default_rng(seed),
                        detokenizer=IncrementalDetokenizer(
                            self.tokenizer, params.stop, params.skip_special_tokens,
                            params.include_stop_str_in_output),
-                       token_bytes=token_bytes)
+                       token_bytes=token_bytes, arrival_time=time.perf_counter())
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -231,6 +240,9 @@ class LLMEngine:
         t_scheduled = time.perf_counter()
         elapsed = 0.0
         if batch:
+            for seq in batch.seqs:
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = t_scheduled
             sampled = self.runner.execute(batch)
             elapsed = time.perf_counter() - t_scheduled
             self.scheduler.advance(batch)
@@ -266,6 +278,8 @@ class LLMEngine:
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         self._num_generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
         params = seq.params
         reason = None
         if (token_id in self._eos_token_ids and not params.ignore_eos
@@ -303,7 +317,9 @@ class LLMEngine:
             token_ids=output_ids, text=text, finished=finished, finish_reason=seq.finish_reason,
             num_cached_tokens=num_cached, cached_tokens_by_tier=by_tier,
             new_token_ids=new_ids, new_text=new_text, logprobs=logprobs,
-            new_logprobs=new_logprobs,
+            new_logprobs=new_logprobs, arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+            output_time=time.perf_counter(),
         )
 
     def _collect_stats(self) -> dict:
@@ -327,6 +343,7 @@ class LLMEngine:
             "prompt_tokens_total": sched.num_prompt_tokens,
             "generation_tokens_total": self._num_generation_tokens,
             "num_preemptions": sched.num_preemptions,
+            "prefix_cache_hits": sched.num_prefix_hit_tokens,  # this engine's own cache only
             "num_requests_finished": self._num_finished,
             "num_steps": self._num_steps,
             "kv_offload": self.offload.stats() if self.offload is not None else None,

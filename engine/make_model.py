@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm import tqdm
 
 from engine.safetensors_writer import (
     SafetensorsWriter,
@@ -148,8 +149,16 @@ def tensor_chunks(spec: TensorSpec, rng: np.random.Generator,
         yield encode_values(values, spec.dtype)
 
 
-def write_checkpoint(out: Path, preset: str, seed: int, dtype: str | None = None) -> None:
-    """Write the whole folder; raises FileExistsError if ``out`` already holds a config.json."""
+def _counted(chunks: Iterator[bytes], bar: tqdm) -> Iterator[bytes]:
+    for chunk in chunks:
+        bar.update(len(chunk))
+        yield chunk
+
+
+def write_checkpoint(out: Path, preset: str, seed: int, dtype: str | None = None,
+                     progress: bool | None = False) -> None:
+    """Write the whole folder; raises FileExistsError if ``out`` already holds a config.json.
+    ``progress``: a bar of bytes written on stderr (None: only when stderr is a terminal)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     dtype = dtype or PRESETS[preset]["dtype"]
@@ -165,14 +174,19 @@ def write_checkpoint(out: Path, preset: str, seed: int, dtype: str | None = None
     shards = plan_shards(specs, MAX_SHARD_BYTES)
     names = shard_names(len(shards))
     rng = np.random.default_rng(seed)
+    # disable=None is tqdm's "off unless a terminal": logs and pipes get no carriage returns.
+    bar = tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True,
+               unit_divisor=1024, desc=f"writing {preset} weights", file=sys.stderr,
+               disable=None if progress is None else not progress)
     output_embedding = ("model.embed_tokens.weight" if config["tie_word_embeddings"]
                         else "lm_head.weight")
     for shard, fname in zip(shards, names):
         writer = SafetensorsWriter(out / fname, shard)
         for spec in shard:
             live = num_tokens if spec.name == output_embedding else None
-            writer.write(spec.name, tensor_chunks(spec, rng, live))
+            writer.write(spec.name, _counted(tensor_chunks(spec, rng, live), bar))
         writer.close()
+    bar.close()
     write_index(out, shards, names)
     tok.save(str(out / "tokenizer.json"))
     tokenizer_config = {
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights dtype (default: the preset's)")
     args = parser.parse_args(argv)
     try:
-        write_checkpoint(args.out, args.preset, args.seed, args.dtype)
+        write_checkpoint(args.out, args.preset, args.seed, args.dtype, progress=None)
     except (FileExistsError, ValueError) as exc:
         print(f"kvengine make-model: {exc}", file=sys.stderr)
         return 2

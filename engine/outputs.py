@@ -39,3 +39,8 @@ class RequestOutput:
     new_text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    # time.perf_counter() stamps: added to the engine, first in a batch, first token, this output
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    output_time: float = 0.0

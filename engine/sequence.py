@@ -59,6 +59,10 @@ class Sequence:
     restored_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # token_ids[:len(token_bytes) // 4] as int32-LE; the engine passes the prompt's, else lazy.
     token_bytes: bytes = field(default=b"", repr=False)
+    # time.perf_counter() stamps for the request-phase histograms (queue, prefill, decode)
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

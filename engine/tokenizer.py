@@ -68,6 +68,10 @@ class Tokenizer:
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strings(self, token_ids: Iterable[int]) -> list[str]:
+        """Each id's vocabulary entry ("" for an id the vocabulary lacks)."""
+        return [self._tok.id_to_token(int(i)) or "" for i in token_ids]
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

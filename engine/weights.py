@@ -71,14 +71,52 @@ def read_header(path: Path) -> list[TensorInfo]:
     return infos
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_index(folder: Path) -> dict[str, str] | None:
+    """The index's ``weight_map`` (tensor name -> shard file name), or None without an index."""
+    path = folder / INDEX_FILE
+    if not path.is_file():
+        return None
+    try:
+        weight_map = json.loads(path.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a safetensors index: {exc}") from None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) and "/" not in v and v.endswith(".safetensors")
+            for v in weight_map.values()):
+        raise ValueError(f"{path}: weight_map must map tensor names to .safetensors files "
+                         "in the same folder")
+    return weight_map
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its ``model.safetensors.index.json``
+    names when there is one (other ``*.safetensors`` files, such as a consolidated copy, are not
+    the model), else every ``*.safetensors`` file in the folder."""
+    folder = Path(model_dir)
+    weight_map = _read_index(folder)
+    if weight_map is None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in model folder {str(folder)!r}")
+        return files
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder / INDEX_FILE} names shards that are missing: "
+                                f"{', '.join(missing)}")
+    return files
+
+
 class CheckpointReader:
-    """The tensors of all ``*.safetensors`` files in ``model_dir``, read lazily through mmap."""
+    """The tensors of a checkpoint's safetensors files (see ``checkpoint_files``), read lazily
+    through mmap. With an index, every tensor must sit in the shard the index names."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
-        files = sorted(self.model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in model folder {str(model_dir)!r}")
+        files = checkpoint_files(self.model_dir)
         self._infos: dict[str, TensorInfo] = {}
         for path in files:
             for info in read_header(path):
@@ -86,6 +124,13 @@ class CheckpointReader:
                     raise ValueError(f"tensor {info.name!r} appears in both "
                                      f"{self._infos[info.name].path.name} and {path.name}")
                 self._infos[info.name] = info
+        weight_map = _read_index(self.model_dir)
+        for name, shard in (weight_map or {}).items():
+            found = self._infos.get(name)
+            if found is None or found.path.name != shard:
+                where = found.path.name if found is not None else "no shard"
+                raise ValueError(f"{self.model_dir / INDEX_FILE} puts tensor {name!r} in "
+                                 f"{shard}, but it is in {where}")
         self._maps: dict[Path, np.memmap] = {}
 
     def names(self) -> list[str]:
@@ -127,7 +172,7 @@ def weights_identity(model_dir: str | Path) -> str:
     folder = Path(model_dir)
     h = xxhash.xxh3_128()
     h.update((folder / "config.json").read_bytes())
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in checkpoint_files(folder):
         h.update(f"\0{path.name}\0{path.stat().st_size}".encode())
         with path.open("rb") as f:
             for info in sorted(read_header(path), key=lambda info: info.start):

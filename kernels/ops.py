@@ -48,6 +48,7 @@ class Ops(ABC):
     supports_graphs = False
     # Which attention runs: {"prefill": ..., "decode": ...}, each "reference", "ours" or "cudnn"
     attention_backends: dict[str, str] = {"prefill": "reference", "decode": "reference"}
+    num_attention_fallbacks = 0  # attention calls the chosen backend refused (ours served them)
 
     @property
     def attention_backend(self) -> str:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from kvstore.cli_support import package_version
 from server import openapi
 from server.async_engine import AsyncEngine
 from server.auth import APIKeyMiddleware
@@ -19,6 +21,15 @@ from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import OpenAIServing
 from server.settings import ServerSettings
+from server.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizationServing,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 
 
 def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -33,10 +44,22 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or str(engine.model_name)
     max_num_seqs = int(engine.config.max_num_seqs)
-    async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs))
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, engine)
+    async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs),
+                               on_finished=metrics.request_done)
     serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams)
+    model_names = (model_name, *settings.model_aliases)
+    defaults = settings.sampling_defaults
+    tokenization = TokenizationServing(engine.tokenizer, serving.prompts, frozenset(model_names),
+                                       serving.max_model_len, int(engine.vocab_size))
     created = int(time.time())
+
+    def prepared(body: Any) -> Any:
+        """The body as the serving path takes it: an alias of the model named by its first name
+        (responses carry the first, as vLLM's do), left-out fields from generation_config."""
+        if body.model is not None and body.model in model_names[1:]:
+            body = body.model_copy(update={"model": model_name})
+        return body if defaults is None else defaults.apply(body)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -47,8 +70,8 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
             async_engine.stop()
             serving.prompts.close()
 
-    app = FastAPI(title="kvengine", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="kvengine", version=package_version(), lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.state.model_name = model_name
@@ -64,25 +87,40 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
         **openapi.GENERATION_RESPONSES,
         200: {**openapi.GENERATION_RESPONSES[200], "model": openapi.CompletionResponse}})
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completions(body, request)
+        return await serving.completions(prepared(body), request)
 
     @app.post("/v1/chat/completions", response_model=None, responses={
         **openapi.GENERATION_RESPONSES,
         200: {**openapi.GENERATION_RESPONSES[200], "model": openapi.ChatCompletionResponse}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
+        return await serving.chat(prepared(body), request)
 
     @app.get("/v1/models", response_model=openapi.ModelList, responses=openapi.READ_RESPONSES)
     async def models() -> JSONResponse:
-        card = {
-            "id": model_name,
+        cards = [{
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "kvengine",
             "root": str(engine.model_name),
             "max_model_len": serving.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        } for name in model_names]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.post("/tokenize", response_model=TokenizeResponse,
+              responses=openapi.TOKENIZE_RESPONSES)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest,
+                       request: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.tokenize(body, request))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse,
+              responses=openapi.TOKENIZE_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(await tokenization.detokenize(body))
+
+    @app.get("/version", response_model=VersionResponse, responses=openapi.READ_RESPONSES)
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
 
     @app.get("/health", response_model=openapi.Health, responses=openapi.HEALTH_RESPONSES)
     async def health() -> Response:

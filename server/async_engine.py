@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,9 +86,11 @@ class AsyncEngine:
     each step's outputs over with one `call_soon_threadsafe`.
     """
 
-    def __init__(self, engine: ServedEngine, max_in_flight: int) -> None:
+    def __init__(self, engine: ServedEngine, max_in_flight: int,
+                 on_finished: Callable[[EngineOutput], None] | None = None) -> None:
         self.engine = engine
         self.max_in_flight = max_in_flight
+        self._on_finished = on_finished  # every request's last output, on the event loop
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -179,6 +181,8 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: Sequence[EngineOutput]) -> None:
         for out in outputs:
+            if out.finished and self._on_finished is not None:
+                self._on_finished(out)
             group = self._groups.get(out.request_id)
             if group is not None:  # None: aborted by its client, output arrived late
                 group.queue.put_nowait(out)

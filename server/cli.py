@@ -19,54 +19,7 @@ import uvicorn
 from kvstore.cli_support import OneLineParser, add_version
 from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
-from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
+from server.serve_args import add_serve_arguments, api_keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,81 +30,22 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=OneLineParser)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument("--model", required=True, help="model folder (config.json, "
-                       "*.safetensors, tokenizer.json); required")
-    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="where the model runs; auto takes the GPU when CuPy sees one")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=_port, default=8000,
-                       help="port to listen on; 0 picks a free one")
-    serve.add_argument("--kv-offload", action="store_true",
-                       help="load cached prefixes from the kvstore daemon and save new blocks")
-    serve.add_argument("--kv-store-socket", default=None, help="the daemon's socket "
-                       "(default: $KVSTORE_SOCKET, else the per-user default)")
-    serve.add_argument("--kv-offload-policy", choices=("write-through", "evict"),
-                       default="write-through",
-                       help="save full blocks after the step that computed them "
-                       "(write-through), or only when the engine evicts them (evict)")
-    serve.add_argument("--no-kv-offload-share-hbm", dest="kv_offload_share_hbm",
-                       action="store_false",
-                       help="do not offer this engine's cached blocks to other engines on the "
-                       "same daemon (the store's HBM tier)")
-    serve.add_argument("--num-kv-blocks", type=_positive_int, default=None,
-                       help="KV blocks to allocate (default: from --gpu-memory-utilization)")
-    serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
-                       help="fraction of GPU memory the engine may take (weights + KV arena)")
-    serve.add_argument("--block-size", type=_positive_int, default=16,
-                       help="tokens per KV block")
-    serve.add_argument("--max-model-len", type=_positive_int, default=None,
-                       help="longest prompt + completion in tokens (default: the model's "
-                       "max_position_embeddings, capped by the KV arena)")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=256,
-                       help="requests running at once")
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                       help="tokens computed per step (default: the engine's chunked-prefill "
-                       "budget)")
-    serve.add_argument("--max-queue", type=_non_negative_int, default=None,
-                       help="requests admitted beyond --max-num-seqs before answering 503 "
-                       "(default: 2 x --max-num-seqs)")
-    serve.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", help="turn the HBM prefix cache off")
-    serve.add_argument("--enforce-eager", action="store_true",
-                       help="GPU: launch every decode kernel from Python (no CUDA graphs)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model name in the API (default: the model folder's name)")
-    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY'; repeat for several keys "
-                       "(each key is its own cache tenant; default: no key)")
-    serve.add_argument("--metrics-key", default=None, metavar="KEY",
-                       help="the operator's key for GET /metrics, which shows every tenant's "
-                       "traffic (default: $KVENGINE_METRICS_KEY; with --api-key and no metrics "
-                       "key /metrics is refused, without --api-key it is open)")
-    serve.add_argument("--max-request-body-bytes", type=_positive_int,
-                       default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                       help="larger request bodies get a 413 before they are parsed "
-                       "(default: %(default)s = 4 MiB)")
-    serve.add_argument("--max-connections", type=_positive_int, default=1024,
-                       help="open HTTP connections; more are refused with a 503 at once "
-                       "(default: %(default)s, lowered to fit the open-file limit)")
-    serve.add_argument("--timeout-keep-alive", type=_seconds, default=5.0, metavar="SECONDS",
-                       help="close a connection that sends nothing for this long "
-                       "(default: %(default)s)")
-    serve.add_argument("--request-read-timeout", type=_seconds, default=30.0, metavar="SECONDS",
-                       help="close a connection whose request (headers and body) is not all "
-                       "there this long after it began, with a 408 (default: %(default)s)")
-    serve.add_argument("--log-level", default="warning",
-                       choices=("critical", "error", "warning", "info", "debug"),
-                       help="log level (stderr)")
+    add_serve_arguments(serve)
+    parser.set_defaults(serve_parser=serve)
     commands.add_parser("make-model", add_help=False,
                         help="write a random-weight model folder (see make-model --help)")
     return parser
 
 
-def _engine_config(args: argparse.Namespace) -> Any:
+def _engine_config(args: argparse.Namespace, model_dir: Path, tokenizer_dir: Path | None) -> Any:
     from engine import EngineConfig
 
     fields: dict[str, Any] = {
-        "model_dir": args.model,
+        "model_dir": str(model_dir),
+        "tokenizer_dir": None if tokenizer_dir is None else str(tokenizer_dir),
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "chat_template": args.chat_template,
         "device": args.device,
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
@@ -161,7 +55,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "kv_offload": args.kv_offload,
         "kv_store_socket": args.kv_store_socket,
         "kv_offload_policy": args.kv_offload_policy,
-        "served_model_name": args.served_model_name,
+        "served_model_name": args.served_model_name[0] if args.served_model_name else None,
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "kv_offload_share_hbm": args.kv_offload_share_hbm,
@@ -243,20 +137,60 @@ class _Server(uvicorn.Server):
             print(self._line(port), file=sys.stderr, flush=True)
 
 
+def _model_folders(args: argparse.Namespace,
+                   parser: argparse.ArgumentParser) -> tuple[Path, Path | None]:
+    """The model folder and the tokenizer folder (None: the model's), hub ids resolved."""
+    from server.model_source import ModelNotFound, resolve_model
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"MODEL {args.model_tag} and --model {args.model} differ: give one")
+    name = args.model_tag or args.model
+    if not name:
+        parser.error("a model is required: kvengine serve MODEL (or --model MODEL)")
+    try:
+        model_dir = resolve_model(name, args.revision)
+        tokenizer_dir = None if args.tokenizer is None else resolve_model(args.tokenizer)
+    except ModelNotFound as exc:
+        parser.error(str(exc))
+    return model_dir, tokenizer_dir
+
+
+def _sampling_defaults(args: argparse.Namespace, model_dir: Path) -> Any:
+    from engine.generation_config import GENERATION_CONFIG_FILE, sampling_defaults
+    from server.protocol import ChatCompletionRequest, CompletionRequest
+    from server.sampling_defaults import SamplingDefaults
+
+    if args.generation_config == "vllm":
+        return None
+    folder = model_dir if args.generation_config == "auto" else Path(args.generation_config)
+    if args.generation_config != "auto" and not (folder / GENERATION_CONFIG_FILE).is_file():
+        raise ValueError(f"--generation-config {folder}: no {GENERATION_CONFIG_FILE} there")
+    return SamplingDefaults(sampling_defaults(folder),
+                            (CompletionRequest, ChatCompletionRequest),
+                            source=str(folder / GENERATION_CONFIG_FILE))
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Load the engine, then serve it until interrupted."""
     from server.app import build_app
+    from server.log_setup import configure_logging
     from server.settings import ServerSettings
 
-    if not Path(args.model).is_dir():
-        parser.error(f"--model {args.model}: no such directory")
+    configure_logging(args.log_level)
+    model_dir, tokenizer_dir = _model_folders(args, parser)
+    name = args.model_tag or args.model
+    if not args.served_model_name and not Path(name).expanduser().is_dir():
+        args.served_model_name = [name]  # a hub id names the model, as in vLLM
     try:
-        config = _engine_config(args)
+        config = _engine_config(args, model_dir, tokenizer_dir)
         metrics_key = args.metrics_key or os.environ.get("KVENGINE_METRICS_KEY") or None
-        settings = ServerSettings(served_model_name=args.served_model_name,
-                                  api_keys=tuple(args.api_key or ()), max_queue=args.max_queue,
+        names = tuple(args.served_model_name or ())
+        settings = ServerSettings(served_model_name=names[0] if names else None,
+                                  model_aliases=names[1:], api_keys=api_keys(args),
+                                  max_queue=args.max_queue,
                                   max_request_body_bytes=args.max_request_body_bytes,
-                                  metrics_key=metrics_key)
+                                  metrics_key=metrics_key,
+                                  sampling_defaults=_sampling_defaults(args, model_dir))
         limits = _connection_limits(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
@@ -266,19 +200,29 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"kvengine: error: cannot listen on {args.host}:{args.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 1
+    from server.package_check import foreign_kernels_owners, kernels_conflict_message
+
+    owners = foreign_kernels_owners()
+    if owners:  # checked before the engine imports `kernels`, which may be the other one
+        listener.close()
+        print(f"kvengine: error: {kernels_conflict_message(owners)}", file=sys.stderr)
+        return 1
     try:
         engine = _load_engine(config)
     except (OSError, ValueError, NotImplementedError) as exc:
         listener.close()
-        print(f"kvengine: error: cannot start the engine on {args.model}: {exc}",
+        print(f"kvengine: error: cannot start the engine on {model_dir}: {exc}",
               file=sys.stderr)
         return 1
     try:
         app = build_app(engine, settings)
         model_name = app.state.model_name
         guard = ConnectionGuard(limits)
-        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   access_log=args.log_level in ("info", "debug"),
+        uv_level = args.uvicorn_log_level or args.log_level
+        # log_config None: uvicorn's loggers propagate to the handler configure_logging set up.
+        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,
+                                   log_config=None,
+                                   access_log=uv_level in ("info", "debug", "trace"),
                                    timeout_graceful_shutdown=5, http=guard.protocol_factory,
                                    timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)),
                                    backlog=limits.accept_backlog)
@@ -315,6 +259,17 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that in `serve --model DIR --typo 8000` the typo's value, which
+    argparse hands to the positional MODEL, is reported with the typo."""
+    args, extras = parser.parse_known_args(argv)
+    if extras and args.command == "serve" and args.model_tag and args.model:
+        tail = argv[argv.index(extras[0]):]
+        shown = [token for token in tail if token in extras or token == args.model_tag]
+        args.serve_parser.error(f"unrecognized arguments: {' '.join(shown)}")
+    return parser.parse_args(argv) if extras else args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvengine` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -324,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = make_model_main(argv[1:])
         return result if isinstance(result, int) else 0
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command == "serve":
         return serve(args, parser)
     parser.error(f"unknown command {args.command!r}")

@@ -29,7 +29,11 @@ class PromptCodec(Protocol):
         ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of token ids (logprobs show each token's own text)."""
+        """The text of `token_ids`; special tokens dropped unless `skip_special_tokens` is False."""
+        ...
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (as transformers' convert_ids_to_tokens)."""
         ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
@@ -46,10 +50,46 @@ class EngineSettingsView(Protocol):
     def model_dir(self) -> str: ...
 
     @property
+    def tokenizer_dir(self) -> str | None:
+        """The tokenizer's folder when it is not the model's (--tokenizer)."""
+        ...
+
+    @property
     def max_num_seqs(self) -> int: ...
 
     @property
     def block_size(self) -> int: ...
+
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+
+    @property
+    def gpu_memory_utilization(self) -> float: ...
+
+    @property
+    def kv_offload(self) -> bool: ...
+
+    @property
+    def kv_offload_policy(self) -> str: ...
+
+
+class KernelsView(Protocol):
+    """The engine's kernel backend as /metrics reads it."""
+
+    kv_dtype: str
+    num_attention_fallbacks: int  # attention calls the chosen backend refused (ours served them)
+
+
+class RunnerView(Protocol):
+    """The engine's model runner as /metrics reads it."""
+
+    @property
+    def attention_backend(self) -> str:
+        """``prefill=NAME decode=NAME`` (each "reference", "ours" or "cudnn")."""
+        ...
+
+    @property
+    def ops(self) -> KernelsView: ...
 
 
 class EngineOutput(Protocol):
@@ -64,6 +104,12 @@ class EngineOutput(Protocol):
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
     new_logprobs: Sequence[Any] | None  # per new token (server/logprobs.TokenLogprobsView)
+    prompt_token_ids: list[int]
+    # time.perf_counter() stamps: added to the engine, first in a batch, first token, this output
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    output_time: float
 
 
 class OffloadStats(TypedDict, total=False):
@@ -81,6 +127,10 @@ class EngineStats(TypedDict, total=False):
     num_waiting: int
     num_kv_blocks: int
     num_blocks_in_use: int
+    prefix_cache_queries: int  # prompt tokens looked up (each request once)
+    prefix_cache_hits: int  # of them, served by this engine's own prefix cache
+    prefix_cache_hit_tokens: dict[str, int]  # by tier: own cache and the store's tiers
+    num_preemptions: int
     kv_offload: OffloadStats | None
 
 
@@ -93,6 +143,7 @@ class ServedEngine(Protocol):
     max_model_len: int
     device: str
     tokenizer: PromptCodec
+    runner: RunnerView
 
     @property
     def config(self) -> EngineSettingsView: ...

@@ -159,6 +159,14 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: {"description": "a tenant's API key, or API keys without a metrics key: /metrics "
           "shows every tenant's traffic and is for the operator", "content": _JSON_ERROR},
 }
+TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _error("a malformed body, a token id outside the vocabulary, or a chat the template "
+                "refuses"),
+    401: _error("missing or wrong API key (when the server has keys)"),
+    404: _error("`model` names a model this server does not serve"),
+    413: _error("the request body is over --max-request-body-bytes"),
+    503: _error("overloaded (retry later)"),
+}
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: _error("the engine's step loop is not running"),
 }

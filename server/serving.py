@@ -72,7 +72,8 @@ class OpenAIServing:
         core: ServedEngine = engine.engine
         self.max_model_len = int(core.max_model_len)
         pool = TokenizePool()
-        prompt_tokenizer = PromptTokenizer(core.tokenizer, core.config.model_dir,
+        prompt_tokenizer = PromptTokenizer(core.tokenizer,
+                                           core.config.tokenizer_dir or core.config.model_dir,
                                            num_threads=pool.num_workers + 1)  # + the loop
         self.prompts = PromptBuilder(
             core.tokenizer, prompt_tokenizer, self.max_model_len, pool,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.sampling_defaults import SamplingDefaults
 
 # Big enough for a 128k-token prompt as text or as token ids in JSON, far below what hurts.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -21,6 +25,9 @@ class ServerSettings:
     `metrics_key`: the operator's key for /metrics. /metrics shows every tenant's traffic, so
     when `api_keys` are set it needs this key (and is refused to all while it is None); without
     API keys it is open unless a metrics key is set.
+    `model_aliases`: more names requests may send as `model` (vLLM's `--served-model-name A B`);
+    responses carry `served_model_name`.
+    `sampling_defaults`: the model's generation_config values for fields a request leaves out.
     """
 
     served_model_name: str | None = None
@@ -28,8 +35,16 @@ class ServerSettings:
     max_queue: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     metrics_key: str | None = None
+    model_aliases: tuple[str, ...] = ()
+    sampling_defaults: SamplingDefaults | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.model_aliases, str):
+            raise TypeError("model_aliases must be a tuple of strings, not one string")
+        if any(not name.strip() for name in self.model_aliases):
+            raise ValueError("a served model name must not be blank")
+        if self.model_aliases and self.served_model_name is None:
+            raise ValueError("model_aliases need a served_model_name (the first name)")
         if isinstance(self.api_keys, str):
             raise TypeError("api_keys must be a tuple of strings, not one string")
         if any(not key for key in self.api_keys):

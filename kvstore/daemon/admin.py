@@ -16,8 +16,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -59,6 +64,7 @@ class StatsCollector:
                 yield CounterMetricFamily(_metric_name("kvstore_store", key),
                                           f"store counter {key}", value=float(value))
         yield from self._cluster(stats.get("cluster"))
+        yield from self._latency()
         # Anything else the store reports that is a number (or a map of numbers) goes out too.
         for key, value in sorted(stats.items()):
             if key in ("tiers", "daemon", "counters", "cluster"):
@@ -96,10 +102,21 @@ class StatsCollector:
             for key, value in sorted((daemon.get(name) or {}).items()):
                 family.add_metric([str(key)], float(value))
             yield family
-        for gauge in ("uptime_s", "connections", "leases_active", "registrations"):
+        if _is_number(daemon.get("uptime_s")):  # Prometheus names a unit in full: _seconds
+            yield GaugeMetricFamily("kvstore_uptime_seconds", "daemon uptime in seconds",
+                                    value=float(daemon["uptime_s"]))
+        for gauge in ("connections", "leases_active", "registrations"):
             if _is_number(daemon.get(gauge)):
                 yield GaugeMetricFamily(_metric_name("kvstore", gauge), f"daemon {gauge}",
                                         value=float(daemon[gauge]))
+
+    def _latency(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "kvstore_request_duration_seconds",
+            "lookup, load and save: request received to reply sent", labels=["verb"])
+        for verb, (buckets, total_s) in self.service.latency.snapshot().items():
+            family.add_metric([verb], buckets, total_s)
+        yield family
 
     def _cluster(self, cluster: Any) -> Iterator[Metric]:
         """``kvstore_cluster_*``: remote outcomes, then the index, peer server and client's."""
@@ -170,6 +187,7 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="kvstore admin", docs_url=None, redoc_url=None, openapi_url=None)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(service))
+    ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, fds
 
     # The routes answer with ready JSON; the models only document it (the OpenAPI schema that
     # tests/reliability/test_http_schema.py fuzzes the daemon against).

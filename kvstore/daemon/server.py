@@ -255,7 +255,7 @@ class Daemon:
             finally:
                 conn.contexts.discard(ctx)
             error = reply["error"]["code"] if not reply["ok"] else None
-            self.service.count(request.verb, error)
+            self.service.count(request.verb, error, time.monotonic() - received_at)
             await conn.send(reply, self.max_frame_bytes)
         finally:
             # Held until the reply is written out: a client that stops reading stalls only its

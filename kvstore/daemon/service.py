@@ -22,6 +22,7 @@ from kvstore.daemon.calls import CallContext, Deferred, ServiceError, with_mappe
 from kvstore.daemon.cluster_link import ClusterLink
 from kvstore.daemon.counters import DaemonCounters
 from kvstore.daemon.engine_verbs import EngineVerbs
+from kvstore.daemon.latency import VerbLatency
 from kvstore.daemon.lease_table import LeaseTable
 from kvstore.daemon.stats import merge_stats
 from kvstore.engines.hbm.tier import HbmTier
@@ -49,6 +50,7 @@ class Service:
         self.version = version
         self.started_at = time.monotonic()
         self.counters = DaemonCounters()
+        self.latency = VerbLatency()
         self.leases = LeaseTable(store.release)
         self._cluster = ClusterLink(store, self.counters)
         blocks = BlockVerbs(store, self.hbm, self.leases, self._cluster, default_lease_ttl_s,
@@ -97,9 +99,12 @@ class Service:
         num_dropped = self.registry.drop_owner(owner)  # and their HBM-tier entries
         self.counters.add(registrations_dropped_on_disconnect=num_dropped)
 
-    def count(self, verb: str, error_code: str | None) -> None:
-        """Every request ends here exactly once: counted by verb, and by code if it failed."""
+    def count(self, verb: str, error_code: str | None, elapsed_s: float | None = None) -> None:
+        """Every request ends here exactly once: counted by verb, and by code if it failed;
+        `elapsed_s` (received to reply) feeds the latency histograms of lookup, load and save."""
         self.counters.count_request(verb, error_code)
+        if elapsed_s is not None:
+            self.latency.observe(verb, elapsed_s)
 
     # ------------------------------------------------------------------------------ leases
 

@@ -101,3 +101,15 @@ def test_shipped_corpus_is_what_the_generator_writes(tmp_path: Path) -> None:
 
     rng = random.Random(20260301)
     assert module.stories(rng, 700) == (data / "stories.txt").read_text()
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path, capsys) -> None:
+    """make-model's bytes-written bar: shown when asked, absent when stderr is a pipe."""
+    mm.write_checkpoint(tmp_path / "shown", "tiny", seed=0, progress=True)
+    err = capsys.readouterr().err
+    assert "writing tiny weights" in err and "100%" in err
+    out = subprocess.run([sys.executable, "-m", "engine.make_model", "--preset", "tiny",
+                          "--out", str(tmp_path / "piped")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "\r" not in out.stderr and "writing tiny weights" not in out.stderr

@@ -264,9 +264,18 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     llm.generate([random_prompt(1000, 16 * 4 + 1, seed=17)], GREEDY)
     llm.engine.offload.wait_idle()
     llm.generate([[7] * 4], GREEDY)  # more steps (never a full block): the snapshot sees the saves
-    metrics = ServerMetrics("tiny")
+    metrics = ServerMetrics("tiny", llm.engine)
     metrics.update_engine(llm.engine.stats(), num_in_flight=0)
-    close_llm(llm)
     text = metrics.render().decode()
-    assert 'kvengine:kv_offload_events{event="blocks_saved",model_name="tiny"} 4.0' in text
+    close_llm(llm)
+    # Counts are counters; levels (loads in flight, saves in flight) are a separate gauge.
+    assert ('kvengine:kv_offload_events_total{event="blocks_saved",model_name="tiny"} 4.0'
+            in text)
     assert 'event="connects"' in text
+    assert '# TYPE kvengine:kv_offload_events_total counter' in text
+    assert 'kvengine:kv_offload_in_flight{model_name="tiny",what="saves_in_flight"}' in text
+    assert 'event="saves_in_flight"' not in text
+    # The store's tiers are the external prefix cache, as vLLM names a connector's hits.
+    assert 'kvengine:external_prefix_cache_queries_total{model_name="tiny"}' in text
+    assert ('kvengine:external_prefix_cache_hits_by_tier_total{model_name="tiny",tier="dram"}'
+            in text)

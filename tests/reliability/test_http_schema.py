@@ -98,11 +98,15 @@ def test_engine_schema_is_honest(engine_server) -> None:
     schema = engine_server.app.openapi()
     paths = schema["paths"]
     assert set(paths) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                          "/metrics"}
+                          "/metrics", "/tokenize", "/detokenize", "/version"}
     for path, operations in paths.items():
         for method, op in operations.items():
             assert "422" not in op["responses"], f"{method} {path}"
             assert (op.get("security") is None) == (path == "/health"), f"{method} {path}"
+    for path in ("/tokenize", "/detokenize"):
+        op = paths[path]["post"]
+        assert op["requestBody"]["required"] is True
+        assert set(op["responses"]) >= {"200", "400", "401", "404"}
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = paths[path]["post"]
         assert op["requestBody"]["required"] is True

@@ -222,6 +222,9 @@ def _routes(app) -> list[tuple[str, str]]:
 
 
 def _is_401(response: httpx.Response) -> bool:
+    if response.request.method == "HEAD":  # /docs and /openapi.json answer HEAD: no body
+        return (response.status_code == 401
+                and response.headers.get("www-authenticate") == "Bearer")
     error = response.json().get("error", {}) if response.status_code == 401 else {}
     return (response.status_code == 401 and error.get("code") == "invalid_api_key"
             and response.headers.get("www-authenticate") == "Bearer")
@@ -233,7 +236,8 @@ def test_api_key_covers_every_route_but_health(keyed_server) -> None:
             ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/health")} <= set(routes)
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
-                                       "max_tokens": 1}}
+                                       "max_tokens": 1},
+              "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}}
     wrong = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {API_KEY}"},
              {"Authorization": API_KEY}, {"Authorization": f"Bearer {API_KEY}x"}]
     with httpx.Client(base_url=keyed_server.url, timeout=60) as c:

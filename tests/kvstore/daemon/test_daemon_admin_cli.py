@@ -67,6 +67,30 @@ def test_admin_metrics(daemon: RunningDaemon) -> None:
     assert "# TYPE kvstore_tier_blocks gauge" in text
 
 
+def test_admin_metrics_speak_prometheus_units(daemon: RunningDaemon) -> None:
+    """Uptime in _seconds, process metrics, and a latency histogram per critical-path verb."""
+    import xxhash
+
+    from kvstore.keys import Namespace
+
+    with daemon.client() as c:
+        c.put(b"admin-latency", b"z" * 100)
+        hit = c.lookup(Namespace(name="default").digest, [xxhash.xxh3_128_digest(b"admin-latency")],
+                       [b"admin-latency"], lease_ttl_s=0)
+        assert hit.num_hit == 1
+    text = httpx.get(f"{daemon.http_url}/metrics", timeout=10).text
+    assert re.search(r"^kvstore_uptime_seconds \d", text, re.M)
+    assert "kvstore_uptime_s " not in text
+    assert re.search(r"^process_cpu_seconds_total \d", text, re.M)
+    assert re.search(r"^process_resident_memory_bytes \d", text, re.M)
+    assert "# TYPE kvstore_request_duration_seconds histogram" in text
+    count = re.search(r'^kvstore_request_duration_seconds_count\{verb="lookup"\} (\S+)$', text,
+                      re.M)
+    assert count is not None and float(count.group(1)) >= 1
+    for verb in ("load", "save"):
+        assert f'kvstore_request_duration_seconds_bucket{{le="+Inf",verb="{verb}"}}' in text
+
+
 def test_admin_unknown_path(daemon: RunningDaemon) -> None:
     assert httpx.get(f"{daemon.http_url}/nope", timeout=10).status_code == 404
 

@@ -1,0 +1,148 @@
+"""EngineCollector: the engine's own counters and levels as Prometheus families, at scrape time.
+
+The engine owns its cumulative counts (prefix-cache tokens, preemptions, offload events), so they
+are exported as counter families built from its latest stats snapshot, not as gauges set to a
+running total. Names and label sets follow vLLM's where the meaning is the same:
+`prefix_cache_{queries,hits}_total` for the engine's own HBM prefix cache (no tier label: vLLM's
+hit-rate query divides one by the other), `external_prefix_cache_{queries,hits}_total` for what
+the kvstore daemon supplied, and `external_prefix_cache_hits_by_tier_total{tier}` splitting that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from server.engine_protocol import ServedEngine, kv_store_state, offload_stats
+
+P = "kvengine:"
+# Offload stats that are levels (how many now), not counts of events.
+OFFLOAD_LEVELS = frozenset({"num_loading", "saves_in_flight", "blocks_quarantined_now"})
+STORE_TIERS = ("hbm", "dram", "ssd", "remote")
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def attention_labels(backend: str) -> dict[str, str]:
+    """``prefill=cudnn decode=ours`` -> {"prefill": "cudnn", "decode": "ours"}."""
+    labels = dict(part.split("=", 1) for part in backend.split() if "=" in part)
+    return {"prefill": labels.get("prefill", "unknown"), "decode": labels.get("decode", "unknown")}
+
+
+class EngineCollector:
+    """Families from `snapshot` (set by `update`) and the engine's fixed configuration."""
+
+    def __init__(self, engine: ServedEngine, model_name: str) -> None:
+        self._engine = engine
+        self._model = model_name
+        self.snapshot: Mapping[str, Any] = {}
+        self.num_in_flight = 0
+
+    def update(self, snapshot: Mapping[str, Any], num_in_flight: int) -> None:
+        self.snapshot = snapshot
+        self.num_in_flight = num_in_flight
+
+    def _gauge(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+        if value is not None:
+            family = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
+
+    def _counter(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+        if value is not None:
+            family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        yield from self._gauge("num_requests_running", "Requests in the running batch.",
+                               _number(s.get("num_running")))
+        yield from self._gauge("num_requests_waiting", "Requests admitted but not running yet.",
+                               _number(s.get("num_waiting")))
+        yield from self._gauge("num_requests_in_flight", "Engine requests admitted by the server.",
+                               float(self.num_in_flight))
+        total, used = _number(s.get("num_kv_blocks")), _number(s.get("num_blocks_in_use"))
+        yield from self._gauge("kv_blocks_in_use", "KV blocks held by requests.", used)
+        yield from self._gauge("kv_blocks_total", "KV blocks in the engine's pool.", total)
+        if total and used is not None:
+            yield from self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
+                                   used / total)
+        yield from self._counter("prefix_cache_queries",
+                                 "Prompt tokens looked up in the prefix cache (once a request).",
+                                 _number(s.get("prefix_cache_queries")))
+        yield from self._counter("prefix_cache_hits",
+                                 "Prompt tokens served by this engine's own prefix cache.",
+                                 _number(s.get("prefix_cache_hits")))
+        yield from self._counter("num_preemptions", "Requests preempted (to be recomputed).",
+                                 _number(s.get("num_preemptions")))
+        yield from self._external(s)
+        yield from self._configuration()
+
+    def _external(self, s: Mapping[str, Any]) -> Iterator[Metric]:
+        offload = offload_stats(s)
+        if offload is None:
+            return
+        restored = offload.get("restored_tokens_by_tier")
+        restored = restored if isinstance(restored, Mapping) else {}
+        # As vLLM's connector stats: every prompt token is a query, hits are what it supplied.
+        yield from self._counter("external_prefix_cache_queries",
+                                 "Prompt tokens the kvstore daemon was asked about.",
+                                 _number(s.get("prefix_cache_queries")))
+        yield from self._counter("external_prefix_cache_hits",
+                                 "Prompt tokens restored from the kvstore daemon (all tiers).",
+                                 float(sum(_number(v) or 0.0 for v in restored.values())))
+        by_tier = CounterMetricFamily(P + "external_prefix_cache_hits_by_tier",
+                                      "Prompt tokens restored from the kvstore daemon, by tier.",
+                                      labels=["model_name", "tier"])
+        for tier in sorted(set(STORE_TIERS) | set(restored)):
+            by_tier.add_metric([self._model, str(tier)], _number(restored.get(tier)) or 0.0)
+        yield by_tier
+        connector = offload.get("connector")
+        events = dict(connector) if isinstance(connector, Mapping) else {}
+        events.update(offload)  # the manager's names win where both count the same thing
+        counts = CounterMetricFamily(P + "kv_offload_events",
+                                     "The engine's --kv-offload event counts (lookups, loads, "
+                                     "blocks_loaded, blocks_saved, errors_*...).",
+                                     labels=["model_name", "event"])
+        levels = GaugeMetricFamily(P + "kv_offload_in_flight",
+                                   "The engine's --kv-offload work in progress now (num_loading, "
+                                   "saves_in_flight, blocks_quarantined_now).",
+                                   labels=["model_name", "what"])
+        for key, value in sorted(events.items()):
+            number = _number(value)
+            if number is not None:
+                (levels if key in OFFLOAD_LEVELS else counts).add_metric(
+                    [self._model, key], number)
+        yield counts
+        yield levels
+        state = kv_store_state(s)
+        if state is not None:
+            yield from self._gauge("kv_store_up", "1 while the kvstore daemon answers, 0 while "
+                                   "it is hung or down (the engine then recomputes).",
+                                   1.0 if state == "ok" else 0.0)
+
+    def _configuration(self) -> Iterator[Metric]:
+        config, runner = self._engine.config, self._engine.runner
+        info = GaugeMetricFamily(P + "cache_config_info", "The KV cache's configuration (1).",
+                                 labels=["block_size", "cache_dtype", "enable_prefix_caching",
+                                         "gpu_memory_utilization", "num_gpu_blocks",
+                                         "kv_offload", "kv_offload_policy"])
+        info.add_metric([str(config.block_size), str(runner.ops.kv_dtype),
+                         str(config.enable_prefix_caching), str(config.gpu_memory_utilization),
+                         str(self.snapshot.get("num_kv_blocks", "")), str(config.kv_offload),
+                         str(config.kv_offload_policy)], 1.0)
+        yield info
+        labels = attention_labels(runner.attention_backend)
+        backend = GaugeMetricFamily(P + "attention_backend_info",
+                                    "Which attention runs for prefill and decode (1).",
+                                    labels=["prefill", "decode"])
+        backend.add_metric([labels["prefill"], labels["decode"]], 1.0)
+        yield backend
+        yield from self._counter("attention_fallbacks",
+                                 "Attention calls the chosen backend refused (our kernel "
+                                 "served them).", float(runner.ops.num_attention_fallbacks))

@@ -1,0 +1,206 @@
+"""The options of `kvengine serve`: ours plus the `vllm serve` ones a moved command line carries.
+
+A vLLM option is either honoured or refused with one line that says why; none is accepted and
+then ignored, except `--trust-remote-code`, whose help says that nothing remote runs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+API_KEY_ENV = "KVENGINE_API_KEY"
+# vLLM's spellings; engine.config.DTYPES maps them (not imported here: the engine is heavy).
+DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
+_JINJA_CHARS = "{}\n"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def _tensor_parallel_size(text: str) -> int:
+    value = _positive_int(text)
+    if value != 1:
+        raise argparse.ArgumentTypeError(f"{value} is not supported: kvengine runs a model on "
+                                         "one device (tensor parallelism is not implemented)")
+    return value
+
+
+def chat_template_text(value: str) -> str:
+    """`--chat-template`: a file's text, or the template itself when it holds Jinja characters
+    (as vLLM decides); ArgumentTypeError for a path that does not exist."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {value}: {exc}") from None
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{value} is empty")
+        return text
+    if not any(char in value for char in _JINJA_CHARS):
+        raise argparse.ArgumentTypeError(f"{value!r} looks like a file path, but there is no "
+                                         "such file (an inline template holds {{ or {%)")
+    return value
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --api-key values, else $KVENGINE_API_KEY (one key), else none."""
+    if args.api_key:
+        return tuple(args.api_key)
+    from_env = os.environ.get(API_KEY_ENV, "")
+    return (from_env,) if from_env else ()
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """Every option of `kvengine serve`."""
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model folder (config.json, *.safetensors, tokenizer.json) or "
+                       "Hugging Face repo id (Qwen/Qwen3-0.6B: the cached snapshot, downloaded "
+                       "unless HF_HUB_OFFLINE=1), as in `vllm serve MODEL`; or give --model")
+    serve.add_argument("--model", default=None,
+                       help="the same as MODEL (default: MODEL; one of the two is required)")
+    serve.add_argument("--revision", default=None,
+                       help="hub revision (branch, tag or commit) of a repo id (default: main)")
+    serve.add_argument("--tokenizer", default=None,
+                       help="tokenizer folder or repo id (default: the model's)")
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where the model runs; auto takes the GPU when CuPy sees one")
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="weights and activations dtype; auto is the backend's own (float32 "
+                       "on CPU, bfloat16 on GPU), any other must be that one or start fails")
+    serve.add_argument("--seed", type=_non_negative_int, default=None,
+                       help="seeds the random streams of requests that bring no seed, so a run "
+                       "repeats (default: fresh entropy)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_port, default=8000,
+                       help="port to listen on; 0 picks a free one")
+    serve.add_argument("--kv-offload", action="store_true",
+                       help="load cached prefixes from the kvstore daemon and save new blocks")
+    serve.add_argument("--kv-store-socket", default=None, help="the daemon's socket "
+                       "(default: $KVSTORE_SOCKET, else the per-user default)")
+    serve.add_argument("--kv-offload-policy", choices=("write-through", "evict"),
+                       default="write-through",
+                       help="save full blocks after the step that computed them "
+                       "(write-through), or only when the engine evicts them (evict)")
+    serve.add_argument("--no-kv-offload-share-hbm", dest="kv_offload_share_hbm",
+                       action="store_false",
+                       help="do not offer this engine's cached blocks to other engines on the "
+                       "same daemon (the store's HBM tier)")
+    serve.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
+                       type=_positive_int, default=None,
+                       help="KV blocks to allocate (default: from --gpu-memory-utilization); "
+                       "--num-gpu-blocks-override is vLLM's name for it")
+    serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                       help="fraction of GPU memory the engine may take (weights + KV arena)")
+    serve.add_argument("--block-size", type=_positive_int, default=16,
+                       help="tokens per KV block")
+    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="longest prompt + completion in tokens (default: the model's "
+                       "max_position_embeddings, capped by the KV arena)")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                       help="requests running at once")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                       help="tokens computed per step (default: the engine's chunked-prefill "
+                       "budget)")
+    serve.add_argument("--max-queue", type=_non_negative_int, default=None,
+                       help="requests admitted beyond --max-num-seqs before answering 503 "
+                       "(default: 2 x --max-num-seqs)")
+    serve.add_argument("--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=1,
+                       help="only 1: kvengine runs a model on one device")
+    serve.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_true", default=True,
+                       help="keep the HBM prefix cache on (default: on)")
+    serve.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="turn the HBM prefix cache off")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="GPU: launch every decode kernel from Python (no CUDA graphs)")
+    serve.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM command lines; it changes nothing: kvengine "
+                       "never runs code from a model folder (it reads JSON and safetensors)")
+    serve.add_argument("--chat-template", type=chat_template_text, default=None,
+                       help="chat template file, or the template text itself, replacing the "
+                       "tokenizer's (default: the tokenizer folder's)")
+    serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="sampling defaults for fields a request leaves out: auto reads the "
+                       "model's generation_config.json (temperature, top_p, top_k, min_p, "
+                       "repetition_penalty, max_new_tokens), vllm uses none, FOLDER reads "
+                       "FOLDER/generation_config.json")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model names in the API; requests may use any, responses carry "
+                       "the first (default: the model folder's name)")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY'; repeat for several keys "
+                       f"(each key is its own cache tenant; default: ${API_KEY_ENV}, else no "
+                       "key)")
+    serve.add_argument("--metrics-key", default=None, metavar="KEY",
+                       help="the operator's key for GET /metrics, which shows every tenant's "
+                       "traffic (default: $KVENGINE_METRICS_KEY; with --api-key and no metrics "
+                       "key /metrics is refused, without --api-key it is open)")
+    serve.add_argument("--max-request-body-bytes", type=_positive_int,
+                       default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="larger request bodies get a 413 before they are parsed "
+                       "(default: %(default)s = 4 MiB)")
+    serve.add_argument("--max-connections", type=_positive_int, default=1024,
+                       help="open HTTP connections; more are refused with a 503 at once "
+                       "(default: %(default)s, lowered to fit the open-file limit)")
+    serve.add_argument("--timeout-keep-alive", type=_seconds, default=5.0, metavar="SECONDS",
+                       help="close a connection that sends nothing for this long "
+                       "(default: %(default)s)")
+    serve.add_argument("--request-read-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                       help="close a connection whose request (headers and body) is not all "
+                       "there this long after it began, with a 408 (default: %(default)s)")
+    serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                       help="level of kvengine's own logs (engine, offload, server) and, "
+                       "unless --uvicorn-log-level is given, of uvicorn's (stderr)")
+    serve.add_argument("--uvicorn-log-level", default=None, choices=(*LOG_LEVELS, "trace"),
+                       help="level of uvicorn's logs (default: --log-level); info and below "
+                       "log every request")

@@ -1,0 +1,125 @@
+"""/tokenize and /detokenize with vLLM's request and response shapes.
+
+A text prompt is tokenized exactly as /v1/completions would tokenize it (the same tenant cache),
+a chat as /v1/chat/completions renders and tokenizes it, so the counts a client gets here are the
+counts the engine sees. Token strings come from the tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.requests import Request
+
+from server.auth import KEY_SALT_SCOPE, tenant_salt
+from server.engine_protocol import PromptCodec
+from server.errors import APIError
+from server.prompt_builder import PromptBuilder
+from server.protocol import ChatMessage
+
+TokenId = Annotated[int, Field(ge=0, strict=True)]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a text `prompt`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with chat `messages` (rendered by the chat template first)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizationServing:
+    """The two endpoints over the engine's tokenizer and the server's prompt builder."""
+
+    def __init__(self, codec: PromptCodec, prompts: PromptBuilder, model_names: frozenset[str],
+                 max_model_len: int, vocab_size: int) -> None:
+        self._codec = codec
+        self._prompts = prompts
+        self._model_names = model_names
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest,
+                       request: Request) -> dict[str, Any]:
+        """The token ids (and strings) of a prompt or a chat."""
+        self._check_model(body.model)
+        tenant = tenant_salt(request.scope.get(KEY_SALT_SCOPE, ""), None)
+        if isinstance(body, TokenizeChatRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            if not body.add_special_tokens:  # the chat endpoint's own path
+                tokens = await self._prompts.chat(messages, body.add_generation_prompt, tenant)
+            else:
+                tokens = await asyncio.to_thread(self._chat_with_specials, messages,
+                                                 body.add_generation_prompt)
+        elif body.add_special_tokens:  # the completion endpoint's own path
+            (tokens,) = await self._prompts.completion(body.prompt, tenant)
+        else:
+            tokens = await asyncio.to_thread(self._codec.encode, body.prompt, False)
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": self._max_model_len,
+                               "tokens": list(tokens)}
+        if body.return_token_strs:
+            out["token_strs"] = self._codec.token_strings(tokens)
+        return out
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """The text of token ids, special tokens included (as vLLM decodes them)."""
+        self._check_model(body.model)
+        too_big = [t for t in body.tokens if t >= self._vocab_size]
+        if too_big:
+            raise APIError(400, f"token id {too_big[0]} is out of range: the vocabulary has "
+                           f"{self._vocab_size} tokens", param="tokens")
+        text = await asyncio.to_thread(self._codec.decode, body.tokens, False)
+        return {"prompt": text}
+
+    def _chat_with_specials(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool) -> list[int]:
+        try:
+            text = self._codec.apply_chat_template(messages,
+                                                   add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template can reject a conversation (e.g. role order)
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+        return self._codec.encode(text, True)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self._model_names:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                           f"{', '.join(sorted(self._model_names))}", param="model",
+                           code="model_not_found")
