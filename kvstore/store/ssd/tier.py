@@ -16,10 +16,7 @@ evicted.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,6 +24,7 @@ from pathlib import Path
 
 from kvstore.store.eviction import make_policy
 from kvstore.store.ssd.catalog import SSDCatalog
+from kvstore.store.ssd.dir_lock import DirLock
 from kvstore.store.ssd.files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
 from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum, layout_key
 from kvstore.store.ssd.writer import SSDWrite, SSDWriter
@@ -70,7 +68,7 @@ class SSDTier:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._closed = False
-        self._lock_fd = self._take_dir_lock()
+        self._dir_lock = DirLock(self.dir)
         db = None
         try:
             had_data = any(self.dir.glob("data-*.bin"))
@@ -82,7 +80,7 @@ class SSDTier:
         except BaseException:
             if db is not None:
                 db.close()
-            os.close(self._lock_fd)
+            self._dir_lock.close()
             raise
         self._db = db
         self._catalog = SSDCatalog(num_files, file_bytes, make_policy(eviction), db,
@@ -255,20 +253,11 @@ class SSDTier:
             self._closed = True
         self._db.close()
         self._files.close()
-        os.close(self._lock_fd)
+        self._dir_lock.close()
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("SSD tier is closed")
-
-    def _take_dir_lock(self) -> int:
-        fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise OSError(errno.EBUSY, f"{self.dir} is in use by another kvstore process") from None
-        return fd
 
     def _load_index(self) -> int:
         """Take what LMDB holds; returns the sequence number the next write gets."""
