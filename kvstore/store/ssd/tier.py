@@ -38,7 +38,8 @@ DEFAULT_MAX_FILE_BYTES = 4 << 30
 # Every outcome the tier counts, present from the start so exported series never appear late.
 COUNTERS = (
     "writes", "write_bytes", "write_rejected", "write_no_room", "write_errors", "enospc",
-    "reads", "read_bytes", "corrupt", "read_errors", "evictions", "replaced", "removes",
+    "write_read_only", "reads", "read_bytes", "corrupt", "read_errors", "evictions", "replaced",
+    "removes",
     "lost_at_start", "index_resets", "index_commit_failures", "layout_resets", "sparse_files",
     "direct_io_fallbacks",
 )
@@ -230,6 +231,7 @@ class SSDTier:
                 "io_mode": self.io_mode,
                 "io_mode_reason": self.io_mode_reason,
                 "pinned_blocks": self._catalog.num_pinned,
+                "read_only": self._writer.read_only_reason is not None,
                 "counters": dict(self._counters),
             }
 
@@ -251,7 +253,7 @@ class SSDTier:
             if self._closed:
                 return
             self._closed = True
-        self._db.close()
+        self._db.close(read_only_reported=self._writer.read_only_reason is not None)
         self._files.close()
         self._dir_lock.close()
 
