@@ -27,6 +27,7 @@ from kvstore.store.ssd.catalog import SSDCatalog
 from kvstore.store.ssd.dir_lock import DirLock
 from kvstore.store.ssd.files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
 from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum, layout_key
+from kvstore.store.ssd.room import check_room
 from kvstore.store.ssd.writer import SSDWrite, SSDWriter
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class SSDTier:
     """Blocks on local disk under ``ssd_dir``, at most ``capacity_bytes`` of data files.
 
     ``io_mode``: "auto" (O_DIRECT when the filesystem takes it), "direct" (required: OSError if
-    refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``.
+    refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``, and
+    ``SSDNoRoom`` (a ValueError) if the capacity does not fit its filesystem.
     ``file_ops`` makes the data files' IO calls (tests inject faults through it).
     """
 
@@ -74,6 +76,8 @@ class SSDTier:
         try:
             had_data = any(self.dir.glob("data-*.bin"))
             reserve = min(max(self.capacity_bytes // 2048, 1 << 20), 512 << 20)
+            check_room(self.dir, [self.dir / f"data-{i:03d}.bin" for i in range(num_files)],
+                       file_bytes, self.dir / "index.lmdb" / "data.mdb", reserve)
             db = SSDIndex(self.dir / "index.lmdb", layout_key(num_files, file_bytes, ALIGNMENT),
                           reserve, durable, ALIGNMENT, had_data, self._counters)
             self._files = DataFiles(self.dir, num_files, file_bytes, io_mode, self._counters,
