@@ -148,6 +148,14 @@ def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
     ssd_dir = _check_ssd_dir(args.ssd_dir) if ssd_size > 0 else None
     from kvstore.store.tiered import StoreConfig
 
+    if ssd_dir is not None:  # refused now, not sparse files and ENOSPC at every demotion
+        from kvstore.store.ssd.room import check_room
+
+        try:
+            check_room(ssd_dir, ssd_size, StoreConfig.ssd_max_file_bytes)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
     try:
         return StoreConfig(dram_bytes=args.dram, ssd_dir=ssd_dir, ssd_bytes=ssd_size,
                            pin_memory={"auto": None, "yes": True, "no": False}[args.pin],

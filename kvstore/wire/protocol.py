@@ -13,7 +13,7 @@ connection that made them):
 
   health      {}                                    -> {status, uptime_s, pid, version}
   stats       {}                                    -> store stats + {daemon: {...}}
-  put         {namespace?: str, key: bin, value: bin} -> {stored: bool}
+  put         {namespace?: str, key: bin, value: bin} -> {stored: bool, replaced: bool}
   get         {namespace?: str, key: bin}           -> {value: bin | nil, tier: str | nil}
   lookup      {namespace: h16, hashes: [h16], idents: [bin], lease_ttl_s?: num | nil}
                                                     -> {num_hit, tiers: [str], lease_id | nil}

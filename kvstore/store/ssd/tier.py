@@ -27,7 +27,7 @@ from kvstore.store.ssd.catalog import SSDCatalog
 from kvstore.store.ssd.dir_lock import DirLock
 from kvstore.store.ssd.files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
 from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum, layout_key
-from kvstore.store.ssd.room import check_room
+from kvstore.store.ssd.room import index_reserve_bytes, tier_layout
 from kvstore.store.ssd.writer import SSDWrite, SSDWriter
 
 log = logging.getLogger(__name__)
@@ -50,16 +50,16 @@ class SSDTier:
     """Blocks on local disk under ``ssd_dir``, at most ``capacity_bytes`` of data files.
 
     ``io_mode``: "auto" (O_DIRECT when the filesystem takes it), "direct" (required: OSError if
-    refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``, and
-    ``SSDNoRoom`` (a ValueError) if the capacity does not fit its filesystem.
+    refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``. A
+    capacity beyond the free space is taken (sparse files, ENOSPC later, counted): the daemon
+    refuses that at start (``room.check_room``); tests of a full disk rely on it here.
     ``file_ops`` makes the data files' IO calls (tests inject faults through it).
     """
 
     def __init__(self, ssd_dir: Path | str, capacity_bytes: int, eviction: str = "lru",
                  io_mode: str = "auto", max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  durable: bool = True, file_ops: FileOps = OS_FILE_OPS) -> None:
-        num_files = max(1, -(-capacity_bytes // max(max_file_bytes, ALIGNMENT)))
-        file_bytes = capacity_bytes // num_files // ALIGNMENT * ALIGNMENT
+        num_files, file_bytes = tier_layout(capacity_bytes, max_file_bytes)
         if file_bytes <= 0:
             raise ValueError(f"SSD capacity {capacity_bytes} is below one {ALIGNMENT} B unit")
         if io_mode not in IO_MODES:
@@ -75,9 +75,7 @@ class SSDTier:
         db = None
         try:
             had_data = any(self.dir.glob("data-*.bin"))
-            reserve = min(max(self.capacity_bytes // 2048, 1 << 20), 512 << 20)
-            check_room(self.dir, [self.dir / f"data-{i:03d}.bin" for i in range(num_files)],
-                       file_bytes, self.dir / "index.lmdb" / "data.mdb", reserve)
+            reserve = index_reserve_bytes(self.capacity_bytes)
             db = SSDIndex(self.dir / "index.lmdb", layout_key(num_files, file_bytes, ALIGNMENT),
                           reserve, durable, ALIGNMENT, had_data, self._counters)
             self._files = DataFiles(self.dir, num_files, file_bytes, io_mode, self._counters,
