@@ -42,9 +42,12 @@ class RateLimitedLog:
         now = time.monotonic()
         if now - self._last < self._interval_s:
             return
-        self._log.warning("%s (%d time(s) in the last %.0f s; logged at most every %.0f s)",
-                          message, self._num_since, min(now - self._last, 1e9),
-                          self._interval_s)
+        if self._num_since == 1:
+            self._log.warning("%s (logged at most every %.0f s, with a count)", message,
+                              self._interval_s)
+        else:
+            self._log.warning("%s (%d times in the last %.0f s)", message, self._num_since,
+                              now - self._last)
         self._last = now
         self._num_since = 0
 
