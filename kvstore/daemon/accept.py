@@ -108,8 +108,11 @@ class Acceptor:
 
     def _shed_waiting(self) -> None:
         """Out of fds: free the spare one to take waiting clients, tell each, close it."""
-        if self._spare_fd is None:
-            return
+        if self._spare_fd is None:  # lost at the last round: take one back if one is free
+            try:
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return
         os.close(self._spare_fd)
         self._spare_fd = None
         try:
