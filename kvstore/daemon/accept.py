@@ -83,13 +83,15 @@ class Acceptor:
             while True:
                 try:
                     conn, _ = await loop.sock_accept(self._sock)
-                except OSError as exc:
-                    if exc.errno not in _OUT_OF_RESOURCES:
-                        raise
-                    self._count("accept_out_of_resources")
-                    self._log.warning(f"accept failed: {exc.strerror}; refusing new clients "
-                                      "and backing off")
-                    self._shed_waiting()
+                except OSError as exc:  # never fatal: the daemon must go on accepting
+                    if exc.errno in _OUT_OF_RESOURCES:
+                        self._count("accept_out_of_resources")
+                        self._log.warning(f"accept failed: {exc.strerror}; refusing new "
+                                          "clients and backing off")
+                        self._shed_waiting()
+                    else:
+                        self._count("accept_errors")
+                        self._log.warning(f"accept failed: {exc}; backing off")
                     backoff_s = min(_MAX_BACKOFF_S, max(_MIN_BACKOFF_S, 2 * backoff_s))
                     await asyncio.sleep(backoff_s)
                     continue

@@ -8,8 +8,8 @@ loop, drop every connection, and close the store.
 
 What clients may hold is bounded (``limits.py``): connections are capped at accept
 (``accept.py``), a frame's body counts against a global buffer budget before it is read and
-must arrive within a timeout, a connection runs at most two ``get``s at a time until their
-values are written out, and the watch (``watch.py``) closes slow readers, idle connections and,
+must arrive within a timeout, a connection runs one ``get`` at a time until its value is
+written out, and the watch (``watch.py``) closes slow readers, idle connections and,
 when the budget is spent, those holding more than their share.
 """
 
@@ -114,7 +114,8 @@ class Daemon:
         self.service.counters.declare(
             [f"connections_closed_{reason}" for reason in CLOSE_REASONS]
             + ["connections_refused_cap", "connections_refused_no_fds",
-               "accept_out_of_resources", "frames_timed_out", "frames_refused_budget"])
+               "accept_out_of_resources", "accept_errors", "frames_timed_out",
+               "frames_refused_budget"])
         acceptor = Acceptor(self._sock, self.limits.connection_cap, lambda: self._num_open,
                             self._on_accept, self._count_event)
         tasks = [asyncio.create_task(acceptor.run()), asyncio.create_task(self._sweep_leases()),
@@ -126,6 +127,7 @@ class Daemon:
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # the acceptor left the socket
             self._sock.close()
             await self._drop_all_connections()
             unlink_if_ours(self.socket_path, self._sock_identity)
