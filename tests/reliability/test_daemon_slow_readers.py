@@ -123,3 +123,35 @@ def test_stalled_partial_frames_are_bounded_and_timed_out(make_daemon) -> None:
     assert sampler.peak - before < 128 * MIB, f"peak {sampler.peak / MIB:.0f} MiB"
     assert after - before < 48 * MIB
     assert fresh_s < 5.0
+
+
+def test_over_budget_readers_are_cut_before_their_timeout(make_daemon) -> None:
+    # 16 unread 8 MiB values against a 64 MiB budget, a 60 s slow-reader timeout: the budget,
+    # not the timeout, cuts off those over their share until what is held fits again.
+    daemon: RunningDaemon = make_daemon("--max-buffered-bytes", "64MiB",
+                                        "--slow-reader-timeout", "60", dram="64MiB")
+    with daemon.client() as c:
+        c.put(b"big", bytes(range(256)) * (VALUE_BYTES // 256))
+    socks = []
+    frames = _get_frames(b"big", 4)
+    for _ in range(NUM_CONNECTIONS):
+        sock = raw_connect(daemon.socket_path)
+        sock.sendall(frames)
+        socks.append(sock)
+
+    def over_budget() -> int:
+        with daemon.client() as c:
+            return c.stats()["daemon"]["events"]["connections_closed_over_budget"]
+
+    try:
+        assert wait_until(lambda: over_budget() >= NUM_CONNECTIONS // 4, timeout_s=10), \
+            over_budget()
+        fresh_s = _fresh_client_round(daemon)
+        with daemon.client() as c:
+            events = c.stats()["daemon"]["events"]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert events["connections_closed_slow_reader"] == 0  # the timeout never came into it
+    assert events["connections_closed_over_budget"] < NUM_CONNECTIONS  # only those over share
+    assert fresh_s < 5.0
