@@ -70,16 +70,21 @@ def _daemon(*flags: str) -> Iterator[tuple[subprocess.Popen, Path, str, list[str
             proc.wait(5)
 
 
-def _open_idle(socket_path: Path, num: int) -> list[socket.socket]:
-    """Connect ``num`` clients that never send a byte (a full backlog refuses the rest)."""
-    socks = []
-    for _ in range(num):
+def _open_idle(socket_path: Path, num: int, retry_s: float = 2.0) -> list[socket.socket]:
+    """Connect ``num`` clients that never send a byte. A full backlog (EAGAIN) is retried for
+    up to ``retry_s`` in all, then the rest are given up."""
+    socks: list[socket.socket] = []
+    give_up_at = time.monotonic() + retry_s
+    while len(socks) < num:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         if sock.connect_ex(str(socket_path)) in (0, errno.EINPROGRESS):
             socks.append(sock)
-        else:
-            sock.close()
+            continue
+        sock.close()
+        if time.monotonic() > give_up_at:
+            break
+        time.sleep(0.005)
     return socks
 
 
