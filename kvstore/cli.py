@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.cli_limits import add_limit_flags, limits_from_args
 from kvstore.cli_stats import stats_command
 from kvstore.cli_support import OneLineParser, add_version, package_version
 from kvstore.sizes import format_bytes, parse_size
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning",
                        choices=("debug", "info", "warning", "error"),
                        help="log level of the daemon's loggers (stderr)")
+    add_limit_flags(serve)
     serve.add_argument("--cluster", default=None, metavar="redis://HOST:PORT/DB",
                        help="share blocks with other daemons through this Redis index "
                             "(Redis 6.2+, standalone; default: no cluster)")
@@ -147,6 +149,14 @@ def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
         raise UsageError("--ssd-size needs --ssd-dir")
     ssd_dir = _check_ssd_dir(args.ssd_dir) if ssd_size > 0 else None
     from kvstore.store.tiered import StoreConfig
+
+    if ssd_dir is not None:  # refused now, not sparse files and ENOSPC at every demotion
+        from kvstore.store.ssd.room import check_room
+
+        try:
+            check_room(ssd_dir, ssd_size, StoreConfig.ssd_max_file_bytes)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
     try:
         return StoreConfig(dram_bytes=args.dram, ssd_dir=ssd_dir, ssd_bytes=ssd_size,
@@ -288,7 +298,12 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
                       debug_hash_bits=env.debug_hash_bits, version=package_version())
-    daemon = Daemon(service, socket_path)
+    try:
+        limits = limits_from_args(args)
+    except ValueError as exc:
+        store.close()
+        raise UsageError(str(exc)) from None
+    daemon = Daemon(service, socket_path, limits=limits)
     admin = None
     cluster_line = None
     try:

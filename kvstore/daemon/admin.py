@@ -222,6 +222,9 @@ class AdminServer:
         self.host, self.port = self._sock.getsockname()[:2]
         config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
                                 lifespan="off")
+        # Now, not lazily on the thread: its imports need file descriptors, and a daemon out of
+        # them (clients holding every one) must not lose its admin app for good.
+        config.load()
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._sock]},

@@ -47,10 +47,11 @@ class BlockVerbs:
 
     def put(self, args: dict, ctx: CallContext) -> dict:
         namespace, block_hash = self._bytes_key(args.get("namespace", "default"), args["key"])
-        stored = self._store.put(namespace, block_hash, args["key"], args["value"])
-        if stored:
-            self._cluster.on_stored(namespace, [block_hash])
-        return {"stored": stored}
+        # A put replaces: the new value wins in every tier here (readers see old or new, never
+        # a mix), and the key is advertised again for the cluster's index.
+        replaced = self._store.replace(namespace, block_hash, args["key"], args["value"])
+        self._cluster.on_stored(namespace, [block_hash])
+        return {"stored": True, "replaced": replaced}
 
     def get(self, args: dict, ctx: CallContext) -> dict:
         namespace, block_hash = self._bytes_key(args.get("namespace", "default"), args["key"])

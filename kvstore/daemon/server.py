@@ -5,6 +5,12 @@ deadline. A frame that cannot be read as a request gets an error reply and its c
 other connections never notice. A closed connection's leases and registrations are dropped. A
 request may be answered out of order: replies carry the request's id. SIGTERM/SIGINT stop the
 loop, drop every connection, and close the store.
+
+What clients may hold is bounded (``limits.py``): connections are capped at accept
+(``accept.py``), a frame's body counts against a global buffer budget before it is read and
+must arrive within a timeout, a connection runs one ``get`` at a time until its value is
+written out, and the watch (``watch.py``) closes slow readers, idle connections and,
+when the budget is spent, those holding more than their share.
 """
 
 from __future__ import annotations
@@ -15,14 +21,20 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvstore.daemon import memory
+from kvstore.daemon.accept import Acceptor
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
+from kvstore.daemon.connection import BULK_REPLY_VERBS, Connection, encode_reply
+from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
+from kvstore.daemon.watch import CLOSE_REASONS, ConnectionWatch
 from kvstore.wire import protocol as proto
 from kvstore.wire.listener import bind_unix_socket, peer_uid, socket_identity, unlink_if_ours
 
@@ -37,28 +49,8 @@ _COPY_VERBS = frozenset({"save", "load"})
 # ``evicted`` only touch the HBM tier's index; on the loop they also keep one connection's
 # publications in the order it sent them.
 INLINE_VERBS = frozenset({"health", "lookup", "release", "resident", "evicted"})
-
-
-class _Connection:
-    def __init__(self, conn_id: int, writer: asyncio.StreamWriter, max_inflight: int) -> None:
-        self.owner = f"conn-{conn_id}"
-        self.writer = writer
-        self.slots = asyncio.Semaphore(max_inflight)
-        self.write_lock = asyncio.Lock()
-        self.contexts: set[CallContext] = set()
-        self.tasks: set[asyncio.Task] = set()
-
-    async def send(self, reply: dict, max_frame_bytes: int) -> None:
-        try:
-            frame = proto.encode_frame(reply, max_frame_bytes)
-        except proto.ProtocolError as exc:  # e.g. a get whose value outgrew the frame limit
-            frame = proto.encode_frame(proto.error_reply(reply.get("id"), exc.code, exc.message))
-        async with self.write_lock:
-            if self.writer.is_closing():
-                return
-            self.writer.writelines(frame)
-            with contextlib.suppress(ConnectionError):
-                await self.writer.drain()
+# Frames up to this size are read without asking the buffer budget: requests, not payloads.
+_SMALL_FRAME_BYTES = 64 * 1024
 
 
 class Daemon:
@@ -71,7 +63,8 @@ class Daemon:
                  max_inflight_per_connection: int = 64,
                  allowed_uids: frozenset[int] | None = None,
                  inline_verbs: frozenset[str] = INLINE_VERBS,
-                 flush_on_exit: bool = True) -> None:
+                 flush_on_exit: bool = True,
+                 limits: ConnectionLimits | None = None) -> None:
         self.service = service
         self.socket_path = Path(socket_path)
         self.max_frame_bytes = max_frame_bytes
@@ -83,8 +76,11 @@ class Daemon:
         self.allowed_uids = allowed_uids if allowed_uids is not None else frozenset({os.getuid()})
         self.executor = ThreadPoolExecutor(max_workers or max(8, 2 * (os.cpu_count() or 1)),
                                            thread_name_prefix="kvstore-worker")
+        self.limits = limits if limits is not None else ConnectionLimits()
+        self._watch = ConnectionWatch(self.limits, self._count_event)
         self._conn_ids = itertools.count(1)
-        self._connections: set[_Connection] = set()
+        self._connections: set[Connection] = set()
+        self._num_open = 0  # accepted and not yet closed, counted from accept on
         self._handlers: set[asyncio.Task] = set()
         self._sock = None
         self._sock_identity: tuple[int, int] | None = None
@@ -114,21 +110,33 @@ class Daemon:
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(signum, self._stop.set)
-        server = await asyncio.start_unix_server(self._on_connect, sock=self._sock,
-                                                 limit=2**16)
-        sweeper = asyncio.create_task(self._sweep_leases())
+        memory.use_mmap_for_large_buffers()  # big replies' memory goes back when freed
+        self.service.counters.declare(
+            [f"connections_closed_{reason}" for reason in CLOSE_REASONS]
+            + ["connections_refused_cap", "connections_refused_no_fds",
+               "accept_out_of_resources", "accept_errors", "frames_timed_out",
+               "frames_refused_budget"])
+        acceptor = Acceptor(self._sock, self.limits.connection_cap, lambda: self._num_open,
+                            self._on_accept, self._count_event)
+        tasks = [asyncio.create_task(acceptor.run()), asyncio.create_task(self._sweep_leases()),
+                 asyncio.create_task(self._watch.run(lambda: list(self._connections)))]
         try:
             if on_ready is not None:
                 on_ready()
             await self._stop.wait()
         finally:
-            sweeper.cancel()
-            server.close()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # the acceptor left the socket
+            self._sock.close()
             await self._drop_all_connections()
             unlink_if_ours(self.socket_path, self._sock_identity)
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.service.close()
             self._close_store()
+
+    def _count_event(self, name: str) -> None:
+        self.service.counters.add(**{name: 1})
 
     def _close_store(self) -> None:
         store = self.service.store
@@ -161,18 +169,27 @@ class Daemon:
 
     # ------------------------------------------------------------------------- connections
 
-    async def _on_connect(self, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
+    def _on_accept(self, sock: socket.socket) -> None:
+        self._num_open += 1
+        task = asyncio.create_task(self._on_connect(sock))
         self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _on_connect(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=2**16)
+        except OSError:
+            sock.close()
+            self._num_open -= 1
+            return
         try:
             await self._serve_connection(reader, writer)
         finally:
-            self._handlers.discard(task)
+            self._num_open -= 1
 
     async def _serve_connection(self, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
-        conn = _Connection(next(self._conn_ids), writer, self.max_inflight)
+        conn = Connection(next(self._conn_ids), reader, writer, self.max_inflight)
         uid = peer_uid(writer.get_extra_info("socket"))
         if uid not in self.allowed_uids:
             self.service.count("connect", proto.PERMISSION_DENIED)
@@ -189,6 +206,8 @@ class Daemon:
             pass
         finally:
             self._connections.discard(conn)
+            if conn.held_large or conn.closed_reason is not None:
+                self._watch.request_release()
             for ctx in conn.contexts:
                 ctx.cancel()  # an engine that died needs no more copies
             # Leases and mappings go now; copies still running finish their current block first.
@@ -198,7 +217,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _read_requests(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
+    async def _read_requests(self, reader: asyncio.StreamReader, conn: Connection) -> None:
         while True:
             try:
                 header = await reader.readexactly(proto.HEADER_BYTES)
@@ -207,18 +226,32 @@ class Daemon:
                     await self._refuse(conn, None, proto.MALFORMED_FRAME, "truncated frame header")
                 return
             received_at = time.monotonic()  # the deadline runs from here
+            conn.last_activity = received_at
             try:
                 length = proto.frame_length(header, self.max_frame_bytes)
-                body = await reader.readexactly(length)
             except proto.ProtocolError as exc:  # oversized: the body is never read
                 await self._refuse(conn, None, exc.code, exc.message)
                 return
+            problem = await self._take_body_room(conn, length)
+            if problem is not None:
+                await self._refuse(conn, None, proto.RESOURCE_EXHAUSTED, problem)
+                return
+            try:
+                body = await asyncio.wait_for(reader.readexactly(length),
+                                              self.limits.frame_timeout_s)
             except asyncio.IncompleteReadError:
                 return  # the peer went away mid-frame; nobody to answer
+            except asyncio.TimeoutError:
+                self._count_event("frames_timed_out")
+                await self._refuse(conn, None, proto.RESOURCE_EXHAUSTED,
+                                   f"a {length}-byte frame did not arrive within "
+                                   f"{self.limits.frame_timeout_s:g} s")
+                return
             try:
                 request = proto.parse_request(proto.decode_body(body, check_plain=False),
                                               self.default_deadline_ms)
             except proto.ProtocolError as exc:
+                conn.body_bytes -= length
                 if exc.code == proto.MALFORMED_FRAME:
                     await self._refuse(conn, exc.request_id, exc.code, exc.message)
                     return
@@ -226,12 +259,46 @@ class Daemon:
                 await conn.send(proto.error_reply(exc.request_id, exc.code, exc.message),
                                 self.max_frame_bytes)
                 continue
+            del body
             await conn.slots.acquire()  # backpressure: stop reading at max in-flight requests
-            task = asyncio.create_task(self._answer(conn, request, received_at))
+            task = asyncio.create_task(self._answer(conn, request, received_at, length))
             conn.tasks.add(task)
             task.add_done_callback(conn.tasks.discard)
 
-    async def _refuse(self, conn: _Connection, request_id: int | None, code: str,
+    async def _take_body_room(self, conn: Connection, length: int) -> str | None:
+        """Count a frame's body against the buffer budget, waiting (at most the frame timeout)
+        for room if it is spent; None when taken, else why not (the frame is refused)."""
+        budget = self.limits.max_buffered_bytes
+        give_up_at = time.monotonic() + self.limits.frame_timeout_s
+        while length > _SMALL_FRAME_BYTES:
+            held = self._watch.buffered_bytes(self._connections)
+            if held == 0 or held + length <= budget:  # alone, a frame over budget still goes
+                break
+            left_s = give_up_at - time.monotonic()
+            if left_s <= 0:
+                self._count_event("frames_refused_budget")
+                return (f"a {length}-byte frame does not fit the daemon's buffer budget "
+                        f"({budget} bytes, --max-buffered-bytes) now")
+            await self._watch.wait_for_room(left_s)
+        conn.body_bytes += length
+        conn.held_large = conn.held_large or length > _SMALL_FRAME_BYTES
+        return None
+
+    async def _wait_for_reply_room(self, conn: Connection, received_at: float,
+                                   deadline_ms: int) -> None:
+        """A connection holding unread replies starts no bulk reply while the buffer budget is
+        spent (until the watch cut someone off, or its deadline). One holding none goes on:
+        a client that reads is never held back by those that do not."""
+        give_up_at = received_at + deadline_ms / 1000.0
+        while (conn.unread_bytes() > 0 and not conn.closing
+               and self._watch.buffered_bytes(self._connections)
+               >= self.limits.max_buffered_bytes):
+            left_s = give_up_at - time.monotonic()
+            if left_s <= 0:
+                return  # the request answers deadline_exceeded
+            await self._watch.wait_for_room(left_s)
+
+    async def _refuse(self, conn: Connection, request_id: int | None, code: str,
                       message: str) -> None:
         self.service.count("invalid", code)
         await conn.send(proto.error_reply(request_id, code, message + "; closing the connection"),
@@ -239,27 +306,42 @@ class Daemon:
 
     # ---------------------------------------------------------------------------- requests
 
-    async def _answer(self, conn: _Connection, request: proto.Request,
-                      received_at: float) -> None:
-        deadline = received_at + request.deadline_ms / 1000.0
-        timeout_s = max(0.0, deadline - time.monotonic())
-        ctx = CallContext(owner=conn.owner, deadline=deadline,
-                          on_loop=request.verb in self.inline_verbs)
-        conn.contexts.add(ctx)
+    async def _answer(self, conn: Connection, request: proto.Request,
+                      received_at: float, body_bytes: int) -> None:
+        bulk = request.verb in BULK_REPLY_VERBS
         try:
+            if bulk:  # held until the value is written out (connection.py)
+                await conn.bulk_slots.acquire()
+                await self._wait_for_reply_room(conn, received_at, request.deadline_ms)
+            if conn.closing:  # cut off meanwhile: nobody will read the reply
+                return
+            deadline = received_at + request.deadline_ms / 1000.0
+            timeout_s = max(0.0, deadline - time.monotonic())
+            ctx = CallContext(owner=conn.owner, deadline=deadline,
+                              on_loop=request.verb in self.inline_verbs)
+            conn.contexts.add(ctx)
             try:
-                reply = await self._execute(request, ctx, timeout_s)
-            except Exception as exc:  # never leave a client waiting on a reply that cannot come
-                log.exception("%s failed", request.verb)
-                reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
+                try:
+                    reply = await self._execute(request, ctx, timeout_s)
+                except Exception as exc:  # never leave a client waiting on a reply
+                    log.exception("%s failed", request.verb)
+                    reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
+                finally:
+                    conn.contexts.discard(ctx)
+                    conn.body_bytes -= body_bytes  # the request's bytes are consumed
+                    body_bytes = 0
+                error = reply["error"]["code"] if not reply["ok"] else None
+                self.service.count(request.verb, error, time.monotonic() - received_at)
+                frame = encode_reply(reply, self.max_frame_bytes)
+                del reply  # a get's value: only the frame holds its bytes from here
+                await conn.send_frame(frame)
             finally:
-                conn.contexts.discard(ctx)
-            error = reply["error"]["code"] if not reply["ok"] else None
-            self.service.count(request.verb, error, time.monotonic() - received_at)
-            await conn.send(reply, self.max_frame_bytes)
+                if bulk:
+                    conn.bulk_slots.release()
         finally:
+            conn.body_bytes -= body_bytes
             # Held until the reply is written out: a client that stops reading stalls only its
-            # own connection (at max in-flight requests), never the daemon's memory.
+            # own connection (at max in-flight requests); the watch cuts it off.
             conn.slots.release()
 
     async def _execute(self, request: proto.Request, ctx: CallContext,

@@ -129,6 +129,15 @@ class BlockStore(ABC):
         """
 
     @abstractmethod
+    def replace(self, namespace: bytes, block_hash: bytes, ident: bytes,
+                data: bytes | memoryview, wait_s: float = 5.0) -> bool:
+        """Store a copy of ``data``, replacing any block under the same key in every tier.
+
+        A reader sees the old block or the new one, never a mix. True when an older block was
+        replaced; StoreError when the old one stays pinned by a reader for ``wait_s``.
+        """
+
+    @abstractmethod
     def remove(self, namespace: bytes, block_hash: bytes) -> bool:
         """Drop a block from every tier unless pinned; True if something was dropped."""
 

@@ -49,7 +49,7 @@ COUNTERS = (
     "leases_granted", "leases_expired", "puts", "put_bytes", "duplicate_puts",
     "put_collisions_dropped", "collisions_replaced", "put_too_large", "aborts", "evictions",
     "dram_releases", "demotions", "demotion_failures", "promotions", "promotion_failures",
-    "removes",
+    "removes", "puts_replaced", "put_busy",
 )
 
 
@@ -115,6 +115,15 @@ class TieredStore(BlockStore):
     def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
                     num_bytes: int) -> WriteSlot | None:
         return self._writes.begin_write(namespace, block_hash, ident, num_bytes)
+
+    def replace(self, namespace: bytes, block_hash: bytes, ident: bytes,
+                data: bytes | memoryview, wait_s: float = 5.0) -> bool:
+        try:
+            return self._writes.replace(namespace, block_hash, ident, memoryview(data).cast("B"),
+                                        wait_s)
+        finally:
+            if self._drops.pending:  # room was made by evicting blocks
+                self._drops.report()
 
     def remove(self, namespace: bytes, block_hash: bytes) -> bool:
         key = self._keys.key(namespace, block_hash)

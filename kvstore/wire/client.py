@@ -188,9 +188,15 @@ class Client:
 
     # ----------------------------------------------------------------------- the bytes API
 
-    def put(self, key: bytes, value: Any, namespace: str = "default") -> None:
-        """Store ``value`` (bytes, memoryview, any buffer such as a numpy array) under ``key``."""
-        self.call("put", {"namespace": namespace, "key": bytes(key), "value": _as_bytes(value)})
+    def put(self, key: bytes, value: Any, namespace: str = "default") -> str:
+        """Store ``value`` (bytes, memoryview, any buffer such as a numpy array) under ``key``.
+
+        A put replaces: returns "stored" for a new key, "replaced" when an older value under
+        ``key`` was replaced (in every tier of the daemon). ClientError if it could not be.
+        """
+        reply = self.call("put", {"namespace": namespace, "key": bytes(key),
+                                  "value": _as_bytes(value)})
+        return "replaced" if reply.get("replaced") else "stored"
 
     def get(self, key: bytes, namespace: str = "default") -> bytes | None:
         """Exactly the bytes put under ``key``, or None."""

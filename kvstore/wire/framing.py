@@ -32,6 +32,7 @@ NOT_FOUND = "not_found"
 UNSUPPORTED = "unsupported"
 STORE_ERROR = "store_error"
 SHUTTING_DOWN = "shutting_down"
+RESOURCE_EXHAUSTED = "resource_exhausted"  # connection cap, buffer budget, timeouts
 INTERNAL = "internal"
 
 

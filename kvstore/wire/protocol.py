@@ -13,7 +13,7 @@ connection that made them):
 
   health      {}                                    -> {status, uptime_s, pid, version}
   stats       {}                                    -> store stats + {daemon: {...}}
-  put         {namespace?: str, key: bin, value: bin} -> {stored: bool}
+  put         {namespace?: str, key: bin, value: bin} -> {stored: bool, replaced: bool}
   get         {namespace?: str, key: bin}           -> {value: bin | nil, tier: str | nil}
   lookup      {namespace: h16, hashes: [h16], idents: [bin], lease_ttl_s?: num | nil}
                                                     -> {num_hit, tiers: [str], lease_id | nil}
@@ -63,6 +63,7 @@ from kvstore.wire.framing import (
     MAX_REQUEST_ID,
     NOT_FOUND,
     PERMISSION_DENIED,
+    RESOURCE_EXHAUSTED,
     SHUTTING_DOWN,
     STORE_ERROR,
     UNKNOWN_VERB,
@@ -88,7 +89,8 @@ __all__ = [
     "BAD_REQUEST", "DEADLINE_EXCEEDED", "DEFAULT_DEADLINE_MS", "FRAME_TOO_LARGE", "HEADER",
     "HEADER_BYTES", "INTERNAL", "MALFORMED_FRAME", "MAX_DEADLINE_MS", "MAX_FRAME_BYTES",
     "MAX_IDENT_LEN", "MAX_NESTING", "MAX_REQUEST_ID", "NOT_FOUND", "PERMISSION_DENIED",
-    "SCHEMAS", "SHUTTING_DOWN", "STORE_ERROR", "UNKNOWN_VERB", "UNSUPPORTED", "FrameDecoder",
+    "RESOURCE_EXHAUSTED", "SCHEMAS", "SHUTTING_DOWN", "STORE_ERROR", "UNKNOWN_VERB",
+    "UNSUPPORTED", "FrameDecoder",
     "ProtocolError", "Request", "decode_body", "encode_frame", "error_reply", "expand_tier_runs",
     "frame_length", "lookup_items", "ok_reply", "pack_lookup", "parse_request", "split_packed",
     "tier_runs", "validate_args",

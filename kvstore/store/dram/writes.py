@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 
 from kvstore.store.block_store import StoreError, WriteSlot
@@ -104,6 +105,75 @@ class WritePath:
                 if self._ssd.remove(entry):
                     self._counters["collisions_replaced"] += 1
         return None
+
+    def replace(self, namespace: bytes, block_hash: bytes, ident: bytes, data: memoryview,
+                wait_s: float) -> bool:
+        """Store ``data`` under the key, replacing the block it holds in every tier, if any.
+
+        Atomic for readers: the new bytes are copied into DRAM first, off the index; then, in
+        one hold of the store's lock, the old block leaves DRAM and SSD and the new one becomes
+        READY, so a lookup finds the old block or the new one, never neither, never a mix.
+        An old block being read (pinned by a lease), written or demoted is waited for, at most
+        ``wait_s``; then StoreError. True when an older block was replaced.
+        """
+        key = self._keys.key(namespace, block_hash)
+        num_bytes = data.nbytes
+        with self._guard.cond:
+            self._guard.check_open()
+            if self._pool.reserved_size(num_bytes) > self._pool.capacity_bytes:
+                self._counters["put_too_large"] += 1
+                raise StoreError(f"a {num_bytes} B block can never fit the "
+                                 f"{self._pool.capacity_bytes} B DRAM pool")
+            alloc = self._demoter.allocate_locked(num_bytes)
+        published = False
+        try:
+            # The allocation belongs to no block yet: nothing else reads or writes it.
+            padded = self._pool.view(alloc, padded=True)
+            padded[:num_bytes] = data
+            padded[num_bytes:] = bytes(len(padded) - num_bytes)
+            deadline = time.monotonic() + wait_s
+            with self._guard.cond:
+                while not self._may_replace_locked(key):
+                    if time.monotonic() >= deadline:
+                        self._counters["put_busy"] += 1
+                        raise StoreError(f"put could not replace the value: its block stayed "
+                                         f"in use (read, written or moved) for {wait_s:g} s")
+                    self._guard.cond.wait(0.01)
+                    self._guard.check_open()
+                replaced = self._drop_for_replace_locked(key)
+                block = self._dram.reserve(key, bytes(ident), alloc)
+                self._dram.publish(block)
+                published = True
+                self._counters["puts"] += 1
+                self._counters["put_bytes"] += num_bytes
+                self._counters["puts_replaced"] += replaced
+                self._demoter.note_growth_locked()
+                return replaced
+        finally:
+            if not published:
+                with self._guard.cond:
+                    self._pool.free(alloc)
+
+    def _may_replace_locked(self, key: bytes) -> bool:
+        cur = self._dram.get(key)
+        if cur is not None and (cur.state is not BlockState.READY or self._dram.is_pinned(cur)
+                                or cur.demoting):
+            return False
+        entry = self._ssd.lookup(key) if self._ssd is not None else None
+        return entry is None or not entry.pins
+
+    def _drop_for_replace_locked(self, key: bytes) -> bool:
+        """Drop the key's block from DRAM and SSD (checked unpinned); no drop is reported: the
+        key stays held, by the block that replaces it."""
+        cur = self._dram.get(key)
+        if cur is not None:
+            self._dram.drop(cur)
+        entry = self._ssd.lookup(key) if self._ssd is not None else None
+        # New lookups and pins need the store's lock, held here: the entry stays unpinned.
+        removed = entry is not None and self._ssd.remove(entry)
+        if entry is not None and not removed:
+            raise StoreError("the SSD copy of the value could not be removed")
+        return cur is not None or removed
 
     def commit(self, block: Block) -> bool:
         """Publish a filled block; False if it was dropped meanwhile (the store closed...)."""

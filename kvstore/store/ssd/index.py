@@ -212,9 +212,18 @@ class SSDIndex:
                 deferred = {e.key for e in self._deferred}
             return {bytes(k) for k, _ in txn.cursor()}, deferred
 
-    def close(self) -> None:
+    def close(self, read_only_reported: bool = False) -> None:
+        """Sync and close. A sync that fails (the filesystem went read-only after an error) is
+        logged, never raised: every commit made before is as durable as the disk let it be,
+        and a stop must not fail over it. ``read_only_reported``: the tier already said the
+        filesystem is read-only (then this is no news: logged at info)."""
         with self._lock:
-            self._env.sync(True)
+            try:
+                self._env.sync(True)
+            except lmdb.Error as exc:
+                log.log(logging.INFO if read_only_reported else logging.WARNING,
+                        "SSD index %s: final sync failed (%s); entries committed before stay "
+                        "as the disk kept them", self.path, exc)
             self._env.close()
 
     def _open(self, reserve_bytes: int) -> None:

@@ -16,10 +16,7 @@ evicted.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,8 +24,10 @@ from pathlib import Path
 
 from kvstore.store.eviction import make_policy
 from kvstore.store.ssd.catalog import SSDCatalog
+from kvstore.store.ssd.dir_lock import DirLock
 from kvstore.store.ssd.files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
 from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum, layout_key
+from kvstore.store.ssd.room import index_reserve_bytes, tier_layout
 from kvstore.store.ssd.writer import SSDWrite, SSDWriter
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,8 @@ DEFAULT_MAX_FILE_BYTES = 4 << 30
 # Every outcome the tier counts, present from the start so exported series never appear late.
 COUNTERS = (
     "writes", "write_bytes", "write_rejected", "write_no_room", "write_errors", "enospc",
-    "reads", "read_bytes", "corrupt", "read_errors", "evictions", "replaced", "removes",
+    "write_read_only", "reads", "read_bytes", "corrupt", "read_errors", "evictions", "replaced",
+    "removes",
     "lost_at_start", "index_resets", "index_commit_failures", "layout_resets", "sparse_files",
     "direct_io_fallbacks",
 )
@@ -50,15 +50,16 @@ class SSDTier:
     """Blocks on local disk under ``ssd_dir``, at most ``capacity_bytes`` of data files.
 
     ``io_mode``: "auto" (O_DIRECT when the filesystem takes it), "direct" (required: OSError if
-    refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``.
+    refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``. A
+    capacity beyond the free space is taken (sparse files, ENOSPC later, counted): the daemon
+    refuses that at start (``room.check_room``); tests of a full disk rely on it here.
     ``file_ops`` makes the data files' IO calls (tests inject faults through it).
     """
 
     def __init__(self, ssd_dir: Path | str, capacity_bytes: int, eviction: str = "lru",
                  io_mode: str = "auto", max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  durable: bool = True, file_ops: FileOps = OS_FILE_OPS) -> None:
-        num_files = max(1, -(-capacity_bytes // max(max_file_bytes, ALIGNMENT)))
-        file_bytes = capacity_bytes // num_files // ALIGNMENT * ALIGNMENT
+        num_files, file_bytes = tier_layout(capacity_bytes, max_file_bytes)
         if file_bytes <= 0:
             raise ValueError(f"SSD capacity {capacity_bytes} is below one {ALIGNMENT} B unit")
         if io_mode not in IO_MODES:
@@ -70,11 +71,11 @@ class SSDTier:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._closed = False
-        self._lock_fd = self._take_dir_lock()
+        self._dir_lock = DirLock(self.dir)
         db = None
         try:
             had_data = any(self.dir.glob("data-*.bin"))
-            reserve = min(max(self.capacity_bytes // 2048, 1 << 20), 512 << 20)
+            reserve = index_reserve_bytes(self.capacity_bytes)
             db = SSDIndex(self.dir / "index.lmdb", layout_key(num_files, file_bytes, ALIGNMENT),
                           reserve, durable, ALIGNMENT, had_data, self._counters)
             self._files = DataFiles(self.dir, num_files, file_bytes, io_mode, self._counters,
@@ -82,7 +83,7 @@ class SSDTier:
         except BaseException:
             if db is not None:
                 db.close()
-            os.close(self._lock_fd)
+            self._dir_lock.close()
             raise
         self._db = db
         self._catalog = SSDCatalog(num_files, file_bytes, make_policy(eviction), db,
@@ -232,6 +233,7 @@ class SSDTier:
                 "io_mode": self.io_mode,
                 "io_mode_reason": self.io_mode_reason,
                 "pinned_blocks": self._catalog.num_pinned,
+                "read_only": self._writer.read_only_reason is not None,
                 "counters": dict(self._counters),
             }
 
@@ -253,22 +255,13 @@ class SSDTier:
             if self._closed:
                 return
             self._closed = True
-        self._db.close()
+        self._db.close(read_only_reported=self._writer.read_only_reason is not None)
         self._files.close()
-        os.close(self._lock_fd)
+        self._dir_lock.close()
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("SSD tier is closed")
-
-    def _take_dir_lock(self) -> int:
-        fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise OSError(errno.EBUSY, f"{self.dir} is in use by another kvstore process") from None
-        return fd
 
     def _load_index(self) -> int:
         """Take what LMDB holds; returns the sequence number the next write gets."""

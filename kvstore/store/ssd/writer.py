@@ -51,6 +51,9 @@ class SSDWriter:
         self._next_seq = next_seq
         self._pending: set[bytes] = set()  # keys being written: not visible, not rewritten
         self._commits_in_flight = 0
+        # Set at the first EROFS (ext4 remounts itself read-only after an error): no write can
+        # succeed any more, so none is tried, and the tier says so once instead of per block.
+        self.read_only_reason: str | None = None
 
     def idle_locked(self) -> bool:
         """No write between placement and publication (call with the tier's lock held)."""
@@ -68,6 +71,9 @@ class SSDWriter:
         dropped: list[SSDEntry] = []
         with self._lock:
             self._check_open()
+            if self.read_only_reason is not None:
+                self._counters["write_read_only"] += len(items)
+                return results
             for i, item in enumerate(items):
                 if len(item.key) > MAX_KEY_BYTES or item.num_bytes > self.file_bytes:
                     self._counters["write_rejected"] += 1
@@ -125,6 +131,13 @@ class SSDWriter:
                                       item.num_bytes)
                     break
                 except OSError as exc:
+                    if exc.errno == errno.EROFS:
+                        with self._lock:
+                            self._catalog.free(file_idx, alloc)
+                            self._counters["write_read_only"] += 1
+                        self._note_read_only(exc)
+                        placed = None
+                        break
                     full = exc.errno == errno.ENOSPC
                     with self._lock:
                         self._catalog.free(file_idx, alloc)
@@ -147,7 +160,10 @@ class SSDWriter:
             try:
                 self._files.sync(file_idx)
             except OSError as exc:
-                log.error("fdatasync of %s failed: %s", self._files.paths[file_idx], exc)
+                if exc.errno == errno.EROFS:
+                    self._note_read_only(exc)
+                else:
+                    log.error("fdatasync of %s failed: %s", self._files.paths[file_idx], exc)
                 lost = [e for e in written if e.file_idx == file_idx]
                 written = [e for e in written if e.file_idx != file_idx]
                 with self._lock:
@@ -155,3 +171,12 @@ class SSDWriter:
                         self._catalog.free(file_idx, entry.alloc)
                     self._counters["write_errors"] += len(lost)
         return written
+
+    def _note_read_only(self, exc: OSError) -> None:
+        with self._lock:
+            first = self.read_only_reason is None
+            if first:
+                self.read_only_reason = exc.strerror or str(exc)
+        if first:
+            log.warning("SSD filesystem under %s is read-only (%s): SSD writes stop, new blocks "
+                        "stay in DRAM only", self._files.paths[0].parent, self.read_only_reason)

@@ -53,11 +53,11 @@ def test_namespaces_isolate(daemon: RunningDaemon) -> None:
         assert c.get(b"shared-key", namespace="c") is None
 
 
-def test_put_twice_keeps_the_first(daemon: RunningDaemon) -> None:
+def test_put_twice_replaces(daemon: RunningDaemon) -> None:
     with daemon.client() as c:
-        c.put(b"dup", b"one")
-        c.put(b"dup", b"two")  # a put is idempotent per key: the stored block stays
-        assert c.get(b"dup") == b"one"
+        assert c.put(b"dup", b"one") == "stored"
+        assert c.put(b"dup", b"two") == "replaced"  # a put replaces (README, "put replaces")
+        assert c.get(b"dup") == b"two"
 
 
 def test_default_socket_from_env(daemon: RunningDaemon,

@@ -1,0 +1,157 @@
+"""Issue 21 item 3: the daemon's memory had no global bound. Connections that pipeline large
+``get``s and never read, or send most of a large frame and stall, grew its RSS to gigabytes,
+starved other clients and kept the memory after they closed. Real connections (raw sockets
+sending frames, never reading) against a real daemon; RSS from /proc.
+
+Figures for docs/reliability.md: run with ``-s`` to print them."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+from daemon_helpers import RunningDaemon, raw_connect, wait_until
+from process_stats import RssSampler, rss_bytes
+
+from kvstore.wire import protocol as proto
+
+MIB = 1 << 20
+VALUE_BYTES = 8 * MIB
+NUM_CONNECTIONS = 16
+GETS_PER_CONNECTION = 16
+KILL_ABOVE = 3 << 30  # a daemon past this is killed: the test fails instead of the machine
+
+
+def _get_frames(key: bytes, num: int) -> bytes:
+    return b"".join(b"".join(proto.encode_frame(
+        {"id": i + 1, "verb": "get", "args": {"namespace": "default", "key": key}}))
+        for i in range(num))
+
+
+def _fresh_client_round(daemon: RunningDaemon, deadline_ms: int = 5000) -> float:
+    """Seconds a new client takes to put and get back a small value (within its deadline)."""
+    started = time.monotonic()
+    with daemon.client(timeout_s=deadline_ms / 1000 + 1) as c:
+        c.call("put", {"namespace": "default", "key": b"fresh", "value": b"x" * 1000},
+               timeout_s=deadline_ms / 1000)
+        assert c.get(b"fresh") == b"x" * 1000
+    return time.monotonic() - started
+
+
+def _num_cut(daemon: RunningDaemon) -> int:
+    with daemon.client() as c:
+        events = c.stats()["daemon"]["events"]
+    return events["connections_closed_slow_reader"] + events["connections_closed_over_budget"]
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        while True:
+            data = sock.recv(1 << 20)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_pipelined_gets_without_reading_stay_within_the_budget(make_daemon) -> None:
+    daemon: RunningDaemon = make_daemon("--max-buffered-bytes", "128MiB",
+                                        "--slow-reader-timeout", "2", dram="64MiB")
+    with daemon.client() as c:
+        c.put(b"big", bytes(range(256)) * (VALUE_BYTES // 256))
+    time.sleep(0.3)
+    before = rss_bytes(daemon.proc.pid)
+    socks = []
+    with RssSampler(daemon.proc.pid, kill_above=KILL_ABOVE) as sampler:
+        frames = _get_frames(b"big", GETS_PER_CONNECTION)
+        for _ in range(NUM_CONNECTIONS):
+            sock = raw_connect(daemon.socket_path)
+            sock.sendall(frames)  # and never read a byte
+            socks.append(sock)
+        time.sleep(0.5)
+        fresh_s = _fresh_client_round(daemon)
+        # Asked of the daemon: reading the sockets here would make them readers.
+        assert wait_until(lambda: _num_cut(daemon) == NUM_CONNECTIONS, timeout_s=15), \
+            "slow readers were not cut off"
+        assert all(_closed(s) for s in socks)
+        for sock in socks:
+            sock.close()
+        time.sleep(1.0)
+        after = rss_bytes(daemon.proc.pid)
+    assert not sampler.killed, "the daemon's RSS passed 3 GiB"
+    events = daemon.client().stats()["daemon"]["events"]
+    num_cut = events["connections_closed_slow_reader"] + events["connections_closed_over_budget"]
+    print(f"\nslow readers: RSS before {before / MIB:.0f} MiB, peak {sampler.peak / MIB:.0f} MiB,"
+          f" after {after / MIB:.0f} MiB; fresh client put+get {fresh_s * 1000:.0f} ms; "
+          f"cut off: {events['connections_closed_slow_reader']} slow, "
+          f"{events['connections_closed_over_budget']} over budget")
+    assert num_cut == NUM_CONNECTIONS, events
+    assert sampler.peak - before < 384 * MIB, f"peak {sampler.peak / MIB:.0f} MiB"
+    assert after - before < 64 * MIB, f"after {after / MIB:.0f} MiB, before {before / MIB:.0f}"
+    assert fresh_s < 5.0
+
+
+def test_stalled_partial_frames_are_bounded_and_timed_out(make_daemon) -> None:
+    daemon: RunningDaemon = make_daemon("--max-buffered-bytes", "128MiB",
+                                        "--frame-timeout", "2", dram="16MiB")
+    before = rss_bytes(daemon.proc.pid)
+    socks = []
+    with RssSampler(daemon.proc.pid, kill_above=KILL_ABOVE) as sampler:
+        header = proto.HEADER.pack(200 * MIB)
+        chunk = b"\0" * (16 * MIB)
+        for _ in range(12):  # each announces 200 MiB, sends 16 MiB of it, stalls
+            sock = raw_connect(daemon.socket_path, timeout_s=0.5)
+            with contextlib.suppress(TimeoutError):  # not read (no room): the buffer filled
+                sock.sendall(header + chunk)
+            socks.append(sock)
+        fresh_s = _fresh_client_round(daemon)
+        assert wait_until(lambda: all(_closed(s) for s in socks), timeout_s=15), \
+            "stalled frames were never timed out"
+        for sock in socks:
+            sock.close()
+        time.sleep(0.5)
+        after = rss_bytes(daemon.proc.pid)
+    events = daemon.client().stats()["daemon"]["events"]
+    print(f"\npartial frames: RSS before {before / MIB:.0f} MiB, peak {sampler.peak / MIB:.0f} "
+          f"MiB, after {after / MIB:.0f} MiB; fresh client {fresh_s * 1000:.0f} ms; "
+          f"timed out {events['frames_timed_out']}, refused {events['frames_refused_budget']}")
+    assert events["frames_timed_out"] + events["frames_refused_budget"] == len(socks)
+    assert sampler.peak - before < 128 * MIB, f"peak {sampler.peak / MIB:.0f} MiB"
+    assert after - before < 48 * MIB
+    assert fresh_s < 5.0
+
+
+def test_over_budget_readers_are_cut_before_their_timeout(make_daemon) -> None:
+    # 16 unread 8 MiB values against a 64 MiB budget, a 60 s slow-reader timeout: the budget,
+    # not the timeout, cuts off those over their share until what is held fits again.
+    daemon: RunningDaemon = make_daemon("--max-buffered-bytes", "64MiB",
+                                        "--slow-reader-timeout", "60", dram="64MiB")
+    with daemon.client() as c:
+        c.put(b"big", bytes(range(256)) * (VALUE_BYTES // 256))
+    socks = []
+    frames = _get_frames(b"big", 4)
+    for _ in range(NUM_CONNECTIONS):
+        sock = raw_connect(daemon.socket_path)
+        sock.sendall(frames)
+        socks.append(sock)
+
+    def over_budget() -> int:
+        with daemon.client() as c:
+            return c.stats()["daemon"]["events"]["connections_closed_over_budget"]
+
+    try:
+        assert wait_until(lambda: over_budget() >= NUM_CONNECTIONS // 4, timeout_s=10), \
+            over_budget()
+        fresh_s = _fresh_client_round(daemon)
+        with daemon.client() as c:
+            events = c.stats()["daemon"]["events"]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert events["connections_closed_slow_reader"] == 0  # the timeout never came into it
+    assert events["connections_closed_over_budget"] < NUM_CONNECTIONS  # only those over share
+    assert fresh_s < 5.0
