@@ -99,14 +99,15 @@ class GuardedConnection(asyncio.Protocol):
     def __init__(self, guard: ConnectionGuard, inner: H11Protocol) -> None:
         self._guard = guard
         self._inner = inner
-        self._transport: asyncio.Transport | None = None
+        self._transport: Any = None  # asyncio's or uvloop's transport
         self._admitted = False
         self.owing_since: float | None = None  # when it began to owe a request (None: it does not)
         self.bytes_while_owing = 0
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+    def connection_made(self, transport: Any) -> None:
+        # An asyncio.Transport in duck type only: uvloop's TCPTransport (uvicorn's loop whenever
+        # uvloop is installed) is no subclass of it.
         self._transport = transport
         if not self._guard.admit(self):
             transport.write(_REFUSED)
