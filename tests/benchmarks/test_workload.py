@@ -8,7 +8,8 @@ import random
 import pytest
 
 from benchmarks.multiturn import RequestRecord, summarize
-from benchmarks.multiturn_sweep import evaluate_targets, plan_sizing
+from benchmarks.multiturn_sweep import plan_sizing
+from benchmarks.sweep_report import evaluate_targets
 from benchmarks.workload import WORDS, Conversation, WorkloadConfig, make_conversations, words_text
 
 
