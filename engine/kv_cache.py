@@ -107,14 +107,3 @@ def _check_shm_room(nbytes: int) -> None:
     if nbytes > available:
         raise MemoryError(f"the KV arena needs {nbytes} bytes of /dev/shm, only {available} are "
                           f"free; lower num_kv_blocks or cpu_kv_cache_bytes")
-
-
-def make_kv_cache(device: str, shape: tuple[int, ...], dtype: str) -> KVCache:
-    """The arena for a resolved device."""
-    if device == "cpu":
-        return SharedMemoryKVCache(shape, dtype)
-    if device == "cuda":
-        from engine.cuda_kv_cache import CudaKVCache  # imports CuPy: only on the GPU path
-
-        return CudaKVCache(shape, dtype)
-    raise ValueError(f"unknown device {device!r}; expected 'cpu' or 'cuda'")

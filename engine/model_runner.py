@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from engine.decode_graphs import DecodeGraphs
-from engine.kv_cache import KVCache, make_kv_cache
+from engine.kv_arena import make_kv_cache
+from engine.kv_cache import KVCache
 from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch

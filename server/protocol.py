@@ -74,7 +74,7 @@ def _lone_surrogate_path(value: Any, path: str) -> str | None:
     return None
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by both endpoints. Unknown fields are kept in `model_extra` for the
     serving layer to refuse (or pass, see PASSTHROUGH_FIELDS)."""
 
@@ -149,7 +149,7 @@ class _SamplingFields(BaseModel):
         return value
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
@@ -211,7 +211,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -32,7 +32,7 @@ from server.protocol import (
     RESERVED_TEMPLATE_NAMES,
     ChatCompletionRequest,
     CompletionRequest,
-    _SamplingFields,
+    SamplingFields,
 )
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 from server.tokenize_pool import TokenizePool
@@ -139,7 +139,7 @@ class OpenAIServing:
         return JSONResponse(R.chat_body(job.response_id, job.created, self.model_name, choices))
 
     # ---- preparation -----------------------------------------------------------------------
-    def _check_common(self, body: _SamplingFields) -> None:
+    def _check_common(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
                            f"`{self.model_name}`", param="model", code="model_not_found")
@@ -157,11 +157,11 @@ class OpenAIServing:
             raise APIError(400, "best_of is not supported", param="best_of")
 
     @staticmethod
-    def _tenant(body: _SamplingFields, request: Request) -> str:
+    def _tenant(body: SamplingFields, request: Request) -> str:
         """The request's tenant: its API key's salt and its `cache_salt`, as the engine keys KV."""
         return tenant_salt(request.scope.get(KEY_SALT_SCOPE, ""), body.cache_salt)
 
-    def _prepare(self, body: _SamplingFields, salt: str, prompts: list[list[int]],
+    def _prepare(self, body: SamplingFields, salt: str, prompts: list[list[int]],
                  max_tokens: int | None, prompt_param: str, id_prefix: str,
                  arrival: float, num_logprobs: int | None = None) -> _Job:
         for token_ids in prompts:
@@ -194,7 +194,7 @@ class OpenAIServing:
                 choices[request_id] = R.ChoiceState(index, prompt_index, len(token_ids))
         return _Job(response_id, int(time.time()), arrival, requests, choices)
 
-    def _sampling_params(self, body: _SamplingFields, sample: int, max_tokens: int | None,
+    def _sampling_params(self, body: SamplingFields, sample: int, max_tokens: int | None,
                          num_prompt_tokens: int, num_logprobs: int | None) -> Any:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None

@@ -18,7 +18,7 @@ SHAPE = (6, 3, 2, 16, 2, 64)  # blocks, layers, K/V, block_size, Hkv, D
 def test_arena_is_a_zeroed_allocation_of_its_own() -> None:
     import cupy as cp
 
-    from engine.kv_cache import make_kv_cache
+    from engine.kv_arena import make_kv_cache
 
     cache = make_kv_cache("cuda", SHAPE, "bfloat16")
     try:
