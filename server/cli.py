@@ -224,6 +224,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                    log_config=None,
                                    access_log=uv_level in ("info", "debug", "trace"),
                                    timeout_graceful_shutdown=5, http=guard.protocol_factory,
+                                   # asyncio's loop, also where uvloop is installed: the
+                                   # connection guard's refusals and bounds are built and tested
+                                   # on it (on uvloop no connection past the cap got its 503)
+                                   loop="asyncio",
                                    timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)),
                                    backlog=limits.accept_backlog)
         server = _Server(uv_config, lambda port: _startup_line(engine, model_name, args.host,

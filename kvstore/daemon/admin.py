@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -220,8 +221,10 @@ class AdminServer:
             raise OSError(f"cannot listen for HTTP on {host}:{port}: {exc.strerror}") from None
         self._sock.listen(128)
         self.host, self.port = self._sock.getsockname()[:2]
+        # asyncio's loop, also where uvloop is installed: under descriptor exhaustion uvloop's
+        # server stopped answering /health for good (tests/reliability/test_daemon_fd_exhaustion).
         config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                                lifespan="off")
+                                lifespan="off", loop="asyncio")
         # Now, not lazily on the thread: its imports need file descriptors, and a daemon out of
         # them (clients holding every one) must not lose its admin app for good.
         config.load()
@@ -235,8 +238,15 @@ class AdminServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start serving on the thread; returns once its event loop serves (bounded), so the
+        daemon says ready only after that: a client flood right after cannot leave the admin
+        app without the descriptors its loop needs."""
         self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started and self._thread.is_alive() and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def stop(self) -> None:
         self._server.should_exit = True
