@@ -17,7 +17,13 @@ from typing import Any
 
 from kvstore.cli_limits import add_limit_flags, limits_from_args
 from kvstore.cli_stats import stats_command
-from kvstore.cli_support import OneLineParser, add_version, package_version
+from kvstore.cli_support import (
+    OneLineParser,
+    add_version,
+    package_version,
+    positive_float_arg,
+    size_arg,
+)
 from kvstore.sizes import format_bytes, parse_size
 
 DEFAULT_DRAM = "1GiB"
@@ -32,23 +38,6 @@ class UsageError(Exception):
     """A user mistake: printed as one line, exit status 2."""
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="kvstore", description="Tiered KV-cache block store daemon.")
     add_version(parser)
@@ -59,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--socket", type=Path, default=None,
                        help="control socket path (default: $KVSTORE_SOCKET, else "
                             "$XDG_RUNTIME_DIR/kvstore/kvstore.sock, else /tmp/kvstore-$UID/...)")
-    serve.add_argument("--dram", type=_size, default=parse_size(DEFAULT_DRAM), metavar="SIZE",
+    serve.add_argument("--dram", type=size_arg, default=parse_size(DEFAULT_DRAM), metavar="SIZE",
                        help=f"host DRAM pool, allocated at start (default {DEFAULT_DRAM})")
     serve.add_argument("--pin", choices=("auto", "yes", "no"), default="auto",
                        help="page-lock the DRAM pool for the GPU's copy engines: when CuPy sees "
@@ -67,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(yes: refuse to start without it), or never (no)")
     serve.add_argument("--ssd-dir", type=Path, default=None, metavar="DIR",
                        help="directory of the SSD tier's files (default: no SSD tier)")
-    serve.add_argument("--ssd-size", type=_size, default=None, metavar="SIZE",
+    serve.add_argument("--ssd-size", type=size_arg, default=None, metavar="SIZE",
                        help=f"SSD tier capacity; 0 turns it off (default {DEFAULT_SSD_SIZE} "
                             "with --ssd-dir)")
     serve.add_argument("--ssd-io", choices=("auto", "direct", "buffered"), default="auto",
@@ -76,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http", default=None, metavar="HOST:PORT",
                        help=f"admin HTTP address, or 'off' (default {DEFAULT_HTTP}, or a free "
                             "port on 127.0.0.1 when another daemon holds it)")
-    serve.add_argument("--lease-ttl", type=_positive_float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--lease-ttl", type=positive_float_arg, default=30.0, metavar="SECONDS",
                        help="default lifetime of a lookup's lease (default 30)")
     serve.add_argument("--eviction", choices=("lru", "fifo"), default="lru",
                        help="which unpinned DRAM blocks make room first")

@@ -5,36 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvstore.cli_support import positive_float_arg, positive_int_arg, size_arg
 from kvstore.sizes import parse_size
 
 DEFAULT_MAX_BUFFERED = "1GiB"
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
 
 
 def add_limit_flags(serve: argparse.ArgumentParser) -> None:
@@ -44,23 +18,23 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
         DEFAULT_SLOW_READER_TIMEOUT_S,
     )
 
-    serve.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
+    serve.add_argument("--max-connections", type=positive_int_arg, default=None, metavar="N",
                        help="cap on open client connections; past it a new one gets an error "
                             "frame and is closed (default: half the fd limit, at most 4096)")
-    serve.add_argument("--max-buffered-bytes", type=_size, metavar="SIZE",
+    serve.add_argument("--max-buffered-bytes", type=size_arg, metavar="SIZE",
                        default=parse_size(DEFAULT_MAX_BUFFERED),
                        help="budget for unread replies and partly received frames across all "
                             "connections; when spent, those over their share are closed "
                             f"(default {DEFAULT_MAX_BUFFERED})")
-    serve.add_argument("--frame-timeout", type=_seconds, default=DEFAULT_FRAME_TIMEOUT_S,
+    serve.add_argument("--frame-timeout", type=positive_float_arg, default=DEFAULT_FRAME_TIMEOUT_S,
                        metavar="SECONDS",
                        help="a frame whose header arrived must be complete within this "
                             f"(default {DEFAULT_FRAME_TIMEOUT_S:g})")
-    serve.add_argument("--idle-timeout", type=_seconds, default=DEFAULT_IDLE_TIMEOUT_S,
+    serve.add_argument("--idle-timeout", type=positive_float_arg, default=DEFAULT_IDLE_TIMEOUT_S,
                        metavar="SECONDS",
                        help="close a connection with nothing in flight for this long "
                             f"(default {DEFAULT_IDLE_TIMEOUT_S:g})")
-    serve.add_argument("--slow-reader-timeout", type=_seconds,
+    serve.add_argument("--slow-reader-timeout", type=positive_float_arg,
                        default=DEFAULT_SLOW_READER_TIMEOUT_S, metavar="SECONDS",
                        help="close a connection whose unread replies do not shrink for this "
                             f"long (default {DEFAULT_SLOW_READER_TIMEOUT_S:g})")

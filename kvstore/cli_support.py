@@ -10,6 +10,38 @@ EXIT_USAGE = 2
 DISTRIBUTION = "kvstore-tiered"  # "kvstore" on PyPI is an unrelated project
 
 
+def size_arg(text: str) -> int:
+    """argparse type: a SIZE (``512MiB``, ``4GiB``, ``1.5GB`` or bytes)."""
+    from kvstore.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_float_arg(text: str) -> float:
+    """argparse type: a number > 0 (seconds, mostly)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def positive_int_arg(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
 def package_version() -> str:
     """The installed distribution's version, or ``unknown`` when run from a bare checkout."""
     from importlib.metadata import PackageNotFoundError, version
