@@ -34,6 +34,7 @@ from benchmarks import multiturn_sweep
 from benchmarks.common import command, machine_info, now_iso, percentile, today, write_result
 from benchmarks.multiturn import fmt_num
 from benchmarks.workload import WorkloadConfig
+from kvstore.cli_support import size_arg
 
 PRESETS: dict[str, dict] = {
     "long-context": dict(
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-word", type=float, default=None)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--duration-s", type=float, default=None, help="per configuration")
-    p.add_argument("--dram", type=_size, default=None,
+    p.add_argument("--dram", type=size_arg, default=None,
                    help="daemon DRAM (e.g. 64GiB; default: twice the working set)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -198,15 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name part of the files (default: DEVICE-MODEL)")
     return p
-
-
-def _size(text: str) -> int:
-    from kvstore.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _sweep_args(args: argparse.Namespace, pressure_factor: float) -> argparse.Namespace:

@@ -46,6 +46,7 @@ from benchmarks import multiturn
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.sweep_report import evaluate_targets, plot, point_label, print_report
 from benchmarks.workload import WorkloadConfig, words_text
+from kvstore.cli_support import size_arg
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -289,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="working set / HBM pool in the pressure regime")
     s.add_argument("--fits-kv-blocks", type=int, default=None)
     s.add_argument("--pressure-kv-blocks", type=int, default=None)
-    s.add_argument("--dram", type=_size, default=None, help="daemon DRAM (e.g. 32GiB)")
+    s.add_argument("--dram", type=size_arg, default=None, help="daemon DRAM (e.g. 32GiB)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--max-num-seqs", type=int, default=None, help="default: --users")
@@ -301,15 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name part of the files (default: DEVICE-MODEL)")
     return p
-
-
-def _size(text: str) -> int:
-    from kvstore.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _csv(text: str, allowed: tuple[str, ...], flag: str, parser: argparse.ArgumentParser) -> list:
