@@ -110,3 +110,24 @@ def write_result(out_dir: str | Path, name: str, result: dict, indent: int = 2,
     path = out / name
     path.write_text(json.dumps(result, indent=indent, default=default) + "\n")
     return path
+
+
+def raw_h2d_gbps(num_bytes: int, device: str) -> float | None:
+    """GB/s of one pinned host-to-device cudaMemcpyAsync of ``num_bytes`` (median of 4 after a
+    warm-up, CUDA events); None off CUDA."""
+    if device != "cuda":
+        return None
+    import cupy as cp
+
+    host = cp.cuda.alloc_pinned_memory(num_bytes)
+    dev = cp.cuda.alloc(num_bytes)
+    stream = cp.cuda.Stream(non_blocking=True)
+    times = []
+    for _ in range(5):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        cp.cuda.runtime.memcpyAsync(dev.ptr, host.ptr, num_bytes, 1, stream.ptr)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return num_bytes / statistics.median(times[1:]) / 1e6

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import command, machine_info, now_iso, today, write_result
+from benchmarks.common import command, machine_info, now_iso, raw_h2d_gbps, today, write_result
 from benchmarks.engine import model_dir_for
 from server.demo import start_embedded_daemon
 
@@ -39,25 +39,6 @@ def ttft(engine, prompt: list[int], tag: str) -> tuple[float, dict]:
         for out in engine.step():
             if out.request_id == tag and out.finished:
                 return time.perf_counter() - started, dict(out.cached_tokens_by_tier)
-
-
-def _raw_h2d_gbps(num_bytes: int, device: str) -> float | None:
-    if device != "cuda":
-        return None
-    import cupy as cp
-
-    host = cp.cuda.alloc_pinned_memory(num_bytes)
-    dev = cp.cuda.alloc(num_bytes)
-    stream = cp.cuda.Stream(non_blocking=True)
-    times = []
-    for _ in range(5):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        cp.cuda.runtime.memcpyAsync(dev.ptr, host.ptr, num_bytes, 1, stream.ptr)
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return num_bytes / statistics.median(times[1:]) / 1e6
 
 
 def _hf_prefill_ms(model_dir: Path, lengths: list[int], vocab: int, device: str) -> dict:
@@ -157,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.close()
     daemon.terminate()
     daemon.wait(120)
-    raw_h2d = _raw_h2d_gbps(block_bytes * (max(lengths) // 16), args.device)
+    raw_h2d = raw_h2d_gbps(block_bytes * (max(lengths) // 16), args.device)
     hf = {} if args.no_hf else _hf_prefill_ms(model_dir, lengths, vocab, args.device)
     for n in lengths:
         rows[n]["hf_cold_ms"] = hf.get(n)

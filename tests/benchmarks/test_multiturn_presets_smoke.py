@@ -50,6 +50,21 @@ def test_figures_and_comparison_from_records() -> None:
     assert cmp["met"]["all_speedup"] is False  # 0.8 / 0.3 = 2.67 < 3
 
 
+def test_restores_against_the_bound_from_hbm_hits_of_the_same_run() -> None:
+    hbm_hit = {**_record(1, 0.020), "cached_tokens_by_tier": {"hbm": 900, "dram": 0}}
+    point = {"records": [_record(0, 0.7), hbm_hit, _record(1, 0.0222, restored=1000),
+                         _record(2, 0.0444, restored=1000)], "summary": {"hits": {}}}
+    restores = presets.summarize_point(point, kv_bytes_per_token=1e5, h2d_gbps=50.0)["restores"]
+    assert restores["hbm_hit_ttft_ms_p50"] == pytest.approx(20.0)
+    assert restores["num_hbm_hits"] == 1 and restores["num"] == 2
+    # bound: 1.1 x 2 ms floor + 20 ms = 22.2 ms; one restore on it, one at twice it
+    assert restores["share_within_bound"] == pytest.approx(0.5)
+    assert restores["ttft_over_bound_p90"] == pytest.approx(2.0, rel=0.1)
+    no_hbm = presets.summarize_point({"records": point["records"][2:], "summary": {"hits": {}}},
+                                     kv_bytes_per_token=1e5, h2d_gbps=50.0)["restores"]
+    assert no_hbm["hbm_hit_ttft_ms_p50"] is None and no_hbm["share_within_bound"] is None
+
+
 def test_a_scaled_down_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     code = presets.main(["--preset", "agentic", "--model-dir", str(tiny_model_dir),
                          "--device", "cpu", "--scale", "0.05", "--users", "2", "--rounds", "2",
