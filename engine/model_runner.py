@@ -65,6 +65,18 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs(self.ops, self.model, self.kv_cache.array,
                                             max_table_width, self.block_size)
 
+    def warm_up(self) -> int:
+        """Capture the graphs of one sequence's steps: short prefills of every token bucket and
+        decode at every table width; the number captured (0 without graphs)."""
+        if self.decode_graphs is None or self.prefill_graphs is None:
+            return 0
+        before = self.decode_graphs.num_captures + self.prefill_graphs.num_captures
+        for num_tokens in self.prefill_graphs.tokens:
+            self.prefill_graphs.capture(1, num_tokens)
+        for width in self.decode_graphs.widths:
+            self.decode_graphs.capture(1, width)
+        return self.decode_graphs.num_captures + self.prefill_graphs.num_captures - before
+
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
         """The step's metadata on the device (one copy). The sequences that reach their last
         token this step sample; the others are mid-prefill chunks."""
