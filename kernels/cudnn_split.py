@@ -46,6 +46,7 @@ class CudnnSplitPrefill:
         self._attn = attention
         self._cp = attention.cp
         self._step: _Step | None = None
+        self.num_slices = NUM_SLICES  # per sequence, at most the table's width in blocks
 
     def run(self, q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
             scale: float, max_rows: int):
@@ -55,7 +56,7 @@ class CudnnSplitPrefill:
         num_tokens, num_q_heads, head_dim = q.shape
         _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
         num_seqs, width = block_tables.shape
-        num_slices = min(NUM_SLICES, width)
+        num_slices = min(self.num_slices, width)
         slice_blocks = -(-width // num_slices)
         tail_blocks = tail_width(max_rows, block_size)
         k_ptr, v_ptr, block_stride = self._attn.layer_pointers(kv_cache, layer)
