@@ -73,17 +73,80 @@ def _forward_split(engine, prompt: list[int], tag: str, params, reps: int) -> di
         eager.append(cp.cuda.get_elapsed_time(start, stop))
     graph = runner.ops.capture_graph(lambda: runner.forward(forward_batch))
     for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        replay.append(cp.cuda.get_elapsed_time(start, stop))
+        replay.append(_device_time(cp, graph.replay))
+    attention = _attention_ops(runner, forward_batch, reps)
     engine.abort_request(tag)  # never advanced: its blocks go back at the next step
     engine.step()
     return {"num_tokens": batch.num_tokens, "host_enqueue_ms": statistics.median(host),
             "eager_device_ms": statistics.median(eager),
-            "graph_replay_ms": statistics.median(replay)}
+            "graph_replay_ms": statistics.median(replay), **attention}
+
+
+def _device_time(cp, fn) -> float:
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop)
+
+
+def _attention_ops(runner, forward_batch, reps: int) -> dict:
+    """The step's prefill attention, every layer, on its real tables and context, replayed from
+    a CUDA graph (device time, no launch gaps; per layer): cuDNN split over the context (the
+    default for short queries), cuDNN as one paged call, and our kernel; and the whole forward
+    replayed with each of the latter two (``graph_replay_ms`` is the default's)."""
+    import cupy as cp
+
+    from kernels import attention
+
+    ops, kv = runner.ops, runner.kv_cache.array
+    cfg = runner.model_config
+    fb = forward_batch
+    q = cp.random.standard_normal((fb.token_ids.shape[0], cfg.num_heads, cfg.head_dim),
+                                  dtype=cp.float32).astype(ops.act_dtype)
+    scale = cfg.head_dim ** -0.5
+
+    def every_layer(ours: bool):
+        def run():
+            out = None
+            for layer in range(cfg.num_layers):
+                if ours:
+                    out = attention.paged_attention_prefill(
+                        q, kv, layer, fb.block_tables, fb.cu_seqlens_q, fb.context_lens, scale)
+                else:
+                    out = ops.paged_attention_prefill(
+                        q, kv, layer, fb.block_tables, fb.cu_seqlens_q, fb.context_lens, scale,
+                        fb.max_query_len, fb.max_context_len)
+            return out
+        return run
+
+    def replayed(fn, per: int = 1) -> float | str:
+        try:
+            graph = ops.capture_graph(fn)
+        except Exception as exc:  # a path that cannot be captured says so in the result
+            return f"not captured: {type(exc).__name__}: {exc}"
+        graph.replay()
+        return statistics.median(_device_time(cp, graph.replay) for _ in range(reps)) / per
+
+    out = {"attention_ours_ms": replayed(every_layer(True), cfg.num_layers)}
+    backends = dict(ops.attention_backends)
+    ops.attention_backends["prefill"] = "ours"
+    try:
+        out["graph_replay_ours_attention_ms"] = replayed(lambda: runner.forward(fb))
+    finally:
+        ops.attention_backends.update(backends)
+    cudnn = getattr(ops, "_cudnn", None)
+    if cudnn is None:
+        return out
+    out["attention_cudnn_split_ms"] = replayed(every_layer(False), cfg.num_layers)
+    split, cudnn.split = cudnn.split, None
+    try:
+        out["attention_cudnn_whole_ms"] = replayed(every_layer(False), cfg.num_layers)
+        out["graph_replay_unsplit_ms"] = replayed(lambda: runner.forward(fb))
+    finally:
+        cudnn.split = split
+    return out
 
 
 def profile_length(engine, length: int, args: argparse.Namespace, rng) -> dict:

@@ -83,15 +83,16 @@ class DecodeGraphs:
     def run(self, key: tuple[int, int], host_inputs) -> Array:
         """Replay bucket ``key`` on ``host_inputs`` (packed for that bucket's layout); returns the
         graph's logits buffer (all padded rows; valid until the next replay of this bucket)."""
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._capture(*key)
+        bucket = self._buckets.get(key) or self.capture(*key)
         bucket.inputs.set(host_inputs)
         self.num_replays += 1
         return bucket.graph.replay()
 
-    def _capture(self, rows: int, width: int) -> _Bucket:
-        bucket = _Bucket(self.ops, self.model, self.kv_cache, StepLayout(rows, rows, width))
-        self._buckets[(rows, width)] = bucket
-        self.num_captures += 1
-        return bucket
+    def capture(self, rows: int, width: int) -> _Bucket:
+        """Capture bucket (``rows``, ``width``) now (idempotent; rows and width from
+        ``self.rows`` / ``self.widths``)."""
+        if (rows, width) not in self._buckets:
+            layout = StepLayout(rows, rows, width)
+            self._buckets[(rows, width)] = _Bucket(self.ops, self.model, self.kv_cache, layout)
+            self.num_captures += 1
+        return self._buckets[(rows, width)]

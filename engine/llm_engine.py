@@ -349,6 +349,12 @@ class LLMEngine:
             "kv_offload": self.offload.stats() if self.offload is not None else None,
         }
 
+    def warm_up(self) -> int:
+        """Capture the CUDA graphs one request's short prefill and decode steps replay (the
+        cuDNN graphs they use built with them), so no request pays for it; how many were
+        captured (0 without graphs: CPU, --enforce-eager)."""
+        return self.runner.warm_up()
+
     def reset_prefix_cache(self) -> int:
         """Drop every HBM-cached block no request uses; call between steps (step thread)."""
         num_evicted = self.block_manager.reset_prefix_cache()

@@ -11,10 +11,11 @@ from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.models.rope import cos_sin_cache
+from engine.prefill_graphs import PrefillGraphs
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.step_inputs import pack_step
+from engine.step_inputs import pack_prefill, pack_step
 from engine.weights import CheckpointReader
 from kernels.ops import Array, Ops
 
@@ -41,6 +42,7 @@ class ModelRunner:
         log.info("attention: %s", ops.attention_backend)
         self.kv_cache: KVCache | None = None  # sized after the weights: see allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @property
     def attention_backend(self) -> str:
@@ -56,9 +58,24 @@ class ModelRunner:
         self.kv_cache = make_kv_cache(device, shape, self.ops.kv_dtype)
 
     def enable_decode_graphs(self, max_rows: int, max_table_width: int) -> None:
-        """Replay decode steps from CUDA graphs (after ``allocate_kv_cache``; GPU only)."""
+        """Replay decode steps and short prefill steps from CUDA graphs (after
+        ``allocate_kv_cache``; GPU only)."""
         self.decode_graphs = DecodeGraphs(self.ops, self.model, self.kv_cache.array, max_rows,
                                           max_table_width)
+        self.prefill_graphs = PrefillGraphs(self.ops, self.model, self.kv_cache.array,
+                                            max_table_width, self.block_size)
+
+    def warm_up(self) -> int:
+        """Capture the graphs of one sequence's steps: short prefills of every token bucket and
+        decode at every table width; the number captured (0 without graphs)."""
+        if self.decode_graphs is None or self.prefill_graphs is None:
+            return 0
+        before = self.decode_graphs.num_captures + self.prefill_graphs.num_captures
+        for num_tokens in self.prefill_graphs.tokens:
+            self.prefill_graphs.capture(1, num_tokens)
+        for width in self.decode_graphs.widths:
+            self.decode_graphs.capture(1, width)
+        return self.decode_graphs.num_captures + self.prefill_graphs.num_captures - before
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
         """The step's metadata on the device (one copy). The sequences that reach their last
@@ -93,16 +110,31 @@ class ModelRunner:
         return self.forward(forward_batch), sampling
 
     def _replayed(self, batch: ScheduledBatch) -> tuple[Array, list[Sequence]] | None:
-        """A decode step from a captured graph, or None when it must run eagerly."""
+        """A decode or short prefill step from a captured graph, or None when it must run
+        eagerly."""
         graphs = self.decode_graphs
-        if graphs is None or any(n != 1 for n in batch.num_new_tokens):
+        if graphs is None:
             return None
+        if any(n != 1 for n in batch.num_new_tokens):
+            return self._replayed_prefill(batch)
         key = graphs.bucket(len(batch.seqs), max(len(seq.block_ids) for seq in batch.seqs))
         if key is None:
             return None
         host, _, sampling = pack_step(batch.seqs, batch.num_new_tokens, self.block_size, *key)
         logits = graphs.run(key, host)
         return logits[: len(sampling)], sampling
+
+    def _replayed_prefill(self, batch: ScheduledBatch) -> tuple[Array, list[Sequence]] | None:
+        graphs = self.prefill_graphs
+        if graphs is None or any(seq.num_computed_tokens + n != seq.num_tokens
+                                 for seq, n in zip(batch.seqs, batch.num_new_tokens)):
+            return None  # a mid-prompt chunk samples nothing: eager
+        key = graphs.bucket(len(batch.seqs), batch.num_tokens)
+        if key is None:
+            return None
+        host, _, sampling = pack_prefill(batch.seqs, batch.num_new_tokens, self.block_size,
+                                         key[1], graphs.table_width)
+        return graphs.run(key, host), sampling
 
     def close(self) -> None:
         if self.kv_cache is not None:

@@ -98,3 +98,37 @@ def pack_step(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
         f["cu_seqlens_q"][len(seqs) + 1:] = np.arange(len(seqs) + 1, num_rows + 1)
         f["logits_indices"][:] = np.arange(num_rows)  # row i samples sequence i; padding ignored
     return host, layout, sampling
+
+
+def pack_prefill(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
+                 num_tokens: int, table_width: int,
+                 ) -> tuple[np.ndarray, StepLayout, list[Sequence]]:
+    """A prefill step whose every sequence samples, padded to ``num_tokens`` rows and a table
+    ``table_width`` wide (CUDA graph buckets of short prefills); same return as ``pack_step``.
+
+    The padding rows follow the last sequence's own rows and extend its context by as many keys:
+    query row ``i`` of a sequence sits at ``context_len - q_len + i`` (bottom-right), so its real
+    rows keep their positions and, causal, never see the padding's keys (block 0 or stale slots
+    past its context). Padding rows embed token 0 at position 0 into no slot (-1: no KV write);
+    their outputs are computed and ignored.
+    """
+    host, exact, sampling = pack_step(seqs, num_new_tokens, block_size, table_width=table_width)
+    if len(sampling) != len(seqs):
+        raise ValueError("a padded prefill step must sample every sequence (no mid-prompt chunk)")
+    pad = num_tokens - exact.num_tokens
+    if pad < 0:
+        raise ValueError(f"{exact.num_tokens} tokens do not fit a {num_tokens}-row step")
+    if -(-(int(max(seq.num_tokens for seq in seqs)) + pad) // block_size) > table_width:
+        raise ValueError(f"the padded context does not fit a table {table_width} blocks wide")
+    layout = StepLayout(num_tokens, exact.num_seqs, table_width)
+    padded = np.zeros(layout.bounds[-1], dtype=np.int32)
+    src, dst = exact.views(host), layout.views(padded)
+    real = slice(0, exact.num_tokens)
+    for name in ("token_ids", "positions", "slot_mapping"):
+        dst[name][real] = src[name]
+    dst["slot_mapping"][exact.num_tokens:] = -1
+    for name in ("block_tables", "cu_seqlens_q", "context_lens", "logits_indices"):
+        dst[name][...] = src[name]
+    dst["cu_seqlens_q"][-1] += pad
+    dst["context_lens"][-1] += pad
+    return padded, layout, sampling

@@ -16,18 +16,21 @@ path over 16-token pages for a copy of ~1-2% of the attention's time; short quer
 read the pages in place. Row bounds and table widths are rounded up to powers of two (the table
 padded with block 0, which cuDNN never reads past a sequence's length) so a server builds a few
 dozen graphs, not one per prompt length. ``run_*`` return None where cuDNN refuses a shape; the
-caller then runs our kernel (``kernels/attention.py``), and ``refusals`` says why.
+caller then runs our kernel (``kernels/attention.py``), and ``refusals`` says why. Short queries
+over long contexts split the context instead (``kernels/cudnn_split.py``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kernels.cuda_module import BF16, INT32, check, contiguous
+from kernels.cudnn_split import CudnnSplitPrefill
 from kernels.gather_kv import gather_kv
 from kernels.write_kv import check_arena
 
@@ -43,6 +46,10 @@ _MIN_ROWS = 16  # the smallest query-row bound a prefill graph is built for
 # context would cost more than the attention itself, and the paged path runs.
 _DENSE_ROWS_PER_SEQ = 256
 _MAX_GRAPHS = 256  # built graphs kept (each holds a plan, no device memory of its own)
+# Short queries over long contexts split the context (kernels/cudnn_split.py): up to this many
+# query rows per sequence, from this many context keys (the table's width) on.
+_SPLIT_MAX_ROWS = 256
+_SPLIT_MIN_KEYS = 2048
 
 
 class CudnnUnavailable(RuntimeError):
@@ -87,8 +94,8 @@ class CudnnAttention:
             raise CudnnUnavailable(f"cuDNN {self.backend_version} is older than 9.5 (paged SDPA)")
         import cupy as cp
 
-        self._cp = cp
-        self._cudnn = cudnn
+        self.cp = cp
+        self.cudnn = cudnn
         self.frontend_version = cudnn.__version__
         try:
             self._handle = cudnn.create_handle()
@@ -106,6 +113,8 @@ class CudnnAttention:
         # 2026-11-25; a refusal falls back to the padded dense path, so turning it on is safe
         self.exact = False
         self.calls: dict[tuple, int] = {}  # calls per path: ("exact",), (causal, dense)
+        # short queries over long contexts: split over the context (False: one paged call)
+        self.split: CudnnSplitPrefill | None = CudnnSplitPrefill(self)
 
     @property
     def num_graphs(self) -> int:
@@ -119,11 +128,16 @@ class CudnnAttention:
 
     # -- graphs ------------------------------------------------------------------------------
 
-    def _plan(self, key: tuple) -> _Plan | None:
+    def plan(self, key: tuple, build: Callable[[], _Plan] | None = None) -> _Plan | None:
+        """The built graph of ``key`` (``build()`` makes it the first time; default: the
+        graphs of this file), or None where cuDNN refuses it (remembered, with the reason)."""
         if key in self._plans:
             return self._plans[key]
         try:
-            plan = self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
+            if build is not None:
+                plan = build()
+            else:
+                plan = self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
         except Exception as exc:  # cuDNN refuses the shape (or this backend lacks a feature)
             self.refusals[key] = f"{type(exc).__name__}: {exc}"
             log.warning("cuDNN SDPA refuses %s, our kernel serves it: %s", key, exc)
@@ -133,6 +147,17 @@ class CudnnAttention:
         self._plans[key] = plan
         return plan
 
+    def new_graph(self):
+        """An empty bf16-in, float32-inside cuDNN graph on this handle."""
+        dt = self.cudnn.data_type
+        return self.cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
+                                  compute_data_type=dt.FLOAT, handle=self._handle)
+
+    @staticmethod
+    def make_plan(graph) -> _Plan:
+        """A built graph with its workspace size."""
+        return _Plan(graph, int(graph.get_workspace_size()))
+
     def _build(self, causal: bool, dense: bool, num_seqs: int, max_rows: int,
                table_width: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                block_size: int, block_stride: tuple[int, int], scale: float) -> _Plan:
@@ -140,10 +165,9 @@ class CudnnAttention:
         (prefill), one row per sequence otherwise (decode). K/V are read through the page
         tables from the arena, or (``dense``) from ``[B, table_width * block_size, Hkv, D]``
         buffers that ``gather_kv`` filled."""
-        cudnn = self._cudnn
+        cudnn = self.cudnn
         dt = cudnn.data_type
-        g = cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
-                          compute_data_type=dt.FLOAT, handle=self._handle)
+        g = self.new_graph()
         row_stride = num_q_heads * head_dim  # packed [T, Hq, D] rows
         qo_dim = [num_seqs, num_q_heads, max_rows, head_dim]
         qo_stride = [max_rows * row_stride, head_dim, row_stride, 1]
@@ -190,7 +214,7 @@ class CudnnAttention:
                      head_dim: int, scale: float) -> _Plan:
         """One sequence, dense K/V, built at its bounds and run at its exact sizes (override
         shapes, cuDNN >= 9.18): no padding mask, whose per-row length checks cost ~6% at 16k."""
-        cudnn = self._cudnn
+        cudnn = self.cudnn
         dt = cudnn.data_type
         g = cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
                           compute_data_type=dt.FLOAT, handle=self._handle,
@@ -207,16 +231,17 @@ class CudnnAttention:
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         return _Plan(g, int(g.get_workspace_size()))
 
-    def _execute(self, plan: _Plan, pointers: dict[int, int], **overrides) -> None:
-        cp = self._cp
+    def execute(self, plan: _Plan, pointers: dict[int, int], **overrides) -> None:
+        """Run ``plan`` on the current stream with ``pointers`` (uid -> device address)."""
+        cp = self.cp
         if plan.workspace_bytes > self._workspace.nbytes:
             self._workspace = cp.empty(plan.workspace_bytes, dtype=cp.uint8)
-        self._cudnn.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
+        self.cudnn.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
         plan.graph.execute(pointers, workspace=self._workspace.data.ptr, handle=self._handle,
                            **overrides)
 
     @staticmethod
-    def _layer_pointers(kv_cache, layer: int) -> tuple[int, int, tuple[int, int]]:
+    def layer_pointers(kv_cache, layer: int) -> tuple[int, int, tuple[int, int]]:
         """(K pointer, V pointer, (num_blocks, block stride in elements)) of ``layer``."""
         num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         plane = block_size * num_kv_heads * head_dim
@@ -225,12 +250,15 @@ class CudnnAttention:
 
     # -- per-step metadata ---------------------------------------------------------------
 
-    def _step_meta(self, cu_seqlens_q, block_tables, row_elems: int, table_width: int):
+    def _step_meta(self, layer: int, cu_seqlens_q, block_tables, row_elems: int,
+                   table_width: int):
+        """Derived once per step, at layer 0 (a graph capture re-runs a step on the same
+        arrays: the capture must record the derivation, not reuse the warm-up's result)."""
         meta = self._meta
-        if meta is not None and meta.sources[0] is cu_seqlens_q and \
+        if layer != 0 and meta is not None and meta.sources[0] is cu_seqlens_q and \
                 meta.sources[1] is block_tables and meta.table.shape[1] == table_width:
             return meta
-        cp = self._cp
+        cp = self.cp
         seq_len_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         offsets_q = cu_seqlens_q * np.int32(row_elems)
         table = block_tables
@@ -257,28 +285,36 @@ class CudnnAttention:
         if cu_seqlens_q.shape[0] != num_seqs + 1:
             raise ValueError(f"cu_seqlens_q needs {num_seqs + 1} entries, has "
                              f"{cu_seqlens_q.shape[0]}")
-        out = self._cp.empty_like(q)
         if num_tokens == 0 or num_seqs == 0:
-            return out
+            return self.cp.empty_like(q)
         rows = num_tokens if max_query_len is None else min(num_tokens, max_query_len)
         max_rows = _pow2(rows, _MIN_ROWS)
         width = _pow2(block_tables.shape[1])
+        meta = self._step_meta(layer, cu_seqlens_q, block_tables, num_q_heads * head_dim,
+                               width)
+        if self.split is not None and max_rows <= _SPLIT_MAX_ROWS and \
+                width * shape[3] >= _SPLIT_MIN_KEYS:
+            out = self.split.run(q, kv_cache, layer, meta.table, cu_seqlens_q, context_lens,
+                                 scale, max_rows)
+            if out is not None:
+                self.calls[("split",)] = self.calls.get(("split",), 0) + 1
+                return out
+        out = self.cp.empty_like(q)
         dense = self.gather and num_tokens >= _DENSE_ROWS_PER_SEQ * num_seqs
-        k_ptr, v_ptr, block_stride = self._layer_pointers(kv_cache, layer)
+        k_ptr, v_ptr, block_stride = self.layer_pointers(kv_cache, layer)
         key = (True, dense, num_seqs, max_rows, width, num_q_heads, shape[4], head_dim,
                shape[3], block_stride, float(scale))
-        meta = self._step_meta(cu_seqlens_q, block_tables, num_q_heads * head_dim, width)
         if dense:
             k, v = gather_kv(kv_cache, layer, meta.table)
             k_ptr, v_ptr = k.data.ptr, v.data.ptr
             if num_seqs == 1 and max_query_len == num_tokens and max_context_len and \
                     self._run_exact(q, k, v, out, max_rows, max_context_len, scale):
                 return out
-        plan = self._plan(key)
+        plan = self.plan(key)
         if plan is None:
             return None
         self.calls[key[:2]] = self.calls.get(key[:2], 0) + 1
-        self._execute(plan, {
+        self.execute(plan, {
             _UID_Q: q.data.ptr, _UID_K: k_ptr, _UID_V: v_ptr, _UID_O: out.data.ptr,
             _UID_SEQ_Q: meta.seq_len_q.data.ptr, _UID_SEQ_KV: context_lens.data.ptr,
             _UID_TABLE_K: meta.table.data.ptr, _UID_TABLE_V: meta.table.data.ptr,
@@ -292,13 +328,13 @@ class CudnnAttention:
         if not self.exact or context_len > max_keys or context_len < num_tokens:
             return False
         key = ("exact", max_rows, max_keys, num_q_heads, num_kv_heads, head_dim, float(scale))
-        plan = self._plan(key)
+        plan = self.plan(key)
         if plan is None:
             return False
         qo = _dense_layout(num_tokens, num_q_heads, head_dim, num_tokens)
         kv = _dense_layout(context_len, num_kv_heads, head_dim, max_keys)
         try:
-            self._execute(plan, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
+            self.execute(plan, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
                                  _UID_O: out.data.ptr},
                           override_uids=[_UID_Q, _UID_K, _UID_V, _UID_O],
                           override_shapes=[qo[0], kv[0], kv[0], qo[0]],
@@ -320,21 +356,21 @@ class CudnnAttention:
         num_seqs, num_q_heads, head_dim = q.shape
         if context_lens.shape[0] != num_seqs:
             raise ValueError(f"q has {num_seqs} rows for {context_lens.shape[0]} sequences")
-        out = self._cp.empty_like(q)
+        out = self.cp.empty_like(q)
         if num_seqs == 0:
             return out
         width = block_tables.shape[1]
-        k_ptr, v_ptr, block_stride = self._layer_pointers(kv_cache, layer)
+        k_ptr, v_ptr, block_stride = self.layer_pointers(kv_cache, layer)
         key = (False, False, num_seqs, 1, width, num_q_heads, shape[4], head_dim, shape[3],
                block_stride, float(scale))
-        plan = self._plan(key)
+        plan = self.plan(key)
         if plan is None:
             return None
         self.calls[key[:2]] = self.calls.get(key[:2], 0) + 1
         ones = self._ones.get(num_seqs)
         if ones is None:  # never written after creation: safe to share across graphs
-            ones = self._ones[num_seqs] = self._cp.ones(num_seqs, dtype=self._cp.int32)
-        self._execute(plan, {
+            ones = self._ones[num_seqs] = self.cp.ones(num_seqs, dtype=self.cp.int32)
+        self.execute(plan, {
             _UID_Q: q.data.ptr, _UID_K: k_ptr, _UID_V: v_ptr, _UID_O: out.data.ptr,
             _UID_SEQ_Q: ones.data.ptr, _UID_SEQ_KV: context_lens.data.ptr,
             _UID_TABLE_K: block_tables.data.ptr, _UID_TABLE_V: block_tables.data.ptr})

@@ -59,6 +59,10 @@ class CupyOps(Ops):
     @property
     def attention_backend(self) -> str:
         line = super().attention_backend
+        if self._cudnn is not None and self._cudnn.split is not None and \
+                self.attention_backends["prefill"] == "cudnn":
+            # short queries over long contexts split the context (kernels/cudnn_split.py)
+            line = line.replace("prefill=cudnn", "prefill=cudnn+split", 1)
         return f"{line} ({self.attention_note})" if self.attention_note else line
 
     @property

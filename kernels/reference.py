@@ -81,13 +81,15 @@ def write_kv(
     """Scatter this step's ``k[T, Hkv, D]`` and ``v`` into their slots of ``layer``, in place.
 
     ``slot_mapping[T]``: token ``t`` goes to block ``slot // block_size``, offset
-    ``slot % block_size``. Slots are distinct within a call.
+    ``slot % block_size``. Slots are distinct within a call; a negative slot (a padding row of a
+    graph bucket) writes nothing.
     """
     block_size = kv_cache.shape[3]
-    block_ids = slot_mapping // block_size
-    offsets = slot_mapping % block_size
-    kv_cache[block_ids, layer, 0, offsets] = k
-    kv_cache[block_ids, layer, 1, offsets] = v
+    keep = slot_mapping >= 0
+    block_ids = slot_mapping[keep] // block_size
+    offsets = slot_mapping[keep] % block_size
+    kv_cache[block_ids, layer, 0, offsets] = k[keep]
+    kv_cache[block_ids, layer, 1, offsets] = v[keep]
 
 
 def qkv_prepare(

@@ -65,7 +65,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path, tokenizer_dir: Pat
     return EngineConfig(**fields)
 
 
-def _load_engine(config: Any) -> ServedEngine:
+def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
     from engine import LLMEngine
 
     print(f"kvengine: loading {config.model_dir} ...", file=sys.stderr, flush=True)
@@ -73,6 +73,17 @@ def _load_engine(config: Any) -> ServedEngine:
     engine = LLMEngine(config)
     print(f"kvengine: model loaded in {time.perf_counter() - start:.1f} s",
           file=sys.stderr, flush=True)
+    if warm_up:  # before "listening on": no request pays for a graph capture or cuDNN build
+        start = time.perf_counter()
+        try:
+            num_graphs = engine.warm_up()
+        except BaseException:
+            engine.close()
+            raise
+        if num_graphs:
+            print(f"kvengine: warm-up captured {num_graphs} CUDA graphs "
+                  f"({engine.runner.ops.num_attention_graphs} attention graphs built) in "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return engine
 
 
@@ -208,7 +219,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"kvengine: error: {kernels_conflict_message(owners)}", file=sys.stderr)
         return 1
     try:
-        engine = _load_engine(config)
+        engine = _load_engine(config, args.warm_up)
     except (OSError, ValueError, NotImplementedError) as exc:
         listener.close()
         print(f"kvengine: error: cannot start the engine on {model_dir}: {exc}",

@@ -63,12 +63,6 @@ def start_embedded_daemon(workdir: Path, dram: str = "256MiB", ssd: str = "256Mi
     raise RuntimeError("the embedded daemon did not start:\n" + "\n".join(lines))
 
 
-# The query-row bounds the warm-up builds attention graphs for: a prefill over a cached prefix
-# of 12 to 192 new tokens (longer ones are gathered dense, built by the warm-up's long prefill).
-_WARM_MIN_QUERY_ROWS = 16
-_WARM_MAX_QUERY_ROWS = 256
-
-
 @dataclass(frozen=True)
 class DemoShape:
     """How big the tour is: small on CPU; on a GPU, histories of several thousand tokens and an
@@ -190,18 +184,9 @@ def _warm_up(engines: list[LLMEngine], tok, shape: DemoShape, params: SamplingPa
         _ttft(engine, f"warm-{n}-cold", long_ids, params)
         _ttft(engine, f"warm-{n}-partial", partial_ids, params)
         _ttft(engine, f"warm-{n}-hit", long_ids[:-8] + tok.encode(" Why?"), params)
-        # cuDNN builds a prefill graph per power-of-two bound on the query rows (~80-100 ms on
-        # an H100, the first time): a turn computes a few dozen tokens over its cached
-        # history, so build each bound up to _WARM_MAX_QUERY_ROWS here, not in a timed turn.
-        bs = engine.config.block_size
-        cut = (len(long_ids) - _WARM_MAX_QUERY_ROWS) // bs * bs  # whole cached blocks
-        num_rows = _WARM_MIN_QUERY_ROWS
-        while num_rows <= _WARM_MAX_QUERY_ROWS:
-            # inside (rows/2, rows], and no prefix shared with the previous one's new tokens
-            start = 2 * num_rows
-            ids = long_ids[:cut] + other_ids[start:start + num_rows * 3 // 4]
-            _ttft(engine, f"warm-{n}-rows-{num_rows}", ids, params)
-            num_rows *= 2
+        # a turn computes a few dozen tokens over its cached history: the short prefill (and
+        # decode) graphs, with the cuDNN graphs they use, as `kvengine serve` builds them
+        engine.warm_up()
         if engine.offload is not None:
             engine.offload.wait_idle()
             engine.reset_prefix_cache()  # the next hit comes from the store

@@ -163,6 +163,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        action="store_false", help="turn the HBM prefix cache off")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="GPU: launch every decode kernel from Python (no CUDA graphs)")
+    serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                       help="GPU: skip capturing the short prefill and decode graphs (and the "
+                       "cuDNN graphs they use) before listening; the first requests pay for it")
     serve.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM command lines; it changes nothing: kvengine "
                        "never runs code from a model folder (it reads JSON and safetensors)")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from engine_helpers import HFCheckpoint, build_hf_checkpoint, random_prompts, run_forward
 
-from engine import EngineConfig, LLMEngine
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -48,3 +48,48 @@ def test_long_prompt_logits_close_to_hf_float32(long_qwen3: HFCheckpoint, length
     assert rel <= 0.05, f"relative error {rel:.4f} at {length} tokens ({backends})"
     if backends["prefill"] == "cudnn":  # cuDNN served every call, none fell back
         assert fallbacks == 0
+
+
+def test_short_turn_over_long_prefix_logits_close_to_hf_float32(long_qwen3: HFCheckpoint
+                                                               ) -> None:
+    """A chat turn's last 40 tokens over 5,960 cached ones: the split attention (cuDNN
+    slices + tail + merge) where cuDNN runs, within the same bound of HF float32."""
+    length, new = 6000, 40
+    prompt = random_prompts(4000, [length], seed=7)[0]
+    config = EngineConfig(str(long_qwen3.path), device="cuda",
+                          num_kv_blocks=MAX_POSITIONS // 16 + 8)
+    with LLMEngine(config) as engine:
+        ops = engine.runner.ops
+        blocks = list(range(1, -(-length // engine.config.block_size) + 1))
+        run_forward(engine, prompt[:length - new], 0, blocks)
+        rest = ops.to_host(run_forward(engine, prompt, length - new, blocks))
+        cudnn = getattr(ops, "_cudnn", None)
+        split_calls = cudnn.calls.get(("split",), 0) if cudnn is not None else 0
+        backends = dict(ops.attention_backends)
+    want = long_qwen3.logits(prompt)[length - new:]
+    rel = float(np.linalg.norm(rest.astype(np.float32) - want) / np.linalg.norm(want))
+    print(f"{new} tokens over {length - new}: relative error {rel:.4f}, {backends}, "
+          f"{split_calls} split calls")
+    assert rel <= 0.05
+    if backends["prefill"] == "cudnn":
+        assert split_calls == engine.model_config.num_layers
+
+
+def test_prefill_graphs_give_the_eager_tokens(long_qwen3: HFCheckpoint) -> None:
+    """HBM-hit turns (a few dozen new tokens over a cached 3,000) replayed from prefill graphs
+    (one and two sequences, padded rows) pick the tokens the eager steps pick."""
+    history = random_prompts(4000, [3000, 2200], seed=8)
+    turns = [h + t for h, t in zip(history, random_prompts(4000, [37, 5], seed=9))]
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    results = {}
+    for eager in (True, False):
+        with LLM(str(long_qwen3.path), device="cuda", enforce_eager=eager,
+                 num_kv_blocks=MAX_POSITIONS // 16 + 8) as llm:
+            llm.generate(history, greedy)
+            outs = llm.generate(turns[:1], greedy) + llm.generate(turns, greedy)
+            graphs = llm.engine.runner.prefill_graphs
+            results[eager] = [o.token_ids for o in outs]
+            assert all(o.num_cached_tokens >= 2000 for o in outs)
+            if not eager:
+                assert graphs.num_captures >= 1 and graphs.num_replays >= 2
+    assert results[False] == results[True]

@@ -76,3 +76,58 @@ def test_graphs_need_a_backend_that_captures() -> None:
                      max_table_width=16)
     with pytest.raises(NotImplementedError):
         make_ops("cpu").capture_graph(lambda: None)
+
+
+def test_padded_prefill_rows_follow_the_last_sequence() -> None:
+    from engine.step_inputs import pack_prefill
+
+    a = _seq(list(range(10, 19)), [7, 3, 5], 6)  # 3 new tokens over 6 cached (4-token blocks)
+    b = _seq(list(range(20, 25)), [2, 6], 0)  # a 5-token prompt
+    host, layout, sampling = pack_prefill([a, b], [3, 5], 4, num_tokens=16, table_width=8)
+    f = layout.views(host)
+    assert layout == StepLayout(num_tokens=16, num_seqs=2, table_width=8)
+    assert f["token_ids"].tolist() == [16, 17, 18, 20, 21, 22, 23, 24] + [0] * 8
+    assert f["positions"].tolist() == [6, 7, 8, 0, 1, 2, 3, 4] + [0] * 8
+    assert f["slot_mapping"].tolist() == [14, 15, 20, 8, 9, 10, 11, 24] + [-1] * 8
+    assert f["cu_seqlens_q"].tolist() == [0, 3, 16]  # the padding joins the last sequence
+    assert f["context_lens"].tolist() == [9, 5 + 8]  # and extends its context past its rows
+    assert f["logits_indices"].tolist() == [2, 7]  # real rows sample
+    assert sampling == [a, b]
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_prefill([a, b], [3, 5], 4, num_tokens=4, table_width=8)
+    with pytest.raises(ValueError, match="table"):
+        pack_prefill([a, b], [3, 5], 4, num_tokens=64, table_width=8)
+    with pytest.raises(ValueError, match="sample every"):
+        pack_prefill([b], [3], 4, num_tokens=16, table_width=8)
+
+
+def test_padded_prefill_gives_the_real_rows_their_exact_logits(tiny_model_dir) -> None:
+    """The model on CPU: a turn over a cached prefix, packed exactly and padded to a graph
+    bucket, gives the same logits, and the padding writes no KV."""
+    from engine import EngineConfig, LLMEngine
+    from engine.models.decoder import ForwardBatch
+    from engine.step_inputs import pack_prefill
+
+    with LLMEngine(EngineConfig(str(tiny_model_dir), device="cpu", num_kv_blocks=64,
+                                block_size=4)) as engine:
+        runner = engine.runner
+        rng = np.random.default_rng(5)
+        tokens = rng.integers(3, engine.vocab_size, 30).tolist()
+        cached = _seq(tokens[:27], list(range(1, 8)), 0)
+        host, layout, _ = pack_step([cached], [27], 4)
+        runner.forward(ForwardBatch(is_decode=False, **layout.views(host)))
+        turn = _seq(tokens, list(range(1, 9)), 27)
+        other = _seq(tokens[:5], [20, 21], 0)
+        arena = runner.kv_cache.array
+        results = []
+        for pad in (False, True):
+            before = arena.copy()
+            if pad:
+                host, layout, _ = pack_prefill([other, turn], [5, 3], 4, 32, 24)
+            else:
+                host, layout, _ = pack_step([other, turn], [5, 3], 4)
+            views = layout.views(host)
+            results.append(runner.forward(ForwardBatch(is_decode=False, **views)))
+            written = np.argwhere((arena != before).any(axis=(1, 2, 3, 4, 5)))[:, 0]
+            assert set(written.tolist()) <= {7, 8, 20, 21}  # only the real rows' blocks
+        np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)

@@ -152,6 +152,8 @@ def test_cuda_ops_report_and_honor_the_attention_choice(cp, monkeypatch) -> None
     assert ops.attention_backends["prefill"] == ops.attention_backends["decode"]
     assert ops.attention_backends["prefill"] in ("cudnn", "ours")
     assert "(" in ops.attention_backend  # the cuDNN version, or why cuDNN is missing
+    if ops.attention_backends["prefill"] == "cudnn":  # short queries split the context
+        assert ops.attention_backend.startswith("prefill=cudnn+split decode=cudnn (")
 
 
 def test_gather_kv_copies_the_tabled_blocks_bit_exact(cp, bf16) -> None:

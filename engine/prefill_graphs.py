@@ -1,0 +1,94 @@
+"""Short prefill steps replayed from CUDA graphs: a turn's last tokens after an HBM hit or a
+restore (a few dozen new tokens over a long cached history) cost ~470 kernel launches, ~15 ms
+of Python at 16k context where the device needs a few ms; a graph replays them for ~1.3 us each.
+
+Buckets: the exact number of sequences (1 to ``MAX_SEQS``) and the padded token count (16, 32,
+..., ``MAX_TOKENS``), one table width for all (the longest context plus the padding), so the
+split attention's cuDNN graphs and our captures do not multiply with context lengths. Padding
+rows join the last sequence without writing KV or touching the real rows
+(``engine/step_inputs.pack_prefill``). A step qualifies when every sequence samples (no
+mid-prompt chunk). Captured on first use, or ahead with ``capture`` (server start).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from engine.models.decoder import DecoderModel, ForwardBatch
+from engine.step_inputs import StepLayout
+from kernels.ops import Array, CapturedGraph, Ops
+
+MAX_SEQS = 4
+MAX_TOKENS = 256
+_MIN_TOKENS = 16
+
+
+def token_buckets() -> list[int]:
+    """The padded token counts, ascending: powers of two from 16 to ``MAX_TOKENS``."""
+    sizes, size = [], _MIN_TOKENS
+    while size <= MAX_TOKENS:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+class _Bucket:
+    """One captured prefill step: its static inputs on the device and the graph over them."""
+
+    def __init__(self, ops: Ops, model: DecoderModel, kv_cache: Array, layout: StepLayout
+                 ) -> None:
+        xp = ops.xp
+        self.inputs = xp.zeros(layout.bounds[-1], dtype="int32")
+        views = layout.views(self.inputs)
+        # the warm-up and the capture run an idle step: each sequence a share of the rows over
+        # its own one-block-or-more context in block 0, no KV write
+        num_seqs, num_tokens = layout.num_seqs, layout.num_tokens
+        ends = [(b + 1) * num_tokens // num_seqs for b in range(num_seqs)]
+        starts = [0] + ends[:-1]
+        views["slot_mapping"][:] = -1
+        views["cu_seqlens_q"][1:] = xp.asarray(ends, dtype="int32")
+        views["context_lens"][:] = xp.asarray([e - s for s, e in zip(starts, ends)],
+                                              dtype="int32")
+        views["logits_indices"][:] = xp.asarray([e - 1 for e in ends], dtype="int32")
+        batch = ForwardBatch(is_decode=False, max_query_len=num_tokens, **views)
+        self.graph: CapturedGraph = ops.capture_graph(lambda: model.forward(batch, kv_cache))
+
+
+class PrefillGraphs:
+    """Owns the captured short prefill steps of one model on one KV arena."""
+
+    def __init__(self, ops: Ops, model: DecoderModel, kv_cache: Array, max_table_width: int,
+                 block_size: int) -> None:
+        if not ops.supports_graphs:
+            raise ValueError(f"the {ops.name} backend has no graphs")
+        self.ops, self.model, self.kv_cache = ops, model, kv_cache
+        self.tokens = token_buckets()
+        # room for the padding rows' keys past the longest context
+        self.table_width = max_table_width + -(-MAX_TOKENS // block_size) + 1
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self.num_replays = 0
+        self.num_captures = 0
+
+    def bucket(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """(sequences, padded tokens) of the bucket that holds the step, or None (eager)."""
+        i = bisect.bisect_left(self.tokens, num_tokens)
+        if num_seqs > MAX_SEQS or i == len(self.tokens) or num_tokens < num_seqs:
+            return None
+        return num_seqs, self.tokens[i]
+
+    def run(self, key: tuple[int, int], host_inputs) -> Array:
+        """Replay bucket ``key`` on ``host_inputs`` (``pack_prefill`` for its layout); returns
+        the graph's logits buffer (one row per sequence; valid until the next replay)."""
+        bucket = self._buckets.get(key) or self.capture(*key)
+        bucket.inputs.set(host_inputs)
+        self.num_replays += 1
+        return bucket.graph.replay()
+
+    def capture(self, num_seqs: int, num_tokens: int) -> _Bucket:
+        """Capture bucket (``num_seqs``, ``num_tokens``) now (idempotent)."""
+        key = (num_seqs, num_tokens)
+        if key not in self._buckets:
+            layout = StepLayout(num_tokens, num_seqs, self.table_width)
+            self._buckets[key] = _Bucket(self.ops, self.model, self.kv_cache, layout)
+            self.num_captures += 1
+        return self._buckets[key]
