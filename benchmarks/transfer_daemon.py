@@ -10,8 +10,10 @@ CUDA events: one raw cudaMemcpyAsync of the same bytes between the arena and cud
 and between the arena and a cudaHostRegister'd HostPool (the daemon's kind of pinned memory).
 Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process, as the ceiling of
 one-call-per-block copies: the copier alone (shuffled blocks into consecutive pool slots).
-Daemon variants: ``default`` (as shipped: pipelined chunks) and ``one_submission`` (each request
-one batch: reserve all, one copy submission, wait, publish).
+Daemon variants: ``default`` (as shipped: pipelined chunks), ``one_submission`` (each request
+one batch: reserve all, one copy submission, wait, publish), ``batch_large`` / ``kernel_large``
+(block-major runs by one ``cuMemcpyBatchAsync`` / one ``copy_runs`` launch per chunk). Per variant
+also the round trip of a request that moves nothing (``health``): the floor under every save/load.
 
     python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
                                          [--variants default,one_submission] [--out DIR]
@@ -39,7 +41,9 @@ from benchmarks.common import command, cuda_median_ms, now_iso, today, write_res
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
 # Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
-_VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0"}
+_VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0",
+             "batch_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'batch'",
+             "kernel_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'kernel'"}
 _SERVE = ("import sys, kvstore.engines.cuda_copies as t; {}; "
           "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                       device="cuda:0", dtype="bfloat16")
     namespace = Namespace(name="transfer-daemon").digest
     rows, exact, daemon_pinned = [], None, None
+    round_trip_ms: dict[str, float] = {}
     for variant in args.variants.split(","):
         modes = ["single", "single_consecutive", "streamed"] if variant == "default" else \
             ["single"]
@@ -235,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with Client(socket_path, timeout_s=120.0) as client:
                 daemon_pinned = client.stats()["tiers"]["dram"]["pinned"]
+                rtt_ms = [0.0] * 201
+                for i in range(len(rtt_ms)):
+                    t0 = time.perf_counter()
+                    client.health()
+                    rtt_ms[i] = (time.perf_counter() - t0) * 1e3
+                round_trip_ms[variant] = float(np.median(rtt_ms[1:]))
+                print(f"{variant:>14} health round trip {round_trip_ms[variant]:.3f} ms p50",
+                      flush=True)
                 reg = client.register(layout, "transfer-daemon")
                 for n, mode in ((n, m) for n in counts for m in modes):
                     if mode == "streamed":
@@ -268,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "transfer_daemon", "block_bytes": BLOCK_BYTES, "rows": rows,
         "byte_exact": exact, "daemon_pool_pinned": daemon_pinned,
+        "health_round_trip_ms_p50": round_trip_ms,
         "timing": "daemon: wall clock around Client.save/load (socket, msgpack, worker thread "
                   "included; streamed: depth requests in flight, bytes of all of them), median "
                   "of reps after one warm-up; raw: CUDA events around one cudaMemcpyAsync of "

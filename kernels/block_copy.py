@@ -40,14 +40,14 @@ def check_table(table: np.ndarray) -> None:
         raise ValueError("every pointer must be 16-byte aligned")
 
 
-def blocks_per_run_for(longest_bytes: int, unroll: int = UNROLL) -> int:
+def blocks_per_run_for(longest_bytes: int, unroll: int | None = None) -> int:
     """CTAs per run: enough that each thread of the longest run does about one unrolled pass."""
-    per_block = THREADS * 16 * unroll
+    per_block = THREADS * 16 * (UNROLL if unroll is None else unroll)
     return min(_MAX_BLOCKS_PER_RUN, max(1, -(-int(longest_bytes) // per_block)))
 
 
 def launch_table(table_ptr: int, num_runs: int, stream, blocks_per_run: int,
-                 unroll: int = UNROLL) -> None:
+                 unroll: int | None = None) -> None:
     """Launch ``copy_runs`` on ``stream`` over the checked table at ``table_ptr`` (device
     readable); asynchronous: record an event on ``stream`` to know it finished."""
     if num_runs <= 0:
@@ -56,7 +56,7 @@ def launch_table(table_ptr: int, num_runs: int, stream, blocks_per_run: int,
         raise ValueError(f"{num_runs} runs x {blocks_per_run} CTAs is no launchable grid")
     from kernels.cuda_module import kernel  # lazily: it needs ml_dtypes, the daemon does not
 
-    kernel("block_copy", "copy_runs", UNROLL=unroll)(
+    kernel("block_copy", "copy_runs", UNROLL=UNROLL if unroll is None else unroll)(
         (num_runs * blocks_per_run,), (THREADS,),
         (np.uint64(table_ptr), np.int64(num_runs), np.int32(blocks_per_run)), stream=stream)
 
