@@ -23,12 +23,15 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ table, long l
     const long long num_words = table[2 * num_runs + run] / 16;
     const long long stride = (long long)blocks_per_run * blockDim.x;
     long long i = (long long)part * blockDim.x + threadIdx.x;
-    for (; i + (UNROLL - 1) * stride < num_words; i += UNROLL * stride) {
+    // Every pass issues up to UNROLL loads before its first store, the last (partial) pass too:
+    // a 32 KiB piece is one pass of one CTA at UNROLL 8.
+    for (; i < num_words; i += UNROLL * stride) {
         uint4 v[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) v[u] = src[i + u * stride];
+        for (int u = 0; u < UNROLL; ++u)
+            if (i + u * stride < num_words) v[u] = src[i + u * stride];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) dst[i + u * stride] = v[u];
+        for (int u = 0; u < UNROLL; ++u)
+            if (i + u * stride < num_words) dst[i + u * stride] = v[u];
     }
-    for (; i < num_words; i += stride) dst[i] = src[i];
 }
