@@ -11,7 +11,7 @@
 // outstanding requests to cover the bus latency. The launcher checks alignment.
 
 #ifndef UNROLL
-#define UNROLL 8
+#define UNROLL 4
 #endif
 
 extern "C" __global__ void copy_runs(const long long* __restrict__ table, long long num_runs,
@@ -24,7 +24,7 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ table, long l
     const long long stride = (long long)blocks_per_run * blockDim.x;
     long long i = (long long)part * blockDim.x + threadIdx.x;
     // Every pass issues up to UNROLL loads before its first store, the last (partial) pass too:
-    // a 32 KiB piece is one pass of one CTA at UNROLL 8.
+    // a 32 KiB piece is one pass of two CTAs at UNROLL 4.
     for (; i < num_words; i += UNROLL * stride) {
         uint4 v[UNROLL];
 #pragma unroll

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 THREADS = 256
-UNROLL = 8  # 16-byte loads in flight per thread (benchmarks/copy_paths.py compares others)
+# 16-byte loads in flight per thread. H100, 32 KiB pieces over mapped pinned memory (2026-11-25,
+# benchmarks/copy_paths.py): 4 gave 0.79-0.84 of raw both ways, 8 0.74-0.86, 16 0.40-0.82.
+UNROLL = 4
 _MAX_BLOCKS_PER_RUN = 128
 _MAX_GRID = (1 << 31) - 1
 
