@@ -4,8 +4,9 @@ In this process, no daemon: a vLLM-layout engine (36 layers, K and V tensors: 72
 per 2.36 MB block) and a block-major arena (one 2.36 MB run per block), shuffled block ids to
 shuffled slots of a cudaHostRegister'd ``HostPool`` (the daemon's pinned pool). Each method is one
 submission of the whole batch, timed by wall clock from building the runs (``PieceTable``) to the
-event: ``kernel`` (``copy_runs``, at several ``UNROLL``s), ``batch`` (``cuMemcpyBatchAsync``) and
-``memcpy`` (a ``cudaMemcpyAsync`` per run). Raw: CUDA events around one ``cudaMemcpyAsync``.
+event: ``staged`` (gathered on the GPU, a run per block across the bus), ``kernel`` (``copy_runs``
+over mapped memory, at several ``UNROLL``s), ``batch`` (``cuMemcpyBatchAsync``) and ``memcpy`` (a
+``cudaMemcpyAsync`` per run). Raw: CUDA events around one ``cudaMemcpyAsync``.
 
     python -m benchmarks.copy_paths [--blocks 64,256] [--reps 5] [--out DIR]
 """
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="64,256")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--unrolls", default="4,8,16")
+    parser.add_argument("--unrolls", default="4,8")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
 
@@ -55,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     pool = HostPool(num_blocks * BLOCK_BYTES, pin=True)
     copier = copier_module.CudaCopier(0)
     stream = cp.cuda.Stream(non_blocking=True)
-    methods = [f"kernel_u{u}" for u in args.unrolls.split(",")] + ["memcpy"]
+    methods = ["staged"] + [f"kernel_u{u}" for u in args.unrolls.split(",")] + ["memcpy"]
     if cuda_batch.available():
         methods.append("batch")
     rng = np.random.default_rng(0)
+    default_unroll = block_copy.UNROLL
     rows = []
     for n in counts:
         nbytes = n * BLOCK_BYTES
@@ -78,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                 for way in ("d2h", "h2d"):
                     name = method.split("_")[0]
                     copier_module.SMALL_RUNS = copier_module.LARGE_RUNS = name
-                    if name == "kernel":
-                        block_copy.UNROLL = int(method.split("_u")[1])
+                    block_copy.UNROLL = int(method.split("_u")[1]) if name == "kernel" \
+                        else default_unroll
                     submit = copier.host_to_device if way == "h2d" else copier.device_to_host
                     times = []
                     for rep in range(args.reps + 1):

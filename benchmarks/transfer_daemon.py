@@ -8,8 +8,9 @@ lookup is timed apart); ``streamed``: ``--depth`` such requests in flight at onc
 an engine that keeps saving does, so one request's round trip hides behind another's copies. By
 CUDA events: one raw cudaMemcpyAsync of the same bytes between the arena and cudaHostAlloc'd memory
 and between the arena and a cudaHostRegister'd HostPool (the daemon's kind of pinned memory).
-Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process, as the ceiling of
-one-call-per-block copies: the copier alone (shuffled blocks into consecutive pool slots).
+Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process: the copier alone
+(shuffled blocks into consecutive pool slots, one submission) and the daemon's save/load pipeline
+without the daemon (``transfer_pipeline``: a ``TieredStore`` here, time per phase).
 Daemon variants: ``default`` (as shipped: pipelined chunks), ``one_submission`` (each request
 one batch: reserve all, one copy submission, wait, publish), ``batch_large`` / ``kernel_large``
 (block-major runs by one ``cuMemcpyBatchAsync`` / one ``copy_runs`` launch per chunk). Per variant
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
+from benchmarks.transfer_pipeline import pipeline_rows
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                **_copier_row(n, memory.ptr, pool.base_address, shuffled[n], args.reps)}
            for n in counts}
     pool.close()
+    for n in counts:  # the pipeline alone, in this process (see benchmarks/transfer_pipeline.py)
+        raw[n].update(pipeline_rows(memory.ptr, BLOCK_BYTES, shuffled[n], args.reps))
     for n in counts:
         r = raw[n]
         print(f"{n:5d} blocks | raw d2h {r['raw_d2h_gbps']:5.1f} (registered "
@@ -225,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['raw_registered_h2d_gbps']:5.1f}) | in-process copier, a call per shuffled "
               f"block: d2h {r['copier_d2h_gbps']:5.1f} h2d {r['copier_h2d_gbps']:5.1f} GB/s",
               flush=True)
+        print(f"{n:5d} blocks | in-process pipeline: save {r['pipeline_save_ms']:.2f} ms "
+              f"(first chunk enqueued at {r['pipeline_save_first_submit_ms']:.2f}, tail "
+              f"{r['pipeline_save_tail_ms']:.2f}) load {r['pipeline_load_ms']:.2f} ms (first "
+              f"{r['pipeline_load_first_submit_ms']:.2f}, tail {r['pipeline_load_tail_ms']:.2f})"
+              f" | " + " ".join(f"{k[9:]}={v:.2f}" for k, v in r.items()
+                                if k.startswith("pipeline_") and k.endswith("_ms")
+                                and "first" not in k and "tail" not in k), flush=True)
 
     handle = bytes(cp.cuda.runtime.ipcGetMemHandle(memory.ptr))
     layout = KVLayout(max_blocks, (Region(handle, total, 0, BLOCK_BYTES, BLOCK_BYTES),),

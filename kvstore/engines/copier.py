@@ -17,9 +17,10 @@ close that gap (measured: 47-51 GB/s either way against 55 raw), so there is one
 
 Batches arrive as ``RunArrays`` (NumPy, built by a registration's ``PieceTable``) or as a list of
 ``CopyRun``; either way they are coalesced vectorised and handed on without a Python object per
-run: many small runs (vLLM's 32 KiB pieces) go to one ``copy_runs`` launch whose table the kernel
-reads in place from a pinned slot (``PinnedTables``), large ones (kvengine's block-major blocks)
-to one ``cuMemcpyBatchAsync`` (the copy engines, without a driver call per block).
+run: many small runs (vLLM's 32 KiB pieces) are gathered on the GPU by one ``copy_runs`` launch
+(its table read in place from a pinned slot, ``PinnedTables``) into a device staging buffer that
+crosses the bus a run per block (``device_staging``), large ones (kvengine's block-major blocks)
+go to one ``cuMemcpyBatchAsync`` (the copy engines, without a driver call per block).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.engines import cuda_batch
+from kvstore.engines.device_staging import DeviceStaging, staged_sides
 from kvstore.engines.run_arrays import RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
 
@@ -52,11 +54,12 @@ _CUDA_MEMORY_TYPE_HOST = 1
 # How host <-> device batches go (read at call time; benchmarks/copy_paths.py and
 # transfer_daemon.py compare): SMALL_RUNS for batches of many small runs, LARGE_RUNS for the rest.
 # "kernel": one copy_runs launch over mapped pinned memory; "batch": one cuMemcpyBatchAsync;
-# "memcpy": a call per run. A method the batch cannot take (unaligned, pageable host memory, an
+# "memcpy": a call per run; "staged": gathered on the GPU, across the bus a run per block
+# (device_staging.py). A method the batch cannot take (unaligned, pageable host memory, an
 # old driver) falls back. Measured on an H100 (2026-11-25, one submission, shuffled blocks):
 # 32 KiB pieces: kernel 0.79-0.86 of raw, batch 0.42-0.62, memcpy 0.18-0.20; 2.36 MB runs:
 # batch 0.90-0.94, memcpy 0.88-0.91, kernel 0.79-0.90.
-SMALL_RUNS = "kernel"
+SMALL_RUNS = "staged"
 LARGE_RUNS = "batch"
 
 
@@ -201,8 +204,9 @@ def _aligned(runs: RunArrays) -> bool:
 
 
 class CudaCopier:
-    """Per-device copy streams (one per direction, one for device to device); ``submit``
-    enqueues coalesced runs and returns an event handle. Thread-safe: a lock per stream."""
+    """Per-device copy streams (one per direction, one for device to device, each with a side
+    stream for the staged method's kernels); a submission enqueues coalesced runs and returns
+    an event handle. Thread-safe: a lock per direction."""
 
     def __init__(self, device_id: int) -> None:
         cp = _cupy()
@@ -210,36 +214,80 @@ class CudaCopier:
         kinds = (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEFAULT)
         with cp.cuda.Device(device_id):
             self._streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
+            # the staged method's gather/scatter kernels, beside each host <-> device stream
+            self._side_streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
         self._locks = {kind: threading.Lock() for kind in kinds}
         self._tables = {kind: PinnedTables() for kind in kinds}
+        self._staging = {kind: DeviceStaging() for kind in kinds}
 
     def _submit(self, runs: RunArrays, kind: int, method: str) -> CopyHandle:
-        """Enqueue the (coalesced) runs on the ``kind`` stream by ``method`` ("kernel",
-        "batch", "memcpy"); an event after them is the handle."""
+        """Enqueue the (coalesced) runs on the ``kind`` stream by ``method`` ("staged",
+        "kernel", "batch", "memcpy"); an event after the last of them is the handle."""
         cp = _cupy()
         stream = self._streams[kind]
         with cp.cuda.Device(self.device_id), self._locks[kind]:
             slot = None
             try:
+                if method == "staged":
+                    return CopyHandle(self._staged(runs, kind), runs.total_bytes)
                 if method == "kernel":
                     slot = self._launch(runs, kind, stream)
-                elif method == "batch":
-                    cuda_batch.memcpy_batch(runs, stream.ptr, kind != _MEMCPY_HOST_TO_DEVICE,
-                                            kind != _MEMCPY_DEVICE_TO_HOST, self.device_id)
                 else:
-                    for src, dst, num_bytes in runs.triples():
-                        cp.cuda.runtime.memcpyAsync(dst, src, num_bytes, kind, stream.ptr)
+                    self._bus_copy(runs, kind, method == "batch")
             except BaseException:
                 # The runs enqueued before the failing one have no event: wait for them here, so
                 # no copy is still touching the caller's buffers once it hears of the error.
-                with contextlib.suppress(Exception):
-                    stream.synchronize()
+                for s in (stream, self._side_streams[kind]):
+                    with contextlib.suppress(Exception):
+                        s.synchronize()
                 raise
             event = cp.cuda.Event(block=True, disable_timing=True)
             event.record(stream)
             if slot is not None:
                 PinnedTables.retire(slot, event)
         return CopyHandle(event, runs.total_bytes)
+
+    def _bus_copy(self, runs: RunArrays, kind: int, batch: bool) -> None:
+        """The runs on the copy engines: one driver batch, or a ``cudaMemcpyAsync`` each."""
+        stream = self._streams[kind]
+        if batch and len(runs) > 1:
+            cuda_batch.memcpy_batch(runs, stream.ptr, kind != _MEMCPY_HOST_TO_DEVICE,
+                                    kind != _MEMCPY_DEVICE_TO_HOST, self.device_id)
+            return
+        for src, dst, num_bytes in runs.triples():
+            _cupy().cuda.runtime.memcpyAsync(dst, src, num_bytes, kind, stream.ptr)
+
+    def _staged(self, runs: RunArrays, kind: int):
+        """Enqueue a batch through a device staging buffer; the event after its last step.
+
+        Save: gather kernel (side stream) -> event -> bus copy (copy stream). Load: bus copy
+        -> event -> scatter kernel (side stream). The buffer's previous batch is waited for on
+        the GPU by the stream that writes it first."""
+        cp = _cupy()
+        to_device = kind == _MEMCPY_HOST_TO_DEVICE
+        copy_stream, side = self._streams[kind], self._side_streams[kind]
+        first, second = (copy_stream, side) if to_device else (side, copy_stream)
+        staging = self._staging[kind].take(runs.total_bytes)
+        bus, device = staged_sides(runs, staging.memory.ptr, to_device)
+        if staging.event is not None:
+            first.wait_event(staging.event)
+        batch = cuda_batch.available()
+        table = None if to_device else self._launch(device, kind, side)
+        if to_device:
+            self._bus_copy(bus, kind, batch)
+        middle = cp.cuda.Event(disable_timing=True)
+        middle.record(first)
+        second.wait_event(middle)
+        if to_device:
+            table = self._launch(device, kind, side)
+        else:
+            self._bus_copy(bus, kind, batch)
+        event = cp.cuda.Event(block=True, disable_timing=True)
+        event.record(second)
+        staging.event = event
+        if table is not None:
+            PinnedTables.retire(table, event)
+        return event
 
     def _launch(self, runs: RunArrays, kind: int, stream):
         """One ``copy_runs`` launch; its table in a pinned slot (returned: guard it with the
@@ -272,21 +320,24 @@ class CudaCopier:
 
     def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray) -> str:
         """How a host <-> device batch goes: ``SMALL_RUNS`` for many small runs, else
-        ``LARGE_RUNS``. The kernel needs 8+ aligned runs whose host side the device addresses
-        at the same pointer (page-locked, mapped); where it cannot take a batch of small runs,
-        a driver batch can (else "memcpy"). Unpinned host memory never goes to the kernel."""
+        ``LARGE_RUNS``. Every method but "memcpy" needs the host side page-locked and mapped at
+        the same address (unpinned memory always goes through ``cudaMemcpyAsync``); the kernel
+        and the staged path need aligned runs (the kernel 8+ of them), else a driver batch
+        takes them, else "memcpy"."""
         if len(merged) < 2:
             return "memcpy"
         small = merged.total_bytes <= _GATHER_MAX_MEAN_RUN_BYTES * len(merged)
         method = SMALL_RUNS if small else LARGE_RUNS
-        if method == "kernel":
-            if len(merged) >= _GATHER_MIN_RUNS and _aligned(merged) and all(
-                    self._device_addressable(int(p)) for p in {host_ptrs[0], host_ptrs[-1]}):
-                return "kernel"
-            method = "batch" if small else "memcpy"
-        if method == "batch" and cuda_batch.available():
-            return "batch"
-        return "memcpy"
+        if method == "memcpy" or not all(self._device_addressable(int(p))
+                                         for p in {host_ptrs[0], host_ptrs[-1]}):
+            return "memcpy"
+        if method in ("kernel", "staged") and not _aligned(merged):
+            method = "batch"
+        if method == "kernel" and len(merged) < _GATHER_MIN_RUNS:
+            method = "batch"
+        if method == "batch" and not cuda_batch.available():
+            return "memcpy"
+        return method
 
     def _device_addressable(self, host_ptr: int) -> bool:
         cp = _cupy()

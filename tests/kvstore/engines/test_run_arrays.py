@@ -122,3 +122,50 @@ def test_run_table_checks_alignment_and_lengths_without_a_gpu() -> None:
     assert blocks_per_run_for(PIECE, unroll=8) == 1
     assert blocks_per_run_for(72 * PIECE, unroll=8) == 72
     assert blocks_per_run_for(1 << 40) == 128
+
+
+def _apply(memory: np.ndarray, runs: RunArrays) -> None:
+    """Carry out ``runs`` on one flat byte array (addresses are indices into it)."""
+    for src, dst, size in runs.triples():
+        memory[dst:dst + size] = memory[src:src + size].copy()
+
+
+@pytest.mark.parametrize("name", ["vllm", "block_major"])
+def test_staged_sides_move_the_same_bytes_as_the_direct_runs(name: str) -> None:
+    from kvstore.engines.device_staging import staged_sides
+
+    num_blocks = 9
+    if name == "vllm":
+        layout, _ = _vllm_layout(3, num_blocks)
+        layer_bytes = 2 * num_blocks * PIECE
+        ptrs = [layer * layer_bytes for layer in range(3) for _ in range(2)]
+        device_bytes = 3 * layer_bytes
+    else:
+        layout, _ = _block_major(num_blocks, 4 * PIECE)
+        ptrs, device_bytes = [0], num_blocks * layout.block_bytes
+    table = PieceTable(layout, ptrs)
+    ids, slots = [7, 2, 5, 0], [3, 0, 1, 6]
+    host0 = device_bytes  # host pool after the device bytes, staging after the pool
+    staging0 = host0 + 8 * layout.block_bytes
+    memory = np.random.default_rng(4).integers(0, 256, staging0 + 4 * layout.block_bytes,
+                                               dtype=np.uint8)
+    addrs = [host0 + s * layout.block_bytes for s in slots]
+    want = memory.copy()
+    _apply(want, table.runs(ids, addrs, to_device=False))  # the direct save
+
+    save = table.runs(ids, addrs, to_device=False)
+    bus, device = staged_sides(save, staging0, to_device=False)
+    assert len(bus) <= len(ids)  # a run per block (or fewer) crosses the bus
+    _apply(memory, device)  # gather on the GPU
+    _apply(memory, bus)  # then across the bus
+    assert np.array_equal(memory[:staging0], want[:staging0])
+
+    targets = [1, 8, 3, 4]
+    want = memory.copy()
+    _apply(want, table.runs(targets, addrs, to_device=True))  # the direct load
+    bus, device = staged_sides(table.runs(targets, addrs, to_device=True), staging0,
+                               to_device=True)
+    assert len(bus) <= len(ids)
+    _apply(memory, bus)
+    _apply(memory, device)
+    assert np.array_equal(memory[:staging0], want[:staging0])
