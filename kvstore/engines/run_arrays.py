@@ -26,6 +26,7 @@ class RunArrays:
     src_ptrs: np.ndarray
     dst_ptrs: np.ndarray
     num_bytes: np.ndarray
+    coalesced: bool = False  # already merged: a copier need not merge it again
 
     def __len__(self) -> int:
         return len(self.num_bytes)
@@ -50,15 +51,17 @@ class RunArrays:
 def coalesce_arrays(runs: RunArrays) -> RunArrays:
     """Drop empty runs and merge runs that continue each other on both sides, keeping order
     (the vectorised ``copier.coalesce``)."""
+    if runs.coalesced:
+        return runs
     keep = runs.num_bytes > 0
     src, dst, size = runs.src_ptrs[keep], runs.dst_ptrs[keep], runs.num_bytes[keep]
     if len(size) < 2:
-        return RunArrays(src, dst, size)
+        return RunArrays(src, dst, size, coalesced=True)
     follows = (src[:-1] + size[:-1] == src[1:]) & (dst[:-1] + size[:-1] == dst[1:])
     if not follows.any():
-        return RunArrays(src, dst, size)
+        return RunArrays(src, dst, size, coalesced=True)
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
-    return RunArrays(src[starts], dst[starts], np.add.reduceat(size, starts))
+    return RunArrays(src[starts], dst[starts], np.add.reduceat(size, starts), coalesced=True)
 
 
 class PieceTable:

@@ -103,6 +103,7 @@ def test_coalesce_arrays_equals_coalesce_on_random_runs() -> None:
             src, dst = src + size, dst + size
         got = coalesce_arrays(RunArrays.of(runs))
         assert got.triples() == [(r.src_ptr, r.dst_ptr, r.num_bytes) for r in coalesce(runs)]
+        assert got.coalesced and coalesce_arrays(got) is got  # merged once, not again
 
 
 def test_table_refuses_mismatched_host_addresses_and_region_pointers() -> None:
