@@ -113,6 +113,5 @@ class _Store:
 
 class _Copier:
     def __init__(self, copier, phases: _Phases) -> None:
-        self.pipeline = copier.pipeline
         self.device_to_host = phases.wrap("submit", copier.device_to_host, submit=True)
         self.host_to_device = phases.wrap("submit", copier.host_to_device, submit=True)

@@ -30,7 +30,7 @@ import ctypes
 import ctypes.util
 import functools
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,12 +61,6 @@ _CUDA_MEMORY_TYPE_HOST = 1
 # batch 0.90-0.94, memcpy 0.88-0.91, kernel 0.79-0.90.
 SMALL_RUNS = "staged"
 LARGE_RUNS = "batch"
-# Requests per direction whose save or load pipelines run at once. One direction's copy engine
-# is the bottleneck, so more add no bandwidth, only threads contending for the GIL (H100,
-# 2026-11-25: vLLM's 1,024-block save as 16 requests of 64 blocks in flight reached 23 GB/s, one
-# 1,024-block load 48 GB/s); two let one request's start overlap another's tail.
-MAX_PIPELINES = 2
-_ADMISSION_POLL_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -225,24 +219,6 @@ class CudaCopier:
         self._locks = {kind: threading.Lock() for kind in kinds}
         self._tables = {kind: PinnedTables() for kind in kinds}
         self._staging = {kind: DeviceStaging() for kind in kinds}
-        self._pipelines = {kind: threading.BoundedSemaphore(MAX_PIPELINES)
-                           for kind in (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE)}
-
-    @contextlib.contextmanager
-    def pipeline(self, to_device: bool, stopped: Callable[[], bool]) -> Iterator[bool]:
-        """Admission of one request's save (``to_device`` False) or load pipeline: at most
-        ``MAX_PIPELINES`` per direction at once, first come first served. Yields False, not
-        admitted, if ``stopped()`` turns true while it waits (the wait is bounded by the
-        request's deadline)."""
-        gate = self._pipelines[_MEMCPY_HOST_TO_DEVICE if to_device else _MEMCPY_DEVICE_TO_HOST]
-        while not gate.acquire(timeout=_ADMISSION_POLL_S):
-            if stopped():
-                yield False
-                return
-        try:
-            yield True
-        finally:
-            gate.release()
 
     def _submit(self, runs: RunArrays, kind: int, method: str) -> CopyHandle:
         """Enqueue the (coalesced) runs on the ``kind`` stream by ``method`` ("staged",

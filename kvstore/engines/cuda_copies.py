@@ -95,19 +95,8 @@ def save_blocks(store: BlockStore, reg: CudaRegistration, namespace: bytes,
     A failed copy aborts every slot not yet published (reported failed); chunks published
     before it stay saved: their copies had completed. Once ``stopped()`` (deadline, disconnect)
     no chunk is started; the copies in flight finish and are published, the rest is failed.
-    Waits for the copier's admission first (``CudaCopier.pipeline``). Call inside
-    ``open_for_copy``.
+    Call inside ``open_for_copy``.
     """
-    with reg.copier.pipeline(False, stopped) as admitted:
-        if not admitted:
-            return ["failed"] * len(block_ids)
-        return _save_admitted(store, reg, namespace, block_ids, hashes, idents, stopped,
-                              chunk_bytes)
-
-
-def _save_admitted(store: BlockStore, reg: CudaRegistration, namespace: bytes,
-                   block_ids: Sequence[int], hashes: Sequence[bytes], idents: Sequence[bytes],
-                   stopped: Callable[[], bool], chunk_bytes: int | None) -> list[str]:
     num_bytes = reg.block_bytes
     outcomes: list[str] = ["failed"] * len(block_ids)
     pending: deque[_Chunk] = deque()  # submitted, not yet published, oldest first
@@ -180,18 +169,9 @@ def load_blocks(store: BlockStore, reg: CudaRegistration, lease: Lease, block_id
 
     Stops at the first block the store cannot produce, and starts no chunk once ``stopped()``.
     A block whose copy completed is handed back (``store.done``), so a lease larger than DRAM
-    can be promoted from SSD piece by piece. Waits for the copier's admission first. Call inside
-    ``open_for_copy`` with the lease held; returns only once no copy is in flight.
+    can be promoted from SSD piece by piece. Call inside ``open_for_copy`` with the lease held;
+    returns only once no copy is in flight.
     """
-    with reg.copier.pipeline(True, stopped) as admitted:
-        if not admitted:
-            return 0
-        return _load_admitted(store, reg, lease, block_ids, stopped, chunk_bytes, first_index)
-
-
-def _load_admitted(store: BlockStore, reg: CudaRegistration, lease: Lease,
-                   block_ids: Sequence[int], stopped: Callable[[], bool],
-                   chunk_bytes: int | None, first_index: int) -> int:
     num_bytes = reg.block_bytes
     pending: deque[_Chunk] = deque()  # submitted, oldest first (counted in this order)
     done = getattr(store, "done", None)  # a store without it keeps every pin until release
