@@ -12,8 +12,9 @@ Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process: the co
 (shuffled blocks into consecutive pool slots, one submission) and the daemon's save/load pipeline
 without the daemon (``transfer_pipeline``: a ``TieredStore`` here, time per phase).
 Daemon variants: ``default`` (as shipped: pipelined chunks), ``one_submission`` (each request
-one batch: reserve all, one copy submission, wait, publish), ``batch_large`` / ``kernel_large``
-(block-major runs by one ``cuMemcpyBatchAsync`` / one ``copy_runs`` launch per chunk). Per variant
+one batch: reserve all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large``
+(block-major runs by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of
+the default's one ``cuMemcpyBatchAsync``). Per variant
 also the round trip of a request that moves nothing (``health``): the floor under every save/load.
 
     python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
@@ -44,7 +45,7 @@ BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
 # Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
 _VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0",
-             "batch_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'batch'",
+             "memcpy_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'memcpy'",
              "kernel_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'kernel'"}
 _SERVE = ("import sys, kvstore.engines.cuda_copies as t; {}; "
           "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
