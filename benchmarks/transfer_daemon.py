@@ -8,10 +8,14 @@ lookup is timed apart); ``streamed``: ``--depth`` such requests in flight at onc
 an engine that keeps saving does, so one request's round trip hides behind another's copies. By
 CUDA events: one raw cudaMemcpyAsync of the same bytes between the arena and cudaHostAlloc'd memory
 and between the arena and a cudaHostRegister'd HostPool (the daemon's kind of pinned memory).
-Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process, as the ceiling of
-one-call-per-block copies: the copier alone (shuffled blocks into consecutive pool slots).
-Daemon variants: ``default`` (as shipped: pipelined chunks) and ``one_submission`` (each request
-one batch: reserve all, one copy submission, wait, publish).
+Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process: the copier alone
+(shuffled blocks into consecutive pool slots, one submission) and the daemon's save/load pipeline
+without the daemon (``transfer_pipeline``: a ``TieredStore`` here, time per phase).
+Daemon variants: ``default`` (as shipped: pipelined chunks), ``one_submission`` (each request
+one batch: reserve all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large``
+(block-major runs by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of
+the default's one ``cuMemcpyBatchAsync``). Per variant
+also the round trip of a request that moves nothing (``health``): the floor under every save/load.
 
     python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
                                          [--variants default,one_submission] [--out DIR]
@@ -35,11 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
+from benchmarks.transfer_pipeline import pipeline_rows
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
 # Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
-_VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0"}
+_VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0",
+             "memcpy_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'memcpy'",
+             "kernel_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'kernel'"}
 _SERVE = ("import sys, kvstore.engines.cuda_copies as t; {}; "
           "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
@@ -214,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                **_copier_row(n, memory.ptr, pool.base_address, shuffled[n], args.reps)}
            for n in counts}
     pool.close()
+    for n in counts:  # the pipeline alone, in this process (see benchmarks/transfer_pipeline.py)
+        raw[n].update(pipeline_rows(memory.ptr, BLOCK_BYTES, shuffled[n], args.reps))
     for n in counts:
         r = raw[n]
         print(f"{n:5d} blocks | raw d2h {r['raw_d2h_gbps']:5.1f} (registered "
@@ -221,12 +230,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['raw_registered_h2d_gbps']:5.1f}) | in-process copier, a call per shuffled "
               f"block: d2h {r['copier_d2h_gbps']:5.1f} h2d {r['copier_h2d_gbps']:5.1f} GB/s",
               flush=True)
+        print(f"{n:5d} blocks | in-process pipeline: save {r['pipeline_save_ms']:.2f} ms "
+              f"(first chunk enqueued at {r['pipeline_save_first_submit_ms']:.2f}, tail "
+              f"{r['pipeline_save_tail_ms']:.2f}) load {r['pipeline_load_ms']:.2f} ms (first "
+              f"{r['pipeline_load_first_submit_ms']:.2f}, tail {r['pipeline_load_tail_ms']:.2f})"
+              f" | " + " ".join(f"{k[9:]}={v:.2f}" for k, v in r.items()
+                                if k.startswith("pipeline_") and k.endswith("_ms")
+                                and "first" not in k and "tail" not in k), flush=True)
 
     handle = bytes(cp.cuda.runtime.ipcGetMemHandle(memory.ptr))
     layout = KVLayout(max_blocks, (Region(handle, total, 0, BLOCK_BYTES, BLOCK_BYTES),),
                       device="cuda:0", dtype="bfloat16")
     namespace = Namespace(name="transfer-daemon").digest
     rows, exact, daemon_pinned = [], None, None
+    round_trip_ms: dict[str, float] = {}
     for variant in args.variants.split(","):
         modes = ["single", "single_consecutive", "streamed"] if variant == "default" else \
             ["single"]
@@ -235,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with Client(socket_path, timeout_s=120.0) as client:
                 daemon_pinned = client.stats()["tiers"]["dram"]["pinned"]
+                rtt_ms = [0.0] * 201
+                for i in range(len(rtt_ms)):
+                    t0 = time.perf_counter()
+                    client.health()
+                    rtt_ms[i] = (time.perf_counter() - t0) * 1e3
+                round_trip_ms[variant] = float(np.median(rtt_ms[1:]))
+                print(f"{variant:>14} health round trip {round_trip_ms[variant]:.3f} ms p50",
+                      flush=True)
                 reg = client.register(layout, "transfer-daemon")
                 for n, mode in ((n, m) for n in counts for m in modes):
                     if mode == "streamed":
@@ -268,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "transfer_daemon", "block_bytes": BLOCK_BYTES, "rows": rows,
         "byte_exact": exact, "daemon_pool_pinned": daemon_pinned,
+        "health_round_trip_ms_p50": round_trip_ms,
         "timing": "daemon: wall clock around Client.save/load (socket, msgpack, worker thread "
                   "included; streamed: depth requests in flight, bytes of all of them), median "
                   "of reps after one warm-up; raw: CUDA events around one cudaMemcpyAsync of "

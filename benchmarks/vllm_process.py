@@ -98,13 +98,18 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
     return predicate()
 
 
-def start_store(dram: str = "1GiB") -> tuple[subprocess.Popen, Path]:
-    """A ``kvstore serve`` on a fresh socket for a benchmark; returns once it is ready."""
+def start_store(dram: str = "1GiB", preamble: str = "") -> tuple[subprocess.Popen, Path]:
+    """A ``kvstore serve`` on a fresh socket for a benchmark; returns once it is ready.
+
+    ``preamble``: Python run in the daemon before it starts (a benchmark variant setting module
+    constants, e.g. ``import kvstore.engines.copier as c; c.SMALL_RUNS = 'kernel'``)."""
     import tempfile
 
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "kvstore.sock"
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
+    head = [sys.executable, "-c", f"import sys; {preamble}; from kvstore.cli import main; "
+            "sys.exit(main(sys.argv[1:]))"] if preamble else [sys.executable, "-m", "kvstore.cli"]
+    proc = subprocess.Popen([*head, "serve", "--socket",
                              str(socket_path), "--dram", dram, "--http", "off"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO_ROOT, env=env)

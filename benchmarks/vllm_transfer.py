@@ -11,6 +11,11 @@ the lease lookup and the copy). Raw: one ``copy_`` of the same number of bytes b
 contiguous CUDA tensor and pinned host memory (CUDA events). Ratios are connector over raw.
 
     python -m benchmarks.vllm_transfer [--blocks 64,128,256,512,1024] [--reps 5] [--out DIR]
+                                       [--variants default,kernel]
+
+Variants: ``default`` (as shipped: pieces gathered on the GPU into a staging buffer that crosses
+the bus a run per block) and ``kernel`` (one ``copy_runs`` launch reading or writing the mapped
+pinned pool directly).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ from offload.vllm.plan import BlockTransfer, StepPlan
 from offload.vllm.scheduler_side import SAVE_CHUNK_BLOCKS
 from offload.vllm.store_link import StoreLink
 from offload.vllm.worker_side import WorkerSide
+
+# Daemon variants: module constants set before `kvstore serve` runs ("" = as shipped).
+_VARIANTS = {"default": "",
+             "kernel": "import kvstore.engines.copier as c; c.SMALL_RUNS = 'kernel'"}
 
 
 def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
@@ -77,6 +86,10 @@ def _wait_load(worker: WorkerSide, request_id: str, timeout_s: float = 120.0) ->
         failed |= bad
         if request_id in done:
             return failed
+        # Hand the GIL over: a spinning poll starves the client's reader thread for a whole
+        # switch interval (5 ms) per reply, ~20 ms a load (measured 2026-11-25). vLLM polls
+        # once per step, never in a tight loop.
+        time.sleep(50e-6)
     raise RuntimeError(f"load of {request_id} did not finish in {timeout_s} s")
 
 
@@ -90,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the staged path with CPU tensors (a smoke run, not the target)")
+    parser.add_argument("--variants", default="default",
+                        help="comma-separated daemon variants: " + ", ".join(_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     import torch
@@ -108,56 +123,60 @@ def main(argv: list[str] | None = None) -> int:
                            "bfloat16", args.block_size, "bench", "cuda:bench")
     keys = KeyMaker(facts)
     dram = int(block_bytes * num_blocks * 1.25) + (256 << 20)
-    proc, socket_path = start_store(str(dram))
-    rows = []
-    try:
-        # CPU: staging room for one whole save and one whole load.
-        mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
-                           2 * num_blocks, {})
-        worker = WorkerSide(StoreLink(socket_path, 120.0, 1.0), mover, "vllm-bench", 120.0,
-                            120.0)
-        if not worker.connect(wait_s=60.0):
-            raise RuntimeError("could not register the CUDA tensors with the daemon")
-        for n in counts:
-            save_s, load_s = [], []
-            for rep in range(args.reps + 1):  # the first rep warms up
-                ids = random.Random(rep).sample(range(num_blocks), n)
-                t = _transfer(keys, ids, n * 1000 + rep)
-                before = worker.counters["blocks_saved"]
-                t0 = time.perf_counter()
-                worker.save(StepPlan(saves=t.chunks(SAVE_CHUNK_BLOCKS)))
-                worker.drain(120.0)  # CPU saves are not waited for by save() itself
-                t1 = time.perf_counter()
-                if worker.counters["blocks_saved"] - before != n:
-                    got = worker.counters["blocks_saved"] - before
-                    raise RuntimeError(f"{n} blocks: saved {got}")
-                t2 = time.perf_counter()
-                worker.start(StepPlan(loads=[t]))
-                failed = _wait_load(worker, t.request_id)
-                t3 = time.perf_counter()
-                if failed:
-                    raise RuntimeError(f"{n} blocks: {len(failed)} failed to load")
-                client = worker.link.ensure()  # free the DRAM for the next rep
-                if client is not None:
-                    client.remove(t.namespace, t.hashes)
-                if rep:
-                    save_s.append(t1 - t0)
-                    load_s.append(t3 - t2)
-            raw_d2h, raw_h2d = _raw_gbps(torch, n * block_bytes, args.reps, args.device)
-            save_gbps = n * block_bytes / float(np.median(save_s)) / 1e9
-            load_gbps = n * block_bytes / float(np.median(load_s)) / 1e9
-            row = {"blocks": n, "bytes": n * block_bytes, "save_gbps": save_gbps,
-                   "load_gbps": load_gbps, "raw_d2h_gbps": raw_d2h, "raw_h2d_gbps": raw_h2d,
-                   "save_vs_raw": save_gbps / raw_d2h, "load_vs_raw": load_gbps / raw_h2d,
-                   "save_ms_median": float(np.median(save_s)) * 1e3,
-                   "load_ms_median": float(np.median(load_s)) * 1e3}
-            rows.append(row)
-            print(f"{n:5d} blocks: save {save_gbps:6.1f} GB/s ({row['save_vs_raw']:.0%} of raw "
-                  f"{raw_d2h:.1f}), load {load_gbps:6.1f} GB/s ({row['load_vs_raw']:.0%} of raw "
-                  f"{raw_h2d:.1f})", flush=True)
-        worker.close()
-    finally:
-        stop_store(proc, socket_path)
+    rows, raws = [], {}
+    for variant in args.variants.split(","):
+        proc, socket_path = start_store(str(dram), _VARIANTS[variant])
+        try:
+            # CPU: staging room for one whole save and one whole load.
+            mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
+                               2 * num_blocks, {})
+            worker = WorkerSide(StoreLink(socket_path, 120.0, 1.0), mover, "vllm-bench", 120.0,
+                                120.0)
+            if not worker.connect(wait_s=60.0):
+                raise RuntimeError("could not register the CUDA tensors with the daemon")
+            for n in counts:
+                save_s, load_s = [], []
+                for rep in range(args.reps + 1):  # the first rep warms up
+                    ids = random.Random(rep).sample(range(num_blocks), n)
+                    t = _transfer(keys, ids, n * 1000 + rep)
+                    before = worker.counters["blocks_saved"]
+                    t0 = time.perf_counter()
+                    worker.save(StepPlan(saves=t.chunks(SAVE_CHUNK_BLOCKS)))
+                    worker.drain(120.0)  # CPU saves are not waited for by save() itself
+                    t1 = time.perf_counter()
+                    if worker.counters["blocks_saved"] - before != n:
+                        got = worker.counters["blocks_saved"] - before
+                        raise RuntimeError(f"{n} blocks: saved {got}")
+                    t2 = time.perf_counter()
+                    worker.start(StepPlan(loads=[t]))
+                    failed = _wait_load(worker, t.request_id)
+                    t3 = time.perf_counter()
+                    if failed:
+                        raise RuntimeError(f"{n} blocks: {len(failed)} failed to load")
+                    client = worker.link.ensure()  # free the DRAM for the next rep
+                    if client is not None:
+                        client.remove(t.namespace, t.hashes)
+                    if rep:
+                        save_s.append(t1 - t0)
+                        load_s.append(t3 - t2)
+                if n not in raws:
+                    raws[n] = _raw_gbps(torch, n * block_bytes, args.reps, args.device)
+                raw_d2h, raw_h2d = raws[n]
+                save_gbps = n * block_bytes / float(np.median(save_s)) / 1e9
+                load_gbps = n * block_bytes / float(np.median(load_s)) / 1e9
+                row = {"variant": variant, "blocks": n, "bytes": n * block_bytes,
+                       "save_gbps": save_gbps, "load_gbps": load_gbps,
+                       "raw_d2h_gbps": raw_d2h, "raw_h2d_gbps": raw_h2d,
+                       "save_vs_raw": save_gbps / raw_d2h, "load_vs_raw": load_gbps / raw_h2d,
+                       "save_ms_median": float(np.median(save_s)) * 1e3,
+                       "load_ms_median": float(np.median(load_s)) * 1e3}
+                rows.append(row)
+                print(f"{variant:>8} {n:5d} blocks: save {save_gbps:6.1f} GB/s "
+                      f"({row['save_vs_raw']:.0%} of raw {raw_d2h:.1f}), load {load_gbps:6.1f} "
+                      f"GB/s ({row['load_vs_raw']:.0%} of raw {raw_h2d:.1f})", flush=True)
+            worker.close()
+        finally:
+            stop_store(proc, socket_path)
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or 'host'})"
     tag = "h200" if "H200" in device else "h100" if "H100" in device else args.device
     out = {"benchmark": "vllm_transfer", "date": datetime.date.today().isoformat(),

@@ -1,30 +1,37 @@
-// Gather/scatter of whole KV blocks: one launch moves a batch of runs, run r copying num_bytes[r]
-// (a multiple of 16) from src_ptrs[r] to dst_ptrs[r]. Pointers may be device addresses or pinned
+// Gather/scatter of whole KV blocks: one launch moves a batch of runs, run r copying sizes[r]
+// bytes (a multiple of 16) from srcs[r] to dsts[r]. Pointers may be device addresses or pinned
 // host addresses (unified addressing), so the same kernel saves (HBM -> pinned), loads
 // (pinned -> HBM) and copies between two engines' arenas (the store's HBM tier: one launch per
-// batch instead of one cudaMemcpyAsync per block, whose ~5 us call cost dwarfs a 2 MB copy at HBM
-// speed). The launcher checks alignment. blockIdx.y picks the run, blockIdx.x/threadIdx.x stride
-// over its 16-byte words.
+// batch instead of one cudaMemcpyAsync per piece, whose ~5 us call cost dwarfs a 32 KiB copy).
+//
+// table is int64[3][num_runs] (srcs, dsts, sizes) and may itself live in mapped pinned memory:
+// each CTA reads its run's three words once. CTA b copies part b % BLOCKS_PER_RUN of run
+// b / BLOCKS_PER_RUN (a 1-D grid: no 65,535 cap on the number of runs). UNROLL independent
+// 16-byte loads are in flight per thread before any store: reads over PCIe (loads) need many
+// outstanding requests to cover the bus latency. The launcher checks alignment.
 
-extern "C" __global__ void copy_runs(const unsigned long long* __restrict__ src_ptrs,
-                                     const unsigned long long* __restrict__ dst_ptrs,
-                                     const long long* __restrict__ num_bytes) {
-    const int run = blockIdx.y;
-    const uint4* src = reinterpret_cast<const uint4*>(src_ptrs[run]);
-    uint4* dst = reinterpret_cast<uint4*>(dst_ptrs[run]);
-    const long long num_words = num_bytes[run] / 16;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    // Four independent loads in flight per thread: PCIe latency needs many outstanding requests.
-    for (; i + 3 * stride < num_words; i += 4 * stride) {
-        uint4 a = src[i];
-        uint4 b = src[i + stride];
-        uint4 c = src[i + 2 * stride];
-        uint4 d = src[i + 3 * stride];
-        dst[i] = a;
-        dst[i + stride] = b;
-        dst[i + 2 * stride] = c;
-        dst[i + 3 * stride] = d;
+#ifndef UNROLL
+#define UNROLL 4
+#endif
+
+extern "C" __global__ void copy_runs(const long long* __restrict__ table, long long num_runs,
+                                     int blocks_per_run) {
+    const long long run = blockIdx.x / blocks_per_run;
+    const int part = blockIdx.x % blocks_per_run;
+    const uint4* src = reinterpret_cast<const uint4*>(table[run]);
+    uint4* dst = reinterpret_cast<uint4*>(table[num_runs + run]);
+    const long long num_words = table[2 * num_runs + run] / 16;
+    const long long stride = (long long)blocks_per_run * blockDim.x;
+    long long i = (long long)part * blockDim.x + threadIdx.x;
+    // Every pass issues up to UNROLL loads before its first store, the last (partial) pass too:
+    // a 32 KiB piece is one pass of two CTAs at UNROLL 4.
+    for (; i < num_words; i += UNROLL * stride) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (i + u * stride < num_words) v[u] = src[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (i + u * stride < num_words) dst[i + u * stride] = v[u];
     }
-    for (; i < num_words; i += stride) dst[i] = src[i];
 }

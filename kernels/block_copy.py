@@ -1,57 +1,96 @@
-"""Launcher for ``copy_runs`` (block_copy.cu) and its NumPy reference."""
+"""Launcher for ``copy_runs`` (block_copy.cu) and its NumPy reference.
+
+A batch of runs is an int64 table ``[3, num_runs]`` (sources, destinations, sizes) built from
+NumPy arrays without a Python loop (``run_table``); ``launch_table`` runs the kernel on a table
+the device can read (a device array, or mapped pinned memory the caller keeps alive until the
+launch completed), ``copy_runs_varlen`` uploads the table itself with one host-to-device copy.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
-from pathlib import Path
 
 import numpy as np
 
-_SOURCE = Path(__file__).with_name("block_copy.cu")
-_THREADS = 256
+THREADS = 256
+# 16-byte loads in flight per thread. H100, 32 KiB pieces over mapped pinned memory (2026-11-25,
+# benchmarks/copy_paths.py): 4 gave 0.79-0.84 of raw both ways, 8 0.74-0.86, 16 0.40-0.82.
+UNROLL = 4
+_MAX_BLOCKS_PER_RUN = 128
+_MAX_GRID = (1 << 31) - 1
 
 
-@cache
-def _kernel():
-    import cupy as cp
+def run_table(src_ptrs: Sequence[int] | np.ndarray, dst_ptrs: Sequence[int] | np.ndarray,
+              num_bytes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The int64 ``[3, num_runs]`` table of a batch; ValueError unless every run is a positive
+    multiple of 16 bytes between 16-byte aligned pointers."""
+    if not len(src_ptrs) == len(dst_ptrs) == len(num_bytes):
+        raise ValueError("src_ptrs, dst_ptrs and num_bytes differ in length")
+    table = np.empty((3, len(src_ptrs)), dtype=np.int64)
+    table[0], table[1], table[2] = src_ptrs, dst_ptrs, num_bytes
+    check_table(table)
+    return table
 
-    module = cp.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
-    return module.get_function("copy_runs")
+
+def check_table(table: np.ndarray) -> None:
+    """ValueError unless ``table`` is a launchable int64 ``[3, n]`` table."""
+    if table.dtype != np.int64 or table.ndim != 2 or table.shape[0] != 3:
+        raise ValueError(f"a run table is int64 [3, n], got {table.dtype} {table.shape}")
+    if table.shape[1] and (table[2].min() <= 0 or np.any(table[2] % 16)):
+        raise ValueError("every run must be a positive multiple of 16 bytes")
+    if np.any(table[:2] % 16):
+        raise ValueError("every pointer must be 16-byte aligned")
+
+
+def blocks_per_run_for(longest_bytes: int, unroll: int | None = None) -> int:
+    """CTAs per run: enough that each thread of the longest run does about one unrolled pass."""
+    per_block = THREADS * 16 * (UNROLL if unroll is None else unroll)
+    return min(_MAX_BLOCKS_PER_RUN, max(1, -(-int(longest_bytes) // per_block)))
+
+
+def launch_table(table_ptr: int, num_runs: int, stream, blocks_per_run: int,
+                 unroll: int | None = None) -> None:
+    """Launch ``copy_runs`` on ``stream`` over the checked table at ``table_ptr`` (device
+    readable); asynchronous: record an event on ``stream`` to know it finished."""
+    if num_runs <= 0:
+        return
+    if not 1 <= blocks_per_run <= _MAX_BLOCKS_PER_RUN or num_runs * blocks_per_run > _MAX_GRID:
+        raise ValueError(f"{num_runs} runs x {blocks_per_run} CTAs is no launchable grid")
+    from kernels.cuda_module import kernel  # lazily: it needs ml_dtypes, the daemon does not
+
+    kernel("block_copy", "copy_runs", UNROLL=UNROLL if unroll is None else unroll)(
+        (num_runs * blocks_per_run,), (THREADS,),
+        (np.uint64(table_ptr), np.int64(num_runs), np.int32(blocks_per_run)), stream=stream)
 
 
 def copy_runs(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], num_bytes: int, stream=None,
-              blocks_per_run: int = 16) -> None:
+              blocks_per_run: int | None = None) -> None:
     """Copy ``num_bytes`` from each ``src_ptrs[r]`` to ``dst_ptrs[r]`` in one launch on ``stream``.
 
     Pointers are device or pinned-host addresses; all must be 16-byte aligned and ``num_bytes`` a
     multiple of 16. The copy is asynchronous: record an event on ``stream`` to know it finished.
     """
-    copy_runs_varlen(src_ptrs, dst_ptrs, [num_bytes] * len(src_ptrs), stream, blocks_per_run)
+    copy_runs_varlen(src_ptrs, dst_ptrs, np.full(len(src_ptrs), num_bytes, dtype=np.int64),
+                     stream, blocks_per_run)
 
 
-def copy_runs_varlen(src_ptrs: Sequence[int], dst_ptrs: Sequence[int],
-                     num_bytes: Sequence[int], stream=None, blocks_per_run: int = 8) -> None:
+def copy_runs_varlen(src_ptrs: Sequence[int] | np.ndarray, dst_ptrs: Sequence[int] | np.ndarray,
+                     num_bytes: Sequence[int] | np.ndarray, stream=None,
+                     blocks_per_run: int | None = None) -> None:
     """``copy_runs`` with a length per run (each a positive multiple of 16, pointers 16-byte
-    aligned): run ``r`` copies ``num_bytes[r]`` bytes. Asynchronous on ``stream``."""
+    aligned; lists or NumPy arrays): run ``r`` copies ``num_bytes[r]`` bytes. The table goes up
+    in one host-to-device copy into a device array of CuPy's stream-ordered pool."""
     import cupy as cp
 
-    if not len(src_ptrs) == len(dst_ptrs) == len(num_bytes):
-        raise ValueError("src_ptrs, dst_ptrs and num_bytes differ in length")
-    if not src_ptrs:
+    table = run_table(src_ptrs, dst_ptrs, num_bytes)
+    if not table.shape[1]:
         return
-    if any(n <= 0 or n % 16 for n in num_bytes):
-        raise ValueError("every run must be a positive multiple of 16 bytes")
-    if any(p % 16 for p in src_ptrs) or any(p % 16 for p in dst_ptrs):
-        raise ValueError("every pointer must be 16-byte aligned")
-    if len(src_ptrs) > 65535:
-        raise ValueError("at most 65535 runs per launch")
     stream = stream or cp.cuda.get_current_stream()
+    if blocks_per_run is None:
+        blocks_per_run = blocks_per_run_for(int(table[2].max()))
     with stream:
-        table = cp.asarray(np.asarray([list(src_ptrs), list(dst_ptrs), list(num_bytes)],
-                                      dtype=np.uint64))
-        _kernel()((blocks_per_run, len(src_ptrs)), (_THREADS,), (table[0], table[1], table[2]),
-                  stream=stream)
+        dev_table = cp.asarray(table)
+        launch_table(dev_table.data.ptr, table.shape[1], stream, blocks_per_run)
 
 
 def copy_runs_reference(src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:

@@ -2,7 +2,7 @@
 
 The daemon opens each engine's CUDA IPC handle once per registration (``CudaIpcMapping``) and moves
 blocks with ``CudaCopier``: one non-blocking stream per direction, copies coalesced into the fewest
-``cudaMemcpyAsync`` runs (a block of the block-major arena is one contiguous run, so a batch of
+runs (a block of the block-major arena is one contiguous run, so a batch of
 blocks is at most one call per block and fewer when block ids are consecutive), and a CUDA event
 recorded after the batch. Completion is the event, never a sleep loop. Device-to-device copies
 (the HBM tier: one engine's arena into another's) run on a third stream of their own.
@@ -14,6 +14,13 @@ layout that claims more.
 One 2.36 MB block per call reaches about 93% of one big memcpy on an H100 (the copy engine idles a
 few microseconds between calls); dealing the calls over two streams of the same direction did not
 close that gap (measured: 47-51 GB/s either way against 55 raw), so there is one stream.
+
+Batches arrive as ``RunArrays`` (NumPy, built by a registration's ``PieceTable``) or as a list of
+``CopyRun``; either way they are coalesced vectorised and handed on without a Python object per
+run: many small runs (vLLM's 32 KiB pieces) are gathered on the GPU by one ``copy_runs`` launch
+(its table read in place from a pinned slot, ``PinnedTables``) into a device staging buffer that
+crosses the bus a run per block (``device_staging``), large ones (kvengine's block-major blocks)
+go to one ``cuMemcpyBatchAsync`` (the copy engines, without a driver call per block).
 """
 
 from __future__ import annotations
@@ -22,8 +29,16 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.engines import cuda_batch
+from kvstore.engines.device_staging import DeviceStaging, staged_sides
+from kvstore.engines.run_arrays import RunArrays, coalesce_arrays
+from kvstore.engines.table_staging import PinnedTables
 
 _MEMCPY_HOST_TO_DEVICE = 1
 _MEMCPY_DEVICE_TO_HOST = 2
@@ -36,6 +51,16 @@ _GATHER_MIN_RUNS = 8  # device-to-device batches with this many runs go through 
 # (kvengine's block-major arena: one 2+ MB run per block) stay on the copy engines.
 _GATHER_MAX_MEAN_RUN_BYTES = 512 << 10
 _CUDA_MEMORY_TYPE_HOST = 1
+# How host <-> device batches go (read at call time; benchmarks/copy_paths.py and
+# transfer_daemon.py compare): SMALL_RUNS for batches of many small runs, LARGE_RUNS for the rest.
+# "kernel": one copy_runs launch over mapped pinned memory; "batch": one cuMemcpyBatchAsync;
+# "memcpy": a call per run; "staged": gathered on the GPU, across the bus a run per block
+# (device_staging.py). A method the batch cannot take (unaligned, pageable host memory, an
+# old driver) falls back. Measured on an H100 (2026-11-25, one submission, shuffled blocks):
+# 32 KiB pieces: kernel 0.79-0.86 of raw, batch 0.42-0.62, memcpy 0.18-0.20; 2.36 MB runs:
+# batch 0.90-0.94, memcpy 0.88-0.91, kernel 0.79-0.90.
+SMALL_RUNS = "staged"
+LARGE_RUNS = "batch"
 
 
 @dataclass(frozen=True)
@@ -167,71 +192,152 @@ class CopyHandle:
         self._event.synchronize()
 
 
+Runs = Sequence[CopyRun] | RunArrays
+
+
+def _merged(runs: Runs) -> RunArrays:
+    return coalesce_arrays(runs if isinstance(runs, RunArrays) else RunArrays.of(runs))
+
+
+def _aligned(runs: RunArrays) -> bool:
+    return not np.any((runs.src_ptrs | runs.dst_ptrs | runs.num_bytes) & 15)
+
+
 class CudaCopier:
-    """Per-device copy streams (one per direction, one for device to device); ``submit``
-    enqueues coalesced runs and returns an event handle."""
+    """Per-device copy streams (one per direction, one for device to device, each with a side
+    stream for the staged method's kernels); a submission enqueues coalesced runs and returns
+    an event handle. Thread-safe: a lock per direction."""
 
     def __init__(self, device_id: int) -> None:
         cp = _cupy()
         self.device_id = device_id
+        kinds = (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEFAULT)
         with cp.cuda.Device(device_id):
-            self._streams = {
-                _MEMCPY_DEVICE_TO_HOST: cp.cuda.Stream(non_blocking=True),
-                _MEMCPY_HOST_TO_DEVICE: cp.cuda.Stream(non_blocking=True),
-                _MEMCPY_DEFAULT: cp.cuda.Stream(non_blocking=True),
-            }
+            self._streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
+            # the staged method's gather/scatter kernels, beside each host <-> device stream
+            self._side_streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
+        self._locks = {kind: threading.Lock() for kind in kinds}
+        self._tables = {kind: PinnedTables() for kind in kinds}
+        self._staging = {kind: DeviceStaging() for kind in kinds}
 
-    def _submit(self, runs: Sequence[CopyRun], kind: int, gather: bool = False) -> CopyHandle:
-        """Enqueue the coalesced runs on the ``kind`` stream, as ``cudaMemcpyAsync`` calls or
-        (``gather``) one ``copy_runs_varlen`` launch; an event after them is the handle."""
+    def _submit(self, runs: RunArrays, kind: int, method: str) -> CopyHandle:
+        """Enqueue the (coalesced) runs on the ``kind`` stream by ``method`` ("staged",
+        "kernel", "batch", "memcpy"); an event after the last of them is the handle."""
         cp = _cupy()
-        merged = coalesce(runs)
         stream = self._streams[kind]
-        with cp.cuda.Device(self.device_id):
+        with cp.cuda.Device(self.device_id), self._locks[kind]:
+            slot = None
             try:
-                if gather:
-                    from kernels.block_copy import copy_runs_varlen
-
-                    longest = max(r.num_bytes for r in merged)  # CTAs per run: ~256 KiB each
-                    copy_runs_varlen([r.src_ptr for r in merged], [r.dst_ptr for r in merged],
-                                     [r.num_bytes for r in merged], stream=stream,
-                                     blocks_per_run=min(128, max(4, longest >> 18)))
+                if method == "staged":
+                    return CopyHandle(self._staged(runs, kind), runs.total_bytes)
+                if method == "kernel":
+                    slot = self._launch(runs, kind, stream)
                 else:
-                    for run in merged:
-                        cp.cuda.runtime.memcpyAsync(int(run.dst_ptr), int(run.src_ptr),
-                                                    int(run.num_bytes), kind, stream.ptr)
+                    self._bus_copy(runs, kind, method == "batch")
             except BaseException:
                 # The runs enqueued before the failing one have no event: wait for them here, so
                 # no copy is still touching the caller's buffers once it hears of the error.
-                with contextlib.suppress(Exception):
-                    stream.synchronize()
+                for s in (stream, self._side_streams[kind]):
+                    with contextlib.suppress(Exception):
+                        s.synchronize()
                 raise
             event = cp.cuda.Event(block=True, disable_timing=True)
             event.record(stream)
-        return CopyHandle(event, sum(r.num_bytes for r in merged))
+            if slot is not None:
+                PinnedTables.retire(slot, event)
+        return CopyHandle(event, runs.total_bytes)
 
-    def device_to_host(self, runs: Sequence[CopyRun]) -> CopyHandle:
+    def _bus_copy(self, runs: RunArrays, kind: int, batch: bool) -> None:
+        """The runs on the copy engines: one driver batch, or a ``cudaMemcpyAsync`` each."""
+        stream = self._streams[kind]
+        if batch and len(runs) > 1:
+            cuda_batch.memcpy_batch(runs, stream.ptr, kind != _MEMCPY_HOST_TO_DEVICE,
+                                    kind != _MEMCPY_DEVICE_TO_HOST, self.device_id)
+            return
+        for src, dst, num_bytes in runs.triples():
+            _cupy().cuda.runtime.memcpyAsync(dst, src, num_bytes, kind, stream.ptr)
+
+    def _staged(self, runs: RunArrays, kind: int):
+        """Enqueue a batch through a device staging buffer; the event after its last step.
+
+        Save: gather kernel (side stream) -> event -> bus copy (copy stream). Load: bus copy
+        -> event -> scatter kernel (side stream). The buffer's previous batch is waited for on
+        the GPU by the stream that writes it first."""
+        cp = _cupy()
+        to_device = kind == _MEMCPY_HOST_TO_DEVICE
+        copy_stream, side = self._streams[kind], self._side_streams[kind]
+        first, second = (copy_stream, side) if to_device else (side, copy_stream)
+        staging = self._staging[kind].take(runs.total_bytes)
+        bus, device = staged_sides(runs, staging.memory.ptr, to_device)
+        if staging.event is not None:
+            first.wait_event(staging.event)
+        batch = cuda_batch.available()
+        table = None if to_device else self._launch(device, kind, side)
+        if to_device:
+            self._bus_copy(bus, kind, batch)
+        middle = cp.cuda.Event(disable_timing=True)
+        middle.record(first)
+        second.wait_event(middle)
+        if to_device:
+            table = self._launch(device, kind, side)
+        else:
+            self._bus_copy(bus, kind, batch)
+        event = cp.cuda.Event(block=True, disable_timing=True)
+        event.record(second)
+        staging.event = event
+        if table is not None:
+            PinnedTables.retire(table, event)
+        return event
+
+    def _launch(self, runs: RunArrays, kind: int, stream):
+        """One ``copy_runs`` launch; its table in a pinned slot (returned: guard it with the
+        launch's event) or, where pinned memory is not mapped, uploaded."""
+        from kernels.block_copy import blocks_per_run_for, launch_table, run_table
+
+        table = run_table(runs.src_ptrs, runs.dst_ptrs, runs.num_bytes)
+        blocks_per_run = blocks_per_run_for(int(table[2].max()))
+        staged = self._tables[kind].take(table)
+        if staged is None:
+            with stream:
+                dev_table = _cupy().asarray(table)  # freed into the stream-ordered pool
+                launch_table(dev_table.data.ptr, len(runs), stream, blocks_per_run)
+            return None
+        ptr, slot = staged
+        launch_table(ptr, len(runs), stream, blocks_per_run)
+        return slot
+
+    def device_to_host(self, runs: Runs) -> CopyHandle:
         """Save direction: engine HBM → pinned pool."""
-        merged = coalesce(runs)
+        merged = _merged(runs)
         return self._submit(merged, _MEMCPY_DEVICE_TO_HOST,
-                            gather=self._gather_pays(merged, [r.dst_ptr for r in merged]))
+                            self._host_method(merged, merged.dst_ptrs))
 
-    def host_to_device(self, runs: Sequence[CopyRun]) -> CopyHandle:
+    def host_to_device(self, runs: Runs) -> CopyHandle:
         """Load direction: pinned pool → engine HBM."""
-        merged = coalesce(runs)
+        merged = _merged(runs)
         return self._submit(merged, _MEMCPY_HOST_TO_DEVICE,
-                            gather=self._gather_pays(merged, [r.src_ptr for r in merged]))
+                            self._host_method(merged, merged.src_ptrs))
 
-    def _gather_pays(self, merged: Sequence[CopyRun], host_ptrs: Sequence[int]) -> bool:
-        """Many small aligned runs whose host side the device can address at the same pointer
-        (page-locked, mapped, unified addressing): one gather launch beats a memcpy per run.
-        Unpinned host memory always goes through ``cudaMemcpyAsync``."""
-        if len(merged) < _GATHER_MIN_RUNS or \
-                sum(r.num_bytes for r in merged) > _GATHER_MAX_MEAN_RUN_BYTES * len(merged):
-            return False
-        if any(r.num_bytes % 16 or r.src_ptr % 16 or r.dst_ptr % 16 for r in merged):
-            return False
-        return all(self._device_addressable(p) for p in {host_ptrs[0], host_ptrs[-1]})
+    def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray) -> str:
+        """How a host <-> device batch goes: ``SMALL_RUNS`` for many small runs, else
+        ``LARGE_RUNS``. Every method but "memcpy" needs the host side page-locked and mapped at
+        the same address (unpinned memory always goes through ``cudaMemcpyAsync``); the kernel
+        and the staged path need aligned runs (the kernel 8+ of them), else a driver batch
+        takes them, else "memcpy"."""
+        if len(merged) < 2:
+            return "memcpy"
+        small = merged.total_bytes <= _GATHER_MAX_MEAN_RUN_BYTES * len(merged)
+        method = SMALL_RUNS if small else LARGE_RUNS
+        if method == "memcpy" or not all(self._device_addressable(int(p))
+                                         for p in {host_ptrs[0], host_ptrs[-1]}):
+            return "memcpy"
+        if method in ("kernel", "staged") and not _aligned(merged):
+            method = "batch"
+        if method == "kernel" and len(merged) < _GATHER_MIN_RUNS:
+            method = "batch"
+        if method == "batch" and not cuda_batch.available():
+            return "memcpy"
+        return method
 
     def _device_addressable(self, host_ptr: int) -> bool:
         cp = _cupy()
@@ -242,14 +348,12 @@ class CudaCopier:
             return False
         return attrs.type == _CUDA_MEMORY_TYPE_HOST and attrs.devicePointer == host_ptr
 
-    def device_to_device(self, runs: Sequence[CopyRun]) -> CopyHandle:
+    def device_to_device(self, runs: Runs) -> CopyHandle:
         """HBM tier: one engine's arena → another's, on this (the destination's) device.
 
         Few runs go as ``cudaMemcpyAsync`` calls; many (shuffled block ids) as one launch of the
-        ``copy_runs_varlen`` gather kernel, since each call costs ~5 us, more than copying a
+        ``copy_runs`` gather kernel, since each call costs ~5 us, more than copying a
         2 MB block at HBM speed."""
-        merged = coalesce(runs)
-        aligned = all(r.num_bytes % 16 == 0 and r.src_ptr % 16 == 0 and r.dst_ptr % 16 == 0
-                      for r in merged)
-        return self._submit(merged, _MEMCPY_DEFAULT,
-                            gather=len(merged) >= _GATHER_MIN_RUNS and aligned)
+        merged = _merged(runs)
+        gather = len(merged) >= _GATHER_MIN_RUNS and _aligned(merged)
+        return self._submit(merged, _MEMCPY_DEFAULT, "kernel" if gather else "memcpy")

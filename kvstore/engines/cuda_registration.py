@@ -3,9 +3,10 @@
 A CUDA region's size is checked against the allocation size the driver reports for the opened
 IPC mapping, never taken on the engine's word. CUDA maps a handle at most once per process, so
 registrations of the same buffer share one refcounted mapping (``IpcTable``). Copies go through
-the device's ``CudaCopier`` (``block_runs`` gives the runs); saves and loads are pipelined
-batches (``cuda_copies``). Importable without CuPy: nothing here touches it until a CUDA layout
-is registered.
+the device's ``CudaCopier``: the runs of a chunk of blocks come from the registration's
+``PieceTable`` (NumPy arrays computed once when the regions are mapped, ``chunk_runs``); saves and
+loads are pipelined batches (``cuda_copies``). Importable without CuPy: nothing here touches it
+until a CUDA layout is registered.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.engines import copier as cuda_copier
 from kvstore.engines import cuda_copies
-from kvstore.engines.copier import CopyRun, CudaCopier, CudaIpcMapping
+from kvstore.engines.copier import CudaCopier, CudaIpcMapping
 from kvstore.engines.registration import (
     Cancellation,
     Registration,
     RegistryError,
     host_address,
 )
+from kvstore.engines.run_arrays import PieceTable, RunArrays
 from kvstore.layout import KVLayout
 from kvstore.store.block_store import BlockStore, Lease
 
@@ -95,6 +97,7 @@ class CudaRegistration(Registration):
         self._ipc_table = ipc_table
         self._region_ptrs: list[int] = []  # one per region
         self._ipc_handles: list[bytes] = []  # distinct, acquired
+        self._table: PieceTable | None = None  # once every region is mapped
 
     @classmethod
     def open(cls, ids: Iterator[int], engine_id: str, layout: KVLayout, owner: str,
@@ -129,6 +132,7 @@ class CudaRegistration(Registration):
                                             f"({mapping.mapped_bytes} bytes)")
                     mapped[handle] = mapping.ptr
                 reg._region_ptrs.append(mapped[handle])
+            reg._table = PieceTable(layout, reg._region_ptrs)
         except BaseException:
             reg.unmap()
             raise
@@ -139,23 +143,20 @@ class CudaRegistration(Registration):
         return [base + region.offset + block_id * region.block_stride
                 for region, base in zip(self.layout.regions, self._region_ptrs)]
 
-    def block_runs(self, block_id: int, host_addr: int, to_device: bool) -> list[CopyRun]:
-        """The copies moving block ``block_id`` between its device pieces and the
-        ``block_bytes`` at ``host_addr`` (pieces concatenated in region order)."""
-        runs = []
-        for region, base in zip(self.layout.regions, self._region_ptrs):
-            dev = base + region.offset + block_id * region.block_stride
-            runs.append(CopyRun(host_addr, dev, region.block_bytes) if to_device
-                        else CopyRun(dev, host_addr, region.block_bytes))
-            host_addr += region.block_bytes
-        return runs
+    def chunk_runs(self, block_ids: Sequence[int], host_addrs: Sequence[int],
+                   to_device: bool) -> RunArrays:
+        """The coalesced copies moving each ``block_ids[i]`` between its device pieces and the
+        ``block_bytes`` at ``host_addrs[i]`` (pieces concatenated in region order)."""
+        if self._table is None:
+            raise RegistryError("not_found", f"registration {self.registration_id} is unmapped")
+        return self._table.runs(block_ids, host_addrs, to_device)
 
     def read_block(self, block_id: int, out: memoryview) -> None:
-        self.copier.device_to_host(self.block_runs(block_id, host_address(out),
+        self.copier.device_to_host(self.chunk_runs([block_id], [host_address(out)],
                                                    to_device=False)).wait()
 
     def write_block(self, block_id: int, data: memoryview) -> None:
-        self.copier.host_to_device(self.block_runs(block_id, host_address(data),
+        self.copier.host_to_device(self.chunk_runs([block_id], [host_address(data)],
                                                    to_device=True)).wait()
 
     def save_blocks(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
@@ -172,6 +173,7 @@ class CudaRegistration(Registration):
                                        first_index=first_index)
 
     def _unmap_memory(self) -> None:
+        self._table = None
         self._region_ptrs.clear()
         while self._ipc_handles:
             self._ipc_table.release(self._ipc_handles.pop(), self.device_id)

@@ -1,0 +1,85 @@
+"""``cuMemcpyBatchAsync``: many copies in one driver call (CUDA 12.8+ drivers), through ctypes.
+
+The CUDA 13 form (``cuMemcpyBatchAsync_v2``: no ``failIdx``) is asked of the driver by
+``cuGetProcAddress`` for version 13000, so a CUDA 12.x library beside a newer driver cannot call
+it with the wrong argument list; a driver without it makes ``available()`` False. One attribute
+entry applies to every copy: source read in stream order, location hints from the direction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from kvstore.engines.run_arrays import RunArrays
+
+_SRC_ACCESS_ORDER_STREAM = 1
+_LOCATION_DEVICE = 1
+_LOCATION_HOST = 2
+_PROC_VERSION = 13000
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Attributes(ctypes.Structure):
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_hint", _Location),
+                ("dst_loc_hint", _Location), ("flags", ctypes.c_uint)]
+
+
+_BATCH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_size_t, ctypes.POINTER(_Attributes),
+                                ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+                                ctypes.c_void_p)
+
+
+@functools.cache
+def _batch_fn():
+    """The driver's cuMemcpyBatchAsync of the CUDA 13 signature, or None."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        get = lib.cuGetProcAddress_v2
+    except (OSError, AttributeError):
+        return None
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                    ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+    get.restype = ctypes.c_int
+    pfn, status = ctypes.c_void_p(), ctypes.c_int()
+    if get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), _PROC_VERSION, 0,
+           ctypes.byref(status)) != 0 or not pfn.value:
+        return None
+    return _BATCH_PROTO(pfn.value)
+
+
+def available() -> bool:
+    """True when the driver has the CUDA 13 ``cuMemcpyBatchAsync``."""
+    return _batch_fn() is not None
+
+
+def memcpy_batch(runs: RunArrays, stream_ptr: int, src_on_device: bool, dst_on_device: bool,
+                 device_id: int) -> None:
+    """Enqueue every run on ``stream_ptr`` (not the legacy NULL stream) in one driver call;
+    RuntimeError with the CUresult if the driver refuses the batch (nothing was enqueued)."""
+    fn = _batch_fn()
+    if fn is None:
+        raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync")
+    if not len(runs):
+        return
+    dsts = np.ascontiguousarray(runs.dst_ptrs, dtype=np.int64)
+    srcs = np.ascontiguousarray(runs.src_ptrs, dtype=np.int64)
+    sizes = np.ascontiguousarray(runs.num_bytes, dtype=np.int64)
+
+    def hint(on_device: bool) -> _Location:
+        return _Location(_LOCATION_DEVICE, device_id) if on_device else \
+            _Location(_LOCATION_HOST, 0)
+
+    attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM, hint(src_on_device), hint(dst_on_device), 0)
+    first = ctypes.c_size_t(0)
+    result = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+                ctypes.byref(attrs), ctypes.byref(first), 1, ctypes.c_void_p(stream_ptr))
+    if result != 0:
+        raise RuntimeError(f"cuMemcpyBatchAsync of {len(sizes)} copies failed with CUresult "
+                           f"{result}")

@@ -1,0 +1,112 @@
+"""GPU: a chunk's runs from the piece table move blocks byte-exactly, by every copy method.
+
+In-process (no daemon): the table over real device buffers in vLLM's flash layout (one tensor
+per layer, K and V regions of 32 KiB pieces) and in kvengine's block-major layout, shuffled odd
+block ids to shuffled pinned slots and back into other blocks, through ``CudaCopier`` with the
+kernel alone, through device staging, by ``cuMemcpyBatchAsync`` and by a memcpy per run. Twice
+in a row, so the staging and table rings are reused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.engines import copier as copier_module
+from kvstore.engines.run_arrays import PieceTable
+from kvstore.layout import KVLayout, Region
+
+pytestmark = pytest.mark.gpu
+
+PIECE = 16 * 8 * 128 * 2
+NUM_BLOCKS = 37
+
+
+def _buffers(cp, name: str):
+    """(layout, device buffers, region pointers, piece views of block b as a host array)."""
+    rng = cp.random.RandomState(5)
+    if name == "vllm":
+        num_layers = 5
+        layers = [rng.randint(0, 256, 2 * NUM_BLOCKS * PIECE, dtype=cp.uint8)
+                  for _ in range(num_layers)]
+        regions = tuple(Region(bytes(64), 2 * NUM_BLOCKS * PIECE, kv * NUM_BLOCKS * PIECE, PIECE,
+                               PIECE) for _ in layers for kv in range(2))
+        ptrs = [t.data.ptr for t in layers for _ in range(2)]
+
+        def block(b: int) -> np.ndarray:
+            return np.concatenate([cp.asnumpy(t[kv * NUM_BLOCKS * PIECE + b * PIECE:][:PIECE])
+                                   for t in layers for kv in range(2)])
+        buffers = layers
+    else:
+        block_bytes = 6 * PIECE
+        arena = rng.randint(0, 256, NUM_BLOCKS * block_bytes, dtype=cp.uint8)
+        regions = (Region(bytes(64), NUM_BLOCKS * block_bytes, 0, block_bytes, block_bytes),)
+        ptrs = [arena.data.ptr]
+
+        def block(b: int) -> np.ndarray:
+            return cp.asnumpy(arena[b * block_bytes:(b + 1) * block_bytes])
+        buffers = [arena]
+    layout = KVLayout(NUM_BLOCKS, regions, device="cuda:0", dtype="uint8")
+    return layout, buffers, ptrs, block
+
+
+@pytest.mark.parametrize("name", ["vllm", "block_major"])
+@pytest.mark.parametrize("method", ["staged", "kernel", "batch", "memcpy"])
+def test_table_runs_round_trip_byte_exact(name: str, method: str, monkeypatch) -> None:
+    import cupy as cp
+
+    from kvstore.engines import cuda_batch
+
+    if method == "batch" and not cuda_batch.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync")
+    monkeypatch.setattr(copier_module, "SMALL_RUNS", method)
+    monkeypatch.setattr(copier_module, "LARGE_RUNS", method)
+    layout, buffers, ptrs, block = _buffers(cp, name)
+    table = PieceTable(layout, ptrs)
+    rng = np.random.default_rng(11)
+    ids = [int(b) for b in rng.permutation(NUM_BLOCKS)[:23]]  # shuffled, odd count
+    num_slots = 41
+    pinned = cp.cuda.alloc_pinned_memory(num_slots * layout.block_bytes)
+    host = np.frombuffer(pinned, dtype=np.uint8, count=num_slots * layout.block_bytes)
+    host[:] = 0
+    slots = [int(s) for s in rng.permutation(num_slots)[:len(ids)]]
+    addrs = [host.ctypes.data + s * layout.block_bytes for s in slots]
+    copier = copier_module.CudaCopier(0)
+    expect = {b: block(b) for b in range(NUM_BLOCKS)}
+
+    rows = host.reshape(num_slots, layout.block_bytes)
+    for _ in range(2):
+        host[:] = 0
+        # two submissions in flight at once: halves of the batch, waited for together
+        half = len(ids) // 2
+        handles = [copier.device_to_host(table.runs(ids[:half], addrs[:half], to_device=False)),
+                   copier.device_to_host(table.runs(ids[half:], addrs[half:], to_device=False))]
+        for handle in handles:
+            handle.wait()
+        for b, s in zip(ids, slots):
+            assert np.array_equal(rows[s], expect[b]), f"save of block {b} into slot {s}"
+
+    targets = [int(b) for b in rng.permutation(NUM_BLOCKS)[:len(ids)]]
+    for t in buffers:
+        t.fill(0)
+    copier.host_to_device(table.runs(targets, addrs, to_device=True)).wait()
+    for b, t in zip(ids, targets):
+        assert np.array_equal(block(t), expect[b]), f"load of block {b} into block {t}"
+    untouched = set(range(NUM_BLOCKS)) - set(targets)
+    assert all(not block(b).any() for b in untouched)  # nothing else was written
+
+
+def test_kernel_takes_numpy_tables_past_the_old_65535_run_cap() -> None:
+    import cupy as cp
+
+    from kernels.block_copy import copy_runs_varlen
+
+    num_runs = 70_000
+    src = cp.arange(num_runs * 4, dtype=cp.int32)
+    dst = cp.zeros_like(src)
+    order = np.random.default_rng(2).permutation(num_runs).astype(np.int64)
+    src_ptrs = src.data.ptr + order * 16
+    dst_ptrs = dst.data.ptr + np.arange(num_runs, dtype=np.int64) * 16
+    copy_runs_varlen(src_ptrs, dst_ptrs, np.full(num_runs, 16, dtype=np.int64))
+    cp.cuda.get_current_stream().synchronize()
+    assert bool(cp.array_equal(dst.reshape(-1, 4), src.reshape(-1, 4)[cp.asarray(order)]))
