@@ -165,8 +165,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         out: Counter = Counter()
         for tier in tiers[:num_external_tokens // bs]:
             out[_TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)] += bs
-        if sum(out.values()) != num_external_tokens:
-            return {CacheHitSource.HOST: num_external_tokens}
+        rest = num_external_tokens - sum(out.values())
+        if rest > 0:  # tokens without a known tier: counted, never credited to a tier
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] += rest
         return dict(out)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

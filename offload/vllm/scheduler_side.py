@@ -31,7 +31,8 @@ class _Tracked:
     lora_id: str | None
     block_ids: list[int] = field(default_factory=list)
     num_stored_blocks: int = 0  # blocks [0, this) are in the store (hit, loaded or saved)
-    hit: tuple[int, int, list[str]] | None = None  # (first block, num blocks, tiers) to load
+    hit: tuple[int, int] | None = None  # (first block, num blocks) to load, until allocated
+    hit_tiers: list[str] = field(default_factory=list)  # each hit block's tier (last match)
     load_blocks: int = 0  # blocks of the load in flight (budgeted)
     load_first: int = 0  # the load's first block index in the request
     load_ids: list[int] = field(default_factory=list)  # its vLLM block ids
@@ -75,7 +76,7 @@ class SchedulerSide:
         tracked = self._requests.get(request_id)
         if tracked is None:
             tracked = self._requests[request_id] = _Tracked(token_ids, cache_salt, lora_id)
-        tracked.hit = None
+        tracked.hit, tracked.hit_tiers = None, []
         first = num_computed_tokens // bs
         last = (len(token_ids) - 1) // bs  # vLLM computes at least the last token itself
         room = min(self.max_load_blocks, self.max_load_blocks - self._load_blocks_in_flight)
@@ -101,13 +102,14 @@ class SchedulerSide:
             self.counters["lookup_misses"] += 1
             return 0
         self.counters["lookup_hits"] += 1
-        tracked.hit = (first, num_hit, list(reply.tiers[:num_hit]))
+        tracked.hit, tracked.hit_tiers = (first, num_hit), list(reply.tiers[:num_hit])
         return num_hit * bs
 
     def hit_tiers(self, request_id: str) -> list[str]:
-        """The tier of each block of the request's planned load (``dram``, ``ssd``...)."""
+        """The tier of each block of the request's last hit (``dram``, ``ssd``, ``remote``...);
+        kept after ``after_alloc``, which vLLM calls before it asks for the tiers."""
         tracked = self._requests.get(request_id)
-        return list(tracked.hit[2]) if tracked is not None and tracked.hit else []
+        return list(tracked.hit_tiers) if tracked is not None else []
 
     # ---------------------------------------------------------------------------- allocation
 
@@ -120,7 +122,7 @@ class SchedulerSide:
         tracked.block_ids = list(block_ids)
         if num_external_tokens <= 0 or tracked.hit is None:
             return
-        first, num_hit, _ = tracked.hit
+        first, num_hit = tracked.hit
         tracked.hit = None
         num_blocks = min(num_hit, num_external_tokens // self.block_size)
         ids = tracked.block_ids[first:first + num_blocks]

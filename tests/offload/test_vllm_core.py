@@ -106,6 +106,8 @@ def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon, flash
     assert a.worker.counters["blocks_saved"] == 10
     n, failed, _ = b.load("r", tokens, b_ids)
     assert n == 10 * BLOCK_SIZE and not failed
+    # vLLM asks for the hit's tiers after update_state_after_alloc: they must still be there.
+    assert b.scheduler.hit_tiers("r") == ["dram"] * 10
     for i in range(10):
         assert b.block(b_ids[i]) == a.block(a_ids[i])
     assert b.block(b_ids[10]) == bytes(len(a.block(0)))  # the partial block was not touched
