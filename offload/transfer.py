@@ -33,7 +33,7 @@ class Transfer:
         self._on_error = on_error
         # Set by the link's thread: the request went out (``_pending``) or never will.
         self._pending: Pending | None = None
-        self._abandoned = False
+        self._abandoned = not queued
         self._handled = threading.Event()
         self.finished_at: float | None = None
         self.done = not queued
@@ -95,6 +95,13 @@ class Transfer:
             with contextlib.suppress(ClientError, DaemonUnavailable):
                 pending.wait(max(0.0, end - time.monotonic()))
         return self.poll()
+
+    @property
+    def never_sent(self) -> bool:
+        """The daemon never saw this request (refused at once, or given up by the link before
+        sending): whatever memory it named is the caller's again. False while it may still go
+        out."""
+        return self._abandoned
 
     @property
     def elapsed_s(self) -> float:

@@ -82,7 +82,6 @@ def test_loaded_blocks_are_really_used(engines, store, small_model_dir) -> None:
     from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
     from offload.vllm.kv_tensors import make_mover
     from offload.vllm.plan import BlockTransfer, StepPlan
-    from offload.vllm.store_link import StoreLink
     from offload.vllm.worker_side import WorkerSide
 
     # What the connector reads from vLLM for this model on CPU (see its log line).
@@ -94,9 +93,9 @@ def test_loaded_blocks_are_really_used(engines, store, small_model_dir) -> None:
     raw = torch.randn(2 * num_blocks * 2 * BLOCK_SIZE * 64, generator=torch.Generator()
                       .manual_seed(0)).to(torch.bfloat16)
     layers = list(raw.view(2, num_blocks, 2, BLOCK_SIZE, 64).unbind(0))
-    worker = WorkerSide(StoreLink(store["daemon"].socket_path, 5.0, 1.0),
+    worker = WorkerSide(store["daemon"].socket_path,
                         make_mover(["l0", "l1"], layers, num_blocks, num_blocks, {}), "forger",
-                        5.0, 5.0)
+                        5.0, 5.0, retry_interval_s=1.0)
     try:
         assert worker.connect()
         worker.save(StepPlan(saves=[BlockTransfer("g", list(range(num_blocks)),
