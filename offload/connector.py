@@ -52,6 +52,7 @@ class OffloadConnector:
                                self.counters, register_timeout_s=register_timeout_s,
                                on_registered=on_registered)
         self._last_state = "down"
+        self._disowned: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         # A healthy daemon registers us in milliseconds: serve with the store from the first
         # request. A hung one costs the caller at most the probe deadline.
         self._link.wait_first_attempt(
@@ -175,6 +176,23 @@ class OffloadConnector:
     def release(self, lease_id: int) -> None:
         """Give a lease back without waiting for the reply."""
         self._request(lambda c, _: c.request("release", {"lease_id": lease_id}), None)
+
+    def disown(self, lookup: Transfer) -> None:
+        """Nobody will use this lookup's reply: its lease, if it gets one, is released once the
+        reply is in (``release_disowned``)."""
+        self._disowned.append(lookup)
+
+    def release_disowned(self) -> None:
+        """Release the leases of disowned lookups that have replied (call it every step)."""
+        if not self._disowned:
+            return
+        still = []
+        for lookup in self._disowned:
+            if not lookup.poll():
+                still.append(lookup)
+            elif lookup.ok and lookup.result is not None and lookup.result.lease_id:
+                self.release(lookup.result.lease_id)
+        self._disowned = still
 
     def resident(self, namespace: bytes, block_ids: Sequence[int], hashes: Sequence[bytes],
                  idents: Sequence[bytes], generations: Sequence[int]) -> None:

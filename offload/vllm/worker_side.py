@@ -66,7 +66,6 @@ class WorkerSide:
                                       register_timeout_s=register_timeout_s,
                                       on_registered=mover.registered)
         self._loads: list[_Load] = []
-        self._orphans: list[Transfer] = []  # lookups given up: their leases go back on reply
         self._saves: list[_Save] = []
         self._finished: set[str] = set()
         self._failed_block_ids: set[int] = set()
@@ -103,7 +102,7 @@ class WorkerSide:
             if not self._advance(job, hung):
                 still.append(job)
         self._loads = still
-        self._release_orphans()
+        self.store.release_disowned()
         self._poll_saves()
         finished, self._finished = self._finished, set()
         failed, self._failed_block_ids = self._failed_block_ids, set()
@@ -117,7 +116,7 @@ class WorkerSide:
             if job.lease_id is None:
                 if not job.lookup.poll():
                     if hung:
-                        self._orphans.append(job.lookup)
+                        self.store.disown(job.lookup)
                         return self._end(job, 0, "load_store_hung")
                     return False
                 reply = job.lookup.result
@@ -152,15 +151,6 @@ class WorkerSide:
         if job.load.ok or job.load.never_sent:
             self.mover.give_back(job.slots)  # else the daemon may still write: abandoned
         return self._end(job, num_loaded, "load_errors" if not job.load.ok else "")
-
-    def _release_orphans(self) -> None:
-        still = []
-        for lookup in self._orphans:
-            if not lookup.poll():
-                still.append(lookup)
-            elif lookup.ok and lookup.result is not None and lookup.result.lease_id:
-                self.store.release(lookup.result.lease_id)
-        self._orphans = still
 
     def _release(self, job: _Load) -> None:
         if job.lease_id is not None and job.epoch == self.store.registration_epoch:
