@@ -13,7 +13,6 @@ link probes the daemon and reconnects (and re-registers) when it is back.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -90,13 +89,10 @@ class OffloadConnector:
         return state == "ok"
 
     def wait_available(self, timeout_s: float) -> bool:
-        """Block until registered and answering, at most ``timeout_s``: startup only."""
-        deadline = time.monotonic() + timeout_s
-        while not self.available:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        """Give the first connect (and registration) up to ``timeout_s``, then say whether the
+        store is available: startup only. A registration still running goes on meanwhile."""
+        self._link.wait_first_attempt(timeout_s)
+        return self.available
 
     def keep_connected(self) -> None:
         """Not connected: have the link reconnect (off this thread, rate-limited). The engine

@@ -185,7 +185,7 @@ class StoreLink:
             return
         self._busy_since = time.monotonic()
         try:
-            job.transfer.attach(job.send(client, registration_id))
+            job.transfer.attach(job.send(client, registration_id), self.epoch)
         except (DaemonUnavailable, ClientError, OSError):
             job.transfer.abandon()
             self._drop()

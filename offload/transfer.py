@@ -40,13 +40,15 @@ class Transfer:
         self.ok = False
         self.answered = False  # the daemon replied (ok or an error reply)
         self.timed_out = False  # no reply at all: the daemon may still touch the blocks
+        self.sent_epoch: int | None = None  # the link's connection it went out on
         self.result: Any = fallback
         if not queued:
             self.finished_at = self.started_at
 
     # -- the link's thread ------------------------------------------------------------------
 
-    def attach(self, pending: Pending) -> None:
+    def attach(self, pending: Pending, epoch: int | None = None) -> None:
+        self.sent_epoch = epoch
         self._pending = pending
         self._handled.set()
 

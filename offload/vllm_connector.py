@@ -272,7 +272,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
             return None
-        counters = self._worker.counters + self._worker.store.counters
+        # The link's counters (requests, connects, probes, store_hung...) under their own prefix.
+        counters = self._worker.counters + Counter(
+            {f"link_{k}": v for k, v in self._worker.store.counters.items()})
         delta = {k: v - self._reported[k] for k, v in counters.items() if v != self._reported[k]}
         self._reported = Counter(counters)
         return KVStoreConnectorStats(data=delta) if delta else None

@@ -31,9 +31,8 @@ LEASE_TTL_S = 30.0
 @dataclass
 class _Load:
     transfer: BlockTransfer
-    lookup: Transfer
+    lookup: Transfer  # its ``sent_epoch`` is the connection its lease belongs to
     started_at: float
-    epoch: int  # the connection the lookup (and its lease) may belong to
     num_hit: int = 0
     lease_id: int | None = None
     slots: Slots | None = None
@@ -86,9 +85,8 @@ class WorkerSide:
         """Send the lookups of the plan's loads (non-blocking)."""
         for t in plan.loads:
             self.counters["loads"] += 1
-            epoch = self.store.registration_epoch
             lookup = self.store.lookup(t.namespace, t.hashes, t.idents, LEASE_TTL_S)
-            self._loads.append(_Load(t, lookup, time.monotonic(), epoch))
+            self._loads.append(_Load(t, lookup, time.monotonic()))
 
     def poll(self) -> tuple[set[str], set[int]]:
         """Advance loads and saves; (request ids whose load finished, vLLM block ids that
@@ -125,7 +123,7 @@ class WorkerSide:
                                      "load_lookup_failures")
                 job.num_hit = min(int(reply.num_hit), t.num_blocks)
                 job.lease_id = reply.lease_id
-            if job.epoch != self.store.registration_epoch:
+            if job.lookup.sent_epoch != self.store.registration_epoch:
                 return self._end(job, 0, "load_reconnected")  # the lease was that connection's
             if not self.ready():
                 if time.monotonic() - job.started_at < self.load_timeout_s:
@@ -139,7 +137,7 @@ class WorkerSide:
                 self._release(job)
                 return self._end(job, 0, "load_no_room")
             job.load = self.store.load(job.lease_id, job.slots.block_ids, self.load_timeout_s,
-                                       epoch=job.epoch)
+                                       epoch=job.lookup.sent_epoch)
             return False
         if not job.load.poll():
             if hung:  # its slots stay lent: the daemon may still write into them
@@ -153,7 +151,7 @@ class WorkerSide:
         return self._end(job, num_loaded, "load_errors" if not job.load.ok else "")
 
     def _release(self, job: _Load) -> None:
-        if job.lease_id is not None and job.epoch == self.store.registration_epoch:
+        if job.lease_id is not None and job.lookup.sent_epoch == self.store.registration_epoch:
             self.store.release(job.lease_id)
 
     def _end(self, job: _Load, num_loaded: int, reason: str) -> bool:
