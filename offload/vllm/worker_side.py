@@ -65,6 +65,7 @@ class WorkerSide:
                                       register_timeout_s=register_timeout_s,
                                       on_registered=mover.registered)
         self._loads: list[_Load] = []
+        self._given_up: list[_Load] = []  # loads given up while in flight: slots still lent
         self._saves: list[_Save] = []
         self._finished: set[str] = set()
         self._failed_block_ids: set[int] = set()
@@ -100,6 +101,7 @@ class WorkerSide:
             if not self._advance(job, hung):
                 still.append(job)
         self._loads = still
+        self._given_up = [job for job in self._given_up if not self._settled(job)]
         self.store.release_disowned()
         self._poll_saves()
         finished, self._finished = self._finished, set()
@@ -140,15 +142,25 @@ class WorkerSide:
                                        epoch=job.lookup.sent_epoch)
             return False
         if not job.load.poll():
-            if hung:  # its slots stay lent: the daemon may still write into them
+            if hung:  # vLLM recomputes now; the slots stay lent until the daemon lets go
+                self._given_up.append(job)
                 return self._end(job, 0, "load_store_hung")
             return False
         num_loaded = max(0, min(int(job.load.result), job.num_hit)) if job.load.ok else 0
         if job.load.ok:
             self.mover.land(job.slots, t.block_ids, num_loaded)
-        if job.load.ok or job.load.never_sent:
-            self.mover.give_back(job.slots)  # else the daemon may still write: abandoned
+        self._settled(job)
         return self._end(job, num_loaded, "load_errors" if not job.load.ok else "")
+
+    def _settled(self, job: _Load) -> bool:
+        """Once the load is over, its slots go back unless the daemon may still write into
+        them (no reply by the deadline: that buffer is abandoned on the reconnect that
+        follows). True once over."""
+        if not job.load.poll():
+            return False
+        if job.load.answered or job.load.never_sent:
+            self.mover.give_back(job.slots)
+        return True
 
     def _release(self, job: _Load) -> None:
         if job.lease_id is not None and job.lookup.sent_epoch == self.store.registration_epoch:
