@@ -167,7 +167,7 @@ def test_a_stopped_daemon_means_recompute_within_a_bounded_wait(engines, store) 
         assert got["num_cached_tokens"] == 0
         # The one lookup that waits out its deadline, plus slack for a shared 2-core machine.
         assert got["elapsed_s"] <= fresh["elapsed_s"] + LOOKUP_TIMEOUT_S + 2.0
-        got, want = _stalled_answer(engines, 6)  # the breaker is open: no wait at all
+        got, want = _stalled_answer(engines, 6)  # found hung by now: no wait at all
         assert_same_logprobs(got, want)
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
