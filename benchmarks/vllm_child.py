@@ -22,6 +22,16 @@ def _counter(llm, name: str) -> float:
     return total
 
 
+def _by_source(llm) -> dict[str, float]:
+    """``vllm:prompt_tokens_cached_by_source`` per source (device, host, disk, p2p...)."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_cached_by_source":
+            source = m.labels.get("source", "")
+            out[source] = out.get(source, 0.0) + float(getattr(m, "value", 0) or 0)
+    return out
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -63,6 +73,7 @@ def main() -> None:
                        and getattr(out.metrics, "first_token_latency", None) else None),
             "external_hits": _counter(llm, "vllm:external_prefix_cache_hits"),
             "external_queries": _counter(llm, "vllm:external_prefix_cache_queries"),
+            "cached_by_source": _by_source(llm),
         }
         print("RESULT " + json.dumps(result), flush=True)
 

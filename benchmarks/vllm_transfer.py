@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.vllm_process import start_store, stop_store
+from kvstore import Client
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.plan import BlockTransfer, StepPlan
 from offload.vllm.scheduler_side import SAVE_CHUNK_BLOCKS
-from offload.vllm.store_link import StoreLink
 from offload.vllm.worker_side import WorkerSide
 
 # Daemon variants: module constants set before `kvstore serve` runs ("" = as shipped).
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             # CPU: staging room for one whole save and one whole load.
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
                                2 * num_blocks, {})
-            worker = WorkerSide(StoreLink(socket_path, 120.0, 1.0), mover, "vllm-bench", 120.0,
-                                120.0)
+            worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,
+                                retry_interval_s=1.0)
             if not worker.connect(wait_s=60.0):
                 raise RuntimeError("could not register the CUDA tensors with the daemon")
             for n in counts:
@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     t3 = time.perf_counter()
                     if failed:
                         raise RuntimeError(f"{n} blocks: {len(failed)} failed to load")
-                    client = worker.link.ensure()  # free the DRAM for the next rep
-                    if client is not None:
+                    with Client(socket_path) as client:  # free the DRAM for the next rep
                         client.remove(t.namespace, t.hashes)
                     if rep:
                         save_s.append(t1 - t0)

@@ -1,4 +1,7 @@
-"""The engine's link to the store: register the KV arena, look up, load, save, publish evictions.
+"""An engine's link to the store: register its KV memory, look up, load, save, publish evictions.
+
+kvengine (``offload.manager``) and vLLM's connector (``offload.vllm``) both talk to the daemon
+through this class, so a stopped, dead or slow daemon is handled the same way for both.
 
 Everything here is asynchronous: each call queues a request for the ``StoreLink`` thread and
 returns a ``Transfer`` handle the step loop polls; no call waits on the daemon. A store that is
@@ -32,17 +35,23 @@ __all__ = ["OffloadConnector", "Transfer"]
 class OffloadConnector:
     """Owns the link to the store and the registration of one engine's KV arena."""
 
-    def __init__(self, socket_path: str | Path | None, layout: KVLayout, engine_id: str,
+    def __init__(self, socket_path: str | Path | None,
+                 layout: KVLayout | Callable[[], KVLayout] | None, engine_id: str,
                  timeout_s: float = 10.0, reconnect_interval_s: float = 1.0,
-                 connect_wait_s: float | None = None) -> None:
+                 connect_wait_s: float | None = None, register_timeout_s: float | None = None,
+                 on_registered: Callable[[], None] | None = None) -> None:
+        """``layout``: what to register on every connect (see ``StoreLink``); None for a
+        client that only looks up."""
         self.socket_path = socket_path
         self.layout = layout
         self.engine_id = engine_id
         self.timeout_s = timeout_s
         self.counters: Counter[str] = Counter()
         self._link = StoreLink(socket_path, layout, engine_id, timeout_s, reconnect_interval_s,
-                               self.counters)
+                               self.counters, register_timeout_s=register_timeout_s,
+                               on_registered=on_registered)
         self._last_state = "down"
+        self._disowned: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         # A healthy daemon registers us in milliseconds: serve with the store from the first
         # request. A hung one costs the caller at most the probe deadline.
         self._link.wait_first_attempt(
@@ -79,6 +88,12 @@ class OffloadConnector:
             self._link.want_connect()
         return state == "ok"
 
+    def wait_available(self, timeout_s: float) -> bool:
+        """Give the first connect (and registration) up to ``timeout_s``, then say whether the
+        store is available: startup only. A registration still running goes on meanwhile."""
+        self._link.wait_first_attempt(timeout_s)
+        return self.available
+
     def keep_connected(self) -> None:
         """Not connected: have the link reconnect (off this thread, rate-limited). The engine
         calls this every step; a bare connector reconnects only when a request needs it."""
@@ -87,8 +102,9 @@ class OffloadConnector:
 
     @property
     def registration_epoch(self) -> int:
-        """Counts registrations made (one per connect): a new one starts with nothing published
-        and may be a daemon that lost what it held."""
+        """Counts connections made (one registration each): a new one starts with nothing
+        published and may be a daemon that lost what it held. Read it before taking block ids
+        for a request and pass it as the request's ``epoch``."""
         return self._link.epoch
 
     @property
@@ -100,16 +116,17 @@ class OffloadConnector:
         if code == "deadline":  # no reply at all: start over on a fresh connection
             self._link.want_drop()
 
-    def _request(self, send: Callable[[Client, int], Pending], fallback: Any,
-                 deadline_s: float | None = None) -> Transfer:
+    def _request(self, send: Callable[[Client, int | None], Pending], fallback: Any,
+                 deadline_s: float | None = None, epoch: int | None = None) -> Transfer:
         """Queue a request; a hung store or a full queue completes it at once with
-        ``fallback``. Not connected: the link tries to connect first (rate-limited)."""
+        ``fallback``. Not connected: the link tries to connect first (rate-limited). With
+        ``epoch``, it goes out only on that connection (else it fails, never sent)."""
         deadline_s = self.timeout_s if deadline_s is None else deadline_s
         if self.state == "hung":
             self.counters["skipped_hung"] += 1
             return Transfer(0.0, fallback, self._lost, queued=False)
         transfer = Transfer(deadline_s + _DEADLINE_MARGIN_S, fallback, self._lost)
-        if not self._link.submit(Job(send, transfer)):
+        if not self._link.submit(Job(send, transfer, epoch)):
             self.counters["skipped_queue_full"] += 1
             return Transfer(0.0, fallback, self._lost, queued=False)
         return transfer
@@ -128,7 +145,7 @@ class OffloadConnector:
         return self._request(send, None)
 
     def load(self, lease_id: int, block_ids: Sequence[int],
-             deadline_s: float | None = None) -> Transfer:
+             deadline_s: float | None = None, epoch: int | None = None) -> Transfer:
         """Result: how many leading ``block_ids`` hold their block now; a failure is 0."""
         self.counters["loads"] += 1
         block_ids = list(block_ids)
@@ -136,22 +153,42 @@ class OffloadConnector:
         def send(c: Client, registration_id: int) -> Pending:
             return c.load_async(registration_id, lease_id, block_ids, deadline_s)
 
-        return self._request(send, 0, deadline_s)
+        return self._request(send, 0, deadline_s, epoch)
 
     def save(self, namespace: bytes, block_ids: Sequence[int], hashes: Sequence[bytes],
-             idents: Sequence[bytes]) -> Transfer:
-        """Result: per-block outcomes ("saved", "duplicate", "failed"); a failure is None."""
+             idents: Sequence[bytes], deadline_s: float | None = None,
+             epoch: int | None = None) -> Transfer:
+        """Result: a ``SaveReply`` (per-block outcomes "saved", "duplicate", "failed"); a
+        failure is None."""
         self.counters["saves"] += 1
         block_ids, hashes, idents = list(block_ids), list(hashes), list(idents)
 
         def send(c: Client, registration_id: int) -> Pending:
-            return c.save_async(registration_id, namespace, block_ids, hashes, idents)
+            return c.save_async(registration_id, namespace, block_ids, hashes, idents,
+                                deadline_s)
 
-        return self._request(send, None)
+        return self._request(send, None, deadline_s, epoch)
 
     def release(self, lease_id: int) -> None:
         """Give a lease back without waiting for the reply."""
         self._request(lambda c, _: c.request("release", {"lease_id": lease_id}), None)
+
+    def disown(self, lookup: Transfer) -> None:
+        """Nobody will use this lookup's reply: its lease, if it gets one, is released once the
+        reply is in (``release_disowned``)."""
+        self._disowned.append(lookup)
+
+    def release_disowned(self) -> None:
+        """Release the leases of disowned lookups that have replied (call it every step)."""
+        if not self._disowned:
+            return
+        still = []
+        for lookup in self._disowned:
+            if not lookup.poll():
+                still.append(lookup)
+            elif lookup.ok and lookup.result is not None and lookup.result.lease_id:
+                self.release(lookup.result.lease_id)
+        self._disowned = still
 
     def resident(self, namespace: bytes, block_ids: Sequence[int], hashes: Sequence[bytes],
                  idents: Sequence[bytes], generations: Sequence[int]) -> None:

@@ -134,6 +134,9 @@ class OffloadManager(StoreBridge):
             self.generations.close()
 
     def stats(self) -> dict:
+        # The state first: reading it counts a transition (store_hung...), which the copy of
+        # the connector's counters below must include.
+        state = self.connector.state
         out = dict(self.counters)
         out["connector"] = dict(self.connector.counters)
         out["restored_tokens_by_tier"] = dict(self.hit_tokens_by_tier)  # peer HBM included
@@ -141,5 +144,5 @@ class OffloadManager(StoreBridge):
         out["num_loading"] = self.num_loading
         out["saves_in_flight"] = len(self.saver.in_flight)
         out["blocks_quarantined_now"] = self.restorer.quarantine.num_held
-        out["store_state"] = self.connector.state  # ok, hung or down (transitions counted)
+        out["store_state"] = state  # ok, hung or down
         return out

@@ -68,7 +68,6 @@ class Restorer:
         self.hit_tokens_by_tier: Counter[str] = Counter()
         self.restores: dict[str, Restore] = {}
         self.prefetched: dict[str, Restore] = {}  # lookups sent on arrival, not yet used
-        self._orphans: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
         self.quarantine = Quarantine(ledger, counters)
 
@@ -89,14 +88,14 @@ class Restorer:
     def forget(self, seq: OffloadSequence) -> None:
         r = self.prefetched.pop(seq.request_id, None)
         if r is not None:
-            self._orphans.append(r.lookup)
+            self.connector.disown(r.lookup)
 
     def start_restore(self, seq: OffloadSequence, num_hbm_hit_blocks: int, busy: bool) -> bool:
         """Ask the store for the blocks past the HBM hit (or use the lookup sent on arrival);
         True if ``seq`` now waits on it, False if it goes on without the store."""
         r = self.prefetched.pop(seq.request_id, None)
         if r is not None and r.first_block != num_hbm_hit_blocks:  # the HBM hit moved since
-            self._orphans.append(r.lookup)
+            self.connector.disown(r.lookup)
             self.counters["lookups_at_arrival_stale"] += 1
             r = None
         if r is None:
@@ -138,24 +137,13 @@ class Restorer:
         self.counters["lookups"] += 1
         return Restore(seq, first, lookup)
 
-    def _release_orphans(self) -> None:
-        """Leases of lookups nobody will use: released once their reply is in."""
-        still = []
-        for lookup in self._orphans:
-            if not lookup.poll():
-                still.append(lookup)
-            elif lookup.ok and lookup.result is not None and lookup.result.lease_id:
-                self.connector.release(lookup.result.lease_id)
-        self._orphans = still
-
     def poll(self) -> RestoreOutcome:
         """Advance restores. Sequences aborted meanwhile are dropped here once nothing of
         theirs is in flight; a hung store's restores are given up (recomputed)."""
         outcome = RestoreOutcome([], [])
         now = time.monotonic()
         self._lookup_wait_until = now + LOOKUP_WAIT_PER_STEP_S
-        if self._orphans:
-            self._release_orphans()
+        self.connector.release_disowned()
         self.quarantine.poll()
         hung = bool(self.restores) and self.connector.state == "hung"
         for request_id, r in list(self.restores.items()):
@@ -191,7 +179,7 @@ class Restorer:
         seq = r.seq
         seq.offload_checked = True
         if r.load is None:
-            self._orphans.append(r.lookup)
+            self.connector.disown(r.lookup)
             self.counters["lookups_given_up"] += 1
         else:
             self.quarantine.hold(r.load, seq.block_ids[r.first_block:r.first_block + r.num_blocks])

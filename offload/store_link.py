@@ -1,7 +1,7 @@
-"""The engine's one connection to the daemon, owned by a background thread.
+"""An engine's connection to the daemon, owned by a background thread (kvengine's and vLLM's).
 
 Everything that can block on the daemon happens here, never on the engine's step thread: the
-connect and the registration of the KV arena, sending requests (a stopped daemon stops reading,
+connect and the registration of the KV memory, sending requests (a stopped daemon stops reading,
 so a send can block once the socket buffer is full), health probes, closing. The step thread
 hands requests over through a bounded queue and polls their ``Transfer`` handles.
 
@@ -11,7 +11,14 @@ The state the engine reads (``state``): ``ok`` (registered, the last probe answe
 SIGSTOP) or ``down`` (not connected). It is derived from timestamps, so it is right even while
 this thread itself is stuck in a send. A lost connection is made again on demand (a request, or
 the engine asking whether the store is available), at most once per ``reconnect_interval_s``;
-each new registration bumps ``epoch``: the daemon met again may have lost what it held.
+each new connection bumps ``epoch``: the daemon met again may have lost what it held, and a
+request that names registered memory (``Job.epoch``) is sent only on the connection it was
+planned for.
+
+What is registered: a fixed ``KVLayout`` (kvengine's arena), a callable that makes a fresh one
+on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writes only into
+memory nobody reads), or nothing (vLLM's scheduler side, which only looks up).
+``on_registered`` runs once each registration has been answered or given up.
 """
 
 from __future__ import annotations
@@ -45,34 +52,42 @@ _TICK_S = 0.05
 
 @dataclass
 class Job:
-    """One request for the link's thread: ``send(client, registration_id)`` puts it on the wire."""
+    """One request for the link's thread: ``send(client, registration_id)`` puts it on the wire.
+    With ``epoch``, only on that connection (its block ids belong to that registration)."""
 
-    send: Callable[[Client, int], Pending]
+    send: Callable[[Client, int | None], Pending]
     transfer: Transfer
+    epoch: int | None = None
 
 
 class StoreLink:
     """A thread that owns the client, the registration and the health of one engine's store."""
 
-    def __init__(self, socket_path: str | Path | None, layout: KVLayout, engine_id: str,
+    def __init__(self, socket_path: str | Path | None,
+                 layout: KVLayout | Callable[[], KVLayout] | None, engine_id: str,
                  timeout_s: float, reconnect_interval_s: float, counters: Counter[str],
                  probe_interval_s: float = PROBE_INTERVAL_S,
-                 probe_deadline_s: float = PROBE_DEADLINE_S, max_queued: int = MAX_QUEUED) -> None:
+                 probe_deadline_s: float = PROBE_DEADLINE_S, max_queued: int = MAX_QUEUED,
+                 register_timeout_s: float | None = None,
+                 on_registered: Callable[[], None] | None = None) -> None:
         self.socket_path = socket_path
         self.layout = layout
         self.engine_id = engine_id
         self.timeout_s = timeout_s
+        self.register_timeout_s = timeout_s if register_timeout_s is None else register_timeout_s
+        self.on_registered = on_registered
         self.reconnect_interval_s = reconnect_interval_s
         self.probe_interval_s = probe_interval_s
         self.probe_deadline_s = probe_deadline_s
         self.counters = counters
         for key in ("connects", "connect_failures", "probes"):  # this thread's keys, made now
             counters[key] += 0
-        self.epoch = 0  # registrations made; a new one starts with nothing published
+        self.epoch = 0  # connections made; a new one starts with nothing published
         self.daemon_pid: int | None = None  # from the last health answer
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queued)
         self._client: Client | None = None
         self._registration_id: int | None = None
+        self._up = False  # connected (and registered, if there is a layout)
         self._busy_since: float | None = None  # this thread waits on the daemon since then
         self._probe: Pending | None = None
         self._probe_sent_at: float | None = None
@@ -98,7 +113,7 @@ class StoreLink:
         if probe_at is not None and now - probe_at > self.probe_deadline_s:
             return "hung"
         client = self._client
-        if client is None or client.is_closed or self._registration_id is None:
+        if client is None or client.is_closed or not self._up:
             return "down"
         return "ok"
 
@@ -165,12 +180,12 @@ class StoreLink:
         if self._client is None:
             self._connect()
         client, registration_id = self._client, self._registration_id
-        if client is None or registration_id is None:
+        if client is None or not self._up or (job.epoch is not None and job.epoch != self.epoch):
             job.transfer.abandon()
             return
         self._busy_since = time.monotonic()
         try:
-            job.transfer.attach(job.send(client, registration_id))
+            job.transfer.attach(job.send(client, registration_id), self.epoch)
         except (DaemonUnavailable, ClientError, OSError):
             job.transfer.abandon()
             self._drop()
@@ -187,9 +202,7 @@ class StoreLink:
         client = None
         try:
             client = Client(self.socket_path, timeout_s=self.timeout_s)
-            pending = client.request("register", {"layout": self.layout.to_wire(),
-                                                  "engine_id": self.engine_id})
-            registration_id = self._await(pending)["registration_id"]
+            registration_id = self._register(client)
         except (DaemonUnavailable, ClientError, OSError) as exc:
             if client is not None:
                 client.close()
@@ -201,18 +214,33 @@ class StoreLink:
         finally:
             self._busy_since = None
             self._first_attempt_done.set()
+        self.epoch += 1  # before ``_up``: a job planned on the old connection never goes out
         self._client, self._registration_id = client, registration_id
-        self.epoch += 1
+        self._up = True
         self.counters["connects"] += 1
         self._next_probe_at = time.monotonic()
         if self.counters["connects"] > 1:
-            log.warning("kv offload: reconnected to the store (registration %d)",
+            log.warning("kv offload: reconnected to the store (registration %s)",
                         registration_id)
 
-    def _await(self, pending: Pending) -> dict:
+    def _register(self, client: Client) -> int | None:
+        """Register the layout (a fresh one if it is made per connect); None without one."""
+        if self.layout is None:
+            return None
+        layout = self.layout() if callable(self.layout) else self.layout
+        try:
+            pending = client.request("register", {"layout": layout.to_wire(),
+                                                  "engine_id": self.engine_id},
+                                     timeout_s=self.register_timeout_s)
+            return int(self._await(pending, self.register_timeout_s)["registration_id"])
+        finally:
+            if self.on_registered is not None:
+                self.on_registered()
+
+    def _await(self, pending: Pending, timeout_s: float) -> dict:
         """The reply, waited for in slices so that closing is not held up (bounded by the
         request's own deadline)."""
-        deadline = time.monotonic() + self.timeout_s + 1.0
+        deadline = time.monotonic() + timeout_s + 1.0
         while True:
             try:
                 return pending.wait(_TICK_S)
@@ -245,6 +273,7 @@ class StoreLink:
             self._busy_since = None
 
     def _drop(self) -> None:
+        self._up = False
         client, self._client, self._registration_id = self._client, None, None
         self._probe = self._probe_sent_at = None
         if client is not None:
@@ -267,5 +296,6 @@ class StoreLink:
             with contextlib.suppress(DaemonUnavailable, ClientError, OSError):
                 client.request("unregister", {"registration_id": registration_id},
                                timeout_s=2.0).wait(2.0)
+        self._up = False
         self._client = self._registration_id = None
         client.close()

@@ -33,20 +33,22 @@ class Transfer:
         self._on_error = on_error
         # Set by the link's thread: the request went out (``_pending``) or never will.
         self._pending: Pending | None = None
-        self._abandoned = False
+        self._abandoned = not queued
         self._handled = threading.Event()
         self.finished_at: float | None = None
         self.done = not queued
         self.ok = False
         self.answered = False  # the daemon replied (ok or an error reply)
         self.timed_out = False  # no reply at all: the daemon may still touch the blocks
+        self.sent_epoch: int | None = None  # the link's connection it went out on
         self.result: Any = fallback
         if not queued:
             self.finished_at = self.started_at
 
     # -- the link's thread ------------------------------------------------------------------
 
-    def attach(self, pending: Pending) -> None:
+    def attach(self, pending: Pending, epoch: int | None = None) -> None:
+        self.sent_epoch = epoch
         self._pending = pending
         self._handled.set()
 
@@ -95,6 +97,13 @@ class Transfer:
             with contextlib.suppress(ClientError, DaemonUnavailable):
                 pending.wait(max(0.0, end - time.monotonic()))
         return self.poll()
+
+    @property
+    def never_sent(self) -> bool:
+        """The daemon never saw this request (refused at once, or given up by the link before
+        sending): whatever memory it named is the caller's again. False while it may still go
+        out."""
+        return self._abandoned
 
     @property
     def elapsed_s(self) -> float:

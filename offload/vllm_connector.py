@@ -28,13 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from offload.connector import OffloadConnector
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
 from offload.vllm.block_mover import BlockMover
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.plan import StepPlan
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings
-from offload.vllm.store_link import StoreLink
 from offload.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -120,16 +120,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.keys = KeyMaker(self.facts)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._num_blocks = int(kv_cache_config.num_blocks)
-        link = StoreLink(self.settings.kv_store_socket, self.settings.load_timeout_s,
-                         self.settings.retry_interval_s)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._link = link
         self._failed_block_ids: set[int] = set()
         self._reported: Counter[str] = Counter()
         if role == KVConnectorRole.SCHEDULER:
             self._recompute_failed_loads()
-            self._scheduler = SchedulerSide(self.keys, link, self.settings.load_blocks,
+            # The scheduler side only looks up: a link without a registration. The worker's
+            # link (with vLLM's KV memory) is made in register_kv_caches.
+            store = OffloadConnector(self.settings.kv_store_socket, None,
+                                     f"vllm-scheduler-{os.getpid()}",
+                                     self.settings.load_timeout_s,
+                                     self.settings.retry_interval_s)
+            self._scheduler = SchedulerSide(self.keys, store, self.settings.load_blocks,
                                             self.settings.lookup_timeout_s)
 
     # ------------------------------------------------------------------------- scheduler side
@@ -165,8 +168,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         out: Counter = Counter()
         for tier in tiers[:num_external_tokens // bs]:
             out[_TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)] += bs
-        if sum(out.values()) != num_external_tokens:
-            return {CacheHitSource.HOST: num_external_tokens}
+        rest = num_external_tokens - sum(out.values())
+        if rest > 0:  # tokens without a known tier: counted, never credited to a tier
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] += rest
         return dict(out)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -213,8 +217,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                  "layout %s", len(names), self.facts.block_size, self.facts.layout_signature,
                  mover.meta.get("tensor_layout"))
         engine_id = f"vllm-{os.getpid()}"
-        self._worker = WorkerSide(self._link, mover, engine_id, self.settings.load_timeout_s,
-                                  self.settings.save_timeout_s, self.settings.register_timeout_s)
+        self._worker = WorkerSide(self.settings.kv_store_socket, mover, engine_id,
+                                  self.settings.load_timeout_s, self.settings.save_timeout_s,
+                                  self.settings.register_timeout_s,
+                                  self.settings.retry_interval_s)
         self._on_cuda = tensors[0].is_cuda
         if not self._worker.connect():
             log.warning("kvstore connector: no store at start; vLLM recomputes until it is up")
@@ -266,7 +272,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
             return None
-        counters = self._worker.counters + self._link.counters
+        # The link's counters (requests, connects, probes, store_hung...) under their own prefix.
+        counters = self._worker.counters + Counter(
+            {f"link_{k}": v for k, v in self._worker.store.counters.items()})
         delta = {k: v - self._reported[k] for k, v in counters.items() if v != self._reported[k]}
         self._reported = Counter(counters)
         return KVStoreConnectorStats(data=delta) if delta else None
@@ -280,5 +288,5 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.drain(2.0)
             self._worker.close()
-        else:
-            self._link.close()
+        if self._scheduler is not None:
+            self._scheduler.store.close()

@@ -1,7 +1,8 @@
 """The scheduler half of the connector: ask the store, plan loads, plan write-through saves.
 
-``match`` asks the daemon (a lookup without a lease, bounded by ``lookup_timeout_s``) how many of
-a request's blocks past vLLM's own prefix hit the store holds; the worker takes the lease when it
+``match`` asks the daemon (a lookup without a lease, through ``OffloadConnector``: bounded by
+``lookup_timeout_s``, and given up at once while the link finds the daemon hung) how many of a
+request's blocks past vLLM's own prefix hit the store holds; the worker takes the lease when it
 loads (a lease belongs to the connection that took it). ``after_alloc`` turns a hit into a load of
 the blocks vLLM reserved; ``plan_step`` adds the full blocks each scheduled request completes this
 step as saves. Loads in flight are budgeted (``max_load_blocks``, the worker's staging room).
@@ -9,17 +10,20 @@ step as saves. Loads in flight are budgeted (``max_load_blocks``, the worker's s
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore import Client
+from offload.connector import OffloadConnector
+from offload.transfer import Transfer
 from offload.vllm.block_keys import KeyMaker, RequestKeys
 from offload.vllm.plan import BlockTransfer, StepPlan
-from offload.vllm.store_link import StoreLink
 
 # The most blocks one save of the plan carries: short round trips, bounded staging per save.
 SAVE_CHUNK_BLOCKS = 64
+# A lookup is waited for in slices this long, so a daemon found hung ends the wait early.
+_WAIT_SLICE_S = 0.05
 
 
 @dataclass
@@ -31,7 +35,8 @@ class _Tracked:
     lora_id: str | None
     block_ids: list[int] = field(default_factory=list)
     num_stored_blocks: int = 0  # blocks [0, this) are in the store (hit, loaded or saved)
-    hit: tuple[int, int, list[str]] | None = None  # (first block, num blocks, tiers) to load
+    hit: tuple[int, int] | None = None  # (first block, num blocks) to load, until allocated
+    hit_tiers: list[str] = field(default_factory=list)  # each hit block's tier (last match)
     load_blocks: int = 0  # blocks of the load in flight (budgeted)
     load_first: int = 0  # the load's first block index in the request
     load_ids: list[int] = field(default_factory=list)  # its vLLM block ids
@@ -51,12 +56,13 @@ class ScheduledRequest:
 class SchedulerSide:
     """Owns the scheduler's requests, its lookups and the load budget."""
 
-    def __init__(self, keys: KeyMaker, link: StoreLink, max_load_blocks: int,
+    def __init__(self, keys: KeyMaker, store: OffloadConnector, max_load_blocks: int,
                  lookup_timeout_s: float) -> None:
+        """``store``: a connector without a layout (this side only looks up)."""
         if max_load_blocks <= 0:
             raise ValueError("max_load_blocks must be positive")
         self.keys = keys
-        self.link = link
+        self.store = store
         self.block_size = keys.block_size
         self.max_load_blocks = max_load_blocks
         self.lookup_timeout_s = lookup_timeout_s
@@ -75,7 +81,7 @@ class SchedulerSide:
         tracked = self._requests.get(request_id)
         if tracked is None:
             tracked = self._requests[request_id] = _Tracked(token_ids, cache_salt, lora_id)
-        tracked.hit = None
+        tracked.hit, tracked.hit_tiers = None, []
         first = num_computed_tokens // bs
         last = (len(token_ids) - 1) // bs  # vLLM computes at least the last token itself
         room = min(self.max_load_blocks, self.max_load_blocks - self._load_blocks_in_flight)
@@ -87,27 +93,35 @@ class SchedulerSide:
         keys = self.keys.keys(token_ids, cache_salt, lora_id, num_blocks=last)
         hashes, idents = keys.hashes[first:last], keys.idents[first:last]
         self.counters["lookups"] += 1
-
-        def send(c: Client):
-            return c.lookup_async(keys.namespace, hashes, idents, lease_ttl_s=0)
-
-        call = self.link.send(send, None, self.lookup_timeout_s)
-        if not call.wait() or call.result is None:
+        lookup = self.store.lookup(keys.namespace, hashes, idents, lease_ttl_s=0)
+        if not self._wait(lookup) or lookup.result is None:
             self.counters["lookup_failures"] += 1
             return 0
-        reply = call.result
+        reply = lookup.result
         num_hit = min(int(reply.num_hit), room)
         if num_hit <= 0:
             self.counters["lookup_misses"] += 1
             return 0
         self.counters["lookup_hits"] += 1
-        tracked.hit = (first, num_hit, list(reply.tiers[:num_hit]))
+        tracked.hit, tracked.hit_tiers = (first, num_hit), list(reply.tiers[:num_hit])
         return num_hit * bs
 
+    def _wait(self, lookup: Transfer) -> bool:
+        """Wait for the reply (the request waits in the scheduler meanwhile) at most
+        ``lookup_timeout_s``, and not at all once the link finds the daemon hung, as kvengine's
+        restores do; an unanswered lookup is a miss (it holds no lease)."""
+        deadline = time.monotonic() + self.lookup_timeout_s
+        while not lookup.wait(min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or self.store.live_state == "hung":
+                self.counters["lookups_unanswered"] += 1
+                return False
+        return True
+
     def hit_tiers(self, request_id: str) -> list[str]:
-        """The tier of each block of the request's planned load (``dram``, ``ssd``...)."""
+        """The tier of each block of the request's last hit (``dram``, ``ssd``, ``remote``...);
+        kept after ``after_alloc``, which vLLM calls before it asks for the tiers."""
         tracked = self._requests.get(request_id)
-        return list(tracked.hit[2]) if tracked is not None and tracked.hit else []
+        return list(tracked.hit_tiers) if tracked is not None else []
 
     # ---------------------------------------------------------------------------- allocation
 
@@ -120,7 +134,7 @@ class SchedulerSide:
         tracked.block_ids = list(block_ids)
         if num_external_tokens <= 0 or tracked.hit is None:
             return
-        first, num_hit, _ = tracked.hit
+        first, num_hit = tracked.hit
         tracked.hit = None
         num_blocks = min(num_hit, num_external_tokens // self.block_size)
         ids = tracked.block_ids[first:first + num_blocks]

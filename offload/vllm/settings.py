@@ -14,8 +14,8 @@ class ConnectorSettings:
     lookup_timeout_s: float = 1.0  # the scheduler waits this long for a lookup, then recomputes
     load_timeout_s: float = 10.0  # a load's whole life: lookup, staging room, copy
     save_timeout_s: float = 10.0
-    retry_interval_s: float = 2.0  # after a failure, no request is sent for this long
-    register_timeout_s: float = 30.0  # a (re)registration's deadline; it never blocks a step
+    retry_interval_s: float = 2.0  # a lost connection is tried again at most this often
+    register_timeout_s: float = 30.0  # a (re)registration's deadline; made off vLLM's steps
     load_blocks: int = 64  # staging room for loads (CPU) and the budget of blocks loading
     save_blocks: int = 64  # staging room for saves (CPU); a save that does not fit is skipped
 

@@ -18,6 +18,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``make-model --preset small``: a checkpoint vLLM's CPU attention accepts (head dim 32)."""
+    out = tmp_path_factory.mktemp("small-offload") / "model"
+    write_checkpoint(out, "small", seed=0)
+    return out
+
+
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """Start dedicated `kvstore serve` processes; all are stopped after the test."""

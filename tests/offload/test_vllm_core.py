@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import pytest
 from daemon_helpers import start_daemon, wait_until
 
+from offload.connector import OffloadConnector
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
-from offload.vllm.store_link import StoreLink
 from offload.vllm.worker_side import WorkerSide
 
 torch = pytest.importorskip("torch")
@@ -80,11 +80,11 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
         layers = list(raw.view(LAYERS, NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM).unbind(0))
     mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, load_blocks + 16,
                        {"engine": "vllm-test"})
-    worker = WorkerSide(StoreLink(socket_path, LOAD_TIMEOUT_S, RETRY_S), mover, "vllm-test",
-                        LOAD_TIMEOUT_S, LOAD_TIMEOUT_S, register_timeout_s=1.0)
+    worker = WorkerSide(socket_path, mover, "vllm-test", LOAD_TIMEOUT_S, LOAD_TIMEOUT_S,
+                        register_timeout_s=1.0, retry_interval_s=RETRY_S)
     assert worker.connect()
-    scheduler = SchedulerSide(KeyMaker(FACTS), StoreLink(socket_path, LOAD_TIMEOUT_S, RETRY_S),
-                              load_blocks, LOOKUP_TIMEOUT_S)
+    store = OffloadConnector(socket_path, None, "vllm-test-scheduler", LOAD_TIMEOUT_S, RETRY_S)
+    scheduler = SchedulerSide(KeyMaker(FACTS), store, load_blocks, LOOKUP_TIMEOUT_S)
     return Instance(layers, scheduler, worker)
 
 
@@ -106,6 +106,8 @@ def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon, flash
     assert a.worker.counters["blocks_saved"] == 10
     n, failed, _ = b.load("r", tokens, b_ids)
     assert n == 10 * BLOCK_SIZE and not failed
+    # vLLM asks for the hit's tiers after update_state_after_alloc: they must still be there.
+    assert b.scheduler.hit_tiers("r") == ["dram"] * 10
     for i in range(10):
         assert b.block(b_ids[i]) == a.block(a_ids[i])
     assert b.block(b_ids[10]) == bytes(len(a.block(0)))  # the partial block was not touched
@@ -179,8 +181,11 @@ def test_a_stopped_daemon_costs_a_bounded_wait_then_the_store_is_used_again(daem
         start = time.monotonic()
         assert b.scheduler.match("r2", prompt(5), 0, None, None) == 0
         assert time.monotonic() - start < LOOKUP_TIMEOUT_S + 0.5
+        # The link's health probe finds the daemon hung within a second (kvengine's link):
+        # from then on a lookup is a miss at once.
+        assert wait_until(lambda: b.scheduler.store.live_state == "hung", 2.0)
         start = time.monotonic()
-        assert b.scheduler.match("r3", prompt(5), 0, None, None) == 0  # breaker open: at once
+        assert b.scheduler.match("r3", prompt(5), 0, None, None) == 0
         assert time.monotonic() - start < 0.1
         b.worker.start(plan)  # its load was planned before the stop
         failed: set[int] = set()
@@ -216,13 +221,14 @@ def test_a_killed_daemon_means_recompute_until_a_new_one_is_up(daemon, tmp_path)
     fresh = start_daemon(tmp_path, socket_path=daemon.socket_path, http=False)
     try:
         time.sleep(RETRY_S + 0.1)
-        # The next step reconnects and sends the registration of a new staging buffer without
-        # waiting for it (its saves are skipped, counted); a later step finds it registered.
+        # The next step asks for a reconnect, which the link makes (with the registration of a
+        # new staging buffer) on its own thread: that step's saves are skipped (counted), a
+        # later step finds it registered.
         a.save("r3", tokens, ids)
         assert a.worker.counters["blocks_save_skipped_unavailable"] >= 10
         assert wait_until(a.worker.ready, 5.0)
         a.save("r3b", tokens, ids)  # the same tokens again (a skipped save is not retried)
-        assert a.worker.counters["registrations"] == 2
+        assert a.worker.store.counters["connects"] == 2
         assert a.worker.counters["blocks_saved"] == 20
         time.sleep(RETRY_S + 0.1)
         n, failed, _ = b.load("r4", tokens, ids)

@@ -13,40 +13,16 @@ import time
 
 import pytest
 from daemon_helpers import start_daemon
+from vllm_parts import BLOCK_SIZE, assert_same_logprobs, full_blocks_tokens, prompt
 
 from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
-from engine.make_model import write_checkpoint
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
 
-BLOCK_SIZE = 128  # vLLM's CPU default; the connector reads it from vLLM, the test only counts
 LOOKUP_TIMEOUT_S, RETRY_S = 0.5, 1.0
 EXTRA = {"lookup_timeout_s": LOOKUP_TIMEOUT_S, "retry_interval_s": RETRY_S,
          "load_timeout_s": 5.0, "save_timeout_s": 5.0}
-
-
-def prompt(seed: int, num_tokens: int = 1000) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 4500 + 10 for i in range(num_tokens)]
-
-
-def full_blocks_tokens(num_tokens: int) -> int:
-    return (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE  # vLLM computes the last token itself
-
-
-def assert_same_logprobs(got: dict, want: dict, tol: float = 1e-5) -> None:
-    assert got["token_ids"] == want["token_ids"]
-    for g, w in zip(got["logprobs"], want["logprobs"]):
-        assert g.keys() == w.keys()
-        for tok, lp in w.items():
-            assert abs(g[tok] - lp) <= tol, (tok, g[tok], lp)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vllm-model") / "small"
-    write_checkpoint(out, "small", seed=0)
-    return out
 
 
 def _serve(workdir, ssd_dir, socket_path=None):
@@ -64,11 +40,11 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir, store):
+def engines(small_model_dir, store):
     sock = store["daemon"].socket_path
-    procs = {"baseline": VllmProcess(model_dir, None, wait=False),
-             "first": VllmProcess(model_dir, sock, EXTRA, wait=False),
-             "second": VllmProcess(model_dir, sock, EXTRA, wait=False)}
+    procs = {"baseline": VllmProcess(small_model_dir, None, wait=False),
+             "first": VllmProcess(small_model_dir, sock, EXTRA, wait=False),
+             "second": VllmProcess(small_model_dir, sock, EXTRA, wait=False)}
     try:
         for p in procs.values():
             p.wait_ready()
@@ -99,28 +75,27 @@ def test_second_instance_serves_a_repeated_prompt_from_the_store(engines, store)
     assert_same_logprobs(second, want)
 
 
-def test_loaded_blocks_are_really_used(engines, store, model_dir) -> None:
+def test_loaded_blocks_are_really_used(engines, store, small_model_dir) -> None:
     """Random bytes stored under exactly the keys vLLM asks for: vLLM takes the hit and its
     answer changes, so a hit's KV is what attention reads (the daemon cannot tell garbage)."""
     torch = pytest.importorskip("torch")
     from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
     from offload.vllm.kv_tensors import make_mover
     from offload.vllm.plan import BlockTransfer, StepPlan
-    from offload.vllm.store_link import StoreLink
     from offload.vllm.worker_side import WorkerSide
 
     # What the connector reads from vLLM for this model on CPU (see its log line).
     facts = VllmModelFacts("Qwen3ForCausalLM", 2, 2, 32, "bfloat16", BLOCK_SIZE,
-                           weights_identity(str(model_dir)), "cpu:LBHNC:kvheads2:head32/32")
+                           weights_identity(str(small_model_dir)), "cpu:LBHNC:kvheads2:head32/32")
     p = prompt(11)
     keys = KeyMaker(facts).keys(p)
     num_blocks = keys.num_blocks
     raw = torch.randn(2 * num_blocks * 2 * BLOCK_SIZE * 64, generator=torch.Generator()
                       .manual_seed(0)).to(torch.bfloat16)
     layers = list(raw.view(2, num_blocks, 2, BLOCK_SIZE, 64).unbind(0))
-    worker = WorkerSide(StoreLink(store["daemon"].socket_path, 5.0, 1.0),
+    worker = WorkerSide(store["daemon"].socket_path,
                         make_mover(["l0", "l1"], layers, num_blocks, num_blocks, {}), "forger",
-                        5.0, 5.0)
+                        5.0, 5.0, retry_interval_s=1.0)
     try:
         assert worker.connect()
         worker.save(StepPlan(saves=[BlockTransfer("g", list(range(num_blocks)),
@@ -148,11 +123,11 @@ def test_different_cache_salts_never_share(engines, store) -> None:
     assert_same_logprobs(alice, bob)
 
 
-def test_vllm_and_kvengine_never_get_each_others_blocks(engines, store, model_dir) -> None:
+def test_vllm_and_kvengine_never_get_each_others_blocks(engines, store, small_model_dir) -> None:
     from engine import LLM, SamplingParams
 
     sock = str(store["daemon"].socket_path)
-    kvengine = LLM(str(model_dir), device="cpu", kv_offload=True, kv_store_socket=sock,
+    kvengine = LLM(str(small_model_dir), device="cpu", kv_offload=True, kv_store_socket=sock,
                    block_size=BLOCK_SIZE)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=2)
@@ -192,7 +167,7 @@ def test_a_stopped_daemon_means_recompute_within_a_bounded_wait(engines, store) 
         assert got["num_cached_tokens"] == 0
         # The one lookup that waits out its deadline, plus slack for a shared 2-core machine.
         assert got["elapsed_s"] <= fresh["elapsed_s"] + LOOKUP_TIMEOUT_S + 2.0
-        got, want = _stalled_answer(engines, 6)  # the breaker is open: no wait at all
+        got, want = _stalled_answer(engines, 6)  # found hung by now: no wait at all
         assert_same_logprobs(got, want)
     finally:
         daemon.proc.send_signal(signal.SIGCONT)

@@ -15,10 +15,10 @@ import time
 import pytest
 from daemon_helpers import start_daemon
 
+from offload.connector import OffloadConnector
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
-from offload.vllm.store_link import StoreLink
 from offload.vllm.worker_side import WorkerSide
 
 pytestmark = pytest.mark.gpu
@@ -50,10 +50,11 @@ def _layers(seed: int | None, heads_major: bool = False) -> list:
 
 def _instance(socket_path, layers):
     mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, 1, {})
-    worker = WorkerSide(StoreLink(socket_path, 30.0, 1.0), mover, "vllm-gpu-test", 30.0, 30.0)
+    worker = WorkerSide(socket_path, mover, "vllm-gpu-test", 30.0, 30.0, retry_interval_s=1.0)
     # The daemon's first CUDA registration sets up its copier: allow it time.
     assert worker.connect(wait_s=60.0), "could not register the CUDA tensors with the daemon"
-    scheduler = SchedulerSide(KeyMaker(FACTS), StoreLink(socket_path, 30.0, 1.0), 256, 5.0)
+    scheduler = SchedulerSide(KeyMaker(FACTS), OffloadConnector(socket_path, None, "sched", 30.0),
+                              256, 5.0)
     return scheduler, worker
 
 

@@ -99,6 +99,7 @@ def test_a_stopped_daemon_costs_requests_no_more_than_detecting_it(model_dir, ma
             # Probed off the step thread: the state says hung while the daemon is stopped.
             hung_seen = wait_until(lambda: _offload_stats(llm).get("store_state") == "hung",
                                    max(0.1, STOP_S - (time.monotonic() - stopped_at)))
+            engine.step()  # the counters are as of the last step: one after the state turned
             stats_while_stopped = _offload_stats(llm)
         for i, (tokens, seconds, longest) in enumerate(results):
             print(f"request {i} under a stopped daemon: {seconds * 1e3:.0f} ms outside forwards, "
