@@ -29,6 +29,7 @@ def test_presets_have_the_issue_shapes() -> None:
 
 def _record(round_: int, ttft_s: float, restored: int = 0, sent_s: float = 0.0) -> dict:
     return {"round": round_, "ttft_s": ttft_s, "itl_s": [0.01, 0.02], "error": None,
+            "prompt_tokens": 1100,
             "sent_s": sent_s, "cached_tokens_by_tier": {"hbm": 0, "dram": restored}}
 
 
@@ -51,8 +52,10 @@ def test_figures_and_comparison_from_records() -> None:
 
 
 def test_restores_against_the_bound_from_hbm_hits_of_the_same_run() -> None:
-    hbm_hit = {**_record(1, 0.020), "cached_tokens_by_tier": {"hbm": 900, "dram": 0}}
-    point = {"records": [_record(0, 0.7), hbm_hit, _record(1, 0.0222, restored=1000),
+    hbm_hit = {**_record(1, 0.020), "cached_tokens_by_tier": {"hbm": 1000, "dram": 0}}
+    system_prompt_only = {**_record(1, 0.5), "cached_tokens_by_tier": {"hbm": 100, "dram": 0}}
+    point = {"records": [_record(0, 0.7), hbm_hit, system_prompt_only,
+                         _record(1, 0.0222, restored=1000),
                          _record(2, 0.0444, restored=1000)], "summary": {"hits": {}}}
     restores = presets.summarize_point(point, kv_bytes_per_token=1e5, h2d_gbps=50.0)["restores"]
     assert restores["hbm_hit_ttft_ms_p50"] == pytest.approx(20.0)
@@ -63,6 +66,10 @@ def test_restores_against_the_bound_from_hbm_hits_of_the_same_run() -> None:
     no_hbm = presets.summarize_point({"records": point["records"][2:], "summary": {"hits": {}}},
                                      kv_bytes_per_token=1e5, h2d_gbps=50.0)["restores"]
     assert no_hbm["hbm_hit_ttft_ms_p50"] is None and no_hbm["share_within_bound"] is None
+    given = presets.summarize_point({"records": point["records"][2:], "summary": {"hits": {}}},
+                                    kv_bytes_per_token=1e5, h2d_gbps=50.0,
+                                    hbm_hit_ms=50.0)["restores"]
+    assert given["hbm_hit_ttft_ms_p50"] == 50.0 and given["share_within_bound"] == 1.0
 
 
 def test_a_scaled_down_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
