@@ -309,8 +309,7 @@ class LLMEngine:
         seq.num_emitted_chars = len(text)
         num_cached = seq.num_cached_tokens or 0
         by_tier = empty_tier_counts()
-        by_tier.update(seq.restored_tokens_by_tier)  # "hbm" here: copied from another engine
-        by_tier["hbm"] += num_cached - sum(seq.restored_tokens_by_tier.values())
+        by_tier.update(seq.cached_tokens_by_tier)
         # The prompt list is shared, not copied per step: the engine only ever reads it.
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,

@@ -45,6 +45,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     block_checks: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None  # set at first admission
+    # where those cached tokens came from ("hbm", "dram", ...), frozen with them: a preempted
+    # request restored again later keeps the split it was admitted with
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
