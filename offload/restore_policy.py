@@ -10,6 +10,13 @@ load and, while other requests run, at least the step the request sits out: it j
 step that starts after its blocks landed. So a restore wins when
 ``max(load, step floor if busy) < n x marginal cost``. Until a side has been measured its prior is
 used (priors lean towards restoring, since a restore that turns out slow is what measures it).
+
+When busy, recomputing is charged twice its own time: its prefill takes GPU time from the requests
+running beside it (at least one), while a load takes bus time and leaves the GPU to them. And the
+load's measured time includes its queueing behind other loads, the recompute's estimate none of
+the sharing of the step budget with other prefills. On an H100 long-context run (15 users, ~19k-
+token histories) the uncharged rule declined 6 of 40 DRAM restores whose recompute then took
+0.5-2.4 s where restores took ~90 ms (benchmarks/results/multiturn-long-context-*-110s-*).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from dataclasses import dataclass
 _MIN_PREFILL_SAMPLE_TOKENS = 32
 # Weight kept by the older prefill samples per new one (about the last 20 steps count).
 _FIT_DECAY = 0.95
+# A busy engine charges a recompute this many times its own prefill time (see above).
+BUSY_RECOMPUTE_FACTOR = 2.0
 
 
 class _LineFit:
@@ -118,11 +127,14 @@ class RestorePolicy:
 
     def restore_wins(self, load_s: float, num_tokens: int, busy: bool) -> bool:
         """True when a restore that takes ``load_s`` beats recomputing ``num_tokens``; ``busy``:
-        other requests are running, so the request also sits out the current step."""
+        other requests are running, so the request also sits out the current step, and a
+        recompute would also take its GPU time from them."""
         if num_tokens <= 0:
             return False
-        wait_s = max(load_s, self.step_floor_s()) if busy else load_s
-        return wait_s < self.expected_prefill_s(num_tokens)
+        if not busy:
+            return load_s < self.expected_prefill_s(num_tokens)
+        wait_s = max(load_s, self.step_floor_s())
+        return wait_s < BUSY_RECOMPUTE_FACTOR * self.expected_prefill_s(num_tokens)
 
     def should_restore(self, tier: str, num_tokens: int, num_bytes: int,
                        busy: bool = False) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload.restore_policy import RestorePolicy
+from offload.restore_policy import BUSY_RECOMPUTE_FACTOR, RestorePolicy
 
 
 def _policy() -> RestorePolicy:
@@ -45,14 +45,28 @@ def test_a_busy_engine_restores_only_what_beats_a_step() -> None:
     policy.observe_step(0, 0.005)
     for tokens, seconds in [(100, 0.0065), (2000, 0.035), (500, 0.0125)]:
         policy.observe_step(tokens, seconds)
-    assert policy.expected_prefill_s(200) < policy.step_floor_s()
-    # 200 tokens: cheaper to recompute than to sit out a step, but idle a quick load wins.
-    assert not policy.restore_wins(0.001, 200, busy=True)
-    assert policy.restore_wins(0.001, 200, busy=False)
+    factor = BUSY_RECOMPUTE_FACTOR
+    assert factor * policy.expected_prefill_s(100) < policy.step_floor_s()
+    # 100 tokens: cheaper to recompute, even charged for the others' lost GPU time, than to sit
+    # out a step; idle, a quick load wins.
+    assert not policy.restore_wins(0.001, 100, busy=True)
+    assert policy.restore_wins(0.001, 100, busy=False)
     # 2,000 tokens: worth a step either way; a load slower than recomputing never is.
     assert policy.restore_wins(0.006, 2000, busy=True)
     assert not policy.restore_wins(1.0, 2000, busy=False)
     assert not policy.restore_wins(0.0, 0, busy=False)
+
+
+def test_a_busy_engine_charges_a_recompute_for_the_gpu_time_it_takes_from_others() -> None:
+    policy = _policy()
+    policy.observe_step(0, 0.005)
+    for tokens, seconds in [(100, 0.0065), (2000, 0.035), (500, 0.0125)]:
+        policy.observe_step(tokens, seconds)
+    recompute_s = policy.expected_prefill_s(18000)
+    slower_load_s = 1.5 * recompute_s  # e.g. queued behind other users' loads
+    assert not policy.restore_wins(slower_load_s, 18000, busy=False)
+    assert policy.restore_wins(slower_load_s, 18000, busy=True)
+    assert not policy.restore_wins(2.5 * recompute_s, 18000, busy=True)  # a slow SSD still loses
 
 
 def test_nonsense_samples_are_ignored() -> None:
