@@ -35,7 +35,6 @@ from kvstore import Client
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.plan import BlockTransfer, StepPlan
-from offload.vllm.scheduler_side import SAVE_CHUNK_BLOCKS
 from offload.vllm.worker_side import WorkerSide
 
 # Daemon variants: module constants set before `kvstore serve` runs ("" = as shipped).
@@ -97,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="64,128,256,512,1024")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--save-request-blocks", type=int, default=None,
+                        help="blocks per save request (default: the mover's, as vLLM's worker)")
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             # CPU: staging room for one whole save and one whole load.
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
                                2 * num_blocks, {})
+            if args.save_request_blocks:
+                mover.max_save_blocks = args.save_request_blocks
             worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,
                                 retry_interval_s=1.0)
             if not worker.connect(wait_s=60.0):
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     t = _transfer(keys, ids, n * 1000 + rep)
                     before = worker.counters["blocks_saved"]
                     t0 = time.perf_counter()
-                    worker.save(StepPlan(saves=t.chunks(SAVE_CHUNK_BLOCKS)))
+                    worker.save(StepPlan(saves=[t]))  # the worker cuts it as vLLM's would
                     worker.drain(120.0)  # CPU saves are not waited for by save() itself
                     t1 = time.perf_counter()
                     if worker.counters["blocks_saved"] - before != n:
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 save_gbps = n * block_bytes / float(np.median(save_s)) / 1e9
                 load_gbps = n * block_bytes / float(np.median(load_s)) / 1e9
                 row = {"variant": variant, "blocks": n, "bytes": n * block_bytes,
+                       "save_request_blocks": mover.max_save_blocks,
                        "save_gbps": save_gbps, "load_gbps": load_gbps,
                        "raw_d2h_gbps": raw_d2h, "raw_h2d_gbps": raw_h2d,
                        "save_vs_raw": save_gbps / raw_d2h, "load_vs_raw": load_gbps / raw_h2d,

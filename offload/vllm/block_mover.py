@@ -40,6 +40,13 @@ class BlockMover(ABC):
     #: them, so the worker waits for it (bounded) in ``wait_for_save``.
     saves_read_engine_blocks: bool = False
 
+    #: The most blocks one save request carries. Staged movers copy into a bounded buffer per
+    #: save: short requests. A direct mover's save is the daemon's batched copy of vLLM's own
+    #: blocks: one request per step and vLLM request (up to this bound), since many 64-block
+    #: requests in flight at once moved 38-42% of raw pinned where one 1,024-block request of
+    #: the same path reaches ~0.9 (H100, benchmarks/results/xfer-h100-2026-11-25.md).
+    max_save_blocks: int = 64
+
     @abstractmethod
     def open(self) -> KVLayout: ...
 
@@ -68,6 +75,7 @@ class DirectMover(BlockMover):
     """The daemon copies vLLM's blocks itself (CUDA IPC regions built by the caller)."""
 
     saves_read_engine_blocks = True
+    max_save_blocks = 1024
 
     def __init__(self, layout: KVLayout) -> None:
         layout.validate()

@@ -20,8 +20,6 @@ from offload.transfer import Transfer
 from offload.vllm.block_keys import KeyMaker, RequestKeys
 from offload.vllm.plan import BlockTransfer, StepPlan
 
-# The most blocks one save of the plan carries: short round trips, bounded staging per save.
-SAVE_CHUNK_BLOCKS = 64
 # A lookup is waited for in slices this long, so a daemon found hung ends the wait early.
 _WAIT_SLICE_S = 0.05
 
@@ -178,7 +176,7 @@ class SchedulerSide:
             keys = self._keys(tracked, full)
             save = BlockTransfer(s.request_id, tracked.block_ids[start:full], keys.namespace,
                                  keys.hashes[start:full], keys.idents[start:full])
-            plan.saves.extend(save.chunks(SAVE_CHUNK_BLOCKS))
+            plan.saves.append(save)  # the worker cuts it to its mover's request size
             tracked.num_stored_blocks = full
             self.counters["blocks_save_planned"] += full - start
         return plan

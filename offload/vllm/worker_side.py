@@ -180,8 +180,10 @@ class WorkerSide:
     # ---------------------------------------------------------------------------------- saves
 
     def save(self, plan: StepPlan) -> None:
-        """Write-through: send every planned save (after the forward computed the blocks)."""
-        for t in plan.saves:
+        """Write-through: send every planned save (after the forward computed the blocks), in
+        requests of at most the mover's ``max_save_blocks``."""
+        most = self.mover.max_save_blocks
+        for t in (piece for save in plan.saves for piece in save.chunks(most)):
             epoch = self.store.registration_epoch  # before the slots: see the module docstring
             if not self.ready():
                 self.counters["blocks_save_skipped_unavailable"] += t.num_blocks
