@@ -5,7 +5,9 @@ those buffers came from CuPy's default pool, a later ``free_all_blocks`` (CuPy c
 out-of-memory retry) could hand them back to the driver while the graph still writes them. The
 graphs' pool is used only while capturing, so nothing else ever allocates from or frees it.
 Graphs captured from one pool replay one at a time on one stream, so intermediates freed inside
-one capture may be reused by the next capture.
+one capture may be reused by the next capture. Hence nothing that one graph reads after another
+graph's replay may be first allocated while capturing (or in the warm-up call before it): it
+could sit in the other graph's scratch. Such buffers are made outside, e.g. at construction.
 """
 
 from __future__ import annotations

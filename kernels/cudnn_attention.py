@@ -105,7 +105,8 @@ class CudnnAttention:
         self.refusals: dict[tuple, str] = {}
         self._workspace = cp.empty(1 << 20, dtype=cp.uint8)
         self._meta: _StepMeta | None = None
-        self._ones: dict[int, Any] = {}
+        # decode's seq_len_q, default pool: in the graphs' pool other graphs' scratch reuses it
+        self._ones = cp.ones(1 << 16, dtype=cp.int32)
         self.gather = True  # dense prefill where it pays (_DENSE_ROWS_PER_SEQ); False: paged
         # one long sequence at its exact sizes where the host knows them (``_run_exact``): off,
         # since cuDNN 9.19 on an H100 refuses override shapes for this graph (no backend engine;
@@ -359,6 +360,8 @@ class CudnnAttention:
         out = self.cp.empty_like(q)
         if num_seqs == 0:
             return out
+        if num_seqs > self._ones.shape[0]:
+            return None
         width = block_tables.shape[1]
         k_ptr, v_ptr, block_stride = self.layer_pointers(kv_cache, layer)
         key = (False, False, num_seqs, 1, width, num_q_heads, shape[4], head_dim, shape[3],
@@ -367,12 +370,9 @@ class CudnnAttention:
         if plan is None:
             return None
         self.calls[key[:2]] = self.calls.get(key[:2], 0) + 1
-        ones = self._ones.get(num_seqs)
-        if ones is None:  # never written after creation: safe to share across graphs
-            ones = self._ones[num_seqs] = self.cp.ones(num_seqs, dtype=self.cp.int32)
         self.execute(plan, {
             _UID_Q: q.data.ptr, _UID_K: k_ptr, _UID_V: v_ptr, _UID_O: out.data.ptr,
-            _UID_SEQ_Q: ones.data.ptr, _UID_SEQ_KV: context_lens.data.ptr,
+            _UID_SEQ_Q: self._ones.data.ptr, _UID_SEQ_KV: context_lens.data.ptr,
             _UID_TABLE_K: block_tables.data.ptr, _UID_TABLE_V: block_tables.data.ptr})
         return out
 

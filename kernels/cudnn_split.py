@@ -25,8 +25,25 @@ from kernels.split_prefill import merge_partials, replicate_q, split_meta, tail_
 # (one paged call 0.276); at 4k (512 blocks) 8 slices 0.045 ms (one call 0.082).
 SLICE_KEYS = 4096
 MIN_SLICES, MAX_SLICES = 8, 64
+# Scratch bound of one split step (q_rep, o_part, lse): every sequence of the step, decode rows
+# of a mixed batch included, costs (slices + 1) x the step's query-row bound rows, so 255 decode
+# rows beside one turn over 16k would take ~2.4 GB; past this the step runs as one paged call
+# (the sequences' own tiles fill the GPU by then). The prefill graphs' largest bucket (4
+# sequences x 256 rows, qwen3-4b at 40k: 16 slices) needs ~0.29 GB.
+MAX_SCRATCH_BYTES = 512 << 20
 _UID_Q, _UID_K, _UID_V, _UID_O, _UID_STATS = 1, 2, 3, 4, 11
 _UID_SEQ_Q, _UID_SEQ_KV, _UID_TABLE_K, _UID_TABLE_V = 5, 6, 7, 8
+
+
+def slice_count(table_width: int, block_size: int) -> int:
+    """Slices per sequence for a table ``table_width`` blocks wide (before the width cap)."""
+    return min(MAX_SLICES, max(MIN_SLICES, table_width * block_size // SLICE_KEYS))
+
+
+def scratch_bytes(num_seqs: int, num_slices: int, max_rows: int, num_q_heads: int,
+                  head_dim: int) -> int:
+    """Device bytes of one split step's q_rep and o_part (bf16) and lse (float32)."""
+    return num_seqs * (num_slices + 1) * max_rows * num_q_heads * (4 * head_dim + 4)
 
 
 @dataclass
@@ -57,14 +74,16 @@ class CudnnSplitPrefill:
     def run(self, q, kv_cache, layer: int, block_tables, cu_seqlens_q, context_lens,
             scale: float, max_rows: int):
         """``[T, Hq, D]`` like ``paged_attention_prefill`` (at most ``max_rows`` query rows per
-        sequence; ``block_tables`` as wide as every context), or None where cuDNN refuses."""
+        sequence; ``block_tables`` as wide as every context), or None where cuDNN refuses or
+        the step's scratch would pass ``MAX_SCRATCH_BYTES``."""
         cp = self._cp
         num_tokens, num_q_heads, head_dim = q.shape
         _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
         num_seqs, width = block_tables.shape
-        num_slices = self.num_slices or min(MAX_SLICES, max(MIN_SLICES,
-                                                            width * block_size // SLICE_KEYS))
-        num_slices = min(num_slices, width)
+        num_slices = min(self.num_slices or slice_count(width, block_size), width)
+        if scratch_bytes(num_seqs, num_slices, max_rows, num_q_heads, head_dim) > \
+                MAX_SCRATCH_BYTES:
+            return None  # the caller runs one paged call
         slice_blocks = -(-width // num_slices)
         tail_blocks = tail_width(max_rows, block_size)
         k_ptr, v_ptr, block_stride = self._attn.layer_pointers(kv_cache, layer)

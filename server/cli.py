@@ -65,6 +65,10 @@ def _engine_config(args: argparse.Namespace, model_dir: Path, tokenizer_dir: Pat
     return EngineConfig(**fields)
 
 
+class WarmUpFailed(RuntimeError):
+    """The engine loaded but its start-time warm-up (graph captures) failed; it is closed."""
+
+
 def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
     from engine import LLMEngine
 
@@ -77,6 +81,10 @@ def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
         start = time.perf_counter()
         try:
             num_graphs = engine.warm_up()
+        except Exception as exc:  # a capture or a cuDNN run failed (a refused shape does not)
+            engine.close()
+            raise WarmUpFailed(f"the start-time warm-up failed ({type(exc).__name__}: {exc}); "
+                               "--no-warm-up starts without it") from exc
         except BaseException:
             engine.close()
             raise
@@ -220,7 +228,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     try:
         engine = _load_engine(config, args.warm_up)
-    except (OSError, ValueError, NotImplementedError) as exc:
+    except (OSError, ValueError, NotImplementedError, WarmUpFailed) as exc:
         listener.close()
         print(f"kvengine: error: cannot start the engine on {model_dir}: {exc}",
               file=sys.stderr)

@@ -93,3 +93,27 @@ def test_prefill_graphs_give_the_eager_tokens(long_qwen3: HFCheckpoint) -> None:
             if not eager:
                 assert graphs.num_captures >= 1 and graphs.num_replays >= 2
     assert results[False] == results[True]
+
+
+def test_turns_after_the_warm_up_give_the_eager_tokens(long_qwen3: HFCheckpoint) -> None:
+    """One user's turns after ``warm_up`` (every prefill bucket captured before the first decode
+    graph): each turn replays a prefill graph, then decode graphs of one row. Whatever the decode
+    graphs read across replays must not sit in a prefill graph's scratch (the cuDNN decode's
+    query lengths once did), so the tokens equal the eager engine's."""
+    history = random_prompts(4000, [3000], seed=10)[0]
+    extras = random_prompts(4000, [30, 21, 12], seed=11)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    results = {}
+    for eager in (True, False):
+        with LLM(str(long_qwen3.path), device="cuda", enforce_eager=eager,
+                 num_kv_blocks=MAX_POSITIONS // 16 + 8) as llm:
+            assert llm.engine.warm_up() == (0 if eager else
+                                            len(llm.engine.runner.prefill_graphs.tokens)
+                                            + len(llm.engine.runner.decode_graphs.widths))
+            prompt, tokens = list(history), []
+            for extra in extras:
+                out = llm.generate([prompt], greedy)[0]
+                tokens.append(out.token_ids)
+                prompt = prompt + out.token_ids + extra
+            results[eager] = tokens
+    assert results[False] == results[True]
