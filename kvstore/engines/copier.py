@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.engines import cuda_batch
-from kvstore.engines.device_staging import DeviceStaging, staged_sides
+from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
 from kvstore.engines.run_arrays import RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
 
@@ -226,14 +226,21 @@ class CudaCopier:
         cp = _cupy()
         stream = self._streams[kind]
         with cp.cuda.Device(self.device_id), self._locks[kind]:
-            slot = None
             try:
                 if method == "staged":
-                    return CopyHandle(self._staged(runs, kind), runs.total_bytes)
-                if method == "kernel":
-                    slot = self._launch(runs, kind, stream)
-                else:
+                    # A part per staging slot; the streams keep the parts in order, so the last
+                    # part's event is after every part's copies.
+                    for part in staged_parts(runs, self._staging[kind].max_slot_bytes):
+                        event = self._staged(part, kind)
+                    return CopyHandle(event, runs.total_bytes)
+                slot = self._launch(runs, kind, stream) if method == "kernel" else None
+                if method != "kernel":
                     self._bus_copy(runs, kind, method == "batch")
+                # Inside the try: a failure to record leaves copies without an event to wait on.
+                event = cp.cuda.Event(block=True, disable_timing=True)
+                event.record(stream)
+                if slot is not None:
+                    PinnedTables.retire(slot, event)
             except BaseException:
                 # The runs enqueued before the failing one have no event: wait for them here, so
                 # no copy is still touching the caller's buffers once it hears of the error.
@@ -241,10 +248,6 @@ class CudaCopier:
                     with contextlib.suppress(Exception):
                         s.synchronize()
                 raise
-            event = cp.cuda.Event(block=True, disable_timing=True)
-            event.record(stream)
-            if slot is not None:
-                PinnedTables.retire(slot, event)
         return CopyHandle(event, runs.total_bytes)
 
     def _bus_copy(self, runs: RunArrays, kind: int, batch: bool) -> None:
@@ -310,20 +313,20 @@ class CudaCopier:
         """Save direction: engine HBM → pinned pool."""
         merged = _merged(runs)
         return self._submit(merged, _MEMCPY_DEVICE_TO_HOST,
-                            self._host_method(merged, merged.dst_ptrs))
+                            self._host_method(merged, merged.dst_ptrs, _MEMCPY_DEVICE_TO_HOST))
 
     def host_to_device(self, runs: Runs) -> CopyHandle:
         """Load direction: pinned pool → engine HBM."""
         merged = _merged(runs)
         return self._submit(merged, _MEMCPY_HOST_TO_DEVICE,
-                            self._host_method(merged, merged.src_ptrs))
+                            self._host_method(merged, merged.src_ptrs, _MEMCPY_HOST_TO_DEVICE))
 
-    def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray) -> str:
+    def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray, kind: int) -> str:
         """How a host <-> device batch goes: ``SMALL_RUNS`` for many small runs, else
         ``LARGE_RUNS``. Every method but "memcpy" needs the host side page-locked and mapped at
         the same address (unpinned memory always goes through ``cudaMemcpyAsync``); the kernel
         and the staged path need aligned runs (the kernel 8+ of them), else a driver batch
-        takes them, else "memcpy"."""
+        takes them, else "memcpy". A run larger than a staging slot goes by the kernel."""
         if len(merged) < 2:
             return "memcpy"
         small = merged.total_bytes <= _GATHER_MAX_MEAN_RUN_BYTES * len(merged)
@@ -333,6 +336,8 @@ class CudaCopier:
             return "memcpy"
         if method in ("kernel", "staged") and not _aligned(merged):
             method = "batch"
+        if method == "staged" and int(merged.num_bytes.max()) > self._staging[kind].max_slot_bytes:
+            method = "kernel"  # a run larger than a staging slot: the ring keeps its budget
         if method == "kernel" and len(merged) < _GATHER_MIN_RUNS:
             method = "batch"
         if method == "batch" and not cuda_batch.available():

@@ -21,19 +21,27 @@ _LOCATION_HOST = 2
 _PROC_VERSION = 13000
 
 
-class _Location(ctypes.Structure):
+class MemLocation(ctypes.Structure):
+    """cuda.h's ``CUmemLocation``: {CUmemLocationType type; int id} (8 bytes)."""
+
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
-class _Attributes(ctypes.Structure):
-    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_hint", _Location),
-                ("dst_loc_hint", _Location), ("flags", ctypes.c_uint)]
+class MemcpyAttributes(ctypes.Structure):
+    """cuda.h's ``CUmemcpyAttributes_v1``: srcAccessOrder, srcLocHint, dstLocHint, flags
+    (24 bytes; the CPU tests pin the offsets)."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_hint", MemLocation),
+                ("dst_loc_hint", MemLocation), ("flags", ctypes.c_uint)]
 
 
-_BATCH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_size_t, ctypes.POINTER(_Attributes),
-                                ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
-                                ctypes.c_void_p)
+# CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, hStream); 12.8's form had a
+# size_t* failIdx before hStream.
+MEMCPY_BATCH_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_size_t,
+                                      ctypes.POINTER(MemcpyAttributes),
+                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+                                      ctypes.c_void_p)
 
 
 @functools.cache
@@ -51,7 +59,7 @@ def _batch_fn():
     if get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), _PROC_VERSION, 0,
            ctypes.byref(status)) != 0 or not pfn.value:
         return None
-    return _BATCH_PROTO(pfn.value)
+    return MEMCPY_BATCH_ASYNC(pfn.value)
 
 
 def available() -> bool:
@@ -72,11 +80,11 @@ def memcpy_batch(runs: RunArrays, stream_ptr: int, src_on_device: bool, dst_on_d
     srcs = np.ascontiguousarray(runs.src_ptrs, dtype=np.int64)
     sizes = np.ascontiguousarray(runs.num_bytes, dtype=np.int64)
 
-    def hint(on_device: bool) -> _Location:
-        return _Location(_LOCATION_DEVICE, device_id) if on_device else \
-            _Location(_LOCATION_HOST, 0)
+    def hint(on_device: bool) -> MemLocation:
+        return MemLocation(_LOCATION_DEVICE, device_id) if on_device else \
+            MemLocation(_LOCATION_HOST, 0)
 
-    attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM, hint(src_on_device), hint(dst_on_device), 0)
+    attrs = MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, hint(src_on_device), hint(dst_on_device), 0)
     first = ctypes.c_size_t(0)
     result = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
                 ctypes.byref(attrs), ctypes.byref(first), 1, ctypes.c_void_p(stream_ptr))

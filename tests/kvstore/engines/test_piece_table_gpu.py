@@ -110,3 +110,38 @@ def test_kernel_takes_numpy_tables_past_the_old_65535_run_cap() -> None:
     copy_runs_varlen(src_ptrs, dst_ptrs, np.full(num_runs, 16, dtype=np.int64))
     cp.cuda.get_current_stream().synchronize()
     assert bool(cp.array_equal(dst.reshape(-1, 4), src.reshape(-1, 4)[cp.asarray(order)]))
+
+
+def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact(monkeypatch) -> None:
+    """One submission of ~94 MB of vLLM pieces: three 32 MiB staging parts, in order, each
+    through its own ring slot; saved and loaded back byte for byte."""
+    import cupy as cp
+
+    from kvstore.engines.device_staging import MAX_SLOT_BYTES
+
+    monkeypatch.setattr(copier_module, "SMALL_RUNS", "staged")
+    num_layers, num_blocks = 36, 48
+    rng = cp.random.RandomState(9)
+    layers = [rng.randint(0, 256, 2 * num_blocks * PIECE, dtype=cp.uint8)
+              for _ in range(num_layers)]
+    regions = tuple(Region(bytes(64), 2 * num_blocks * PIECE, kv * num_blocks * PIECE, PIECE,
+                           PIECE) for _ in layers for kv in range(2))
+    layout = KVLayout(num_blocks, regions, device="cuda:0", dtype="uint8")
+    table = PieceTable(layout, [t.data.ptr for t in layers for _ in range(2)])
+    ids = [int(b) for b in np.random.default_rng(3).permutation(num_blocks)[:40]]
+    assert len(ids) * layout.block_bytes > 2 * MAX_SLOT_BYTES
+    pinned = cp.cuda.alloc_pinned_memory(len(ids) * layout.block_bytes)
+    host = np.frombuffer(pinned, dtype=np.uint8, count=len(ids) * layout.block_bytes)
+    addrs = [host.ctypes.data + i * layout.block_bytes for i in range(len(ids))]
+    before = [cp.asnumpy(t) for t in layers]
+    copier = copier_module.CudaCopier(0)
+    copier.device_to_host(table.runs(ids, addrs, to_device=False)).wait()
+    for t in layers:
+        t.fill(0)
+    copier.host_to_device(table.runs(ids, addrs, to_device=True)).wait()
+    for t, want in zip(layers, before):
+        got = cp.asnumpy(t).reshape(2, num_blocks, PIECE)
+        want = want.reshape(2, num_blocks, PIECE)
+        assert np.array_equal(got[:, ids], want[:, ids])
+        untouched = sorted(set(range(num_blocks)) - set(ids))
+        assert not got[:, untouched].any()
