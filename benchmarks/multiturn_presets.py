@@ -42,7 +42,7 @@ from benchmarks.common import (
 )
 from benchmarks.multiturn import fmt_num
 from benchmarks.workload import WorkloadConfig
-from kvstore.cli_support import size_arg
+from kvstore.cli_support import positive_float_arg, size_arg
 
 PRESETS: dict[str, dict] = {
     "long-context": dict(
@@ -208,10 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qps", type=float, default=None)
     p.add_argument("--regimes", default="pressure", help="pressure, or pressure,fits")
     p.add_argument("--pressure-factor", type=float, default=None)
-    p.add_argument("--h2d-gbps", type=float, default=None,
+    p.add_argument("--h2d-gbps", type=positive_float_arg, default=None,
                    help="raw pinned H2D GB/s for each restore's load floor (default: measured "
                         f"on CUDA; {DEFAULT_H2D_GBPS} assumed on CPU)")
-    p.add_argument("--hbm-hit-ms", type=float, default=None,
+    p.add_argument("--hbm-hit-ms", type=positive_float_arg, default=None,
                    help="an idle engine's HBM-hit TTFT at these lengths (benchmarks.serve), for "
                         "each restore's bound; default: this run's HBM hits, if any")
     p.add_argument("--tokens-per-word", type=float, default=None)

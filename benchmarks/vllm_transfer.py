@@ -32,6 +32,7 @@ import numpy as np
 
 from benchmarks.vllm_process import start_store, stop_store
 from kvstore import Client
+from kvstore.cli_support import positive_int_arg
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.plan import BlockTransfer, StepPlan
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="64,128,256,512,1024")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--save-request-blocks", type=int, default=None,
+    parser.add_argument("--save-request-blocks", type=positive_int_arg, default=None,
                         help="blocks per save request (default: the mover's, as vLLM's worker)")
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             # CPU: staging room for one whole save and one whole load.
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
                                2 * num_blocks, {})
-            if args.save_request_blocks:
+            if args.save_request_blocks is not None:
                 mover.max_save_blocks = args.save_request_blocks
             worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,
                                 retry_interval_s=1.0)

@@ -30,6 +30,8 @@ class BlockTransfer:
 
     def chunks(self, max_blocks: int) -> list[BlockTransfer]:
         """The same transfer cut into pieces of at most ``max_blocks`` (saves stay short)."""
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
         n = self.num_blocks
         if n <= max_blocks:
             return [self]

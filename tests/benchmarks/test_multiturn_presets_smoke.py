@@ -94,3 +94,13 @@ def test_a_scaled_down_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Pa
     assert result["note"]  # a scaled-down run says its numbers are not the targets
     if result["plot"]:
         assert Path(result["plot"]).stat().st_size > 0
+
+
+@pytest.mark.parametrize("flag", ["--hbm-hit-ms", "--h2d-gbps"])
+def test_bound_inputs_must_be_positive_numbers(flag: str, tiny_model_dir: Path, capsys) -> None:
+    for value in ("0", "-1", "fast"):
+        with pytest.raises(SystemExit) as exc:
+            presets.main(["--preset", "agentic", "--model-dir", str(tiny_model_dir),
+                          "--device", "cpu", flag, value])
+        assert exc.value.code == 2
+        assert flag in capsys.readouterr().err

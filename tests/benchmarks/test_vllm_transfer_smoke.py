@@ -22,3 +22,11 @@ def test_vllm_transfer_smoke(tmp_path: Path) -> None:
     assert [r["blocks"] for r in result["rows"]] == [4, 16]
     assert all(r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in result["rows"])
     assert result["path"] == "staged through shared memory"
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_save_request_size_is_refused_before_any_work(value: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        vllm_transfer.main(["--device", "cpu", "--save-request-blocks", value])
+    assert exc.value.code == 2
+    assert "--save-request-blocks" in capsys.readouterr().err

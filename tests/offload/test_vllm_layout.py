@@ -140,6 +140,8 @@ def test_transfers_check_lengths_and_chunk() -> None:
         BlockTransfer("r", [1, 2], b"n" * 16, [b"h" * 16], [b"i"])
     t = BlockTransfer("r", list(range(5)), b"n" * 16, [b"h" * 16] * 5, [b"i"] * 5)
     assert [c.block_ids for c in t.chunks(2)] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="at least 1"):  # never an empty plan that saves nothing
+        t.chunks(0)
 
 
 def test_settings_refuse_unknown_keys_and_bad_values() -> None:
