@@ -17,20 +17,6 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def bf16():
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
-
-
-@pytest.fixture(scope="module")
 def cudnn_attn():
     from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 

@@ -15,20 +15,6 @@ from kernels import split_prefill as sp
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def bf16():
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
-
-
 def test_split_meta_kernel_is_bit_exact(cp) -> None:
     cu = np.array([0, 40, 41, 297], np.int32)
     ctx = np.array([16000, 33, 3000], np.int32)

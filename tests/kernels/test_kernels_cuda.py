@@ -15,20 +15,6 @@ from kernels import reference as ref
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def bf16():
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
-
-
 def rounded(x: np.ndarray, bf16) -> np.ndarray:
     """``x`` rounded to bf16 and widened back to float32 (what the GPU sees)."""
     return x.astype(bf16).astype(np.float32)
