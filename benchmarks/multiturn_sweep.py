@@ -191,7 +191,8 @@ def _engine_offload_events(url: str) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
     events = {}
     for line in text.splitlines():
-        if line.startswith(("kvengine:kv_offload_events_total{", "kvengine:kv_offload_in_flight{")):
+        if line.startswith(("kvengine:kv_offload_events_total{", "kvengine:kv_offload_in_flight{",
+                            "kvengine:kv_offload_restore_estimate{")):
             labels, value = line.rsplit(" ", 1)
             key = 'event="' if 'event="' in labels else 'what="'
             name = labels.split(key, 1)[1].split('"', 1)[0]

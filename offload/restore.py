@@ -69,6 +69,7 @@ class Restorer:
         self.restores: dict[str, Restore] = {}
         self.prefetched: dict[str, Restore] = {}  # lookups sent on arrival, not yet used
         self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
+        self._last_load_landed_at = 0.0  # a load's service starts no earlier (see _finish_load)
         self.quarantine = Quarantine(ledger, counters)
 
     @property
@@ -198,9 +199,10 @@ class Restorer:
         r.lease_id, r.tiers = reply.lease_id, list(reply.tiers)
         num_hit = reply.num_hit
         tokens = num_hit * self.block_size
-        if not self.always_restore and not self.policy.restore_wins(
-                self._expected_load_s(r.tiers), tokens, r.busy):
+        load_s = self._expected_load_s(r.tiers)
+        if not self.always_restore and not self.policy.restore_wins(load_s, tokens, r.busy):
             self.counters["restores_declined"] += 1  # recomputing is expected to be faster
+            self.policy.note_declined(load_s, tokens, r.busy)
             self._release(r)
             return False
         r.num_hit = num_hit
@@ -255,9 +257,15 @@ class Restorer:
         num_loaded = max(0, min(num_loaded, r.num_blocks))
         if num_loaded < r.num_blocks:
             self.counters["loads_short"] += 1
+        landed_at = r.load.started_at + r.load.elapsed_s
         if num_loaded and r.load.ok:
+            # Its service time: loads cross the bus one after another, so one that started
+            # while another was in flight began moving data when that one landed.
+            began = max(r.load.started_at, self._last_load_landed_at)
             dominant = Counter(r.tiers[:num_loaded]).most_common(1)[0][0]
-            self.policy.observe_load(dominant, num_loaded * self.block_bytes, r.load.elapsed_s)
+            self.policy.observe_load(dominant, num_loaded * self.block_bytes,
+                                     landed_at - began)
+        self._last_load_landed_at = max(self._last_load_landed_at, landed_at)
         bs = self.block_size
         seq.num_computed_tokens = (r.first_block + num_loaded) * bs
         restored = Counter(r.tiers[:num_loaded])

@@ -11,6 +11,14 @@ step that starts after its blocks landed. So a restore wins when
 ``max(load, step floor if busy) < n x marginal cost``. Until a side has been measured its prior is
 used (priors lean towards restoring, since a restore that turns out slow is what measures it).
 
+A load's sample is its service time, not its latency: from when it started or the previous load
+of this engine landed, whichever is later, to when its reply came in (loads of one engine cross
+the bus one after another, so a load queued behind three others does not read as a slow bus).
+Recomputing is never estimated below the per-token cost of the large prefill steps measured
+(``_BULK_PREFILL_TOKENS`` or more: chunks of long cold prompts, whose attention spans deep
+contexts like the prefix a restore would replace); the line's slope alone, drawn through short
+restored remainders and long chunks alike, can come out far lower.
+
 When busy, recomputing is charged twice its own time: its prefill takes GPU time from the requests
 running beside it (at least one), while a load takes bus time and leaves the GPU to them. And the
 load's measured time includes its queueing behind other loads, the recompute's estimate none of
@@ -30,6 +38,8 @@ _MIN_PREFILL_SAMPLE_TOKENS = 32
 _FIT_DECAY = 0.95
 # A busy engine charges a recompute this many times its own prefill time (see above).
 BUSY_RECOMPUTE_FACTOR = 2.0
+# Prefill steps of at least this many tokens measure the bulk per-token cost (see above).
+_BULK_PREFILL_TOKENS = 1024
 
 
 class _LineFit:
@@ -79,7 +89,9 @@ class RestorePolicy:
         self._step_floor = _Ema(0.0)  # seconds of a step without prefill
         # Seconds per prefill token above the floor, averaged: the fallback of the line's slope.
         self._token_cost = _Ema(1.0 / prior_prefill_tokens_per_s)
+        self._bulk_token_cost = _Ema(0.0)  # seconds per token of large prefill steps
         self._line = _LineFit()
+        self.last_declined: dict | None = None  # the estimates of the last restore declined
 
     def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
         """A load of ``num_bytes`` from ``tier`` completed in ``seconds`` (round trip included)."""
@@ -102,11 +114,14 @@ class RestorePolicy:
             # measured on larger decode batches than this step's must not make prefill free).
             above = max(seconds - self._step_floor.value, 0.1 * seconds)
             self._token_cost.update(above / num_prefill_tokens, self._alpha)
+            if num_prefill_tokens >= _BULK_PREFILL_TOKENS:
+                self._bulk_token_cost.update(above / num_prefill_tokens, self._alpha)
             self._line.add(num_prefill_tokens, seconds)
 
     def _seconds_per_token(self) -> float:
         slope = self._line.slope
-        return slope if slope is not None else self._token_cost.value
+        estimate = slope if slope is not None else self._token_cost.value
+        return max(estimate, self._bulk_token_cost.value)
 
     def expected_load_s(self, tier: str, num_bytes: int) -> float:
         with self._lock:
@@ -131,10 +146,22 @@ class RestorePolicy:
         recompute would also take its GPU time from them."""
         if num_tokens <= 0:
             return False
-        if not busy:
-            return load_s < self.expected_prefill_s(num_tokens)
-        wait_s = max(load_s, self.step_floor_s())
-        return wait_s < BUSY_RECOMPUTE_FACTOR * self.expected_prefill_s(num_tokens)
+        recompute_s = self.expected_prefill_s(num_tokens)
+        if busy:
+            wait_s = max(load_s, self.step_floor_s())
+            recompute_s *= BUSY_RECOMPUTE_FACTOR
+        else:
+            wait_s = load_s
+        return wait_s < recompute_s
+
+    def note_declined(self, load_s: float, num_tokens: int, busy: bool) -> None:
+        """Keep the estimates of a restore just declined (stats: why it lost)."""
+        recompute_s = self.expected_prefill_s(num_tokens)
+        with self._lock:
+            self.last_declined = {
+                "load_s": load_s, "num_tokens": num_tokens, "busy": busy,
+                "recompute_s": recompute_s * (BUSY_RECOMPUTE_FACTOR if busy else 1.0),
+                "step_floor_s": self._step_floor.value}
 
     def should_restore(self, tier: str, num_tokens: int, num_bytes: int,
                        busy: bool = False) -> bool:
@@ -145,4 +172,5 @@ class RestorePolicy:
         with self._lock:
             return {"bandwidth_bytes_per_s": {t: e.value for t, e in self._bandwidth.items()},
                     "prefill_tokens_per_s": 1.0 / self._seconds_per_token(),
-                    "step_floor_s": self._step_floor.value}
+                    "step_floor_s": self._step_floor.value,
+                    "last_declined": self.last_declined}

@@ -73,7 +73,7 @@ class Transfer:
                 self._on_error(getattr(exc, "code", "error"))
             except DaemonUnavailable:
                 self._on_error("unavailable")
-            self._finish()
+            self._finish(pending.landed_at)
         elif pending is None and self._abandoned:
             self._on_error("unavailable")
             self._finish()
@@ -110,7 +110,8 @@ class Transfer:
         end = self.finished_at if self.finished_at is not None else time.monotonic()
         return end - self.started_at
 
-    def _finish(self) -> None:
+    def _finish(self, landed_at: float | None = None) -> None:
+        """Done; ``finished_at`` is when the reply came in (the link's thread), else now."""
         self.done = True
-        self.finished_at = time.monotonic()
+        self.finished_at = landed_at if landed_at is not None else time.monotonic()
         self._pending = None

@@ -59,6 +59,9 @@ def _engine_config(args: argparse.Namespace, model_dir: Path, tokenizer_dir: Pat
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "kv_offload_share_hbm": args.kv_offload_share_hbm,
+        "prefill_order": args.prefill_order,
+        "max_prefill_wait_steps": args.max_prefill_wait_steps,
+        "latency_chunk_tokens": args.latency_chunk_tokens,
     }
     if args.max_num_batched_tokens is not None:
         fields["max_num_batched_tokens"] = args.max_num_batched_tokens

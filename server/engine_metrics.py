@@ -120,11 +120,36 @@ class EngineCollector:
                     [self._model, key], number)
         yield counts
         yield levels
+        yield from self._restore_estimates(offload.get("restore_policy"))
         state = kv_store_state(s)
         if state is not None:
             yield from self._gauge("kv_store_up", "1 while the kvstore daemon answers, 0 while "
                                    "it is hung or down (the engine then recomputes).",
                                    1.0 if state == "ok" else 0.0)
+
+    def _restore_estimates(self, policy: Any) -> Iterator[Metric]:
+        """The cost-aware restore policy's estimates now, and those of the last restore it
+        declined (why a restore lost to recomputing)."""
+        if not isinstance(policy, Mapping):
+            return
+        family = GaugeMetricFamily(P + "kv_offload_restore_estimate",
+                                   "The restore policy's estimates: load bandwidth by tier "
+                                   "(bytes/s), prefill tokens/s, step floor (s); last_declined_*: "
+                                   "the last restore it declined (seconds, tokens).",
+                                   labels=["model_name", "what"])
+        values = {"prefill_tokens_per_s": policy.get("prefill_tokens_per_s"),
+                  "step_floor_s": policy.get("step_floor_s")}
+        bandwidth = policy.get("bandwidth_bytes_per_s")
+        for tier, value in (bandwidth.items() if isinstance(bandwidth, Mapping) else ()):
+            values[f"bandwidth_{tier}_bytes_per_s"] = value
+        declined = policy.get("last_declined")
+        for key, value in (declined.items() if isinstance(declined, Mapping) else ()):
+            values[f"last_declined_{key}"] = value
+        for what, value in sorted(values.items()):
+            number = _number(value)
+            if number is not None:
+                family.add_metric([self._model, what], number)
+        yield family
 
     def _configuration(self) -> Iterator[Metric]:
         config, runner = self._engine.config, self._engine.runner

@@ -16,6 +16,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 API_KEY_ENV = "KVENGINE_API_KEY"
 # vLLM's spellings; engine.config.DTYPES maps them (not imported here: the engine is heavy).
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
+# engine.config.PREFILL_ORDERS (a test keeps them equal).
+PREFILL_ORDERS = ("shortest-first", "fcfs")
 _JINJA_CHARS = "{}\n"
 
 
@@ -151,6 +153,17 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                        help="tokens computed per step (default: the engine's chunked-prefill "
                        "budget)")
+    serve.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest-first",
+                       help="which prefill gets a step's token budget first: the least prompt "
+                       "left (a restored turn before another user's long cold prompt) or "
+                       "arrival order")
+    serve.add_argument("--max-prefill-wait-steps", type=_non_negative_int, default=4,
+                       help="shortest-first: a prefill that waited this many steps for a chunk "
+                       "goes before the others (no prompt starves)")
+    serve.add_argument("--latency-chunk-tokens", type=_positive_int, default=None,
+                       help="while a restore is in flight or some prefill finishes in the step, "
+                       "a prefill that cannot finish takes at most this many tokens (shorter "
+                       "steps for first tokens); default: off")
     serve.add_argument("--max-queue", type=_non_negative_int, default=None,
                        help="requests admitted beyond --max-num-seqs before answering 503 "
                        "(default: 2 x --max-num-seqs)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,7 @@ class Pending:
         self._gate.acquire()
         self._result: Any = _NO_RESULT
         self._error: BaseException | None = None
+        self.landed_at: float | None = None  # time.monotonic() when the reply came in
 
     def finish(self, result: Any = _NO_RESULT, error: BaseException | None = None) -> None:
         """Land the reply (or ``error``); called only by whoever popped this request from the
@@ -88,6 +90,7 @@ class Pending:
             except Exception as exc:  # a reply we cannot read is the daemon's bug; surface it
                 error = ClientError("bad_reply", f"{self.verb}: unreadable reply: {exc}")
         self._result, self._error = result, error
+        self.landed_at = time.monotonic()
         self._done = True
         self._gate.release()
 

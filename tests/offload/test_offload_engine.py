@@ -279,3 +279,6 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     assert 'kvengine:external_prefix_cache_queries_total{model_name="tiny"}' in text
     assert ('kvengine:external_prefix_cache_hits_by_tier_total{model_name="tiny",tier="dram"}'
             in text)
+    # The restore policy's estimates (why a restore would lose), as gauges.
+    assert '# TYPE kvengine:kv_offload_restore_estimate gauge' in text
+    assert 'what="prefill_tokens_per_s"' in text and 'what="bandwidth_dram_bytes_per_s"' in text

@@ -81,3 +81,26 @@ def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon,
         assert c.stats()["tiers"]["dram"]["blocks"] == 8
     engine.block_manager.check_integrity()
     close_llm(reader)
+
+
+def test_a_request_finishes_when_its_reply_came_not_when_it_was_polled(make_daemon) -> None:
+    # The restore policy measures loads by these times: a reply polled a long step later must
+    # not read as a slow bus.
+    import time
+
+    from offload.transfer import Transfer
+
+    daemon = make_daemon(dram="64MiB")
+    with daemon.client() as client:
+        transfer = Transfer(deadline_s=10.0, fallback=None, on_error=lambda code: None)
+        pending = client.lookup_async(b"n" * 16, [b"h" * 16], [b"i" * 8])
+        transfer.attach(pending)
+        deadline = time.monotonic() + 10.0
+        while not pending.poll() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.3)  # a long step before the engine polls it
+        polled_at = time.monotonic()
+        assert transfer.poll() and transfer.ok
+    assert transfer.finished_at == pending.landed_at
+    assert transfer.finished_at <= polled_at - 0.29
+    assert transfer.elapsed_s < 0.3

@@ -64,3 +64,30 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_model_dir: Path) -> None:
     assert lines == [f"kvengine: error: cannot listen on 127.0.0.1:{port}: "
                      "Address already in use"], lines
     assert time.monotonic() - started < 20
+
+
+def test_the_prefill_scheduling_options_reach_the_engine_config(tiny_model_dir: Path) -> None:
+    from engine.config import PREFILL_ORDERS
+    from server import serve_args
+    from server.cli import _engine_config
+
+    assert serve_args.PREFILL_ORDERS == PREFILL_ORDERS
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tiny_model_dir), "--prefill-order", "fcfs",
+         "--max-prefill-wait-steps", "0", "--latency-chunk-tokens", "256"])
+    config = _engine_config(args, tiny_model_dir, None)
+    assert (config.prefill_order, config.max_prefill_wait_steps,
+            config.latency_chunk_tokens) == ("fcfs", 0, 256)
+    defaults = _engine_config(build_parser().parse_args(
+        ["serve", "--model", str(tiny_model_dir)]), tiny_model_dir, None)
+    assert (defaults.prefill_order, defaults.max_prefill_wait_steps,
+            defaults.latency_chunk_tokens) == ("shortest-first", 4, None)
+
+
+def test_bad_prefill_scheduling_options_are_refused_in_one_line(tiny_model_dir: Path) -> None:
+    for bad in (["--latency-chunk-tokens", "0"], ["--latency-chunk-tokens", "x"],
+                ["--max-prefill-wait-steps", "-1"], ["--prefill-order", "random"]):
+        out = subprocess.run(CLI + ["serve", "--model", str(tiny_model_dir), *bad],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 2, bad
+        assert "error: argument " + bad[0] in out.stderr, out.stderr
