@@ -17,7 +17,9 @@ the bus one after another, so a load queued behind three others does not read as
 Recomputing is never estimated below the per-token cost of the large prefill steps measured
 (``_BULK_PREFILL_TOKENS`` or more: chunks of long cold prompts, whose attention spans deep
 contexts like the prefix a restore would replace); the line's slope alone, drawn through short
-restored remainders and long chunks alike, can come out far lower.
+restored remainders and long chunks alike, can come out far lower. That cost is the median of the
+last ``_BULK_SAMPLES`` such steps: large steps can be rare (agent loops), and one slow outlier (a
+1.9 s step seen on an H100) must not hold the estimate for the rest of the run.
 
 When busy, recomputing is charged twice its own time: its prefill takes GPU time from the requests
 running beside it (at least one), while a load takes bus time and leaves the GPU to them. And the
@@ -29,7 +31,9 @@ token histories) the uncharged rule declined 6 of 40 DRAM restores whose recompu
 
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 # Steps computing fewer prefill tokens than this measure the floor, not the marginal cost.
@@ -40,6 +44,7 @@ _FIT_DECAY = 0.95
 BUSY_RECOMPUTE_FACTOR = 2.0
 # Prefill steps of at least this many tokens measure the bulk per-token cost (see above).
 _BULK_PREFILL_TOKENS = 1024
+_BULK_SAMPLES = 15  # per-token costs are medians of this many recent steps
 
 
 class _LineFit:
@@ -87,9 +92,12 @@ class RestorePolicy:
         self._fixed_overhead_s = fixed_overhead_s
         self._bandwidth = {tier: _Ema(bw) for tier, bw in prior_bytes_per_s.items()}
         self._step_floor = _Ema(0.0)  # seconds of a step without prefill
-        # Seconds per prefill token above the floor, averaged: the fallback of the line's slope.
-        self._token_cost = _Ema(1.0 / prior_prefill_tokens_per_s)
-        self._bulk_token_cost = _Ema(0.0)  # seconds per token of large prefill steps
+        self._prior_token_cost = 1.0 / prior_prefill_tokens_per_s
+        # Seconds per prefill token above the floor of recent prefill steps (their median is
+        # the fallback of the line's slope: robust to one slow step).
+        self._token_costs: deque[float] = deque(maxlen=_BULK_SAMPLES)
+        # the same, of the recent large prefill steps only
+        self._bulk_token_costs: deque[float] = deque(maxlen=_BULK_SAMPLES)
         self._line = _LineFit()
         self.last_declined: dict | None = None  # the estimates of the last restore declined
 
@@ -113,15 +121,21 @@ class RestorePolicy:
             # What the step cost beyond its floor; never less than a tenth of it (a floor
             # measured on larger decode batches than this step's must not make prefill free).
             above = max(seconds - self._step_floor.value, 0.1 * seconds)
-            self._token_cost.update(above / num_prefill_tokens, self._alpha)
+            self._token_costs.append(above / num_prefill_tokens)
             if num_prefill_tokens >= _BULK_PREFILL_TOKENS:
-                self._bulk_token_cost.update(above / num_prefill_tokens, self._alpha)
+                self._bulk_token_costs.append(above / num_prefill_tokens)
             self._line.add(num_prefill_tokens, seconds)
 
     def _seconds_per_token(self) -> float:
         slope = self._line.slope
-        estimate = slope if slope is not None else self._token_cost.value
-        return max(estimate, self._bulk_token_cost.value)
+        if slope is not None:
+            estimate = slope
+        elif self._token_costs:
+            estimate = statistics.median(self._token_costs)
+        else:
+            estimate = self._prior_token_cost
+        bulk = statistics.median(self._bulk_token_costs) if self._bulk_token_costs else 0.0
+        return max(estimate, bulk)
 
     def expected_load_s(self, tier: str, num_bytes: int) -> float:
         with self._lock:

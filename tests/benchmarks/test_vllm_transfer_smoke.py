@@ -22,6 +22,7 @@ def test_vllm_transfer_smoke(tmp_path: Path) -> None:
     assert [r["blocks"] for r in result["rows"]] == [4, 16]
     assert all(r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in result["rows"])
     assert result["path"] == "staged through shared memory"
+    assert result["command"].startswith("python -m benchmarks.vllm_transfer --device cpu")
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])

@@ -104,3 +104,12 @@ def test_a_declined_restore_leaves_its_estimates_in_the_snapshot() -> None:
     assert declined["load_s"] == 0.5 and declined["num_tokens"] == 100 and declined["busy"]
     assert declined["recompute_s"] == pytest.approx(
         BUSY_RECOMPUTE_FACTOR * policy.expected_prefill_s(100))
+
+
+def test_one_slow_large_step_does_not_hold_the_recompute_estimate() -> None:
+    policy = _policy()
+    policy.observe_step(0, 0.006)
+    policy.observe_step(2048, 1.9)  # e.g. a plan built inside the step
+    for _ in range(4):
+        policy.observe_step(2048, 0.056)
+    assert policy.expected_prefill_s(2048) == pytest.approx(0.050, rel=0.05)
