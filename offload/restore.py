@@ -257,7 +257,8 @@ class Restorer:
         num_loaded = max(0, min(num_loaded, r.num_blocks))
         if num_loaded < r.num_blocks:
             self.counters["loads_short"] += 1
-        landed_at = r.load.started_at + r.load.elapsed_s
+        landed_at = r.load.finished_at  # set: the load is done
+        assert landed_at is not None
         if num_loaded and r.load.ok:
             # Its service time: loads cross the bus one after another, so one that started
             # while another was in flight began moving data when that one landed.

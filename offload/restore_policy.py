@@ -22,11 +22,11 @@ last ``_BULK_SAMPLES`` such steps: large steps can be rare (agent loops), and on
 1.9 s step seen on an H100) must not hold the estimate for the rest of the run.
 
 When busy, recomputing is charged twice its own time: its prefill takes GPU time from the requests
-running beside it (at least one), while a load takes bus time and leaves the GPU to them. And the
-load's measured time includes its queueing behind other loads, the recompute's estimate none of
-the sharing of the step budget with other prefills. On an H100 long-context run (15 users, ~19k-
-token histories) the uncharged rule declined 6 of 40 DRAM restores whose recompute then took
-0.5-2.4 s where restores took ~90 ms (benchmarks/results/multiturn-long-context-*-110s-*).
+running beside it (at least one), while a load takes bus time and leaves the GPU to them; and the
+recompute's estimate includes none of the sharing of the step budget with other prefills. On an
+H100 long-context run (15 users, ~19k-token histories) the uncharged rule declined 6 of 40 DRAM
+restores whose recompute then took 0.5-2.4 s where restores took ~90 ms
+(benchmarks/results/multiturn-long-context-*-110s-*).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class RestorePolicy:
         self.last_declined: dict | None = None  # the estimates of the last restore declined
 
     def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
-        """A load of ``num_bytes`` from ``tier`` completed in ``seconds`` (round trip included)."""
+        """A load of ``num_bytes`` from ``tier`` took ``seconds`` of service (see above)."""
         if num_bytes <= 0 or seconds <= 0:
             return
         with self._lock:
@@ -160,22 +160,20 @@ class RestorePolicy:
         recompute would also take its GPU time from them."""
         if num_tokens <= 0:
             return False
-        recompute_s = self.expected_prefill_s(num_tokens)
-        if busy:
-            wait_s = max(load_s, self.step_floor_s())
-            recompute_s *= BUSY_RECOMPUTE_FACTOR
-        else:
-            wait_s = load_s
-        return wait_s < recompute_s
+        wait_s = max(load_s, self.step_floor_s()) if busy else load_s
+        return wait_s < self._charged_recompute_s(num_tokens, busy)
+
+    def _charged_recompute_s(self, num_tokens: int, busy: bool) -> float:
+        """What recomputing ``num_tokens`` is charged (twice its time when busy, see above)."""
+        return self.expected_prefill_s(num_tokens) * (BUSY_RECOMPUTE_FACTOR if busy else 1.0)
 
     def note_declined(self, load_s: float, num_tokens: int, busy: bool) -> None:
         """Keep the estimates of a restore just declined (stats: why it lost)."""
-        recompute_s = self.expected_prefill_s(num_tokens)
+        recompute_s = self._charged_recompute_s(num_tokens, busy)
         with self._lock:
-            self.last_declined = {
-                "load_s": load_s, "num_tokens": num_tokens, "busy": busy,
-                "recompute_s": recompute_s * (BUSY_RECOMPUTE_FACTOR if busy else 1.0),
-                "step_floor_s": self._step_floor.value}
+            self.last_declined = {"load_s": load_s, "num_tokens": num_tokens, "busy": busy,
+                                  "recompute_s": recompute_s,
+                                  "step_floor_s": self._step_floor.value}
 
     def should_restore(self, tier: str, num_tokens: int, num_bytes: int,
                        busy: bool = False) -> bool:

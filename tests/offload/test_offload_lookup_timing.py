@@ -4,10 +4,13 @@ step makes are sent after its tokens went out."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from offload_helpers import close_llm, offload_llm, random_prompt
 
 from engine import SamplingParams
+from offload.transfer import Transfer
 
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
@@ -86,10 +89,6 @@ def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon,
 def test_a_request_finishes_when_its_reply_came_not_when_it_was_polled(make_daemon) -> None:
     # The restore policy measures loads by these times: a reply polled a long step later must
     # not read as a slow bus.
-    import time
-
-    from offload.transfer import Transfer
-
     daemon = make_daemon(dram="64MiB")
     with daemon.client() as client:
         transfer = Transfer(deadline_s=10.0, fallback=None, on_error=lambda code: None)
