@@ -14,8 +14,11 @@ without the daemon (``transfer_pipeline``: a ``TieredStore`` here, time per phas
 Daemon variants: ``default`` (as shipped: pipelined chunks), ``one_submission`` (each request
 one batch: reserve all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large``
 (block-major runs by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of
-the default's one ``cuMemcpyBatchAsync``). Per variant
-also the round trip of a request that moves nothing (``health``): the floor under every save/load.
+the default's one ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the
+GPU into a staging slot that crosses the bus in as few runs as the pool slots allow: by
+``copy_runs`` / by ``copy_pieces``). ``--trace``: a timeline of every daemon save and load
+(``copy_trace``). Per variant also the round trip of a request that moves nothing
+(``health``): the floor under every save/load.
 
     python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
                                          [--variants default,one_submission] [--out DIR]
@@ -46,15 +49,22 @@ IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sen
 # Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
 _VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0",
              "memcpy_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'memcpy'",
-             "kernel_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'kernel'"}
+             "kernel_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'kernel'",
+             "staged_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'staged'",
+             "packed_large": "import kvstore.engines.copier as c; c.PACKED_MIN_PIECES = 1"}
 _SERVE = ("import sys, kvstore.engines.cuda_copies as t; {}; "
           "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def start_daemon(dram_bytes: int, variant: str) -> tuple[subprocess.Popen, Path]:
+def start_daemon(dram_bytes: int, variant: str,
+                 trace: Path | None = None) -> tuple[subprocess.Popen, Path]:
+    """``trace``: a timeline of every save/load into this file (benchmarks/copy_trace.py)."""
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
-    head = [sys.executable, "-m", "kvstore.cli"] if variant == "default" else \
-        [sys.executable, "-c", _SERVE.format(_VARIANTS[variant])]
+    code = _VARIANTS.get(variant, "pass")
+    if trace is not None:
+        code += f"; import benchmarks.copy_trace as ct; ct.install({str(trace)!r})"
+    head = [sys.executable, "-m", "kvstore.cli"] if variant == "default" and trace is None \
+        else [sys.executable, "-c", _SERVE.format(code)]
     proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram",
                              str(dram_bytes), "--http", "off"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
@@ -197,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="default",
                         help="comma-separated: default, " + ", ".join(_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--trace", action="store_true",
+                        help="a timeline of every daemon save/load (benchmarks/copy_trace.py)")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -248,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         modes = ["single", "single_consecutive", "streamed"] if variant == "default" else \
             ["single"]
         depth = args.depth if "streamed" in modes else 1
-        proc, socket_path = start_daemon(depth * total + (256 << 20), variant)
+        trace = Path(args.out).resolve() / f"transfer_daemon-trace-{variant}.jsonl"
+        if args.trace:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            trace.unlink(missing_ok=True)
+        proc, socket_path = start_daemon(depth * total + (256 << 20), variant,
+                                         trace if args.trace else None)
         try:
             with Client(socket_path, timeout_s=120.0) as client:
                 daemon_pinned = client.stats()["tiers"]["dram"]["pinned"]
@@ -288,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                 client.unregister(reg)
         finally:
             stop_daemon(proc, socket_path)
+        if args.trace:
+            from benchmarks.copy_trace import summarize
+
+            for row in summarize(str(trace)):
+                print(f"{variant:>14} trace " + " ".join(
+                    f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in row.items()), flush=True)
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     out = {

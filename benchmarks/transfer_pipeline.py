@@ -19,14 +19,16 @@ import numpy as np
 
 
 class _Target:
-    """What ``cuda_copies`` asks of a registration: block size, copier, a chunk's runs."""
+    """What ``cuda_copies`` asks of a registration: block size, a chunk's copies submitted."""
 
     def __init__(self, copier, table, block_bytes: int) -> None:
         self.copier, self.block_bytes = copier, block_bytes
         self._table = table
 
-    def chunk_runs(self, block_ids, host_addrs, to_device: bool):
-        return self._table.runs(block_ids, host_addrs, to_device)
+    def copy_blocks(self, block_ids, host_addrs, to_device: bool):
+        if to_device:
+            return self.copier.blocks_to_device(self._table, block_ids, host_addrs)
+        return self.copier.blocks_to_host(self._table, block_ids, host_addrs)
 
 
 class _Phases:
@@ -73,8 +75,8 @@ def pipeline_rows(arena_ptr: int, block_bytes: int, block_ids: list[int], reps: 
             for way in ("save", "load"):
                 phases = _Phases()
                 s = _Store(store, phases)
-                target.chunk_runs = phases.wrap("runs", _Target.chunk_runs.__get__(target))
-                target.copier = _Copier(copier, phases)
+                target.copy_blocks = phases.wrap("submit", _Target.copy_blocks.__get__(target),
+                                                 submit=True)
                 t0 = time.perf_counter()
                 if way == "save":
                     outcomes = cuda_copies.save_blocks(s, target, namespace, block_ids, hashes,
@@ -109,9 +111,3 @@ class _Store:
         self.begin_write = phases.wrap("begin_write", store.begin_write)
         self.read = phases.wrap("read", store.read)
         self.done = phases.wrap("done", store.done)
-
-
-class _Copier:
-    def __init__(self, copier, phases: _Phases) -> None:
-        self.device_to_host = phases.wrap("submit", copier.device_to_host, submit=True)
-        self.host_to_device = phases.wrap("submit", copier.host_to_device, submit=True)

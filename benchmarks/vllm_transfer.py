@@ -13,9 +13,11 @@ contiguous CUDA tensor and pinned host memory (CUDA events). Ratios are connecto
     python -m benchmarks.vllm_transfer [--blocks 64,128,256,512,1024] [--reps 5] [--out DIR]
                                        [--variants default,kernel]
 
-Variants: ``default`` (as shipped: pieces gathered on the GPU into a staging buffer that crosses
-the bus a run per block) and ``kernel`` (one ``copy_runs`` launch reading or writing the mapped
-pinned pool directly).
+Variants: ``default`` (as shipped: blocks packed on the GPU by ``copy_pieces`` from a table of
+block ids into a staging buffer that crosses the bus a run per block or fewer), ``runs`` (the
+same staging, gathered by ``copy_runs`` from a run per piece), ``kernel`` (one ``copy_runs``
+launch reading or writing the mapped pinned pool directly) and ``chunk64`` (the default with
+64 MiB chunks and staging slots).
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ from offload.vllm.worker_side import WorkerSide
 
 # Daemon variants: module constants set before `kvstore serve` runs ("" = as shipped).
 _VARIANTS = {"default": "",
-             "kernel": "import kvstore.engines.copier as c; c.SMALL_RUNS = 'kernel'"}
+             "kernel": "import kvstore.engines.copier as c; c.SMALL_RUNS = 'kernel'; "
+                       "c.PACKED_MIN_PIECES = 1 << 30",
+             "runs": "import kvstore.engines.copier as c; c.PACKED_MIN_PIECES = 1 << 30",
+             "chunk64": "import kvstore.engines.cuda_copies as t, kvstore.engines.device_staging"
+                        " as d; t.CHUNK_BYTES = d.MAX_SLOT_BYTES = 64 << 20; "
+                        "d.DeviceStaging.__init__.__defaults__ = (4, 64 << 20)"}
 
 
 def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
@@ -96,6 +103,69 @@ def _wait_load(worker: WorkerSide, request_id: str, timeout_s: float = 120.0) ->
     raise RuntimeError(f"load of {request_id} did not finish in {timeout_s} s")
 
 
+_SENT: list[tuple[str, float, list]] = []  # --trace: (verb, send epoch, [landed epoch])
+
+
+def _trace_client_requests() -> None:
+    """--trace: note when this process's client sends each save/load and when its reply
+    lands (epoch seconds), to set against the daemon's timeline."""
+    from kvstore.wire.client import Client as WireClient
+
+    send = WireClient.request
+
+    def request(self, verb, args=None, timeout_s=None, convert=None):
+        landed: list = []
+
+        def noted(reply):
+            landed.append(time.time())
+            return convert(reply) if convert is not None else reply
+
+        pending = send(self, verb, args, timeout_s, noted)
+        if verb in ("save", "load"):
+            _SENT.append((verb, time.time(), landed))
+        return pending
+
+    WireClient.request = request
+
+
+def _print_overheads(variant: str, trace: str, client_epochs: list[dict]) -> None:
+    """Median ms of each step of a save and a load outside the copies, per block count: the
+    benchmark's call to the request's send (a load's includes its lookup), on to the daemon's
+    event loop (``execute``), its worker (``call``), the copy (``copy``), back, the reply's
+    landing in this process and the benchmark's wake-up. Matched in order per verb."""
+    rows = [json.loads(line) for line in Path(trace).read_text().splitlines()]
+    marks: dict[str, dict[str, list]] = {"save": {}, "load": {}}
+    for r in rows:
+        if r["way"] == "span":
+            marks[r["verb"]].setdefault(r["name"], []).append((r["enter_epoch"],
+                                                               r["exit_epoch"]))
+        else:
+            marks[r["way"]].setdefault("copy", []).append((r["enter_epoch"], r["exit_epoch"]))
+    for verb in ("save", "load"):
+        sent = [(at, landed[0] if landed else float("nan")) for v, at, landed in _SENT
+                if v == verb]
+        marks[verb]["wire"] = sent
+    steps = ("bench>send", "send>loop", "loop>worker", "worker>copy", "copy", "copy>worker",
+             "worker>loop", "loop>landed", "landed>bench")
+    by_n: dict[tuple[int, str], list[list[float]]] = {}
+    for verb in ("save", "load"):
+        m = marks[verb]
+        for i, rep in enumerate(client_epochs):
+            try:
+                (send, landed), (lo, li), (wo, wi), (co, ci) = (
+                    m["wire"][i], m["execute"][i], m["call"][i], m["copy"][i])
+            except (KeyError, IndexError):
+                break
+            b0, b1 = rep[verb]
+            points = (b0, send, lo, wo, co, ci, wi, li, landed, b1)
+            by_n.setdefault((rep["blocks"], verb), []).append(
+                [(b - a) * 1e3 for a, b in zip(points, points[1:])])
+    for (n, verb), reps in sorted(by_n.items()):
+        med = np.median(np.array(reps), axis=0)
+        print(f"{variant:>8} {n:5d} blocks {verb} ms: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in zip(steps, med)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="64,128,256,512,1024")
@@ -111,10 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="default",
                         help="comma-separated daemon variants: " + ", ".join(_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--trace", action="store_true",
+                        help="a timeline of every daemon save/load (benchmarks/copy_trace.py)")
     args = parser.parse_args(argv)
     import torch
 
     cuda = args.device == "cuda"
+    if args.trace:
+        _trace_client_requests()
 
     counts = [int(x) for x in args.blocks.split(",")]
     num_blocks = max(counts)
@@ -130,7 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     dram = int(block_bytes * num_blocks * 1.25) + (256 << 20)
     rows, raws = [], {}
     for variant in args.variants.split(","):
-        proc, socket_path = start_store(str(dram), _VARIANTS[variant])
+        client_epochs: list[dict] = []  # per rep: (send, reply) epoch seconds, for --trace
+        _SENT.clear()
+        trace = Path(args.out).resolve() / f"vllm_transfer-trace-{variant}.jsonl"
+        preamble = _VARIANTS[variant]
+        if args.trace:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            trace.unlink(missing_ok=True)
+            preamble = "; ".join(p for p in (preamble, "import benchmarks.copy_trace as ct",
+                                             f"ct.install({str(trace)!r})") if p)
+        proc, socket_path = start_store(str(dram), preamble)
         try:
             # CPU: staging room for one whole save and one whole load.
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
@@ -147,17 +230,21 @@ def main(argv: list[str] | None = None) -> int:
                     ids = random.Random(rep).sample(range(num_blocks), n)
                     t = _transfer(keys, ids, n * 1000 + rep)
                     before = worker.counters["blocks_saved"]
+                    e0 = time.time()
                     t0 = time.perf_counter()
                     worker.save(StepPlan(saves=[t]))  # the worker cuts it as vLLM's would
                     worker.drain(120.0)  # CPU saves are not waited for by save() itself
                     t1 = time.perf_counter()
+                    e1 = time.time()
                     if worker.counters["blocks_saved"] - before != n:
                         got = worker.counters["blocks_saved"] - before
                         raise RuntimeError(f"{n} blocks: saved {got}")
+                    e2 = time.time()
                     t2 = time.perf_counter()
                     worker.start(StepPlan(loads=[t]))
                     failed = _wait_load(worker, t.request_id)
                     t3 = time.perf_counter()
+                    client_epochs.append({"blocks": n, "save": (e0, e1), "load": (e2, time.time())})
                     if failed:
                         raise RuntimeError(f"{n} blocks: {len(failed)} failed to load")
                     with Client(socket_path) as client:  # free the DRAM for the next rep
@@ -184,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
             worker.close()
         finally:
             stop_store(proc, socket_path)
+        if args.trace:
+            from benchmarks.copy_trace import summarize
+
+            _print_overheads(variant, str(trace), client_epochs)
+            for row in summarize(str(trace)):
+                print(f"{variant:>8} trace " + " ".join(
+                    f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in row.items()), flush=True)
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or 'host'})"
     tag = "h200" if "H200" in device else "h100" if "H100" in device else args.device
     out = {"benchmark": "vllm_transfer", "date": datetime.date.today().isoformat(),

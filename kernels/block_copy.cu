@@ -35,3 +35,37 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ table, long l
             if (i + u * stride < num_words) dst[i + u * stride] = v[u];
     }
 }
+
+// Packing the pieces of whole blocks: block j of a batch occupies bytes [j * block_bytes,
+// (j + 1) * block_bytes) of the packed buffer, its pieces in region order (the store's layout
+// of a block), and its piece of region r lives in the engine at
+// regions[r] + blocks[j] * regions[R + r] (regions: int64[4][R]: block 0's piece address, the
+// stride between blocks, the piece size, the piece's offset inside a packed block). pack = 1
+// gathers engine -> packed (a save), 0 scatters packed -> engine (a load). The per-batch table
+// is just the block ids (int64[num_blocks], may live in mapped pinned memory): a launch does not
+// need a run per piece (vLLM's layout: 72 per block). CTA b copies part b % blocks_per_piece of
+// piece b / blocks_per_piece (piece p: block p / R, region p % R), as copy_runs does.
+extern "C" __global__ void copy_pieces(const long long* __restrict__ regions, int num_regions,
+                                       const long long* __restrict__ blocks, char* packed,
+                                       long long block_bytes, int blocks_per_piece, int pack) {
+    const long long piece = blockIdx.x / blocks_per_piece;
+    const int part = blockIdx.x % blocks_per_piece;
+    const long long j = piece / num_regions;
+    const int r = (int)(piece % num_regions);
+    char* engine = reinterpret_cast<char*>(regions[r] + blocks[j] * regions[num_regions + r]);
+    char* host_side = packed + j * block_bytes + regions[3 * num_regions + r];
+    const uint4* src = reinterpret_cast<const uint4*>(pack ? engine : host_side);
+    uint4* dst = reinterpret_cast<uint4*>(pack ? host_side : engine);
+    const long long num_words = regions[2 * num_regions + r] / 16;
+    const long long stride = (long long)blocks_per_piece * blockDim.x;
+    long long i = (long long)part * blockDim.x + threadIdx.x;
+    for (; i < num_words; i += UNROLL * stride) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (i + u * stride < num_words) v[u] = src[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (i + u * stride < num_words) dst[i + u * stride] = v[u];
+    }
+}

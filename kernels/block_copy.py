@@ -1,4 +1,4 @@
-"""Launcher for ``copy_runs`` (block_copy.cu) and its NumPy reference.
+"""Launchers for ``copy_runs`` and ``copy_pieces`` (block_copy.cu) and their NumPy references.
 
 A batch of runs is an int64 table ``[3, num_runs]`` (sources, destinations, sizes) built from
 NumPy arrays without a Python loop (``run_table``); ``launch_table`` runs the kernel on a table
@@ -97,3 +97,59 @@ def copy_runs_reference(src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) ->
     """NumPy reference: ``dst[r][:] = src[r]`` for every run (byte views of equal size)."""
     for s, d in zip(src, dst, strict=True):
         d.view(np.uint8)[:] = s.view(np.uint8)
+
+
+def region_table(device_base: np.ndarray, device_stride: np.ndarray, piece_bytes: np.ndarray,
+                 packed_offset: np.ndarray) -> np.ndarray:
+    """The int64 ``[4, R]`` table of ``copy_pieces``: per region, block 0's piece address, the
+    stride between blocks, the piece size and its offset in a packed block. ValueError unless
+    every size is positive and all four are multiples of 16."""
+    table = np.stack([np.asarray(a, dtype=np.int64) for a in
+                      (device_base, device_stride, piece_bytes, packed_offset)])
+    if table.ndim != 2 or not table.shape[1]:
+        raise ValueError(f"a region table is int64 [4, R>0], got shape {table.shape}")
+    if table[2].min() <= 0:
+        raise ValueError("every piece must have a positive size")
+    if np.any(table % 16):
+        raise ValueError("piece addresses, strides, sizes and offsets must be multiples of 16")
+    return table
+
+
+def launch_pieces(regions_ptr: int, num_regions: int, block_ids_ptr: int, num_blocks: int,
+                  packed_ptr: int, block_bytes: int, max_piece_bytes: int, pack: bool,
+                  stream) -> None:
+    """Launch ``copy_pieces`` on ``stream``: ``num_blocks`` blocks (int64 ids at
+    ``block_ids_ptr``, device readable) between the engine and ``packed_ptr`` (``block_bytes``
+    a block, 16-byte aligned); ``pack``: engine -> packed. The region table at ``regions_ptr``
+    is a device copy of a ``region_table``. Asynchronous, like ``launch_table``."""
+    if num_blocks <= 0:
+        return
+    if block_bytes % 16 or packed_ptr % 16:
+        raise ValueError("a packed buffer needs 16-byte aligned blocks")
+    blocks_per_piece = blocks_per_run_for(max_piece_bytes)
+    if num_blocks * num_regions * blocks_per_piece > _MAX_GRID:
+        raise ValueError(f"{num_blocks} blocks x {num_regions} pieces is no launchable grid")
+    from kernels.cuda_module import kernel  # lazily: it needs ml_dtypes, the daemon does not
+
+    kernel("block_copy", "copy_pieces", UNROLL=UNROLL)(
+        (num_blocks * num_regions * blocks_per_piece,), (THREADS,),
+        (np.uint64(regions_ptr), np.int32(num_regions), np.uint64(block_ids_ptr),
+         np.uint64(packed_ptr), np.int64(block_bytes), np.int32(blocks_per_piece),
+         np.int32(1 if pack else 0)), stream=stream)
+
+
+def copy_pieces_reference(memory: np.ndarray, regions: np.ndarray,
+                          block_ids: Sequence[int], packed_offset: int, block_bytes: int,
+                          pack: bool) -> None:
+    """NumPy reference of ``copy_pieces`` inside one flat uint8 ``memory``: the region table's
+    addresses and ``packed_offset`` are offsets into it."""
+    base, stride, size, offset = (regions[i] for i in range(4))
+    for j, block in enumerate(block_ids):
+        for r in range(regions.shape[1]):
+            engine = int(base[r] + block * stride[r])
+            packed = int(packed_offset + j * block_bytes + offset[r])
+            n = int(size[r])
+            if pack:
+                memory[packed:packed + n] = memory[engine:engine + n]
+            else:
+                memory[engine:engine + n] = memory[packed:packed + n]

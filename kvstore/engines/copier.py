@@ -30,6 +30,7 @@ import ctypes
 import ctypes.util
 import functools
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ import numpy as np
 
 from kvstore.engines import cuda_batch
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
-from kvstore.engines.run_arrays import RunArrays, coalesce_arrays
+from kvstore.engines.run_arrays import PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
 
 _MEMCPY_HOST_TO_DEVICE = 1
@@ -61,6 +62,10 @@ _CUDA_MEMORY_TYPE_HOST = 1
 # batch 0.90-0.94, memcpy 0.88-0.91, kernel 0.79-0.90.
 SMALL_RUNS = "staged"
 LARGE_RUNS = "batch"
+# Whole blocks of a layout with at least this many pieces per block go by ``copy_pieces``
+# (packed on the GPU from a table of block ids, across the bus a run per block or fewer): no
+# run per piece is built, merged or uploaded. Read at call time (benchmarks set it to compare).
+PACKED_MIN_PIECES = 2
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,9 @@ class CudaCopier:
         self._locks = {kind: threading.Lock() for kind in kinds}
         self._tables = {kind: PinnedTables() for kind in kinds}
         self._staging = {kind: DeviceStaging() for kind in kinds}
+        # a piece table's copy_pieces region table on this device (None: not packable)
+        self._regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._regions_lock = threading.Lock()
 
     def _submit(self, runs: RunArrays, kind: int, method: str) -> CopyHandle:
         """Enqueue the (coalesced) runs on the ``kind`` stream by ``method`` ("staged",
@@ -308,6 +316,123 @@ class CudaCopier:
         ptr, slot = staged
         launch_table(ptr, len(runs), stream, blocks_per_run)
         return slot
+
+    def blocks_to_host(self, table: PieceTable, block_ids: Sequence[int] | np.ndarray,
+                       host_addrs: Sequence[int] | np.ndarray) -> CopyHandle:
+        """Save direction, whole blocks: engine block ``block_ids[i]`` (its pieces as ``table``
+        places them) -> the ``table.block_bytes`` at ``host_addrs[i]``."""
+        return self._blocks(table, block_ids, host_addrs, _MEMCPY_DEVICE_TO_HOST)
+
+    def blocks_to_device(self, table: PieceTable, block_ids: Sequence[int] | np.ndarray,
+                         host_addrs: Sequence[int] | np.ndarray) -> CopyHandle:
+        """Load direction, whole blocks: ``host_addrs[i]`` -> engine block ``block_ids[i]``."""
+        return self._blocks(table, block_ids, host_addrs, _MEMCPY_HOST_TO_DEVICE)
+
+    def _blocks(self, table: PieceTable, block_ids, host_addrs, kind: int) -> CopyHandle:
+        """Packed (``copy_pieces`` through a staging slot) where the layout, the host memory
+        and the staging budget allow it, else the batch's runs by ``_host_method``."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        host = np.asarray(host_addrs, dtype=np.int64)
+        if len(ids) != len(host):
+            raise ValueError(f"{len(host)} host addresses for {len(ids)} blocks")
+        regions = self._packable(table, host, kind)
+        if regions is None:
+            runs = table.runs(ids, host, to_device=kind == _MEMCPY_HOST_TO_DEVICE)
+            if kind == _MEMCPY_HOST_TO_DEVICE:
+                return self.host_to_device(runs)
+            return self.device_to_host(runs)
+        return self._submit_packed(table, regions, ids, host, kind)
+
+    def _packable(self, table: PieceTable, host: np.ndarray, kind: int):
+        """The table's device region table when this batch can go packed, else None."""
+        if (not len(host) or table.num_pieces < PACKED_MIN_PIECES
+                or table.block_bytes > self._staging[kind].max_slot_bytes
+                or np.any(host & 15)):
+            return None
+        if not all(self._device_addressable(int(p)) for p in {host[0], host[-1]}):
+            return None
+        with self._regions_lock:
+            if table not in self._regions:
+                self._regions[table] = self._upload_regions(table)
+            return self._regions[table]
+
+    def _upload_regions(self, table: PieceTable):
+        from kernels.block_copy import region_table
+
+        try:
+            regions = region_table(table.device_base, table.device_stride, table.piece_bytes,
+                                   table.host_offset)
+        except ValueError:  # unaligned pieces: the runs path takes them
+            return None
+        with _cupy().cuda.Device(self.device_id):
+            return _cupy().asarray(regions)
+
+    def _submit_packed(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
+                       kind: int) -> CopyHandle:
+        """Enqueue whole blocks packed, in parts of at most a staging slot; the last part's
+        event is after every part's copies (the streams keep them in order)."""
+        cp = _cupy()
+        per_part = self._staging[kind].max_slot_bytes // table.block_bytes
+        with cp.cuda.Device(self.device_id), self._locks[kind]:
+            try:
+                for start in range(0, len(ids), per_part):
+                    event = self._packed_part(table, regions, ids[start:start + per_part],
+                                              host[start:start + per_part], kind)
+            except BaseException:
+                for s in (self._streams[kind], self._side_streams[kind]):
+                    with contextlib.suppress(Exception):
+                        s.synchronize()
+                raise
+        return CopyHandle(event, len(ids) * table.block_bytes)
+
+    def _packed_part(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
+                     kind: int):
+        """One staging slot's worth of blocks. Save: ``copy_pieces`` packs them (side stream)
+        -> event -> the slot crosses the bus (copy stream). Load: the reverse. As ``_staged``."""
+        from kernels.block_copy import launch_pieces
+
+        cp = _cupy()
+        to_device = kind == _MEMCPY_HOST_TO_DEVICE
+        copy_stream, side = self._streams[kind], self._side_streams[kind]
+        first, second = (copy_stream, side) if to_device else (side, copy_stream)
+        block_bytes = table.block_bytes
+        staging = self._staging[kind].take(len(ids) * block_bytes)
+        packed = staging.memory.ptr + np.arange(len(ids), dtype=np.int64) * block_bytes
+        sizes = np.full(len(ids), block_bytes, dtype=np.int64)
+        bus = coalesce_arrays(RunArrays(host, packed, sizes) if to_device
+                              else RunArrays(packed, host, sizes))
+        if staging.event is not None:
+            first.wait_event(staging.event)
+        batch = cuda_batch.available()
+        ids_slot = self._tables[kind].take(ids)
+        uploaded = None
+        if ids_slot is None:  # pinned memory not mapped: the ids go up stream-ordered
+            with side:
+                uploaded = cp.asarray(ids)
+        ids_ptr = uploaded.data.ptr if uploaded is not None else ids_slot[0]
+
+        def pack_or_unpack() -> None:
+            launch_pieces(regions.data.ptr, regions.shape[1], ids_ptr, len(ids),
+                          staging.memory.ptr, block_bytes, int(table.piece_bytes.max()),
+                          not to_device, side)
+
+        if to_device:
+            self._bus_copy(bus, kind, batch)
+        else:
+            pack_or_unpack()
+        middle = cp.cuda.Event(disable_timing=True)
+        middle.record(first)
+        second.wait_event(middle)
+        if to_device:
+            pack_or_unpack()
+        else:
+            self._bus_copy(bus, kind, batch)
+        event = cp.cuda.Event(block=True, disable_timing=True)
+        event.record(second)
+        staging.event = event
+        if ids_slot is not None:
+            PinnedTables.retire(ids_slot[1], event)
+        return event
 
     def device_to_host(self, runs: Runs) -> CopyHandle:
         """Save direction: engine HBM → pinned pool."""

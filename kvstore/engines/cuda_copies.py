@@ -6,8 +6,9 @@ and copies them into the engine's blocks (host to device). Both cut the request 
 most ``CHUNK_BYTES``, growing from two blocks: while one chunk's coalesced ``cudaMemcpyAsync`` runs
 on the copier's streams, the next chunk's slots are reserved (a few us of Python per block, a
 tenth of the copy time of a 2.36 MB block), so the copy engine never waits for the whole batch to
-be reserved first. A chunk's runs are built in one go from the registration's piece table
-(``chunk_runs``: NumPy, no Python object per piece), whatever the layout's pieces per block.
+be reserved first. A chunk goes to the registration as block ids and host addresses
+(``copy_blocks``): the copier packs a layout's pieces on the GPU from a table of block ids, or
+builds the chunk's runs in one go from the piece table, never a Python object per piece.
 ``CHUNK_BYTES = 0`` makes each request one submission. A save keeps at most
 ``MAX_UNPUBLISHED_BYTES`` reserved but unpublished, and when the pool is full it publishes what it
 has copied before giving up on a block, so a batch larger than free DRAM still goes through.
@@ -127,8 +128,7 @@ def save_blocks(store: BlockStore, reg: CudaRegistration, namespace: bytes,
             pending.append(chunk)
             if ids:
                 try:
-                    chunk.handle = reg.copier.device_to_host(
-                        reg.chunk_runs(ids, addrs, to_device=False))
+                    chunk.handle = reg.copy_blocks(ids, addrs, to_device=False)
                 except Exception as exc:  # the copier has waited out what it had enqueued
                     log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                     return outcomes
@@ -222,8 +222,7 @@ def load_blocks(store: BlockStore, reg: CudaRegistration, lease: Lease, block_id
                 chunk.num_blocks += 1
             if ids:
                 try:
-                    chunk.handle = reg.copier.host_to_device(
-                        reg.chunk_runs(ids, addrs, to_device=True))
+                    chunk.handle = reg.copy_blocks(ids, addrs, to_device=True)
                 except Exception as exc:  # nothing of this chunk is in flight any more
                     log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                     break

@@ -3,9 +3,9 @@
 A CUDA region's size is checked against the allocation size the driver reports for the opened
 IPC mapping, never taken on the engine's word. CUDA maps a handle at most once per process, so
 registrations of the same buffer share one refcounted mapping (``IpcTable``). Copies go through
-the device's ``CudaCopier``: the runs of a chunk of blocks come from the registration's
-``PieceTable`` (NumPy arrays computed once when the regions are mapped, ``chunk_runs``); saves and
-loads are pipelined batches (``cuda_copies``). Importable without CuPy: nothing here touches it
+the device's ``CudaCopier``, handed the registration's ``PieceTable`` (NumPy arrays computed once
+when the regions are mapped) with a chunk's block ids (``copy_blocks``); saves and loads are
+pipelined batches (``cuda_copies``). Importable without CuPy: nothing here touches it
 until a CUDA layout is registered.
 """
 
@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.engines import copier as cuda_copier
 from kvstore.engines import cuda_copies
-from kvstore.engines.copier import CudaCopier, CudaIpcMapping
+from kvstore.engines.copier import CopyHandle, CudaCopier, CudaIpcMapping
 from kvstore.engines.registration import (
     Cancellation,
     Registration,
     RegistryError,
     host_address,
 )
-from kvstore.engines.run_arrays import PieceTable, RunArrays
+from kvstore.engines.run_arrays import PieceTable
 from kvstore.layout import KVLayout
 from kvstore.store.block_store import BlockStore, Lease
 
@@ -143,21 +143,21 @@ class CudaRegistration(Registration):
         return [base + region.offset + block_id * region.block_stride
                 for region, base in zip(self.layout.regions, self._region_ptrs)]
 
-    def chunk_runs(self, block_ids: Sequence[int], host_addrs: Sequence[int],
-                   to_device: bool) -> RunArrays:
-        """The coalesced copies moving each ``block_ids[i]`` between its device pieces and the
-        ``block_bytes`` at ``host_addrs[i]`` (pieces concatenated in region order)."""
+    def copy_blocks(self, block_ids: Sequence[int], host_addrs: Sequence[int],
+                    to_device: bool) -> CopyHandle:
+        """Submit whole blocks between the engine and the ``block_bytes`` at each
+        ``host_addrs[i]`` (``to_device``: a load); the copier packs them where it can."""
         if self._table is None:
             raise RegistryError("not_found", f"registration {self.registration_id} is unmapped")
-        return self._table.runs(block_ids, host_addrs, to_device)
+        if to_device:
+            return self.copier.blocks_to_device(self._table, block_ids, host_addrs)
+        return self.copier.blocks_to_host(self._table, block_ids, host_addrs)
 
     def read_block(self, block_id: int, out: memoryview) -> None:
-        self.copier.device_to_host(self.chunk_runs([block_id], [host_address(out)],
-                                                   to_device=False)).wait()
+        self.copy_blocks([block_id], [host_address(out)], to_device=False).wait()
 
     def write_block(self, block_id: int, data: memoryview) -> None:
-        self.copier.host_to_device(self.chunk_runs([block_id], [host_address(data)],
-                                                   to_device=True)).wait()
+        self.copy_blocks([block_id], [host_address(data)], to_device=True).wait()
 
     def save_blocks(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
                     hashes: Sequence[bytes], idents: Sequence[bytes],

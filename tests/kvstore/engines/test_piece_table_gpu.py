@@ -145,3 +145,97 @@ def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact(monkeypatch
         assert np.array_equal(got[:, ids], want[:, ids])
         untouched = sorted(set(range(num_blocks)) - set(ids))
         assert not got[:, untouched].any()
+
+
+@pytest.mark.parametrize("name", ["vllm", "block_major"])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool, monkeypatch) -> None:
+    """``blocks_to_host`` / ``blocks_to_device`` (``copy_pieces`` through staging), shuffled
+    block ids to consecutive or shuffled pinned slots, in parts past a staging slot (slots cut
+    small here), twice in a row; nothing outside the named blocks is written."""
+    import cupy as cp
+
+    monkeypatch.setattr(copier_module, "PACKED_MIN_PIECES", 1)
+    layout, buffers, ptrs, block = _buffers(cp, name)
+    table = PieceTable(layout, ptrs)
+    rng = np.random.default_rng(12)
+    ids = [int(b) for b in rng.permutation(NUM_BLOCKS)[:23]]
+    num_slots = 41
+    pinned = cp.cuda.alloc_pinned_memory(num_slots * layout.block_bytes)
+    host = np.frombuffer(pinned, dtype=np.uint8, count=num_slots * layout.block_bytes)
+    slots = list(range(len(ids))) if contiguous else \
+        [int(s) for s in rng.permutation(num_slots)[:len(ids)]]
+    addrs = [host.ctypes.data + s * layout.block_bytes for s in slots]
+    copier = copier_module.CudaCopier(0)
+    for staging in copier._staging.values():
+        staging.max_slot_bytes = 5 * layout.block_bytes  # 23 blocks: five parts
+    expect = {b: block(b) for b in range(NUM_BLOCKS)}
+    rows = host.reshape(num_slots, layout.block_bytes)
+    for _ in range(2):
+        host[:] = 0
+        half = len(ids) // 2
+        handles = [copier.blocks_to_host(table, ids[:half], addrs[:half]),
+                   copier.blocks_to_host(table, ids[half:], addrs[half:])]
+        for handle in handles:
+            handle.wait()
+        for b, s in zip(ids, slots):
+            assert np.array_equal(rows[s], expect[b]), f"save of block {b} into slot {s}"
+    assert table in copier._regions and copier._regions[table] is not None  # went packed
+
+    targets = [int(b) for b in rng.permutation(NUM_BLOCKS)[:len(ids)]]
+    for t in buffers:
+        t.fill(0)
+    copier.blocks_to_device(table, targets, addrs).wait()
+    for b, t in zip(ids, targets):
+        assert np.array_equal(block(t), expect[b]), f"load of block {b} into block {t}"
+    untouched = set(range(NUM_BLOCKS)) - set(targets)
+    assert all(not block(b).any() for b in untouched)
+
+
+def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
+    """Host memory the GPU cannot address (plain NumPy) never goes packed: the runs path
+    (a memcpy each) moves it, byte for byte."""
+    import cupy as cp
+
+    layout, buffers, ptrs, block = _buffers(cp, "vllm")
+    table = PieceTable(layout, ptrs)
+    ids = [3, 1, 4]
+    host = np.zeros(len(ids) * layout.block_bytes, dtype=np.uint8)
+    addrs = [host.ctypes.data + i * layout.block_bytes for i in range(len(ids))]
+    copier = copier_module.CudaCopier(0)
+    copier.blocks_to_host(table, ids, addrs).wait()
+    rows = host.reshape(len(ids), layout.block_bytes)
+    for i, b in enumerate(ids):
+        assert np.array_equal(rows[i], block(b))
+    assert table not in copier._regions  # never considered for packing
+
+
+def test_copy_pieces_matches_its_numpy_reference() -> None:
+    """The kernel against ``copy_pieces_reference`` on one flat buffer: odd piece sizes (all
+    multiples of 16), strides and offsets, pack then unpack into other blocks."""
+    import cupy as cp
+
+    from kernels.block_copy import copy_pieces_reference, launch_pieces, region_table
+
+    sizes = np.array([48, 4096, 16, 1040], dtype=np.int64)
+    num_blocks = 9
+    strides = sizes * 3
+    base = np.concatenate(([0], np.cumsum(strides * num_blocks)[:-1])).astype(np.int64)
+    packed_at = int(base[-1] + strides[-1] * num_blocks)
+    block_bytes = int(sizes.sum())
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    total = packed_at + 5 * block_bytes
+    start = np.random.default_rng(4).integers(0, 256, total, dtype=np.uint8)
+    dev = cp.asarray(start)
+    table = region_table(base + dev.data.ptr, strides, sizes, offsets)
+    regions = cp.asarray(table)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for ids, pack in (([7, 2, 5, 0, 8], True), ([1, 3, 6, 4, 2], False)):
+        want = cp.asnumpy(dev)
+        copy_pieces_reference(want, region_table(base, strides, sizes, offsets), ids, packed_at,
+                              block_bytes, pack)
+        ids_dev = cp.asarray(np.array(ids, dtype=np.int64))
+        launch_pieces(regions.data.ptr, len(sizes), ids_dev.data.ptr, len(ids),
+                      dev.data.ptr + packed_at, block_bytes, int(sizes.max()), pack, stream)
+        stream.synchronize()
+        assert np.array_equal(cp.asnumpy(dev), want), f"pack={pack}"

@@ -170,3 +170,48 @@ def test_staged_sides_move_the_same_bytes_as_the_direct_runs(name: str) -> None:
     _apply(memory, bus)
     _apply(memory, device)
     assert np.array_equal(memory[:staging0], want[:staging0])
+
+
+@pytest.mark.parametrize("name", ["vllm", "block_major"])
+def test_packed_pieces_move_the_same_bytes_as_the_direct_runs(name: str) -> None:
+    """``copy_pieces``'s reference, over the piece table's region table, packs a block into
+    the store's host layout (the direct runs' bytes) and unpacks it into other blocks."""
+    from kernels.block_copy import copy_pieces_reference, region_table
+
+    num_blocks = 9
+    if name == "vllm":
+        layout, _ = _vllm_layout(3, num_blocks)
+        layer_bytes = 2 * num_blocks * PIECE
+        ptrs = [layer * layer_bytes for layer in range(3) for _ in range(2)]
+        device_bytes = 3 * layer_bytes
+    else:
+        layout, _ = _block_major(num_blocks, 4 * PIECE)
+        ptrs, device_bytes = [0], num_blocks * layout.block_bytes
+    table = PieceTable(layout, ptrs)
+    regions = region_table(table.device_base, table.device_stride, table.piece_bytes,
+                           table.host_offset)
+    ids = [7, 2, 5, 0]
+    host0 = device_bytes
+    memory = np.random.default_rng(6).integers(0, 256, host0 + len(ids) * layout.block_bytes,
+                                               dtype=np.uint8)
+    addrs = [host0 + i * layout.block_bytes for i in range(len(ids))]
+    want = memory.copy()
+    _apply(want, table.runs(ids, addrs, to_device=False))
+    copy_pieces_reference(memory, regions, ids, host0, layout.block_bytes, pack=True)
+    assert np.array_equal(memory, want)
+
+    targets = [1, 8, 3, 4]
+    _apply(want, table.runs(targets, addrs, to_device=True))
+    copy_pieces_reference(memory, regions, targets, host0, layout.block_bytes, pack=False)
+    assert np.array_equal(memory, want)
+
+
+def test_region_table_refuses_unaligned_or_empty_pieces() -> None:
+    from kernels.block_copy import region_table
+
+    good = region_table([0, 4096], [64, 64], [32, 16], [0, 32])
+    assert good.shape == (4, 2) and good.dtype == np.int64
+    for bad in (([8], [64], [32], [0]), ([0], [64], [0], [0]), ([0], [64], [24], [0]),
+                ([0], [64], [32], [8]), ([], [], [], [])):
+        with pytest.raises(ValueError):
+            region_table(*bad)
