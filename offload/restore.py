@@ -1,8 +1,9 @@
 """Restores: find a sequence's prefix in the store and load it into blocks reserved for it.
 
 Per sequence: on arrival an async lookup for the blocks past the HBM prefix hit, so that the reply
-is usually in when the scheduler reaches it (a step waits at most 2 ms in all for replies still on
-their way: cheaper than the step the request would lose); on a hit worth restoring
+is usually in when the scheduler reaches it (a step waits a bounded time in all, 2-20 ms by the
+previous step's length, for replies still on their way: cheaper than the step the request would
+lose); on a hit worth restoring
 (``RestorePolicy``) the blocks are reserved and an async load started; the sequence waits in
 LOADING while others run; when the load lands, its blocks join the prefix cache and prefill covers
 only the rest. A short or failed load shrinks the hit to what arrived.
@@ -25,14 +26,27 @@ from offload.transfer import Transfer
 # A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
 # long (well inside the lease's TTL), then gives up and recomputes.
 MAX_BLOCK_WAIT_S = 5.0
-# The most one step spends waiting for lookup replies of requests it is admitting.
+# The most one step spends waiting for lookup replies of requests it is admitting: a share of the
+# previous step's time, between these bounds. A reply that misses it makes its request wait for
+# the next step boundary, and under long prefill chunks that is a whole step: on an H100
+# long-context run (19k-token histories, 2,048-token chunks) 35 of 45 lookups missed a flat 2 ms
+# and their restores sat out steps of hundreds of ms; a few ms of the running requests' time is
+# the cheaper side.
 LOOKUP_WAIT_PER_STEP_S = 0.002
+LOOKUP_WAIT_STEP_SHARE = 0.05
+MAX_LOOKUP_WAIT_PER_STEP_S = 0.02
 # A request waits for a lookup reply at most this long (the store answers in well under a
 # millisecond; a hung store is given up sooner, as soon as its probe is overdue), then recomputes.
 MAX_LOOKUP_WAIT_S = 1.5
 # The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
 # when recomputing its blocks is expected to take longer (and longer than a step, when busy).
 MIN_RESTORE_S = 0.002
+
+
+def lookup_wait_budget_s(last_step_s: float) -> float:
+    """How long one step may wait in all for lookup replies, given the previous step's time."""
+    return max(LOOKUP_WAIT_PER_STEP_S,
+               min(MAX_LOOKUP_WAIT_PER_STEP_S, LOOKUP_WAIT_STEP_SHARE * last_step_s))
 
 
 @dataclass
@@ -49,6 +63,44 @@ class Restore:
     num_hit: int = 0  # blocks the lookup found (0 until it answered)
     waiting_since: float | None = None  # when a reservation first failed for lack of blocks
     busy: bool = True  # other requests were running when it asked (a restore sits out a step)
+
+
+class LoadBusyPeriods:
+    """Bandwidth samples of one engine's loads, one per busy period.
+
+    A busy period runs from the start of a load while none was in flight to the landing of the
+    last load in flight; its sample is the bytes landed in it over its length, under the tier
+    most of them came from. Loads of one engine share the bus (and the daemon may interleave
+    their chunks), so a load's own latency reads too slow when it queued behind others, and its
+    time since the previous landing reads absurdly fast when their chunks interleaved (an H100
+    run measured 11.7 TB/s that way); the period's total is neither.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self._since = self._until = 0.0
+        self._bytes: Counter[str] = Counter()
+        self._poisoned = False  # a load of this period failed or was given up
+
+    def started(self, at: float) -> None:
+        if self.in_flight == 0:
+            self._since, self._until, self._bytes, self._poisoned = at, at, Counter(), False
+        self.in_flight += 1
+
+    def ended(self, at: float, bytes_by_tier: dict[str, int]) -> tuple[str, int, float] | None:
+        """A load of the period ended at ``at`` having landed ``bytes_by_tier`` (empty: it
+        failed, timed out or was given up, and the period yields no sample). (tier, bytes,
+        seconds) when that closed the period."""
+        if self.in_flight == 0:
+            return None
+        self.in_flight -= 1
+        self._until = max(self._until, at)
+        self._bytes.update(bytes_by_tier)
+        self._poisoned = self._poisoned or not bytes_by_tier
+        if self.in_flight or self._poisoned or self._until <= self._since:
+            return None
+        tier, _ = self._bytes.most_common(1)[0]
+        return tier, sum(self._bytes.values()), self._until - self._since
 
 
 class Restorer:
@@ -69,7 +121,7 @@ class Restorer:
         self.restores: dict[str, Restore] = {}
         self.prefetched: dict[str, Restore] = {}  # lookups sent on arrival, not yet used
         self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
-        self._last_load_landed_at = 0.0  # a load's service starts no earlier (see _finish_load)
+        self.load_bandwidth = LoadBusyPeriods()  # bandwidth samples (see there)
         self.quarantine = Quarantine(ledger, counters)
 
     @property
@@ -143,7 +195,7 @@ class Restorer:
         theirs is in flight; a hung store's restores are given up (recomputed)."""
         outcome = RestoreOutcome([], [])
         now = time.monotonic()
-        self._lookup_wait_until = now + LOOKUP_WAIT_PER_STEP_S
+        self._lookup_wait_until = now + lookup_wait_budget_s(self.policy.last_step_s())
         self.connector.release_disowned()
         self.quarantine.poll()
         hung = bool(self.restores) and self.connector.state == "hung"
@@ -184,6 +236,7 @@ class Restorer:
             self.counters["lookups_given_up"] += 1
         else:
             self.quarantine.hold(r.load, seq.block_ids[r.first_block:r.first_block + r.num_blocks])
+            self.load_bandwidth.ended(time.monotonic(), {})  # no sample from a given-up period
             self.counters["loads_given_up"] += 1
             self.ledger.free(seq)
             seq.num_computed_tokens = 0
@@ -233,6 +286,7 @@ class Restorer:
         r.num_blocks = num_hit
         dst = seq.block_ids[r.first_block:r.first_block + num_hit]
         r.load = self.connector.load(r.lease_id, dst)
+        self.load_bandwidth.started(r.load.started_at)
         self.counters["loads"] += 1
         return True
 
@@ -250,6 +304,7 @@ class Restorer:
             # No reply: the daemon may still write into these blocks. Keep them out of use for
             # good (counted) and start the sequence over on fresh blocks.
             self.quarantine.hold(r.load, dst)
+            self.load_bandwidth.ended(time.monotonic(), {})
             self.ledger.free(seq)
             seq.num_computed_tokens = 0
             return False
@@ -259,14 +314,11 @@ class Restorer:
             self.counters["loads_short"] += 1
         landed_at = r.load.finished_at  # set: the load is done
         assert landed_at is not None
-        if num_loaded and r.load.ok:
-            # Its service time: loads cross the bus one after another, so one that started
-            # while another was in flight began moving data when that one landed.
-            began = max(r.load.started_at, self._last_load_landed_at)
-            dominant = Counter(r.tiers[:num_loaded]).most_common(1)[0][0]
-            self.policy.observe_load(dominant, num_loaded * self.block_bytes,
-                                     landed_at - began)
-        self._last_load_landed_at = max(self._last_load_landed_at, landed_at)
+        landed = Counter(r.tiers[:num_loaded]) if num_loaded and r.load.ok else Counter()
+        sample = self.load_bandwidth.ended(landed_at, {t: n * self.block_bytes
+                                                       for t, n in landed.items()})
+        if sample is not None:
+            self.policy.observe_load(*sample)
         bs = self.block_size
         seq.num_computed_tokens = (r.first_block + num_loaded) * bs
         restored = Counter(r.tiers[:num_loaded])

@@ -11,9 +11,11 @@ step that starts after its blocks landed. So a restore wins when
 ``max(load, step floor if busy) < n x marginal cost``. Until a side has been measured its prior is
 used (priors lean towards restoring, since a restore that turns out slow is what measures it).
 
-A load's sample is its service time, not its latency: from when it started or the previous load
-of this engine landed, whichever is later, to when its reply came in (loads of one engine cross
-the bus one after another, so a load queued behind three others does not read as a slow bus).
+A load sample is one busy period of the engine's loads (``restore.LoadBusyPeriods``): the bytes
+landed from the start of a load while none was in flight to the landing of the last one in
+flight, over that time. Loads of one engine share the bus and the daemon may interleave their
+chunks, so neither a load's own latency (queued behind others: too slow) nor its time since the
+previous landing (interleaved: an H100 run read 11.7 TB/s that way) is the bus's figure.
 Recomputing is never estimated below the per-token cost of the large prefill steps measured
 (``_BULK_PREFILL_TOKENS`` or more: chunks of long cold prompts, whose attention spans deep
 contexts like the prefix a restore would replace); the line's slope alone, drawn through short
@@ -98,6 +100,7 @@ class RestorePolicy:
         self._token_costs: deque[float] = deque(maxlen=_BULK_SAMPLES)
         # the same, of the recent large prefill steps only
         self._bulk_token_costs: deque[float] = deque(maxlen=_BULK_SAMPLES)
+        self._last_step_s = 0.0
         self._line = _LineFit()
         self.last_declined: dict | None = None  # the estimates of the last restore declined
 
@@ -115,6 +118,7 @@ class RestorePolicy:
         if seconds <= 0 or num_prefill_tokens < 0:
             return
         with self._lock:
+            self._last_step_s = seconds
             if num_prefill_tokens < _MIN_PREFILL_SAMPLE_TOKENS:
                 self._step_floor.update(seconds, self._alpha)
                 return
@@ -148,6 +152,11 @@ class RestorePolicy:
         """What computing ``num_tokens`` more prompt tokens adds to a step."""
         with self._lock:
             return num_tokens * self._seconds_per_token()
+
+    def last_step_s(self) -> float:
+        """How long the engine's latest step took (0 before the first)."""
+        with self._lock:
+            return self._last_step_s
 
     def step_floor_s(self) -> float:
         """The time of a step without prefill (0 until one was measured)."""

@@ -1,9 +1,11 @@
-"""The restore decision's step model: floor, marginal prefill cost, busy vs idle."""
+"""The restore decision's step model (floor, marginal prefill cost, busy vs idle) and its load
+bandwidth samples (busy periods)."""
 
 from __future__ import annotations
 
 import pytest
 
+from offload.restore import LoadBusyPeriods, lookup_wait_budget_s
 from offload.restore_policy import BUSY_RECOMPUTE_FACTOR, RestorePolicy
 
 
@@ -113,3 +115,52 @@ def test_one_slow_large_step_does_not_hold_the_recompute_estimate() -> None:
     for _ in range(4):
         policy.observe_step(2048, 0.056)
     assert policy.expected_prefill_s(2048) == pytest.approx(0.050, rel=0.05)
+
+
+def test_serial_loads_each_give_their_own_sample() -> None:
+    periods = LoadBusyPeriods()
+    periods.started(10.0)
+    assert periods.ended(10.5, {"dram": 50}) == ("dram", 50, 0.5)
+    periods.started(11.0)  # idle between: the gap is no one's time
+    assert periods.ended(11.25, {"dram": 50}) == ("dram", 50, 0.25)
+
+
+def test_overlapping_loads_give_one_sample_over_their_busy_period() -> None:
+    """Two loads whose chunks interleave land close together: the second's time since the
+    first landed is tiny, but the period's bytes over its length is the bus's figure."""
+    periods = LoadBusyPeriods()
+    periods.started(0.0)
+    periods.started(0.01)
+    assert periods.ended(0.099, {"dram": 100}) is None  # still one in flight
+    assert periods.ended(0.1, {"dram": 100, "ssd": 20}) == ("dram", 220, 0.1)
+    # landings polled out of order: the period ends at the latest one
+    periods.started(1.0)
+    periods.started(1.0)
+    assert periods.ended(1.3, {"dram": 10}) is None
+    assert periods.ended(1.2, {"dram": 10}) == ("dram", 20, pytest.approx(0.3))
+
+
+def test_a_failed_or_given_up_load_spoils_its_period_only() -> None:
+    periods = LoadBusyPeriods()
+    periods.started(0.0)
+    periods.started(0.0)
+    assert periods.ended(0.1, {}) is None  # failed: no bytes
+    assert periods.ended(0.2, {"dram": 100}) is None  # the period proves nothing
+    assert periods.in_flight == 0
+    periods.started(1.0)
+    assert periods.ended(1.5, {"dram": 100}) == ("dram", 100, 0.5)
+    assert periods.ended(2.0, {"dram": 1}) is None  # more endings than starts: ignored
+
+
+def test_the_policy_remembers_the_latest_step() -> None:
+    policy = _policy()
+    assert policy.last_step_s() == 0.0
+    policy.observe_step(0, 0.006)
+    policy.observe_step(2048, 0.3)
+    assert policy.last_step_s() == 0.3
+
+
+def test_a_step_waits_for_lookup_replies_by_the_previous_steps_length() -> None:
+    assert lookup_wait_budget_s(0.0) == pytest.approx(0.002)  # decode steps: the floor
+    assert lookup_wait_budget_s(0.2) == pytest.approx(0.01)  # a long prefill chunk: 5%
+    assert lookup_wait_budget_s(5.0) == pytest.approx(0.02)  # never more than the cap
