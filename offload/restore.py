@@ -27,14 +27,17 @@ from offload.transfer import Transfer
 # long (well inside the lease's TTL), then gives up and recomputes.
 MAX_BLOCK_WAIT_S = 5.0
 # The most one step spends waiting for lookup replies of requests it is admitting: a share of the
-# previous step's time, between these bounds. A reply that misses it makes its request wait for
-# the next step boundary, and under long prefill chunks that is a whole step: on an H100
-# long-context run (19k-token histories, 2,048-token chunks) 35 of 45 lookups missed a flat 2 ms
-# and their restores sat out steps of hundreds of ms; a few ms of the running requests' time is
-# the cheaper side.
+# previous step's time (the next one's likely length), within bounds. A reply that misses it makes
+# its request wait for the next step boundary, a whole step: on an H100 long-context run
+# (19k-token histories, 2,048-token chunks) 35 of 45 lookups missed a flat 2 ms and their
+# restores sat out steps of hundreds of ms. A likely hit (the first block asked for is one this
+# engine saved or restored) is worth a larger share: missing the step costs it all of the step,
+# and its restore saves far more. Requests admitted without the store lose only the step.
 LOOKUP_WAIT_PER_STEP_S = 0.002
 LOOKUP_WAIT_STEP_SHARE = 0.05
 MAX_LOOKUP_WAIT_PER_STEP_S = 0.02
+LIKELY_HIT_WAIT_STEP_SHARE = 0.25
+MAX_LIKELY_HIT_WAIT_PER_STEP_S = 0.05
 # A request waits for a lookup reply at most this long (the store answers in well under a
 # millisecond; a hung store is given up sooner, as soon as its probe is overdue), then recomputes.
 MAX_LOOKUP_WAIT_S = 1.5
@@ -43,10 +46,12 @@ MAX_LOOKUP_WAIT_S = 1.5
 MIN_RESTORE_S = 0.002
 
 
-def lookup_wait_budget_s(last_step_s: float) -> float:
-    """How long one step may wait in all for lookup replies, given the previous step's time."""
-    return max(LOOKUP_WAIT_PER_STEP_S,
-               min(MAX_LOOKUP_WAIT_PER_STEP_S, LOOKUP_WAIT_STEP_SHARE * last_step_s))
+def lookup_wait_budget_s(last_step_s: float, likely_hit: bool = False) -> float:
+    """How long one step may wait in all for lookup replies, given the previous step's time
+    (a larger share for a likely hit)."""
+    share, cap = ((LIKELY_HIT_WAIT_STEP_SHARE, MAX_LIKELY_HIT_WAIT_PER_STEP_S) if likely_hit
+                  else (LOOKUP_WAIT_STEP_SHARE, MAX_LOOKUP_WAIT_PER_STEP_S))
+    return max(LOOKUP_WAIT_PER_STEP_S, min(cap, share * last_step_s))
 
 
 @dataclass
@@ -120,7 +125,8 @@ class Restorer:
         self.hit_tokens_by_tier: Counter[str] = Counter()
         self.restores: dict[str, Restore] = {}
         self.prefetched: dict[str, Restore] = {}  # lookups sent on arrival, not yet used
-        self._lookup_wait_until = 0.0  # this step's bound on waiting for lookup replies
+        self._step_polled_at = 0.0  # lookup waits of this step count from here
+        self._last_step_s = 0.0  # the previous step's time, at this step's poll
         self.load_bandwidth = LoadBusyPeriods()  # bandwidth samples (see there)
         self.quarantine = Quarantine(ledger, counters)
 
@@ -158,13 +164,19 @@ class Restorer:
         r.busy = busy
         self.restores[seq.request_id] = r
         if not r.lookup.poll():
-            # A lookup reply takes well under a millisecond; waiting for it (bounded per step)
-            # costs the running requests less than the step the new one would otherwise lose.
-            # Loads and saves are never waited for.
-            budget = self._lookup_wait_until - time.monotonic()
+            # A lookup reply takes about a millisecond (more while the daemon is busy saving);
+            # waiting for it (bounded per step, see LOOKUP_WAIT_*) costs the running requests
+            # less than the step the new one would otherwise lose. Loads and saves are never
+            # waited for.
+            likely = bool(r.seq.block_hashes[r.first_block:r.first_block + 1]) and \
+                r.seq.block_hashes[r.first_block] in self.saved_keys
+            budget = (self._step_polled_at + lookup_wait_budget_s(self._last_step_s, likely)
+                      - time.monotonic())
             if budget <= 0 or not r.lookup.wait(budget):
                 self.counters["lookups_answered_late"] += 1
                 return True  # the reply comes in a later step (poll)
+            if likely:
+                self.counters["lookups_waited_likely_hit"] += 1
         self.counters["lookups_answered_on_time"] += 1
         if self._begin_load(r):
             return True  # loading, or waiting for blocks
@@ -195,7 +207,7 @@ class Restorer:
         theirs is in flight; a hung store's restores are given up (recomputed)."""
         outcome = RestoreOutcome([], [])
         now = time.monotonic()
-        self._lookup_wait_until = now + lookup_wait_budget_s(self.policy.last_step_s())
+        self._step_polled_at, self._last_step_s = now, self.policy.last_step_s()
         self.connector.release_disowned()
         self.quarantine.poll()
         hung = bool(self.restores) and self.connector.state == "hung"

@@ -164,3 +164,7 @@ def test_a_step_waits_for_lookup_replies_by_the_previous_steps_length() -> None:
     assert lookup_wait_budget_s(0.0) == pytest.approx(0.002)  # decode steps: the floor
     assert lookup_wait_budget_s(0.2) == pytest.approx(0.01)  # a long prefill chunk: 5%
     assert lookup_wait_budget_s(5.0) == pytest.approx(0.02)  # never more than the cap
+    # a likely hit (a block this engine saved) may hold a long step a quarter of it, capped
+    assert lookup_wait_budget_s(0.006, likely_hit=True) == pytest.approx(0.002)
+    assert lookup_wait_budget_s(0.1, likely_hit=True) == pytest.approx(0.025)
+    assert lookup_wait_budget_s(0.4, likely_hit=True) == pytest.approx(0.05)
