@@ -21,6 +21,13 @@ run: many small runs (vLLM's 32 KiB pieces) are gathered on the GPU by one ``cop
 (its table read in place from a pinned slot, ``PinnedTables``) into a device staging buffer that
 crosses the bus a run per block (``device_staging``), large ones (kvengine's block-major blocks)
 go to one ``cuMemcpyBatchAsync`` (the copy engines, without a driver call per block).
+
+Whole blocks of a registration (``blocks_to_host`` / ``blocks_to_device``, what saves and loads
+use) skip the runs where the layout has several pieces a block: one ``copy_pieces`` launch packs
+(or unpacks) the blocks between the engine and a staging slot from a table of block ids and a
+region table uploaded once per ``PieceTable``, and the slot crosses the bus a run per block or
+fewer. Building, merging and uploading a run per piece had paced vLLM's saves at ~1 ms per
+13-block chunk of Python against 0.56 ms on the bus (H100, ``benchmarks/copy_trace.py``).
 """
 
 from __future__ import annotations
