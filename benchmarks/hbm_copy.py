@@ -53,7 +53,8 @@ class _Arena:
 def _raw_row(cp, n: int, src: int, dst: int, src_ids: list[int], dst_ids: list[int],
              reps: int) -> dict:
     """CUDA-event bandwidths (GB/s): one memcpy of n blocks' bytes, and the copier's runs."""
-    from kvstore.engines.copier import CopyRun, CudaCopier
+    from kvstore.engines.copier import CudaCopier
+    from kvstore.engines.run_arrays import CopyRun
 
     nbytes = n * BLOCK_BYTES
     stream = cp.cuda.Stream(non_blocking=True)

@@ -25,7 +25,7 @@ def _measure_row(cp, copier, stream, n: int, max_blocks: int, dev_base: int, hos
                  rng, reps: int) -> dict:
     """One table row: raw memcpy, batched memcpy and the copy kernel for ``n`` shuffled blocks."""
     from kernels.block_copy import copy_runs
-    from kvstore.engines.copier import CopyRun
+    from kvstore.engines.run_arrays import CopyRun
 
     nbytes = n * BLOCK_BYTES
     dev = [dev_base + int(b) * BLOCK_BYTES for b in rng.permutation(max_blocks)[:n]]
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import cupy as cp
 
-    from kvstore.engines.copier import CopyRun, CudaCopier
+    from kvstore.engines.copier import CudaCopier
+    from kvstore.engines.run_arrays import CopyRun
 
     counts = [int(x) for x in args.blocks.split(",")]
     max_blocks = max(counts)

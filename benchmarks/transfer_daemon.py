@@ -112,7 +112,8 @@ def _raw_row(cp, n: int, dev: int, alloc_host: int, pool_host: int, reps: int) -
 
 def _copier_row(n: int, dev: int, host: int, block_ids: list[int], reps: int) -> dict:
     """The copier alone in this process: shuffled blocks to and from consecutive pool slots."""
-    from kvstore.engines.copier import CopyRun, CudaCopier
+    from kvstore.engines.copier import CudaCopier
+    from kvstore.engines.run_arrays import CopyRun
 
     out = {}
     copier = CudaCopier(0)

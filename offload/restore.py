@@ -1,7 +1,7 @@
 """Restores: find a sequence's prefix in the store and load it into blocks reserved for it.
 
 Per sequence: on arrival an async lookup for the blocks past the HBM prefix hit, so that the reply
-is usually in when the scheduler reaches it (a step waits a bounded time in all, 2-20 ms by the
+is usually in when the scheduler reaches it (a step waits a bounded time in all, a share of the
 previous step's length, for replies still on their way: cheaper than the step the request would
 lose); on a hit worth restoring
 (``RestorePolicy``) the blocks are reserved and an async load started; the sequence waits in
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from offload.connector import OffloadConnector
 from offload.engine_view import BlockLedger, OffloadSequence, RestoreOutcome
 from offload.idents import sequence_idents
+from offload.load_periods import LoadBusyPeriods
 from offload.quarantine import Quarantine
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
@@ -68,44 +69,6 @@ class Restore:
     num_hit: int = 0  # blocks the lookup found (0 until it answered)
     waiting_since: float | None = None  # when a reservation first failed for lack of blocks
     busy: bool = True  # other requests were running when it asked (a restore sits out a step)
-
-
-class LoadBusyPeriods:
-    """Bandwidth samples of one engine's loads, one per busy period.
-
-    A busy period runs from the start of a load while none was in flight to the landing of the
-    last load in flight; its sample is the bytes landed in it over its length, under the tier
-    most of them came from. Loads of one engine share the bus (and the daemon may interleave
-    their chunks), so a load's own latency reads too slow when it queued behind others, and its
-    time since the previous landing reads absurdly fast when their chunks interleaved (an H100
-    run measured 11.7 TB/s that way); the period's total is neither.
-    """
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self._since = self._until = 0.0
-        self._bytes: Counter[str] = Counter()
-        self._poisoned = False  # a load of this period failed or was given up
-
-    def started(self, at: float) -> None:
-        if self.in_flight == 0:
-            self._since, self._until, self._bytes, self._poisoned = at, at, Counter(), False
-        self.in_flight += 1
-
-    def ended(self, at: float, bytes_by_tier: dict[str, int]) -> tuple[str, int, float] | None:
-        """A load of the period ended at ``at`` having landed ``bytes_by_tier`` (empty: it
-        failed, timed out or was given up, and the period yields no sample). (tier, bytes,
-        seconds) when that closed the period."""
-        if self.in_flight == 0:
-            return None
-        self.in_flight -= 1
-        self._until = max(self._until, at)
-        self._bytes.update(bytes_by_tier)
-        self._poisoned = self._poisoned or not bytes_by_tier
-        if self.in_flight or self._poisoned or self._until <= self._since:
-            return None
-        tier, _ = self._bytes.most_common(1)[0]
-        return tier, sum(self._bytes.values()), self._until - self._since
 
 
 class Restorer:

@@ -11,7 +11,7 @@ step that starts after its blocks landed. So a restore wins when
 ``max(load, step floor if busy) < n x marginal cost``. Until a side has been measured its prior is
 used (priors lean towards restoring, since a restore that turns out slow is what measures it).
 
-A load sample is one busy period of the engine's loads (``restore.LoadBusyPeriods``): the bytes
+A load sample is one busy period of the engine's loads (``load_periods.LoadBusyPeriods``): the bytes
 landed from the start of a load while none was in flight to the landing of the last one in
 flight, over that time. Loads of one engine share the bus and the daemon may interleave their
 chunks, so neither a load's own latency (queued behind others: too slow) nor its time since the

@@ -1,15 +1,11 @@
 """Batched block copies between a registered engine's GPU KV memory and the pinned host pool.
 
-The daemon opens each engine's CUDA IPC handle once per registration (``CudaIpcMapping``) and moves
+The daemon opens each engine's CUDA IPC handle once per registration (``cuda_ipc``) and moves
 blocks with ``CudaCopier``: one non-blocking stream per direction, copies coalesced into the fewest
 runs (a block of the block-major arena is one contiguous run, so a batch of
 blocks is at most one call per block and fewer when block ids are consecutive), and a CUDA event
 recorded after the batch. Completion is the event, never a sleep loop. Device-to-device copies
 (the HBM tier: one engine's arena into another's) run on a third stream of their own.
-
-A mapping's size is the driver's, not the engine's word: ``CudaIpcMapping`` asks
-``cuMemGetAddressRange`` how large the opened allocation really is, and the registry refuses a
-layout that claims more.
 
 One 2.36 MB block per call reaches about 93% of one big memcpy on an H100 (the copy engine idles a
 few microseconds between calls); dealing the calls over two streams of the same direction did not
@@ -33,25 +29,20 @@ fewer. Building, merging and uploading a run per piece had paced vLLM's saves at
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore.engines import cuda_batch
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
-from kvstore.engines.run_arrays import PieceTable, RunArrays, coalesce_arrays
+from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
 
 _MEMCPY_HOST_TO_DEVICE = 1
 _MEMCPY_DEVICE_TO_HOST = 2
 _MEMCPY_DEFAULT = 4  # direction from the (unified) addresses: device to device, peers included
-_IPC_LAZY_ENABLE_PEER_ACCESS = 1
 _GATHER_MIN_RUNS = 8  # device-to-device batches with this many runs go through one kernel
 # Host <-> device batches of many small runs (vLLM's layout: one 32 KiB piece per layer and K/V)
 # go through the same kernel over the pinned pool's mapped addresses: one cudaMemcpyAsync per
@@ -75,116 +66,10 @@ LARGE_RUNS = "batch"
 PACKED_MIN_PIECES = 2
 
 
-@dataclass(frozen=True)
-class CopyRun:
-    """``num_bytes`` from ``src_ptr`` to ``dst_ptr`` (plain integers: device or host addresses)."""
-
-    src_ptr: int
-    dst_ptr: int
-    num_bytes: int
-
-
-def coalesce(runs: Iterable[CopyRun]) -> list[CopyRun]:
-    """Merge runs that continue each other on both sides, keeping the given order."""
-    out: list[CopyRun] = []
-    for run in runs:
-        if run.num_bytes <= 0:
-            continue
-        if out:
-            last = out[-1]
-            if (last.src_ptr + last.num_bytes == run.src_ptr
-                    and last.dst_ptr + last.num_bytes == run.dst_ptr):
-                out[-1] = CopyRun(last.src_ptr, last.dst_ptr, last.num_bytes + run.num_bytes)
-                continue
-        out.append(run)
-    return out
-
-
 def _cupy():
     import cupy  # imported lazily: the CPU daemon never needs it
 
     return cupy
-
-
-def cuda_available() -> bool:
-    """True when CuPy imports and sees at least one device."""
-    try:
-        return _cupy().cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-@functools.lru_cache(maxsize=1)
-def _libcuda() -> ctypes.CDLL:
-    """The CUDA driver library (CuPy links it, so it is loaded already wherever CUDA runs)."""
-    name = "libcuda.so.1"
-    try:
-        lib = ctypes.CDLL(name)
-    except OSError:
-        found = ctypes.util.find_library("cuda")
-        if found is None:
-            raise
-        lib = ctypes.CDLL(found)
-    fn = lib.cuMemGetAddressRange_v2  # what cuda.h's cuMemGetAddressRange names since CUDA 3.2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                   ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    return lib
-
-
-def allocation_range(ptr: int) -> tuple[int, int]:
-    """(base address, size in bytes) of the device allocation that holds ``ptr``.
-
-    Call with the pointer's device current (a CUDA context must be). RuntimeError with the
-    driver's error code if the driver does not know the address.
-    """
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    result = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                ctypes.c_uint64(int(ptr)))
-    if result != 0:
-        raise RuntimeError(f"cuMemGetAddressRange(0x{int(ptr):x}) failed with CUresult {result}")
-    return int(base.value), int(size.value)
-
-
-@functools.lru_cache(maxsize=256)
-def can_access_peer(device_id: int, peer_device_id: int) -> bool:
-    """True when ``device_id`` can read ``peer_device_id``'s memory directly (same device too)."""
-    if device_id == peer_device_id:
-        return True
-    try:
-        return bool(_cupy().cuda.runtime.deviceCanAccessPeer(device_id, peer_device_id))
-    except Exception:
-        return False
-
-
-class CudaIpcMapping:
-    """An engine's device buffer opened from its IPC handle; valid until ``close()``.
-
-    ``mapped_bytes`` is how many bytes from ``ptr`` the opened allocation really has (the
-    driver's answer), whatever size the engine claimed.
-    """
-
-    def __init__(self, handle: bytes, size_bytes: int, device_id: int) -> None:
-        cp = _cupy()
-        self.device_id = device_id
-        self.size_bytes = size_bytes
-        with cp.cuda.Device(device_id):
-            self.ptr = int(cp.cuda.runtime.ipcOpenMemHandle(bytes(handle),
-                                                            _IPC_LAZY_ENABLE_PEER_ACCESS))
-            try:
-                base, num_bytes = allocation_range(self.ptr)
-            except BaseException:
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
-                raise
-        self.mapped_bytes = max(0, base + num_bytes - self.ptr)
-        self._open = True
-
-    def close(self) -> None:
-        if self._open:
-            cp = _cupy()
-            with cp.cuda.Device(self.device_id):
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
-            self._open = False
 
 
 class CopyHandle:

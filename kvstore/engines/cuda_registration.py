@@ -16,9 +16,9 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from kvstore.engines import copier as cuda_copier
 from kvstore.engines import cuda_copies
-from kvstore.engines.copier import CopyHandle, CudaCopier, CudaIpcMapping
+from kvstore.engines.copier import CopyHandle, CudaCopier
+from kvstore.engines.cuda_ipc import CudaIpcMapping, cuda_available
 from kvstore.engines.registration import (
     Cancellation,
     Registration,
@@ -70,7 +70,7 @@ def cuda_device_id(device: str) -> int:
     if match is None:
         raise RegistryError("bad_request", f"unknown device {device!r}")
     device_id = int(match.group(1) or 0)
-    if not cuda_copier.cuda_available():
+    if not cuda_available():
         raise RegistryError("unsupported", f"device {device!r}: CUDA IPC regions need a CUDA "
                             "device and this daemon sees none (CuPy missing or no GPU); register "
                             "a CPU shared-memory layout")

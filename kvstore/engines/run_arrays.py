@@ -19,6 +19,31 @@ import numpy as np
 from kvstore.layout import KVLayout
 
 
+@dataclass(frozen=True)
+class CopyRun:
+    """``num_bytes`` from ``src_ptr`` to ``dst_ptr`` (plain integers: device or host addresses)."""
+
+    src_ptr: int
+    dst_ptr: int
+    num_bytes: int
+
+
+def coalesce(runs: Iterable[CopyRun]) -> list[CopyRun]:
+    """Merge runs that continue each other on both sides, keeping the given order."""
+    out: list[CopyRun] = []
+    for run in runs:
+        if run.num_bytes <= 0:
+            continue
+        if out:
+            last = out[-1]
+            if (last.src_ptr + last.num_bytes == run.src_ptr
+                    and last.dst_ptr + last.num_bytes == run.dst_ptr):
+                out[-1] = CopyRun(last.src_ptr, last.dst_ptr, last.num_bytes + run.num_bytes)
+                continue
+        out.append(run)
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class RunArrays:
     """``num_bytes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` (int64 addresses)."""
@@ -50,7 +75,7 @@ class RunArrays:
 
 def coalesce_arrays(runs: RunArrays) -> RunArrays:
     """Drop empty runs and merge runs that continue each other on both sides, keeping order
-    (the vectorised ``copier.coalesce``)."""
+    (the vectorised ``coalesce``)."""
     if runs.coalesced:
         return runs
     keep = runs.num_bytes > 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from offload.restore import LoadBusyPeriods, lookup_wait_budget_s
+from offload.load_periods import LoadBusyPeriods
+from offload.restore import lookup_wait_budget_s
 from offload.restore_policy import BUSY_RECOMPUTE_FACTOR, RestorePolicy
 
 

@@ -21,10 +21,11 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.engines import copier as cuda_copier
-from kvstore.engines.copier import CopyHandle, CopyRun
+from kvstore.engines.copier import CopyHandle
+from kvstore.engines.cuda_ipc import can_access_peer
 from kvstore.engines.hbm.index import HbmEntry
 from kvstore.engines.registration import Registration, RegistrationClosed
+from kvstore.engines.run_arrays import CopyRun
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def compatible(src: Registration, dst: Registration) -> bool:
     if [r.block_bytes for r in src.layout.regions] != [r.block_bytes for r in dst.layout.regions]:
         return False
     if src.is_cuda:
-        return cuda_copier.can_access_peer(dst.device_id, src.device_id)
+        return can_access_peer(dst.device_id, src.device_id)
     return True
 
 

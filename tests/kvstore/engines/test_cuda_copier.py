@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.engines.copier import CopyRun, coalesce
+from kvstore.engines.run_arrays import CopyRun, coalesce
 
 pytestmark = pytest.mark.gpu
 

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from kernels.block_copy import blocks_per_run_for, run_table
-from kvstore.engines.copier import CopyRun, coalesce
-from kvstore.engines.run_arrays import PieceTable, RunArrays, coalesce_arrays
+from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce, coalesce_arrays
 from kvstore.layout import KVLayout, Region
 
 PIECE = 16 * 8 * 128 * 2  # one layer's K (or V) of one vLLM block: 32 KiB

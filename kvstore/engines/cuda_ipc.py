@@ -1,0 +1,102 @@
+"""An engine's device buffer as the daemon sees it: opened from its CUDA IPC handle.
+
+A mapping's size is the driver's, not the engine's word: ``CudaIpcMapping`` asks
+``cuMemGetAddressRange`` how large the opened allocation really is, and the registry refuses a
+layout that claims more. ``can_access_peer`` says whether one device reads another's memory
+directly (the HBM tier's device-to-device copies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+def _cupy():
+    import cupy  # imported lazily: the CPU daemon never needs it
+
+    return cupy
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one device."""
+    try:
+        return _cupy().cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    """The CUDA driver library (CuPy links it, so it is loaded already wherever CUDA runs)."""
+    name = "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        found = ctypes.util.find_library("cuda")
+        if found is None:
+            raise
+        lib = ctypes.CDLL(found)
+    fn = lib.cuMemGetAddressRange_v2  # what cuda.h's cuMemGetAddressRange names since CUDA 3.2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                   ctypes.c_uint64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base address, size in bytes) of the device allocation that holds ``ptr``.
+
+    Call with the pointer's device current (a CUDA context must be). RuntimeError with the
+    driver's error code if the driver does not know the address.
+    """
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    result = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                ctypes.c_uint64(int(ptr)))
+    if result != 0:
+        raise RuntimeError(f"cuMemGetAddressRange(0x{int(ptr):x}) failed with CUresult {result}")
+    return int(base.value), int(size.value)
+
+
+@functools.lru_cache(maxsize=256)
+def can_access_peer(device_id: int, peer_device_id: int) -> bool:
+    """True when ``device_id`` can read ``peer_device_id``'s memory directly (same device too)."""
+    if device_id == peer_device_id:
+        return True
+    try:
+        return bool(_cupy().cuda.runtime.deviceCanAccessPeer(device_id, peer_device_id))
+    except Exception:
+        return False
+
+
+class CudaIpcMapping:
+    """An engine's device buffer opened from its IPC handle; valid until ``close()``.
+
+    ``mapped_bytes`` is how many bytes from ``ptr`` the opened allocation really has (the
+    driver's answer), whatever size the engine claimed.
+    """
+
+    def __init__(self, handle: bytes, size_bytes: int, device_id: int) -> None:
+        cp = _cupy()
+        self.device_id = device_id
+        self.size_bytes = size_bytes
+        with cp.cuda.Device(device_id):
+            self.ptr = int(cp.cuda.runtime.ipcOpenMemHandle(bytes(handle),
+                                                            _IPC_LAZY_ENABLE_PEER_ACCESS))
+            try:
+                base, num_bytes = allocation_range(self.ptr)
+            except BaseException:
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+                raise
+        self.mapped_bytes = max(0, base + num_bytes - self.ptr)
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            cp = _cupy()
+            with cp.cuda.Device(self.device_id):
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+            self._open = False
