@@ -21,6 +21,14 @@ from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_op
 from server.engine_protocol import ServedEngine
 from server.serve_args import add_serve_arguments, api_keys
 
+# The served process's GIL switch interval (Python's default is 5 ms). The store link's thread
+# sends lookups and the client's reader thread takes their replies while the step thread runs
+# long stretches of Python; each waits for the GIL up to this long. A 1,200-block lookup the
+# daemon answers in ~0.8 ms came back after 10.7 ms (p50; p90 20.8) beside a busy thread at
+# 5 ms, 1.5 ms (p90 2.7) at 0.5 ms (`python -m benchmarks.lookup_gil`, 2-core VM,
+# benchmarks/results/lookup_gil-2026-11-25.json); late replies cost restores whole steps.
+SERVE_SWITCH_INTERVAL_S = 0.0005
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `kvengine`."""
@@ -192,6 +200,11 @@ def _sampling_defaults(args: argparse.Namespace, model_dir: Path) -> Any:
                             source=str(folder / GENERATION_CONFIG_FILE))
 
 
+def tune_interpreter() -> None:
+    """What the serving process sets in the interpreter (see ``SERVE_SWITCH_INTERVAL_S``)."""
+    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Load the engine, then serve it until interrupted."""
     from server.app import build_app
@@ -199,6 +212,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from server.settings import ServerSettings
 
     configure_logging(args.log_level)
+    tune_interpreter()
     model_dir, tokenizer_dir = _model_folders(args, parser)
     name = args.model_tag or args.model
     if not args.served_model_name and not Path(name).expanduser().is_dir():

@@ -1,12 +1,16 @@
-"""The server's pure parts: tenant salts, derived seeds, streamed deltas, usage, settings."""
+"""The server's pure parts: tenant salts, derived seeds, streamed deltas, usage, settings, the
+interpreter setting of the serving process."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from server.auth import key_salt, tenant_salt
+from server.cli import SERVE_SWITCH_INTERVAL_S, tune_interpreter
 from server.responses import ChoiceState, usage
 from server.serving import derive_seed
 from server.settings import ServerSettings
@@ -69,3 +73,15 @@ def test_settings_validate_once() -> None:
         ServerSettings(api_keys=("",))
     with pytest.raises(TypeError):
         ServerSettings(api_keys="one-string")  # type: ignore[arg-type]
+
+
+def test_the_serving_process_switches_threads_within_half_a_millisecond() -> None:
+    """The store link's and the client's threads get the GIL back from a busy step thread
+    within this (benchmarks/lookup_gil.py: 10.7 ms lookups at Python's default 5 ms)."""
+    before = sys.getswitchinterval()
+    try:
+        tune_interpreter()
+        assert sys.getswitchinterval() == pytest.approx(SERVE_SWITCH_INTERVAL_S)
+        assert SERVE_SWITCH_INTERVAL_S <= 0.0005
+    finally:
+        sys.setswitchinterval(before)
