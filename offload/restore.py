@@ -27,13 +27,14 @@ from offload.transfer import Transfer
 # A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
 # long (well inside the lease's TTL), then gives up and recomputes.
 MAX_BLOCK_WAIT_S = 5.0
-# The most one step spends waiting for lookup replies of requests it is admitting: a share of the
-# previous step's time (the next one's likely length), within bounds. A reply that misses it makes
-# its request wait for the next step boundary, a whole step: on an H100 long-context run
-# (19k-token histories, 2,048-token chunks) 35 of 45 lookups missed a flat 2 ms and their
-# restores sat out steps of hundreds of ms. A likely hit (the first block asked for is one this
-# engine saved or restored) is worth a larger share: missing the step costs it all of the step,
-# and its restore saves far more. Requests admitted without the store lose only the step.
+# How long one step may wait in all for lookup replies of requests it admits: a share of the
+# previous step's time (the next one's likely length), at least LOOKUP_WAIT_PER_STEP_S and at
+# most the cap. A reply that misses it makes its request wait for the next step boundary, a
+# whole step: on an H100 long-context run (19k-token histories, 2,048-token chunks) 35 of 45
+# lookups missed a flat 2 ms and their restores sat out steps of hundreds of ms. A likely hit
+# (the first block asked for is one this engine saved or restored) is worth a larger share:
+# missing the step costs it all of the step, and its restore saves far more. Requests admitted
+# without the store lose only the step.
 LOOKUP_WAIT_PER_STEP_S = 0.002
 LOOKUP_WAIT_STEP_SHARE = 0.05
 MAX_LOOKUP_WAIT_PER_STEP_S = 0.02
@@ -211,7 +212,7 @@ class Restorer:
             self.counters["lookups_given_up"] += 1
         else:
             self.quarantine.hold(r.load, seq.block_ids[r.first_block:r.first_block + r.num_blocks])
-            self.load_bandwidth.ended(time.monotonic(), {})  # no sample from a given-up period
+            self.load_bandwidth.ended(r.load.started_at, time.monotonic(), {})  # lands nothing
             self.counters["loads_given_up"] += 1
             self.ledger.free(seq)
             seq.num_computed_tokens = 0
@@ -261,7 +262,7 @@ class Restorer:
         r.num_blocks = num_hit
         dst = seq.block_ids[r.first_block:r.first_block + num_hit]
         r.load = self.connector.load(r.lease_id, dst)
-        self.load_bandwidth.started(r.load.started_at)
+        self.load_bandwidth.started()
         self.counters["loads"] += 1
         return True
 
@@ -279,21 +280,22 @@ class Restorer:
             # No reply: the daemon may still write into these blocks. Keep them out of use for
             # good (counted) and start the sequence over on fresh blocks.
             self.quarantine.hold(r.load, dst)
-            self.load_bandwidth.ended(time.monotonic(), {})
+            self.load_bandwidth.ended(r.load.started_at, time.monotonic(), {})
             self.ledger.free(seq)
             seq.num_computed_tokens = 0
             return False
-        num_loaded = int(r.load.result) if r.load.ok else 0
-        num_loaded = max(0, min(num_loaded, r.num_blocks))
-        if num_loaded < r.num_blocks:
-            self.counters["loads_short"] += 1
-        landed_at = r.load.finished_at  # set: the load is done
-        assert landed_at is not None
-        landed = Counter(r.tiers[:num_loaded]) if num_loaded and r.load.ok else Counter()
-        sample = self.load_bandwidth.ended(landed_at, {t: n * self.block_bytes
-                                                       for t, n in landed.items()})
+        num_loaded = 0
+        try:
+            num_loaded = max(0, min(int(r.load.result) if r.load.ok else 0, r.num_blocks))
+        finally:  # every started load ends once, whatever its reply held
+            landed_at = r.load.finished_at or time.monotonic()  # set: the load is done
+            landed = Counter(r.tiers[:num_loaded])
+            sample = self.load_bandwidth.ended(r.load.started_at, landed_at, {
+                t: n * self.block_bytes for t, n in landed.items()})
         if sample is not None:
             self.policy.observe_load(*sample)
+        if num_loaded < r.num_blocks:
+            self.counters["loads_short"] += 1
         bs = self.block_size
         seq.num_computed_tokens = (r.first_block + num_loaded) * bs
         restored = Counter(r.tiers[:num_loaded])

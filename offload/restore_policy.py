@@ -11,11 +11,11 @@ step that starts after its blocks landed. So a restore wins when
 ``max(load, step floor if busy) < n x marginal cost``. Until a side has been measured its prior is
 used (priors lean towards restoring, since a restore that turns out slow is what measures it).
 
-A load sample is one busy period of the engine's loads (``load_periods.LoadBusyPeriods``): the bytes
-landed from the start of a load while none was in flight to the landing of the last one in
-flight, over that time. Loads of one engine share the bus and the daemon may interleave their
-chunks, so neither a load's own latency (queued behind others: too slow) nor its time since the
-previous landing (interleaved: an H100 run read 11.7 TB/s that way) is the bus's figure.
+A load sample is the bytes a busy period of the engine's loads landed over the union of their
+lifetimes (``load_periods.LoadBusyPeriods``): loads of one engine share the bus and the daemon
+may interleave their chunks, so neither a load's own latency (queued behind others: too slow)
+nor its time since the previous landing (interleaved: an H100 run read 11.7 TB/s that way) is
+the bus's figure.
 Recomputing is never estimated below the per-token cost of the large prefill steps measured
 (``_BULK_PREFILL_TOKENS`` or more: chunks of long cold prompts, whose attention spans deep
 contexts like the prefix a restore would replace); the line's slope alone, drawn through short
@@ -105,7 +105,8 @@ class RestorePolicy:
         self.last_declined: dict | None = None  # the estimates of the last restore declined
 
     def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
-        """A load of ``num_bytes`` from ``tier`` took ``seconds`` of service (see above)."""
+        """Loads moved ``num_bytes`` (mostly from ``tier``) in ``seconds`` of busy time (one
+        busy period's sample, see above)."""
         if num_bytes <= 0 or seconds <= 0:
             return
         with self._lock:

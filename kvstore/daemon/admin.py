@@ -98,7 +98,8 @@ class StatsCollector:
     def _daemon(self, daemon: dict) -> Iterator[Metric]:
         for name, labelled, label in (("requests", "kvstore_requests", "verb"),
                                       ("errors", "kvstore_errors", "code"),
-                                      ("events", "kvstore_events", "event")):
+                                      ("events", "kvstore_events", "event"),
+                                      ("copies", "kvstore_copy_batches", "way")):
             family = CounterMetricFamily(labelled, f"daemon {name} by {label}", labels=[label])
             for key, value in sorted((daemon.get(name) or {}).items()):
                 family.add_metric([str(key)], float(value))

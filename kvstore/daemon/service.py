@@ -148,6 +148,7 @@ class Service:
             "leases_active": self.leases.count(),
             **counts,
             "registrations": len(self.registry),
+            "copies": self.registry.copier_counts(),
         }
         return merge_stats(store_stats, daemon, self.hbm.stats(),
                            self._cluster.stats(counts["events"]))

@@ -29,8 +29,10 @@ fewer. Building, merging and uploading a run per piece had paced vLLM's saves at
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +41,8 @@ from kvstore.engines import cuda_batch
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
 from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
+
+log = logging.getLogger(__name__)
 
 _MEMCPY_HOST_TO_DEVICE = 1
 _MEMCPY_DEVICE_TO_HOST = 2
@@ -119,6 +123,7 @@ class CudaCopier:
         # a piece table's copy_pieces region table on this device (None: not packable)
         self._regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._regions_lock = threading.Lock()
+        self.counts: Counter[str] = Counter()  # how whole-block batches went
 
     def _submit(self, runs: RunArrays, kind: int, method: str) -> CopyHandle:
         """Enqueue the (coalesced) runs on the ``kind`` stream by ``method`` ("staged",
@@ -233,31 +238,43 @@ class CudaCopier:
             if kind == _MEMCPY_HOST_TO_DEVICE:
                 return self.host_to_device(runs)
             return self.device_to_host(runs)
+        self.counts["batches_packed"] += 1
         return self._submit_packed(table, regions, ids, host, kind)
 
     def _packable(self, table: PieceTable, host: np.ndarray, kind: int):
-        """The table's device region table when this batch can go packed, else None."""
-        if (not len(host) or table.num_pieces < PACKED_MIN_PIECES
-                or table.block_bytes > self._staging[kind].max_slot_bytes
-                or np.any(host & 15)):
+        """The table's device region table when this batch can go packed, else None (a
+        multi-piece layout's batch that cannot is counted: ``counts``)."""
+        if not len(host) or table.num_pieces < PACKED_MIN_PIECES:
             return None
-        if not all(self._device_addressable(int(p)) for p in {host[0], host[-1]}):
+        if table.block_bytes > self._staging[kind].max_slot_bytes or np.any(host & 15) or \
+                not all(self._device_addressable(int(p)) for p in {host[0], host[-1]}):
+            self.counts["batches_not_packed_host"] += 1  # pageable, unaligned or too large
             return None
         with self._regions_lock:
             if table not in self._regions:
                 self._regions[table] = self._upload_regions(table)
-            return self._regions[table]
+            regions = self._regions[table]
+        if regions is None:
+            self.counts["batches_not_packed_layout"] += 1
+        return regions
 
     def _upload_regions(self, table: PieceTable):
+        """The table's ``copy_pieces`` region table on this device, complete before any
+        stream reads it; None (logged once per table) when its pieces are not 16-byte
+        aligned."""
         from kernels.block_copy import region_table
 
         try:
             regions = region_table(table.device_base, table.device_stride, table.piece_bytes,
                                    table.host_offset)
-        except ValueError:  # unaligned pieces: the runs path takes them
+        except ValueError as exc:  # the runs path takes them
+            log.warning("a layout's blocks go by runs, not packed: %s", exc)
             return None
-        with _cupy().cuda.Device(self.device_id):
-            return _cupy().asarray(regions)
+        cp = _cupy()
+        with cp.cuda.Device(self.device_id):
+            uploaded = cp.asarray(regions)  # on the current stream: our streams do not wait
+            cp.cuda.get_current_stream().synchronize()  # for it (once per table)
+            return uploaded
 
     def _submit_packed(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
                        kind: int) -> CopyHandle:

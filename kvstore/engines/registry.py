@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 from kvstore.engines.copier import CudaCopier
@@ -129,6 +130,16 @@ class Registry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_id)
+
+    def copier_counts(self) -> dict[str, int]:
+        """How the device copiers' whole-block batches went (packed or not, and why), summed
+        over devices; empty where no GPU engine registered."""
+        with self._lock:
+            copiers = list(self._copiers.values())
+        total: Counter[str] = Counter()
+        for copier in copiers:
+            total.update(copier.counts)
+        return dict(total)
 
     def describe(self) -> list[dict]:
         with self._lock:

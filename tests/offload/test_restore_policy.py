@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload.load_periods import LoadBusyPeriods
+from offload.load_periods import MAX_LOADS_PER_SAMPLE, LoadBusyPeriods, busy_seconds
 from offload.restore import lookup_wait_budget_s
 from offload.restore_policy import BUSY_RECOMPUTE_FACTOR, RestorePolicy
 
@@ -120,37 +120,58 @@ def test_one_slow_large_step_does_not_hold_the_recompute_estimate() -> None:
 
 def test_serial_loads_each_give_their_own_sample() -> None:
     periods = LoadBusyPeriods()
-    periods.started(10.0)
-    assert periods.ended(10.5, {"dram": 50}) == ("dram", 50, 0.5)
-    periods.started(11.0)  # idle between: the gap is no one's time
-    assert periods.ended(11.25, {"dram": 50}) == ("dram", 50, 0.25)
+    periods.started()
+    assert periods.ended(10.0, 10.5, {"dram": 50}) == ("dram", 50, 0.5)
+    periods.started()  # idle between: the gap is no one's time
+    assert periods.ended(11.0, 11.25, {"dram": 50}) == ("dram", 50, 0.25)
 
 
-def test_overlapping_loads_give_one_sample_over_their_busy_period() -> None:
+def test_overlapping_loads_give_one_sample_over_their_busy_time() -> None:
     """Two loads whose chunks interleave land close together: the second's time since the
-    first landed is tiny, but the period's bytes over its length is the bus's figure."""
+    first landed is tiny, but their bytes over the union of their lifetimes is the bus's."""
     periods = LoadBusyPeriods()
-    periods.started(0.0)
-    periods.started(0.01)
-    assert periods.ended(0.099, {"dram": 100}) is None  # still one in flight
-    assert periods.ended(0.1, {"dram": 100, "ssd": 20}) == ("dram", 220, 0.1)
-    # landings polled out of order: the period ends at the latest one
-    periods.started(1.0)
-    periods.started(1.0)
-    assert periods.ended(1.3, {"dram": 10}) is None
-    assert periods.ended(1.2, {"dram": 10}) == ("dram", 20, pytest.approx(0.3))
+    periods.started()
+    periods.started()
+    assert periods.ended(0.0, 0.099, {"dram": 100}) is None  # one still in flight
+    assert periods.ended(0.01, 0.1, {"dram": 100, "ssd": 20}) == ("dram", 220, 0.1)
+    # polled out of order, and a gap in the middle that no load spans
+    periods.started()
+    periods.started()
+    periods.started()
+    assert periods.ended(1.0, 1.3, {"dram": 10}) is None
+    assert periods.ended(2.0, 2.1, {"dram": 10}) is None
+    assert periods.ended(1.2, 1.25, {"dram": 10}) == ("dram", 30, pytest.approx(0.4))
 
 
-def test_a_failed_or_given_up_load_spoils_its_period_only() -> None:
+def test_a_load_that_landed_nothing_adds_neither_bytes_nor_time() -> None:
     periods = LoadBusyPeriods()
-    periods.started(0.0)
-    periods.started(0.0)
-    assert periods.ended(0.1, {}) is None  # failed: no bytes
-    assert periods.ended(0.2, {"dram": 100}) is None  # the period proves nothing
+    periods.started()
+    periods.started()
+    assert periods.ended(0.0, 5.0, {}) is None  # failed or given up: its 5 s count for none
+    assert periods.ended(0.0, 0.2, {"dram": 100}) == ("dram", 100, 0.2)
+    periods.started()
+    assert periods.ended(1.0, 1.5, {}) is None  # nothing landed in the whole period
     assert periods.in_flight == 0
-    periods.started(1.0)
-    assert periods.ended(1.5, {"dram": 100}) == ("dram", 100, 0.5)
-    assert periods.ended(2.0, {"dram": 1}) is None  # more endings than starts: ignored
+    assert periods.ended(2.0, 2.5, {"dram": 1}) is None  # more endings than starts: ignored
+
+
+def test_steady_traffic_still_gives_samples() -> None:
+    """Loads always in flight never close a period by themselves: every
+    ``MAX_LOADS_PER_SAMPLE`` endings give a sample."""
+    periods = LoadBusyPeriods()
+    periods.started()
+    samples = []
+    for i in range(3 * MAX_LOADS_PER_SAMPLE):
+        periods.started()  # the next starts before this one ends
+        samples.append(periods.ended(i * 0.1, i * 0.1 + 0.1, {"dram": 10}))
+    got = [s for s in samples if s is not None]
+    assert len(got) == 3 and all(s == ("dram", 80, pytest.approx(0.8)) for s in got)
+    assert periods.in_flight == 1
+
+
+def test_busy_seconds_is_the_union_of_the_intervals() -> None:
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0, 1), (0.5, 2), (3, 4), (3.5, 3.6)]) == pytest.approx(3.0)
 
 
 def test_the_policy_remembers_the_latest_step() -> None:

@@ -61,6 +61,7 @@ def test_admin_stats(daemon: RunningDaemon) -> None:
     assert stats["tiers"]["dram"]["misses"] >= stats["counters"]["miss_blocks"] >= 0
     assert stats["tiers"]["ssd"]["misses"] == 0  # the shared daemon has no SSD tier
     assert stats["daemon"]["requests"]["put"] >= 1
+    assert stats["daemon"]["copies"] == {}  # how GPU copiers' batches went: no GPU engine here
 
 
 def test_admin_metrics(daemon: RunningDaemon) -> None:
@@ -77,6 +78,7 @@ def test_admin_metrics(daemon: RunningDaemon) -> None:
     assert re.search(r'^kvstore_requests_total\{verb="get"\} [1-9]', text, re.M)
     assert re.search(r"^kvstore_store_miss_blocks_total [1-9]", text, re.M)
     assert "# TYPE kvstore_tier_blocks gauge" in text
+    assert "# TYPE kvstore_copy_batches_total counter" in text  # by way: packed or not (GPU engines)
 
 
 def test_admin_metrics_speak_prometheus_units(daemon: RunningDaemon) -> None:

@@ -185,11 +185,40 @@ def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool, monkey
     targets = [int(b) for b in rng.permutation(NUM_BLOCKS)[:len(ids)]]
     for t in buffers:
         t.fill(0)
+    cp.cuda.Device().synchronize()  # the fills ran on CuPy's stream, not the copier's
     copier.blocks_to_device(table, targets, addrs).wait()
     for b, t in zip(ids, targets):
         assert np.array_equal(block(t), expect[b]), f"load of block {b} into block {t}"
     untouched = set(range(NUM_BLOCKS)) - set(targets)
     assert all(not block(b).any() for b in untouched)
+    assert copier.counts["batches_packed"] == 5 and not copier.counts["batches_not_packed_host"]
+
+
+def test_a_new_table_on_a_warm_copier_reads_its_own_regions(monkeypatch) -> None:
+    """A second registration's piece table (new buffers) on a copier whose rings are warm:
+    its region table is on the device before the first launch reads it, so blocks come from
+    the new buffers, never the old ones."""
+    import cupy as cp
+
+    monkeypatch.setattr(copier_module, "PACKED_MIN_PIECES", 1)
+    copier = copier_module.CudaCopier(0)
+    num_slots = 8
+    for round_ in range(3):
+        layout, buffers, ptrs, block = _buffers(cp, "vllm")
+        for t in buffers:
+            t += round_ + 1  # each round's bytes differ from the last
+        cp.cuda.Device().synchronize()
+        table = PieceTable(layout, ptrs)
+        pinned = cp.cuda.alloc_pinned_memory(num_slots * layout.block_bytes)
+        host = np.frombuffer(pinned, dtype=np.uint8, count=num_slots * layout.block_bytes)
+        host[:] = 0
+        ids = [5, 2, 7, 0]
+        addrs = [host.ctypes.data + i * layout.block_bytes for i in range(len(ids))]
+        copier.blocks_to_host(table, ids, addrs).wait()
+        rows = host.reshape(num_slots, layout.block_bytes)
+        for i, b in enumerate(ids):
+            assert np.array_equal(rows[i], block(b)), f"round {round_}, block {b}"
+        del table  # its region table may go; the next round's is a new upload
 
 
 def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
@@ -208,6 +237,7 @@ def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
     for i, b in enumerate(ids):
         assert np.array_equal(rows[i], block(b))
     assert table not in copier._regions  # never considered for packing
+    assert copier.counts["batches_not_packed_host"] == 1 and not copier.counts["batches_packed"]
 
 
 def test_copy_pieces_matches_its_numpy_reference() -> None:
@@ -229,12 +259,14 @@ def test_copy_pieces_matches_its_numpy_reference() -> None:
     dev = cp.asarray(start)
     table = region_table(base + dev.data.ptr, strides, sizes, offsets)
     regions = cp.asarray(table)
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     for ids, pack in (([7, 2, 5, 0, 8], True), ([1, 3, 6, 4, 2], False)):
         want = cp.asnumpy(dev)
         copy_pieces_reference(want, region_table(base, strides, sizes, offsets), ids, packed_at,
                               block_bytes, pack)
         ids_dev = cp.asarray(np.array(ids, dtype=np.int64))
+        cp.cuda.Device().synchronize()  # uploaded on CuPy's stream, launched on another
         launch_pieces(regions.data.ptr, len(sizes), ids_dev.data.ptr, len(ids),
                       dev.data.ptr + packed_at, block_bytes, int(sizes.max()), pack, stream)
         stream.synchronize()
