@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,10 +24,32 @@ FAST = {"heartbeat_interval_s": 0.1, "node_ttl_s": 0.5, "redis_timeout_s": 0.2,
         "flush_interval_s": 0.002}
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for automatic (bind to 0, outgoing) ports."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now on every interface and below the kernel's ephemeral range, so no
+    automatic bind (another daemon's UCX sockets, a client's) takes it before its user binds
+    it: a port from bind(0) is ephemeral, and once released it was seen taken that way (a
+    cluster fixture's second daemon failed with "Address already in use")."""
+    low, high = _ephemeral_ports()
+    first, last = (10000, low - 1) if low > 11000 else (high + 1, 65535)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(first, last)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}..{last}")
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
