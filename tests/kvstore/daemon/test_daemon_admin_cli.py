@@ -78,7 +78,7 @@ def test_admin_metrics(daemon: RunningDaemon) -> None:
     assert re.search(r'^kvstore_requests_total\{verb="get"\} [1-9]', text, re.M)
     assert re.search(r"^kvstore_store_miss_blocks_total [1-9]", text, re.M)
     assert "# TYPE kvstore_tier_blocks gauge" in text
-    assert "# TYPE kvstore_copy_batches_total counter" in text  # by way: packed or not (GPU engines)
+    assert "# TYPE kvstore_copy_batches_total counter" in text  # GPU engines: packed or not
 
 
 def test_admin_metrics_speak_prometheus_units(daemon: RunningDaemon) -> None:
