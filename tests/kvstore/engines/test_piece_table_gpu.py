@@ -203,8 +203,10 @@ def test_a_new_table_on_a_warm_copier_reads_its_own_regions(monkeypatch) -> None
     monkeypatch.setattr(copier_module, "PACKED_MIN_PIECES", 1)
     copier = copier_module.CudaCopier(0)
     num_slots = 8
+    kept = []  # earlier rounds' buffers stay allocated: a stale table would read them
     for round_ in range(3):
         layout, buffers, ptrs, block = _buffers(cp, "vllm")
+        kept.append(buffers)
         for t in buffers:
             t += round_ + 1  # each round's bytes differ from the last
         cp.cuda.Device().synchronize()
