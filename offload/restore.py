@@ -90,7 +90,6 @@ class Restorer:
         self.restores: dict[str, Restore] = {}
         self.prefetched: dict[str, Restore] = {}  # lookups sent on arrival, not yet used
         self._step_polled_at = 0.0  # lookup waits of this step count from here
-        self._last_step_s = 0.0  # the previous step's time, at this step's poll
         self.load_bandwidth = LoadBusyPeriods()  # bandwidth samples (see there)
         self.quarantine = Quarantine(ledger, counters)
 
@@ -132,9 +131,10 @@ class Restorer:
             # waiting for it (bounded per step, see LOOKUP_WAIT_*) costs the running requests
             # less than the step the new one would otherwise lose. Loads and saves are never
             # waited for.
-            likely = bool(r.seq.block_hashes[r.first_block:r.first_block + 1]) and \
-                r.seq.block_hashes[r.first_block] in self.saved_keys
-            budget = (self._step_polled_at + lookup_wait_budget_s(self._last_step_s, likely)
+            hashes = r.seq.block_hashes
+            likely = r.first_block < len(hashes) and hashes[r.first_block] in self.saved_keys
+            budget = (self._step_polled_at
+                      + lookup_wait_budget_s(self.policy.last_step_s(), likely)
                       - time.monotonic())
             if budget <= 0 or not r.lookup.wait(budget):
                 self.counters["lookups_answered_late"] += 1
@@ -171,7 +171,7 @@ class Restorer:
         theirs is in flight; a hung store's restores are given up (recomputed)."""
         outcome = RestoreOutcome([], [])
         now = time.monotonic()
-        self._step_polled_at, self._last_step_s = now, self.policy.last_step_s()
+        self._step_polled_at = now
         self.connector.release_disowned()
         self.quarantine.poll()
         hung = bool(self.restores) and self.connector.state == "hung"

@@ -147,13 +147,16 @@ class CudaCopier:
                 if slot is not None:
                     PinnedTables.retire(slot, event)
             except BaseException:
-                # The runs enqueued before the failing one have no event: wait for them here, so
-                # no copy is still touching the caller's buffers once it hears of the error.
-                for s in (stream, self._side_streams[kind]):
-                    with contextlib.suppress(Exception):
-                        s.synchronize()
+                self._drain(kind)
                 raise
         return CopyHandle(event, runs.total_bytes)
+
+    def _drain(self, kind: int) -> None:
+        """After a failed submission, wait out the copies it enqueued (they have no event): none
+        still touches the caller's buffers once it hears of the error."""
+        for s in (self._streams[kind], self._side_streams[kind]):
+            with contextlib.suppress(Exception):
+                s.synchronize()
 
     def _bus_copy(self, runs: RunArrays, kind: int, batch: bool) -> None:
         """The runs on the copy engines: one driver batch, or a ``cudaMemcpyAsync`` each."""
@@ -288,9 +291,7 @@ class CudaCopier:
                     event = self._packed_part(table, regions, ids[start:start + per_part],
                                               host[start:start + per_part], kind)
             except BaseException:
-                for s in (self._streams[kind], self._side_streams[kind]):
-                    with contextlib.suppress(Exception):
-                        s.synchronize()
+                self._drain(kind)
                 raise
         return CopyHandle(event, len(ids) * table.block_bytes)
 

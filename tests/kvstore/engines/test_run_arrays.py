@@ -130,20 +130,23 @@ def _apply(memory: np.ndarray, runs: RunArrays) -> None:
         memory[dst:dst + size] = memory[src:src + size].copy()
 
 
-@pytest.mark.parametrize("name", ["vllm", "block_major"])
-def test_staged_sides_move_the_same_bytes_as_the_direct_runs(name: str) -> None:
-    from kvstore.engines.device_staging import staged_sides
-
-    num_blocks = 9
+def _flat_table(name: str, num_blocks: int) -> tuple[KVLayout, PieceTable, int]:
+    """(layout, piece table, device bytes) of a layout placed at the start of one flat byte
+    array (addresses are indices into it): vLLM's with 3 layers, or a block-major arena."""
     if name == "vllm":
         layout, _ = _vllm_layout(3, num_blocks)
         layer_bytes = 2 * num_blocks * PIECE
         ptrs = [layer * layer_bytes for layer in range(3) for _ in range(2)]
-        device_bytes = 3 * layer_bytes
-    else:
-        layout, _ = _block_major(num_blocks, 4 * PIECE)
-        ptrs, device_bytes = [0], num_blocks * layout.block_bytes
-    table = PieceTable(layout, ptrs)
+        return layout, PieceTable(layout, ptrs), 3 * layer_bytes
+    layout, _ = _block_major(num_blocks, 4 * PIECE)
+    return layout, PieceTable(layout, [0]), num_blocks * layout.block_bytes
+
+
+@pytest.mark.parametrize("name", ["vllm", "block_major"])
+def test_staged_sides_move_the_same_bytes_as_the_direct_runs(name: str) -> None:
+    from kvstore.engines.device_staging import staged_sides
+
+    layout, table, device_bytes = _flat_table(name, num_blocks=9)
     ids, slots = [7, 2, 5, 0], [3, 0, 1, 6]
     host0 = device_bytes  # host pool after the device bytes, staging after the pool
     staging0 = host0 + 8 * layout.block_bytes
@@ -177,16 +180,7 @@ def test_packed_pieces_move_the_same_bytes_as_the_direct_runs(name: str) -> None
     the store's host layout (the direct runs' bytes) and unpacks it into other blocks."""
     from kernels.block_copy import copy_pieces_reference, region_table
 
-    num_blocks = 9
-    if name == "vllm":
-        layout, _ = _vllm_layout(3, num_blocks)
-        layer_bytes = 2 * num_blocks * PIECE
-        ptrs = [layer * layer_bytes for layer in range(3) for _ in range(2)]
-        device_bytes = 3 * layer_bytes
-    else:
-        layout, _ = _block_major(num_blocks, 4 * PIECE)
-        ptrs, device_bytes = [0], num_blocks * layout.block_bytes
-    table = PieceTable(layout, ptrs)
+    layout, table, device_bytes = _flat_table(name, num_blocks=9)
     regions = region_table(table.device_base, table.device_stride, table.piece_bytes,
                            table.host_offset)
     ids = [7, 2, 5, 0]
