@@ -1,9 +1,10 @@
-"""A vLLM process the vllm tests drive over stdin/stdout (one JSON request per line).
+"""A vLLM process the vllm tests drive: requests on stdin (one JSON per line), results on a pipe.
 
-Run as ``python vllm_child.py MODEL_DIR SOCKET|- [EXTRA_CONFIG_JSON]`` ("-": no connector).
-Prints ``READY`` once the engine is up, then one ``RESULT {json}`` line per request line
-``{"prompt_token_ids": [...], "cache_salt": null, "max_tokens": 4}``. The guard matters: vLLM
-spawns, and a spawned child re-imports this file.
+Run as ``python vllm_child.py MODEL_DIR SOCKET|- EXTRA_CONFIG_JSON RESULT_FD`` ("-": no
+connector). Writes ``READY`` to the file descriptor ``RESULT_FD`` once the engine is up, then one
+``RESULT {json}`` line per request line ``{"prompt_token_ids": [...], "cache_salt": null,
+"max_tokens": 4}``; vLLM's and the connector's logs go to stdout and stderr, never in between.
+The guard matters: vLLM spawns, and a spawned child re-imports this file.
 """
 
 from __future__ import annotations
@@ -32,12 +33,20 @@ def _by_source(llm) -> dict[str, float]:
     return out
 
 
+def _emit(results, line: str) -> None:
+    results.write(line + "\n")  # one write: the line arrives whole
+    results.flush()
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     model_dir, socket_path = sys.argv[1], sys.argv[2]
-    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    extra = json.loads(sys.argv[3])
+    result_fd = int(sys.argv[4])
+    os.set_inheritable(result_fd, False)  # processes vLLM starts must not hold the pipe open
+    results = os.fdopen(result_fd, "w")
     kwargs = {}
     if socket_path != "-":
         kwargs["kv_transfer_config"] = {
@@ -48,7 +57,7 @@ def main() -> None:
         }
     llm = LLM(model_dir, max_model_len=8192, enforce_eager=True, max_num_batched_tokens=8192,
               kv_cache_memory_bytes=64 << 20, disable_log_stats=False, seed=0, **kwargs)
-    print("READY", flush=True)
+    _emit(results, "READY")
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -75,7 +84,7 @@ def main() -> None:
             "external_queries": _counter(llm, "vllm:external_prefix_cache_queries"),
             "cached_by_source": _by_source(llm),
         }
-        print("RESULT " + json.dumps(result), flush=True)
+        _emit(results, "RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":

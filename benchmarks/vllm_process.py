@@ -23,14 +23,27 @@ class VllmProcess:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         env.pop("KVSTORE_SOCKET", None)
+        # READY and RESULT lines come on a pipe of their own: on the shared stdout/stderr, a
+        # log line from another thread of the child can land inside a RESULT line.
+        result_r, result_w = os.pipe()
         args = [sys.executable, str(CHILD), str(model_dir),
-                str(socket_path) if socket_path is not None else "-", json.dumps(extra or {})]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=env)
+                str(socket_path) if socket_path is not None else "-", json.dumps(extra or {}),
+                str(result_w)]
+        try:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                                         env=env, pass_fds=(result_w,))
+        except BaseException:
+            os.close(result_r)
+            raise
+        finally:
+            os.close(result_w)
         self.lines: list[str] = []
         self._results: queue.Queue = queue.Queue()
         self._ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=self._pump_log, daemon=True).start()
+        threading.Thread(target=self._pump_results, args=(os.fdopen(result_r, "r"),),
+                         daemon=True).start()
         if wait:
             self.wait_ready()
 
@@ -41,15 +54,25 @@ class VllmProcess:
             raise RuntimeError("vLLM did not start:\n" + self.tail())
         return self
 
-    def _pump(self) -> None:
+    def _pump_log(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            if line == "READY":
-                self._ready.set()
-            elif line.startswith("RESULT "):
-                self._results.put(json.loads(line[len("RESULT "):]))
+            self.lines.append(line.rstrip("\n"))
+
+    def _pump_results(self, results) -> None:
+        """READY, then one RESULT per request; a line that is neither is passed on as an error
+        (``ask`` raises it), never a dead thread and a caller waiting out its timeout."""
+        with results:
+            for line in results:
+                line = line.rstrip("\n")
+                if line == "READY":
+                    self._ready.set()
+                    continue
+                try:
+                    self._results.put(json.loads(line.removeprefix("RESULT ")))
+                except ValueError as exc:
+                    self._results.put(RuntimeError(f"unreadable result line ({exc}): "
+                                                   f"{line[:200]!r}"))
         self._results.put(None)
         self._ready.set()
 
@@ -69,6 +92,8 @@ class VllmProcess:
             raise RuntimeError(f"vLLM gave no answer in {timeout_s} s:\n{self.tail()}") from None
         if result is None:
             raise RuntimeError(f"vLLM exited:\n{self.tail()}")
+        if isinstance(result, Exception):
+            raise result
         return result
 
     def stop(self) -> None:
