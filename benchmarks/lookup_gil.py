@@ -1,17 +1,23 @@
-"""Lookup round trips from an engine-like process whose step thread is busy in Python, by the
-process's GIL switch interval.
+"""Lookup round trips beside a busy Python thread, by the GIL switch interval of the busy process.
 
-An engine sends its store requests from a link thread and reads the replies on the client's
-reader thread, while its step thread spends long stretches in Python (scheduling, kernel
-launches). Each of those threads waits for the GIL up to the interpreter's switch interval
-(5 ms by default) when the step thread holds it, so a lookup the daemon answers in about a
-millisecond can come back many milliseconds later: after the step that wanted it began. This
-starts a real ``kvstore serve``, keeps one thread of this process busy in pure Python, and times
-``lookup`` round trips of ``--blocks`` blocks from another thread, alternating the switch
-intervals given (``kvengine serve`` sets ``server.cli.SERVE_SWITCH_INTERVAL_S``).
+``--busy engine``: an engine sends its store requests from a link thread and reads the replies on
+the client's reader thread, while its step thread spends long stretches in Python (scheduling,
+kernel launches). Each of those threads waits for the GIL up to the interpreter's switch
+interval (5 ms by default) when the step thread holds it, so a lookup the daemon answers in
+about a millisecond can come back many milliseconds later: after the step that wanted it began.
+This keeps one thread of this process busy in pure Python and times ``lookup`` round trips of
+``--blocks`` blocks from another thread, alternating the switch intervals given (``kvengine
+serve`` sets ``server.cli.SERVE_SWITCH_INTERVAL_S``).
 
-    python -m benchmarks.lookup_gil [--intervals-ms 5,0.5] [--rounds 2] [--seconds 4]
-                                    [--blocks 1200] [--out DIR]
+``--busy daemon``: the same wait inside the daemon, whose event loop reads requests and writes
+replies while worker threads run a save's bookkeeping in Python. A child process saves
+``--save-blocks`` blocks at a time (fresh hashes, shared-memory engine memory) as fast as the
+daemon takes them, and this quiet process times lookups; a fresh ``kvstore serve`` per switch
+interval (``kvstore.cli.SERVE_SWITCH_INTERVAL_S``, set before it starts). Also the child's saves
+per second: a shorter interval must not slow the work that keeps the daemon busy.
+
+    python -m benchmarks.lookup_gil [--busy engine,daemon] [--intervals-ms 5,0.5] [--rounds 2]
+                                    [--seconds 4] [--blocks 1200] [--save-blocks 256] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,18 +28,23 @@ import sys
 import tempfile
 import threading
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from kvstore.keys import Namespace, block_hashes, block_ident
+from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client
 
+SAVE_BLOCK_BYTES = 16 << 10  # small blocks: the daemon's per-block Python is what keeps it busy
 
-def _chain(num_blocks: int, block_size: int = 16) -> tuple[bytes, list[bytes], list[bytes]]:
-    namespace = Namespace(name="lookup-gil").digest
-    tokens = np.random.default_rng(0).integers(0, 50_000, num_blocks * block_size)
+
+def _chain(num_blocks: int, name: str = "lookup-gil", seed: int = 0,
+           block_size: int = 16) -> tuple[bytes, list[bytes], list[bytes]]:
+    namespace = Namespace(name=name).digest
+    tokens = np.random.default_rng(seed).integers(0, 50_000, num_blocks * block_size)
     hashes = block_hashes(namespace, tokens, block_size)
     parents = [namespace, *hashes[:-1]]
     idents = [block_ident(parents[i], tokens[i * block_size:(i + 1) * block_size])
@@ -41,8 +52,48 @@ def _chain(num_blocks: int, block_size: int = 16) -> tuple[bytes, list[bytes], l
     return namespace, hashes, idents
 
 
-def _round_trips_ms(socket_path: Path, chain, seconds: float, interval_s: float,
-                    busy_thread: bool = True) -> np.ndarray:
+def _start_daemon(switch_interval_s: float | None) -> tuple[subprocess.Popen, Path]:
+    """A ``kvstore serve`` on a fresh socket (with the switch interval it sets, if given)."""
+    socket_path = Path(tempfile.mkdtemp(prefix="kvs-gil-")) / "kvstore.sock"
+    head = [sys.executable, "-m", "kvstore.cli"]
+    if switch_interval_s is not None:
+        head = [sys.executable, "-c", "import sys, kvstore.cli as k; "
+                f"k.SERVE_SWITCH_INTERVAL_S = {switch_interval_s!r}; "
+                "sys.exit(k.main(sys.argv[1:]))"]
+    proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram", "256MiB",
+                             "--http", "off", "--ssd-size", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "kvstore: ready" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep it drained
+            return proc, socket_path
+    raise RuntimeError(f"kvstore serve exited with {proc.wait()}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def _round_trips_ms(socket_path: Path, chain, seconds: float) -> np.ndarray:
+    out = []
+    with Client(socket_path) as client:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            client.lookup_async(*chain).wait()
+            out.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.005)
+    return np.array(out)
+
+
+def _beside_busy_thread_ms(socket_path: Path, chain, seconds: float, interval_s: float,
+                           busy_thread: bool = True) -> np.ndarray:
     """Lookup round trips (ms) while another thread of this process runs pure Python (or,
     without ``busy_thread``, while nothing else runs: the floor)."""
     before = sys.getswitchinterval()
@@ -57,65 +108,112 @@ def _round_trips_ms(socket_path: Path, chain, seconds: float, interval_s: float,
 
     worker = threading.Thread(target=busy if busy_thread else stop.wait, daemon=True)
     worker.start()
-    out = []
     try:
-        with Client(socket_path) as client:
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                t0 = time.perf_counter()
-                client.lookup_async(*chain).wait()
-                out.append((time.perf_counter() - t0) * 1e3)
-                time.sleep(0.005)
+        return _round_trips_ms(socket_path, chain, seconds)
     finally:
         stop.set()
         worker.join()
         sys.setswitchinterval(before)
-    return np.array(out)
+
+
+def saver_main(socket_path: str, num_blocks: int, seconds: float) -> None:
+    """The child of ``--busy daemon``: save ``num_blocks`` fresh blocks at a time for
+    ``seconds``, then print ``SAVES <count> <elapsed_s>``."""
+    shm = shared_memory.SharedMemory(create=True, size=num_blocks * SAVE_BLOCK_BYTES)
+    try:
+        with Client(socket_path) as client:
+            region = Region(shm.name, shm.size, 0, SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES)
+            registration = client.register(KVLayout(num_blocks, (region,), dtype="uint8"),
+                                           "lookup-gil-saver")
+            count, start = 0, time.monotonic()
+            while time.monotonic() - start < seconds:
+                namespace, hashes, idents = _chain(num_blocks, "lookup-gil-saver", count + 1)
+                client.save(registration, namespace, list(range(num_blocks)), hashes, idents)
+                count += 1
+            print(f"SAVES {count} {time.monotonic() - start:.3f}", flush=True)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def _beside_busy_daemon(args, interval_s: float) -> tuple[np.ndarray, float]:
+    """Lookup round trips (ms) from this quiet process while a child keeps the daemon saving;
+    and the child's saves per second."""
+    proc, socket_path = _start_daemon(interval_s)
+    try:
+        chain = _chain(args.blocks)
+        saver = subprocess.Popen([sys.executable, "-m", "benchmarks.lookup_gil", "--saver",
+                                  str(socket_path), "--save-blocks", str(args.save_blocks),
+                                  "--seconds", str(args.seconds + 1.0)],
+                                 stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # the saver registers and gets going
+        lat = _round_trips_ms(socket_path, chain, args.seconds)
+        out, _ = saver.communicate(timeout=60)
+        if saver.returncode != 0 or not out.startswith("SAVES "):
+            raise RuntimeError(f"the saver failed ({saver.returncode}): {out!r}")
+        count, elapsed = out.split()[1:3]
+        return lat, int(count) / float(elapsed)
+    finally:
+        _stop(proc)
+
+
+def _row(rnd: int, busy: str, ms: float, lat: np.ndarray, **extra) -> dict:
+    return {"round": rnd, "busy": busy, "switch_interval_ms": ms, "n": len(lat),
+            "mean_ms": float(lat.mean()), "p50_ms": float(np.median(lat)),
+            "p90_ms": float(np.percentile(lat, 90)), "p99_ms": float(np.percentile(lat, 99)),
+            **extra}
+
+
+def _say(row: dict, what: str, blocks: int) -> None:
+    extra = f", {row['saves_per_s']:.0f} saves/s" if "saves_per_s" in row else ""
+    print(f"switch interval {row['switch_interval_ms']:g} ms, {what}: lookup of {blocks} "
+          f"blocks mean {row['mean_ms']:.2f} p50 {row['p50_ms']:.2f} p90 {row['p90_ms']:.2f} "
+          f"p99 {row['p99_ms']:.2f} ms ({row['n']} round trips{extra})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--busy", default="engine,daemon")
     parser.add_argument("--intervals-ms", default="5,0.5")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--blocks", type=int, default=1200)
+    parser.add_argument("--save-blocks", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--saver", metavar="SOCKET", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.saver:
+        saver_main(args.saver, args.save_blocks, args.seconds)
+        return 0
     intervals = [float(x) for x in args.intervals_ms.split(",")]
-    socket_path = Path(tempfile.mkdtemp(prefix="kvs-gil-")) / "kvstore.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
-                             str(socket_path), "--dram", "256MiB", "--http", "off",
-                             "--ssd-size", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "kvstore: ready" in line:
-            break
-    else:
-        raise RuntimeError(f"kvstore serve exited with {proc.wait()}")
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    chain = _chain(args.blocks)
+    busy_kinds = args.busy.split(",")
+    if not set(busy_kinds) <= {"engine", "daemon"}:
+        parser.error("--busy takes engine, daemon or both")
     rows = []
-    try:
+    if "engine" in busy_kinds:
+        proc, socket_path = _start_daemon(None)
+        chain = _chain(args.blocks)
+        try:
+            for rnd in range(args.rounds):
+                for ms, busy in [(intervals[0], False)] + [(ms, True) for ms in intervals]:
+                    lat = _beside_busy_thread_ms(socket_path, chain, args.seconds, ms / 1e3, busy)
+                    rows.append(_row(rnd, "engine_thread" if busy else "none", ms, lat))
+                    _say(rows[-1], "a busy Python thread beside" if busy
+                         else "nothing else running", args.blocks)
+        finally:
+            _stop(proc)
+    if "daemon" in busy_kinds:
         for rnd in range(args.rounds):
-            for ms, busy in [(intervals[0], False)] + [(ms, True) for ms in intervals]:
-                lat = _round_trips_ms(socket_path, chain, args.seconds, ms / 1e3, busy)
-                row = {"round": rnd, "switch_interval_ms": ms, "busy_thread": busy,
-                       "n": len(lat),
-                       "p50_ms": float(np.median(lat)), "p90_ms": float(np.percentile(lat, 90)),
-                       "p99_ms": float(np.percentile(lat, 99))}
-                rows.append(row)
-                beside = "a busy Python thread beside" if busy else "nothing else running"
-                print(f"switch interval {ms:g} ms, {beside}: lookup of "
-                      f"{args.blocks} blocks p50 {row['p50_ms']:.2f} p90 {row['p90_ms']:.2f} "
-                      f"p99 {row['p99_ms']:.2f} ms ({row['n']} round trips)", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+            for ms in intervals:
+                lat, saves_per_s = _beside_busy_daemon(args, ms / 1e3)
+                rows.append(_row(rnd, "daemon_saves", ms, lat, saves_per_s=saves_per_s))
+                _say(rows[-1], f"the daemon saving {args.save_blocks} blocks at a time",
+                     args.blocks)
     result = {"benchmark": "lookup_gil", "date": now_iso(), "machine": machine_info(),
-              "blocks": args.blocks, "rows": rows,
+              "blocks": args.blocks, "save_blocks": args.save_blocks,
+              "save_block_bytes": SAVE_BLOCK_BYTES, "rows": rows,
               "command": command("python -m benchmarks.lookup_gil", argv)}
-    path = write_result(args.out, f"lookup_gil-{today()}.json", result)
+    path = write_result(args.out, f"lookup_gil-{'-'.join(busy_kinds)}-{today()}.json", result)
     print(f"wrote {path}")
     return 0
 
