@@ -19,8 +19,12 @@ class VllmProcess:
     """One vLLM engine in its own process; ``ask`` sends a prompt and returns its result."""
 
     def __init__(self, model_dir: Path, socket_path: Path | None, extra: dict | None = None,
-                 wait: bool = True) -> None:
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                 wait: bool = True, engine_args: dict | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """``extra``: the connector's ``kv_connector_extra_config``; ``engine_args``: vLLM
+        ``LLM`` arguments over the child's defaults (``tensor_parallel_size``...); ``env``:
+        variables for the child on top of this process's."""
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {}),
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         env.pop("KVSTORE_SOCKET", None)
         # READY and RESULT lines come on a pipe of their own: on the shared stdout/stderr, a
@@ -28,7 +32,7 @@ class VllmProcess:
         result_r, result_w = os.pipe()
         args = [sys.executable, str(CHILD), str(model_dir),
                 str(socket_path) if socket_path is not None else "-", json.dumps(extra or {}),
-                str(result_w)]
+                str(result_w), json.dumps(engine_args or {})]
         try:
             self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,

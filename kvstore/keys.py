@@ -32,6 +32,9 @@ _TAG_WEIGHTS = 9
 _TAG_TENANT = 10
 _TAG_LORA = 11
 _TAG_NAME = 12
+_TAG_SHARD_OF = 13
+_TAG_SHARD = 14
+_TAG_NUM_SHARDS = 15
 
 _TYPE_INT = 1
 _TYPE_STR = 2
@@ -107,6 +110,22 @@ class Namespace:
     @property
     def digest(self) -> bytes:
         return xxhash.xxh3_128_digest(self.encode())
+
+
+def shard_namespace(namespace_digest: bytes, shard: int, num_shards: int) -> bytes:
+    """The namespace under which one shard of a model-parallel engine keeps its part of each
+    block (tensor parallelism: every rank holds other heads of the same tokens). The block
+    hashes and idents stay those of ``namespace_digest``'s chain, so every shard's keys come from
+    one computation. One shard: ``namespace_digest`` itself."""
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} of {num_shards}: need 0 <= shard < num_shards")
+    if len(namespace_digest) != HASH_BYTES:
+        raise ValueError(f"a namespace digest has {HASH_BYTES} bytes, not {len(namespace_digest)}")
+    if num_shards == 1:
+        return namespace_digest
+    return xxhash.xxh3_128_digest(encode_fields([(_TAG_SHARD_OF, namespace_digest),
+                                                 (_TAG_SHARD, shard),
+                                                 (_TAG_NUM_SHARDS, num_shards)]))
 
 
 def truncate_hash(digest: bytes, bits: int | None) -> bytes:

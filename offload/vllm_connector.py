@@ -100,6 +100,21 @@ def _model_facts(vllm_config: VllmConfig, kv_cache_config: Any) -> VllmModelFact
         layout_signature=signature)
 
 
+def _tensor_parallel_rank(num_shards: int) -> int:
+    """This worker's rank in its tensor-parallel group (0 without tensor parallelism)."""
+    if num_shards == 1:
+        return 0
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    if get_tensor_model_parallel_world_size() != num_shards:
+        raise ValueError(f"tensor-parallel world size {get_tensor_model_parallel_world_size()}"
+                         f" differs from the config's {num_shards}")
+    return int(get_tensor_model_parallel_rank())
+
+
 class KVStoreConnector(KVConnectorBase_V1):
     """vLLM's handle on kvstore: scheduler side (lookups, plans) or worker side (copies)."""
 
@@ -109,11 +124,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
-            # Every rank holds a different shard of a block under the same key: the keys would
-            # need the rank, which the scheduler side (one for all ranks) does not know.
-            raise ValueError("KVStoreConnector supports one worker per engine (tensor and "
-                             "pipeline parallel size 1); use data parallelism to scale out")
+        if pc.pipeline_parallel_size != 1:
+            # Each stage holds other layers: a plan's blocks would have to name the stage's
+            # layers, and no run has checked that a stage's KV tensors are what it registers.
+            raise ValueError("KVStoreConnector supports pipeline parallel size 1 (tensor "
+                             "parallelism and data parallelism are supported)")
+        # Tensor parallelism: every rank stores its shard of a block (its KV heads) under its
+        # own shard namespace; the scheduler side looks up rank 0's.
+        self._num_shards = int(pc.tensor_parallel_size)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra_config(extra)
         self.facts = _model_facts(vllm_config, kv_cache_config)
@@ -133,7 +151,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                                      self.settings.load_timeout_s,
                                      self.settings.retry_interval_s)
             self._scheduler = SchedulerSide(self.keys, store, self.settings.load_blocks,
-                                            self.settings.lookup_timeout_s)
+                                            self.settings.lookup_timeout_s, self._num_shards)
 
     # ------------------------------------------------------------------------- scheduler side
 
@@ -213,14 +231,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         names = [n for n in self._layer_names if n in kv_caches] or sorted(kv_caches)
         tensors = [kv_caches[n] for n in names]
         mover = self._make_mover(names, tensors)
+        rank = _tensor_parallel_rank(self._num_shards)
         log.info("kvstore connector: %d layers, block size %d, namespace layout %s, tensor "
-                 "layout %s", len(names), self.facts.block_size, self.facts.layout_signature,
-                 mover.meta.get("tensor_layout"))
-        engine_id = f"vllm-{os.getpid()}"
+                 "layout %s, tensor-parallel rank %d of %d", len(names), self.facts.block_size,
+                 self.facts.layout_signature, mover.meta.get("tensor_layout"), rank,
+                 self._num_shards)
+        engine_id = f"vllm-{os.getpid()}-tp{rank}"
         self._worker = WorkerSide(self.settings.kv_store_socket, mover, engine_id,
                                   self.settings.load_timeout_s, self.settings.save_timeout_s,
                                   self.settings.register_timeout_s,
-                                  self.settings.retry_interval_s)
+                                  self.settings.retry_interval_s, rank, self._num_shards)
         self._on_cuda = tensors[0].is_cuda
         if not self._worker.connect():
             log.warning("kvstore connector: no store at start; vLLM recomputes until it is up")

@@ -6,6 +6,9 @@ request's blocks past vLLM's own prefix hit the store holds; the worker takes th
 loads (a lease belongs to the connection that took it). ``after_alloc`` turns a hit into a load of
 the blocks vLLM reserved; ``plan_step`` adds the full blocks each scheduled request completes this
 step as saves. Loads in flight are budgeted (``max_load_blocks``, the worker's staging room).
+Under tensor parallelism each rank keeps its shard of a block under its own namespace
+(``shard_namespace``); this side asks about shard 0's, and a rank that finds its own shard
+missing at load time reports those blocks failed (vLLM recomputes them).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore.keys import shard_namespace
 from offload.connector import OffloadConnector
 from offload.transfer import Transfer
 from offload.vllm.block_keys import KeyMaker, RequestKeys
@@ -55,10 +59,12 @@ class SchedulerSide:
     """Owns the scheduler's requests, its lookups and the load budget."""
 
     def __init__(self, keys: KeyMaker, store: OffloadConnector, max_load_blocks: int,
-                 lookup_timeout_s: float) -> None:
-        """``store``: a connector without a layout (this side only looks up)."""
+                 lookup_timeout_s: float, num_shards: int = 1) -> None:
+        """``store``: a connector without a layout (this side only looks up); ``num_shards``:
+        the engine's tensor-parallel ranks, each storing its own shard of every block."""
         if max_load_blocks <= 0:
             raise ValueError("max_load_blocks must be positive")
+        self.num_shards = num_shards
         self.keys = keys
         self.store = store
         self.block_size = keys.block_size
@@ -91,7 +97,8 @@ class SchedulerSide:
         keys = self.keys.keys(token_ids, cache_salt, lora_id, num_blocks=last)
         hashes, idents = keys.hashes[first:last], keys.idents[first:last]
         self.counters["lookups"] += 1
-        lookup = self.store.lookup(keys.namespace, hashes, idents, lease_ttl_s=0)
+        lookup = self.store.lookup(shard_namespace(keys.namespace, 0, self.num_shards), hashes,
+                                   idents, lease_ttl_s=0)
         if not self._wait(lookup) or lookup.result is None:
             self.counters["lookup_failures"] += 1
             return 0

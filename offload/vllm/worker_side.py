@@ -9,7 +9,10 @@ deadline, a hung or lost daemon) is reported as failed vLLM block ids, and vLLM 
 the request is reported finished either way. Saves are write-through: staged ones are copied out
 at once and sent without waiting; direct ones (the daemon reads vLLM's blocks) are waited for,
 bounded, before vLLM may reuse the blocks. Every request naming daemon-side block ids carries
-the connection epoch they were taken on, so it never goes out on another registration.
+the connection epoch they were taken on, so it never goes out on another registration. Under
+tensor parallelism every rank has its own worker side, registration and shard namespace
+(``shard_namespace`` of the plan's): a rank loads only its own shard, and what it misses is
+reported failed like any short load.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.keys import shard_namespace
 from offload.connector import OffloadConnector
 from offload.transfer import Transfer
 from offload.vllm.block_mover import BlockMover, Slots
@@ -52,7 +56,11 @@ class WorkerSide:
 
     def __init__(self, socket_path: str | Path | None, mover: BlockMover, engine_id: str,
                  load_timeout_s: float, save_timeout_s: float,
-                 register_timeout_s: float = 30.0, retry_interval_s: float = 2.0) -> None:
+                 register_timeout_s: float = 30.0, retry_interval_s: float = 2.0,
+                 shard: int = 0, num_shards: int = 1) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"rank {shard} of {num_shards}: need 0 <= rank < num_shards")
+        self.shard, self.num_shards = shard, num_shards
         self.mover = mover
         self.engine_id = engine_id
         self.load_timeout_s = load_timeout_s
@@ -80,13 +88,18 @@ class WorkerSide:
         flight then finishes on the link's thread."""
         return self.store.wait_available(wait_s)
 
+    def _namespace(self, namespace: bytes) -> bytes:
+        """This rank's namespace for a plan's (the plan's own with one rank)."""
+        return shard_namespace(namespace, self.shard, self.num_shards)
+
     # ---------------------------------------------------------------------------------- loads
 
     def start(self, plan: StepPlan) -> None:
         """Send the lookups of the plan's loads (non-blocking)."""
         for t in plan.loads:
             self.counters["loads"] += 1
-            lookup = self.store.lookup(t.namespace, t.hashes, t.idents, LEASE_TTL_S)
+            lookup = self.store.lookup(self._namespace(t.namespace), t.hashes, t.idents,
+                                       LEASE_TTL_S)
             self._loads.append(_Load(t, lookup, time.monotonic()))
 
     def poll(self) -> tuple[set[str], set[int]]:
@@ -192,8 +205,8 @@ class WorkerSide:
             if slots is None:
                 self.counters["blocks_save_skipped_no_room"] += t.num_blocks
                 continue
-            call = self.store.save(t.namespace, slots.block_ids, t.hashes, t.idents,
-                                   self.save_timeout_s, epoch=epoch)
+            call = self.store.save(self._namespace(t.namespace), slots.block_ids, t.hashes,
+                                   t.idents, self.save_timeout_s, epoch=epoch)
             self._saves.append(_Save(call, slots, t.num_blocks))
         if self.mover.saves_read_engine_blocks:
             for s in self._saves:

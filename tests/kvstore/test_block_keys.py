@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import xxhash
 from store_helpers import NS, block_bytes
 
@@ -19,6 +20,7 @@ from kvstore.keys import (
     block_hashes,
     block_ident,
     encode_fields,
+    shard_namespace,
     truncate_hash,
 )
 
@@ -92,6 +94,22 @@ def test_same_text_in_different_fields_gives_different_namespaces():
 def test_model_identity_changes_the_namespace():
     other = ModelIdentity("Qwen3ForCausalLM", 36, 8, 128, "float16", 16, "sha256:abc")
     assert Namespace(model=MODEL).digest != Namespace(model=other).digest
+
+
+def test_shard_namespaces_follow_the_spec_and_never_meet():
+    ns = Namespace(model=MODEL).digest
+    assert shard_namespace(ns, 0, 1) == ns  # one rank: the keys of an engine without shards
+    expected = xxhash.xxh3_128_digest(_field(13, 3, ns) + _field(14, 1, struct.pack("<q", 1))
+                                      + _field(15, 1, struct.pack("<q", 2)))
+    assert shard_namespace(ns, 1, 2) == expected
+    shards = {(s, n): shard_namespace(ns, s, n) for n in (1, 2, 4) for s in range(n)}
+    other = shard_namespace(Namespace(model=MODEL, tenant_salt="x").digest, 0, 2)
+    assert len(set(shards.values()) | {other}) == len(shards) + 1
+    for shard, num_shards in [(2, 2), (-1, 2), (0, 0)]:
+        with pytest.raises(ValueError, match="shard"):
+            shard_namespace(ns, shard, num_shards)
+    with pytest.raises(ValueError, match="16 bytes"):
+        shard_namespace(b"short", 0, 2)
 
 
 def test_truncated_hashes_keep_only_the_low_bits():

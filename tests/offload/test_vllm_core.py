@@ -67,9 +67,11 @@ class Instance:
 
 
 def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
-                  flash: bool = False) -> Instance:
+                  flash: bool = False, rank: int = 0, num_ranks: int = 1) -> Instance:
     """``flash``: each layer ``[2, num_blocks, block_size, heads, head_dim]`` (two regions
-    per layer) instead of the CPU backend's ``[num_blocks, heads, block_size, 2 * head_dim]``."""
+    per layer) instead of the CPU backend's ``[num_blocks, heads, block_size, 2 * head_dim]``.
+    ``rank`` of ``num_ranks``: one tensor-parallel rank's worker side (and a scheduler side
+    as vLLM's, which looks up for all ranks)."""
     raw = torch.zeros(LAYERS * NUM_BLOCKS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM,
                       dtype=torch.bfloat16)
     if seed is not None:
@@ -81,10 +83,11 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
     mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, load_blocks + 16,
                        {"engine": "vllm-test"})
     worker = WorkerSide(socket_path, mover, "vllm-test", LOAD_TIMEOUT_S, LOAD_TIMEOUT_S,
-                        register_timeout_s=1.0, retry_interval_s=RETRY_S)
+                        register_timeout_s=1.0, retry_interval_s=RETRY_S, shard=rank,
+                        num_shards=num_ranks)
     assert worker.connect()
     store = OffloadConnector(socket_path, None, "vllm-test-scheduler", LOAD_TIMEOUT_S, RETRY_S)
-    scheduler = SchedulerSide(KeyMaker(FACTS), store, load_blocks, LOOKUP_TIMEOUT_S)
+    scheduler = SchedulerSide(KeyMaker(FACTS), store, load_blocks, LOOKUP_TIMEOUT_S, num_ranks)
     return Instance(layers, scheduler, worker)
 
 
@@ -121,6 +124,57 @@ def test_cache_salts_never_share(daemon) -> None:
     assert b.load("r1", tokens, list(range(11)), salt="bob")[0] == 0
     assert b.load("r2", tokens, list(range(11)))[0] == 0
     assert b.load("r3", tokens, list(range(11)), salt="alice")[0] == 10 * BLOCK_SIZE
+
+
+def _load_on_ranks(scheduler_of: Instance, ranks: list[Instance], rid: str, tokens: list[int],
+                   block_ids: list[int]) -> tuple[int, list[set[int]]]:
+    """One scheduler plans a load, every rank's worker runs it (as vLLM's workers do): the
+    scheduler's match and each rank's failed block ids."""
+    n = scheduler_of.scheduler.match(rid, tokens, 0, None, None)
+    scheduler_of.scheduler.after_alloc(rid, block_ids, n)
+    plan = scheduler_of.scheduler.plan_step([])
+    failed: list[set[int]] = [set() for _ in ranks]
+    for r in ranks:
+        r.worker.start(plan)
+    pending = set(range(len(ranks)))
+    deadline = time.monotonic() + 10.0
+    while pending and time.monotonic() < deadline:
+        for i in list(pending):
+            done, bad = ranks[i].worker.poll()
+            failed[i] |= bad
+            if rid in done:
+                pending.discard(i)
+        time.sleep(0.002)
+    assert not pending, "a rank's load never finished"
+    return n, failed
+
+
+def test_tensor_parallel_ranks_each_save_and_load_their_own_shard(daemon) -> None:
+    a = [make_instance(daemon.socket_path, 40 + r, rank=r, num_ranks=2) for r in range(2)]
+    b = [make_instance(daemon.socket_path, None, rank=r, num_ranks=2) for r in range(2)]
+    tokens, a_ids, b_ids = prompt(40), list(range(11)), list(range(11, 22))
+    for r in a:
+        r.save("r", tokens, a_ids)
+        assert r.worker.counters["blocks_saved"] == 10
+    assert a[0].block(0) != a[1].block(0)  # two shards, two contents, one set of keys
+    n, failed = _load_on_ranks(b[0], b, "r", tokens, b_ids)
+    assert n == 10 * BLOCK_SIZE and failed == [set(), set()]
+    for rank in range(2):
+        assert all(b[rank].block(b_ids[i]) == a[rank].block(a_ids[i]) for i in range(10))
+    # A one-rank engine shares nothing with a two-rank one (its blocks hold all heads).
+    single = make_instance(daemon.socket_path, None)
+    assert single.load("r", tokens, b_ids)[0] == 0
+
+
+def test_a_rank_missing_its_shard_reports_those_blocks_for_recompute(daemon) -> None:
+    a0 = make_instance(daemon.socket_path, 41, rank=0, num_ranks=2)
+    b = [make_instance(daemon.socket_path, None, rank=r, num_ranks=2) for r in range(2)]
+    tokens, ids = prompt(41), list(range(11))
+    a0.save("r", tokens, ids)  # rank 1's save never happened (skipped, or its daemon lost it)
+    n, failed = _load_on_ranks(b[0], b, "r", tokens, ids)
+    assert n == 10 * BLOCK_SIZE  # the scheduler asks about rank 0's shard
+    assert failed == [set(), set(ids[:10])]  # vLLM recomputes them for every rank
+    assert b[1].worker.counters["blocks_load_failed"] == 10
 
 
 def test_a_short_hit_reports_the_missing_blocks_for_recompute(daemon) -> None:
