@@ -38,6 +38,7 @@ from kvstore.keys import Namespace, block_hashes, block_ident
 from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SAVE_BLOCK_BYTES = 16 << 10  # small blocks: the daemon's per-block Python is what keeps it busy
 
 
@@ -145,10 +146,15 @@ def _beside_busy_daemon(args, interval_s: float) -> tuple[np.ndarray, float]:
         saver = subprocess.Popen([sys.executable, "-m", "benchmarks.lookup_gil", "--saver",
                                   str(socket_path), "--save-blocks", str(args.save_blocks),
                                   "--seconds", str(args.seconds + 1.0)],
-                                 stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)  # the saver registers and gets going
-        lat = _round_trips_ms(socket_path, chain, args.seconds)
-        out, _ = saver.communicate(timeout=60)
+                                 stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            time.sleep(0.5)  # the saver registers and gets going
+            lat = _round_trips_ms(socket_path, chain, args.seconds)
+            out, _ = saver.communicate(timeout=60)
+        finally:
+            if saver.poll() is None:
+                saver.kill()
+                saver.wait(10)
         if saver.returncode != 0 or not out.startswith("SAVES "):
             raise RuntimeError(f"the saver failed ({saver.returncode}): {out!r}")
         count, elapsed = out.split()[1:3]

@@ -46,7 +46,9 @@ def main() -> None:
     model_dir, socket_path = sys.argv[1], sys.argv[2]
     extra = json.loads(sys.argv[3])
     result_fd = int(sys.argv[4])
-    os.set_inheritable(result_fd, False)  # processes vLLM starts must not hold the pipe open
+    # Processes vLLM spawns (its CPU workers) do not get the pipe; forked ones would, and then
+    # only a request's timeout, not the pipe's end, tells the driver this process died.
+    os.set_inheritable(result_fd, False)
     results = os.fdopen(result_fd, "w")
     kwargs = {}
     if socket_path != "-":

@@ -44,7 +44,8 @@ class VllmProcess:
             os.close(result_w)
         self.lines: list[str] = []
         self._results: queue.Queue = queue.Queue()
-        self._ready = threading.Event()
+        self._ready = threading.Event()  # READY seen, or the results pipe ended
+        self._saw_ready = False
         threading.Thread(target=self._pump_log, daemon=True).start()
         threading.Thread(target=self._pump_results, args=(os.fdopen(result_r, "r"),),
                          daemon=True).start()
@@ -53,7 +54,8 @@ class VllmProcess:
 
     def wait_ready(self, timeout_s: float = 300.0) -> VllmProcess:
         """Block until the engine is up (start several first, then wait: they overlap)."""
-        if not self._ready.wait(timeout_s) or self.proc.poll() is not None:
+        if (not self._ready.wait(timeout_s) or not self._saw_ready
+                or self.proc.poll() is not None):
             self.stop()
             raise RuntimeError("vLLM did not start:\n" + self.tail())
         return self
@@ -70,10 +72,13 @@ class VllmProcess:
             for line in results:
                 line = line.rstrip("\n")
                 if line == "READY":
+                    self._saw_ready = True
                     self._ready.set()
                     continue
                 try:
-                    self._results.put(json.loads(line.removeprefix("RESULT ")))
+                    if not line.startswith("RESULT "):
+                        raise ValueError("neither READY nor RESULT")
+                    self._results.put(json.loads(line[len("RESULT "):]))
                 except ValueError as exc:
                     self._results.put(RuntimeError(f"unreadable result line ({exc}): "
                                                    f"{line[:200]!r}"))

@@ -124,11 +124,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         pc = vllm_config.parallel_config
-        if pc.pipeline_parallel_size != 1:
-            # Each stage holds other layers: a plan's blocks would have to name the stage's
-            # layers, and no run has checked that a stage's KV tensors are what it registers.
-            raise ValueError("KVStoreConnector supports pipeline parallel size 1 (tensor "
-                             "parallelism and data parallelism are supported)")
+        unsupported = {name: getattr(pc, name, 1) for name in (
+            "pipeline_parallel_size", "prefill_context_parallel_size",
+            "decode_context_parallel_size")}
+        unsupported = {name: size for name, size in unsupported.items() if size != 1}
+        if unsupported:
+            # A pipeline stage holds other layers, a context-parallel rank other tokens of the
+            # same block: keys per tensor-parallel rank would mix them, and no run has checked
+            # what such a worker's KV tensors hold.
+            raise ValueError(f"KVStoreConnector supports tensor and data parallelism only, "
+                             f"not {unsupported}")
         # Tensor parallelism: every rank stores its shard of a block (its KV heads) under its
         # own shard namespace; the scheduler side looks up rank 0's.
         self._num_shards = int(pc.tensor_parallel_size)

@@ -7,8 +7,10 @@ loads (a lease belongs to the connection that took it). ``after_alloc`` turns a 
 the blocks vLLM reserved; ``plan_step`` adds the full blocks each scheduled request completes this
 step as saves. Loads in flight are budgeted (``max_load_blocks``, the worker's staging room).
 Under tensor parallelism each rank keeps its shard of a block under its own namespace
-(``shard_namespace``); this side asks about shard 0's, and a rank that finds its own shard
-missing at load time reports those blocks failed (vLLM recomputes them).
+(``shard_namespace``); this side asks about every shard at once (one deadline) and reports the
+shortest hit, so every shard is touched (kept from eviction alike) and, in a cluster, fetched
+from peers. A rank that still misses its shard at load time reports those blocks failed, and
+vLLM recomputes them for every rank.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class _Tracked:
     load_blocks: int = 0  # blocks of the load in flight (budgeted)
     load_first: int = 0  # the load's first block index in the request
     load_ids: list[int] = field(default_factory=list)  # its vLLM block ids
+    load_ok_blocks: int = 0  # the load's blocks before the first one a worker reported failed
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class SchedulerSide:
         the engine's tensor-parallel ranks, each storing its own shard of every block."""
         if max_load_blocks <= 0:
             raise ValueError("max_load_blocks must be positive")
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be at least 1, got {num_shards}")
         self.num_shards = num_shards
         self.keys = keys
         self.store = store
@@ -97,13 +102,14 @@ class SchedulerSide:
         keys = self.keys.keys(token_ids, cache_salt, lora_id, num_blocks=last)
         hashes, idents = keys.hashes[first:last], keys.idents[first:last]
         self.counters["lookups"] += 1
-        lookup = self.store.lookup(shard_namespace(keys.namespace, 0, self.num_shards), hashes,
-                                   idents, lease_ttl_s=0)
-        if not self._wait(lookup) or lookup.result is None:
+        lookups = [self.store.lookup(shard_namespace(keys.namespace, shard, self.num_shards),
+                                     hashes, idents, lease_ttl_s=0)
+                   for shard in range(self.num_shards)]
+        if not self._wait(lookups) or any(lookup.result is None for lookup in lookups):
             self.counters["lookup_failures"] += 1
             return 0
-        reply = lookup.result
-        num_hit = min(int(reply.num_hit), room)
+        reply = lookups[0].result
+        num_hit = min(room, *(int(lookup.result.num_hit) for lookup in lookups))
         if num_hit <= 0:
             self.counters["lookup_misses"] += 1
             return 0
@@ -111,15 +117,16 @@ class SchedulerSide:
         tracked.hit, tracked.hit_tiers = (first, num_hit), list(reply.tiers[:num_hit])
         return num_hit * bs
 
-    def _wait(self, lookup: Transfer) -> bool:
-        """Wait for the reply (the request waits in the scheduler meanwhile) at most
-        ``lookup_timeout_s``, and not at all once the link finds the daemon hung, as kvengine's
-        restores do; an unanswered lookup is a miss (it holds no lease)."""
+    def _wait(self, lookups: list[Transfer]) -> bool:
+        """Wait for the replies (the request waits in the scheduler meanwhile) at most
+        ``lookup_timeout_s`` together, and not at all once the link finds the daemon hung, as
+        kvengine's restores do; an unanswered lookup is a miss (it holds no lease)."""
         deadline = time.monotonic() + self.lookup_timeout_s
-        while not lookup.wait(min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline or self.store.live_state == "hung":
-                self.counters["lookups_unanswered"] += 1
-                return False
+        for lookup in lookups:
+            while not lookup.wait(min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline or self.store.live_state == "hung":
+                    self.counters["lookups_unanswered"] += 1
+                    return False
         return True
 
     def hit_tiers(self, request_id: str) -> list[str]:
@@ -151,6 +158,7 @@ class SchedulerSide:
             request_id, ids, keys.namespace, keys.hashes[first:first + num_blocks],
             keys.idents[first:first + num_blocks]))
         tracked.load_blocks, tracked.load_first, tracked.load_ids = num_blocks, first, ids
+        tracked.load_ok_blocks = num_blocks
         self._load_blocks_in_flight += num_blocks
         tracked.num_stored_blocks = first + num_blocks  # already in the store: never saved back
         self.counters["loads_planned"] += 1
@@ -199,16 +207,18 @@ class SchedulerSide:
                 tracked.load_ids = []
 
     def loads_failed(self, block_ids: set[int]) -> None:
-        """Blocks the worker could not load: vLLM recomputes them, so they are saved again."""
+        """Blocks the workers could not load: vLLM recomputes them, so they are saved again.
+        Under tensor parallelism the ranks may report in different steps: every report
+        counts until the load is finished, and the earliest failed block wins."""
         if not block_ids:
             return
         for tracked in self._requests.values():
-            for i, block_id in enumerate(tracked.load_ids):
+            for i, block_id in enumerate(tracked.load_ids[:tracked.load_ok_blocks]):
                 if block_id in block_ids:
                     tracked.num_stored_blocks = min(tracked.num_stored_blocks,
                                                     tracked.load_first + i)
-                    self.counters["blocks_load_failed"] += len(tracked.load_ids) - i
-                    tracked.load_ids = []
+                    self.counters["blocks_load_failed"] += tracked.load_ok_blocks - i
+                    tracked.load_ok_blocks = i
                     break
 
     def finished(self, request_id: str) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 from daemon_helpers import start_daemon, wait_until
 
+from kvstore.keys import shard_namespace
 from offload.connector import OffloadConnector
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
@@ -127,10 +128,13 @@ def test_cache_salts_never_share(daemon) -> None:
 
 
 def _load_on_ranks(scheduler_of: Instance, ranks: list[Instance], rid: str, tokens: list[int],
-                   block_ids: list[int]) -> tuple[int, list[set[int]]]:
+                   block_ids: list[int], before_load=None) -> tuple[int, list[set[int]]]:
     """One scheduler plans a load, every rank's worker runs it (as vLLM's workers do): the
-    scheduler's match and each rank's failed block ids."""
+    scheduler's match and each rank's failed block ids. ``before_load`` runs between the
+    scheduler's lookup and the workers' loads."""
     n = scheduler_of.scheduler.match(rid, tokens, 0, None, None)
+    if before_load is not None:
+        before_load()
     scheduler_of.scheduler.after_alloc(rid, block_ids, n)
     plan = scheduler_of.scheduler.plan_step([])
     failed: list[set[int]] = [set() for _ in ranks]
@@ -166,15 +170,41 @@ def test_tensor_parallel_ranks_each_save_and_load_their_own_shard(daemon) -> Non
     assert single.load("r", tokens, b_ids)[0] == 0
 
 
-def test_a_rank_missing_its_shard_reports_those_blocks_for_recompute(daemon) -> None:
-    a0 = make_instance(daemon.socket_path, 41, rank=0, num_ranks=2)
+def test_the_hit_is_the_shortest_shard_and_a_shard_lost_before_its_load_is_recomputed(
+        daemon) -> None:
+    a = [make_instance(daemon.socket_path, 41 + r, rank=r, num_ranks=2) for r in range(2)]
     b = [make_instance(daemon.socket_path, None, rank=r, num_ranks=2) for r in range(2)]
     tokens, ids = prompt(41), list(range(11))
-    a0.save("r", tokens, ids)  # rank 1's save never happened (skipped, or its daemon lost it)
-    n, failed = _load_on_ranks(b[0], b, "r", tokens, ids)
-    assert n == 10 * BLOCK_SIZE  # the scheduler asks about rank 0's shard
-    assert failed == [set(), set(ids[:10])]  # vLLM recomputes them for every rank
-    assert b[1].worker.counters["blocks_load_failed"] == 10
+    a[0].save("r", tokens, ids)
+    a[1].save("r", tokens[:8 * BLOCK_SIZE + 1], ids[:9])  # rank 1 stored only 8 blocks
+    keys = KeyMaker(FACTS).keys(tokens)
+
+    def evict_some_of_rank_1() -> None:  # between the scheduler's lookup and the loads
+        with daemon.client() as c:
+            assert c.remove(shard_namespace(keys.namespace, 1, 2), keys.hashes[5:8]) == 3
+
+    n, failed = _load_on_ranks(b[0], b, "r", tokens, ids, evict_some_of_rank_1)
+    assert n == 8 * BLOCK_SIZE  # what every shard had at lookup time
+    assert failed == [set(), set(ids[5:8])]  # vLLM recomputes them for every rank
+    assert b[1].worker.counters["blocks_load_failed"] == 3
+    assert all(b[0].block(i) == a[0].block(i) for i in ids[:8])
+
+
+def test_failures_reported_in_different_steps_all_count(daemon) -> None:
+    """Tensor-parallel ranks report failed blocks when each finds them: the earliest wins."""
+    a, b = make_instance(daemon.socket_path, 42), make_instance(daemon.socket_path, None)
+    tokens, ids = prompt(42, num_blocks=6), list(range(7))
+    a.save("r", tokens, ids)
+    b.scheduler.after_alloc("r", ids, b.scheduler.match("r", tokens, 0, None, None))
+    assert [t.block_ids for t in b.scheduler.plan_step([]).loads] == [ids[:6]]
+    b.scheduler.loads_failed({4, 5})  # one rank, one step
+    b.scheduler.loads_failed({2, 3, 4, 5})  # another rank, the next step
+    b.scheduler.loads_failed({3})  # nothing earlier: no change
+    b.scheduler.loads_finished({"r"})
+    plan = b.scheduler.plan_step([ScheduledRequest("r", 2 * BLOCK_SIZE, 4 * BLOCK_SIZE + 3,
+                                                   None)])
+    assert [t.block_ids for t in plan.saves] == [[2, 3, 4, 5]]
+    assert b.scheduler.counters["blocks_load_failed"] == 4
 
 
 def test_a_short_hit_reports_the_missing_blocks_for_recompute(daemon) -> None:

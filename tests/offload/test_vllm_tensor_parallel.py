@@ -57,6 +57,12 @@ def _dram_blocks(store) -> int:
         return int(c.stats()["tiers"]["dram"]["blocks"])
 
 
+def _blocks_loaded(store) -> int:
+    """Blocks the daemon copied into engines' memory (every rank's shard counts once)."""
+    with store.client() as c:
+        return int(c.stats()["daemon"]["events"].get("blocks_loaded", 0))
+
+
 def test_every_rank_stores_its_shard_and_a_second_engine_loads_them_all(engines,
                                                                         store) -> None:
     p = prompt(60)
@@ -66,8 +72,12 @@ def test_every_rank_stores_its_shard_and_a_second_engine_loads_them_all(engines,
     # One block per rank for each full block of the prompt: two shards, one set of keys.
     num_blocks = len(p) // BLOCK_SIZE
     assert wait_for(lambda: _dram_blocks(store) >= before + TP * num_blocks, 20.0)
+    loaded_before = _blocks_loaded(store)
     second = engines["second"].ask(p)
     hit = full_blocks_tokens(len(p))
     assert second["num_cached_tokens"] == hit
     assert second["external_hits"] >= hit
+    # vLLM counts the hit when it schedules the load; the daemon counts what arrived: every
+    # rank's every shard (a failed load would be recomputed with the same answer).
+    assert _blocks_loaded(store) - loaded_before == TP * (hit // BLOCK_SIZE)
     assert_same_logprobs(second, first)  # both ranks' loaded heads are the ones they computed
