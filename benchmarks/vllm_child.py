@@ -1,10 +1,10 @@
 """A vLLM process the vllm tests drive: requests on stdin (one JSON per line), results on a pipe.
 
 Run as ``python vllm_child.py MODEL_DIR SOCKET|- EXTRA_CONFIG_JSON RESULT_FD [ENGINE_JSON]``
-("-": no connector; ENGINE_JSON: ``LLM`` arguments over the defaults below). Writes ``READY``
-to the file descriptor ``RESULT_FD`` once the engine is up, then one ``RESULT {json}`` line
-per request line ``{"prompt_token_ids": [...], "cache_salt": null, "max_tokens": 4}``; vLLM's
-and the connector's logs go to stdout and stderr, never in between.
+("-": no connector; ENGINE_JSON: ``LLM`` arguments over the defaults below, and ``kv_role``).
+Writes ``READY`` to the file descriptor ``RESULT_FD`` once the engine is up, then one ``RESULT
+{json}`` line per request line ``{"prompt_token_ids": [...], "cache_salt": null, "max_tokens":
+4}``; vLLM's and the connector's logs go to stdout and stderr, never in between.
 The guard matters: vLLM spawns, and a spawned child re-imports this file.
 """
 
@@ -50,17 +50,18 @@ def main() -> None:
     # only a request's timeout, not the pipe's end, tells the driver this process died.
     os.set_inheritable(result_fd, False)
     results = os.fdopen(result_fd, "w")
+    engine = {"max_model_len": 8192, "enforce_eager": True, "max_num_batched_tokens": 8192,
+              "kv_cache_memory_bytes": 64 << 20, "disable_log_stats": False, "seed": 0}
+    engine.update(json.loads(sys.argv[5]) if len(sys.argv) > 5 else {})
+    kv_role = engine.pop("kv_role", "kv_both")
     kwargs = {}
     if socket_path != "-":
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",
             "kv_connector_module_path": "offload.vllm_connector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_connector_extra_config": {"kv_store_socket": socket_path, **extra},
         }
-    engine = {"max_model_len": 8192, "enforce_eager": True, "max_num_batched_tokens": 8192,
-              "kv_cache_memory_bytes": 64 << 20, "disable_log_stats": False, "seed": 0}
-    engine.update(json.loads(sys.argv[5]) if len(sys.argv) > 5 else {})
     llm = LLM(model_dir, **engine, **kwargs)
     _emit(results, "READY")
     for line in sys.stdin:

@@ -155,8 +155,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                                      f"vllm-scheduler-{os.getpid()}",
                                      self.settings.load_timeout_s,
                                      self.settings.retry_interval_s)
+            config = self._kv_transfer_config
             self._scheduler = SchedulerSide(self.keys, store, self.settings.load_blocks,
-                                            self.settings.lookup_timeout_s, self._num_shards)
+                                            self.settings.lookup_timeout_s, self._num_shards,
+                                            loads=config.is_kv_consumer,
+                                            saves=config.is_kv_producer)
 
     # ------------------------------------------------------------------------- scheduler side
 

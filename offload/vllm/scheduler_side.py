@@ -10,7 +10,9 @@ Under tensor parallelism each rank keeps its shard of a block under its own name
 (``shard_namespace``); this side asks about every shard at once (one deadline) and reports the
 shortest hit, so every shard is touched (kept from eviction alike) and, in a cluster, fetched
 from peers. A rank that still misses its shard at load time reports those blocks failed, and
-vLLM recomputes them for every rank.
+vLLM recomputes them for every rank. vLLM's ``kv_role`` picks the directions: a
+``kv_producer`` (the prefill instances of a disaggregated deployment) only saves, a
+``kv_consumer`` (the decode instances) only loads, ``kv_both`` does both.
 """
 
 from __future__ import annotations
@@ -62,14 +64,19 @@ class SchedulerSide:
     """Owns the scheduler's requests, its lookups and the load budget."""
 
     def __init__(self, keys: KeyMaker, store: OffloadConnector, max_load_blocks: int,
-                 lookup_timeout_s: float, num_shards: int = 1) -> None:
+                 lookup_timeout_s: float, num_shards: int = 1, loads: bool = True,
+                 saves: bool = True) -> None:
         """``store``: a connector without a layout (this side only looks up); ``num_shards``:
-        the engine's tensor-parallel ranks, each storing its own shard of every block."""
+        the engine's tensor-parallel ranks, each storing its own shard of every block;
+        ``loads``/``saves``: whether this instance takes hits / stores what it computes."""
         if max_load_blocks <= 0:
             raise ValueError("max_load_blocks must be positive")
         if num_shards < 1:
             raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+        if not (loads or saves):
+            raise ValueError("a connector that neither loads nor saves has nothing to do")
         self.num_shards = num_shards
+        self.loads, self.saves = loads, saves
         self.keys = keys
         self.store = store
         self.block_size = keys.block_size
@@ -91,6 +98,8 @@ class SchedulerSide:
         if tracked is None:
             tracked = self._requests[request_id] = _Tracked(token_ids, cache_salt, lora_id)
         tracked.hit, tracked.hit_tiers = None, []
+        if not self.loads:
+            return 0  # a producer: its prompts are computed here and saved
         first = num_computed_tokens // bs
         last = (len(token_ids) - 1) // bs  # vLLM computes at least the last token itself
         room = min(self.max_load_blocks, self.max_load_blocks - self._load_blocks_in_flight)
@@ -182,6 +191,8 @@ class SchedulerSide:
             if tracked.num_stored_blocks == 0 and tracked.load_blocks == 0:
                 # vLLM's own prefix hit was computed (and saved) before: start past it.
                 tracked.num_stored_blocks = s.num_computed_tokens // bs
+            if not self.saves:
+                continue  # a consumer: what it computes stays its own
             computed = min(s.num_computed_tokens + s.num_scheduled_tokens,
                            len(tracked.token_ids))
             full = min(computed // bs, len(tracked.block_ids))

@@ -68,11 +68,12 @@ class Instance:
 
 
 def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
-                  flash: bool = False, rank: int = 0, num_ranks: int = 1) -> Instance:
+                  flash: bool = False, rank: int = 0, num_ranks: int = 1, loads: bool = True,
+                  saves: bool = True) -> Instance:
     """``flash``: each layer ``[2, num_blocks, block_size, heads, head_dim]`` (two regions
     per layer) instead of the CPU backend's ``[num_blocks, heads, block_size, 2 * head_dim]``.
     ``rank`` of ``num_ranks``: one tensor-parallel rank's worker side (and a scheduler side
-    as vLLM's, which looks up for all ranks)."""
+    as vLLM's, which looks up for all ranks). ``loads``/``saves``: vLLM's ``kv_role``."""
     raw = torch.zeros(LAYERS * NUM_BLOCKS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM,
                       dtype=torch.bfloat16)
     if seed is not None:
@@ -88,7 +89,8 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
                         num_shards=num_ranks)
     assert worker.connect()
     store = OffloadConnector(socket_path, None, "vllm-test-scheduler", LOAD_TIMEOUT_S, RETRY_S)
-    scheduler = SchedulerSide(KeyMaker(FACTS), store, load_blocks, LOOKUP_TIMEOUT_S, num_ranks)
+    scheduler = SchedulerSide(KeyMaker(FACTS), store, load_blocks, LOOKUP_TIMEOUT_S, num_ranks,
+                              loads=loads, saves=saves)
     return Instance(layers, scheduler, worker)
 
 
@@ -116,6 +118,26 @@ def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon, flash
         assert b.block(b_ids[i]) == a.block(a_ids[i])
     assert b.block(b_ids[10]) == bytes(len(a.block(0)))  # the partial block was not touched
     assert b.worker.counters["blocks_loaded"] == 10
+
+
+def test_a_producer_only_saves_and_a_consumer_only_loads(daemon) -> None:
+    producer = make_instance(daemon.socket_path, 50, loads=False)  # kv_role "kv_producer"
+    consumer = make_instance(daemon.socket_path, None, saves=False)  # "kv_consumer"
+    tokens, ids = prompt(50), list(range(11))
+    producer.save("r", tokens, ids)
+    assert producer.worker.counters["blocks_saved"] == 10
+    n, failed, _ = consumer.load("r", tokens, ids)
+    assert n == 10 * BLOCK_SIZE and not failed
+    assert all(consumer.block(i) == producer.block(i) for i in ids[:10])
+    consumer.save("r2", prompt(51), ids)  # computed by the consumer: nothing goes to the store
+    assert consumer.worker.counters["blocks_saved"] == 0
+    assert consumer.scheduler.counters["blocks_save_planned"] == 0
+    # The producer takes no hit, not even for blocks the store holds, and never asks.
+    assert producer.scheduler.match("r3", tokens, 0, None, None) == 0
+    assert producer.scheduler.counters["lookups"] == 0
+    with pytest.raises(ValueError, match="neither loads nor saves"):
+        SchedulerSide(KeyMaker(FACTS), producer.scheduler.store, 16, 1.0, loads=False,
+                      saves=False)
 
 
 def test_cache_salts_never_share(daemon) -> None:

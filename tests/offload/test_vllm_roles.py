@@ -1,0 +1,61 @@
+"""vLLM's ``kv_role`` on the kvstore connector, as a disaggregated deployment uses it: a
+``kv_producer`` (prefill) instance computes and stores, a ``kv_consumer`` (decode) instance
+loads what the producer stored and keeps what it computes itself. Two real vLLM processes on CPU,
+one real daemon."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from daemon_helpers import start_daemon
+from vllm_parts import BLOCK_SIZE, assert_same_logprobs, full_blocks_tokens, prompt
+
+from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    daemon = start_daemon(tmp_path_factory.mktemp("vllm-roles"), dram="256MiB", http=False)
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(small_model_dir, store):
+    procs = {role: VllmProcess(small_model_dir, store.socket_path, {"lookup_timeout_s": 5.0},
+                               wait=False, engine_args={"kv_role": f"kv_{role}"})
+             for role in ("producer", "consumer")}
+    try:
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _daemon_counts(store) -> tuple[int, int]:
+    """(blocks in DRAM, save requests answered)."""
+    with store.client() as c:
+        stats = c.stats()
+    return int(stats["tiers"]["dram"]["blocks"]), int(stats["daemon"]["requests"].get("save", 0))
+
+
+def test_a_consumer_loads_what_a_producer_computed_and_stores_nothing(engines, store) -> None:
+    p = prompt(70)
+    blocks_before, _ = _daemon_counts(store)
+    produced = engines["producer"].ask(p)
+    assert produced["num_cached_tokens"] == 0
+    num_blocks = len(p) // BLOCK_SIZE
+    assert wait_for(lambda: _daemon_counts(store)[0] >= blocks_before + num_blocks, 10.0)
+    consumed = engines["consumer"].ask(p)
+    assert consumed["num_cached_tokens"] == full_blocks_tokens(len(p))
+    assert_same_logprobs(consumed, produced)
+    counts = _daemon_counts(store)
+    engines["consumer"].ask(prompt(71))  # computed by the consumer: never saved
+    time.sleep(1.0)  # a save would have been sent at the end of the step that computed it
+    assert _daemon_counts(store) == counts
