@@ -24,13 +24,13 @@ def _counter(llm, name: str) -> float:
     return total
 
 
-def _by_source(llm) -> dict[str, float]:
-    """``vllm:prompt_tokens_cached_by_source`` per source (device, host, disk, p2p...)."""
+def _by_label(llm, name: str, label: str) -> dict[str, float]:
+    """A labelled counter per value of ``label`` (summed over the other labels)."""
     out: dict[str, float] = {}
     for m in llm.get_metrics():
-        if m.name == "vllm:prompt_tokens_cached_by_source":
-            source = m.labels.get("source", "")
-            out[source] = out.get(source, 0.0) + float(getattr(m, "value", 0) or 0)
+        if m.name == name:
+            key = m.labels.get(label, "")
+            out[key] = out.get(key, 0.0) + float(getattr(m, "value", 0) or 0)
     return out
 
 
@@ -88,7 +88,10 @@ def main() -> None:
                        and getattr(out.metrics, "first_token_latency", None) else None),
             "external_hits": _counter(llm, "vllm:external_prefix_cache_hits"),
             "external_queries": _counter(llm, "vllm:external_prefix_cache_queries"),
-            "cached_by_source": _by_source(llm),
+            # Per source: device, host (DRAM), disk (SSD), p2p (another node's daemon).
+            "cached_by_source": _by_label(llm, "vllm:prompt_tokens_cached_by_source", "source"),
+            # The connector's counters as vLLM's /metrics shows them (worker and scheduler).
+            "store_events": _by_label(llm, "vllm:kvstore_events", "event"),
         }
         _emit(results, "RESULT " + json.dumps(result))
 

@@ -25,7 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.connector import OffloadConnector
@@ -72,6 +75,28 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """The connector's counters on vLLM's ``/metrics``: ``vllm:kvstore_events_total`` with an
+    ``event`` label per counter (the workers' ``blocks_loaded``, ``blocks_saved``,
+    ``load_errors``...; the scheduler's ``scheduler_lookup_hits``...; their links' ``link_*`` and
+    ``scheduler_link_*``), per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._events = self._counter_cls(
+            name="vllm:kvstore_events",
+            documentation="kvstore connector events: blocks loaded, saved, failed; lookups "
+                          "and their outcomes; connections to the store (label: event).",
+            labelnames=[*labelnames, "event"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for event, value in transfer_stats_data.items():
+            if value > 0:  # the stats are increments since the last report
+                self._events.labels(*labels, event).inc(value)
 
 
 def _model_facts(vllm_config: VllmConfig, kv_cache_config: Any) -> VllmModelFacts:
@@ -298,19 +323,37 @@ class KVStoreConnector(KVConnectorBase_V1):
         return failed
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
-            return None
-        # The link's counters (requests, connects, probes, store_hung...) under their own prefix.
-        counters = self._worker.counters + Counter(
-            {f"link_{k}": v for k, v in self._worker.store.counters.items()})
+        """What this side counted since its last report (vLLM sums the workers' and adds the
+        scheduler's)."""
+        counters = self._counters()
         delta = {k: v - self._reported[k] for k, v in counters.items() if v != self._reported[k]}
         self._reported = Counter(counters)
         return KVStoreConnectorStats(data=delta) if delta else None
+
+    def _counters(self) -> Counter[str]:
+        """The worker's counters, or the scheduler's under ``scheduler_``; their links'
+        (requests, connects, probes, store_hung...) under ``link_`` / ``scheduler_link_``."""
+        if self._worker is not None:
+            return self._worker.counters + Counter(
+                {f"link_{k}": v for k, v in self._worker.store.counters.items()})
+        if self._scheduler is not None:
+            return Counter({f"scheduler_{k}": v for k, v in self._scheduler.counters.items()}
+                           ) + Counter({f"scheduler_link_{k}": v
+                                        for k, v in self._scheduler.store.counters.items()})
+        return Counter()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KVConnectorStats | None:
         return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -73,6 +73,10 @@ def test_second_instance_serves_a_repeated_prompt_from_the_store(engines, store)
     assert second["num_cached_tokens"] == hit
     assert second["external_hits"] - 0 >= hit  # vLLM's own external_prefix_cache_hits
     assert_same_logprobs(second, want)
+    # The connector's counters reach vLLM's /metrics (vllm:kvstore_events_total{event=...}).
+    assert first["store_events"].get("scheduler_blocks_save_planned", 0) >= num_blocks
+    assert second["store_events"].get("scheduler_lookup_hits", 0) >= 1
+    assert second["store_events"].get("blocks_loaded", 0) >= hit // BLOCK_SIZE
 
 
 def test_loaded_blocks_are_really_used(engines, store, small_model_dir) -> None:
