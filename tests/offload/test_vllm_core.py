@@ -265,6 +265,38 @@ def test_blocks_that_failed_to_load_are_saved_again_after_recompute(daemon) -> N
     assert [t.block_ids for t in plan.saves] == [[2, 3]]
 
 
+def test_a_preempted_request_restores_what_it_saved_into_its_new_blocks(daemon) -> None:
+    """vLLM preempts by freeing a request's blocks; resumed, it is matched again and scheduled
+    with a whole new block table: the blocks it saved come back from the store into the new
+    table, and only the rest is computed and saved."""
+    b = make_instance(daemon.socket_path, 43)
+    tokens = prompt(43)
+    first_ids, new_ids = list(range(11)), list(range(11, 22))
+    sched = b.scheduler
+    assert sched.match("r", tokens, 0, None, None) == 0
+    sched.after_alloc("r", first_ids, 0)
+    plan = sched.plan_step([ScheduledRequest("r", 0, 4 * BLOCK_SIZE, None)])  # first chunk
+    assert [t.block_ids for t in plan.saves] == [first_ids[:4]]
+    b.worker.save(plan)
+    b.worker.drain(5.0)
+    saved = [b.block(i) for i in first_ids[:4]]
+    # Preempted: vLLM frees the blocks (another request overwrites them), then resumes it.
+    for i in first_ids:
+        b.layers[0].select(0, i).zero_()
+    assert sched.match("r", tokens, 0, None, None) == 4 * BLOCK_SIZE
+    sched.after_alloc("r", new_ids, 4 * BLOCK_SIZE)
+    plan = sched.plan_step([ScheduledRequest("r", 4 * BLOCK_SIZE, 6 * BLOCK_SIZE + 3, new_ids,
+                                             replaces_blocks=True)])
+    assert [t.block_ids for t in plan.loads] == [new_ids[:4]]
+    assert [t.block_ids for t in plan.saves] == [new_ids[4:10]]
+    b.worker.start(plan)
+    deadline = time.monotonic() + 5.0
+    while "r" not in b.worker.poll()[0]:
+        assert time.monotonic() < deadline, "the load never finished"
+        time.sleep(0.002)
+    assert [b.block(i) for i in new_ids[:4]] == saved
+
+
 def test_load_budget_caps_a_hit(daemon) -> None:
     a = make_instance(daemon.socket_path, 4)
     b = make_instance(daemon.socket_path, None, load_blocks=4)
