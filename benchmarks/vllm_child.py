@@ -4,7 +4,8 @@ Run as ``python vllm_child.py MODEL_DIR SOCKET|- EXTRA_CONFIG_JSON RESULT_FD [EN
 ("-": no connector; ENGINE_JSON: ``LLM`` arguments over the defaults below, and ``kv_role``).
 Writes ``READY`` to the file descriptor ``RESULT_FD`` once the engine is up, then one ``RESULT
 {json}`` line per request line ``{"prompt_token_ids": [...], "cache_salt": null, "max_tokens":
-4}``; vLLM's and the connector's logs go to stdout and stderr, never in between.
+4}`` (or ``"batch": [[...], ...]``, run together); vLLM's and the connector's logs go to stdout
+and stderr, never in between.
 The guard matters: vLLM spawns, and a spawned child re-imports this file.
 """
 
@@ -32,6 +33,20 @@ def _by_label(llm, name: str, label: str) -> dict[str, float]:
             key = m.labels.get(label, "")
             out[key] = out.get(key, 0.0) + float(getattr(m, "value", 0) or 0)
     return out
+
+
+def _output(out) -> dict:
+    """One request's tokens, top-5 logprobs per step, cached tokens and time to first token."""
+    completion = out.outputs[0]
+    metrics = getattr(out, "metrics", None)
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": [{str(k): v.logprob for k, v in step.items()}
+                     for step in completion.logprobs],
+        "num_cached_tokens": out.num_cached_tokens,
+        "ttft_s": (metrics.first_token_latency if metrics is not None
+                   and getattr(metrics, "first_token_latency", None) else None),
+    }
 
 
 def _emit(results, line: str) -> None:
@@ -68,26 +83,25 @@ def main() -> None:
         if not line.strip():
             continue
         req = json.loads(line)
-        prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+        # One prompt, or a batch of them run together ("batch": [[ids...], ...]).
+        batch = req.get("batch") or [req["prompt_token_ids"]]
+        prompts = [{"prompt_token_ids": ids} for ids in batch]
         if req.get("cache_salt"):
-            prompt["cache_salt"] = req["cache_salt"]
+            for prompt in prompts:
+                prompt["cache_salt"] = req["cache_salt"]
         params = SamplingParams(max_tokens=req.get("max_tokens", 4), temperature=0.0,
                                 logprobs=5, ignore_eos=True)
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        completion = out.outputs[0]
+        per_prompt = [_output(out) for out in outs]
         result = {
-            "token_ids": list(completion.token_ids),
-            "logprobs": [{str(k): v.logprob for k, v in step.items()}
-                         for step in completion.logprobs],
-            "num_cached_tokens": out.num_cached_tokens,
+            **per_prompt[0],
+            "outputs": per_prompt,
             "elapsed_s": elapsed,
-            "ttft_s": (out.metrics.first_token_latency
-                       if getattr(out, "metrics", None) is not None
-                       and getattr(out.metrics, "first_token_latency", None) else None),
             "external_hits": _counter(llm, "vllm:external_prefix_cache_hits"),
             "external_queries": _counter(llm, "vllm:external_prefix_cache_queries"),
+            "preemptions": _counter(llm, "vllm:num_preemptions"),
             # Per source: device, host (DRAM), disk (SSD), p2p (another node's daemon).
             "cached_by_source": _by_label(llm, "vllm:prompt_tokens_cached_by_source", "source"),
             # The connector's counters as vLLM's /metrics shows them (worker and scheduler).

@@ -89,10 +89,12 @@ class VllmProcess:
         return "\n".join(self.lines[-n:])
 
     def ask(self, prompt_token_ids: list[int], cache_salt: str | None = None,
-            max_tokens: int = 4, timeout_s: float = 120.0) -> dict:
+            max_tokens: int = 4, timeout_s: float = 120.0,
+            batch: list[list[int]] | None = None) -> dict:
+        """One prompt's result (or, with ``batch``, the prompts run together: ``outputs``)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompt_token_ids": prompt_token_ids,
-                                          "cache_salt": cache_salt,
+                                          "batch": batch, "cache_salt": cache_salt,
                                           "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         try:

@@ -1,0 +1,59 @@
+"""vLLM preempting a request while the kvstore connector runs: two real vLLM processes on CPU.
+One has room for only 17 blocks of KV, so two 1,020-token prompts fit (8 blocks each) until both
+cross into a ninth block while decoding: vLLM preempts one, frees its blocks, and later resumes
+it. The connector saved its blocks as they were computed, so the resumed request loads from the
+store, into its new block table, the blocks vLLM's own cache lost meanwhile instead of
+recomputing them, and answers as a vLLM that never preempted (the other process, without the
+connector, with room to spare)."""
+
+from __future__ import annotations
+
+import pytest
+from daemon_helpers import start_daemon
+from vllm_parts import BLOCK_SIZE, assert_same_logprobs, prompt
+
+from benchmarks.vllm_process import VllmProcess, vllm_available
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+
+KV_BLOCK_BYTES = 2 * 2 * 2 * 32 * 2 * BLOCK_SIZE  # layers x K,V x heads x dim x bf16 x tokens
+NUM_KV_BLOCKS = 17
+PROMPT_TOKENS, MAX_TOKENS = 1020, 12
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    daemon = start_daemon(tmp_path_factory.mktemp("vllm-preempt"), dram="256MiB", http=False)
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(small_model_dir, store):
+    tight = {"kv_cache_memory_bytes": NUM_KV_BLOCKS * KV_BLOCK_BYTES, "max_model_len": 2048}
+    procs = {"baseline": VllmProcess(small_model_dir, None, wait=False),
+             "tight": VllmProcess(small_model_dir, store.socket_path, {"lookup_timeout_s": 5.0},
+                                  wait=False, engine_args=tight)}
+    try:
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def test_a_preempted_request_resumes_from_the_store(engines, store) -> None:
+    batch = [prompt(80, PROMPT_TOKENS), prompt(81, PROMPT_TOKENS)]
+    want = engines["baseline"].ask([], batch=batch, max_tokens=MAX_TOKENS)
+    got = engines["tight"].ask([], batch=batch, max_tokens=MAX_TOKENS)
+    assert got["preemptions"] >= 1
+    for g, w in zip(got["outputs"], want["outputs"]):
+        assert_same_logprobs(g, w)
+    # The preempted request's freed blocks stay in vLLM's own prefix cache until reused: the
+    # one the other request took for its ninth block is what the store gave back.
+    events = got["store_events"]
+    assert events.get("scheduler_blocks_save_planned", 0) >= 2 * (PROMPT_TOKENS // BLOCK_SIZE)
+    assert events.get("blocks_loaded", 0) >= 1
+    assert events.get("blocks_load_failed", 0) == 0
