@@ -84,7 +84,7 @@ def main() -> None:
             continue
         req = json.loads(line)
         # One prompt, or a batch of them run together ("batch": [[ids...], ...]).
-        batch = req.get("batch") or [req["prompt_token_ids"]]
+        batch = req["batch"] if req.get("batch") is not None else [req["prompt_token_ids"]]
         prompts = [{"prompt_token_ids": ids} for ids in batch]
         if req.get("cache_salt"):
             for prompt in prompts:

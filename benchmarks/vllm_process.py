@@ -88,10 +88,13 @@ class VllmProcess:
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])
 
-    def ask(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+    def ask(self, prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
             max_tokens: int = 4, timeout_s: float = 120.0,
             batch: list[list[int]] | None = None) -> dict:
-        """One prompt's result (or, with ``batch``, the prompts run together: ``outputs``)."""
+        """One prompt's result; or, with ``batch`` instead, the prompts run together (each
+        one's in ``outputs``, in order)."""
+        if (prompt_token_ids is None) == (batch is None) or batch == []:
+            raise ValueError("ask takes one prompt or a non-empty batch")
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompt_token_ids": prompt_token_ids,
                                           "batch": batch, "cache_salt": cache_salt,

@@ -60,7 +60,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):
-    """Worker counters for one interval (blocks loaded, saved, failed...), summed over workers."""
+    """Counters for one interval: the workers' (blocks loaded, saved, failed..., summed over
+    workers) and the scheduler's (``scheduler_*``), each with its store link's."""
 
     def reset(self) -> None:
         self.data = {}
@@ -253,6 +254,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         if connector_output.finished_recving:
             self._scheduler.loads_finished(connector_output.finished_recving)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a save lost to a preemption is a later miss, so vLLM need
+        not drop a preempted request's output (its default for producers)."""
+        return False
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request.request_id)
@@ -281,8 +288,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _make_mover(self, names: list[str], tensors: list[torch.Tensor]) -> BlockMover:
         meta = {"engine": "vllm", "block_size": self.facts.block_size,
                 "namespace_layout": self.facts.layout_signature}
-        return make_mover(names, tensors, self._num_blocks,
-                          self.settings.load_blocks + self.settings.save_blocks, meta)
+        # Staging room (CPU) for the directions this instance's kv_role uses.
+        config = self._kv_transfer_config
+        num_slots = (self.settings.load_blocks * config.is_kv_consumer
+                     + self.settings.save_blocks * config.is_kv_producer)
+        return make_mover(names, tensors, self._num_blocks, num_slots, meta)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
@@ -333,14 +343,15 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _counters(self) -> Counter[str]:
         """The worker's counters, or the scheduler's under ``scheduler_``; their links'
         (requests, connects, probes, store_hung...) under ``link_`` / ``scheduler_link_``."""
+        out: Counter[str] = Counter()
         if self._worker is not None:
-            return self._worker.counters + Counter(
-                {f"link_{k}": v for k, v in self._worker.store.counters.items()})
+            out.update(self._worker.counters)
+            out.update({f"link_{k}": v for k, v in self._worker.store.counters.items()})
         if self._scheduler is not None:
-            return Counter({f"scheduler_{k}": v for k, v in self._scheduler.counters.items()}
-                           ) + Counter({f"scheduler_link_{k}": v
-                                        for k, v in self._scheduler.store.counters.items()})
-        return Counter()
+            out.update({f"scheduler_{k}": v for k, v in self._scheduler.counters.items()})
+            out.update({f"scheduler_link_{k}": v
+                        for k, v in self._scheduler.store.counters.items()})
+        return out
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -92,7 +92,8 @@ class SchedulerSide:
     def match(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
               cache_salt: str | None, lora_id: str | None) -> int:
         """Tokens past ``num_computed_tokens`` (block aligned) the store can load; 0 on a miss,
-        a store that is down or slow, or no load budget left."""
+        a store that is down or slow, no load budget left, or an instance that does not load
+        (a ``kv_producer``: it never asks)."""
         bs = self.block_size
         tracked = self._requests.get(request_id)
         if tracked is None:
@@ -176,7 +177,8 @@ class SchedulerSide:
     # -------------------------------------------------------------------------------- steps
 
     def plan_step(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        """This step's loads (planned since the last step) and saves (full blocks completed)."""
+        """This step's loads (planned since the last step) and saves (full blocks completed;
+        none for an instance that does not save, a ``kv_consumer``)."""
         plan = StepPlan(loads=self._loads_to_send)
         self._loads_to_send = []
         bs = self.block_size

@@ -295,6 +295,14 @@ def test_a_preempted_request_restores_what_it_saved_into_its_new_blocks(daemon) 
         assert time.monotonic() < deadline, "the load never finished"
         time.sleep(0.002)
     assert [b.block(i) for i in new_ids[:4]] == saved
+    # Decoding fills its last block: saved from the new table (which replaced the old one,
+    # never appended to it), then the next block vLLM adds.
+    tokens.extend(range(BLOCK_SIZE - 3))  # vLLM's token list grows as tokens are sampled
+    plan = sched.plan_step([ScheduledRequest("r", 10 * BLOCK_SIZE + 3, BLOCK_SIZE - 3, None)])
+    assert [t.block_ids for t in plan.saves] == [[new_ids[10]]]
+    tokens.extend(range(BLOCK_SIZE))
+    plan = sched.plan_step([ScheduledRequest("r", 11 * BLOCK_SIZE, BLOCK_SIZE, [99])])
+    assert [t.block_ids for t in plan.saves] == [[99]]
 
 
 def test_load_budget_caps_a_hit(daemon) -> None:

@@ -1,10 +1,11 @@
 """vLLM preempting a request while the kvstore connector runs: two real vLLM processes on CPU.
-One has room for only 17 blocks of KV, so two 1,020-token prompts fit (8 blocks each) until both
-cross into a ninth block while decoding: vLLM preempts one, frees its blocks, and later resumes
-it. The connector saved its blocks as they were computed, so the resumed request loads from the
-store, into its new block table, the blocks vLLM's own cache lost meanwhile instead of
-recomputing them, and answers as a vLLM that never preempted (the other process, without the
-connector, with room to spare)."""
+One has room for 17 blocks of KV (16 usable: vLLM keeps one as its null block), so two
+1,020-token prompts fit (8 blocks each) until the first to cross into a ninth block while
+decoding makes vLLM preempt the other, free its blocks, and later resume it. The connector
+saved its blocks as they were computed, so the resumed request loads from the store, into its
+new block table, the blocks vLLM's own cache lost meanwhile instead of recomputing them, and
+answers as a vLLM that never preempted (the other process, without the connector, with room
+to spare)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def engines(small_model_dir, store):
 
 def test_a_preempted_request_resumes_from_the_store(engines, store) -> None:
     batch = [prompt(80, PROMPT_TOKENS), prompt(81, PROMPT_TOKENS)]
-    want = engines["baseline"].ask([], batch=batch, max_tokens=MAX_TOKENS)
-    got = engines["tight"].ask([], batch=batch, max_tokens=MAX_TOKENS)
+    want = engines["baseline"].ask(batch=batch, max_tokens=MAX_TOKENS)
+    got = engines["tight"].ask(batch=batch, max_tokens=MAX_TOKENS)
     assert got["preemptions"] >= 1
     for g, w in zip(got["outputs"], want["outputs"]):
         assert_same_logprobs(g, w)

@@ -50,11 +50,14 @@ def test_a_consumer_loads_what_a_producer_computed_and_stores_nothing(engines, s
     blocks_before, _ = _daemon_counts(store)
     produced = engines["producer"].ask(p)
     assert produced["num_cached_tokens"] == 0
+    assert produced["store_events"].get("scheduler_lookups", 0) == 0  # a producer never asks
+    assert produced["store_events"].get("scheduler_blocks_save_planned", 0) > 0
     num_blocks = len(p) // BLOCK_SIZE
     assert wait_for(lambda: _daemon_counts(store)[0] >= blocks_before + num_blocks, 10.0)
     consumed = engines["consumer"].ask(p)
     assert consumed["num_cached_tokens"] == full_blocks_tokens(len(p))
     assert_same_logprobs(consumed, produced)
+    assert consumed["store_events"].get("scheduler_blocks_save_planned", 0) == 0
     counts = _daemon_counts(store)
     engines["consumer"].ask(prompt(71))  # computed by the consumer: never saved
     time.sleep(1.0)  # a save would have been sent at the end of the step that computed it
