@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from multiprocessing import shared_memory
@@ -34,11 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
+from benchmarks.vllm_process import REPO_ROOT, start_store, stop_store
 from kvstore.keys import Namespace, block_hashes, block_ident
 from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SAVE_BLOCK_BYTES = 16 << 10  # small blocks: the daemon's per-block Python is what keeps it busy
 
 
@@ -55,30 +54,10 @@ def _chain(num_blocks: int, name: str = "lookup-gil", seed: int = 0,
 
 def _start_daemon(switch_interval_s: float | None) -> tuple[subprocess.Popen, Path]:
     """A ``kvstore serve`` on a fresh socket (with the switch interval it sets, if given)."""
-    socket_path = Path(tempfile.mkdtemp(prefix="kvs-gil-")) / "kvstore.sock"
-    head = [sys.executable, "-m", "kvstore.cli"]
-    if switch_interval_s is not None:
-        head = [sys.executable, "-c", "import sys, kvstore.cli as k; "
-                f"k.SERVE_SWITCH_INTERVAL_S = {switch_interval_s!r}; "
-                "sys.exit(k.main(sys.argv[1:]))"]
-    proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram", "256MiB",
-                             "--http", "off", "--ssd-size", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "kvstore: ready" in line:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep it drained
-            return proc, socket_path
-    raise RuntimeError(f"kvstore serve exited with {proc.wait()}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    if switch_interval_s is None:
+        return start_store("256MiB")
+    return start_store("256MiB", preamble="import kvstore.cli as k; "
+                                          f"k.SERVE_SWITCH_INTERVAL_S = {switch_interval_s!r}")
 
 
 def _round_trips_ms(socket_path: Path, chain, seconds: float) -> np.ndarray:
@@ -160,7 +139,7 @@ def _beside_busy_daemon(args, interval_s: float) -> tuple[np.ndarray, float]:
         count, elapsed = out.split()[1:3]
         return lat, int(count) / float(elapsed)
     finally:
-        _stop(proc)
+        stop_store(proc, socket_path)
 
 
 def _row(rnd: int, busy: str, ms: float, lat: np.ndarray, **extra) -> dict:
@@ -207,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     _say(rows[-1], "a busy Python thread beside" if busy
                          else "nothing else running", args.blocks)
         finally:
-            _stop(proc)
+            stop_store(proc, socket_path)
     if "daemon" in busy_kinds:
         for rnd in range(args.rounds):
             for ms in intervals:

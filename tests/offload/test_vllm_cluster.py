@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import RunningDaemon, start_daemon, wait_until
-from vllm_parts import BLOCK_SIZE, assert_same_logprobs, full_blocks_tokens, prompt
+from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, full_blocks_tokens, prompt
 
 from benchmarks.vllm_process import VllmProcess, vllm_available
 
@@ -68,18 +68,13 @@ def cluster(tmp_path):
 def test_a_prompt_computed_on_one_node_is_an_external_hit_on_another(cluster,
                                                                      small_model_dir) -> None:
     a, b = cluster["a"], cluster["b"]
-    procs = {"baseline": VllmProcess(small_model_dir, None, wait=False),
-             "a": VllmProcess(small_model_dir, a.socket_path, EXTRA, wait=False),
-             "b": VllmProcess(small_model_dir, b.socket_path, EXTRA, wait=False)}
-    try:
-        for p in procs.values():
-            p.wait_ready()
+    with engines_up({"baseline": VllmProcess(small_model_dir, None, wait=False),
+                     "a": VllmProcess(small_model_dir, a.socket_path, EXTRA, wait=False),
+                     "b": VllmProcess(small_model_dir, b.socket_path, EXTRA, wait=False)}
+                    ) as procs:
         # Two prompts: the first fetch also sets up the UCX endpoint from b to a.
         for round_, seed in enumerate((31, 33), start=1):
             _share_one_prompt(procs, a, b, prompt(seed), round_)
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 def _share_one_prompt(procs: dict, a: RunningDaemon, b: RunningDaemon, p: list[int],

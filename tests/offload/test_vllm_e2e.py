@@ -13,7 +13,8 @@ import time
 
 import pytest
 from daemon_helpers import start_daemon
-from vllm_parts import BLOCK_SIZE, assert_same_logprobs, full_blocks_tokens, prompt
+from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, full_blocks_tokens, prompt
+from vllm_parts import dram_blocks as daemon_dram_blocks
 
 from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
 
@@ -42,21 +43,15 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(small_model_dir, store):
     sock = store["daemon"].socket_path
-    procs = {"baseline": VllmProcess(small_model_dir, None, wait=False),
-             "first": VllmProcess(small_model_dir, sock, EXTRA, wait=False),
-             "second": VllmProcess(small_model_dir, sock, EXTRA, wait=False)}
-    try:
-        for p in procs.values():
-            p.wait_ready()
+    with engines_up({"baseline": VllmProcess(small_model_dir, None, wait=False),
+                     "first": VllmProcess(small_model_dir, sock, EXTRA, wait=False),
+                     "second": VllmProcess(small_model_dir, sock, EXTRA, wait=False)}) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def dram_blocks(store) -> int:
-    with store["daemon"].client() as c:
-        return int(c.stats()["tiers"]["dram"]["blocks"])
+    """Blocks in DRAM of the module's daemon (the tests that restart it replace it)."""
+    return daemon_dram_blocks(store["daemon"])
 
 
 def test_second_instance_serves_a_repeated_prompt_from_the_store(engines, store) -> None:

@@ -10,8 +10,7 @@ to spare)."""
 from __future__ import annotations
 
 import pytest
-from daemon_helpers import start_daemon
-from vllm_parts import BLOCK_SIZE, assert_same_logprobs, prompt
+from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, prompt, running_daemon
 
 from benchmarks.vllm_process import VllmProcess, vllm_available
 
@@ -25,24 +24,18 @@ PROMPT_TOKENS, MAX_TOKENS = 1020, 12
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    daemon = start_daemon(tmp_path_factory.mktemp("vllm-preempt"), dram="256MiB", http=False)
-    yield daemon
-    daemon.stop()
+    with running_daemon(tmp_path_factory.mktemp("vllm-preempt")) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
 def engines(small_model_dir, store):
     tight = {"kv_cache_memory_bytes": NUM_KV_BLOCKS * KV_BLOCK_BYTES, "max_model_len": 2048}
-    procs = {"baseline": VllmProcess(small_model_dir, None, wait=False),
-             "tight": VllmProcess(small_model_dir, store.socket_path, {"lookup_timeout_s": 5.0},
-                                  wait=False, engine_args=tight)}
-    try:
-        for p in procs.values():
-            p.wait_ready()
+    with engines_up({"baseline": VllmProcess(small_model_dir, None, wait=False),
+                     "tight": VllmProcess(small_model_dir, store.socket_path,
+                                          {"lookup_timeout_s": 5.0}, wait=False,
+                                          engine_args=tight)}) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def test_a_preempted_request_resumes_from_the_store(engines, store) -> None:

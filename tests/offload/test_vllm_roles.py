@@ -8,8 +8,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from daemon_helpers import start_daemon
-from vllm_parts import BLOCK_SIZE, assert_same_logprobs, full_blocks_tokens, prompt
+from vllm_parts import (
+    BLOCK_SIZE,
+    assert_same_logprobs,
+    engines_up,
+    full_blocks_tokens,
+    prompt,
+    running_daemon,
+)
 
 from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
 
@@ -19,23 +25,17 @@ pytestmark = [pytest.mark.vllm,
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    daemon = start_daemon(tmp_path_factory.mktemp("vllm-roles"), dram="256MiB", http=False)
-    yield daemon
-    daemon.stop()
+    with running_daemon(tmp_path_factory.mktemp("vllm-roles")) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
 def engines(small_model_dir, store):
-    procs = {role: VllmProcess(small_model_dir, store.socket_path, {"lookup_timeout_s": 5.0},
-                               wait=False, engine_args={"kv_role": f"kv_{role}"})
-             for role in ("producer", "consumer")}
-    try:
-        for p in procs.values():
-            p.wait_ready()
+    with engines_up({role: VllmProcess(small_model_dir, store.socket_path,
+                                       {"lookup_timeout_s": 5.0}, wait=False,
+                                       engine_args={"kv_role": f"kv_{role}"})
+                     for role in ("producer", "consumer")}) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def _daemon_counts(store) -> tuple[int, int]:

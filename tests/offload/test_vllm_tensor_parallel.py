@@ -8,8 +8,15 @@ from __future__ import annotations
 import os
 
 import pytest
-from daemon_helpers import start_daemon
-from vllm_parts import BLOCK_SIZE, assert_same_logprobs, full_blocks_tokens, prompt
+from vllm_parts import (
+    BLOCK_SIZE,
+    assert_same_logprobs,
+    dram_blocks,
+    engines_up,
+    full_blocks_tokens,
+    prompt,
+    running_daemon,
+)
 
 from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
 
@@ -29,9 +36,8 @@ def _thread_binding() -> str | None:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    daemon = start_daemon(tmp_path_factory.mktemp("vllm-tp"), dram="256MiB", http=False)
-    yield daemon
-    daemon.stop()
+    with running_daemon(tmp_path_factory.mktemp("vllm-tp")) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +47,10 @@ def engines(small_model_dir, store):
         pytest.skip(f"tensor parallelism on vLLM's CPU backend needs {TP} CPUs")
     args = {"tensor_parallel_size": TP, "distributed_executor_backend": "mp"}
     env = {"VLLM_CPU_OMP_THREADS_BIND": binding}
-    procs = {name: VllmProcess(small_model_dir, store.socket_path, EXTRA, wait=False,
-                               engine_args=args, env=env) for name in ("first", "second")}
-    try:
-        for p in procs.values():
-            p.wait_ready()
+    with engines_up({name: VllmProcess(small_model_dir, store.socket_path, EXTRA, wait=False,
+                                       engine_args=args, env=env)
+                     for name in ("first", "second")}) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
-
-
-def _dram_blocks(store) -> int:
-    with store.client() as c:
-        return int(c.stats()["tiers"]["dram"]["blocks"])
 
 
 def _blocks_loaded(store) -> int:
@@ -66,12 +62,12 @@ def _blocks_loaded(store) -> int:
 def test_every_rank_stores_its_shard_and_a_second_engine_loads_them_all(engines,
                                                                         store) -> None:
     p = prompt(60)
-    before = _dram_blocks(store)
+    before = dram_blocks(store)
     first = engines["first"].ask(p)
     assert first["num_cached_tokens"] == 0
     # One block per rank for each full block of the prompt: two shards, one set of keys.
     num_blocks = len(p) // BLOCK_SIZE
-    assert wait_for(lambda: _dram_blocks(store) >= before + TP * num_blocks, 20.0)
+    assert wait_for(lambda: dram_blocks(store) >= before + TP * num_blocks, 20.0)
     loaded_before = _blocks_loaded(store)
     second = engines["second"].ask(p)
     hit = full_blocks_tokens(len(p))
