@@ -140,6 +140,13 @@ def test_a_producer_only_saves_and_a_consumer_only_loads(daemon) -> None:
                       saves=False)
 
 
+def test_bad_tensor_parallel_ranks_are_refused() -> None:
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        WorkerSide(None, None, "bad-rank", 1.0, 1.0, shard=2, num_shards=2)
+    with pytest.raises(ValueError, match="num_shards must be at least 1"):
+        SchedulerSide(KeyMaker(FACTS), None, 16, 1.0, num_shards=0)
+
+
 def test_cache_salts_never_share(daemon) -> None:
     a, b = make_instance(daemon.socket_path, 2), make_instance(daemon.socket_path, None)
     tokens = prompt(2)
