@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.keys import ModelIdentity, Namespace, block_hash, block_hashes
+from kvstore.tiers import Tier
 
 __all__ = [
     "ModelIdentity",
@@ -15,6 +16,7 @@ __all__ = [
     "ClientError",
     "DaemonUnavailable",
     "Pending",
+    "Tier",
 ]
 
 # The client pulls in msgpack and sockets; importing keys alone should stay light.

@@ -8,19 +8,13 @@ data. Thread-safe: the daemon calls it from its event loop and from worker threa
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
-class Tier(str, enum.Enum):
-    HBM = "hbm"
-    DRAM = "dram"
-    SSD = "ssd"
-    REMOTE = "remote"
+from kvstore.tiers import Tier
 
 
 class StoreError(Exception):

@@ -205,8 +205,11 @@ class Client:
     def stats(self) -> dict:
         return self.call("stats")
 
+    def health_async(self, timeout_s: float | None = None) -> Pending:
+        return self.request("health", timeout_s=timeout_s)
+
     def health(self) -> dict:
-        return self.call("health")
+        return self.health_async().wait()
 
     # ----------------------------------------------------------------------- the block API
 
@@ -229,20 +232,35 @@ class Client:
         """Longest verified prefix; a hit comes with a lease (``lease_ttl_s`` 0: no lease)."""
         return self.lookup_async(namespace, hashes, idents, lease_ttl_s).wait()
 
+    def release_async(self, lease_id: int) -> Pending:
+        """Give a lease back; the result says whether it was still held."""
+        return self.request("release", {"lease_id": lease_id},
+                            convert=lambda r: bool(r["released"]))
+
     def release(self, lease_id: int) -> bool:
-        return self.call("release", {"lease_id": lease_id})["released"]
+        return self.release_async(lease_id).wait()
 
     def remove(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
         """Drop blocks from every tier (unless leased); returns how many were dropped."""
         return self.call("remove", {"namespace": namespace, "hashes": list(hashes)})["num_removed"]
 
-    def register(self, layout: KVLayout | dict, engine_id: str) -> int:
-        """Describe this engine's KV memory to the daemon; returns the registration id."""
+    def register_async(self, layout: KVLayout | dict, engine_id: str,
+                       timeout_s: float | None = None) -> Pending:
+        """Describe this engine's KV memory to the daemon; the result is the registration
+        id."""
         wire = layout.to_wire() if isinstance(layout, KVLayout) else layout
-        return self.call("register", {"layout": wire, "engine_id": engine_id})["registration_id"]
+        return self.request("register", {"layout": wire, "engine_id": engine_id}, timeout_s,
+                            lambda r: int(r["registration_id"]))
+
+    def register(self, layout: KVLayout | dict, engine_id: str) -> int:
+        return self.register_async(layout, engine_id).wait()
+
+    def unregister_async(self, registration_id: int, timeout_s: float | None = None) -> Pending:
+        return self.request("unregister", {"registration_id": registration_id}, timeout_s,
+                            lambda r: bool(r["unregistered"]))
 
     def unregister(self, registration_id: int) -> bool:
-        return self.call("unregister", {"registration_id": registration_id})["unregistered"]
+        return self.unregister_async(registration_id).wait()
 
     def save_async(self, registration_id: int, namespace: bytes, block_ids: Sequence[int],
                    hashes: Sequence[bytes], idents: Sequence[bytes],
@@ -286,13 +304,18 @@ class Client:
         return self.resident_async(registration_id, namespace, block_ids, hashes, idents,
                                    generations).wait()
 
-    def evicted(self, namespace: bytes, hashes: Sequence[bytes],
-                registration_id: int | None = None) -> int:
-        """Tell the daemon the engine dropped these blocks from its HBM."""
+    def evicted_async(self, namespace: bytes, hashes: Sequence[bytes],
+                      registration_id: int | None = None) -> Pending:
+        """Tell the daemon the engine dropped these blocks from its HBM; the result is how
+        many it acknowledged."""
         args: dict[str, Any] = {"namespace": namespace, "hashes": list(hashes)}
         if registration_id is not None:
             args["registration_id"] = registration_id
-        return self.call("evicted", args)["num_acknowledged"]
+        return self.request("evicted", args, convert=lambda r: int(r["num_acknowledged"]))
+
+    def evicted(self, namespace: bytes, hashes: Sequence[bytes],
+                registration_id: int | None = None) -> int:
+        return self.evicted_async(namespace, hashes, registration_id).wait()
 
 
 def _as_bytes(value: Any) -> bytes | memoryview:
