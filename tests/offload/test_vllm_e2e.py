@@ -12,11 +12,11 @@ import signal
 import time
 
 import pytest
-from daemon_helpers import start_daemon
+from daemon_helpers import start_daemon, wait_until
 from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, full_blocks_tokens, prompt
 from vllm_parts import dram_blocks as daemon_dram_blocks
 
-from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
+from kvstore.testing.vllm_process import VllmProcess, vllm_available
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
@@ -62,7 +62,7 @@ def test_second_instance_serves_a_repeated_prompt_from_the_store(engines, store)
     assert first["num_cached_tokens"] == 0
     assert_same_logprobs(first, want)
     num_blocks = len(p) // BLOCK_SIZE
-    assert wait_for(lambda: dram_blocks(store) >= before + num_blocks, 10.0)
+    assert wait_until(lambda: dram_blocks(store) >= before + num_blocks, 10.0)
     second = engines["second"].ask(p)
     hit = full_blocks_tokens(len(p))
     assert second["num_cached_tokens"] == hit
@@ -113,7 +113,7 @@ def test_different_cache_salts_never_share(engines, store) -> None:
     p = prompt(2)
     before = dram_blocks(store)
     engines["first"].ask(p, cache_salt="alice")
-    assert wait_for(lambda: dram_blocks(store) >= before + len(p) // BLOCK_SIZE, 10.0)
+    assert wait_until(lambda: dram_blocks(store) >= before + len(p) // BLOCK_SIZE, 10.0)
     hits_before = engines["second"].ask(prompt(99, 64))["external_hits"]
     bob = engines["second"].ask(p, cache_salt="bob")
     assert bob["num_cached_tokens"] == 0 and bob["external_hits"] == hits_before
@@ -133,14 +133,14 @@ def test_vllm_and_kvengine_never_get_each_others_blocks(engines, store, small_mo
         p_engine, p_vllm = prompt(3), prompt(4)
         before = dram_blocks(store)
         kvengine.generate([p_engine], params)
-        assert wait_for(lambda: dram_blocks(store) >= before + len(p_engine) // BLOCK_SIZE,
-                        10.0)
+        assert wait_until(lambda: dram_blocks(store) >= before + len(p_engine) // BLOCK_SIZE,
+                          10.0)
         hits_before = engines["second"].ask(prompt(98, 64))["external_hits"]
         got = engines["second"].ask(p_engine)
         assert got["num_cached_tokens"] == 0 and got["external_hits"] == hits_before
         before = dram_blocks(store)
         engines["first"].ask(p_vllm)
-        assert wait_for(lambda: dram_blocks(store) >= before + len(p_vllm) // BLOCK_SIZE, 10.0)
+        assert wait_until(lambda: dram_blocks(store) >= before + len(p_vllm) // BLOCK_SIZE, 10.0)
         (out,) = kvengine.generate([p_vllm], params)
         assert out.num_cached_tokens == 0
         assert sum(out.cached_tokens_by_tier.values()) == 0
@@ -176,7 +176,7 @@ def test_a_stopped_daemon_means_recompute_within_a_bounded_wait(engines, store) 
     engines["first"].ask(prompt(96, 64))
     p = prompt(7)
     engines["first"].ask(p)
-    assert wait_for(lambda: dram_blocks(store) >= len(p) // BLOCK_SIZE, 10.0)
+    assert wait_until(lambda: dram_blocks(store) >= len(p) // BLOCK_SIZE, 10.0)
     assert engines["second"].ask(p)["num_cached_tokens"] == full_blocks_tokens(len(p))
 
 
@@ -196,7 +196,7 @@ def test_a_killed_daemon_means_recompute_and_a_new_one_is_used(engines, store,
     engines["first"].ask(prompt(95, 64))  # reconnects and registers (see the test above)
     p = prompt(10)
     engines["first"].ask(p)
-    assert wait_for(lambda: dram_blocks(store) >= len(p) // BLOCK_SIZE, 10.0)
+    assert wait_until(lambda: dram_blocks(store) >= len(p) // BLOCK_SIZE, 10.0)
     second = engines["second"].ask(p)
     assert second["num_cached_tokens"] == full_blocks_tokens(len(p))
 
@@ -206,7 +206,7 @@ def test_damaged_ssd_blocks_are_recomputed_never_wrong(engines, store, tmp_path)
     want = engines["baseline"].ask(p)
     before = dram_blocks(store)
     engines["first"].ask(p)
-    assert wait_for(lambda: dram_blocks(store) >= before + len(p) // BLOCK_SIZE, 10.0)
+    assert wait_until(lambda: dram_blocks(store) >= before + len(p) // BLOCK_SIZE, 10.0)
     daemon = store["daemon"]
     assert daemon.stop() == 0  # SIGTERM writes the DRAM-only blocks to SSD first
     files = list(store["ssd_dir"].glob("data-*.bin"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, prompt, running_daemon
 
-from benchmarks.vllm_process import VllmProcess, vllm_available
+from kvstore.testing.vllm_process import VllmProcess, vllm_available
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from daemon_helpers import wait_until
 from vllm_parts import (
     BLOCK_SIZE,
     assert_same_logprobs,
@@ -17,7 +18,7 @@ from vllm_parts import (
     running_daemon,
 )
 
-from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
+from kvstore.testing.vllm_process import VllmProcess, vllm_available
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
@@ -53,7 +54,7 @@ def test_a_consumer_loads_what_a_producer_computed_and_stores_nothing(engines, s
     assert produced["store_events"].get("scheduler_lookups", 0) == 0  # a producer never asks
     assert produced["store_events"].get("scheduler_blocks_save_planned", 0) > 0
     num_blocks = len(p) // BLOCK_SIZE
-    assert wait_for(lambda: _daemon_counts(store)[0] >= blocks_before + num_blocks, 10.0)
+    assert wait_until(lambda: _daemon_counts(store)[0] >= blocks_before + num_blocks, 10.0)
     consumed = engines["consumer"].ask(p)
     assert consumed["num_cached_tokens"] == full_blocks_tokens(len(p))
     assert_same_logprobs(consumed, produced)

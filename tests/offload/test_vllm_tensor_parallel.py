@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from daemon_helpers import wait_until
 from vllm_parts import (
     BLOCK_SIZE,
     assert_same_logprobs,
@@ -18,7 +19,7 @@ from vllm_parts import (
     running_daemon,
 )
 
-from benchmarks.vllm_process import VllmProcess, vllm_available, wait_for
+from kvstore.testing.vllm_process import VllmProcess, vllm_available
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
@@ -67,7 +68,7 @@ def test_every_rank_stores_its_shard_and_a_second_engine_loads_them_all(engines,
     assert first["num_cached_tokens"] == 0
     # One block per rank for each full block of the prompt: two shards, one set of keys.
     num_blocks = len(p) // BLOCK_SIZE
-    assert wait_for(lambda: dram_blocks(store) >= before + TP * num_blocks, 20.0)
+    assert wait_until(lambda: dram_blocks(store) >= before + TP * num_blocks, 20.0)
     loaded_before = _blocks_loaded(store)
     second = engines["second"].ask(p)
     hit = full_blocks_tokens(len(p))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from daemon_helpers import RunningDaemon, start_daemon
 
-from benchmarks.vllm_process import VllmProcess
+from kvstore.testing.vllm_process import VllmProcess
 
 BLOCK_SIZE = 128  # vLLM's CPU default; the connector reads it from vLLM, the tests only count
 

@@ -1,4 +1,5 @@
-"""A vLLM process the vllm tests drive: requests on stdin (one JSON per line), results on a pipe.
+"""A vLLM process that tests and benchmarks drive: requests on stdin (one JSON per line),
+results on a pipe.
 
 Run as ``python vllm_child.py MODEL_DIR SOCKET|- EXTRA_CONFIG_JSON RESULT_FD [ENGINE_JSON]``
 ("-": no connector; ENGINE_JSON: ``LLM`` arguments over the defaults below, and ``kv_role``).
