@@ -42,7 +42,7 @@ from benchmarks.common import (
 )
 from benchmarks.multiturn import fmt_num
 from benchmarks.workload import WorkloadConfig
-from kvstore.cli_support import positive_float_arg, size_arg
+from kvstore.cli_args import positive_float_arg, size_arg
 
 PRESETS: dict[str, dict] = {
     "long-context": dict(

@@ -46,7 +46,7 @@ from benchmarks import multiturn
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.sweep_report import evaluate_targets, plot, point_label, print_report
 from benchmarks.workload import WorkloadConfig, words_text
-from kvstore.cli_support import size_arg
+from kvstore.cli_args import size_arg
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli_limits import add_limit_flags, limits_from_args
-from kvstore.cli_stats import stats_command
-from kvstore.cli_support import (
+from kvstore.cli_args import (
     OneLineParser,
     add_version,
     package_version,
     positive_float_arg,
     size_arg,
 )
+from kvstore.cli_limits import add_limit_flags, limits_from_args
+from kvstore.cli_stats import stats_command
 from kvstore.sizes import format_bytes, parse_size
 
 DEFAULT_DRAM = "1GiB"

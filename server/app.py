@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from kvstore.cli_support import package_version
+from kvstore.cli_args import package_version
 from server import openapi
 from server.async_engine import AsyncEngine
 from server.auth import APIKeyMiddleware

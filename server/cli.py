@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from kvstore.cli_support import OneLineParser, add_version
+from kvstore.cli_args import OneLineParser, add_version
 from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
 from server.serve_args import add_serve_arguments, api_keys

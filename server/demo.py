@@ -26,7 +26,7 @@ import engine as engine_package
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import resolve_device
 from engine.make_model import write_checkpoint
-from kvstore.cli_support import OneLineParser
+from kvstore.cli_args import OneLineParser, positive_int_arg
 
 _DATA = Path(engine_package.__file__).resolve().parent / "data"  # text the package ships
 
@@ -138,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the engine runs; auto takes the GPU when CuPy sees one")
     parser.add_argument("--preset", default=None,
                         help="make-model preset (default: tiny on CPU, qwen3-0.6b on a GPU)")
-    parser.add_argument("--users", type=int, default=3, help="users taking turns")
-    parser.add_argument("--turns", type=int, default=4, help="turns per user")
+    parser.add_argument("--users", type=positive_int_arg, default=3, help="users taking turns")
+    parser.add_argument("--turns", type=positive_int_arg, default=4, help="turns per user")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/kvstore/models"),
                         help="where the random-weight model is written once and reused")
     return parser
@@ -147,10 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the tour; the exit status of ``kvstore demo``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.users < 1 or args.turns < 1:
-        parser.error("--users and --turns must be at least 1")
+    args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
     shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
     if args.preset:

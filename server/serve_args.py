@@ -10,6 +10,13 @@ import argparse
 import os
 from pathlib import Path
 
+from kvstore.cli_args import (
+    fraction_arg,
+    non_negative_int_arg,
+    port_arg,
+    positive_float_arg,
+    positive_int_arg,
+)
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -21,55 +28,8 @@ PREFILL_ORDERS = ("shortest-first", "fcfs")
 _JINJA_CHARS = "{}\n"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
-
-
 def _tensor_parallel_size(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int_arg(text)
     if value != 1:
         raise argparse.ArgumentTypeError(f"{value} is not supported: kvengine runs a model on "
                                          "one device (tensor parallelism is not implemented)")
@@ -119,11 +79,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="weights and activations dtype; auto is the backend's own (float32 "
                        "on CPU, bfloat16 on GPU), any other must be that one or start fails")
-    serve.add_argument("--seed", type=_non_negative_int, default=None,
+    serve.add_argument("--seed", type=non_negative_int_arg, default=None,
                        help="seeds the random streams of requests that bring no seed, so a run "
                        "repeats (default: fresh entropy)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=_port, default=8000,
+    serve.add_argument("--port", type=port_arg, default=8000,
                        help="port to listen on; 0 picks a free one")
     serve.add_argument("--kv-offload", action="store_true",
                        help="load cached prefixes from the kvstore daemon and save new blocks")
@@ -138,33 +98,33 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="do not offer this engine's cached blocks to other engines on the "
                        "same daemon (the store's HBM tier)")
     serve.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
-                       type=_positive_int, default=None,
+                       type=positive_int_arg, default=None,
                        help="KV blocks to allocate (default: from --gpu-memory-utilization); "
                        "--num-gpu-blocks-override is vLLM's name for it")
-    serve.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+    serve.add_argument("--gpu-memory-utilization", type=fraction_arg, default=0.9,
                        help="fraction of GPU memory the engine may take (weights + KV arena)")
-    serve.add_argument("--block-size", type=_positive_int, default=16,
+    serve.add_argument("--block-size", type=positive_int_arg, default=16,
                        help="tokens per KV block")
-    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+    serve.add_argument("--max-model-len", type=positive_int_arg, default=None,
                        help="longest prompt + completion in tokens (default: the model's "
                        "max_position_embeddings, capped by the KV arena)")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=256,
+    serve.add_argument("--max-num-seqs", type=positive_int_arg, default=256,
                        help="requests running at once")
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    serve.add_argument("--max-num-batched-tokens", type=positive_int_arg, default=None,
                        help="tokens computed per step (default: the engine's chunked-prefill "
                        "budget)")
     serve.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest-first",
                        help="which prefill gets a step's token budget first: the least prompt "
                        "left (a restored turn before another user's long cold prompt) or "
                        "arrival order")
-    serve.add_argument("--max-prefill-wait-steps", type=_non_negative_int, default=4,
+    serve.add_argument("--max-prefill-wait-steps", type=non_negative_int_arg, default=4,
                        help="shortest-first: a prefill that waited this many steps for a chunk "
                        "goes before the others (no prompt starves)")
-    serve.add_argument("--latency-chunk-tokens", type=_positive_int, default=None,
+    serve.add_argument("--latency-chunk-tokens", type=positive_int_arg, default=None,
                        help="while a restore is in flight or some prefill finishes in the step, "
                        "a prefill that cannot finish takes at most this many tokens (shorter "
                        "steps for first tokens); default: off")
-    serve.add_argument("--max-queue", type=_non_negative_int, default=None,
+    serve.add_argument("--max-queue", type=non_negative_int_arg, default=None,
                        help="requests admitted beyond --max-num-seqs before answering 503 "
                        "(default: 2 x --max-num-seqs)")
     serve.add_argument("--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=1,
@@ -201,17 +161,19 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="the operator's key for GET /metrics, which shows every tenant's "
                        "traffic (default: $KVENGINE_METRICS_KEY; with --api-key and no metrics "
                        "key /metrics is refused, without --api-key it is open)")
-    serve.add_argument("--max-request-body-bytes", type=_positive_int,
+    serve.add_argument("--max-request-body-bytes", type=positive_int_arg,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                        help="larger request bodies get a 413 before they are parsed "
                        "(default: %(default)s = 4 MiB)")
-    serve.add_argument("--max-connections", type=_positive_int, default=1024,
+    serve.add_argument("--max-connections", type=positive_int_arg, default=1024,
                        help="open HTTP connections; more are refused with a 503 at once "
                        "(default: %(default)s, lowered to fit the open-file limit)")
-    serve.add_argument("--timeout-keep-alive", type=_seconds, default=5.0, metavar="SECONDS",
+    serve.add_argument("--timeout-keep-alive", type=positive_float_arg, default=5.0,
+                       metavar="SECONDS",
                        help="close a connection that sends nothing for this long "
                        "(default: %(default)s)")
-    serve.add_argument("--request-read-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+    serve.add_argument("--request-read-timeout", type=positive_float_arg, default=30.0,
+                       metavar="SECONDS",
                        help="close a connection whose request (headers and body) is not all "
                        "there this long after it began, with a 408 (default: %(default)s)")
     serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS,

@@ -67,6 +67,17 @@ def test_engine_and_offload_use_only_kvstores_shared_vocabulary_and_client() -> 
     assert not bad, bad
 
 
+def test_the_server_takes_no_part_of_the_daemons_command_line() -> None:
+    """`kvengine`'s CLI shares argparse pieces with `kvstore`'s through `kvstore.cli_args`, never
+    by importing the daemon's CLI modules."""
+    shared = {"kvstore", "kvstore.keys", "kvstore.layout", "kvstore.sizes", "kvstore.cli_args"}
+    bad = [f"{name} imports {module}" for name, path in MODULES.items()
+           if name.split(".")[0] == "server"
+           for module, _, _ in _imports(path)
+           if module.split(".")[0] == "kvstore" and module not in shared]
+    assert not bad, bad
+
+
 def test_no_module_imports_another_modules_private_names() -> None:
     bad = [f"{name} imports {module}.{n}" for name, path in MODULES.items()
            for module, names, _ in _imports(path) if module.split(".")[0] in PACKAGES

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import DEFAULT_HTTP, build_parser, parse_host_port
-from kvstore.cli_support import DefaultsHelpFormatter, package_version
+from kvstore.cli_args import DefaultsHelpFormatter, package_version
 
 CLI = [sys.executable, "-m", "kvstore.cli"]
 

@@ -1,5 +1,6 @@
-"""What the `kvstore` and `kvengine` command lines share: one-line errors that name the right
-`--help`, help texts that show every option's default, and the installed version."""
+"""The command-line vocabulary the `kvstore` and `kvengine` CLIs both import (neither imports
+the other's CLI): argparse value types (SIZE, counts, ports, seconds, fractions), one-line errors
+that name the right `--help`, help texts that show every option's default, the version."""
 
 from __future__ import annotations
 
@@ -22,10 +23,7 @@ def size_arg(text: str) -> int:
 
 def positive_float_arg(text: str) -> float:
     """argparse type: a number > 0 (seconds, mostly)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
     return value
@@ -33,13 +31,48 @@ def positive_float_arg(text: str) -> float:
 
 def positive_int_arg(text: str) -> int:
     """argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return value
+
+
+def non_negative_int_arg(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    value = _whole_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
+    return value
+
+
+def port_arg(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = non_negative_int_arg(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {text!r}")
+    return value
+
+
+def fraction_arg(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = _number(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 def package_version() -> str:
