@@ -1,4 +1,5 @@
-"""The block verbs: ``put``/``get`` (the bytes API), ``lookup``, ``release`` and ``remove``.
+"""The block verbs: ``put``/``get`` (the bytes API), ``lookup``, ``locate``, ``release`` and
+``remove``.
 
 A lookup runs on the event loop; only one that goes on to the peers is handed to a worker
 (``Deferred``). A lookup another engine's HBM can serve (``engines/hbm/tier.py``) is answered
@@ -132,6 +133,20 @@ class BlockVerbs:
         if tiers and tiers.count(tiers[0]) == len(tiers):
             tiers = [tiers[0].value] * len(tiers)
         return {"num_hit": result.num_hit, "tiers": list(tiers), "lease_id": lease_id}
+
+    def locate(self, args: dict, ctx: CallContext) -> dict:
+        """Where a chain's leading blocks are, without a lease: per registered engine the blocks
+        resident in its arena (the HBM tier's index), and the store's verified prefix by tier.
+        Nothing is pinned, promoted, counted as a hit or touched in the eviction order."""
+        hashes, idents, _ = proto.lookup_items(args)
+        namespace = args["namespace"]
+        held = self._hbm.held_prefixes(namespace, hashes, idents)
+        engines = [{"registration_id": reg["registration_id"], "engine_id": reg["engine_id"],
+                    "device": reg["device"], "num_hbm": held.get(reg["registration_id"], 0)}
+                   for reg in self._hbm.registry.describe()]
+        tiers = self._store.probe(namespace, hashes, idents)
+        return {"num_blocks": len(hashes), "engines": engines,
+                "tier_runs": proto.tier_runs(tiers)}
 
     def release(self, args: dict, ctx: CallContext) -> dict:
         return {"released": self._leases.release(args["lease_id"], ctx.owner)}

@@ -5,7 +5,7 @@ Every handler runs on a worker thread (the daemon's event loop never waits on th
 what the call creates. Leases (``LeaseTable``) and registrations belong to one connection; when
 it closes, ``drop_owner`` releases and unmaps all of them.
 
-The handlers live with their nouns: ``block_verbs`` (put, get, lookup, release, remove),
+The handlers live with their nouns: ``block_verbs`` (put, get, lookup, locate, release, remove),
 ``engine_verbs`` (register, unregister, save, load, resident, evicted); ``cluster_link`` shares
 the store with peers (``--cluster``) and ``stats`` merges the stats reply.
 """
@@ -64,6 +64,7 @@ class Service:
             "put": blocks.put,
             "get": blocks.get,
             "lookup": blocks.lookup,
+            "locate": blocks.locate,
             "release": blocks.release,
             "remove": blocks.remove,
             "register": engines.register,

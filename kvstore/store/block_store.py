@@ -94,6 +94,12 @@ class BlockStore(ABC):
         """
 
     @abstractmethod
+    def probe(self, namespace: bytes, block_hashes: Sequence[bytes],
+              idents: Sequence[bytes]) -> list[Tier]:
+        """The tier of each block of the longest verified prefix ``lookup`` would find, without
+        pinning, promoting, counting or touching anything (eviction order unchanged)."""
+
+    @abstractmethod
     def read(self, lease: Lease, index: int) -> memoryview:
         """The bytes of the lease's block ``index`` in DRAM, promoting it from SSD first if needed.
 

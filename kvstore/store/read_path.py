@@ -104,6 +104,28 @@ class ReadPath:
                                        lease_ttl_s, owner, has_dram=num_hit > num_ssd)
             return LookupResult(num_hit, tiers, lease)
 
+    def probe(self, namespace: bytes, block_hashes: Sequence[bytes],
+              idents: Sequence[bytes]) -> list[Tier]:
+        """The tier of each block of the chain's verified prefix, as ``lookup`` would find it,
+        leaving no trace: nothing pinned, promoted, touched (the eviction order stays as it
+        was) or counted. For routers asking where a prompt's blocks are."""
+        if len(block_hashes) != len(idents):
+            raise StoreError("block_hashes and idents differ in length")
+        if len(namespace) != HASH_BYTES or not {HASH_BYTES}.issuperset(map(len, block_hashes)):
+            raise StoreError(BAD_SIZES)
+        namespace = bytes(namespace)
+        hashes = self._keys.hashes(block_hashes)
+        idents = list(idents)
+        with self._guard.cond:
+            self._guard.check_open()
+            found, hashes = self._dram.find_ready(namespace, hashes, self._ssd is not None)
+            num_dram = verified_len(found, [block.ident for block in found], idents)
+            dram: list[Block | None] = found[:num_dram]
+            ssd: list[SSDEntry | None] = [None] * num_dram
+            if num_dram < len(found) and found[num_dram] is ABSENT and self._ssd is not None:
+                self._extend_from_ssd_locked(namespace, hashes, idents, found, dram, ssd)
+        return [Tier.DRAM if entry is None else Tier.SSD for entry in ssd]
+
     def _extend_from_ssd_locked(self, namespace: bytes, hashes: list[bytes], idents: list,
                                 found: list, dram: list, ssd: list) -> bool:
         """Continue a hit past its DRAM prefix: each further block from DRAM if READY there,

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from kvstore.store.block_store import BlockStore, Lease, LookupResult, WriteSlot
+from kvstore.store.block_store import BlockStore, Lease, LookupResult, Tier, WriteSlot
 from kvstore.store.config import StoreConfig
 from kvstore.store.demoter import DEMOTE_BATCH_BYTES, Demoter
 from kvstore.store.dram.blocks import BlockState
@@ -105,6 +105,10 @@ class TieredStore(BlockStore):
     def lookup(self, namespace: bytes, block_hashes: Sequence[bytes], idents: Sequence[bytes],
                lease_ttl_s: float | None = 30.0, owner: str = "") -> LookupResult:
         return self._reads.lookup(namespace, block_hashes, idents, lease_ttl_s, owner)
+
+    def probe(self, namespace: bytes, block_hashes: Sequence[bytes],
+              idents: Sequence[bytes]) -> list[Tier]:
+        return self._reads.probe(namespace, block_hashes, idents)
 
     def read(self, lease: Lease, index: int) -> memoryview:
         return self._reads.read(lease, index)

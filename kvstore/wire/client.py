@@ -23,10 +23,13 @@ from kvstore.wire import protocol as proto
 from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error types, re-exported)
     ClientError,
     DaemonUnavailable,
+    EngineBlocks,
+    LocateReply,
     LookupReply,
     Pending,
     RequestTimeout,
     SaveReply,
+    locate_reply,
     lookup_reply,
 )
 
@@ -236,6 +239,24 @@ class Client:
         """Give a lease back; the result says whether it was still held."""
         return self.request("release", {"lease_id": lease_id},
                             convert=lambda r: bool(r["released"]))
+
+    def locate_async(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+                     timeout_s: float | None = None) -> Pending:
+        """``locate`` without waiting: a ``Pending`` of the LocateReply."""
+        hashes, idents = list(hashes), list(idents)
+        packed = proto.pack_lookup(hashes, idents)
+        args: dict[str, Any] = {"namespace": namespace}
+        if packed is None:
+            args["hashes"], args["idents"] = hashes, idents
+        else:
+            args.update(packed)
+        return self.request("locate", args, timeout_s, convert=locate_reply)
+
+    def locate(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+               timeout_s: float | None = None) -> LocateReply:
+        """Where the chain's leading blocks are (each registered engine's arena, the store's
+        tiers), with no lease taken and nothing touched: what a router asks."""
+        return self.locate_async(namespace, hashes, idents, timeout_s).wait()
 
     def release(self, lease_id: int) -> bool:
         return self.release_async(lease_id).wait()

@@ -22,6 +22,11 @@ connection that made them):
                                                     -> {num_hit, tier_runs: [[str, count]],
                                                         lease_id | nil}
               (exactly one form per request; the packed reply's runs expand to ``tiers``)
+  locate      {namespace: h16, hashes: [h16], idents: [bin]} or lookup's packed form (at most
+              MAX_LOCATE_BLOCKS)              -> {num_blocks, engines: [{registration_id,
+                                                  engine_id, device, num_hbm}], tier_runs}
+              (no lease, no trace: per registered engine the leading blocks resident in its
+              arena, and the store's verified prefix as [[tier, count]] runs)
   release     {lease_id}                            -> {released: bool}
   remove      {namespace: h16, hashes: [h16]}       -> {num_removed}
   register    {layout: KVLayout.to_wire(), engine_id: str}

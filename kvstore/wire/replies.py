@@ -57,6 +57,43 @@ def lookup_reply(r: dict) -> LookupReply:
     return LookupReply(int(r["num_hit"]), tiers, r["lease_id"])
 
 
+@dataclass(frozen=True)
+class EngineBlocks:
+    """One registered engine in a locate reply: the chain's leading blocks in its arena."""
+
+    registration_id: int
+    engine_id: str
+    device: str
+    num_hbm: int
+
+
+@dataclass(frozen=True)
+class LocateReply:
+    """Where a chain's leading blocks are: each registered engine's arena, and the store's
+    verified prefix (``store_tiers``: "dram" or "ssd" per block)."""
+
+    num_blocks: int
+    engines: list[EngineBlocks]
+    store_tiers: list[str]
+
+    @property
+    def num_stored(self) -> int:
+        """Leading blocks the store (DRAM or SSD) holds."""
+        return len(self.store_tiers)
+
+    @property
+    def num_dram(self) -> int:
+        """Leading blocks all in DRAM."""
+        tiers = self.store_tiers
+        return tiers.index("ssd") if "ssd" in tiers else len(tiers)
+
+
+def locate_reply(r: dict) -> LocateReply:
+    engines = [EngineBlocks(int(e["registration_id"]), str(e["engine_id"]), str(e["device"]),
+                            int(e["num_hbm"])) for e in r["engines"]]
+    return LocateReply(int(r["num_blocks"]), engines, proto.expand_tier_runs(r["tier_runs"]))
+
+
 _NO_RESULT = object()
 
 

@@ -25,7 +25,9 @@ from kvstore.wire.framing import (
 
 Check = Callable[[Any], bool]
 
-
+# A locate walks the chain under the store's and the HBM index's locks: at most this many blocks
+# (a million tokens at 16 per block, beyond any model's context).
+MAX_LOCATE_BLOCKS = 1 << 16
 
 
 def _is_int(v: Any) -> bool:
@@ -120,6 +122,14 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "ident_len": Field(_is_int, "int", required=False),
         "lease_ttl_s": Field(_optional(_is_number), "number or nil", required=False),
     },
+    "locate": {  # lookup's two forms, without a lease: _check_lookup_forms
+        "namespace": Field(_is_hash, "bin of 16 bytes"),
+        "hashes": Field(_HASHES, "array of 16-byte bin", required=False),
+        "idents": Field(_BYTES_LIST, "array of bin", required=False),
+        "hashes_packed": Field(_is_bytes, "bin", required=False),
+        "idents_packed": Field(_is_bytes, "bin", required=False),
+        "ident_len": Field(_is_int, "int", required=False),
+    },
     "release": {"lease_id": Field(_is_uint, "non-negative int")},
     "remove": {
         "namespace": Field(_is_hash, "bin of 16 bytes"),
@@ -160,6 +170,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
 # Arrays that must pair up one to one.
 _SAME_LENGTH: dict[str, tuple[str, ...]] = {
     "lookup": ("hashes", "idents"),
+    "locate": ("hashes", "idents"),
     "save": ("block_ids", "hashes", "idents"),
     "resident": ("block_ids", "hashes", "idents", "generations"),
 }
@@ -179,8 +190,8 @@ def validate_args(verb: str, args: dict[str, Any]) -> None:
         if not field.check(args[name]):
             raise ProtocolError(BAD_REQUEST, f"{verb}: arg {name!r} must be {field.expect}, "
                                              f"got {kind_of(args[name])}")
-    if verb == "lookup":
-        _check_lookup_forms(args)
+    if verb in ("lookup", "locate"):
+        _check_lookup_forms(verb, args)
     group = _SAME_LENGTH.get(verb)
     if group and group[0] in args:
         lengths = {name: len(args[name]) for name in group}
@@ -193,36 +204,46 @@ _LOOKUP_LISTS = ("hashes", "idents")
 _LOOKUP_PACKED = ("hashes_packed", "idents_packed", "ident_len")
 
 
-def _check_lookup_forms(args: dict[str, Any]) -> None:
-    """Exactly one of the list form and the packed form, complete; packed lengths consistent."""
+def _check_lookup_forms(verb: str, args: dict[str, Any]) -> None:
+    """Exactly one of the list form and the packed form, complete; packed lengths consistent;
+    a locate's chain at most MAX_LOCATE_BLOCKS long."""
     lists = [name for name in _LOOKUP_LISTS if name in args]
     packed = [name for name in _LOOKUP_PACKED if name in args]
     if lists and packed:
-        raise ProtocolError(BAD_REQUEST, f"lookup: give either {'/'.join(_LOOKUP_LISTS)} or "
+        raise ProtocolError(BAD_REQUEST, f"{verb}: give either {'/'.join(_LOOKUP_LISTS)} or "
                                          f"{'/'.join(_LOOKUP_PACKED)}, not both")
     if not packed:
         missing = [name for name in _LOOKUP_LISTS if name not in args]
         if missing:
-            raise ProtocolError(BAD_REQUEST, f"lookup: missing arg {missing[0]!r} (or the packed "
+            raise ProtocolError(BAD_REQUEST, f"{verb}: missing arg {missing[0]!r} (or the packed "
                                              f"form {'/'.join(_LOOKUP_PACKED)})")
+        _check_chain_length(verb, len(args["hashes"]))
         return
     missing = [name for name in _LOOKUP_PACKED if name not in args]
     if missing:
-        raise ProtocolError(BAD_REQUEST, f"lookup: packed form is missing {missing}")
+        raise ProtocolError(BAD_REQUEST, f"{verb}: packed form is missing {missing}")
     ident_len = args["ident_len"]
     if not 1 <= ident_len <= MAX_IDENT_LEN:
-        raise ProtocolError(BAD_REQUEST, f"lookup: ident_len must be in 1..{MAX_IDENT_LEN}, "
+        raise ProtocolError(BAD_REQUEST, f"{verb}: ident_len must be in 1..{MAX_IDENT_LEN}, "
                                          f"got {ident_len}")
     num_hash_bytes, num_ident_bytes = len(args["hashes_packed"]), len(args["idents_packed"])
     if num_hash_bytes % HASH_BYTES:
-        raise ProtocolError(BAD_REQUEST, f"lookup: hashes_packed length {num_hash_bytes} is not "
+        raise ProtocolError(BAD_REQUEST, f"{verb}: hashes_packed length {num_hash_bytes} is not "
                                          f"a multiple of {HASH_BYTES}")
     if num_ident_bytes % ident_len:
-        raise ProtocolError(BAD_REQUEST, f"lookup: idents_packed length {num_ident_bytes} is "
+        raise ProtocolError(BAD_REQUEST, f"{verb}: idents_packed length {num_ident_bytes} is "
                                          f"not a multiple of ident_len {ident_len}")
     if num_hash_bytes // HASH_BYTES != num_ident_bytes // ident_len:
-        raise ProtocolError(BAD_REQUEST, f"lookup: {num_hash_bytes // HASH_BYTES} hashes but "
+        raise ProtocolError(BAD_REQUEST, f"{verb}: {num_hash_bytes // HASH_BYTES} hashes but "
                                          f"{num_ident_bytes // ident_len} idents")
+    _check_chain_length(verb, num_hash_bytes // HASH_BYTES)
+
+
+def _check_chain_length(verb: str, num_blocks: int) -> None:
+    """A lookup is bounded by the frame size alone; a locate also by MAX_LOCATE_BLOCKS."""
+    if verb == "locate" and num_blocks > MAX_LOCATE_BLOCKS:
+        raise ProtocolError(BAD_REQUEST, f"locate: at most {MAX_LOCATE_BLOCKS} blocks per "
+                                         f"request, got {num_blocks}")
 
 
 @functools.lru_cache(maxsize=64)

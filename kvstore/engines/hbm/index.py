@@ -171,6 +171,47 @@ class HbmIndex:
                         self.counters["dropped_stale"] += 1
         return found if any(found) else None
 
+    def held_prefixes(self, namespace: bytes, hashes: Sequence[bytes],
+                      idents: Sequence[bytes]) -> dict[int, int]:
+        """Per registration id, how many leading blocks of the chain it holds: entries whose
+        ident matches and whose generation is still the published one. Read only: a stale
+        entry found here stays for ``find`` or the eviction to drop. Registrations holding
+        none of it are left out."""
+        table = self._by_hash.get(namespace)
+        if not table or not hashes:
+            return {}
+        held: dict[int, int] = {}
+        with self._lock:
+            runs: dict[int, list[HbmEntry]] = {}  # registration id -> its entries, in order
+            for i, block_hash in enumerate(hashes):
+                entries = table.get(block_hash)
+                if not entries:
+                    break
+                extended = False
+                for entry in entries:
+                    run = runs.setdefault(entry.reg.registration_id, []) if i == 0 else \
+                        runs.get(entry.reg.registration_id)
+                    # A run still growing is exactly i long; one block per registration and step.
+                    if run is None or len(run) != i or entry.ident != idents[i]:
+                        continue
+                    run.append(entry)
+                    extended = True
+                if not extended:
+                    break
+            # One generation read per registration: the run ends at its first reallocated block.
+            for reg_id, run in runs.items():
+                if not run or run[0].reg.closed:
+                    continue
+                now = run[0].reg.generations_of([e.block_id for e in run])
+                if now is None:
+                    continue
+                want = np.fromiter((e.generation for e in run), dtype=np.uint64, count=len(run))
+                same = np.asarray(now) == want
+                num_held = len(run) if same.all() else int(np.argmin(same))
+                if num_held:
+                    held[reg_id] = num_held
+        return held
+
     def stats(self) -> dict:
         with self._lock:
             num_blocks = sum(len(blocks) for blocks in self._by_reg.values())

@@ -118,6 +118,14 @@ class HbmTier:
         return HbmHit(num_hit, tiers, result.lease if result is not None else None,
                       found[:num_hit], store_index)
 
+    def held_prefixes(self, namespace: bytes, hashes: Sequence[bytes],
+                      idents: Sequence[bytes]) -> dict[int, int]:
+        """Per registration id, the leading blocks of the chain resident in its arena (current
+        and verified); nothing counted, leased or dropped: a probe for routers."""
+        if not self.index.holds(namespace):
+            return {}
+        return self.index.held_prefixes(namespace, hashes, idents)
+
     # -- loads ------------------------------------------------------------------------------
 
     def load(self, hit: HbmHit, dst: Registration, block_ids: Sequence[int],
