@@ -2,7 +2,10 @@
 
 A text prompt is tokenized exactly as /v1/completions would tokenize it (the same tenant cache),
 a chat as /v1/chat/completions renders and tokenizes it, so the counts a client gets here are the
-counts the engine sees. Token strings come from the tokenizer's vocabulary.
+counts the engine sees: through the same PromptBuilder, so with the same early length check on
+characters (a text that cannot fit the context is refused before tokenizing) and the same bounded
+pool for large work. Token strings come from the tokenizer's vocabulary, a long list of them
+built on that pool too.
 """
 
 from __future__ import annotations
@@ -82,21 +85,18 @@ class TokenizationServing:
         """The token ids (and strings) of a prompt or a chat."""
         self._check_model(body.model)
         tenant = tenant_salt(request.scope.get(KEY_SALT_SCOPE, ""), None)
+        # The endpoints' own paths: checked on characters first, tokenized on the bounded pool
+        # when large (never on the loop, never by an unbounded number of threads).
         if isinstance(body, TokenizeChatRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            if not body.add_special_tokens:  # the chat endpoint's own path
-                tokens = await self._prompts.chat(messages, body.add_generation_prompt, tenant)
-            else:
-                tokens = await asyncio.to_thread(self._chat_with_specials, messages,
-                                                 body.add_generation_prompt)
-        elif body.add_special_tokens:  # the completion endpoint's own path
-            (tokens,) = await self._prompts.completion(body.prompt, tenant)
+            tokens = await self._prompts.chat(messages, body.add_generation_prompt, tenant,
+                                              add_special_tokens=body.add_special_tokens)
         else:
-            tokens = await asyncio.to_thread(self._codec.encode, body.prompt, False)
+            tokens = await self._prompts.text(body.prompt, tenant, body.add_special_tokens)
         out: dict[str, Any] = {"count": len(tokens), "max_model_len": self._max_model_len,
-                               "tokens": list(tokens)}
+                               "tokens": tokens}
         if body.return_token_strs:
-            out["token_strs"] = self._codec.token_strings(tokens)
+            out["token_strs"] = await self._prompts.token_strings(tokens)
         return out
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
@@ -108,15 +108,6 @@ class TokenizationServing:
                            f"{self._vocab_size} tokens", param="tokens")
         text = await asyncio.to_thread(self._codec.decode, body.tokens, False)
         return {"prompt": text}
-
-    def _chat_with_specials(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool) -> list[int]:
-        try:
-            text = self._codec.apply_chat_template(messages,
-                                                   add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # a template can reject a conversation (e.g. role order)
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
-        return self._codec.encode(text, True)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self._model_names:
