@@ -1,10 +1,8 @@
 """Which attention implementation serves each phase, from ``KVSTORE_ATTENTION``.
 
-``auto`` (the default) and ``cudnn``: cuDNN's fused SDPA for prefill and decode (on an H100 2x
-our prefill kernel at 16k, and 1.6-2x our decode kernel at batch 32-128, replayed from CUDA
-graphs: benchmarks/results/attention-cudnn-h100-2026-11-25.json); ``ours``: our kernels only. A
-backend that cannot load cuDNN serves every phase with our kernels and says so
-(``Ops.attention_backend``).
+``auto`` (the default) and ``cudnn``: cuDNN's fused SDPA for prefill and decode (the faster on
+an H100 in both: kernels/KERNELS.md); ``ours``: our kernels only. A backend that cannot load
+cuDNN serves every phase with our kernels and says so (``Ops.attention_backend``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 THREADS = 256
-# 16-byte loads in flight per thread. H100, 32 KiB pieces over mapped pinned memory (2026-11-25,
-# benchmarks/copy_paths.py): 4 gave 0.79-0.84 of raw both ways, 8 0.74-0.86, 16 0.40-0.82.
+# 16-byte loads in flight per thread: the best of 4, 8 and 16 measured (kernels/KERNELS.md).
 UNROLL = 4
 _MAX_BLOCKS_PER_RUN = 128
 _MAX_GRID = (1 << 31) - 1

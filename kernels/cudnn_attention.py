@@ -11,9 +11,9 @@ and the step's index arrays are CuPy arrays handed over as device pointers.
 A graph depends on the batch's sequence count, its query-row bound and its table width, never on
 the layer (the layer is a pointer offset into the arena): one graph serves every layer of a step.
 Long prefills (many query rows per sequence) first gather the context's K/V into dense buffers
-(``kernels/gather_kv.cu``) and run cuDNN's dense ragged path, ~25% faster at 16k than its paged
-path over 16-token pages for a copy of ~1-2% of the attention's time; short queries and decode
-read the pages in place. Row bounds and table widths are rounded up to powers of two (the table
+(``kernels/gather_kv.cu``) and run cuDNN's dense ragged path, faster than its paged path over
+16-token pages by far more than the copy costs (KERNELS.md); short queries and decode read the
+pages in place. Row bounds and table widths are rounded up to powers of two (the table
 padded with block 0, which cuDNN never reads past a sequence's length) so a server builds a few
 dozen graphs, not one per prompt length. ``run_*`` return None where cuDNN refuses a shape; the
 caller then runs our kernel (``kernels/attention.py``), and ``refusals`` says why. Short queries
@@ -40,10 +40,8 @@ _UID_Q, _UID_K, _UID_V, _UID_O = 1, 2, 3, 4
 _UID_SEQ_Q, _UID_SEQ_KV, _UID_TABLE_K, _UID_TABLE_V = 5, 6, 7, 8
 _UID_OFFSET_Q, _UID_OFFSET_O = 9, 10
 _MIN_ROWS = 16  # the smallest query-row bound a prefill graph is built for
-# Prefill gathers the context into dense buffers (gather_kv) when the query rows are this many
-# per sequence or more: at 16k the copy costs ~0.05 ms a layer and saves ~0.9 ms over cuDNN's
-# paged path (16-token pages); with few rows per sequence (decode rows mixed in) the copy of every
-# context would cost more than the attention itself, and the paged path runs.
+# From this many query rows per sequence on, prefill gathers the context into dense buffers:
+# the copy pays for itself there, not for short queries (measurements: kernels/KERNELS.md).
 _DENSE_ROWS_PER_SEQ = 256
 _MAX_GRAPHS = 256  # built graphs kept (each holds a plan, no device memory of its own)
 # Short queries over long contexts split the context (kernels/cudnn_split.py): up to this many
@@ -108,10 +106,8 @@ class CudnnAttention:
         # decode's seq_len_q, default pool: in the graphs' pool other graphs' scratch reuses it
         self._ones = cp.ones(1 << 16, dtype=cp.int32)
         self.gather = True  # dense prefill where it pays (_DENSE_ROWS_PER_SEQ); False: paged
-        # one long sequence at its exact sizes where the host knows them (``_run_exact``): off,
-        # since cuDNN 9.19 on an H100 refuses override shapes for this graph (no backend engine;
-        # the frontend's sdpa_fwd_prefill_sm90 engine needs nvidia-cutlass-dsl), measured
-        # 2026-11-25; a refusal falls back to the padded dense path, so turning it on is safe
+        # one long sequence at its exact sizes (``_run_exact``): off, as cuDNN 9.19 refused the
+        # override shapes on an H100 (KERNELS.md); a refusal falls back to the padded path
         self.exact = False
         self.calls: dict[tuple, int] = {}  # calls per path: ("exact",), (causal, dense)
         # short queries over long contexts: split over the context (False: one paged call)

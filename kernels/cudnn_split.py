@@ -18,18 +18,13 @@ from typing import Any
 
 from kernels.split_prefill import merge_partials, replicate_q, split_meta, tail_width
 
-# Slices per sequence: the table's keys / SLICE_KEYS, within [MIN_SLICES, MAX_SLICES]. Measured
-# on an H100 (benchmarks.split_attention, 40 rows): a pseudo-sequence costs ~0.6 us even when
-# empty, and ~4 non-empty slices per sequence (128 CTAs for 32 query heads) already fill the GPU:
-# at 16k 8 slices of a 2,048-block table take 0.093 ms a layer, 16 0.098, 32 0.107, 64 0.127
-# (one paged call 0.276); at 4k (512 blocks) 8 slices 0.045 ms (one call 0.082).
+# Slices per sequence: the table's keys / SLICE_KEYS, within [MIN_SLICES, MAX_SLICES]; fewer,
+# longer slices win once a few fill the GPU (measured per slice count: kernels/KERNELS.md).
 SLICE_KEYS = 4096
 MIN_SLICES, MAX_SLICES = 8, 64
 # Scratch bound of one split step (q_rep, o_part, lse): every sequence of the step, decode rows
-# of a mixed batch included, costs (slices + 1) x the step's query-row bound rows, so 255 decode
-# rows beside one turn over 16k would take ~2.4 GB; past this the step runs as one paged call
-# (the sequences' own tiles fill the GPU by then). The prefill graphs' largest bucket (4
-# sequences x 256 rows, qwen3-4b at 40k: 16 slices) needs ~0.29 GB.
+# included, costs (slices + 1) x the step's query-row bound rows; past this bound the step runs
+# as one paged call (its sequences' own tiles fill the GPU by then). Sizes: kernels/KERNELS.md.
 MAX_SCRATCH_BYTES = 512 << 20
 _UID_Q, _UID_K, _UID_V, _UID_O, _UID_STATS = 1, 2, 3, 4, 11
 _UID_SEQ_Q, _UID_SEQ_KV, _UID_TABLE_K, _UID_TABLE_V = 5, 6, 7, 8

@@ -30,12 +30,9 @@ DEFAULT_DRAM = "1GiB"
 DEFAULT_SSD_SIZE = "16GiB"  # when --ssd-dir is given without --ssd-size
 DEFAULT_HTTP = "127.0.0.1:8791"
 
-# The daemon's GIL switch interval (Python's default is 5 ms). The event loop reads requests
-# and writes replies while worker threads run long stretches of Python (a save's bookkeeping);
-# each hand-over of the GIL can wait this long. Lookups of 1,200 blocks beside a client saving
-# 256 blocks at a time took 2.9-3.5 ms (mean) at 5 ms, 1.9-2.1 ms at 0.5 ms, for 3-13% fewer
-# saves a second: lookups stand before a prefill, saves behind it (`python -m
-# benchmarks.lookup_gil --busy daemon`, 2-core VM, benchmarks/results/lookup_gil-engine-daemon-*).
+# The GIL switch interval (Python's: 5 ms): the event loop waits for the GIL up to this long
+# beside workers doing a save's bookkeeping; lookups stand before a prefill, saves behind it, so
+# quicker lookups are worth a few percent of save rate (docs/measurements.md).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 
 EXIT_USAGE = 2

@@ -21,12 +21,9 @@ from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_op
 from server.engine_protocol import ServedEngine
 from server.serve_args import add_serve_arguments, api_keys
 
-# The served process's GIL switch interval (Python's default is 5 ms). The store link's thread
-# sends lookups and the client's reader thread takes their replies while the step thread runs
-# long stretches of Python; each waits for the GIL up to this long. A 1,200-block lookup the
-# daemon answers in ~0.8 ms came back after 10.7 ms (p50; p90 20.8) beside a busy thread at
-# 5 ms, 1.5 ms (p90 2.7) at 0.5 ms (`python -m benchmarks.lookup_gil`, 2-core VM,
-# benchmarks/results/lookup_gil-2026-11-25.json); late replies cost restores whole steps.
+# The GIL switch interval (Python's: 5 ms): the store link's threads wait for the GIL up to this
+# long beside the busy step thread, and a late lookup reply costs a restore whole steps
+# (docs/measurements.md).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 
 
