@@ -34,11 +34,6 @@ class TokenizePool:
         self.max_pending = max_pending
         self._num_pending = 0  # event loop thread only
 
-    @property
-    def num_pending(self) -> int:
-        """Jobs running or waiting for a worker."""
-        return self._num_pending
-
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on a worker; PoolFull at once when the pool is full. A
         cancelled caller stops waiting; the job itself runs to its end (it is bounded)."""

@@ -64,10 +64,6 @@ def _is_map(v: Any) -> bool:
     return True
 
 
-def _list_of(check: Check) -> Check:
-    return lambda v: type(v) is list and all(check(x) for x in v)
-
-
 def _optional(check: Check) -> Check:
     return lambda v: v is None or check(v)
 

@@ -56,10 +56,6 @@ class StagingBuffer:
         return KVLayout(num_blocks=self.num_slots, regions=(region,), device="cpu",
                         dtype=dtype, meta=meta)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def take(self, num_slots: int) -> list[int] | None:
         """``num_slots`` free slots, or None when fewer are free (nothing taken)."""
         if num_slots > len(self._free):
