@@ -22,8 +22,6 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# Names the renderer fills itself (its own parameters): chat_template_kwargs may not set them.
-RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # transformers fills `reasoning_content` (what templates read) from these older names too.
 _REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
 

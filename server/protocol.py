@@ -25,8 +25,9 @@ from pydantic import (
 MAX_N = 128
 MAX_LOGPROBS = 20  # as engine.sampling_params (the server does not import the engine eagerly)
 
-# Variables the chat template gets from the request itself (engine.chat_template.RESERVED_NAMES;
-# the engine package is heavy to import): chat_template_kwargs may not set them.
+# Variables the chat template gets from the request itself (ChatTemplate.render's parameters, a
+# test keeps them equal; the engine package is heavy to import): chat_template_kwargs may not
+# set them.
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 # Accepted and ignored: OpenAI bookkeeping that changes nothing in the generated output.

@@ -3,14 +3,17 @@ interpreter setting of the serving process."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.chat_template import ChatTemplate
 from server.auth import key_salt, tenant_salt
 from server.cli import SERVE_SWITCH_INTERVAL_S, main
+from server.protocol import RESERVED_TEMPLATE_NAMES
 from server.responses import ChoiceState, usage
 from server.serving import derive_seed
 from server.settings import ServerSettings
@@ -88,3 +91,10 @@ def test_kvengine_serve_switches_threads_within_half_a_millisecond(tmp_path) -> 
         assert SERVE_SWITCH_INTERVAL_S <= 0.0005
     finally:
         sys.setswitchinterval(before)
+
+
+def test_reserved_template_names_are_the_renderers_own_parameters() -> None:
+    """chat_template_kwargs may not set what ``ChatTemplate.render`` fills itself."""
+    params = inspect.signature(ChatTemplate.render).parameters.values()
+    own = {p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD}
+    assert own == RESERVED_TEMPLATE_NAMES
