@@ -1,22 +1,16 @@
-"""A real `kvengine serve` process on a tiny CPU model, for the HTTP attack tests: its URL, its
-RSS, its stderr, and a stop that always happens."""
+"""A real `kvengine serve` process on a tiny CPU model for the HTTP attack tests, and a watch on
+its /health while they run."""
 
 from __future__ import annotations
 
-import re
-import resource
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from support.kvengine import KvengineProcess
 
 from engine.make_model import write_checkpoint
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_model(folder: Path) -> Path:
@@ -26,74 +20,12 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-class EngineProcess:
-    """`python -m server.cli serve --model MODEL --device cpu --port 0 *args`, started and ready.
+class EngineProcess(KvengineProcess):
+    """`kvengine serve --model MODEL --num-kv-blocks 128 *args` on CPU, started and listening
+    (``KvengineProcess`` with the attack tests' model and arena)."""
 
-    `max_open_files` sets the child's RLIMIT_NOFILE (soft and hard) before it starts.
-    """
-
-    def __init__(self, model_dir: Path, *args: str, max_open_files: int | None = None,
-                 env: dict[str, str] | None = None, ready_timeout_s: float = 90.0) -> None:
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
-               "--device", "cpu", "--port", "0", "--num-kv-blocks", "128", *args]
-
-        def limit_files() -> None:
-            if max_open_files is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
-
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
-                                     env=env, preexec_fn=limit_files)
-        self.lines: list[str] = []
-        self._url_found = threading.Event()
-        self.url = ""
-        self._pump = threading.Thread(target=self._read_stderr, daemon=True)
-        self._pump.start()
-        if not self._url_found.wait(ready_timeout_s):
-            self.stop()
-            raise RuntimeError("kvengine did not start:\n" + "".join(self.lines[-40:]))
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            match = re.search(r"listening on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                self._url_found.set()
-        self._url_found.set()
-
-    @property
-    def stderr_bytes(self) -> int:
-        """Bytes the server wrote to stderr so far."""
-        return sum(len(line) for line in self.lines)
-
-    def rss_bytes(self) -> int:
-        """The server's resident set size now."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
-
-    def num_open_fds(self) -> int:
-        """File descriptors the server holds now."""
-        return len(list(Path(f"/proc/{self.proc.pid}/fd").iterdir()))
-
-    def health_s(self, timeout_s: float = 30.0) -> float:
-        """Seconds one fresh client waited for /health (which must answer 200)."""
-        start = time.perf_counter()
-        response = httpx.get(self.url + "/health", timeout=timeout_s)
-        assert response.status_code == 200, response.text
-        return time.perf_counter() - start
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._pump.join(5)
+    def __init__(self, model_dir: Path, *args: str, **kwargs) -> None:
+        super().__init__("--model", str(model_dir), "--num-kv-blocks", "128", *args, **kwargs)
 
 
 class HealthWatch:

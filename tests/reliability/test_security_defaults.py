@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from daemon_helpers import REPO_ROOT, start_daemon
+from support.kvengine import KvengineProcess
 
 from engine.make_model import write_checkpoint
 
@@ -136,23 +137,16 @@ def test_engine_api_listens_on_loopback_by_default(tiny_model: Path) -> None:
 
     args = build_parser().parse_args(["serve", "--model", str(tiny_model)])
     assert args.host == "127.0.0.1"
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model",
-                             str(tiny_model), "--device", "cpu", "--port", "0",
-                             "--api-key", API_KEY, "--max-model-len", "128"],
-                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        line = Lines(proc, proc.stderr).wait_for(r"listening on (http://\S+)", 90)
-        url = re.search(r"listening on (http://\S+)", line).group(1)
+    with KvengineProcess("--model", str(tiny_model), "--api-key", API_KEY,
+                         "--max-model-len", "128") as served:
+        url = served.url
         assert url.startswith("http://127.0.0.1:"), url
-        listening = listening_addresses(proc.pid)
+        listening = listening_addresses(served.proc.pid)
         assert {port for _, port in listening} == {int(url.rsplit(":", 1)[1])}, listening
         assert all(_is_loopback(addr) for addr, _ in listening), listening
         # The CLI's --api-key reaches the app: a keyless request is refused.
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture(scope="module")

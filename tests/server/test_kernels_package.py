@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvengine_process import run_kvengine
+from support.kvengine import run_kvengine
 
 from server.package_check import OUR_DISTRIBUTION, foreign_kernels_owners
 

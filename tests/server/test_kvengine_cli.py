@@ -2,40 +2,23 @@
 
 from __future__ import annotations
 
-import re
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
-
-CLI = [sys.executable, "-m", "server.cli"]
+from support.kvengine import KvengineProcess, run_kvengine
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_serve_starts_answers_and_stops(tiny_model_dir, stop_signal) -> None:
-    cmd = CLI + ["serve", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0",
-                 "--served-model-name", "cli-tiny", "--max-model-len", "256",
-                 "--num-kv-blocks", "64", "--api-key", "k1", "--api-key", "k2"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    served = KvengineProcess("--model", str(tiny_model_dir), "--served-model-name", "cli-tiny",
+                             "--max-model-len", "256", "--num-kv-blocks", "64",
+                             "--api-key", "k1", "--api-key", "k2", ready_timeout_s=60)
     try:
-        assert proc.stderr is not None
-        lines = []
-        deadline = time.monotonic() + 60
-        url = None
-        for line in proc.stderr:
-            lines.append(line)
-            match = re.search(r"listening on (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
-            assert time.monotonic() < deadline, "".join(lines)
-        assert url is not None, "".join(lines)
-        startup = lines[-1]
+        url = served.url
+        startup = served.ready_line
         assert "cli-tiny" in startup and "cpu" in startup and "64 KV blocks" in startup
-        assert any("loading" in line for line in lines)
+        assert any("loading" in line for line in served.lines)
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         headers = {"Authorization": "Bearer k2"}
         models = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()
@@ -47,13 +30,8 @@ def test_serve_starts_answers_and_stops(tiny_model_dir, stop_signal) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
     finally:
-        proc.send_signal(stop_signal)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0  # a graceful stop, the engine closed
+        returncode = served.stop(stop_signal)
+    assert returncode == 0  # a graceful stop, the engine closed
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -79,7 +57,6 @@ def test_bad_flags_exit_nonzero_with_a_message(tiny_model_dir, capsys, args, nee
 
 
 def test_make_model_is_dispatched_to_the_engine() -> None:
-    result = subprocess.run(CLI + ["make-model", "--help"], capture_output=True, text=True,
-                            timeout=60)
+    result = run_kvengine(["make-model", "--help"], timeout_s=60)
     assert result.returncode == 0, result.stderr
     assert "--preset" in result.stdout

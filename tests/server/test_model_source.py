@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import httpx
-from kvengine_process import kvengine_serve, run_kvengine
+from support.kvengine import KvengineProcess, run_kvengine
 
 from server.model_source import looks_like_hub_id
 
@@ -44,7 +44,7 @@ def test_a_cached_repo_id_serves_offline(tiny_model_dir: Path, tmp_path: Path) -
     assert revision.commit_hash == COMMIT and "config.json" in {f.file_name for f in
                                                                  revision.files}
     env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    with kvengine_serve(["kvtest/tiny-model"], env=env) as served:
+    with KvengineProcess("kvtest/tiny-model", env=env) as served:
         models = httpx.get(served.url + "/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == "kvtest/tiny-model"  # the repo id, as in vLLM
         r = httpx.post(served.url + "/v1/completions", timeout=60,

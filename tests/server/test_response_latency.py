@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from kvengine_process import kvengine_serve
+from support.kvengine import KvengineProcess
 
 NAGLE_STALL_MS = 40.0
 
@@ -28,7 +28,7 @@ def _fastest_ms(send, count: int = 5) -> float:
 
 def test_kvengine_serve_answers_without_a_nagle_stall(tiny_model_dir: Path) -> None:
     body = {"prompt": "a b c d", "max_tokens": 1, "temperature": 0.0}
-    with kvengine_serve(["--model", str(tiny_model_dir)]) as served, \
+    with KvengineProcess("--model", str(tiny_model_dir)) as served, \
             httpx.Client(base_url=served.url, timeout=30) as http:
         assert _fastest_ms(lambda: http.get("/health")) < NAGLE_STALL_MS * 0.6
         assert _fastest_ms(lambda: http.post("/v1/completions", json=body)) \

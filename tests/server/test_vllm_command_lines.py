@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvengine_process import kvengine_serve, run_kvengine
+from support.kvengine import KvengineProcess, run_kvengine
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) \S+: ")
 
@@ -23,9 +23,9 @@ def test_positional_model_and_vllm_flags(tiny_model_dir: Path, tmp_path: Path) -
             "--num-gpu-blocks-override", "48", "--served-model-name", "first", "second",
             "--uvicorn-log-level", "warning", "--log-level", "info",
             "--chat-template", str(template), "--max-model-len", "256"]
-    with kvengine_serve(args, env={"KVENGINE_API_KEY": "env-key"}) as served:
+    with KvengineProcess(*args, env={"KVENGINE_API_KEY": "env-key"}) as served:
         url = served.url
-        assert "48 KV blocks" in served.lines[-1]
+        assert "48 KV blocks" in served.ready_line
         # --log-level reaches the engine's own logger, with time, level and logger name.
         assert any(LOG_LINE.match(line) and " INFO engine: attention: " in line
                    for line in served.lines), "".join(served.lines)
@@ -50,7 +50,7 @@ def test_seed_makes_unseeded_sampling_repeat(tiny_model_dir: Path) -> None:
     body = {"prompt": "once upon", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
     runs = []
     for seed in ("11", "11", "12"):
-        with kvengine_serve([str(tiny_model_dir), "--seed", seed]) as served:
+        with KvengineProcess(str(tiny_model_dir), "--seed", seed) as served:
             r = httpx.post(served.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200
             runs.append(r.json()["choices"][0]["text"])
@@ -64,7 +64,7 @@ def test_generation_config_defaults_and_overrides(tiny_model_dir: Path, tmp_path
     config.update(temperature=1.0, top_k=1)  # top_k 1 makes sampling greedy
     (model / "generation_config.json").write_text(json.dumps(config))
     base = {"prompt": "the model's defaults", "max_tokens": 8, "ignore_eos": True}
-    with kvengine_serve([str(model)]) as served:
+    with KvengineProcess(str(model)) as served:
         post = lambda extra: httpx.post(served.url + "/v1/completions",  # noqa: E731
                                         json={**base, **extra}, timeout=60).json()
         greedy = post({"temperature": 0.0})["choices"][0]["text"]
@@ -72,7 +72,7 @@ def test_generation_config_defaults_and_overrides(tiny_model_dir: Path, tmp_path
         assert post({"seed": 1})["choices"][0]["text"] == greedy
         # A field the request sends wins over the model's default: top_k 0 is "off".
         assert post({"top_k": 0, "seed": 1})["choices"][0]["text"] != greedy
-    with kvengine_serve([str(model), "--generation-config", "vllm"]) as served:
+    with KvengineProcess(str(model), "--generation-config", "vllm") as served:
         r = httpx.post(served.url + "/v1/completions", json={**base, "seed": 1}, timeout=60)
         assert r.json()["choices"][0]["text"] != greedy  # vLLM's own defaults: temperature 1
 
@@ -94,7 +94,7 @@ def test_refusals_are_one_line(tiny_model_dir: Path, args: list[str], code: int,
 
 
 def test_dtype_float32_is_what_cpu_computes_in(tiny_model_dir: Path) -> None:
-    with kvengine_serve([str(tiny_model_dir), "--dtype", "float32"]) as served:
+    with KvengineProcess(str(tiny_model_dir), "--dtype", "float32") as served:
         assert httpx.get(served.url + "/health", timeout=10).status_code == 200
         # The default --log-level (warning) keeps the engine's info lines out.
         assert not any(" INFO engine:" in line for line in served.lines), served.lines
@@ -109,7 +109,7 @@ def test_tokenizer_from_another_folder(tiny_model_dir: Path, tmp_path: Path) -> 
         shutil.move(weights / name, tokenizer / name)
     out = run_kvengine(["serve", str(weights), "--device", "cpu", "--port", "0"])
     assert out.returncode == 1 and "no tokenizer.json" in out.stderr
-    with kvengine_serve([str(weights), "--tokenizer", str(tokenizer)]) as served:
+    with KvengineProcess(str(weights), "--tokenizer", str(tokenizer)) as served:
         r = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
