@@ -37,17 +37,24 @@ class RateLimitedLog:
         self._last = -float("inf")
         self._num_since = 0
 
-    def warning(self, message: str) -> None:
+    def warning(self, message: str, *args: object) -> None:
+        self.log(logging.WARNING, message, *args)
+
+    def log(self, level: int, message: str, *args: object, exc_info: bool = False) -> None:
+        """``message % args`` at ``level`` (with the exception being handled if ``exc_info``),
+        unless one was logged less than ``interval_s`` ago: then only counted."""
         self._num_since += 1
         now = time.monotonic()
         if now - self._last < self._interval_s:
             return
+        if args:  # formatted only for a line that goes out
+            message = message % args
         if self._num_since == 1:
-            self._log.warning("%s (logged at most every %.0f s, with a count)", message,
-                              self._interval_s)
+            self._log.log(level, "%s (logged at most every %.0f s, with a count)", message,
+                          self._interval_s, exc_info=exc_info)
         else:
-            self._log.warning("%s (%d times in the last %.0f s)", message, self._num_since,
-                              now - self._last)
+            self._log.log(level, "%s (%d times in the last %.0f s)", message, self._num_since,
+                          now - self._last, exc_info=exc_info)
         self._last = now
         self._num_since = 0
 
@@ -86,20 +93,20 @@ class Acceptor:
                 except OSError as exc:  # never fatal: the daemon must go on accepting
                     if exc.errno in _OUT_OF_RESOURCES:
                         self._count("accept_out_of_resources")
-                        self._log.warning(f"accept failed: {exc.strerror}; refusing new "
-                                          "clients and backing off")
+                        self._log.warning("accept failed: %s; refusing new clients and "
+                                          "backing off", exc.strerror)
                         self._shed_waiting()
                     else:
                         self._count("accept_errors")
-                        self._log.warning(f"accept failed: {exc}; backing off")
+                        self._log.warning("accept failed: %s; backing off", exc)
                     backoff_s = min(_MAX_BACKOFF_S, max(_MIN_BACKOFF_S, 2 * backoff_s))
                     await asyncio.sleep(backoff_s)
                     continue
                 backoff_s = 0.0
                 if self._num_open() >= self.cap:
                     self._count("connections_refused_cap")
-                    self._log.warning(f"connection refused: {self.cap} connections open "
-                                      "(--max-connections)")
+                    self._log.warning("connection refused: %d connections open "
+                                      "(--max-connections)", self.cap)
                     _refuse(conn, self._full_frame)
                     continue
                 self._on_accept(conn)
