@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DEVICES = ("auto", "cpu", "cuda")
-OFFLOAD_POLICIES = ("write-through", "evict")
+from offload.engine_store import OffloadPolicy
+
+DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N": one GPU by index, as torch and vLLM name them
+_CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]{0,3})")
+OFFLOAD_POLICIES = tuple(p.value for p in OffloadPolicy)
 RESTORE_MODES = ("cost-aware", "always")
 PREFILL_ORDERS = ("shortest-first", "fcfs")
 # vLLM's --dtype spellings -> ours; what a backend computes in is checked at engine start.
@@ -72,8 +76,7 @@ class EngineConfig:
         if not isinstance(self.model_dir, (str, Path)) or not str(self.model_dir):
             raise ValueError("model_dir must be a non-empty path")
         object.__setattr__(self, "model_dir", str(self.model_dir))
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        check_device(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
@@ -132,8 +135,46 @@ def check_dtype(wanted: str, computes_in: str, device: str) -> None:
                          f"in {computes_in} (use --dtype auto or {computes_in})")
 
 
+def check_device(device: object) -> str:
+    """``device`` if it is "auto", "cpu", "cuda" or "cuda:N"; ValueError otherwise."""
+    if not isinstance(device, str) or device not in DEVICES and not _CUDA_INDEX.fullmatch(device):
+        raise ValueError(f"device must be one of {DEVICES} or cuda:N (N a GPU index), "
+                         f"got {device!r}")
+    return device
+
+
+def cuda_index(device: str) -> int | None:
+    """N of "cuda:N"; None for any other device (plain "cuda" is whichever GPU is current)."""
+    match = _CUDA_INDEX.fullmatch(device)
+    return int(match.group(1)) if match else None
+
+
+def use_cuda_device(index: int) -> None:
+    """Make GPU ``index`` current on the calling thread (CUDA's current device is per thread:
+    every thread that launches work on the engine's arrays calls this first)."""
+    import cupy
+
+    cupy.cuda.Device(index).use()
+
+
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when CuPy sees a GPU, else "cpu"; "cpu"/"cuda" pass through."""
+    """The backend: "auto" -> "cuda" when CuPy sees a GPU, else "cpu"; "cpu"/"cuda" pass
+    through; "cuda:N" -> "cuda" with GPU N made current on this thread (before anything is
+    allocated), N counted among the GPUs CUDA_VISIBLE_DEVICES leaves visible. ValueError for a
+    GPU that is not there."""
+    index = cuda_index(device)
+    if index is not None:
+        try:
+            import cupy
+
+            num_devices = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # no CuPy, no driver
+            raise ValueError(f"device {device}: no CUDA device is usable here ({exc})") from None
+        if index >= num_devices:
+            raise ValueError(f"device {device}: this process sees {num_devices} CUDA device(s) "
+                             "(after CUDA_VISIBLE_DEVICES)")
+        use_cuda_device(index)
+        return "cuda"
     if device != "auto":
         return device
     try:

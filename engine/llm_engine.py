@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, check_dtype, resolve_device
+from engine.config import EngineConfig, check_dtype, cuda_index, resolve_device, use_cuda_device
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
@@ -34,7 +34,8 @@ from engine.tokenizer import Tokenizer
 from engine.weights import weights_identity
 from kernels import make_ops
 from offload.bridge import StoreBridge
-from offload.factory import make_offload_manager
+from offload.factory import make_store_bridge
+from offload.null_bridge import NullStore
 from offload.vocab import ModelIdentity, Namespace
 
 
@@ -63,6 +64,7 @@ class LLMEngine:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {config.model_dir!r} does not exist")
         self.device = resolve_device(config.device)
+        self._cuda_index = cuda_index(config.device)  # cuda:N: made current by each step too
         self.model_config = mc = ModelConfig.load(model_dir)
         self.tokenizer = Tokenizer(config.tokenizer_dir or model_dir, mc.eos_token_ids)
         if config.chat_template is not None:  # --chat-template: replaces the folder's template
@@ -78,6 +80,8 @@ class LLMEngine:
             weights_id=weights_identity(model_dir),
         )
         self.model_name = config.served_model_name or model_dir.resolve().name
+        # What the store knows this engine by (its registration's engine_id; a router maps it).
+        self.engine_id = f"{self.model_name}-{os.getpid()}-{id(self):x}"
         self.runner = ModelRunner(mc, str(model_dir), ops, config.block_size, limit,
                                   self.tokenizer.eos_token_ids)
         block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
@@ -90,23 +94,23 @@ class LLMEngine:
                                              -(-self.max_model_len // config.block_size))
         self.block_manager = BlockManager(num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.debug_hash_bits)
+        # The store (--kv-offload), or a null bridge: the scheduler and the step loop call one
+        # interface either way.
+        self.offload: StoreBridge = NullStore()
+        if config.kv_offload:
+            self.offload = make_store_bridge(
+                config.kv_store_socket, self.kv_cache.layout(), self.engine_id, self.block_manager,
+                block_bytes, config.kv_offload_policy, self.device,
+                always_restore=config.kv_offload_restore == "always",
+                share_hbm=config.kv_offload_share_hbm)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             PrefillOrder(config.prefill_order, config.max_prefill_wait_steps,
-                         config.latency_chunk_tokens))
-        self.offload: StoreBridge | None = None
+                         config.latency_chunk_tokens), self.offload.restores)
         self._offload_pending = False  # the last step's store work is still to do
         # A mid-prefill chunk samples nothing, so its step returns before the device finished it
         # and the next step's time includes the rest: only steps between syncs are timed.
         self._last_step_synced = True
-        if config.kv_offload:
-            engine_id = f"{self.model_name}-{os.getpid()}-{id(self):x}"
-            self.offload = make_offload_manager(
-                config.kv_store_socket, self.kv_cache.layout(), engine_id, self.block_manager,
-                block_bytes, config.kv_offload_policy, self.device,
-                always_restore=config.kv_offload_restore == "always",
-                share_hbm=config.kv_offload_share_hbm)
-            self.scheduler.offload = self.offload
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -205,7 +209,7 @@ class LLMEngine:
         with self._lock:
             stats = dict(self._stats)
             stats["num_waiting"] += len(self._inbox)
-        if self.offload is not None:  # the store's health now, not as of the last step
+        if stats["kv_offload"] is not None:  # the store's health now, not as of the last step
             stats["kv_offload"] = {**stats["kv_offload"], "store_state": self.offload.store_state}
         return stats
 
@@ -215,13 +219,15 @@ class LLMEngine:
         """The store work the last step left for after its outputs (``--kv-offload``): send its
         saves, publish evictions and resident blocks. ``step`` runs it first if nobody did; a
         serving loop calls it right after handing the outputs on, so no token waits for it."""
-        if self.offload is not None and self._offload_pending:
+        if self._offload_pending:
             self._offload_pending = False
             self.offload.after_step()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of requests that got a token or ended."""
         t_start = time.perf_counter()
+        if self._cuda_index is not None:  # CUDA's current device is per thread
+            use_cuda_device(self._cuda_index)
         self.flush_offload()
         t_flushed = time.perf_counter()
         with self._lock:
@@ -236,7 +242,6 @@ class LLMEngine:
                 outputs.append(self._output(seq))
         t_added = time.perf_counter()
         batch = self.scheduler.schedule()
-        offload = self.offload
         t_scheduled = time.perf_counter()
         elapsed = 0.0
         if batch:
@@ -247,17 +252,15 @@ class LLMEngine:
             elapsed = time.perf_counter() - t_scheduled
             self.scheduler.advance(batch)
             synced = bool(sampled)  # reading sampled tokens waited for the step's device work
-            if offload is not None:
-                offload.save_computed(batch.seqs)  # before finished sequences free their blocks
-                if synced and self._last_step_synced:  # else device time leaks across steps
-                    offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
+            self.offload.save_computed(batch.seqs)  # before finished sequences free blocks
+            if synced and self._last_step_synced:  # else device time leaks across steps
+                self.offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
             self._last_step_synced = synced
             outputs.extend(self._append_token(seq, token, logprobs)
                            for seq, token, logprobs in sampled)
-        elif offload is not None and offload.num_loading:
-            offload.wait_for_progress(0.005)  # only restores in flight: no busy loop
-        if offload is not None:
-            self._offload_pending = True  # see flush_offload
+        elif self.scheduler.num_loading:
+            self.scheduler.restores.wait_for_progress(0.005)  # only restores: no busy loop
+        self._offload_pending = True  # see flush_offload
         self.last_step = StepTiming(
             flush_s=t_flushed - t_start, add_s=t_added - t_flushed,
             schedule_s=t_scheduled - t_added, execute_s=elapsed,
@@ -324,8 +327,7 @@ class LLMEngine:
     def _collect_stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         hit_tokens = empty_tier_counts()
-        if self.offload is not None:
-            hit_tokens.update(self.offload.hit_tokens_by_tier)
+        hit_tokens.update(self.offload.restores.hit_tokens_by_tier)
         hit_tokens["hbm"] += sched.num_prefix_hit_tokens  # own prefix cache + other engines'
         return {
             "num_running": len(sched.running),
@@ -345,7 +347,7 @@ class LLMEngine:
             "prefix_cache_hits": sched.num_prefix_hit_tokens,  # this engine's own cache only
             "num_requests_finished": self._num_finished,
             "num_steps": self._num_steps,
-            "kv_offload": self.offload.stats() if self.offload is not None else None,
+            "kv_offload": self.offload.stats(),
         }
 
     def warm_up(self) -> int:
@@ -357,8 +359,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Drop every HBM-cached block no request uses; call between steps (step thread)."""
         num_evicted = self.block_manager.reset_prefix_cache()
-        if self.offload is not None:
-            self.offload.after_step()  # publish the evictions now
+        self.offload.after_step()  # publish the evictions now
         return num_evicted
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -377,9 +378,8 @@ class LLMEngine:
         """Free the KV arena; the engine is unusable afterwards. Idempotent."""
         if not self._closed:
             self._closed = True
-            if self.offload is not None:
-                self.flush_offload()
-                self.offload.close()
+            self.flush_offload()
+            self.offload.close()
             self.runner.close()
 
     def __enter__(self) -> LLMEngine:

@@ -16,13 +16,14 @@ handed to the store bridge in every step whatever the budget (a load costs no st
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.prefill_order import PrefillOrder
 from engine.sequence import Sequence, SequenceStatus
-from offload.bridge import StoreBridge
+from offload.bridge import RestoreBridge
+from offload.null_bridge import NullRestores
 
 # How deep into the waiting queue restores are started each step (each costs a lookup check).
 RESTORE_SCAN_DEPTH = 8
@@ -72,9 +73,12 @@ class Scheduler:
 
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-        prefill_order: PrefillOrder | None = None,
+        prefill_order: PrefillOrder | None = None, restores: RestoreBridge | None = None,
     ) -> None:
+        """``restores``: the store's restores (``--kv-offload``); by default none (a null
+        bridge: every sequence is admitted without the store)."""
         self.block_manager = block_manager
+        self.restores = restores if restores is not None else NullRestores(Counter())
         self.prefill_order = prefill_order or PrefillOrder()
         self.num_steps = 0  # schedule() calls so far: the clock of the aging rule
         self._head_blocked = False  # the waiting head did not fit in the free blocks
@@ -87,7 +91,6 @@ class Scheduler:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_prompt_tokens = 0
-        self.offload: StoreBridge | None = None  # set by the engine with --kv-offload
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
@@ -96,21 +99,18 @@ class Scheduler:
         seq.ready_since_step = self.num_steps
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
-        if self.offload is not None:
-            # the reply is usually in by the time seq is admitted
-            self.offload.prefetch(seq, busy=bool(self.running))
+        self.restores.prefetch(seq, busy=bool(self.running))  # usually answered by admission
 
     def has_unfinished(self) -> bool:
         return bool(self._by_id)
 
     @property
     def num_loading(self) -> int:
-        return self.offload.num_loading if self.offload is not None else 0
+        return self.restores.num_loading
 
     def _absorb_restores(self) -> None:
         """Loaded sequences start running after their restored prefix; the rest queue again."""
-        assert self.offload is not None
-        ready, requeue = self.offload.poll()
+        ready, requeue = self.restores.poll()
         for seq in ready:
             seq.status = SequenceStatus.RUNNING
             seq.ready_since_step = self.num_steps
@@ -133,8 +133,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and allocate the blocks their new tokens need."""
-        if self.offload is not None:
-            self._absorb_restores()
+        self._absorb_restores()
         step = _Step(self.max_num_batched_tokens)
         for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
             if step.budget <= 0 or step.stopped:
@@ -142,7 +141,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:  # not preempted by an earlier decode
                 self._schedule_running(step, seq, 1)
         self._schedule_prefills(step)
-        if self.offload is not None and not step.preempted:
+        if not step.preempted:
             # Loads cost no budget: start them whatever the step holds, after this step's
             # chunks have their blocks (a restore reserves blocks too).
             self._start_restores()
@@ -199,7 +198,7 @@ class Scheduler:
         """The priority key of the waiting head if it may be admitted now."""
         if not (step.admitting and self.waiting and len(self.running) < self.max_num_seqs):
             return None
-        if self.offload is not None and self.offload.num_waiting_for_blocks:
+        if self.restores.num_waiting_for_blocks:
             return None  # an earlier request's restore waits for blocks: nobody overtakes it
         seq = self.waiting[0]
         hit_ids = self.block_manager.match_prefix(seq)
@@ -219,7 +218,7 @@ class Scheduler:
         fit or waits for the store."""
         bm = self.block_manager
         seq = self.waiting[0]
-        if self.offload is not None and not seq.offload_checked and self._try_restore(seq):
+        if not seq.offload_checked and self._try_restore(seq):
             self.waiting.popleft()
             return True  # the head moved on
         hit_ids = bm.match_prefix(seq)  # again: chunks scheduled since may have evicted some
@@ -246,20 +245,18 @@ class Scheduler:
         order, whether or not this step has budget left: a load costs no step tokens, and a
         restore issued now lands while others compute. Behind a head that lacks blocks only
         the head may reserve (a restore reserves blocks too)."""
-        assert self.offload is not None
         depth = 1 if self._head_blocked else RESTORE_SCAN_DEPTH
         for seq in list(itertools.islice(self.waiting, depth)):
-            if (self.offload.num_waiting_for_blocks
-                    or len(self.running) + self.offload.num_loading >= self.max_num_seqs):
+            if (self.restores.num_waiting_for_blocks
+                    or len(self.running) + self.restores.num_loading >= self.max_num_seqs):
                 return
             if not seq.offload_checked and self._try_restore(seq):
                 self.waiting.remove(seq)
 
     def _try_restore(self, seq: Sequence) -> bool:
         """True if the bridge now holds ``seq`` (LOADING; the caller takes it off the queue)."""
-        assert self.offload is not None
         hit_ids = self.block_manager.match_prefix(seq)
-        if self.offload.start_restore(seq, len(hit_ids), bool(self.running)):
+        if self.restores.start_restore(seq, len(hit_ids), bool(self.running)):
             seq.status = SequenceStatus.LOADING  # the offload bridge holds it until it lands
             return True
         return False
@@ -285,10 +282,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            if self.offload is not None:
-                self.offload.forget(seq)
-        in_flight = (seq.status is SequenceStatus.LOADING and self.offload is not None
-                     and self.offload.abort(seq))
+            self.restores.forget(seq)
+        in_flight = seq.status is SequenceStatus.LOADING and self.restores.abort(seq)
         if not in_flight:  # else its blocks are freed when the store request ends
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -1,26 +1,29 @@
-"""The one interface between the engine and the store: what the scheduler and the step loop call.
+"""The engine's two views of the store: what the scheduler calls and what the step loop calls.
 
-The engine (``engine.scheduler``, ``engine.llm_engine``) holds a ``StoreBridge`` and nothing else
-of ``offload``; ``offload.manager.OffloadManager`` is the implementation. Every method runs on the
-engine's step thread and returns without waiting on the store (``wait_for_progress``,
-``wait_idle`` and ``close`` wait, bounded, and say so).
+The engine (``engine.scheduler``, ``engine.llm_engine``) holds a ``StoreBridge`` (given to it at
+construction: ``offload.engine_store.EngineStore`` with ``--kv-offload``, else
+``offload.null_bridge.NullStore``) and hands its ``restores`` to the scheduler; it sees nothing
+else of ``offload``. Every method runs on the engine's step thread and returns without waiting on
+the store (``wait_for_progress``, ``wait_idle`` and ``close`` wait, bounded, and say so).
 
 The contract, in step order:
 
-- ``prefetch(seq)`` when a request arrives, ``forget(seq)`` when it leaves before admission.
-- ``poll()`` first in every ``schedule``: restores that landed (run them; their restored prefix
-  is computed and registered) and restores given up (requeue them, to recompute).
-- ``start_restore(seq, num_hbm_hit_blocks)`` for waiting sequences near the head of the queue
-  (in arrival order, every step, whatever the step's token budget: a load costs none) whose
-  ``seq.offload_checked`` is false: True means the bridge now holds it (the scheduler marks it
-  LOADING and takes it off the queue until ``poll`` gives it back); False means admit it
+- ``restores.prefetch(seq)`` when a request arrives, ``restores.forget(seq)`` when it leaves
+  before admission.
+- ``restores.poll()`` first in every ``schedule``: restores that landed (run them; their
+  restored prefix is computed and registered) and restores given up (requeue them, to
+  recompute).
+- ``restores.start_restore(seq, num_hbm_hit_blocks)`` for waiting sequences near the head of
+  the queue (in arrival order, every step, whatever the step's token budget: a load costs none)
+  whose ``seq.offload_checked`` is false: True means the bridge now holds it (the scheduler
+  marks it LOADING and takes it off the queue until ``poll`` gives it back); False means admit it
   without the store. While ``num_waiting_for_blocks`` is non-zero nobody else is admitted and no
   other restore is started.
 - ``save_computed(seqs)`` after a forward, before finished sequences free their blocks;
   ``observe_step`` with the step's prefill tokens and seconds.
 - ``after_step()`` once the step's outputs went out: saves are sent, evictions published.
-- ``abort(seq)`` for a LOADING sequence: True if its load is still in flight (the bridge frees
-  its blocks when the load ends), False if the scheduler frees them itself.
+- ``restores.abort(seq)`` for a LOADING sequence: True if its load is still in flight (the
+  bridge frees its blocks when the load ends), False if the scheduler frees them itself.
 
 A store that is down, slow or hung costs recompute (a smaller hit, a counted event), never an
 exception or a stall of the step loop.
@@ -34,8 +37,8 @@ from collections import Counter
 from offload.engine_view import OffloadSequence, RestoreOutcome
 
 
-class StoreBridge(ABC):
-    """One engine's link to the store: restores, saves, resident blocks, evictions."""
+class RestoreBridge(ABC):
+    """The scheduler's side: restores of waiting sequences from the store."""
 
     @property
     @abstractmethod
@@ -52,11 +55,6 @@ class StoreBridge(ABC):
     def hit_tokens_by_tier(self) -> Counter[str]:
         """Tokens restored so far, by the tier they came from."""
 
-    @property
-    @abstractmethod
-    def store_state(self) -> str:
-        """``ok``, ``hung`` or ``down``, as of now; safe to read from any thread."""
-
     @abstractmethod
     def prefetch(self, seq: OffloadSequence, busy: bool) -> None:
         """A request arrived (``busy``: others are running): maybe send its lookup now."""
@@ -68,7 +66,7 @@ class StoreBridge(ABC):
     @abstractmethod
     def start_restore(self, seq: OffloadSequence, num_hbm_hit_blocks: int, busy: bool) -> bool:
         """True if ``seq`` now waits on the store (LOADING), False to admit it without. Waits
-        at most what is left of the step's 2 ms budget for a lookup reply."""
+        at most what is left of the step's budget for a lookup reply."""
 
     @abstractmethod
     def poll(self) -> RestoreOutcome:
@@ -77,6 +75,24 @@ class StoreBridge(ABC):
     @abstractmethod
     def abort(self, seq: OffloadSequence) -> bool:
         """Mark a LOADING sequence aborted; True if it is still in flight."""
+
+    @abstractmethod
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Nothing runs but restores: wait at most ``timeout_s`` for one of them to move."""
+
+
+class StoreBridge(ABC):
+    """The step loop's side: saves, published evictions, the store's health, lifetime."""
+
+    @property
+    @abstractmethod
+    def restores(self) -> RestoreBridge:
+        """What the scheduler calls (the same object for the bridge's life)."""
+
+    @property
+    @abstractmethod
+    def store_state(self) -> str | None:
+        """``ok``, ``hung`` or ``down``, as of now (None: no store); any thread."""
 
     @abstractmethod
     def save_computed(self, seqs: list[OffloadSequence]) -> None:
@@ -91,16 +107,13 @@ class StoreBridge(ABC):
         """Send queued saves, finish landed ones, publish evictions and resident blocks."""
 
     @abstractmethod
-    def wait_for_progress(self, timeout_s: float) -> None:
-        """Nothing runs but restores: wait at most ``timeout_s`` for one of them to move."""
-
-    @abstractmethod
     def wait_idle(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) until in-flight saves ended: shutdown, tests, benchmarks."""
 
     @abstractmethod
-    def stats(self) -> dict:
-        """Counters for ``/metrics`` and ``stats()`` (plain data, safe to copy)."""
+    def stats(self) -> dict | None:
+        """Counters for ``/metrics`` and ``stats()`` (plain data, safe to copy); None without
+        a store."""
 
     @abstractmethod
     def close(self) -> None:

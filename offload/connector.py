@@ -18,8 +18,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore import Client, Pending
-from offload.store_link import Job, StoreLink
+from offload.link_requests import (
+    EvictedRequest,
+    LinkRequest,
+    LoadRequest,
+    LookupRequest,
+    ReleaseRequest,
+    ResidentRequest,
+    SaveRequest,
+)
+from offload.store_link import Job, StoreLink, StoreState
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
 
@@ -29,7 +37,7 @@ log = logging.getLogger("offload")
 # longer before it calls a request lost, so a late "failed" reply is still seen as a reply.
 _DEADLINE_MARGIN_S = 2.0
 
-__all__ = ["OffloadConnector", "Transfer"]
+__all__ = ["OffloadConnector", "StoreState", "Transfer"]
 
 
 class OffloadConnector:
@@ -50,7 +58,7 @@ class OffloadConnector:
         self._link = StoreLink(socket_path, layout, engine_id, timeout_s, reconnect_interval_s,
                                self.counters, register_timeout_s=register_timeout_s,
                                on_registered=on_registered)
-        self._last_state = "down"
+        self._last_state = StoreState.DOWN
         self._disowned: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         # A healthy daemon registers us in milliseconds: serve with the store from the first
         # request. A hung one costs the caller at most the probe deadline.
@@ -60,22 +68,22 @@ class OffloadConnector:
     # ------------------------------------------------------------------------- connection
 
     @property
-    def state(self) -> str:
-        """``ok``, ``hung`` or ``down``; changes are counted (``store_hung``, ``store_down``)
-        and logged once each. Never blocks."""
+    def state(self) -> StoreState:
+        """OK, HUNG or DOWN; changes are counted (``store_hung``, ``store_down``) and logged
+        once each. Never blocks."""
         state = self._link.state
-        if state != self._last_state:
-            if state != "ok":
-                self.counters[f"store_{state}"] += 1
-            if state == "hung":
+        if state is not self._last_state:
+            if state is not StoreState.OK:
+                self.counters[f"store_{state.value}"] += 1
+            if state is StoreState.HUNG:
                 log.warning("kv offload: the store does not answer; recomputing until it does")
-            elif state == "ok" and self._last_state == "hung":
+            elif state is StoreState.OK and self._last_state is StoreState.HUNG:
                 log.warning("kv offload: the store answers again")
             self._last_state = state
         return state
 
     @property
-    def live_state(self) -> str:
+    def live_state(self) -> StoreState:
         """``state`` for any thread (nothing counted)."""
         return self._link.state
 
@@ -84,9 +92,9 @@ class OffloadConnector:
         """Registered and answering: worth starting a lookup or a save. When not connected, a
         reconnect is asked for (made off this thread)."""
         state = self.state
-        if state == "down":
+        if state is StoreState.DOWN:
             self._link.want_connect()
-        return state == "ok"
+        return state is StoreState.OK
 
     def wait_available(self, timeout_s: float) -> bool:
         """Give the first connect (and registration) up to ``timeout_s``, then say whether the
@@ -97,7 +105,7 @@ class OffloadConnector:
     def keep_connected(self) -> None:
         """Not connected: have the link reconnect (off this thread, rate-limited). The engine
         calls this every step; a bare connector reconnects only when a request needs it."""
-        if self.state == "down":
+        if self.state is StoreState.DOWN:
             self._link.want_connect()
 
     @property
@@ -116,17 +124,17 @@ class OffloadConnector:
         if code == "deadline":  # no reply at all: start over on a fresh connection
             self._link.want_drop()
 
-    def _request(self, send: Callable[[Client, int | None], Pending], fallback: Any,
-                 deadline_s: float | None = None, epoch: int | None = None) -> Transfer:
+    def _request(self, request: LinkRequest, fallback: Any, deadline_s: float | None = None,
+                 epoch: int | None = None) -> Transfer:
         """Queue a request; a hung store or a full queue completes it at once with
         ``fallback``. Not connected: the link tries to connect first (rate-limited). With
         ``epoch``, it goes out only on that connection (else it fails, never sent)."""
         deadline_s = self.timeout_s if deadline_s is None else deadline_s
-        if self.state == "hung":
+        if self.state is StoreState.HUNG:
             self.counters["skipped_hung"] += 1
             return Transfer(0.0, fallback, self._lost, queued=False)
         transfer = Transfer(deadline_s + _DEADLINE_MARGIN_S, fallback, self._lost)
-        if not self._link.submit(Job(send, transfer, epoch)):
+        if not self._link.submit(Job(request, transfer, epoch)):
             self.counters["skipped_queue_full"] += 1
             return Transfer(0.0, fallback, self._lost, queued=False)
         return transfer
@@ -134,26 +142,18 @@ class OffloadConnector:
     # ------------------------------------------------------------------------------ verbs
 
     def lookup(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
-               lease_ttl_s: float = 30.0) -> Transfer:
-        """Result: (num_hit, tiers, lease_id); a failure is None."""
+               lease_ttl_s: float = 30.0, deadline_s: float | None = None) -> Transfer:
+        """Result: a ``LookupReply`` (num_hit, tiers, lease_id); a failure is None."""
         self.counters["lookups"] += 1
-        hashes, idents = list(hashes), list(idents)
-
-        def send(c: Client, registration_id: int) -> Pending:
-            return c.lookup_async(namespace, hashes, idents, lease_ttl_s)
-
-        return self._request(send, None)
+        return self._request(LookupRequest(namespace, list(hashes), list(idents), lease_ttl_s),
+                             None, deadline_s)
 
     def load(self, lease_id: int, block_ids: Sequence[int],
              deadline_s: float | None = None, epoch: int | None = None) -> Transfer:
         """Result: how many leading ``block_ids`` hold their block now; a failure is 0."""
         self.counters["loads"] += 1
-        block_ids = list(block_ids)
-
-        def send(c: Client, registration_id: int) -> Pending:
-            return c.load_async(registration_id, lease_id, block_ids, deadline_s)
-
-        return self._request(send, 0, deadline_s, epoch)
+        return self._request(LoadRequest(lease_id, list(block_ids), deadline_s), 0, deadline_s,
+                             epoch)
 
     def save(self, namespace: bytes, block_ids: Sequence[int], hashes: Sequence[bytes],
              idents: Sequence[bytes], deadline_s: float | None = None,
@@ -161,17 +161,13 @@ class OffloadConnector:
         """Result: a ``SaveReply`` (per-block outcomes "saved", "duplicate", "failed"); a
         failure is None."""
         self.counters["saves"] += 1
-        block_ids, hashes, idents = list(block_ids), list(hashes), list(idents)
-
-        def send(c: Client, registration_id: int) -> Pending:
-            return c.save_async(registration_id, namespace, block_ids, hashes, idents,
-                                deadline_s)
-
-        return self._request(send, None, deadline_s, epoch)
+        request = SaveRequest(namespace, list(block_ids), list(hashes), list(idents),
+                              deadline_s)
+        return self._request(request, None, deadline_s, epoch)
 
     def release(self, lease_id: int) -> None:
         """Give a lease back without waiting for the reply."""
-        self._request(lambda c, _: c.request("release", {"lease_id": lease_id}), None)
+        self._request(ReleaseRequest(lease_id), None)
 
     def disown(self, lookup: Transfer) -> None:
         """Nobody will use this lookup's reply: its lease, if it gets one, is released once the
@@ -197,25 +193,15 @@ class OffloadConnector:
         if not block_ids:
             return
         self.counters["resident_published"] += len(block_ids)
-        rows = (list(block_ids), list(hashes), list(idents), list(generations))
-
-        def send(c: Client, registration_id: int) -> Pending:
-            return c.resident_async(registration_id, namespace, *rows)
-
-        self._request(send, None)
+        self._request(ResidentRequest(namespace, list(block_ids), list(hashes), list(idents),
+                                      list(generations)), None)
 
     def evicted(self, namespace: bytes, hashes: Sequence[bytes]) -> None:
         """Publish blocks the engine dropped from HBM, without waiting for the reply."""
         if not hashes:
             return
         self.counters["evictions_published"] += len(hashes)
-        hashes = list(hashes)
-
-        def send(c: Client, registration_id: int) -> Pending:
-            return c.request("evicted", {"namespace": namespace, "hashes": hashes,
-                                         "registration_id": registration_id})
-
-        self._request(send, None)
+        self._request(EvictedRequest(namespace, list(hashes)), None)
 
     def close(self) -> None:
         """Unregister (the daemon forgets this arena's resident blocks) and close; bounded."""

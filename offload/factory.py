@@ -8,8 +8,8 @@ import logging
 from offload.block_generations import BlockGenerations
 from offload.bridge import StoreBridge
 from offload.connector import OffloadConnector
+from offload.engine_store import EngineStore, OffloadPolicy
 from offload.engine_view import BlockLedger
-from offload.manager import OffloadManager
 from offload.restore_policy import RestorePolicy
 from offload.vocab import KVLayout
 
@@ -23,14 +23,16 @@ _PRIORS = {
 }
 
 
-def make_offload_manager(socket_path: str | None, layout: KVLayout, engine_id: str,
-                         ledger: BlockLedger, block_bytes: int, policy: str,
-                         device: str, always_restore: bool = False,
-                         share_hbm: bool = True) -> StoreBridge:
-    """Connect to the store (or keep retrying in the background) and build the bridge.
+def make_store_bridge(socket_path: str | None, layout: KVLayout, engine_id: str,
+                      ledger: BlockLedger, block_bytes: int, policy: str,
+                      device: str, always_restore: bool = False,
+                      share_hbm: bool = True) -> StoreBridge:
+    """Connect to the store (or keep retrying in the background) and build the bridge;
+    ``policy`` is an ``OffloadPolicy`` value.
 
     ``share_hbm``: publish the cached blocks as the store's HBM tier (block generations in
     shared memory, named in the registered layout)."""
+    save_policy = OffloadPolicy(policy)  # a bad name fails before anything is made
     bandwidth, prefill = _PRIORS["cuda" if device.startswith("cuda") else "cpu"]
     generations = None
     if share_hbm:
@@ -42,10 +44,10 @@ def make_offload_manager(socket_path: str | None, layout: KVLayout, engine_id: s
     if generations is not None:
         layout = dataclasses.replace(layout, generations=generations.name)
     try:
-        connector = OffloadConnector(socket_path, layout, engine_id)
+        link = OffloadConnector(socket_path, layout, engine_id)
     except BaseException:
         if generations is not None:
             generations.close()
         raise
-    return OffloadManager(connector, ledger, block_bytes, policy,
-                          RestorePolicy(dict(bandwidth), prefill), always_restore, generations)
+    return EngineStore(link, ledger, block_bytes, save_policy,
+                       RestorePolicy(dict(bandwidth), prefill), always_restore, generations)

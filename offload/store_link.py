@@ -24,6 +24,7 @@ memory nobody reads), or nothing (vLLM's scheduler side, which only looks up).
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import queue
 import threading
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import Client, ClientError, DaemonUnavailable, Pending
+from offload.link_requests import LinkRequest
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
 
@@ -50,12 +52,23 @@ MAX_QUEUED = 4096
 _TICK_S = 0.05
 
 
-@dataclass
-class Job:
-    """One request for the link's thread: ``send(client, registration_id)`` puts it on the wire.
-    With ``epoch``, only on that connection (its block ids belong to that registration)."""
+class StoreState(str, enum.Enum):
+    """The store as the link sees it now (see the module docstring)."""
 
-    send: Callable[[Client, int | None], Pending]
+    OK = "ok"
+    HUNG = "hung"
+    DOWN = "down"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request for the link's thread and the handle it completes. With ``epoch``, it goes
+    out only on that connection (its block ids belong to that registration)."""
+
+    request: LinkRequest
     transfer: Transfer
     epoch: int | None = None
 
@@ -104,18 +117,18 @@ class StoreLink:
     # -- any thread -------------------------------------------------------------------------
 
     @property
-    def state(self) -> str:
-        """``ok``, ``hung`` or ``down`` (see the module docstring); never blocks."""
+    def state(self) -> StoreState:
+        """OK, HUNG or DOWN (see the module docstring); never blocks."""
         now = time.monotonic()
         busy, probe_at = self._busy_since, self._probe_sent_at
         if busy is not None and now - busy > self.probe_deadline_s:
-            return "hung"
+            return StoreState.HUNG
         if probe_at is not None and now - probe_at > self.probe_deadline_s:
-            return "hung"
+            return StoreState.HUNG
         client = self._client
         if client is None or client.is_closed or not self._up:
-            return "down"
-        return "ok"
+            return StoreState.DOWN
+        return StoreState.OK
 
     def wait_first_attempt(self, timeout_s: float) -> None:
         """Let a caller give the first connect a moment (bounded) before it starts serving."""
@@ -185,10 +198,12 @@ class StoreLink:
             return
         self._busy_since = time.monotonic()
         try:
-            job.transfer.attach(job.send(client, registration_id), self.epoch)
+            job.transfer.attach(job.request.send(client, registration_id), self.epoch)
         except (DaemonUnavailable, ClientError, OSError):
             job.transfer.abandon()
             self._drop()
+        except ValueError:  # a request this link cannot carry (no registration): refused
+            job.transfer.abandon()
         finally:
             self._busy_since = None
 
@@ -229,15 +244,13 @@ class StoreLink:
             return None
         layout = self.layout() if callable(self.layout) else self.layout
         try:
-            pending = client.request("register", {"layout": layout.to_wire(),
-                                                  "engine_id": self.engine_id},
-                                     timeout_s=self.register_timeout_s)
-            return int(self._await(pending, self.register_timeout_s)["registration_id"])
+            pending = client.register_async(layout, self.engine_id, self.register_timeout_s)
+            return self._await(pending, self.register_timeout_s)
         finally:
             if self.on_registered is not None:
                 self.on_registered()
 
-    def _await(self, pending: Pending, timeout_s: float) -> dict:
+    def _await(self, pending: Pending, timeout_s: float) -> int:
         """The reply, waited for in slices so that closing is not held up (bounded by the
         request's own deadline)."""
         deadline = time.monotonic() + timeout_s + 1.0
@@ -264,7 +277,7 @@ class StoreLink:
             return
         self._busy_since = now
         try:
-            self._probe = self._client.request("health", timeout_s=self.timeout_s)
+            self._probe = self._client.health_async(self.timeout_s)
             self._probe_sent_at = now
             self.counters["probes"] += 1
         except (DaemonUnavailable, ClientError, OSError):
@@ -294,8 +307,7 @@ class StoreLink:
             return
         if registration_id is not None and not client.is_closed:
             with contextlib.suppress(DaemonUnavailable, ClientError, OSError):
-                client.request("unregister", {"registration_id": registration_id},
-                               timeout_s=2.0).wait(2.0)
+                client.unregister_async(registration_id, 2.0).wait(2.0)
         self._up = False
         self._client = self._registration_id = None
         client.close()

@@ -184,7 +184,7 @@ def _warm_up(engines: list[LLMEngine], tok, shape: DemoShape, params: SamplingPa
         # a turn computes a few dozen tokens over its cached history: the short prefill (and
         # decode) graphs, with the cuDNN graphs they use, as `kvengine serve` builds them
         engine.warm_up()
-        if engine.offload is not None:
+        if engine.config.kv_offload:
             engine.offload.wait_idle()
             engine.reset_prefix_cache()  # the next hit comes from the store
             _ttft(engine, f"warm-{n}-restore", long_ids[:-8] + tok.encode(" How?"), params)

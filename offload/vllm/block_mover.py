@@ -8,31 +8,27 @@ Both describe vLLM's tensors with the same ``Piece`` list per layer (``tensor_la
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from abc import abstractmethod
 
 import numpy as np
 
 from kvstore.layout import KVLayout, Region
+from offload.core.block_site import BlockSite
+from offload.core.restore_job import RestoreJob
+from offload.core.slots import Reservation, Slots
+from offload.vllm.plan import BlockTransfer
 from offload.vllm.staging import StagingBuffer
 from offload.vllm.tensor_layout import Piece
 
 
-@dataclass
-class Slots:
-    """Daemon-side block ids lent for one transfer, and the buffer they belong to (if any)."""
-
-    block_ids: list[int]
-    buffer: StagingBuffer | None = None
-
-
-class BlockMover(ABC):
-    """Contract: ``open()`` makes the layout to register (called on every (re)connect);
-    ``slots_for_save(ids)`` returns daemon block ids holding vLLM blocks ``ids`` (None: no room,
-    the save is skipped); ``slots_for_load(n)`` lends ids for a load (None: no room yet);
-    ``land(slots, ids, n)`` makes the first ``n`` loaded blocks visible in vLLM blocks ``ids``;
-    ``give_back(slots)`` returns ids once the daemon is done with them. A ``Slots`` of a lost
-    connection is never given back (its buffer is abandoned instead)."""
+class BlockMover(BlockSite[BlockTransfer]):
+    """vLLM's blocks as the core's ``BlockSite``, built from four primitives: ``open()``
+    makes the layout to register (called on every (re)connect); ``slots_for(ids, copy_out)``
+    returns daemon block ids for vLLM blocks ``ids`` (with ``copy_out``, holding their bytes
+    for a save), or None when there is no room; ``copy_in(slots, ids, n)`` makes the first
+    ``n`` loaded blocks visible in vLLM blocks ``ids``; ``give_back(slots)`` returns ids once
+    the daemon is done with them. A ``Slots`` of a lost connection is never given back (its
+    memory is abandoned instead)."""
 
     meta: dict  # what the registration's meta says (num_layers, tensor_layout...)
 
@@ -42,9 +38,8 @@ class BlockMover(ABC):
 
     #: The most blocks one save request carries. Staged movers copy into a bounded buffer per
     #: save: short requests. A direct mover's save is the daemon's batched copy of vLLM's own
-    #: blocks: one request per step and vLLM request (up to this bound), since many 64-block
-    #: requests in flight at once moved 38-42% of raw pinned where one 1,024-block request of
-    #: the same path reaches ~0.9 (H100, benchmarks/results/xfer-h100-2026-11-25.md).
+    #: blocks: one request per step and vLLM request, up to this bound (many short requests in
+    #: flight at once move far less than one long one: docs/measurements.md).
     max_save_blocks: int = 64
 
     @abstractmethod
@@ -55,13 +50,10 @@ class BlockMover(ABC):
         """The daemon has answered the registration of ``open()``'s layout (or refused it)."""
 
     @abstractmethod
-    def slots_for_save(self, block_ids: list[int]) -> Slots | None: ...
+    def slots_for(self, block_ids: list[int], copy_out: bool) -> Slots | None: ...
 
     @abstractmethod
-    def slots_for_load(self, block_ids: list[int]) -> Slots | None: ...
-
-    @abstractmethod
-    def land(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None: ...
+    def copy_in(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None: ...
 
     @abstractmethod
     def give_back(self, slots: Slots) -> None: ...
@@ -69,6 +61,31 @@ class BlockMover(ABC):
     @abstractmethod
     def close(self) -> None:
         """Drop what ``open`` made."""
+
+    # -- the BlockSite contract -------------------------------------------------------------
+
+    def reserve(self, job: RestoreJob[BlockTransfer]) -> Slots | Reservation:
+        slots = self.slots_for(job.owner.block_ids[:job.num_hit], copy_out=False)
+        return Reservation.WAIT if slots is None else slots
+
+    def land(self, job: RestoreJob[BlockTransfer], num_loaded: int) -> None:
+        assert job.slots is not None
+        self.copy_in(job.slots, job.owner.block_ids, num_loaded)
+        self.give_back(job.slots)
+
+    def unreserve(self, job: RestoreJob[BlockTransfer], quarantined: bool) -> None:
+        if not quarantined and job.slots is not None:
+            self.give_back(job.slots)
+
+    def release(self, slots: Slots) -> None:
+        self.give_back(slots)
+
+    def pin_for_save(self, block_ids: list[int]) -> Slots | None:
+        return self.slots_for(block_ids, copy_out=True)
+
+    def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None:
+        if daemon_done:  # else the daemon may still read them: their memory is abandoned
+            self.give_back(slots)
 
 
 class DirectMover(BlockMover):
@@ -88,13 +105,10 @@ class DirectMover(BlockMover):
     def registered(self) -> None:
         pass
 
-    def slots_for_save(self, block_ids: list[int]) -> Slots | None:
+    def slots_for(self, block_ids: list[int], copy_out: bool) -> Slots | None:
         return Slots(list(block_ids))
 
-    def slots_for_load(self, block_ids: list[int]) -> Slots | None:
-        return Slots(list(block_ids))
-
-    def land(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None:
+    def copy_in(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None:
         pass  # the daemon wrote into vLLM's blocks
 
     def give_back(self, slots: Slots) -> None:
@@ -151,33 +165,29 @@ class StagedMover(BlockMover):
             raise ValueError(f"block ids outside 0..{self.num_blocks - 1}")
         return ids
 
-    def slots_for_save(self, block_ids: list[int]) -> Slots | None:
+    def slots_for(self, block_ids: list[int], copy_out: bool) -> Slots | None:
         buf = self.buffer
         ids = self._check(block_ids)
         got = buf.take(len(block_ids)) if buf is not None else None
         if got is None:
             return None
-        rows = np.asarray(got, dtype=np.intp)
-        for view, lo, hi in self._views:
-            buf.slots[rows, lo:hi] = view[ids]
+        if copy_out:
+            rows = np.asarray(got, dtype=np.intp)
+            for view, lo, hi in self._views:
+                buf.slots[rows, lo:hi] = view[ids]
         return Slots(got, buf)
 
-    def slots_for_load(self, block_ids: list[int]) -> Slots | None:
-        buf = self.buffer
-        got = buf.take(len(block_ids)) if buf is not None else None
-        return None if got is None else Slots(got, buf)
-
-    def land(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None:
+    def copy_in(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None:
         if num_loaded <= 0:
             return
         ids = self._check(block_ids[:num_loaded])
         rows = np.asarray(slots.block_ids[:num_loaded], dtype=np.intp)
         for view, lo, hi in self._views:
-            view[ids] = slots.buffer.slots[rows, lo:hi]
+            view[ids] = slots.memory.slots[rows, lo:hi]
 
     def give_back(self, slots: Slots) -> None:
-        if slots.buffer is not None and slots.buffer is self.buffer:
-            slots.buffer.give_back(slots.block_ids)
+        if slots.memory is not None and slots.memory is self.buffer:
+            slots.memory.give_back(slots.block_ids)
 
     def close(self) -> None:
         if self.buffer is not None:

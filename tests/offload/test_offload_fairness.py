@@ -32,10 +32,10 @@ def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daem
                 got_blocks[name] = index
 
     for _ in range(200):  # until b's restore found no free blocks (a holds them)
-        if engine.offload.num_waiting_for_blocks:
+        if engine.offload.restores.num_waiting_for_blocks:
             break
         step()
-    assert engine.offload.num_waiting_for_blocks == 1
+    assert engine.offload.restores.num_waiting_for_blocks == 1
     engine.add_request("c", c, params)  # fits beside a right now, but arrived after b
     for _ in range(500):
         if not engine.has_unfinished_requests():
@@ -44,5 +44,5 @@ def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daem
     stats = engine.stats()["kv_offload"]
     engine.block_manager.check_integrity()
     close_llm(reader)
-    assert stats["restores_waited_for_blocks"] >= 1
+    assert stats["restores_waited_for_slots"] >= 1
     assert got_blocks["a"] < got_blocks["b"] <= got_blocks["c"]  # b got blocks before c did

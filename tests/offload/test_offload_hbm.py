@@ -105,7 +105,7 @@ def test_owner_reusing_its_blocks_shrinks_the_hit_never_the_kv(tiny_model_dir, m
         engine.step()
         engine.add_request("r", prompt, GREEDY)
         engine.step()  # "r" arrives: its lookup is sent, it waits in the queue
-        restore = engine.offload.restorer.prefetched["r"]
+        restore = engine.offload.restores.prefetched["r"]
         assert restore.lookup.wait(10.0) and restore.lookup.result.num_hit == 12
         assert restore.lookup.result.tiers == ["hbm"] * 12
         # Between the lookup and the load, the owner reallocates (and overwrites) its blocks.

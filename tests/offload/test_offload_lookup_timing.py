@@ -26,7 +26,7 @@ def test_a_missed_lookup_does_not_cost_a_step(tiny_model_dir, make_daemon) -> No
     assert counters["lookups"] == 1
     # Answered within the step's bound (the usual case): a miss, prefilled in that same step.
     on_time = counters["lookups_answered_on_time"] == 1
-    assert on_time == (len(first) == 1) == (counters["lookup_misses"] == 1)
+    assert on_time == (len(first) == 1) == (counters["restores_miss"] == 1)
     assert counters["lookups_answered_on_time"] + counters["lookups_answered_late"] == 1
 
 
@@ -39,7 +39,7 @@ def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_d
     engine.step()
     engine.add_request("x", random_prompt(1000, 16 * 8 + 3, seed=33), PARAMS)
     engine.step()  # "x" arrives and queues behind "busy": its lookup goes out now
-    assert engine.offload.restorer.prefetched["x"].lookup.wait(10.0)
+    assert engine.offload.restores.prefetched["x"].lookup.wait(10.0)
     busy_done = x_first = None
     for step in range(100):
         for out in engine.step():
@@ -73,12 +73,12 @@ def test_a_steps_saves_go_out_after_its_tokens(tiny_model_dir, make_daemon,
     while not outs:
         outs = engine.step()  # the prefill step (after the lookup)
     offload = engine.offload
-    queued = [block for q in offload.saver.queued for block in q.block_ids]
+    queued = [block for job in offload.saves.saver.pinned for block in job.slots.block_ids]
     assert len(queued) == 8 and offload.counters["saves"] == 0
     holders = 1 if max_tokens == 1 else 2  # the pin (+ the running sequence)
     assert all(engine.block_manager._ref_counts[b] == holders for b in queued)
     engine.flush_offload()
-    assert offload.counters["saves"] == 1 and not offload.saver.queued
+    assert offload.counters["saves"] == 1 and not offload.saves.saver.pinned
     offload.wait_idle()
     with daemon.client() as c:
         assert c.stats()["tiers"]["dram"]["blocks"] == 8

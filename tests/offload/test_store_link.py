@@ -90,8 +90,8 @@ def test_a_link_without_a_layout_only_looks_up(make_daemon) -> None:
         assert lookup.wait(5.0) and lookup.ok and lookup.result.num_hit == 0
         with daemon.client() as c:
             assert c.stats()["daemon"]["registrations"] == 0
-        # Nothing registered: a save names no memory, and the daemon refuses it.
+        # Nothing registered: a save names no memory; the link refuses it, never sent.
         save = conn.save(chain.namespace, [0], chain.hashes[:1], chain.idents[:1])
-        assert save.wait(5.0) and not save.ok and save.answered
+        assert save.wait(5.0) and not save.ok and save.never_sent and not save.answered
     finally:
         conn.close()

@@ -1,0 +1,51 @@
+"""Where an engine's blocks land and how they are held: the one thing the engines do apart.
+
+kvengine's site is its block ledger (``offload.ledger_site``): a load lands in blocks reserved
+for the request, and a save pins the request's blocks. vLLM's is its block mover
+(``offload.vllm.block_mover``): a load lands in staging slots (CPU) or vLLM's own blocks (GPU),
+and a save copies into staging slots or reads vLLM's blocks in place. The ``Restorer`` and the
+``Saver`` call nothing else of an engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Generic
+
+from offload.core.restore_job import Owner, RestoreJob
+from offload.core.slots import Reservation, Slots
+
+
+class BlockSite(ABC, Generic[Owner]):
+    """Contract (step thread only; every method returns without waiting on the store):
+
+    - ``reserve(job)`` lends slots for ``job.num_hit`` blocks, in chain order, or says WAIT or
+      REFUSE. A reservation is undone by exactly one of ``land`` and ``unreserve``.
+    - ``land(job, n)``: the daemon answered the load: the first ``n`` slots hold their blocks
+      (``n`` may be 0); make them the owner's, and take the slots back.
+    - ``unreserve(job, quarantined)``: the load will not land (given up, aborted). With
+      ``quarantined`` the daemon may still write into ``job.slots``: keep them out of use until
+      ``release`` is called for them (which may be never: a request that got no reply).
+    - ``release(slots)``: the daemon is done with quarantined slots; they may be reused.
+    - ``pin_for_save(block_ids)``: slots holding the owner's ``block_ids`` (pinned, or copied
+      out) for a save, or None (no room: the save is skipped, counted).
+    - ``unpin_after_save(slots, daemon_done)``: the save ended; ``daemon_done`` is False when
+      no reply came (the daemon may still read the slots)."""
+
+    @abstractmethod
+    def reserve(self, job: RestoreJob[Owner]) -> Slots | Reservation: ...
+
+    @abstractmethod
+    def land(self, job: RestoreJob[Owner], num_loaded: int) -> None: ...
+
+    @abstractmethod
+    def unreserve(self, job: RestoreJob[Owner], quarantined: bool) -> None: ...
+
+    @abstractmethod
+    def release(self, slots: Slots) -> None: ...
+
+    @abstractmethod
+    def pin_for_save(self, block_ids: list[int]) -> Slots | None: ...
+
+    @abstractmethod
+    def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None: ...

@@ -1,0 +1,257 @@
+"""The one restore state machine: lookup -> lease -> slots -> load -> landed, or given up.
+
+Both engines restore through this class; they differ only in their ``BlockSite`` (where blocks
+land) and their ``RestoreDecider`` (whether a hit is worth loading). ``poll`` advances every
+tracked job without waiting; a store that hangs, drops the connection, or never answers ends
+the jobs that wait on it (``GIVEN_UP``, with the reason counted), and slots the daemon may still
+write stay quarantined until it answers. Each job ends exactly once, counted as
+``restores_<end>``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Generic
+
+from kvstore import Tier
+from offload.connector import OffloadConnector
+from offload.core.block_site import BlockSite
+from offload.core.decider import RestoreDecider
+from offload.core.quarantine import Quarantine
+from offload.core.restore_job import Owner, RestoreJob
+from offload.core.slots import Reservation
+from offload.core.states import RestoreEnd, RestoreState
+from offload.store_link import StoreState
+
+State, End = RestoreState, RestoreEnd
+
+
+@dataclass(frozen=True)
+class RestoreSettings:
+    """How long a restore may wait on each thing, and the lease it asks for."""
+
+    lease_ttl_s: float = 30.0  # a lease lives this long without its load
+    max_lookup_wait_s: float = 1.5  # an unanswered lookup is given up after this
+    max_slot_wait_s: float = 5.0  # a leased hit waits this long for slots (well inside the TTL)
+    load_deadline_s: float | None = None  # the daemon's deadline for a load (None: the link's)
+
+    def __post_init__(self) -> None:
+        for name in ("lease_ttl_s", "max_lookup_wait_s", "max_slot_wait_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_slot_wait_s >= self.lease_ttl_s > 0:
+            raise ValueError("max_slot_wait_s must be shorter than the lease's TTL")
+
+
+def _tiers(names: list[str]) -> list[Tier]:
+    """The reply's tiers up to the first one this client does not know (the hit ends there:
+    a block whose tier is unknown is not loaded)."""
+    out = []
+    for name in names:
+        try:
+            out.append(Tier(name))
+        except ValueError:
+            break
+    return out
+
+
+class Restorer(Generic[Owner]):
+    """Owns the restores of one engine's link (step thread only)."""
+
+    def __init__(self, link: OffloadConnector, site: BlockSite[Owner], decider: RestoreDecider,
+                 counters: Counter[str], settings: RestoreSettings | None = None) -> None:
+        self.link = link
+        self.site = site
+        self.decider = decider
+        self.counters = counters
+        self.settings = settings or RestoreSettings()
+        self.quarantine = Quarantine(site, counters)
+        self._jobs: list[RestoreJob[Owner]] = []  # tracked: advanced by ``poll``
+
+    # -- starting and stopping ----------------------------------------------------------------
+
+    def look_up(self, owner: Owner, namespace: bytes, hashes: list[bytes], idents: list[bytes],
+                first_block: int = 0, busy: bool = True) -> RestoreJob[Owner]:
+        """Send the lookup of a chain; the job is LOOKING_UP and not started yet (``start``
+        it, or ``drop`` it if nobody will use its reply)."""
+        lookup = self.link.lookup(namespace, hashes, idents, self.settings.lease_ttl_s)
+        self.counters["lookups"] += 1
+        return RestoreJob(owner, namespace, list(hashes), list(idents), lookup, first_block,
+                          busy)
+
+    def start(self, job: RestoreJob[Owner]) -> bool:
+        """Advance ``job`` once now and, unless that ended it (True), track it: from then on
+        ``poll`` advances it until it ends."""
+        if job.over or job in self._jobs:
+            raise ValueError(f"restore already {'ended' if job.over else 'started'}")
+        if self.advance(job, self.link.state is StoreState.HUNG):
+            return True
+        self._jobs.append(job)
+        return False
+
+    def drop(self, job: RestoreJob[Owner]) -> None:
+        """An untracked LOOKING_UP job nobody will use: its lease is released once the reply
+        comes (not counted as a restore)."""
+        if job.state is not State.LOOKING_UP or job in self._jobs:
+            raise ValueError("only an untracked lookup can be dropped")
+        self.link.disown(job.lookup)
+
+    def abort(self, job: RestoreJob[Owner]) -> bool:
+        """The owner is gone. True if a load into its slots is still in flight: the job ends
+        (ABORTED, its slots handed back through ``unreserve``) when the load answers. False
+        if it ended now (nothing of the owner's is held)."""
+        if job.over:
+            return False
+        if job.state is State.LOADING:
+            job.aborted = True
+            return True
+        if job.state is State.LOOKING_UP:
+            self.link.disown(job.lookup)
+        else:
+            self._release_lease(job)
+        self._end(job, State.GIVEN_UP, End.ABORTED)
+        if job in self._jobs:
+            self._jobs.remove(job)
+        return False
+
+    # -- advancing ------------------------------------------------------------------------------
+
+    def poll(self) -> list[RestoreJob[Owner]]:
+        """Advance every tracked job once, without waiting; the jobs that ended."""
+        self.link.release_disowned()
+        self.quarantine.poll()
+        if not self._jobs:
+            return []
+        hung = self.link.state is StoreState.HUNG
+        ended = [job for job in self._jobs if self.advance(job, hung)]
+        if ended:
+            self._jobs = [job for job in self._jobs if not job.over]
+        return ended
+
+    def advance(self, job: RestoreJob[Owner], hung: bool = False) -> bool:
+        """One step of ``job`` (``hung``: the store stopped answering); True once it ended."""
+        now = time.monotonic()
+        if job.state is State.LOOKING_UP:
+            self._take_reply(job, hung, now)
+        if job.state in (State.LEASED, State.WAITING_FOR_SLOTS):
+            self._reserve_and_load(job, now)
+        elif job.state is State.LOADING:
+            self._take_load(job, hung, now)
+        return job.over
+
+    def _take_reply(self, job: RestoreJob[Owner], hung: bool, now: float) -> None:
+        """LOOKING_UP -> LEASED, or GIVEN_UP (no reply in time, a miss, declined)."""
+        lookup = job.lookup
+        if not lookup.poll():
+            if hung:
+                self.link.disown(lookup)
+                self._end(job, State.GIVEN_UP, End.STORE_HUNG)
+            elif now - lookup.started_at > self.settings.max_lookup_wait_s:
+                self.link.disown(lookup)
+                self._end(job, State.GIVEN_UP, End.LOOKUP_TIMEOUT)
+            return
+        reply = lookup.result if lookup.ok else None
+        if reply is None:
+            self._end(job, State.GIVEN_UP, End.LOOKUP_FAILED)
+            return
+        tiers = _tiers(list(reply.tiers)[:min(int(reply.num_hit), job.num_asked)])
+        if not tiers or not reply.lease_id:
+            if reply.lease_id:
+                self.link.release(reply.lease_id)
+            self._end(job, State.GIVEN_UP, End.MISS)
+            return
+        job.lease_id, job.tiers, job.num_hit = reply.lease_id, tiers, len(tiers)
+        job.to(State.LEASED)
+        if not self.decider.worth_loading(job):
+            self._release_lease(job)
+            self._end(job, State.GIVEN_UP, End.DECLINED)
+
+    def _reserve_and_load(self, job: RestoreJob[Owner], now: float) -> None:
+        """LEASED/WAITING_FOR_SLOTS -> LOADING, WAITING_FOR_SLOTS, or GIVEN_UP."""
+        if job.lease_epoch != self.link.registration_epoch:
+            self._end(job, State.GIVEN_UP, End.RECONNECTED)  # the lease died with its connection
+            return
+        # Not registered right now (a probe or a reconnect on its way): wait like for slots.
+        got = self.site.reserve(job) if self.link.available else Reservation.WAIT
+        if got is Reservation.REFUSE:
+            self._release_lease(job)
+            self._end(job, State.GIVEN_UP, End.REFUSED)
+            return
+        if got is Reservation.WAIT:
+            if job.state is State.LEASED:
+                job.to(State.WAITING_FOR_SLOTS)
+                job.waiting_since = now
+                self.counters["restores_waited_for_slots"] += 1
+            assert job.waiting_since is not None
+            if now - job.waiting_since >= self.settings.max_slot_wait_s:
+                self._release_lease(job)
+                self._end(job, State.GIVEN_UP, End.NO_SLOTS)
+            return
+        job.slots = got
+        assert job.lease_id is not None
+        job.load = self.link.load(job.lease_id, got.block_ids, self.settings.load_deadline_s,
+                                  epoch=job.lease_epoch)
+        self.decider.load_started(job)
+        self.counters["loads"] += 1
+        job.to(State.LOADING)
+
+    def _take_load(self, job: RestoreJob[Owner], hung: bool, now: float) -> None:
+        """LOADING -> LANDED (the daemon answered), or GIVEN_UP (hung, no reply)."""
+        load = job.load
+        assert load is not None and job.slots is not None
+        if not load.poll():
+            if hung:  # the owner recomputes now; the slots wait for the daemon's answer
+                self._abandon_load(job, End.STORE_HUNG, now)
+            return
+        if load.timed_out:
+            self._abandon_load(job, End.LOAD_TIMEOUT, now)
+            return
+        if not load.ok:
+            self.counters["load_errors"] += 1
+        job.num_loaded = max(0, min(int(load.result), job.num_hit)) if load.ok else 0
+        self.decider.load_ended(job, load.started_at, load.finished_at or now, job.num_loaded)
+        if job.aborted:
+            self.site.unreserve(job, quarantined=False)
+            self._end(job, State.GIVEN_UP, End.ABORTED)
+            return
+        self.site.land(job, job.num_loaded)
+        self._end(job, State.LANDED,
+                  End.LANDED if job.num_loaded == job.num_hit else End.SHORT)
+
+    def _abandon_load(self, job: RestoreJob[Owner], end: RestoreEnd, now: float) -> None:
+        assert job.load is not None and job.slots is not None
+        self.quarantine.hold(job.load, job.slots)
+        self.site.unreserve(job, quarantined=True)
+        self.decider.load_ended(job, job.load.started_at, now, 0)
+        self.counters["loads_given_up"] += 1
+        self._end(job, State.GIVEN_UP, end)
+
+    def _release_lease(self, job: RestoreJob[Owner]) -> None:
+        """Give the lease back, if it still belongs to the link's connection."""
+        if job.lease_id is not None and job.lease_epoch == self.link.registration_epoch:
+            self.link.release(job.lease_id)
+
+    def _end(self, job: RestoreJob[Owner], state: RestoreState, end: RestoreEnd) -> None:
+        job.to(state, end)
+        self.counters[f"restores_{end.value}"] += 1
+        self.counters["blocks_loaded"] += job.num_loaded
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def jobs(self) -> list[RestoreJob[Owner]]:
+        """The tracked jobs, oldest first (read-only use)."""
+        return list(self._jobs)
+
+    def num_in(self, state: RestoreState) -> int:
+        return sum(1 for job in self._jobs if job.state is state)
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Nothing else to do: wait up to ``timeout_s`` for the first pending reply."""
+        for job in self._jobs:
+            transfer = job.load if job.state is State.LOADING else job.lookup
+            if transfer is not None and not transfer.done:
+                transfer.wait(timeout_s)
+                return

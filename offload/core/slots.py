@@ -1,0 +1,23 @@
+"""Slots: the daemon-side block ids a site lends one transfer, and what a site says instead."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Slots:
+    """Daemon-side block ids lent to one transfer, and the memory they belong to (a site that
+    makes new memory per registration, as vLLM's staging buffer, tells them apart by it)."""
+
+    block_ids: list[int]
+    memory: Any = None
+
+
+class Reservation(enum.Enum):
+    """``BlockSite.reserve``'s answer when it has no slots to give."""
+
+    WAIT = "wait"  # no room now; ask again next poll (bounded by the restorer's slot wait)
+    REFUSE = "refuse"  # never: the restore is given up

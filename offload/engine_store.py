@@ -1,0 +1,126 @@
+"""kvengine's ``StoreBridge``: one link to the store and the parts that use it, once per step.
+
+``EngineRestores`` (the scheduler's side), ``EngineSaves`` and ``ResidentPublisher`` share the
+link, one ``LedgerSite`` (the block ledger as the core sees it), one ``SavedKeys`` and one
+counter table; ``after_step`` runs the step's store work in order. The step loop never waits on
+the store.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+
+from offload.block_generations import BlockGenerations
+from offload.bridge import StoreBridge
+from offload.connector import OffloadConnector
+from offload.engine_view import BlockLedger, OffloadSequence
+from offload.ledger_site import LedgerSite
+from offload.resident import ResidentPublisher
+from offload.restore import EngineRestores
+from offload.restore_policy import RestorePolicy
+from offload.saved_keys import SavedKeys
+from offload.saves import EngineSaves
+
+
+class OffloadPolicy(str, enum.Enum):
+    """When kvengine saves a block (``--kv-offload-policy``)."""
+
+    WRITE_THROUGH = "write-through"  # after the step that computed it
+    EVICT = "evict"  # when the engine lets go of it (not reused until the store holds it)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EngineStore(StoreBridge):
+    """Owns every in-flight store request of one engine; called by the engine's step loop."""
+
+    def __init__(self, link: OffloadConnector, ledger: BlockLedger, block_bytes: int,
+                 policy: OffloadPolicy, restore_policy: RestorePolicy, always_restore: bool = False,
+                 generations: BlockGenerations | None = None) -> None:
+        self.link = link
+        self.policy = OffloadPolicy(policy)
+        self.restore_policy = restore_policy
+        self.generations = generations
+        self.counters: Counter[str] = Counter()
+        # Bounded: a key dropped from here is at worst saved again ("duplicate").
+        self.saved_keys = SavedKeys(4 * ledger.num_blocks)
+        site = LedgerSite(ledger, self.counters)
+        self._restores = EngineRestores(link, site, block_bytes, restore_policy,
+                                        self.saved_keys, self.counters, always_restore)
+        self.saves = EngineSaves(link, site, self.saved_keys, self.counters)
+        self.publisher = ResidentPublisher(link, ledger, generations, self.counters)
+        ledger.enable_offload(track_released=self.policy is OffloadPolicy.EVICT,
+                              generations=generations)
+        self._store_epoch = link.registration_epoch  # the registration saved_keys is about
+        self._closed = False
+
+    @property
+    def restores(self) -> EngineRestores:
+        return self._restores
+
+    @property
+    def store_state(self) -> str:
+        return self.link.live_state.value
+
+    def save_computed(self, seqs: list[OffloadSequence]) -> None:
+        self._check_store_epoch()
+        if self.policy is OffloadPolicy.WRITE_THROUGH:
+            for seq in seqs:
+                self.saves.save_new_blocks(seq)
+
+    def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
+        self.restore_policy.observe_step(num_prefill_tokens, seconds)
+
+    def after_step(self) -> None:
+        """Send the saves the step pinned, finish saves that landed, hand over released
+        blocks (``evict``), publish evictions and resident blocks. The engine runs this after
+        the step's outputs went out (at the latest before the next step is scheduled), so none
+        of it delays a token."""
+        self.link.keep_connected()
+        self._check_store_epoch()
+        if self.policy is OffloadPolicy.EVICT:
+            self.saves.hand_over_released()
+        self.saves.send()
+        self.saves.poll()
+        self.publisher.publish()
+
+    def _check_store_epoch(self) -> None:
+        """A new registration may be a restarted daemon that holds nothing we saved: forget
+        what we believed it holds, so that every block is saved again (a "duplicate" reply
+        costs little if it did keep them)."""
+        epoch = self.link.registration_epoch
+        if epoch != self._store_epoch:
+            if self._store_epoch:  # not the first registration: a reconnect
+                self.saved_keys.clear()
+                self.counters["store_resets"] += 1
+            self._store_epoch = epoch
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        self.saves.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        """Let in-flight saves finish (bounded), then unregister from the store."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_idle()
+        self.link.close()  # the daemon forgets this arena's resident blocks
+        if self.generations is not None:
+            self.generations.close()
+
+    def stats(self) -> dict:
+        # The state first: reading it counts a transition (store_hung...), which the copy of
+        # the link's counters below must include.
+        state = self.link.state
+        out = dict(self.counters)
+        out["connector"] = dict(self.link.counters)
+        out["restored_tokens_by_tier"] = dict(self._restores.hit_tokens_by_tier)
+        out["restore_policy"] = self.restore_policy.snapshot()
+        out["num_loading"] = self._restores.num_loading
+        out["saves_in_flight"] = self.saves.num_in_flight
+        out["blocks_quarantined_now"] = self._restores.restorer.quarantine.num_held
+        out["store_state"] = state.value  # ok, hung or down
+        return out
+

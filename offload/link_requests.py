@@ -1,0 +1,105 @@
+"""What an engine asks of the store, as values: one frozen class per verb.
+
+The step thread builds a request and hands it, with its ``Transfer`` handle, to the link's
+thread (``offload.store_link``), which puts it on the wire with ``send``: the request stays
+readable on both sides of the thread hop, and each verb goes through ``kvstore.Client``'s own
+method for it (nothing sends a verb by name).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kvstore import Client, Pending
+
+
+class LinkRequest(ABC):
+    """A request the link's thread sends on the connection it holds."""
+
+    @abstractmethod
+    def send(self, client: Client, registration_id: int | None) -> Pending:
+        """Put the request on the wire (may block while the socket is full: link thread)."""
+
+
+def _registered(registration_id: int | None, verb: str) -> int:
+    if registration_id is None:
+        raise ValueError(f"{verb} needs registered KV memory; this link registered none")
+    return registration_id
+
+
+@dataclass(frozen=True)
+class LookupRequest(LinkRequest):
+    """The longest verified prefix of a chain; a hit comes with a lease."""
+
+    namespace: bytes
+    hashes: list[bytes]
+    idents: list[bytes]
+    lease_ttl_s: float
+
+    def send(self, client: Client, registration_id: int | None) -> Pending:
+        return client.lookup_async(self.namespace, self.hashes, self.idents, self.lease_ttl_s)
+
+
+@dataclass(frozen=True)
+class LoadRequest(LinkRequest):
+    """Copy a lease's blocks into the engine's ``block_ids`` (daemon-side ids)."""
+
+    lease_id: int
+    block_ids: list[int]
+    deadline_s: float | None
+
+    def send(self, client: Client, registration_id: int | None) -> Pending:
+        return client.load_async(_registered(registration_id, "load"), self.lease_id,
+                                 self.block_ids, self.deadline_s)
+
+
+@dataclass(frozen=True)
+class SaveRequest(LinkRequest):
+    """Copy the engine's ``block_ids`` into the store under ``hashes`` / ``idents``."""
+
+    namespace: bytes
+    block_ids: list[int]
+    hashes: list[bytes]
+    idents: list[bytes]
+    deadline_s: float | None
+
+    def send(self, client: Client, registration_id: int | None) -> Pending:
+        return client.save_async(_registered(registration_id, "save"), self.namespace,
+                                 self.block_ids, self.hashes, self.idents, self.deadline_s)
+
+
+@dataclass(frozen=True)
+class ReleaseRequest(LinkRequest):
+    """Give a lease back unused."""
+
+    lease_id: int
+
+    def send(self, client: Client, registration_id: int | None) -> Pending:
+        return client.release_async(self.lease_id)
+
+
+@dataclass(frozen=True)
+class ResidentRequest(LinkRequest):
+    """Blocks held in the engine's arena now, as of their generations (the HBM tier)."""
+
+    namespace: bytes
+    block_ids: list[int]
+    hashes: list[bytes]
+    idents: list[bytes]
+    generations: list[int]
+
+    def send(self, client: Client, registration_id: int | None) -> Pending:
+        return client.resident_async(_registered(registration_id, "resident"), self.namespace,
+                                     self.block_ids, self.hashes, self.idents, self.generations)
+
+
+@dataclass(frozen=True)
+class EvictedRequest(LinkRequest):
+    """Blocks the engine dropped from its arena."""
+
+    namespace: bytes
+    hashes: list[bytes]
+
+    def send(self, client: Client, registration_id: int | None) -> Pending:
+        return client.evicted_async(self.namespace, self.hashes, registration_id)
