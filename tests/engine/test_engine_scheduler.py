@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
+from engine.prefill_order import PrefillOrder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -21,22 +22,31 @@ def make_seq(request_id: str, num_tokens: int, rng: random.Random) -> Sequence:
                     generator=np.random.default_rng(0), detokenizer=None)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32), block_size=st.sampled_from([1, 2, 4]),
-       max_num_seqs=st.integers(1, 5), budget=st.integers(1, 24))
-def test_scheduler_invariants(seed: int, block_size: int, max_num_seqs: int, budget: int) -> None:
+       max_num_seqs=st.integers(1, 5), budget=st.integers(1, 24),
+       policy=st.sampled_from(["shortest-first", "fcfs"]), max_wait=st.integers(0, 4),
+       cap=st.sampled_from([None, 1, 3, 8]), spread_arrivals=st.booleans())
+def test_scheduler_invariants(seed: int, block_size: int, max_num_seqs: int, budget: int,
+                              policy: str, max_wait: int, cap: int | None,
+                              spread_arrivals: bool) -> None:
+    """Budget, max_num_seqs, blocks, first-come-first-admitted and progress, under random
+    workloads with preemption, for every prefill order, with every request there at once or
+    arriving over the first steps."""
     rng = random.Random(seed)
     max_len = 24
     num_blocks = -(-max_len // block_size) + rng.randrange(0, 8)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_seqs, budget)
+    sched = Scheduler(bm, max_num_seqs, budget, PrefillOrder(policy, max_wait, cap))
     seqs = [make_seq(f"r{i}", rng.randrange(1, 16), rng) for i in range(10)]
     wants = {s.request_id: rng.randrange(1, max_len - s.num_prompt_tokens + 1) for s in seqs}
-    for s in seqs:
-        sched.add(s)
+    arrivals = [[s] for s in seqs] if spread_arrivals else [seqs]
     admitted: list[str] = []
-    for _ in range(2000):
-        if not sched.has_unfinished():
+    for step in range(2000):
+        if step < len(arrivals):
+            for s in arrivals[step]:
+                sched.add(s)
+        elif not sched.has_unfinished():
             break
         batch = sched.schedule()
         assert batch.num_tokens <= budget

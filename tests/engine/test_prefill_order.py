@@ -4,18 +4,11 @@ steps (the aging bound), with the same greedy tokens as a run without competitio
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
 from engine.prefill_order import PrefillOrder
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
 
 BUDGET = 64  # tokens per step: a 640-token prompt needs 10 chunks
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -159,47 +152,3 @@ def test_a_latency_bound_step_caps_the_long_chunk(tiny_model_dir) -> None:
 def test_bad_prefill_order_is_refused(bad) -> None:
     with pytest.raises(ValueError):
         PrefillOrder(**bad)
-
-
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32), block_size=st.sampled_from([1, 2, 4]),
-       max_num_seqs=st.integers(1, 5), budget=st.integers(1, 24),
-       policy=st.sampled_from(["shortest-first", "fcfs"]), max_wait=st.integers(0, 4),
-       cap=st.sampled_from([None, 1, 3, 8]))
-def test_every_order_keeps_the_scheduler_invariants(seed, block_size, max_num_seqs, budget,
-                                                    policy, max_wait, cap) -> None:
-    """Budget, max_num_seqs, blocks, first-come-first-admitted and progress, under random
-    workloads with preemption, for every prefill order (no engine: the scheduler alone)."""
-    rng = random.Random(seed)
-    max_len = 24
-    bm = BlockManager(-(-max_len // block_size) + rng.randrange(0, 8), block_size)
-    sched = Scheduler(bm, max_num_seqs, budget, PrefillOrder(policy, max_wait, cap))
-    seqs = [Sequence(request_id=f"r{i}",
-                     prompt_token_ids=[rng.randrange(20) for _ in range(rng.randrange(1, 16))],
-                     params=SamplingParams(), namespace_digest=bytes(16),
-                     generator=np.random.default_rng(0), detokenizer=None) for i in range(10)]
-    wants = {s.request_id: rng.randrange(1, max_len - s.num_prompt_tokens + 1) for s in seqs}
-    admitted: list[str] = []
-    for step in range(2000):
-        if step < len(seqs):  # arrivals spread over the first steps
-            sched.add(seqs[step])
-        elif not sched.has_unfinished():
-            break
-        batch = sched.schedule()
-        assert batch.num_tokens <= budget and len(sched.running) <= max_num_seqs
-        assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            assert seq.status is SequenceStatus.RUNNING and n >= 1
-            assert len(seq.block_ids) * block_size >= seq.num_computed_tokens + n
-            if seq.request_id not in admitted:
-                admitted.append(seq.request_id)
-        sched.advance(batch)
-        for seq in batch.seqs:
-            if seq.num_computed_tokens == seq.num_tokens:  # it sampled a token
-                seq.token_ids.append(rng.randrange(20))
-                if seq.num_output_tokens >= wants[seq.request_id]:
-                    sched.finish(seq, "length")
-        bm.check_integrity()
-    assert not sched.has_unfinished(), "no progress"
-    assert admitted == [s.request_id for s in seqs]
-    assert bm.num_used_blocks == 0
