@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.daemon import memory
-from kvstore.daemon.accept import Acceptor
+from kvstore.daemon.accept import Acceptor, RateLimitedLog
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
 from kvstore.daemon.connection import BULK_REPLY_VERBS, Connection, encode_reply
 from kvstore.daemon.limits import ConnectionLimits
@@ -51,6 +51,7 @@ _COPY_VERBS = frozenset({"save", "load"})
 INLINE_VERBS = frozenset({"health", "lookup", "release", "resident", "evicted"})
 # Frames up to this size are read without asking the buffer budget: requests, not payloads.
 _SMALL_FRAME_BYTES = 64 * 1024
+_LOG_INTERVAL_S = 10.0  # a repeated warning or error is logged once per this, with a count
 
 
 class Daemon:
@@ -82,6 +83,9 @@ class Daemon:
         self._connections: set[Connection] = set()
         self._num_open = 0  # accepted and not yet closed, counted from accept on
         self._handlers: set[asyncio.Task] = set()
+        # Whatever clients do, the log grows by a few lines per interval at most: one
+        # rate-limited log per verb (a fixed set) and one for the lease sweep.
+        self._failure_logs: dict[str, RateLimitedLog] = {}
         self._sock = None
         self._sock_identity: tuple[int, int] | None = None
         self._stop: asyncio.Event | None = None
@@ -135,6 +139,12 @@ class Daemon:
             self.service.close()
             self._close_store()
 
+    def _log_failure(self, what: str) -> None:
+        """An unexpected exception being handled: its traceback, at most once per interval."""
+        if what not in self._failure_logs:
+            self._failure_logs[what] = RateLimitedLog(log, _LOG_INTERVAL_S)
+        self._failure_logs[what].log(logging.ERROR, what, exc_info=True)
+
     def _count_event(self, name: str) -> None:
         self.service.counters.add(**{name: 1})
 
@@ -165,7 +175,7 @@ class Daemon:
             try:
                 await loop.run_in_executor(self.executor, self.service.expire_leases)
             except Exception:
-                log.exception("lease sweep failed")
+                self._log_failure("lease sweep failed")
 
     # ------------------------------------------------------------------------- connections
 
@@ -210,6 +220,7 @@ class Daemon:
                 self._watch.request_release()
             for ctx in conn.contexts:
                 ctx.cancel()  # an engine that died needs no more copies
+            await _reap(conn.tasks)
             # Leases and mappings go now; copies still running finish their current block first.
             await asyncio.get_running_loop().run_in_executor(
                 None, self.service.drop_owner, conn.owner)
@@ -308,10 +319,11 @@ class Daemon:
 
     async def _answer(self, conn: Connection, request: proto.Request,
                       received_at: float, body_bytes: int) -> None:
-        bulk = request.verb in BULK_REPLY_VERBS
+        holds_bulk_slot = False
         try:
-            if bulk:  # held until the value is written out (connection.py)
+            if request.verb in BULK_REPLY_VERBS:  # held until the value is written out
                 await conn.bulk_slots.acquire()
+                holds_bulk_slot = True
                 await self._wait_for_reply_room(conn, received_at, request.deadline_ms)
             if conn.closing:  # cut off meanwhile: nobody will read the reply
                 return
@@ -321,24 +333,25 @@ class Daemon:
                               on_loop=request.verb in self.inline_verbs)
             conn.contexts.add(ctx)
             try:
-                try:
-                    reply = await self._execute(request, ctx, timeout_s)
-                except Exception as exc:  # never leave a client waiting on a reply
-                    log.exception("%s failed", request.verb)
-                    reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
-                finally:
-                    conn.contexts.discard(ctx)
-                    conn.body_bytes -= body_bytes  # the request's bytes are consumed
-                    body_bytes = 0
-                error = reply["error"]["code"] if not reply["ok"] else None
-                self.service.count(request.verb, error, time.monotonic() - received_at)
-                frame = encode_reply(reply, self.max_frame_bytes)
-                del reply  # a get's value: only the frame holds its bytes from here
-                await conn.send_frame(frame)
+                reply = await self._execute(request, ctx, timeout_s)
+            except Exception as exc:  # never leave a client waiting on a reply
+                self._log_failure(f"{request.verb} failed")
+                reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
             finally:
-                if bulk:
-                    conn.bulk_slots.release()
+                conn.contexts.discard(ctx)
+                conn.body_bytes -= body_bytes  # the request's bytes are consumed
+                body_bytes = 0
+            error = reply["error"]["code"] if not reply["ok"] else None
+            self.service.count(request.verb, error, time.monotonic() - received_at)
+            frame = encode_reply(reply, self.max_frame_bytes)
+            del reply  # a get's value: only the frame holds its bytes from here
+            await conn.send_frame(frame)
         finally:
+            # Every way out gives the slots back, the early return of a connection cut off
+            # included: a bulk slot kept would leave the connection's other gets waiting for
+            # good (their tasks destroyed pending, one log error each, at the next collection).
+            if holds_bulk_slot:
+                conn.bulk_slots.release()
             conn.body_bytes -= body_bytes
             # Held until the reply is written out: a client that stops reading stalls only its
             # own connection (at max in-flight requests); the watch cuts it off.
@@ -363,6 +376,9 @@ class Daemon:
                     self.executor, self.service.call, request.verb, request.args, ctx)
             try:
                 result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            except asyncio.CancelledError:  # the connection closed: its outcome is nobody's
+                future.add_done_callback(self._cleanup_abandoned)
+                raise
             except asyncio.TimeoutError:
                 ctx.cancel()
                 if request.verb in _COPY_VERBS:
@@ -381,14 +397,26 @@ class Daemon:
         except RuntimeError as exc:
             if "shutdown" in str(exc):  # the executor is closing
                 return proto.error_reply(rid, proto.SHUTTING_DOWN, "the daemon is shutting down")
-            log.exception("%s failed", request.verb)
+            self._log_failure(f"{request.verb} failed")
             return proto.error_reply(rid, proto.INTERNAL, f"{type(exc).__name__}: {exc}")
         except Exception as exc:
-            log.exception("%s failed", request.verb)
+            self._log_failure(f"{request.verb} failed")
             return proto.error_reply(rid, proto.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _cleanup_abandoned(self, future: asyncio.Future) -> None:
+        """A call whose reply nobody reads: its exception retrieved (not logged as lost), the
+        lease a late lookup took released."""
         if future.cancelled() or future.exception() is not None:
             return
         with contextlib.suppress(RuntimeError):  # shutting down: service.close() releases all
             self.executor.submit(self.service.release_abandoned, future.result())
+
+
+async def _reap(tasks: set[asyncio.Task]) -> None:
+    """Cancel a closed connection's tasks and wait for them: none is left pending (to be
+    destroyed with an error line each), none leaves an exception unretrieved."""
+    waiting = list(tasks)
+    for task in waiting:
+        task.cancel()
+    if waiting:
+        await asyncio.gather(*waiting, return_exceptions=True)
