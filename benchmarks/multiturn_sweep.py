@@ -47,6 +47,7 @@ from benchmarks.common import command, machine_info, now_iso, today, write_resul
 from benchmarks.sweep_report import evaluate_targets, plot, point_label, print_report
 from benchmarks.workload import WorkloadConfig, words_text
 from kvstore.cli_args import size_arg
+from kvstore.testing.processes import stop_process
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -88,13 +89,7 @@ class _Process:
                 return match
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, sig, timeout_s)
 
 
 def model_shape(model_dir: Path, block_size: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
+from kvstore.testing.processes import stop_process
 
 TARGET_16K_P50_MS = 15.0
 
@@ -195,11 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     for i, target in enumerate(args.lengths)]
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, signal.SIGINT, timeout_s=30)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     at_16k = [r for r in rows if r["target_tokens"] == 16384]

@@ -29,7 +29,6 @@ import random
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from kvstore import Client, ClientError, DaemonUnavailable  # noqa: E402
 from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import parse_size  # noqa: E402
+from kvstore.testing.processes import stop_process  # noqa: E402
 
 CHAIN_BLOCKS = 8
 
@@ -296,12 +296,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
         alive = proc.poll() is None
     finally:
         stop.set()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc, timeout_s=60)
         shutil.rmtree(work, ignore_errors=True)
     ops = tally.snapshot()
     return {

@@ -31,6 +31,7 @@ import httpx
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.soak import read_rss_bytes
+from kvstore.testing.processes import stop_process
 
 TARGET_READY_S = 5.0
 
@@ -75,12 +76,7 @@ def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float) 
         time.sleep(0.5)  # let the request finish so the RSS is the idle one
         rss = read_rss_bytes(proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=60)
     load_line = next((ln.strip() for ln in lines if "model loaded in" in ln), None)
     return {"ready_s": round(ready_s, 3), "first_token_s": round(first_token_s, 3),
             "idle_rss_bytes": rss, "engine_log": load_line}

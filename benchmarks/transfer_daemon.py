@@ -31,7 +31,6 @@ import os
 import platform
 import queue
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import numpy as np
 
 from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
 from benchmarks.transfer_pipeline import pipeline_rows
+from kvstore.testing.processes import stop_process
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
@@ -87,11 +87,7 @@ def start_daemon(dram_bytes: int, variant: str,
 
 
 def stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_process(proc, timeout_s=60)
     shutil.rmtree(socket_path.parent, ignore_errors=True)
 
 

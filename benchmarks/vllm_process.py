@@ -7,16 +7,21 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+
+from kvstore.testing.processes import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_store(dram: str = "1GiB", preamble: str = "") -> tuple[subprocess.Popen, Path]:
+def start_store(dram: str = "1GiB", preamble: str = "",
+                flags: Sequence[str] = ()) -> tuple[subprocess.Popen, Path]:
     """A ``kvstore serve`` on a fresh socket for a benchmark; returns once it is ready.
 
-    ``preamble``: Python run in the daemon before it starts (a benchmark variant setting module
-    constants, e.g. ``import kvstore.engines.copier as c; c.SMALL_RUNS = 'kernel'``)."""
+    ``flags``: more ``kvstore serve`` options (a benchmark variant's ``--copy-*`` tuning).
+    ``preamble``: Python run in the daemon before it starts (instrumentation, e.g.
+    ``benchmarks.copy_trace``'s hooks)."""
     import tempfile
 
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "kvstore.sock"
@@ -24,7 +29,7 @@ def start_store(dram: str = "1GiB", preamble: str = "") -> tuple[subprocess.Pope
     head = [sys.executable, "-c", f"import sys; {preamble}; from kvstore.cli import main; "
             "sys.exit(main(sys.argv[1:]))"] if preamble else [sys.executable, "-m", "kvstore.cli"]
     proc = subprocess.Popen([*head, "serve", "--socket",
-                             str(socket_path), "--dram", dram, "--http", "off"],
+                             str(socket_path), "--dram", dram, "--http", "off", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO_ROOT, env=env)
     assert proc.stdout is not None
@@ -38,10 +43,5 @@ def start_store(dram: str = "1GiB", preamble: str = "") -> tuple[subprocess.Pope
 def stop_store(proc: subprocess.Popen, socket_path: Path) -> None:
     import shutil
 
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    stop_process(proc, timeout_s=30)
     shutil.rmtree(socket_path.parent, ignore_errors=True)

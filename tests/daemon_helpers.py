@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.keys import Namespace, block_hashes, block_ident
+from kvstore.testing.processes import stop_process
 from kvstore.wire import protocol as proto
 from kvstore.wire.client import Client
 
@@ -39,15 +40,9 @@ class RunningDaemon:
         return Client(self.socket_path, **kwargs)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        returncode = stop_process(self.proc, sig, timeout_s)
         shutil.rmtree(self.socket_path.parent, ignore_errors=True)
-        return self.proc.returncode
+        return returncode
 
     def kill9(self) -> None:
         self.stop(signal.SIGKILL)

@@ -11,6 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
+from kvstore.testing.processes import stop_process
+
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # where ``offload.vllm_connector`` is found
 CHILD = Path(__file__).with_name("vllm_child.py")
 
@@ -112,14 +114,10 @@ class VllmProcess:
         return result
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        """Close its stdin (the child ends after the request in hand), wait, then kill."""
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+        stop_process(self.proc, None, timeout_s=30)
 
 
 def vllm_available() -> bool:

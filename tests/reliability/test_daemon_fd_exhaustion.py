@@ -27,6 +27,7 @@ import pytest
 from daemon_helpers import REPO_ROOT, raw_connect, recv_message
 from process_stats import cpu_seconds
 
+from kvstore.testing.processes import stop_process
 from kvstore.wire.client import Client
 from kvstore.wire.replies import ClientError, DaemonUnavailable
 
@@ -62,12 +63,7 @@ def _daemon(*flags: str) -> Iterator[tuple[subprocess.Popen, Path, str, list[str
         url = next(line.rsplit(" ", 1)[-1] for line in lines if "admin HTTP http" in line)
         yield proc, socket_path, url, lines
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
 
 
 def _open_idle(socket_path: Path, num: int, retry_s: float = 2.0) -> list[socket.socket]:

@@ -24,6 +24,7 @@ from daemon_helpers import REPO_ROOT, start_daemon
 from support.kvengine import KvengineProcess
 
 from engine.make_model import write_checkpoint
+from kvstore.testing.processes import stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,15 +92,6 @@ class Lines:
                 return line
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
 # ------------------------------------------------------------------------------ what listens
 
 
@@ -122,7 +114,7 @@ def test_daemon_admin_http_listens_on_loopback_by_default() -> None:
         assert listening, "the daemon listens on no TCP port"
         assert all(_is_loopback(addr) for addr, _ in listening), listening
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

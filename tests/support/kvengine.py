@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from kvstore.testing.processes import stop_process
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLI = (sys.executable, "-m", "server.cli")
 _LISTENING = re.compile(r"listening on (http://\S+)")
@@ -102,15 +104,9 @@ class KvengineProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
         """Send ``sig`` (SIGKILL past ``timeout_s``) and wait; its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        returncode = stop_process(self.proc, sig, timeout_s)
         self._pump.join(5)
-        return self.proc.returncode
+        return returncode
 
     def __enter__(self) -> KvengineProcess:
         return self
