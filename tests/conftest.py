@@ -1,10 +1,23 @@
-"""Shared pytest setup: skip `gpu` tests without CUDA, `cluster` tests without their parts."""
+"""Shared pytest setup: skip `gpu` tests without CUDA, `cluster` tests without their parts;
+the tiny model every folder's tests load."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``kvengine make-model --preset tiny --seed 0`` output (float32), made once per session;
+    tests read it and never change it."""
+    from engine.make_model import write_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    write_checkpoint(out, "tiny", seed=0)
+    return out
 
 
 def _has_gpu() -> bool:

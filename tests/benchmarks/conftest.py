@@ -1,4 +1,4 @@
-"""Fixtures of the benchmark tests: a tiny model, real `kvengine serve` processes."""
+"""Fixtures of the benchmark tests: real `kvengine serve` processes."""
 
 from __future__ import annotations
 
@@ -8,15 +8,6 @@ from pathlib import Path
 
 import pytest
 from support.kvengine import KvengineProcess
-
-from engine.make_model import write_checkpoint
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-bench") / "tiny"
-    write_checkpoint(out, "tiny", seed=0)
-    return out
 
 
 @pytest.fixture

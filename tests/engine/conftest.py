@@ -11,16 +11,6 @@ from pathlib import Path
 import pytest
 from engine_helpers import HFCheckpoint, build_hf_checkpoint
 
-from engine.make_model import write_checkpoint
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``kvengine make-model --preset tiny`` output (float32)."""
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    write_checkpoint(out, "tiny", seed=0)
-    return out
-
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(

@@ -1,4 +1,4 @@
-"""Fixtures for the offload tests: a tiny make-model checkpoint and real daemons."""
+"""Fixtures for the offload tests: a small make-model checkpoint and real daemons."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ import pytest
 from daemon_helpers import RunningDaemon, daemon_factory
 
 from engine.make_model import write_checkpoint
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-offload") / "model"
-    write_checkpoint(out, "tiny", seed=0)
-    return out
 
 
 @pytest.fixture(scope="session")

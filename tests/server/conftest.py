@@ -1,24 +1,13 @@
-"""Fixtures for the HTTP server tests: a tiny random model and a shared real server."""
+"""Fixtures for the HTTP server tests: a shared real server on the tiny model."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from server_helpers import API_KEYS, METRICS_KEY, RunningServer, start_server, stop_server
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight model folder, made once per session."""
-    out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "engine.make_model", "--preset", "tiny", "--out",
-                    str(out)], check=True, capture_output=True, timeout=120)
-    return out
 
 
 @pytest.fixture(scope="session")
