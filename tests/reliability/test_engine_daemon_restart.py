@@ -15,19 +15,11 @@ import pytest
 from daemon_helpers import wait_until
 
 from engine import LLM, SamplingParams
-from engine.make_model import write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 NUM_FULL_BLOCKS = 6
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-restart") / "model"
-    write_checkpoint(out, "tiny", seed=0)
-    return out
 
 
 def _prompts() -> list[list[int]]:
@@ -45,10 +37,10 @@ def _engine(model_dir: Path, daemon) -> LLM:
                kv_store_socket=str(daemon.socket_path))
 
 
-def test_the_engine_saves_again_into_a_restarted_daemon(model_dir, make_daemon):
+def test_the_engine_saves_again_into_a_restarted_daemon(tiny_model_dir, make_daemon):
     prompts = _prompts()
     daemon = make_daemon(dram="64MiB")
-    llm = _engine(model_dir, daemon)
+    llm = _engine(tiny_model_dir, daemon)
     try:
         llm.generate(prompts, GREEDY)
         llm.engine.offload.wait_idle()
@@ -69,7 +61,7 @@ def test_the_engine_saves_again_into_a_restarted_daemon(model_dir, make_daemon):
         assert llm.engine.stats()["kv_offload"]["store_resets"] >= 1
     finally:
         llm.close()
-    fresh = _engine(model_dir, daemon)  # empty HBM: only the store can serve the prefix
+    fresh = _engine(tiny_model_dir, daemon)  # empty HBM: only the store can serve the prefix
     try:
         out = fresh.generate([prompts[0]], GREEDY)[0]
     finally:

@@ -15,14 +15,12 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
 from daemon_helpers import wait_until
 
 from engine import LLM, SamplingParams
-from engine.make_model import write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,13 +32,6 @@ MAX_REQUEST_S = 2.0
 # A step waits at most 2 ms on the store; outside the forward it does host work only. Generous:
 # CI machines are shared (before the fix a step under a stopped daemon took 11 s or more).
 MAX_STEP_S = 0.3
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-hung") / "model"
-    write_checkpoint(out, "tiny", seed=0)
-    return out
 
 
 def _prompt(num_tokens: int, seed: int) -> list[int]:
@@ -81,10 +72,11 @@ def _offload_stats(llm: LLM) -> dict:
     return llm.engine.stats()["kv_offload"]
 
 
-def test_a_stopped_daemon_costs_requests_no_more_than_detecting_it(model_dir, make_daemon):
-    reference = LLM(str(model_dir), device="cpu", enable_prefix_caching=False, num_kv_blocks=64)
+def test_a_stopped_daemon_costs_requests_no_more_than_detecting_it(tiny_model_dir, make_daemon):
+    reference = LLM(str(tiny_model_dir), device="cpu", enable_prefix_caching=False,
+                    num_kv_blocks=64)
     daemon = make_daemon(dram="64MiB")
-    llm = LLM(str(model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
+    llm = LLM(str(tiny_model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
               kv_store_socket=str(daemon.socket_path))
     try:
         engine = llm.engine
@@ -127,14 +119,14 @@ def _saved_more(llm: LLM, before: int) -> bool:
     return _offload_stats(llm).get("blocks_saved", 0) > before
 
 
-def test_an_engine_started_against_a_stopped_daemon_serves_at_once(model_dir, make_daemon):
-    plain = LLM(str(model_dir), device="cpu", num_kv_blocks=64)
+def test_an_engine_started_against_a_stopped_daemon_serves_at_once(tiny_model_dir, make_daemon):
+    plain = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64)
     plain.generate([_prompt(40, seed=2)], GREEDY)  # the process's first forward sets up BLAS
     plain.close()
     daemon = make_daemon(dram="64MiB")
     with _stopped(daemon.proc.pid):
         started = time.monotonic()
-        llm = LLM(str(model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
+        llm = LLM(str(tiny_model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
                   kv_store_socket=str(daemon.socket_path))
         try:
             built_s = time.monotonic() - started

@@ -23,7 +23,6 @@ import pytest
 from daemon_helpers import REPO_ROOT, start_daemon
 from support.kvengine import KvengineProcess
 
-from engine.make_model import write_checkpoint
 from kvstore.testing.processes import stop_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,19 +116,12 @@ def test_daemon_admin_http_listens_on_loopback_by_default() -> None:
         stop_process(proc)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sec-model") / "tiny"
-    write_checkpoint(out, "tiny", seed=0)
-    return out
-
-
-def test_engine_api_listens_on_loopback_by_default(tiny_model: Path) -> None:
+def test_engine_api_listens_on_loopback_by_default(tiny_model_dir: Path) -> None:
     from server.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "--model", str(tiny_model)])
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir)])
     assert args.host == "127.0.0.1"
-    with KvengineProcess("--model", str(tiny_model), "--api-key", API_KEY,
+    with KvengineProcess("--model", str(tiny_model_dir), "--api-key", API_KEY,
                          "--max-model-len", "128") as served:
         url = served.url
         assert url.startswith("http://127.0.0.1:"), url
@@ -187,11 +179,11 @@ def test_ucx_listener_binds_only_the_listen_address(cluster_daemon) -> None:
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tiny_model: Path) -> Iterator:
+def keyed_server(tiny_model_dir: Path) -> Iterator:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
     from server_helpers import start_server, stop_server
 
-    running = start_server(tiny_model, api_keys=(API_KEY, "other-key"), max_model_len=128,
+    running = start_server(tiny_model_dir, api_keys=(API_KEY, "other-key"), max_model_len=128,
                            metrics_key=METRICS_KEY)
     yield running
     stop_server(running)
