@@ -56,6 +56,11 @@ class StagingBuffer:
         return KVLayout(num_blocks=self.num_slots, regions=(region,), device="cpu",
                         dtype=dtype, meta=meta)
 
+    @property
+    def num_free(self) -> int:
+        """Slots not lent to a transfer (the contract tests check slots come back)."""
+        return len(self._free)
+
     def take(self, num_slots: int) -> list[int] | None:
         """``num_slots`` free slots, or None when fewer are free (nothing taken)."""
         if num_slots > len(self._free):

@@ -52,7 +52,7 @@ def run_restore_beside_long_prefill(model_dir, daemon, order: str, history, turn
             turn_seq = engine.scheduler._by_id.get("turn")
             if turn_seq is not None and turn_seq.status is SequenceStatus.LOADING:
                 for _ in range(40):  # let the load land (bounded): count steps, not CPU speed
-                    engine.offload.restores.wait_for_progress(0.05)  # returns at once when it landed
+                    engine.offload.restores.wait_for_progress(0.05)  # at once if it landed
             if not engine.has_unfinished_requests():
                 break
         assert not engine.has_unfinished_requests()
