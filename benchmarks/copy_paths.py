@@ -6,7 +6,8 @@ shuffled slots of a cudaHostRegister'd ``HostPool`` (the daemon's pinned pool). 
 submission of the whole batch, timed by wall clock from building the runs (``PieceTable``) to the
 event: ``staged`` (gathered on the GPU, a run per block across the bus), ``kernel`` (``copy_runs``
 over mapped memory, at several ``UNROLL``s), ``batch`` (``cuMemcpyBatchAsync``) and ``memcpy`` (a
-``cudaMemcpyAsync`` per run). Raw: CUDA events around one ``cudaMemcpyAsync``.
+``cudaMemcpyAsync`` per run), each by a copier whose ``CopySettings`` name that method. Raw: CUDA
+events around one ``cudaMemcpyAsync``.
 
     python -m benchmarks.copy_paths [--blocks 64,256] [--reps 5] [--out DIR]
 """
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     from kernels import block_copy
-    from kvstore.engines import copier as copier_module
     from kvstore.engines import cuda_batch
+    from kvstore.engines.copier import CudaCopier
+    from kvstore.engines.copy_settings import CopyMethod, CopySettings
     from kvstore.engines.run_arrays import PieceTable
     from kvstore.layout import KVLayout, Region
     from kvstore.store.dram.pool import HostPool
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = {"vllm": PieceTable(vllm, [t.data.ptr for t in layers for _ in range(2)]),
               "block_major": PieceTable(major, [arena.data.ptr])}
     pool = HostPool(num_blocks * BLOCK_BYTES, pin=True)
-    copier = copier_module.CudaCopier(0)
+    copiers = {m: CudaCopier(0, CopySettings(small_runs=m, large_runs=m)) for m in CopyMethod}
     stream = cp.cuda.Stream(non_blocking=True)
     methods = ["staged"] + [f"kernel_u{u}" for u in args.unrolls.split(",")] + ["memcpy"]
     if cuda_batch.available():
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # ~6 GB/s (a call per 32 KiB piece): measured once is enough
                 for way in ("d2h", "h2d"):
                     name = method.split("_")[0]
-                    copier_module.SMALL_RUNS = copier_module.LARGE_RUNS = name
+                    copier = copiers[CopyMethod(name)]
                     block_copy.UNROLL = int(method.split("_u")[1]) if name == "kernel" \
                         else default_unroll
                     submit = copier.host_to_device if way == "h2d" else copier.device_to_host

@@ -1,8 +1,8 @@
 """Where a daemon's save or load spends its time: a timeline of every call, written as JSON lines.
 
-Installed in a ``kvstore serve`` process by a benchmark variant's preamble
+Installed in a ``kvstore serve`` process by a benchmark's ``--trace`` preamble
 (``import benchmarks.copy_trace as ct; ct.install(PATH)``), it wraps the daemon's GPU data
-path (``cuda_copies.save_blocks`` / ``load_blocks``, ``CudaCopier._submit`` /
+path (``CopyPipeline.save`` / ``load``, ``CudaCopier._submit`` /
 ``_submit_packed``) and records, per call: the wall time of each chunk's submission and timing
 events on the copier's streams before and after it. When the call returns it writes one line:
 wall ms of the call (and its entry and exit as epoch seconds, to set against the client's
@@ -175,13 +175,14 @@ def _wrap_span(fn, name: str, path: str, is_async: bool):
 def install(path: str) -> None:
     """Trace every GPU save and load of this process into ``path`` (JSON lines, appended)."""
     from kvstore.daemon import server, service
-    from kvstore.engines import copier, cuda_copies
+    from kvstore.engines import copier
+    from kvstore.engines.copy_pipeline import CopyPipeline
 
     threading.Thread(target=_summarize_pending, name="copy-trace", daemon=True).start()
     server.Daemon._execute = _wrap_span(server.Daemon._execute, "execute", path, True)
     service.Service.call = _wrap_span(service.Service.call, "call", path, False)
-    cuda_copies.save_blocks = _wrap_call(cuda_copies.save_blocks, "save", path)
-    cuda_copies.load_blocks = _wrap_call(cuda_copies.load_blocks, "load", path)
+    CopyPipeline.save = _wrap_call(CopyPipeline.save, "save", path)
+    CopyPipeline.load = _wrap_call(CopyPipeline.load, "load", path)
     copier.CudaCopier._submit = _wrap_submit(copier.CudaCopier._submit, _describe_runs)
     copier.CudaCopier._submit_packed = _wrap_submit(copier.CudaCopier._submit_packed,
                                                     _describe_packed)

@@ -11,12 +11,13 @@ and between the arena and a cudaHostRegister'd HostPool (the daemon's kind of pi
 Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process: the copier alone
 (shuffled blocks into consecutive pool slots, one submission) and the daemon's save/load pipeline
 without the daemon (``transfer_pipeline``: a ``TieredStore`` here, time per phase).
-Daemon variants: ``default`` (as shipped: pipelined chunks), ``one_submission`` (each request
-one batch: reserve all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large``
-(block-major runs by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of
-the default's one ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the
-GPU into a staging slot that crosses the bus in as few runs as the pool slots allow: by
-``copy_runs`` / by ``copy_pieces``). ``--trace``: a timeline of every daemon save and load
+Daemon variants, each a daemon started with other ``kvstore serve --copy-*`` options:
+``default`` (as shipped: pipelined chunks), ``one_submission`` (each request one batch: reserve
+all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large`` (block-major runs
+by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of the default's one
+``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the GPU into a staging
+slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs`` / by
+``copy_pieces``). ``--trace``: a timeline of every daemon save and load
 (``copy_trace``). Per variant also the round trip of a request that moves nothing
 (``health``): the floor under every save/load.
 
@@ -46,27 +47,27 @@ from kvstore.testing.processes import stop_process
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
-# Daemon variants other than the default: its module constants, set before `kvstore serve` runs.
-_VARIANTS = {"one_submission": "t.CHUNK_BYTES = 0",
-             "memcpy_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'memcpy'",
-             "kernel_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'kernel'",
-             "staged_large": "import kvstore.engines.copier as c; c.LARGE_RUNS = 'staged'",
-             "packed_large": "import kvstore.engines.copier as c; c.PACKED_MIN_PIECES = 1"}
-_SERVE = ("import sys, kvstore.engines.cuda_copies as t; {}; "
-          "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
+# Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
+_VARIANTS = {"default": [],
+             "one_submission": ["--copy-chunk-size", "0"],
+             "memcpy_large": ["--copy-large-runs", "memcpy"],
+             "kernel_large": ["--copy-large-runs", "kernel"],
+             "staged_large": ["--copy-large-runs", "staged"],
+             "packed_large": ["--copy-packed-min-pieces", "1"]}
+# --trace: the daemon runs with benchmarks/copy_trace.py's hooks installed first.
+_TRACED_SERVE = ("import sys, benchmarks.copy_trace as ct; ct.install({!r}); "
+                 "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def start_daemon(dram_bytes: int, variant: str,
                  trace: Path | None = None) -> tuple[subprocess.Popen, Path]:
     """``trace``: a timeline of every save/load into this file (benchmarks/copy_trace.py)."""
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
-    code = _VARIANTS.get(variant, "pass")
-    if trace is not None:
-        code += f"; import benchmarks.copy_trace as ct; ct.install({str(trace)!r})"
-    head = [sys.executable, "-m", "kvstore.cli"] if variant == "default" and trace is None \
-        else [sys.executable, "-c", _SERVE.format(code)]
+    head = [sys.executable, "-m", "kvstore.cli"] if trace is None \
+        else [sys.executable, "-c", _TRACED_SERVE.format(str(trace))]
     proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram",
-                             str(dram_bytes), "--http", "off"], stdout=subprocess.PIPE,
+                             str(dram_bytes), "--http", "off", *_VARIANTS[variant]],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"})
     lines: queue.Queue = queue.Queue()
@@ -84,6 +85,16 @@ def start_daemon(dram_bytes: int, variant: str,
             raise RuntimeError(f"daemon exited with {proc.wait()}")
         if "kvstore: ready" in line:
             return proc, socket_path
+
+
+def _variant_list(text: str) -> list[str]:
+    """argparse type: comma-separated names of ``_VARIANTS``."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in _VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown)}; known: "
+                                         + ", ".join(_VARIANTS))
+    return names
 
 
 def stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
@@ -201,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", default="64,256,1024")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--depth", type=int, default=4, help="requests in flight, streamed")
-    parser.add_argument("--variants", default="default",
-                        help="comma-separated: default, " + ", ".join(_VARIANTS))
+    parser.add_argument("--variants", default="default", type=_variant_list,
+                        help="comma-separated: " + ", ".join(_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--trace", action="store_true",
                         help="a timeline of every daemon save/load (benchmarks/copy_trace.py)")
@@ -253,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     namespace = Namespace(name="transfer-daemon").digest
     rows, exact, daemon_pinned = [], None, None
     round_trip_ms: dict[str, float] = {}
-    for variant in args.variants.split(","):
+    for variant in args.variants:
         modes = ["single", "single_consecutive", "streamed"] if variant == "default" else \
             ["single"]
         depth = args.depth if "streamed" in modes else 1

@@ -13,11 +13,11 @@ contiguous CUDA tensor and pinned host memory (CUDA events). Ratios are connecto
     python -m benchmarks.vllm_transfer [--blocks 64,128,256,512,1024] [--reps 5] [--out DIR]
                                        [--variants default,kernel]
 
-Variants: ``default`` (as shipped: blocks packed on the GPU by ``copy_pieces`` from a table of
-block ids into a staging buffer that crosses the bus a run per block or fewer), ``runs`` (the
-same staging, gathered by ``copy_runs`` from a run per piece), ``kernel`` (one ``copy_runs``
-launch reading or writing the mapped pinned pool directly) and ``chunk64`` (the default with
-64 MiB chunks and staging slots).
+Variants, each a daemon started with other ``kvstore serve --copy-*`` options: ``default`` (as
+shipped: blocks packed on the GPU by ``copy_pieces`` from a table of block ids into a staging
+buffer that crosses the bus a run per block or fewer), ``runs`` (the same staging, gathered by
+``copy_runs`` from a run per piece), ``kernel`` (one ``copy_runs`` launch reading or writing the
+mapped pinned pool directly) and ``chunk64`` (the default with 64 MiB chunks and staging slots).
 """
 
 from __future__ import annotations
@@ -41,14 +41,22 @@ from offload.vllm.kv_tensors import make_mover
 from offload.vllm.plan import BlockTransfer, StepPlan
 from offload.vllm.worker_side import WorkerSide
 
-# Daemon variants: module constants set before `kvstore serve` runs ("" = as shipped).
-_VARIANTS = {"default": "",
-             "kernel": "import kvstore.engines.copier as c; c.SMALL_RUNS = 'kernel'; "
-                       "c.PACKED_MIN_PIECES = 1 << 30",
-             "runs": "import kvstore.engines.copier as c; c.PACKED_MIN_PIECES = 1 << 30",
-             "chunk64": "import kvstore.engines.cuda_copies as t, kvstore.engines.device_staging"
-                        " as d; t.CHUNK_BYTES = d.MAX_SLOT_BYTES = 64 << 20; "
-                        "d.DeviceStaging.__init__.__defaults__ = (4, 64 << 20)"}
+# Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
+_NEVER_PACKED = ["--copy-packed-min-pieces", str(1 << 30)]  # more pieces than any layout has
+_VARIANTS = {"default": [],
+             "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED],
+             "runs": _NEVER_PACKED,
+             "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"]}
+
+
+def _variant_list(text: str) -> list[str]:
+    """argparse type: comma-separated names of ``_VARIANTS``."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in _VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown)}; known: "
+                                         + ", ".join(_VARIANTS))
+    return names
 
 
 def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the staged path with CPU tensors (a smoke run, not the target)")
-    parser.add_argument("--variants", default="default",
+    parser.add_argument("--variants", default="default", type=_variant_list,
                         help="comma-separated daemon variants: " + ", ".join(_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--trace", action="store_true",
@@ -203,17 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     keys = KeyMaker(facts)
     dram = int(block_bytes * num_blocks * 1.25) + (256 << 20)
     rows, raws = [], {}
-    for variant in args.variants.split(","):
+    for variant in args.variants:
         client_epochs: list[dict] = []  # per rep: (send, reply) epoch seconds, for --trace
         _SENT.clear()
         trace = Path(args.out).resolve() / f"vllm_transfer-trace-{variant}.jsonl"
-        preamble = _VARIANTS[variant]
+        preamble = ""
         if args.trace:
             trace.parent.mkdir(parents=True, exist_ok=True)
             trace.unlink(missing_ok=True)
-            preamble = "; ".join(p for p in (preamble, "import benchmarks.copy_trace as ct",
-                                             f"ct.install({str(trace)!r})") if p)
-        proc, socket_path = start_store(str(dram), preamble)
+            preamble = f"import benchmarks.copy_trace as ct; ct.install({str(trace)!r})"
+        proc, socket_path = start_store(str(dram), preamble=preamble, flags=_VARIANTS[variant])
         try:
             # CPU: staging room for one whole save and one whole load.
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,

@@ -22,6 +22,7 @@ from kvstore.cli_args import (
     positive_float_arg,
     size_arg,
 )
+from kvstore.cli_copies import add_copy_flags, copy_settings_from_args
 from kvstore.cli_limits import add_limit_flags, limits_from_args
 from kvstore.cli_stats import stats_command
 from kvstore.sizes import format_bytes, parse_size
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=("debug", "info", "warning", "error"),
                        help="log level of the daemon's loggers (stderr)")
     add_limit_flags(serve)
+    add_copy_flags(serve)
     serve.add_argument("--cluster", default=None, metavar="redis://HOST:PORT/DB",
                        help="share blocks with other daemons through this Redis index "
                             "(Redis 6.2+, standalone; default: no cluster)")
@@ -272,6 +274,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--http: {exc}") from None
     config = _store_config(args, env.debug_hash_bits)
+    try:
+        copy_settings = copy_settings_from_args(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     socket_path = args.socket if args.socket is not None else default_socket_path()
 
     from kvstore.daemon.admin import AdminServer
@@ -291,7 +297,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvstore: error: cannot set up the store{hint}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
-                      debug_hash_bits=env.debug_hash_bits, version=package_version())
+                      debug_hash_bits=env.debug_hash_bits, version=package_version(),
+                      copy_settings=copy_settings)
     try:
         limits = limits_from_args(args)
     except ValueError as exc:

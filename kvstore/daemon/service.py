@@ -25,6 +25,7 @@ from kvstore.daemon.engine_verbs import EngineVerbs
 from kvstore.daemon.latency import VerbLatency
 from kvstore.daemon.lease_table import LeaseTable
 from kvstore.daemon.stats import merge_stats
+from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.hbm.tier import HbmTier
 from kvstore.engines.registry import Registry
 from kvstore.store.block_store import BlockStore
@@ -42,9 +43,11 @@ class Service:
 
     def __init__(self, store: BlockStore, default_lease_ttl_s: float = 30.0,
                  debug_hash_bits: int | None = None, version: str = "",
-                 cluster: ClusterNode | None = None) -> None:
+                 cluster: ClusterNode | None = None,
+                 copy_settings: CopySettings = CopySettings()) -> None:
+        """``copy_settings``: how registered GPU engines' blocks are copied (``--copy-*``)."""
         self.store = store
-        self.registry = Registry()
+        self.registry = Registry(copy_settings)
         self.hbm = HbmTier(store, self.registry)  # takes registry.on_close
         self.default_lease_ttl_s = default_lease_ttl_s
         self.version = version

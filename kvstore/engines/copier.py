@@ -16,7 +16,8 @@ Batches arrive as ``RunArrays`` (NumPy, built by a registration's ``PieceTable``
 run: many small runs (vLLM's 32 KiB pieces) are gathered on the GPU by one ``copy_runs`` launch
 (its table read in place from a pinned slot, ``PinnedTables``) into a device staging buffer that
 crosses the bus a run per block (``device_staging``), large ones (kvengine's block-major blocks)
-go to one ``cuMemcpyBatchAsync`` (the copy engines, without a driver call per block).
+go to one ``cuMemcpyBatchAsync`` (the copy engines, without a driver call per block). Those are
+the defaults: the copier's ``CopySettings`` (``copy_settings``) choose the method per batch shape.
 
 Whole blocks of a registration (``blocks_to_host`` / ``blocks_to_device``, what saves and loads
 use) skip the runs where the layout has several pieces a block: one ``copy_pieces`` launch packs
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.engines import cuda_batch
+from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
 from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
@@ -54,20 +56,6 @@ _GATHER_MIN_RUNS = 8  # device-to-device batches with this many runs go through 
 # (kvengine's block-major arena: one 2+ MB run per block) stay on the copy engines.
 _GATHER_MAX_MEAN_RUN_BYTES = 512 << 10
 _CUDA_MEMORY_TYPE_HOST = 1
-# How host <-> device batches go (read at call time; benchmarks/copy_paths.py and
-# transfer_daemon.py compare): SMALL_RUNS for batches of many small runs, LARGE_RUNS for the rest.
-# "kernel": one copy_runs launch over mapped pinned memory; "batch": one cuMemcpyBatchAsync;
-# "memcpy": a call per run; "staged": gathered on the GPU, across the bus a run per block
-# (device_staging.py). A method the batch cannot take (unaligned, pageable host memory, an
-# old driver) falls back. Measured on an H100 (2026-11-25, one submission, shuffled blocks):
-# 32 KiB pieces: kernel 0.79-0.86 of raw, batch 0.42-0.62, memcpy 0.18-0.20; 2.36 MB runs:
-# batch 0.90-0.94, memcpy 0.88-0.91, kernel 0.79-0.90.
-SMALL_RUNS = "staged"
-LARGE_RUNS = "batch"
-# Whole blocks of a layout with at least this many pieces per block go by ``copy_pieces``
-# (packed on the GPU from a table of block ids, across the bus a run per block or fewer): no
-# run per piece is built, merged or uploaded. Read at call time (benchmarks set it to compare).
-PACKED_MIN_PIECES = 2
 
 
 def _cupy():
@@ -107,11 +95,12 @@ def _aligned(runs: RunArrays) -> bool:
 class CudaCopier:
     """Per-device copy streams (one per direction, one for device to device, each with a side
     stream for the staged method's kernels); a submission enqueues coalesced runs and returns
-    an event handle. Thread-safe: a lock per direction."""
+    an event handle, by the methods ``settings`` choose. Thread-safe: a lock per direction."""
 
-    def __init__(self, device_id: int) -> None:
+    def __init__(self, device_id: int, settings: CopySettings = CopySettings()) -> None:
         cp = _cupy()
         self.device_id = device_id
+        self.settings = settings
         kinds = (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEFAULT)
         with cp.cuda.Device(device_id):
             self._streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
@@ -119,28 +108,30 @@ class CudaCopier:
             self._side_streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
         self._locks = {kind: threading.Lock() for kind in kinds}
         self._tables = {kind: PinnedTables() for kind in kinds}
-        self._staging = {kind: DeviceStaging() for kind in kinds}
+        self._staging = {kind: DeviceStaging(max_slot_bytes=settings.staging_slot_bytes)
+                         for kind in kinds}
         # a piece table's copy_pieces region table on this device (None: not packable)
         self._regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._regions_lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # how whole-block batches went
 
-    def _submit(self, runs: RunArrays, kind: int, method: str) -> CopyHandle:
-        """Enqueue the (coalesced) runs on the ``kind`` stream by ``method`` ("staged",
-        "kernel", "batch", "memcpy"); an event after the last of them is the handle."""
+    def _submit(self, runs: RunArrays, kind: int, method: CopyMethod) -> CopyHandle:
+        """Enqueue the (coalesced) runs on the ``kind`` stream by ``method``; an event after
+        the last of them is the handle."""
         cp = _cupy()
         stream = self._streams[kind]
         with cp.cuda.Device(self.device_id), self._locks[kind]:
             try:
-                if method == "staged":
+                if method is CopyMethod.STAGED:
                     # A part per staging slot; the streams keep the parts in order, so the last
                     # part's event is after every part's copies.
                     for part in staged_parts(runs, self._staging[kind].max_slot_bytes):
                         event = self._staged(part, kind)
                     return CopyHandle(event, runs.total_bytes)
-                slot = self._launch(runs, kind, stream) if method == "kernel" else None
-                if method != "kernel":
-                    self._bus_copy(runs, kind, method == "batch")
+                kernel = method is CopyMethod.KERNEL
+                slot = self._launch(runs, kind, stream) if kernel else None
+                if not kernel:
+                    self._bus_copy(runs, kind, method is CopyMethod.BATCH)
                 # Inside the try: a failure to record leaves copies without an event to wait on.
                 event = cp.cuda.Event(block=True, disable_timing=True)
                 event.record(stream)
@@ -247,7 +238,7 @@ class CudaCopier:
     def _packable(self, table: PieceTable, host: np.ndarray, kind: int):
         """The table's device region table when this batch can go packed, else None (a
         multi-piece layout's batch that cannot is counted: ``counts``)."""
-        if not len(host) or table.num_pieces < PACKED_MIN_PIECES:
+        if not len(host) or table.num_pieces < self.settings.packed_min_pieces:
             return None
         if table.block_bytes > self._staging[kind].max_slot_bytes or np.any(host & 15) or \
                 not all(self._device_addressable(int(p)) for p in {host[0], host[-1]}):
@@ -356,27 +347,29 @@ class CudaCopier:
         return self._submit(merged, _MEMCPY_HOST_TO_DEVICE,
                             self._host_method(merged, merged.src_ptrs, _MEMCPY_HOST_TO_DEVICE))
 
-    def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray, kind: int) -> str:
-        """How a host <-> device batch goes: ``SMALL_RUNS`` for many small runs, else
-        ``LARGE_RUNS``. Every method but "memcpy" needs the host side page-locked and mapped at
-        the same address (unpinned memory always goes through ``cudaMemcpyAsync``); the kernel
-        and the staged path need aligned runs (the kernel 8+ of them), else a driver batch
-        takes them, else "memcpy". A run larger than a staging slot goes by the kernel."""
+    def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray, kind: int) -> CopyMethod:
+        """How a host <-> device batch goes: ``settings.small_runs`` for many small runs, else
+        ``settings.large_runs``. Every method but memcpy needs the host side page-locked and
+        mapped at the same address (unpinned memory always goes through ``cudaMemcpyAsync``);
+        the kernel and the staged path need aligned runs (the kernel 8+ of them), else a driver
+        batch takes them, else memcpy. A run larger than a staging slot goes by the kernel."""
         if len(merged) < 2:
-            return "memcpy"
+            return CopyMethod.MEMCPY
         small = merged.total_bytes <= _GATHER_MAX_MEAN_RUN_BYTES * len(merged)
-        method = SMALL_RUNS if small else LARGE_RUNS
-        if method == "memcpy" or not all(self._device_addressable(int(p))
-                                         for p in {host_ptrs[0], host_ptrs[-1]}):
-            return "memcpy"
-        if method in ("kernel", "staged") and not _aligned(merged):
-            method = "batch"
-        if method == "staged" and int(merged.num_bytes.max()) > self._staging[kind].max_slot_bytes:
-            method = "kernel"  # a run larger than a staging slot: the ring keeps its budget
-        if method == "kernel" and len(merged) < _GATHER_MIN_RUNS:
-            method = "batch"
-        if method == "batch" and not cuda_batch.available():
-            return "memcpy"
+        method = self.settings.small_runs if small else self.settings.large_runs
+        if method is CopyMethod.MEMCPY or not all(self._device_addressable(int(p))
+                                                  for p in {host_ptrs[0], host_ptrs[-1]}):
+            return CopyMethod.MEMCPY
+        if method in (CopyMethod.KERNEL, CopyMethod.STAGED) and not _aligned(merged):
+            method = CopyMethod.BATCH
+        # a run larger than a staging slot goes by the kernel: the ring keeps its budget
+        if method is CopyMethod.STAGED and \
+                int(merged.num_bytes.max()) > self._staging[kind].max_slot_bytes:
+            method = CopyMethod.KERNEL
+        if method is CopyMethod.KERNEL and len(merged) < _GATHER_MIN_RUNS:
+            method = CopyMethod.BATCH
+        if method is CopyMethod.BATCH and not cuda_batch.available():
+            return CopyMethod.MEMCPY
         return method
 
     def _device_addressable(self, host_ptr: int) -> bool:
@@ -396,4 +389,5 @@ class CudaCopier:
         2 MB block at HBM speed."""
         merged = _merged(runs)
         gather = len(merged) >= _GATHER_MIN_RUNS and _aligned(merged)
-        return self._submit(merged, _MEMCPY_DEFAULT, "kernel" if gather else "memcpy")
+        return self._submit(merged, _MEMCPY_DEFAULT,
+                            CopyMethod.KERNEL if gather else CopyMethod.MEMCPY)

@@ -1,12 +1,11 @@
-"""A GPU engine's registration: its KV regions opened by CUDA IPC handle, copied by the copier.
+"""A GPU engine's registration: its KV regions opened by CUDA IPC handle, moved by its pipeline.
 
 A CUDA region's size is checked against the allocation size the driver reports for the opened
 IPC mapping, never taken on the engine's word. CUDA maps a handle at most once per process, so
-registrations of the same buffer share one refcounted mapping (``IpcTable``). Copies go through
-the device's ``CudaCopier``, handed the registration's ``PieceTable`` (NumPy arrays computed once
-when the regions are mapped) with a chunk's block ids (``copy_blocks``); saves and loads are
-pipelined batches (``cuda_copies``). Importable without CuPy: nothing here touches it
-until a CUDA layout is registered.
+registrations of the same buffer share one refcounted mapping (``IpcTable``). Once its regions
+are mapped the registration owns a ``CopyPipeline`` over the device's ``CudaCopier`` and its
+``PieceTable`` (NumPy arrays computed once): saves and loads are its pipelined batches. Importable
+without CuPy: nothing here touches it until a CUDA layout is registered.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from kvstore.engines import cuda_copies
-from kvstore.engines.copier import CopyHandle, CudaCopier
+from kvstore.engines.copier import CudaCopier
+from kvstore.engines.copy_pipeline import CopyPipeline
 from kvstore.engines.cuda_ipc import CudaIpcMapping, cuda_available
 from kvstore.engines.registration import (
     Cancellation,
@@ -97,7 +96,7 @@ class CudaRegistration(Registration):
         self._ipc_table = ipc_table
         self._region_ptrs: list[int] = []  # one per region
         self._ipc_handles: list[bytes] = []  # distinct, acquired
-        self._table: PieceTable | None = None  # once every region is mapped
+        self._pipeline: CopyPipeline | None = None  # once every region is mapped
 
     @classmethod
     def open(cls, ids: Iterator[int], engine_id: str, layout: KVLayout, owner: str,
@@ -132,7 +131,7 @@ class CudaRegistration(Registration):
                                             f"({mapping.mapped_bytes} bytes)")
                     mapped[handle] = mapping.ptr
                 reg._region_ptrs.append(mapped[handle])
-            reg._table = PieceTable(layout, reg._region_ptrs)
+            reg._pipeline = CopyPipeline(reg.copier, PieceTable(layout, reg._region_ptrs))
         except BaseException:
             reg.unmap()
             raise
@@ -143,37 +142,33 @@ class CudaRegistration(Registration):
         return [base + region.offset + block_id * region.block_stride
                 for region, base in zip(self.layout.regions, self._region_ptrs)]
 
-    def copy_blocks(self, block_ids: Sequence[int], host_addrs: Sequence[int],
-                    to_device: bool) -> CopyHandle:
-        """Submit whole blocks between the engine and the ``block_bytes`` at each
-        ``host_addrs[i]`` (``to_device``: a load); the copier packs them where it can."""
-        if self._table is None:
+    @property
+    def pipeline(self) -> CopyPipeline:
+        """The mapped regions' copy pipeline; RegistryError once unmapped."""
+        pipeline = self._pipeline
+        if pipeline is None:
             raise RegistryError("not_found", f"registration {self.registration_id} is unmapped")
-        if to_device:
-            return self.copier.blocks_to_device(self._table, block_ids, host_addrs)
-        return self.copier.blocks_to_host(self._table, block_ids, host_addrs)
+        return pipeline
 
     def read_block(self, block_id: int, out: memoryview) -> None:
-        self.copy_blocks([block_id], [host_address(out)], to_device=False).wait()
+        self.pipeline.copy_blocks([block_id], [host_address(out)], to_device=False).wait()
 
     def write_block(self, block_id: int, data: memoryview) -> None:
-        self.copy_blocks([block_id], [host_address(data)], to_device=True).wait()
+        self.pipeline.copy_blocks([block_id], [host_address(data)], to_device=True).wait()
 
     def save_blocks(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
                     hashes: Sequence[bytes], idents: Sequence[bytes],
                     cancel: Cancellation, outcomes: list[str]) -> None:
-        # pipelined D2H batches; see cuda_copies
-        outcomes += cuda_copies.save_blocks(store, self, namespace, block_ids, hashes, idents,
-                                            lambda: cancel.cancelled)
+        outcomes += self.pipeline.save(store, namespace, block_ids, hashes, idents,
+                                       lambda: cancel.cancelled)
 
     def load_blocks(self, store: BlockStore, lease: Lease, first_index: int,
                     block_ids: Sequence[int], cancel: Cancellation) -> int:
-        # pipelined H2D batches; see cuda_copies
-        return cuda_copies.load_blocks(store, self, lease, block_ids, lambda: cancel.cancelled,
-                                       first_index=first_index)
+        return self.pipeline.load(store, lease, block_ids, lambda: cancel.cancelled,
+                                  first_index=first_index)
 
     def _unmap_memory(self) -> None:
-        self._table = None
+        self._pipeline = None
         self._region_ptrs.clear()
         while self._ipc_handles:
             self._ipc_table.release(self._ipc_handles.pop(), self.device_id)

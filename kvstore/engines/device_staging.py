@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvstore.engines.copy_settings import DEFAULT_STAGING_SLOT_BYTES
 from kvstore.engines.run_arrays import RunArrays, coalesce_arrays
 
 _MIN_SLOT_BYTES = 8 << 20
-# A slot holds one default save/load chunk (cuda_copies.CHUNK_BYTES): 4 slots per direction are
-# at most 128 MiB of the engine's HBM, whatever size of batch the copier is handed.
-MAX_SLOT_BYTES = 32 << 20
 
 
 class _Slot:
@@ -37,7 +35,8 @@ class DeviceStaging:
     """A ring of ``num_slots`` device buffers that grow to the largest batch asked for, at
     most ``max_slot_bytes`` each."""
 
-    def __init__(self, num_slots: int = 4, max_slot_bytes: int = MAX_SLOT_BYTES) -> None:
+    def __init__(self, num_slots: int = 4,
+                 max_slot_bytes: int = DEFAULT_STAGING_SLOT_BYTES) -> None:
         self._slots = [_Slot() for _ in range(num_slots)]
         self._next = 0
         self.max_slot_bytes = max_slot_bytes

@@ -1,8 +1,8 @@
 """Registered engines by id: opening a layout's memory, finding it per connection, closing it.
 
 A CPU layout opens a ``ShmRegistration``, a GPU one a ``CudaRegistration`` (one ``CudaCopier``
-per device, one refcounted IPC table for the process). Owners are connection names: a
-disconnect closes every registration of its connection.
+per device, all with the daemon's ``CopySettings``; one refcounted IPC table for the process).
+Owners are connection names: a disconnect closes every registration of its connection.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from kvstore.engines.copier import CudaCopier
+from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.cuda_registration import CudaRegistration, IpcTable
 from kvstore.engines.registration import (  # noqa: F401 (the registry's errors, re-exported)
     BlockIdsOutOfRange,
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 class Registry:
     """Registrations by id; thread-safe. Owners are connection names, so a disconnect drops all."""
 
-    def __init__(self) -> None:
+    def __init__(self, copy_settings: CopySettings = CopySettings()) -> None:
+        self.copy_settings = copy_settings
         self._lock = threading.Lock()
         self._by_id: dict[int, Registration] = {}
         self._ids = itertools.count(1)
@@ -77,7 +79,7 @@ class Registry:
         with self._lock:
             copier = self._copiers.get(device_id)
             if copier is None:
-                copier = self._copiers[device_id] = CudaCopier(device_id)
+                copier = self._copiers[device_id] = CudaCopier(device_id, self.copy_settings)
             return copier
 
     def get(self, registration_id: int, owner: str) -> Registration:

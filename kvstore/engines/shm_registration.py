@@ -3,6 +3,12 @@
 Sizes are checked against the memory itself, never taken on the engine's word: each region
 against the segment's real size. Segments are mapped through /dev/shm directly, and only
 segments owned by this user.
+
+Saves and loads go block by block. A save reserves a store slot per block, copies the engine's
+block into it and publishes it only after the copy; a load reads each leased block (promoting
+SSD ones), copies it into the engine's block, then hands it back (``done``) so a lease larger
+than DRAM is promoted piece by piece. The request's cancellation is checked between blocks: a
+cancelled call stops writing at the next block boundary.
 """
 
 from __future__ import annotations
@@ -13,10 +19,9 @@ import re
 import stat
 from collections.abc import Sequence
 
-from kvstore.engines import host_copies
 from kvstore.engines.registration import Cancellation, Registration, RegistryError
 from kvstore.layout import KVLayout
-from kvstore.store.block_store import BlockStore, Lease
+from kvstore.store.block_store import BlockStore, Lease, StoreError
 
 # POSIX shm names as multiprocessing.shared_memory makes them; no path separators, no dot-files.
 _SHM_NAME = re.compile(r"^/?[A-Za-z0-9_][A-Za-z0-9_.\-]{0,250}$")
@@ -104,12 +109,42 @@ class ShmRegistration(Registration):
     def save_blocks(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
                     hashes: Sequence[bytes], idents: Sequence[bytes],
                     cancel: Cancellation, outcomes: list[str]) -> None:
-        host_copies.save_blocks(store, self, namespace, block_ids, hashes, idents,
-                                cancel.check, outcomes)
+        for block_id, block_hash, ident in zip(block_ids, hashes, idents):
+            cancel.check()
+            outcomes.append(self._save_one(store, namespace, block_id, block_hash, ident))
+
+    def _save_one(self, store: BlockStore, namespace: bytes, block_id: int, block_hash: bytes,
+                  ident: bytes) -> str:
+        """Saved, duplicate or failed: one block into a new store slot."""
+        num_bytes = self.block_bytes
+        try:
+            slot = store.begin_write(namespace, block_hash, ident, num_bytes)
+        except StoreError:
+            return "failed"
+        if slot is None:
+            return "duplicate"
+        try:
+            self.read_block(block_id, slot.buffer[:num_bytes])
+        except BaseException:
+            slot.abort()
+            raise
+        return "saved" if slot.commit() else "duplicate"
 
     def load_blocks(self, store: BlockStore, lease: Lease, first_index: int,
                     block_ids: Sequence[int], cancel: Cancellation) -> int:
-        return host_copies.load_blocks(store, self, lease, first_index, block_ids, cancel.check)
+        num_loaded = 0
+        for index, block_id in enumerate(block_ids, first_index):
+            cancel.check()
+            try:
+                data = store.read(lease, index)
+            except StoreError:  # BlockUnavailable included: the hit shrinks here
+                break
+            if data.nbytes != self.block_bytes:
+                break  # stored under another layout; never copy a partial block
+            self.write_block(block_id, data)  # returns once the copy is done
+            store.done(lease, index)  # its DRAM may go to the next promotion
+            num_loaded += 1
+        return num_loaded
 
     def _unmap_memory(self) -> None:
         for view in self._views:

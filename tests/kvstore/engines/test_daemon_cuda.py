@@ -159,6 +159,34 @@ def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> 
         assert c.stats()["daemon"]["registrations"] == 0
 
 
+def test_copy_flags_reach_the_daemons_copier(daemon: _Daemon) -> None:
+    """``--copy-packed-min-pieces 1 --copy-chunk-size 0``: kvengine's one-piece blocks go packed
+    (by default only layouts of 2+ pieces do), each request as one submission: one packed batch
+    for the save and one for the load, byte-exact; the default daemon packs none of them."""
+    arena = _arena(NUM_BLOCKS, seed=6)
+    save_ids = [int(b) for b in np.random.default_rng(7).permutation(NUM_BLOCKS)[:24]]
+    load_ids = [int(b) for b in np.random.default_rng(8).permutation(NUM_BLOCKS)[:24]]
+    tuned = _start_daemon("--copy-packed-min-pieces", "1", "--copy-chunk-size", "0")
+    try:
+        for running, packed in ((tuned, 2), (daemon, 0)):
+            namespace, hashes, idents = _chain(f"gpu-copy-flags-{packed}", len(save_ids))
+            expect = arena.blocks(save_ids)
+            with running.client() as c:
+                before = c.stats()["daemon"]["copies"].get("batches_packed", 0)
+                reg = c.register(arena.layout, "gpu-engine")
+                assert c.save(reg, namespace, save_ids, hashes, idents).num_saved == 24
+                arena.fill(seed=9)
+                hit = c.lookup(namespace, hashes, idents)
+                assert c.load(reg, hit.lease_id, load_ids) == 24
+                assert np.array_equal(arena.blocks(load_ids), expect)
+                after = c.stats()["daemon"]["copies"].get("batches_packed", 0)
+                assert after - before == packed
+                c.remove(namespace, hashes)
+                assert c.unregister(reg) is True
+    finally:
+        assert tuned.stop() == 0, "daemon did not exit cleanly:\n" + "\n".join(tuned.lines)
+
+
 def test_cuda_registration_and_block_id_errors(daemon: _Daemon) -> None:
     arena = _arena(8, seed=4)
     good = arena.layout

@@ -3,8 +3,9 @@
 In-process (no daemon): the table over real device buffers in vLLM's flash layout (one tensor
 per layer, K and V regions of 32 KiB pieces) and in kvengine's block-major layout, shuffled odd
 block ids to shuffled pinned slots and back into other blocks, through ``CudaCopier`` with the
-kernel alone, through device staging, by ``cuMemcpyBatchAsync`` and by a memcpy per run. Twice
-in a row, so the staging and table rings are reused.
+kernel alone, through device staging, by ``cuMemcpyBatchAsync`` and by a memcpy per run (each
+method chosen by the copier's ``CopySettings``). Twice in a row, so the staging and table rings
+are reused.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.engines import copier as copier_module
+from kvstore.engines.copier import CudaCopier
+from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.run_arrays import PieceTable
 from kvstore.layout import KVLayout, Region
 
@@ -52,15 +54,13 @@ def _buffers(cp, name: str):
 
 @pytest.mark.parametrize("name", ["vllm", "block_major"])
 @pytest.mark.parametrize("method", ["staged", "kernel", "batch", "memcpy"])
-def test_table_runs_round_trip_byte_exact(name: str, method: str, monkeypatch) -> None:
+def test_table_runs_round_trip_byte_exact(name: str, method: str) -> None:
     import cupy as cp
 
     from kvstore.engines import cuda_batch
 
     if method == "batch" and not cuda_batch.available():
         pytest.skip("this driver has no cuMemcpyBatchAsync")
-    monkeypatch.setattr(copier_module, "SMALL_RUNS", method)
-    monkeypatch.setattr(copier_module, "LARGE_RUNS", method)
     layout, buffers, ptrs, block = _buffers(cp, name)
     table = PieceTable(layout, ptrs)
     rng = np.random.default_rng(11)
@@ -71,7 +71,7 @@ def test_table_runs_round_trip_byte_exact(name: str, method: str, monkeypatch) -
     host[:] = 0
     slots = [int(s) for s in rng.permutation(num_slots)[:len(ids)]]
     addrs = [host.ctypes.data + s * layout.block_bytes for s in slots]
-    copier = copier_module.CudaCopier(0)
+    copier = CudaCopier(0, CopySettings(small_runs=method, large_runs=method))
     expect = {b: block(b) for b in range(NUM_BLOCKS)}
 
     rows = host.reshape(num_slots, layout.block_bytes)
@@ -112,14 +112,12 @@ def test_kernel_takes_numpy_tables_past_the_old_65535_run_cap() -> None:
     assert bool(cp.array_equal(dst.reshape(-1, 4), src.reshape(-1, 4)[cp.asarray(order)]))
 
 
-def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact(monkeypatch) -> None:
+def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact() -> None:
     """One submission of ~94 MB of vLLM pieces: three 32 MiB staging parts, in order, each
     through its own ring slot; saved and loaded back byte for byte."""
     import cupy as cp
 
-    from kvstore.engines.device_staging import MAX_SLOT_BYTES
-
-    monkeypatch.setattr(copier_module, "SMALL_RUNS", "staged")
+    settings = CopySettings(small_runs="staged")  # the default, named: this test is about it
     num_layers, num_blocks = 36, 48
     rng = cp.random.RandomState(9)
     layers = [rng.randint(0, 256, 2 * num_blocks * PIECE, dtype=cp.uint8)
@@ -129,12 +127,12 @@ def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact(monkeypatch
     layout = KVLayout(num_blocks, regions, device="cuda:0", dtype="uint8")
     table = PieceTable(layout, [t.data.ptr for t in layers for _ in range(2)])
     ids = [int(b) for b in np.random.default_rng(3).permutation(num_blocks)[:40]]
-    assert len(ids) * layout.block_bytes > 2 * MAX_SLOT_BYTES
+    assert len(ids) * layout.block_bytes > 2 * settings.staging_slot_bytes
     pinned = cp.cuda.alloc_pinned_memory(len(ids) * layout.block_bytes)
     host = np.frombuffer(pinned, dtype=np.uint8, count=len(ids) * layout.block_bytes)
     addrs = [host.ctypes.data + i * layout.block_bytes for i in range(len(ids))]
     before = [cp.asnumpy(t) for t in layers]
-    copier = copier_module.CudaCopier(0)
+    copier = CudaCopier(0, settings)
     copier.device_to_host(table.runs(ids, addrs, to_device=False)).wait()
     for t in layers:
         t.fill(0)
@@ -149,13 +147,12 @@ def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact(monkeypatch
 
 @pytest.mark.parametrize("name", ["vllm", "block_major"])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool, monkeypatch) -> None:
+def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool) -> None:
     """``blocks_to_host`` / ``blocks_to_device`` (``copy_pieces`` through staging), shuffled
     block ids to consecutive or shuffled pinned slots, in parts past a staging slot (slots cut
     small here), twice in a row; nothing outside the named blocks is written."""
     import cupy as cp
 
-    monkeypatch.setattr(copier_module, "PACKED_MIN_PIECES", 1)
     layout, buffers, ptrs, block = _buffers(cp, name)
     table = PieceTable(layout, ptrs)
     rng = np.random.default_rng(12)
@@ -166,9 +163,9 @@ def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool, monkey
     slots = list(range(len(ids))) if contiguous else \
         [int(s) for s in rng.permutation(num_slots)[:len(ids)]]
     addrs = [host.ctypes.data + s * layout.block_bytes for s in slots]
-    copier = copier_module.CudaCopier(0)
-    for staging in copier._staging.values():
-        staging.max_slot_bytes = 5 * layout.block_bytes  # 23 blocks: five parts
+    # every layout packed; slots of 5 blocks: 23 blocks go in five parts
+    copier = CudaCopier(0, CopySettings(packed_min_pieces=1,
+                                        staging_slot_bytes=5 * layout.block_bytes))
     expect = {b: block(b) for b in range(NUM_BLOCKS)}
     rows = host.reshape(num_slots, layout.block_bytes)
     for _ in range(2):
@@ -194,14 +191,13 @@ def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool, monkey
     assert copier.counts["batches_packed"] == 5 and not copier.counts["batches_not_packed_host"]
 
 
-def test_a_new_table_on_a_warm_copier_reads_its_own_regions(monkeypatch) -> None:
+def test_a_new_table_on_a_warm_copier_reads_its_own_regions() -> None:
     """A second registration's piece table (new buffers) on a copier whose rings are warm:
     its region table is on the device before the first launch reads it, so blocks come from
     the new buffers, never the old ones."""
     import cupy as cp
 
-    monkeypatch.setattr(copier_module, "PACKED_MIN_PIECES", 1)
-    copier = copier_module.CudaCopier(0)
+    copier = CudaCopier(0, CopySettings(packed_min_pieces=1))
     num_slots = 8
     kept = []  # earlier rounds' buffers stay allocated: a stale table would read them
     for round_ in range(3):
@@ -233,7 +229,7 @@ def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
     ids = [3, 1, 4]
     host = np.zeros(len(ids) * layout.block_bytes, dtype=np.uint8)
     addrs = [host.ctypes.data + i * layout.block_bytes for i in range(len(ids))]
-    copier = copier_module.CudaCopier(0)
+    copier = CudaCopier(0)
     copier.blocks_to_host(table, ids, addrs).wait()
     rows = host.reshape(len(ids), layout.block_bytes)
     for i, b in enumerate(ids):

@@ -1,10 +1,10 @@
-"""The GPU data path's chunking (CPU): every block of a request lands in exactly one chunk."""
+"""The GPU copy pipeline's chunking (CPU): every block of a request lands in exactly one chunk."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstore.engines.cuda_copies import chunk_spans
+from kvstore.engines.copy_pipeline import chunk_spans
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 

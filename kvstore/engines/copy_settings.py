@@ -1,0 +1,62 @@
+"""How the daemon's GPU copies go: one frozen value, validated once, handed to every copier.
+
+``kvstore serve --copy-*`` sets it (``kvstore/cli_copies.py``); the defaults are the methods that
+measured fastest on an H100 (figures in README, "The daemon"; ``benchmarks/copy_paths.py``).
+Benchmarks compare the other choices by starting daemons with other flags.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+# A staging slot holds one default save/load chunk: 4 slots per direction are at most 128 MiB of
+# the engine's HBM, whatever size of batch the copier is handed.
+DEFAULT_STAGING_SLOT_BYTES = 32 << 20
+
+
+class CopyMethod(str, enum.Enum):
+    """How a host <-> device batch of runs crosses the bus (a method the batch cannot take falls
+    back: unaligned runs, pageable host memory, an old driver)."""
+
+    STAGED = "staged"  # gathered on the GPU into a staging slot, across the bus a run per block
+    KERNEL = "kernel"  # one copy_runs launch reading or writing the mapped pinned pool
+    BATCH = "batch"  # one cuMemcpyBatchAsync driver call for the whole batch
+    MEMCPY = "memcpy"  # a cudaMemcpyAsync per run
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class CopySettings:
+    """``small_runs``: the method for batches of many small runs (vLLM's 32 KiB pieces: a copy
+    engine call per piece pays microseconds each); ``large_runs``: for the rest (kvengine's
+    block-major 2+ MB blocks, which the copy engines move near the bus's rate).
+    ``packed_min_pieces``: whole blocks of a layout with at least this many pieces per block are
+    packed on the GPU from a table of block ids (``copy_pieces``), never a run built per piece.
+    ``chunk_bytes``: a save or load is cut into submissions of at most this many bytes, so the
+    next chunk is prepared while one copies (0: each request is one submission).
+    ``staging_slot_bytes``: the size of each device staging slot (a batch larger goes in parts).
+    """
+
+    small_runs: CopyMethod = CopyMethod.STAGED
+    large_runs: CopyMethod = CopyMethod.BATCH
+    packed_min_pieces: int = 2
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    staging_slot_bytes: int = DEFAULT_STAGING_SLOT_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("small_runs", "large_runs"):
+            value = getattr(self, name)
+            try:  # a method given by name becomes the enum member once, here
+                object.__setattr__(self, name, CopyMethod(value))
+            except ValueError:
+                choices = ", ".join(m.value for m in CopyMethod)
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
+        for name, least in (("packed_min_pieces", 1), ("chunk_bytes", 0),
+                            ("staging_slot_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
