@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
+from offload.store_link import StoreState
+
 if TYPE_CHECKING:
     from engine import SamplingParams
 
-KV_STORE_STATES = ("ok", "hung", "down")  # what the offload layer reports as `store_state`
+KV_STORE_STATES = tuple(s.value for s in StoreState)  # the offload layer's `store_state`
 
 
 class PromptCodec(Protocol):
