@@ -8,10 +8,9 @@ Figures for docs/reliability.md: run with ``-s`` to print them."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 
-from daemon_helpers import RunningDaemon, raw_connect, wait_until
+from daemon_helpers import RunningDaemon, is_closed, raw_connect, wait_until
 from process_stats import RssSampler, rss_bytes
 
 from kvstore.wire import protocol as proto
@@ -45,19 +44,6 @@ def _num_cut(daemon: RunningDaemon) -> int:
     return events["connections_closed_slow_reader"] + events["connections_closed_over_budget"]
 
 
-def _closed(sock: socket.socket) -> bool:
-    sock.setblocking(False)
-    try:
-        while True:
-            data = sock.recv(1 << 20)
-            if not data:
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def test_pipelined_gets_without_reading_stay_within_the_budget(make_daemon) -> None:
     daemon: RunningDaemon = make_daemon("--max-buffered-bytes", "128MiB",
                                         "--slow-reader-timeout", "2", dram="64MiB")
@@ -77,7 +63,7 @@ def test_pipelined_gets_without_reading_stay_within_the_budget(make_daemon) -> N
         # Asked of the daemon: reading the sockets here would make them readers.
         assert wait_until(lambda: _num_cut(daemon) == NUM_CONNECTIONS, timeout_s=15), \
             "slow readers were not cut off"
-        assert all(_closed(s) for s in socks)
+        assert all(is_closed(s, timeout_s=0) for s in socks)
         for sock in socks:
             sock.close()
         time.sleep(1.0)
@@ -109,7 +95,7 @@ def test_stalled_partial_frames_are_bounded_and_timed_out(make_daemon) -> None:
                 sock.sendall(header + chunk)
             socks.append(sock)
         fresh_s = _fresh_client_round(daemon)
-        assert wait_until(lambda: all(_closed(s) for s in socks), timeout_s=15), \
+        assert wait_until(lambda: all(is_closed(s, timeout_s=0) for s in socks), timeout_s=15), \
             "stalled frames were never timed out"
         for sock in socks:
             sock.close()

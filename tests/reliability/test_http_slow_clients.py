@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from daemon_helpers import is_closed
 from engine_process import EngineProcess, HealthWatch, tiny_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,20 +51,6 @@ def _port(engine: EngineProcess) -> int:
     return int(engine.url.rsplit(":", 1)[1])
 
 
-def _closed(sock: socket.socket) -> bool:
-    """True when the server closed `sock` (EOF or reset after what it sent)."""
-    sock.setblocking(False)
-    try:
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def test_slowloris_connections_are_closed_and_health_stays_fast(engine: EngineProcess) -> None:
     port = _port(engine)
     kinds = [PARTIAL_BODY] * 30 + [PARTIAL_HEADERS] * 10 + [b""] * 10  # 50 < the cap of 64
@@ -80,7 +67,7 @@ def test_slowloris_connections_are_closed_and_health_stays_fast(engine: EnginePr
             for i, (sock, first) in enumerate(zip(socks, kinds, strict=True)):
                 if i in closed_at:
                     continue
-                if _closed(sock):
+                if is_closed(sock, timeout_s=0):
                     closed_at[i] = time.monotonic() - start
                 elif first:
                     try:

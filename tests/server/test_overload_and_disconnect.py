@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from daemon_helpers import wait_until
 from server_helpers import RunningServer, assert_healthy, metric_value, start_server, stop_server
 
 CHAT = [{"role": "user", "content": "Tell me a long story about tiered caches."}]
@@ -30,14 +30,6 @@ def _long_chat(max_tokens: int = 900) -> dict:
 
 def _metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=30).text
-
-
-def _wait_for(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def _engine_idle(server: RunningServer) -> bool:
@@ -66,12 +58,12 @@ def test_full_queue_answers_503_and_recovers(small: RunningServer) -> None:
         assert metric_value(_metrics(small.url), "kvengine:request_rejected_total",
                             reason="overloaded") >= 2
     # Both streams were closed unfinished: their slots come back and requests run again.
-    _wait_for(lambda: _engine_idle(small))
+    assert wait_until(lambda: _engine_idle(small), timeout_s=20)
     assert_healthy(small.url, api_key=None)
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(small: RunningServer) -> None:
-    _wait_for(lambda: _engine_idle(small))
+    assert wait_until(lambda: _engine_idle(small), timeout_s=20)
     before = _metrics(small.url)
     aborted_before = metric_value(before, "kvengine:request_success_total",
                                   finished_reason="abort")
@@ -91,8 +83,8 @@ def test_stream_disconnect_aborts_and_frees_blocks(small: RunningServer) -> None
         text = _metrics(small.url)
         return metric_value(text, "kvengine:request_success_total",
                             finished_reason="abort") == aborted_before + 1
-    _wait_for(aborted)
-    _wait_for(lambda: _engine_idle(small))
+    assert wait_until(aborted, timeout_s=20)
+    assert wait_until(lambda: _engine_idle(small), timeout_s=20)
     stats = small.async_engine.stats()
     assert stats["num_blocks_in_use"] == stats_before["num_blocks_in_use"]
     # The engine stopped generating: far fewer tokens than the 900 the request asked for.
@@ -103,14 +95,14 @@ def test_stream_disconnect_aborts_and_frees_blocks(small: RunningServer) -> None
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_waiting_request_is_aborted_on_disconnect(small: RunningServer, stream: bool) -> None:
-    _wait_for(lambda: _engine_idle(small))
+    assert wait_until(lambda: _engine_idle(small), timeout_s=20)
     aborted_before = metric_value(_metrics(small.url), "kvengine:request_success_total",
                                   finished_reason="abort")
     with httpx.Client(base_url=small.url, timeout=60) as c, \
             c.stream("POST", "/v1/chat/completions", json=_long_chat()) as running:
         lines = running.iter_lines()  # keep it: dropping the iterator drops the connection
         next(line for line in lines if line)
-        _wait_for(lambda: small.async_engine.stats()["num_running"] == 1)
+        assert wait_until(lambda: small.async_engine.stats()["num_running"] == 1, timeout_s=20)
         prompt_tokens = small.async_engine.stats()["prompt_tokens_total"]
         body = json.dumps({"prompt": "queued behind the long one", "max_tokens": 50,
                            "stream": stream}).encode()
@@ -118,12 +110,12 @@ def test_waiting_request_is_aborted_on_disconnect(small: RunningServer, stream: 
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                     b"application/json\r\ncontent-length: " + str(len(body)).encode() +
                     b"\r\n\r\n" + body)
-        _wait_for(lambda: small.async_engine.num_in_flight == 2)
+        assert wait_until(lambda: small.async_engine.num_in_flight == 2, timeout_s=20)
         raw.close()  # gone while still waiting for the running request to finish
-        _wait_for(lambda: small.async_engine.num_in_flight == 1)
+        assert wait_until(lambda: small.async_engine.num_in_flight == 1, timeout_s=20)
         assert metric_value(_metrics(small.url), "kvengine:request_success_total",
                             finished_reason="abort") == aborted_before + 1
-    _wait_for(lambda: _engine_idle(small))
+    assert wait_until(lambda: _engine_idle(small), timeout_s=20)
     # The engine never scheduled the request that left while waiting.
     assert small.async_engine.stats()["prompt_tokens_total"] == prompt_tokens
     assert_healthy(small.url, api_key=None)

@@ -10,11 +10,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from daemon_helpers import wait_until
 
 from kvstore.keys import Namespace, block_hashes, block_ident
 
@@ -50,16 +50,6 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in {first}..{last}")
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
-    """Poll ``predicate`` until true or ``timeout_s`` passed; its last answer."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
 
 
 @dataclass

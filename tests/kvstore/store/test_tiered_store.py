@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from daemon_helpers import wait_until
 from store_helpers import NS, block_bytes, block_key
 
 from kvstore.store.block_store import BlockUnavailable, StoreError, Tier
@@ -13,14 +14,6 @@ from kvstore.store.tiered import StoreConfig
 
 KIB = 1024
 BLOCK = 16 * KIB  # four 4 KiB units per block
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 def put_blocks(store, indices, size=BLOCK):
@@ -177,7 +170,7 @@ def test_demotion_to_ssd_then_promotion_is_byte_exact(make_store, tmp_path):
     store = make_store(dram_bytes=16 * BLOCK, ssd_dir=tmp_path / "ssd", ssd_bytes=128 * BLOCK)
     put_blocks(store, range(60))  # almost four times DRAM
     ssd_stats = lambda: store.stats()["tiers"]["ssd"]  # noqa: E731
-    wait_for(lambda: store.stats()["tiers"]["dram"]["used_bytes"] <= 0.9 * 16 * BLOCK)
+    assert wait_until(lambda: store.stats()["tiers"]["dram"]["used_bytes"] <= 0.9 * 16 * BLOCK)
     assert store.stats()["counters"]["demotions"] >= 44
     assert store.stats()["counters"]["evictions"] == 0  # nothing lost: it went to SSD
     assert ssd_stats()["blocks"] >= 44
@@ -194,8 +187,8 @@ def test_ssd_hit_through_a_lease_is_promoted_into_dram(make_store, tmp_path):
     put_blocks(store, [0])
     assert store.flush_to_ssd() == 1
     put_blocks(store, range(1, 40))  # block 0 leaves DRAM (it is clean: released without IO)
-    wait_for(lambda: store.lookup(NS, [block_key(0)[0]], [block_key(0)[1]],
-                                  lease_ttl_s=None).tiers == [Tier.SSD])
+    assert wait_until(lambda: store.lookup(NS, [block_key(0)[0]], [block_key(0)[1]],
+                                         lease_ttl_s=None).tiers == [Tier.SSD])
     h, ident = block_key(0)
     result = store.lookup(NS, [h], [ident])
     assert result.tiers == [Tier.SSD]
@@ -236,7 +229,7 @@ def test_damaged_ssd_block_read_through_a_lease_is_unavailable(make_store, tmp_p
     store = make_store(dram_bytes=4 * BLOCK, ssd_dir=tmp_path / "ssd", ssd_bytes=32 * BLOCK)
     put_blocks(store, range(12))
     store.flush_to_ssd()
-    wait_for(lambda: store.stats()["tiers"]["dram"]["blocks"] <= 3)
+    assert wait_until(lambda: store.stats()["tiers"]["dram"]["blocks"] <= 3)
     victim = next(i for i in range(12)
                   if store.lookup(NS, [block_key(i)[0]], [block_key(i)[1]],
                                   lease_ttl_s=None).tiers == [Tier.SSD])
