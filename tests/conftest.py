@@ -1,5 +1,5 @@
-"""Shared pytest setup: skip `gpu` tests without CUDA, `cluster` tests without their parts;
-the tiny model every folder's tests load."""
+"""Shared pytest setup: skip `gpu` tests without CUDA, `cluster` tests without their parts,
+`vllm` tests without vLLM; the tiny model every folder's tests load."""
 
 from __future__ import annotations
 
@@ -37,11 +37,21 @@ def _has_cluster_parts() -> bool:
     return shutil.which("redis-server") is not None
 
 
+def _has_vllm() -> bool:
+    """vllm is installed (found, not imported: importing it costs seconds and pulls in torch)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_gpu = _has_gpu()
     has_cluster = _has_cluster_parts()
+    has_vllm = _has_vllm()
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU with CuPy"))
         if "cluster" in item.keywords and not has_cluster:
             item.add_marker(pytest.mark.skip(reason="needs redis-server and ucxx"))
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="vllm is not installed"))

@@ -118,10 +118,3 @@ class VllmProcess:
         if self.proc.poll() is None and self.proc.stdin is not None:
             self.proc.stdin.close()
         stop_process(self.proc, None, timeout_s=30)
-
-
-def vllm_available() -> bool:
-    """vllm is installed (found, not imported: importing it costs seconds and pulls in torch)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None

@@ -16,13 +16,12 @@ import pytest
 from daemon_helpers import RunningDaemon, start_daemon, wait_until
 from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, full_blocks_tokens, prompt
 
-from kvstore.testing.vllm_process import VllmProcess, vllm_available
+from kvstore.testing.vllm_process import VllmProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvstore" / "cluster"))
 from cluster_parts import RedisServer, free_port  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.cluster,
-              pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+pytestmark = [pytest.mark.vllm, pytest.mark.cluster]
 
 # The scheduler's lookup on daemon b fetches the blocks from daemon a before it answers (the
 # first fetch also sets up the UCX endpoint between them); on a loaded 2-core machine that can

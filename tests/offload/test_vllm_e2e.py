@@ -16,10 +16,9 @@ from daemon_helpers import start_daemon, wait_until
 from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, full_blocks_tokens, prompt
 from vllm_parts import dram_blocks as daemon_dram_blocks
 
-from kvstore.testing.vllm_process import VllmProcess, vllm_available
+from kvstore.testing.vllm_process import VllmProcess
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+pytestmark = pytest.mark.vllm
 
 LOOKUP_TIMEOUT_S, RETRY_S = 0.5, 1.0
 EXTRA = {"lookup_timeout_s": LOOKUP_TIMEOUT_S, "retry_interval_s": RETRY_S,

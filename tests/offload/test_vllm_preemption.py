@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 from vllm_parts import BLOCK_SIZE, assert_same_logprobs, engines_up, prompt, running_daemon
 
-from kvstore.testing.vllm_process import VllmProcess, vllm_available
+from kvstore.testing.vllm_process import VllmProcess
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+pytestmark = pytest.mark.vllm
 
 KV_BLOCK_BYTES = 2 * 2 * 2 * 32 * 2 * BLOCK_SIZE  # layers x K,V x heads x dim x bf16 x tokens
 NUM_KV_BLOCKS = 17

@@ -18,10 +18,9 @@ from vllm_parts import (
     running_daemon,
 )
 
-from kvstore.testing.vllm_process import VllmProcess, vllm_available
+from kvstore.testing.vllm_process import VllmProcess
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,9 @@ from vllm_parts import (
     running_daemon,
 )
 
-from kvstore.testing.vllm_process import VllmProcess, vllm_available
+from kvstore.testing.vllm_process import VllmProcess
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+pytestmark = pytest.mark.vllm
 
 TP = 2
 EXTRA = {"lookup_timeout_s": 5.0, "load_timeout_s": 10.0, "save_timeout_s": 10.0}
