@@ -1,5 +1,5 @@
-"""Fixtures for kvstore's tests: stores closed after each test, one shared real daemon, and a
-factory for dedicated ones."""
+"""Fixtures for kvstore's tests: stores closed after each test, one shared real daemon, a
+factory for dedicated ones, and engines' shared-memory arenas closed after each test."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import RunningDaemon, daemon_factory, start_daemon
+from support.arena import ShmArena
 
 from kvstore.store.tiered import StoreConfig, TieredStore
 
@@ -24,6 +25,15 @@ def make_store() -> Iterator[Callable[..., TieredStore]]:
     yield make
     for store in stores:
         store.close()
+
+
+@pytest.fixture
+def arenas() -> Iterator[list[ShmArena]]:
+    """Append the test's arenas here: each is closed (and unlinked) after the test."""
+    made: list[ShmArena] = []
+    yield made
+    for arena in made:
+        arena.close()
 
 
 @pytest.fixture(scope="session")

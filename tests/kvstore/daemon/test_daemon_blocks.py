@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, wait_until
@@ -25,24 +23,16 @@ def _engine_arena(num_blocks: int, block_bytes: int, fill_seed: int | None,
                     lead_bytes=4096 if split_kv else 0)
 
 
-@pytest.fixture
-def buffers() -> Iterator[list[ShmArena]]:
-    made: list[ShmArena] = []
-    yield made
-    for b in made:
-        b.close()
-
-
 def _stats_daemon(c: Client) -> dict:
     return c.stats()["daemon"]
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
-def test_save_lookup_load_round_trip(daemon: RunningDaemon, buffers: list[ShmArena],
+def test_save_lookup_load_round_trip(daemon: RunningDaemon, arenas: list[ShmArena],
                                      split_kv: bool) -> None:
     src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=11, split_kv=split_kv)
     dst = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=None, split_kv=split_kv)
-    buffers += [src, dst]
+    arenas += [src, dst]
     chain = make_chain(f"round-trip-{split_kv}", NUM_BLOCKS, seed=int(split_kv))
     src_ids = [3, 1, 4, 0, 5, 2, 6, 7]  # engine blocks need not be in chain order
     with daemon.client() as engine_a, daemon.client() as engine_b:
@@ -69,10 +59,10 @@ def test_save_lookup_load_round_trip(daemon: RunningDaemon, buffers: list[ShmAre
         assert engine_b.release(hit.lease_id) is False
 
 
-def test_prefix_load_and_partial_hit(daemon: RunningDaemon, buffers: list[ShmArena]) -> None:
+def test_prefix_load_and_partial_hit(daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
     src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=21)
     dst = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=None)
-    buffers += [src, dst]
+    arenas += [src, dst]
     chain = make_chain("prefix", NUM_BLOCKS, seed=5)
     with daemon.client() as c:
         reg_src, reg_dst = c.register(src.layout, "src"), c.register(dst.layout, "dst")
@@ -93,9 +83,9 @@ def test_prefix_load_and_partial_hit(daemon: RunningDaemon, buffers: list[ShmAre
 
 
 def test_out_of_range_block_ids_touch_nothing(daemon: RunningDaemon,
-                                              buffers: list[ShmArena]) -> None:
+                                              arenas: list[ShmArena]) -> None:
     src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=31)
-    buffers.append(src)
+    arenas.append(src)
     chain = make_chain("out-of-range", 3, seed=9)
     with daemon.client() as c:
         reg = c.register(src.layout, "e")
@@ -114,9 +104,9 @@ def test_out_of_range_block_ids_touch_nothing(daemon: RunningDaemon,
         assert c.release(hit.lease_id) is True
 
 
-def test_registration_errors(daemon: RunningDaemon, buffers: list[ShmArena]) -> None:
+def test_registration_errors(daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
     src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=41)
-    buffers.append(src)
+    arenas.append(src)
     with daemon.client() as c:
         cuda = KVLayout(4, (Region(b"\x00" * 64, 4 * BLOCK_BYTES, 0, BLOCK_BYTES, BLOCK_BYTES),),
                         device="cuda:0")
@@ -147,9 +137,9 @@ def test_registration_errors(daemon: RunningDaemon, buffers: list[ShmArena]) -> 
 
 
 def test_leases_and_registrations_belong_to_their_connection(
-        daemon: RunningDaemon, buffers: list[ShmArena]) -> None:
+        daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
     src = _engine_arena(NUM_BLOCKS, BLOCK_BYTES, fill_seed=51)
-    buffers.append(src)
+    arenas.append(src)
     chain = make_chain("ownership", 2, seed=3)
     with daemon.client() as a, daemon.client() as b:
         reg = a.register(src.layout, "a")
@@ -162,12 +152,12 @@ def test_leases_and_registrations_belong_to_their_connection(
         assert a.release(hit.lease_id) is True
 
 
-def test_ssd_tier_round_trip(make_daemon, tmp_path, buffers: list[ShmArena]) -> None:
+def test_ssd_tier_round_trip(make_daemon, tmp_path, arenas: list[ShmArena]) -> None:
     num_blocks, block_bytes = 48, 256 * 1024  # 12 MiB of blocks through a 4 MiB DRAM pool
     running = make_daemon(dram="4MiB", ssd_dir=tmp_path / "ssd", ssd_size="64MiB", http=False)
     src = _engine_arena(num_blocks, block_bytes, fill_seed=61)
     dst = _engine_arena(num_blocks, block_bytes, fill_seed=None)
-    buffers += [src, dst]
+    arenas += [src, dst]
     chain = make_chain("ssd-round-trip", num_blocks, seed=17)
     with running.client() as c:
         reg_src, reg_dst = c.register(src.layout, "src"), c.register(dst.layout, "dst")
@@ -192,14 +182,14 @@ def test_ssd_tier_round_trip(make_daemon, tmp_path, buffers: list[ShmArena]) -> 
 
 
 def test_one_lease_larger_than_dram_loads_completely(make_daemon, tmp_path,
-                                                    buffers: list[ShmArena]) -> None:
+                                                    arenas: list[ShmArena]) -> None:
     # 48 blocks of 256 KiB (12 MiB) under one lease, restored through a 4 MiB DRAM pool: the
     # load lets go of each block once copied, so its DRAM goes to the next promotion.
     num_blocks, block_bytes = 48, 256 * 1024
     ssd_dir = tmp_path / "ssd"
     src = _engine_arena(num_blocks, block_bytes, fill_seed=67)
     dst = _engine_arena(num_blocks, block_bytes, fill_seed=None)
-    buffers += [src, dst]
+    arenas += [src, dst]
     chain = make_chain("lease-larger-than-dram", num_blocks, seed=19)
     first = make_daemon(dram="4MiB", ssd_dir=ssd_dir, ssd_size="64MiB", http=False)
     with first.client() as c:
@@ -225,13 +215,13 @@ def test_one_lease_larger_than_dram_loads_completely(make_daemon, tmp_path,
 
 
 def test_damaged_ssd_block_fails_closed(make_daemon, tmp_path,
-                                        buffers: list[ShmArena]) -> None:
+                                        arenas: list[ShmArena]) -> None:
     num_blocks, block_bytes = 32, 256 * 1024
     ssd_dir = tmp_path / "ssd"
     running = make_daemon(dram="4MiB", ssd_dir=ssd_dir, ssd_size="32MiB", http=False)
     src = _engine_arena(num_blocks, block_bytes, fill_seed=71)
     dst = _engine_arena(num_blocks, block_bytes, fill_seed=None)
-    buffers += [src, dst]
+    arenas += [src, dst]
     chain = make_chain("damaged", num_blocks, seed=23)
     with running.client() as c:
         reg_src, reg_dst = c.register(src.layout, "src"), c.register(dst.layout, "dst")

@@ -8,8 +8,6 @@ promotes nothing and leaves the eviction order as it was.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from daemon_helpers import RunningDaemon, make_chain
 from support.arena import ShmArena
@@ -21,14 +19,6 @@ pytestmark = pytest.mark.timeout(90)
 
 NUM_BLOCKS = 16
 BLOCK_BYTES = 32 * 1024
-
-
-@pytest.fixture
-def arenas() -> Iterator[list[ShmArena]]:
-    made: list[ShmArena] = []
-    yield made
-    for a in made:
-        a.close()
 
 
 def _arena(arenas: list[ShmArena], seed: int | None) -> ShmArena:

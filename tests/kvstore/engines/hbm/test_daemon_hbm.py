@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 
 import pytest
 from daemon_helpers import REPO_ROOT, RunningDaemon, make_chain, wait_until
@@ -33,14 +32,6 @@ BLOCK_BYTES = 32 * 1024
 def _arena(seed: int | None, num_blocks: int = NUM_BLOCKS, split_kv: bool = False) -> ShmArena:
     """An engine's arena that shares its block generations (the HBM tier reads them)."""
     return ShmArena(num_blocks, BLOCK_BYTES, seed, split_kv=split_kv, generations=True)
-
-
-@pytest.fixture
-def arenas() -> Iterator[list[ShmArena]]:
-    made: list[ShmArena] = []
-    yield made
-    for a in made:
-        a.close()
 
 
 def _publish(c: Client, reg: int, arena: ShmArena, chain, block_ids: list[int],
