@@ -1,11 +1,14 @@
 """Accepting connections: a cap on how many are open, and no busy loop when fds run out.
 
-Past ``cap`` open connections a new one gets an error frame (``resource_exhausted``) and is
-closed at once. When ``accept`` fails for lack of file descriptors (EMFILE, ENFILE) or memory,
-the acceptor spends a spare descriptor it keeps for this to take the waiting clients one by one
-and tell them (each gets the same error frame) instead of leaving them hanging in the backlog,
-then backs off (50 ms doubling to 1 s) before accepting again. Its log says so at most once per
-``log_interval_s``, with how many times it happened.
+At ``cap`` open connections the acceptor asks ``reclaim`` to close an idle one that holds
+nothing (the daemon's choice, ``server.py``) and takes the new one in its place; if none can go,
+the new one gets an error frame (``resource_exhausted``, naming the cap) and is closed at once,
+so idle connections cannot lock new clients out until the idle timeout. When ``accept`` fails
+for lack of file descriptors (EMFILE, ENFILE) or memory, the acceptor spends a spare descriptor
+it keeps for this to take the waiting clients one by one and tell them (each gets the same error
+frame) instead of leaving them hanging in the backlog, then backs off (50 ms doubling to 1 s)
+before accepting again. Its log says so at most once per ``log_interval_s``, with how many
+times it happened.
 """
 
 from __future__ import annotations
@@ -69,16 +72,19 @@ class Acceptor:
 
     def __init__(self, sock: socket.socket, cap: int, num_open: Callable[[], int],
                  on_accept: Callable[[socket.socket], None], count: Callable[[str], None],
-                 log_interval_s: float = 10.0) -> None:
+                 log_interval_s: float = 10.0,
+                 reclaim: Callable[[], bool] | None = None) -> None:
         self._sock = sock
         self.cap = cap
         self._num_open = num_open
+        self._reclaim = reclaim  # reclaim(): closed an idle connection to make room?
         self._on_accept = on_accept
         self._count = count  # count(event name)
         self._log = RateLimitedLog(log, log_interval_s)
         self._spare_fd: int | None = None
-        self._full_frame = refusal_frame(f"the daemon has its maximum of {cap} connections "
-                                         "open; try again later")
+        self._full_frame = refusal_frame(
+            f"the daemon has its maximum of {cap} connections open (--max-connections), "
+            "none of them idle and free to close for this one; try again later")
         self._out_frame = refusal_frame("the daemon is out of file descriptors; try again "
                                         "later")
 
@@ -103,7 +109,7 @@ class Acceptor:
                     await asyncio.sleep(backoff_s)
                     continue
                 backoff_s = 0.0
-                if self._num_open() >= self.cap:
+                if self._num_open() >= self.cap and not (self._reclaim and self._reclaim()):
                     self._count("connections_refused_cap")
                     self._log.warning("connection refused: %d connections open "
                                       "(--max-connections)", self.cap)

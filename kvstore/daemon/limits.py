@@ -16,6 +16,7 @@ DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
 DEFAULT_FRAME_TIMEOUT_S = 30.0
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 DEFAULT_SLOW_READER_TIMEOUT_S = 10.0
+DEFAULT_RECLAIM_IDLE_S = 2.0
 _MAX_CONNECTIONS_CEILING = 4096
 
 
@@ -39,6 +40,10 @@ class ConnectionLimits:
     ``frame_timeout_s``: a frame whose header arrived must be complete within it.
     ``idle_timeout_s``: a connection with nothing in flight and nothing sent for this long is
     closed. ``slow_reader_timeout_s``: one whose unread replies do not shrink for this long is.
+    ``reclaim_idle_s``: at ``max_connections``, a connection idle this long (nothing in flight,
+    nothing sent) that holds no lease and no registration may be closed to take a new one in
+    its place, the longest idle first; younger ones are never taken (a burst of new clients
+    cannot push each other out).
     """
 
     max_connections: int | None = None
@@ -46,6 +51,7 @@ class ConnectionLimits:
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S
+    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S
 
     def __post_init__(self) -> None:
         if self.max_connections is not None and self.max_connections < 1:
@@ -53,7 +59,8 @@ class ConnectionLimits:
         if self.max_buffered_bytes < 1 << 20:
             raise ValueError(f"max_buffered_bytes must be at least 1 MiB, got "
                              f"{self.max_buffered_bytes}")
-        for name in ("frame_timeout_s", "idle_timeout_s", "slow_reader_timeout_s"):
+        for name in ("frame_timeout_s", "idle_timeout_s", "slow_reader_timeout_s",
+                     "reclaim_idle_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 

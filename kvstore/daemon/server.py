@@ -86,6 +86,7 @@ class Daemon:
         # Whatever clients do, the log grows by a few lines per interval at most: one
         # rate-limited log per verb (a fixed set) and one for the lease sweep.
         self._failure_logs: dict[str, RateLimitedLog] = {}
+        self._reclaim_log = RateLimitedLog(log, _LOG_INTERVAL_S)
         self._sock = None
         self._sock_identity: tuple[int, int] | None = None
         self._stop: asyncio.Event | None = None
@@ -119,9 +120,9 @@ class Daemon:
             [f"connections_closed_{reason}" for reason in CLOSE_REASONS]
             + ["connections_refused_cap", "connections_refused_no_fds",
                "accept_out_of_resources", "accept_errors", "frames_timed_out",
-               "frames_refused_budget"])
+               "frames_refused_budget", "connections_reclaimed"])
         acceptor = Acceptor(self._sock, self.limits.connection_cap, lambda: self._num_open,
-                            self._on_accept, self._count_event)
+                            self._on_accept, self._count_event, reclaim=self._reclaim_idle)
         tasks = [asyncio.create_task(acceptor.run()), asyncio.create_task(self._sweep_leases()),
                  asyncio.create_task(self._watch.run(lambda: list(self._connections)))]
         try:
@@ -178,6 +179,28 @@ class Daemon:
                 self._log_failure("lease sweep failed")
 
     # ------------------------------------------------------------------------- connections
+
+    def _reclaim_idle(self) -> bool:
+        """At the connection cap: close the longest-idle connection that has been idle at
+        least ``reclaim_idle_s`` and holds no lease or registration, for a new client to take
+        its place; False if there is none. Closing it loses its client nothing but the socket
+        (the idle timeout would close it too, later); engines hold registrations, so they stay.
+        """
+        now = time.monotonic()
+        idle = [c for c in self._connections
+                if c.closed_reason is None and c.is_idle()
+                and now - c.last_activity >= self.limits.reclaim_idle_s]
+        for conn in sorted(idle, key=lambda c: c.last_activity):
+            if self.service.num_leases(conn.owner) or self.service.registry.of_owner(conn.owner):
+                continue
+            self._count_event("connections_reclaimed")
+            self._reclaim_log.warning(
+                "at the cap of %d connections (--max-connections): closed the longest-idle "
+                "one (%s, idle %.0f s, holding nothing) to take a new one",
+                self.limits.connection_cap, conn.owner, now - conn.last_activity)
+            conn.abort("reclaimed")
+            return True
+        return False
 
     def _on_accept(self, sock: socket.socket) -> None:
         self._num_open += 1

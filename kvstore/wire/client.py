@@ -33,6 +33,10 @@ from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error t
     lookup_reply,
 )
 
+# How long a failed send waits for the reader to find the daemon's refusal frame (it is in the
+# socket already when the daemon closed after writing it).
+_REFUSAL_WAIT_S = 1.0
+
 
 class Client:
     """A connection to ``kvstore serve``; usable from many threads at once."""
@@ -49,6 +53,9 @@ class Client:
         self._send_lock = threading.Lock()  # one frame at a time on the socket
         self._pending: dict[int, Pending] = {}
         self._closed_error: BaseException | None = None
+        # The daemon's error frame that refused this connection (its connection cap, a uid it
+        # does not serve), set by the reader thread: the reason it closed, whatever comes next.
+        self._refusal: ClientError | None = None
         self._sock = self._connect()
         self._reader = threading.Thread(target=self._read_loop, name="kvstore-client-reader",
                                         daemon=True)
@@ -92,9 +99,10 @@ class Client:
                 self._sock.sendall(frame[0])
                 self._sock.sendall(frame[1])
         except OSError as exc:
-            # A frame may be half written: the stream is unusable from here on.
-            error = DaemonUnavailable(f"kvstore daemon at {self.socket_path} closed the "
-                                      f"connection ({exc})")
+            # A frame may be half written: the stream is unusable from here on. A daemon that
+            # refused the connection wrote why before it closed: say that, not "Broken pipe".
+            error = self._refusal_or(DaemonUnavailable(
+                f"kvstore daemon at {self.socket_path} closed the connection ({exc})"))
             self._fail_all(error)
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
@@ -141,12 +149,22 @@ class Client:
                     # A connection-level refusal (permission, malformed frame): it closes next.
                     err = reply.get("error") or {}
                     error = ClientError(str(err.get("code")), str(err.get("message")))
+                    self._refusal = error
         except proto.ProtocolError as exc:
             error = DaemonUnavailable(f"unreadable reply from the daemon: {exc.message}")
         except OSError as exc:
-            if self._closed_error is None:
+            # A daemon that closes with our request unread resets the connection after its
+            # refusal frame: the refusal is the reason.
+            if self._closed_error is None and self._refusal is None:
                 error = DaemonUnavailable(f"connection to kvstore daemon lost: {exc}")
         self._fail_all(error)
+
+    def _refusal_or(self, error: DaemonUnavailable) -> BaseException:
+        """After a failed send: the daemon's refusal if it sent one (the reader thread reads it
+        on its way to the end of the stream, which the daemon closed), else ``error``."""
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=_REFUSAL_WAIT_S)
+        return self._refusal or error
 
     def _dispatch(self, reply: dict) -> None:
         with self._lock:
