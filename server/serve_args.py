@@ -36,6 +36,15 @@ def _tensor_parallel_size(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    from engine.config import check_device  # the engine's rule; imported only when given
+
+    try:
+        return check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def chat_template_text(value: str) -> str:
     """`--chat-template`: a file's text, or the template itself when it holds Jinja characters
     (as vLLM decides); ArgumentTypeError for a path that does not exist."""
@@ -74,8 +83,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="hub revision (branch, tag or commit) of a repo id (default: main)")
     serve.add_argument("--tokenizer", default=None,
                        help="tokenizer folder or repo id (default: the model's)")
-    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="where the model runs; auto takes the GPU when CuPy sees one")
+    serve.add_argument("--device", type=_device, default="auto", metavar="auto|cpu|cuda|cuda:N",
+                       help="where the model runs; auto takes the GPU when CuPy sees one, "
+                       "cuda:N the N-th GPU CUDA_VISIBLE_DEVICES leaves visible (one engine per "
+                       "GPU beside one kvstore daemon)")
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="weights and activations dtype; auto is the backend's own (float32 "
                        "on CPU, bfloat16 on GPU), any other must be that one or start fails")
