@@ -1,1 +1,2 @@
-"""Test parts shared across test folders (a fake engine's KV arena...)."""
+"""Test parts shared across test folders (a fake engine's KV arena, a real `kvengine serve`
+process...)."""
