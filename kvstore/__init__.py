@@ -15,12 +15,14 @@ __all__ = [
     "Client",
     "ClientError",
     "DaemonUnavailable",
+    "LocateReply",
     "Pending",
     "Tier",
 ]
 
 # The client pulls in msgpack and sockets; importing keys alone should stay light.
-_CLIENT_NAMES = frozenset({"Client", "ClientError", "DaemonUnavailable", "Pending"})
+_CLIENT_NAMES = frozenset({"Client", "ClientError", "DaemonUnavailable", "LocateReply",
+                           "Pending"})
 
 
 def __getattr__(name: str) -> Any:

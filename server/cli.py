@@ -19,6 +19,7 @@ import uvicorn
 from kvstore.cli_args import OneLineParser, add_version
 from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
+from server.router_args import add_router_arguments
 from server.serve_args import add_serve_arguments, api_keys
 
 # The GIL switch interval (Python's: 5 ms): the store link's threads wait for the GIL up to this
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
     parser.set_defaults(serve_parser=serve)
+    router_parser = commands.add_parser(
+        "router", help="an OpenAI-compatible front for several engines sharing one kvstore "
+        "daemon: each request to the engine holding its prefix (see router --help)")
+    add_router_arguments(router_parser)
     commands.add_parser("make-model", add_help=False,
                         help="write a random-weight model folder (see make-model --help)")
     return parser
@@ -250,35 +255,73 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         app = build_app(engine, settings)
         model_name = app.state.model_name
-        guard = ConnectionGuard(limits)
-        uv_level = args.uvicorn_log_level or args.log_level
-        # log_config None: uvicorn's loggers propagate to the handler configure_logging set up.
-        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,
-                                   log_config=None,
-                                   access_log=uv_level in ("info", "debug", "trace"),
-                                   timeout_graceful_shutdown=5, http=guard.protocol_factory,
-                                   # asyncio's loop, also where uvloop is installed: the
-                                   # connection guard's refusals and bounds are built and tested
-                                   # on it (on uvloop no connection past the cap got its 503)
-                                   loop="asyncio",
-                                   timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)),
-                                   backlog=limits.accept_backlog)
-        server = _Server(uv_config, lambda port: _startup_line(engine, model_name, args.host,
-                                                                port), guard)
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our handler
-        # turns that into an exception so the engine below is closed (its KV arena freed).
-        previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}
-        try:
-            server.run(sockets=[listener])
-        except _Stopped:
-            pass
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        return 0 if server.started else 1
+        return _run_app(app, args, limits, listener,
+                        lambda port: _startup_line(engine, model_name, args.host, port))
     finally:
         listener.close()
         engine.close()
+
+
+def _run_app(app: Any, args: argparse.Namespace, limits: ConnectionLimits,
+             listener: socket.socket, line: Any) -> int:
+    """Serve ``app`` on ``listener`` until a stop signal; ``line(port)`` is printed once it
+    listens. 0 if it served, 1 if it did not start."""
+    guard = ConnectionGuard(limits)
+    uv_level = args.uvicorn_log_level or args.log_level
+    # log_config None: uvicorn's loggers propagate to the handler configure_logging set up.
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,
+                               log_config=None,
+                               access_log=uv_level in ("info", "debug", "trace"),
+                               timeout_graceful_shutdown=5, http=guard.protocol_factory,
+                               # asyncio's loop, also where uvloop is installed: the
+                               # connection guard's refusals and bounds are built and tested
+                               # on it (on uvloop no connection past the cap got its 503)
+                               loop="asyncio",
+                               timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)),
+                               backlog=limits.accept_backlog)
+    server = _Server(uv_config, line, guard)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our handler
+    # turns that into an exception so the caller's cleanup runs (the engine's KV arena freed).
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}
+    try:
+        server.run(sockets=[listener])
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1
+
+
+def router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`kvengine router`: serve the OpenAI API in front of ``--engine`` URLs until
+    interrupted."""
+    from server.log_setup import configure_logging
+    from server.router_setup import build_router
+
+    configure_logging(args.log_level)
+    tune_interpreter()
+    model_dir, tokenizer_dir = _model_folders(args, parser)
+    try:
+        app = build_router(args, model_dir, tokenizer_dir)
+        limits = _connection_limits(args)
+    except (ValueError, TypeError, OSError) as exc:
+        parser.error(str(exc))
+    try:
+        listener = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"kvengine: error: cannot listen on {args.host}:{args.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
+    shown_host = f"[{args.host}]" if ":" in args.host else args.host
+    socket_path = args.kv_store_socket or "the default kvstore socket"
+    try:
+        return _run_app(app, args, limits, listener, lambda port: (
+            f"kvengine router: routing {args.model_tag or args.model} over "
+            f"{len(args.engines)} engines (--routing {args.routing}, daemon at {socket_path}); "
+            f"listening on http://{shown_host}:{port}"))
+    finally:
+        listener.close()
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -321,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(parser, argv)
     if args.command == "serve":
         return serve(args, parser)
+    if args.command == "router":
+        return router(args, parser)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

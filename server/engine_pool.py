@@ -1,0 +1,152 @@
+"""EnginePool: the router's engines, their readiness and load, probed on ``GET /load``.
+
+Each engine is probed every ``probe_interval_s`` (an engine that failed too: it comes back when
+it answers again). A probe that fails, or a request the engine cannot be reached for, marks it
+DOWN at once, so the next requests skip it. Its load, as the router counts it, is what the
+engine reported at the last probe (engine requests in flight) less the router's own requests
+to it in flight at that moment, plus the router's requests to it in flight now: exact for the
+router's own traffic, as fresh as the last probe for anyone else's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from server.load_report import LOAD_PATH
+from server.prompt_chain import KVIdentity
+from server.routing import Candidate
+
+logger = logging.getLogger("kvengine.router")
+
+
+class EngineState(str, enum.Enum):
+    UNKNOWN = "unknown"  # not probed yet
+    READY = "ready"
+    DOWN = "down"  # unreachable, or its step loop died
+
+
+@dataclass
+class UpstreamEngine:
+    """One engine behind the router."""
+
+    url: str  # base URL, no trailing slash
+    state: EngineState = EngineState.UNKNOWN
+    engine_id: str | None = None  # its registration's engine_id at the kvstore daemon
+    identity: KVIdentity | None = None  # None: it runs without --kv-offload (no blocks to find)
+    reported_load: int = 0  # its requests in flight, at the last probe
+    in_flight: int = 0  # the router's requests to it in flight now
+    in_flight_at_probe: int = 0
+    last_error: str = ""
+    last_probe: float = 0.0  # time.monotonic() of the last probe's answer (or failure)
+    extra: dict[str, Any] = field(default_factory=dict)  # the rest of its last /load
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + max(0, self.reported_load - self.in_flight_at_probe)
+
+    def candidate(self, num_hbm: int = 0) -> Candidate:
+        return Candidate(self.url, self.load, num_hbm)
+
+
+class EnginePool:
+    """The engines by URL; probing runs as one task on the router's event loop."""
+
+    def __init__(self, urls: list[str], client: httpx.AsyncClient,
+                 probe_headers: Mapping[str, str] | None = None, probe_interval_s: float = 1.0,
+                 probe_timeout_s: float = 1.0) -> None:
+        if not urls:
+            raise ValueError("at least one engine URL is needed")
+        self.engines = {url.rstrip("/"): UpstreamEngine(url.rstrip("/")) for url in urls}
+        if len(self.engines) != len(urls):
+            raise ValueError("an engine URL is given twice")
+        self._client = client
+        self._headers = dict(probe_headers or {})
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self._task: asyncio.Task | None = None
+
+    # ---- what routing reads ----------------------------------------------------------------
+    def ready(self) -> list[UpstreamEngine]:
+        """The engines to route to now, in the order given."""
+        return [e for e in self.engines.values() if e.state is EngineState.READY]
+
+    def by_engine_id(self) -> dict[str, UpstreamEngine]:
+        """Ready engines by the engine_id they registered with at the daemon."""
+        return {e.engine_id: e for e in self.ready() if e.engine_id is not None}
+
+    def identity(self) -> KVIdentity | None:
+        """The block-key identity of the ready engines (the first that reports one)."""
+        for engine in self.ready():
+            if engine.identity is not None:
+                return engine.identity
+        return None
+
+    def mark_down(self, engine: UpstreamEngine, reason: str) -> None:
+        """The engine could not be reached for a request: skip it until a probe succeeds."""
+        if engine.state is not EngineState.DOWN:
+            logger.warning("engine %s is down (%s); skipped until it answers a probe",
+                           engine.url, reason)
+        engine.state = EngineState.DOWN
+        engine.last_error = reason
+
+    # ---- probing ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Probe every engine now and then every ``probe_interval_s`` (on the running loop)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._probe_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def probe_all(self) -> None:
+        """Probe every engine once, concurrently (each bounded by ``probe_timeout_s``)."""
+        await asyncio.gather(*(self._probe(e) for e in self.engines.values()))
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def _probe(self, engine: UpstreamEngine) -> None:
+        try:
+            response = await self._client.get(engine.url + LOAD_PATH, headers=self._headers,
+                                              timeout=self.probe_timeout_s)
+            if response.status_code != 200:
+                raise ValueError(f"GET {LOAD_PATH} answered {response.status_code}: "
+                                 f"{response.text[:200]}")
+            report = response.json()
+            identity = None
+            if report.get("kv_offload"):
+                identity = KVIdentity.from_report(report["model_identity"],
+                                                  int(report["block_size"]))
+            alive = bool(report["alive"])
+            load = int(report["num_in_flight"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            engine.last_probe = time.monotonic()
+            self.mark_down(engine, f"probe failed: {type(exc).__name__}: {exc}")
+            return
+        engine.last_probe = time.monotonic()
+        engine.engine_id = str(report["engine_id"])
+        engine.identity = identity
+        engine.reported_load, engine.in_flight_at_probe = load, engine.in_flight
+        engine.extra = report
+        if not alive:
+            self.mark_down(engine, "its step loop is not running")
+            return
+        if engine.state is not EngineState.READY:
+            logger.info("engine %s is ready (engine_id %s)", engine.url, engine.engine_id)
+        engine.state = EngineState.READY
+        engine.last_error = ""

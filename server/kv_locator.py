@@ -1,0 +1,109 @@
+"""KVLocator: the router's one connection to the kvstore daemon, asked ``locate`` with a bound.
+
+A daemon that is down, hung (SIGSTOP) or slow costs a request at most ``timeout_s`` and routing
+by load instead, never an error: ``locate`` returns None, the state says why, and the daemon is
+left alone for ``retry_after_s`` (requests in between do not wait at all) before it is asked
+again. The blocking client runs on a few threads of its own; the event loop only awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvstore import Client, ClientError, DaemonUnavailable, LocateReply
+from server.prompt_chain import PromptChain
+
+logger = logging.getLogger("kvengine.router")
+
+
+class StoreState(str, enum.Enum):
+    UNKNOWN = "unknown"  # not asked yet
+    OK = "ok"
+    DOWN = "down"  # not reachable, or it closed the connection
+    HUNG = "hung"  # no answer within the bound
+    REFUSED = "refused"  # it answered an error (a daemon without `locate`): asked again anyway
+
+
+class KVLocator:
+    """``await locate(chain)``: the daemon's LocateReply, or None within ``timeout_s``."""
+
+    def __init__(self, socket_path: str | Path | None, timeout_s: float = 0.05,
+                 retry_after_s: float = 1.0, num_threads: int = 4) -> None:
+        if timeout_s <= 0 or retry_after_s < 0:
+            raise ValueError("timeout_s must be > 0 and retry_after_s >= 0")
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.state = StoreState.UNKNOWN
+        self._client: Client | None = None
+        self._lock = threading.Lock()  # guards _client and the state changes below
+        self._skip_until = 0.0
+        self._threads = ThreadPoolExecutor(max_workers=num_threads,
+                                           thread_name_prefix="kv-locate")
+
+    async def locate(self, chain: PromptChain) -> LocateReply | None:
+        """Where the chain's leading blocks are; None (counted by the caller as a fallback)
+        when the daemon is skipped, down, hung or refuses."""
+        if time.monotonic() < self._skip_until:
+            return None
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._threads, self._locate_blocking, chain)
+        try:  # the thread's own wait is bounded too: a timed-out one ends soon after
+            return await asyncio.wait_for(work, self.timeout_s)
+        except asyncio.TimeoutError:
+            self._failed(StoreState.HUNG, None)
+            return None
+
+    def _locate_blocking(self, chain: PromptChain) -> LocateReply | None:
+        try:
+            client = self._connected()
+            pending = client.locate_async(chain.namespace, chain.hashes, chain.idents,
+                                          timeout_s=self.timeout_s)
+            reply = pending.wait(self.timeout_s)
+        except TimeoutError as exc:  # RequestTimeout: the daemon did not answer in time
+            self._failed(StoreState.HUNG, exc)
+            return None
+        except (DaemonUnavailable, OSError) as exc:
+            self._failed(StoreState.DOWN, exc)
+            return None
+        except ClientError as exc:  # answered, quickly: no reason to stop asking
+            if self.state is not StoreState.REFUSED:
+                logger.warning("kvstore daemon refused locate (%s); routing by load", exc)
+            self.state = StoreState.REFUSED
+            return None
+        self.state = StoreState.OK
+        return reply
+
+    def _connected(self) -> Client:
+        with self._lock:
+            client = self._client
+            if client is None or client.is_closed:
+                client = self._client = Client(self.socket_path, timeout_s=self.timeout_s)
+            return client
+
+    def _failed(self, state: StoreState, exc: BaseException | None) -> None:
+        """Skip the daemon for a while; a hung or broken connection is dropped (its waiters
+        fail at once) and made anew on the next try."""
+        with self._lock:
+            if self.state is not state:
+                logger.warning("kvstore daemon at %s: %s (%s); routing by load for %.1f s",
+                               self.socket_path or "the default socket", state.value,
+                               exc or "no answer in time", self.retry_after_s)
+            self.state = state
+            self._skip_until = time.monotonic() + self.retry_after_s
+            client, self._client = self._client, None
+        if client is not None:
+            threading.Thread(target=client.close, name="kv-locate-close", daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)

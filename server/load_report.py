@@ -1,0 +1,78 @@
+"""GET /load: an engine's load and its identity in the store, cheap enough for a router to poll.
+
+`kvengine router` sends a request to the engine holding its prefix, else to the least loaded
+one. It learns here how loaded an engine is (requests admitted and not finished, running and
+waiting as of the last step), under which ``engine_id`` the engine registered with the kvstore
+daemon (the daemon's ``locate`` answers per registration; this is how the router tells which
+registration is which engine), and the model identity the engine's block keys are salted with,
+so the router computes a prompt's block chain exactly as the engine does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from server.async_engine import AsyncEngine
+from server.engine_protocol import EngineSettingsView, kv_store_state
+
+LOAD_PATH = "/load"
+
+
+class RoutedEngine(Protocol):
+    """What /load reads of the engine beyond ServedEngine: its store identity."""
+
+    engine_id: str
+
+    @property
+    def config(self) -> EngineSettingsView: ...
+
+    def namespace(self, cache_salt: str = "") -> Any:
+        """The block-key namespace (kvstore.keys.Namespace) for a tenant; ``.model`` is the
+        model identity (a dataclass)."""
+        ...
+
+
+class EngineLoad(BaseModel):
+    """The body of GET /load."""
+
+    engine_id: str
+    model: str
+    alive: bool
+    num_in_flight: int  # engine requests admitted and not finished (now)
+    num_running: int  # as of the last step
+    num_waiting: int
+    num_loading: int
+    num_requests_finished: int
+    kv_offload: bool
+    kv_store: str | None  # "ok", "hung" or "down" with --kv-offload
+    block_size: int
+    model_identity: dict[str, Any]  # kvstore.keys.ModelIdentity's fields
+
+
+def install_load_route(app: FastAPI, async_engine: AsyncEngine, engine: RoutedEngine,
+                       model_name: str) -> None:
+    """Add GET /load to ``app`` (behind the app's API-key check like every route)."""
+    identity = dataclasses.asdict(engine.namespace("").model)
+    fixed = {"engine_id": engine.engine_id, "model": model_name,
+             "kv_offload": bool(engine.config.kv_offload),
+             "block_size": int(engine.config.block_size), "model_identity": identity}
+
+    # Not in the OpenAPI schema: it is the router's, not part of the OpenAI API.
+    @app.get(LOAD_PATH, response_model=EngineLoad, include_in_schema=False)
+    async def load() -> JSONResponse:
+        stats = async_engine.stats()
+        return JSONResponse({
+            **fixed,
+            "alive": async_engine.alive,
+            "num_in_flight": async_engine.num_in_flight,
+            "num_running": int(stats.get("num_running", 0)),
+            "num_waiting": int(stats.get("num_waiting", 0)),
+            "num_loading": int(stats.get("num_loading", 0)),
+            "num_requests_finished": int(stats.get("num_requests_finished", 0)),
+            "kv_store": kv_store_state(stats),
+        })

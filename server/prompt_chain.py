@@ -1,0 +1,76 @@
+"""PromptChain: a prompt's block chain as the engine keys it in the store, for the router.
+
+The engine salts its block keys with a namespace (its model identity plus the request's tenant
+salt) and chains an XXH3-128 hash per full block of the prompt; an ident (parent hash + tokens)
+proves each block. The router builds the very same chain from the identity an engine reports on
+``GET /load`` (``server/load_report.py``), with the same functions (``offload.vocab``, i.e.
+``kvstore.keys``), so the daemon's ``locate`` of it answers for the engine's own blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from offload.vocab import ModelIdentity, Namespace, chain_hashes, encode_tokens, ident_from_bytes
+
+# The longest chain the daemon's `locate` takes (kvstore.wire.verbs.MAX_LOCATE_BLOCKS; a test
+# keeps them equal): a million tokens at 16 per block.
+MAX_CHAIN_BLOCKS = 1 << 16
+
+
+@dataclass(frozen=True)
+class KVIdentity:
+    """What an engine's block keys are made from, apart from the tenant: its model identity
+    and block size (engines with equal identities share blocks)."""
+
+    model: ModelIdentity
+    block_size: int
+
+    @classmethod
+    def from_report(cls, model_identity: Mapping[str, Any], block_size: int) -> KVIdentity:
+        """From /load's ``model_identity`` and ``block_size``; ValueError if unusable."""
+        try:
+            model = ModelIdentity(**model_identity)
+        except TypeError as exc:
+            raise ValueError(f"unusable model identity {dict(model_identity)!r}: {exc}") from None
+        if model.block_size != block_size:
+            raise ValueError(f"block size {block_size} differs from the identity's "
+                             f"{model.block_size}")
+        return cls(model, block_size)
+
+    def namespace(self, tenant_salt: str) -> bytes:
+        """The namespace digest of a tenant, as ``LLMEngine.namespace(salt).digest``."""
+        return Namespace(model=self.model, tenant_salt=tenant_salt).digest
+
+
+@dataclass(frozen=True)
+class PromptChain:
+    """The hashes and idents of a prompt's full blocks under one namespace."""
+
+    namespace: bytes
+    hashes: list[bytes]
+    idents: list[bytes]
+    block_size: int
+
+    @classmethod
+    def of(cls, identity: KVIdentity, token_ids: Sequence[int], tenant_salt: str) -> PromptChain:
+        """The chain the engine would look up for this prompt: its full blocks, leaving at
+        least one token to compute (as the engine's prefix cache does), at most
+        MAX_CHAIN_BLOCKS of them."""
+        block_size = identity.block_size
+        num_blocks = min((len(token_ids) - 1) // block_size, MAX_CHAIN_BLOCKS)
+        namespace = identity.namespace(tenant_salt)
+        if num_blocks <= 0:
+            return cls(namespace, [], [], block_size)
+        token_bytes = encode_tokens(token_ids[:num_blocks * block_size])
+        hashes = chain_hashes(namespace, token_bytes, block_size)
+        step = 4 * block_size
+        parents = [namespace, *hashes[:-1]]
+        idents = [ident_from_bytes(parents[j], token_bytes[j * step:(j + 1) * step])
+                  for j in range(num_blocks)]
+        return cls(namespace, hashes, idents, block_size)
+
+    def __len__(self) -> int:
+        return len(self.hashes)

@@ -1,0 +1,115 @@
+"""RequestRouter: a request body in, the engine to send it to out.
+
+For ``--routing kv`` the prompt is rendered and tokenized exactly as the engines do it (the same
+PromptBuilder over the same tokenizer and chat template, the tenant salt from the API key and
+``cache_salt`` as ``server.auth.tenant_salt`` makes it), its block chain built as the engine
+keys it (``server/prompt_chain.py``), and the kvstore daemon asked in one ``locate`` where its
+leading blocks are; the daemon's registrations map to engines by the engine_id each engine
+reports on /load. A body the router cannot read is routed by load: the engine it goes to answers
+it (its 400 passes through unchanged). The router never refuses a request the engines would take.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.auth import tenant_salt
+from server.engine_pool import EnginePool, UpstreamEngine
+from server.errors import APIError
+from server.kv_locator import KVLocator
+from server.prompt_builder import PromptBuilder
+from server.prompt_chain import PromptChain
+from server.protocol import RESERVED_TEMPLATE_NAMES, ChatCompletionRequest, CompletionRequest
+from server.router_metrics import RouterMetrics
+from server.routing import Candidate, Route, RoutingPolicy
+
+CHAT, COMPLETION = "chat", "completion"
+
+
+class RequestRouter:
+    """Routes generation requests (``route``) and everything else (``least_loaded``)."""
+
+    def __init__(self, pool: EnginePool, policy: RoutingPolicy, metrics: RouterMetrics,
+                 locator: KVLocator | None = None, prompts: PromptBuilder | None = None) -> None:
+        if policy.uses_kv and (locator is None or prompts is None):
+            raise ValueError("kv routing needs the daemon (locator) and the prompt builder")
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self.locator = locator
+        self.prompts = prompts
+
+    async def route(self, kind: str, body: bytes, key_salt: str) -> UpstreamEngine | None:
+        """The engine for a generation request (``kind``: CHAT or COMPLETION), counted by
+        reason; None when no engine is ready."""
+        ready = self.pool.ready()
+        if not ready:
+            return None
+        route = await self._choose(ready, kind, body, key_salt)
+        identity = self.pool.identity()
+        self.metrics.routed(route, identity.block_size if identity is not None else 0)
+        return self.pool.engines[route.name]
+
+    def least_loaded(self, exclude: Collection[str] = ()) -> UpstreamEngine | None:
+        """A ready engine not in ``exclude`` with the fewest requests in flight, or None."""
+        ready = [e for e in self.pool.ready() if e.url not in exclude]
+        if not ready:
+            return None
+        return self.pool.engines[self.policy.least_loaded([e.candidate() for e in ready]).name]
+
+    async def _choose(self, ready: list[UpstreamEngine], kind: str, body: bytes,
+                      key_salt: str) -> Route:
+        if not self.policy.uses_kv:
+            return self.policy.choose([e.candidate() for e in ready])
+        identity = self.pool.identity()
+        if identity is None:  # no engine runs with --kv-offload: there is no store to ask
+            return self.policy.choose([e.candidate() for e in ready], None)
+        prompt = await self._prompt(kind, body, key_salt)
+        if prompt is None:
+            return self.policy.choose([e.candidate() for e in ready], 0)
+        token_ids, salt = prompt
+        chain = PromptChain.of(identity, token_ids, salt)
+        if not len(chain):
+            return self.policy.choose([e.candidate() for e in ready], 0)
+        assert self.locator is not None
+        start = time.perf_counter()
+        reply = await self.locator.locate(chain)
+        self.metrics.located(time.perf_counter() - start)
+        if reply is None:
+            return self.policy.choose([e.candidate() for e in ready], None)
+        held: dict[str, int] = {}  # engine URL -> leading blocks in its HBM
+        by_id = self.pool.by_engine_id()
+        for registration in reply.engines:
+            engine = by_id.get(registration.engine_id)
+            if engine is not None and engine.identity == identity:
+                held[engine.url] = max(held.get(engine.url, 0), registration.num_hbm)
+        candidates = [Candidate(e.url, e.load, held.get(e.url, 0)) for e in ready]
+        return self.policy.choose(candidates, reply.num_stored)
+
+    async def _prompt(self, kind: str, body: bytes, key_salt: str) -> tuple[list[int], str] | None:
+        """The first prompt's token ids and its tenant salt, as the engine will see them; None
+        for a body the engine will refuse (or that the router cannot read)."""
+        assert self.prompts is not None
+        try:
+            if kind == CHAT:
+                chat = ChatCompletionRequest.model_validate_json(body)
+                kwargs: dict[str, Any] = chat.chat_template_kwargs or {}
+                if RESERVED_TEMPLATE_NAMES & kwargs.keys():
+                    return None
+                salt = tenant_salt(key_salt, chat.cache_salt)
+                messages = [m.template_fields() for m in chat.messages]
+                return await self.prompts.chat(messages, chat.add_generation_prompt, salt,
+                                               kwargs), salt
+            completion = CompletionRequest.model_validate_json(body)
+            salt = tenant_salt(key_salt, completion.cache_salt)
+            prompt = completion.prompt
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]  # a list of prompts: they all go to one engine
+            (token_ids,) = await self.prompts.completion(prompt, salt)
+            return token_ids, salt
+        except (ValidationError, APIError, ValueError, TypeError, IndexError):
+            return None

@@ -1,0 +1,118 @@
+"""The options of `kvengine router`: the engines, the daemon, routing, and the HTTP front."""
+
+from __future__ import annotations
+
+import argparse
+from urllib.parse import urlsplit
+
+from kvstore.cli_args import (
+    non_negative_int_arg,
+    port_arg,
+    positive_float_arg,
+    positive_int_arg,
+)
+from server.routing import ROUTING_MODES
+from server.serve_args import API_KEY_ENV, LOG_LEVELS, chat_template_text
+from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+
+def _engine_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or \
+            parts.fragment or parts.path not in ("", "/"):
+        raise argparse.ArgumentTypeError(f"expected an engine's base URL such as "
+                                         f"http://127.0.0.1:8001, got {text!r}")
+    return text.rstrip("/")
+
+
+def _milliseconds(text: str) -> float:
+    return positive_float_arg(text) / 1000.0
+
+
+def add_router_arguments(router: argparse.ArgumentParser) -> None:
+    """Every option of `kvengine router`."""
+    router.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the engines' model folder or Hugging Face repo id: its tokenizer "
+                        "and chat template render prompts exactly as the engines do (the hub "
+                        "cache, as `kvengine serve MODEL` finds it); or give --model")
+    router.add_argument("--model", default=None, help="the same as MODEL")
+    router.add_argument("--revision", default=None,
+                        help="hub revision of a repo id, as given to the engines")
+    router.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or repo id, as given to the engines (default: the "
+                        "model's)")
+    router.add_argument("--chat-template", type=chat_template_text, default=None,
+                        help="the chat template file or text the engines were given, if any")
+    router.add_argument("--engine", dest="engines", action="append", type=_engine_url,
+                        required=True, metavar="URL",
+                        help="an engine's base URL (`kvengine serve ... --kv-offload`, one per "
+                        "GPU); repeat for each engine")
+    router.add_argument("--kv-store-socket", default=None, metavar="PATH",
+                        help="the socket of the kvstore daemon the engines share (default: "
+                        "$KVSTORE_SOCKET, else the per-user default)")
+    router.add_argument("--routing", choices=ROUTING_MODES, default="kv",
+                        help="kv: to the engine holding the longest prefix of the prompt in HBM "
+                        "(asking the daemon), ties, misses and DRAM-only prefixes to the least "
+                        "loaded; round-robin: in turn; least-loaded: fewest requests in flight "
+                        "(default: %(default)s)")
+    router.add_argument("--kv-load-slack", type=non_negative_int_arg, default=8, metavar="N",
+                        help="kv: an engine holding the longest prefix is passed over for the "
+                        "least loaded one when it has more than N more requests in flight "
+                        "(default: %(default)s)")
+    router.add_argument("--kv-locate-timeout-ms", dest="kv_locate_timeout_s",
+                        type=_milliseconds, default=0.05, metavar="MS",
+                        help="kv: the longest a request waits for the daemon's answer; past it "
+                        "(or with the daemon down) it goes to the least loaded engine "
+                        "(default: 50)")
+    router.add_argument("--kv-retry-interval", type=positive_float_arg, default=1.0,
+                        metavar="SECONDS",
+                        help="kv: after the daemon failed to answer, route by load for this long "
+                        "before asking it again (default: %(default)s)")
+    router.add_argument("--probe-interval", type=positive_float_arg, default=1.0, metavar="SECONDS",
+                        help="how often each engine's load and readiness are read (GET /load); "
+                        "an engine that is down is tried again as often (default: %(default)s)")
+    router.add_argument("--probe-timeout", type=positive_float_arg, default=1.0, metavar="SECONDS",
+                        help="a probe unanswered this long marks the engine down (default: "
+                        "%(default)s)")
+    router.add_argument("--connect-timeout", type=positive_float_arg, default=2.0,
+                        metavar="SECONDS",
+                        help="connecting to an engine; one that does not accept is skipped for "
+                        "the next (default: %(default)s)")
+    router.add_argument("--upstream-timeout", type=positive_float_arg, default=600.0,
+                        metavar="SECONDS",
+                        help="the longest an engine may stay silent during a request (before "
+                        "its answer, between streamed bytes); past it the client gets a 504 "
+                        "(default: %(default)s)")
+    router.add_argument("--max-upstream-connections", type=positive_int_arg, default=1024,
+                        metavar="N", help="HTTP connections to the engines, all together "
+                        "(default: %(default)s)")
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=port_arg, default=8000,
+                        help="port to listen on; 0 picks a free one")
+    router.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="the keys the engines were given: the router checks them as the "
+                        "engines do, passes them on, and keys each tenant's prefixes as the "
+                        f"engines do (default: ${API_KEY_ENV}, else no key)")
+    router.add_argument("--metrics-key", default=None, metavar="KEY",
+                        help="the operator's key for the router's GET /metrics (default: "
+                        "$KVENGINE_METRICS_KEY; with --api-key and no metrics key /metrics is "
+                        "refused, without --api-key it is open)")
+    router.add_argument("--max-request-body-bytes", type=positive_int_arg,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get a 413, as from the engines (default: "
+                        "%(default)s = 4 MiB; give the engines' value)")
+    router.add_argument("--max-connections", type=positive_int_arg, default=1024,
+                        help="open client connections; more are refused with a 503 at once "
+                        "(default: %(default)s)")
+    router.add_argument("--timeout-keep-alive", type=positive_float_arg, default=5.0,
+                        metavar="SECONDS",
+                        help="close a client connection idle this long (default: %(default)s)")
+    router.add_argument("--request-read-timeout", type=positive_float_arg, default=30.0,
+                        metavar="SECONDS",
+                        help="close a connection whose request is not all there this long after "
+                        "it began, with a 408 (default: %(default)s)")
+    router.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                        help="level of kvengine's own logs and, unless --uvicorn-log-level is "
+                        "given, of uvicorn's (stderr)")
+    router.add_argument("--uvicorn-log-level", default=None, choices=(*LOG_LEVELS, "trace"),
+                        help="level of uvicorn's logs (default: --log-level)")

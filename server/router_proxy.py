@@ -1,0 +1,132 @@
+"""RouterProxy: a request passed to an engine, and the engine's response passed back unchanged.
+
+The request goes out with the client's headers (Authorization included) and body as they came;
+the response comes back with the engine's status, headers and bytes as they arrive (streams
+are not re-framed, errors not rewritten), less the hop-by-hop headers. An engine that cannot be
+reached before it answered (refused, reset, gone) is marked down and the request goes to the
+next least loaded engine; once an engine has answered, its answer is the answer. A client that
+disconnects, while waiting or while reading, cancels the upstream request (the engine aborts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.engine_pool import EnginePool, UpstreamEngine
+from server.errors import error_response
+from server.router_metrics import RouterMetrics
+from server.streaming import ClientGone, EventStreamResponse, until_disconnect
+
+logger = logging.getLogger("kvengine.router")
+
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
+                         b"proxy-authorization", b"te", b"trailer", b"trailers",
+                         b"transfer-encoding", b"upgrade"})
+_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+# uvicorn writes its own date and server headers.
+_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
+# Nothing of the request reached the engine's application, or it died before answering: the
+# request is sent to another engine. A timeout is not one of them (the engine may be working).
+_UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                httpx.ReadError, httpx.WriteError)
+
+
+class PassThroughResponse(EventStreamResponse):
+    """The engine's response, bytes as they arrive; the client's disconnect cancels it."""
+
+    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None],
+                 on_broken: Callable[[BaseException], None]) -> None:
+        super().__init__(_raw_body(upstream, on_broken), on_close, upstream.status_code)
+        self.raw_headers = [(name, value) for name, value in upstream.headers.raw
+                            if name.lower() not in _NOT_RETURNED]
+
+
+async def _raw_body(upstream: httpx.Response,
+                    on_broken: Callable[[BaseException], None]) -> AsyncGenerator[bytes, None]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            if chunk:
+                yield chunk
+    except httpx.TransportError as exc:  # the engine died mid-answer: the client's is cut off
+        on_broken(exc)
+        raise
+
+
+class RouterProxy:
+    """Sends requests to the pool's engines over one pooled HTTP client."""
+
+    def __init__(self, client: httpx.AsyncClient, pool: EnginePool,
+                 metrics: RouterMetrics) -> None:
+        self._client = client
+        self._pool = pool
+        self._metrics = metrics
+
+    async def forward(self, request: Request, body: bytes, engine: UpstreamEngine | None,
+                      next_engine: Callable[[set[str]], UpstreamEngine | None]) -> Response:
+        """Send the request to ``engine``, or on to ``next_engine(tried)`` while engines turn
+        out unreachable; the engine's response, or a 503 when none could take it."""
+        tried: set[str] = set()
+        while engine is not None:
+            tried.add(engine.url)
+            engine.in_flight += 1
+            try:
+                upstream = await until_disconnect(self._send(engine, request, body),
+                                                  request.receive)
+            except ClientGone:
+                engine.in_flight -= 1
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            except _UNREACHABLE as exc:
+                engine.in_flight -= 1
+                self._pool.mark_down(engine, f"{type(exc).__name__}: {exc}")
+                self._metrics.upstream_failed(engine.url)
+                engine = next_engine(tried)
+                if engine is not None:
+                    self._metrics.retried()
+                continue
+            except httpx.TimeoutException as exc:
+                engine.in_flight -= 1
+                self._metrics.upstream_failed(engine.url)
+                return error_response(504, f"engine {engine.url} did not answer in time "
+                                      f"({type(exc).__name__})", code="upstream_timeout")
+            except BaseException:
+                engine.in_flight -= 1
+                raise
+            return PassThroughResponse(upstream, _closer(engine, upstream.aclose),
+                                       lambda exc, e=engine: self._broken(e, exc))
+        self._metrics.unrouted()
+        return error_response(503, "no engine is ready to take the request; retry later",
+                              code="no_engine_ready")
+
+    def _broken(self, engine: UpstreamEngine, exc: BaseException) -> None:
+        self._metrics.upstream_failed(engine.url)
+        if not isinstance(exc, httpx.TimeoutException):
+            self._pool.mark_down(engine, f"answer cut off: {type(exc).__name__}: {exc}")
+
+    async def _send(self, engine: UpstreamEngine, request: Request,
+                    body: bytes) -> httpx.Response:
+        headers = [(name, value) for name, value in request.headers.raw
+                   if name.lower() not in _NOT_FORWARDED]
+        url = engine.url + request.url.path
+        if request.url.query:
+            url += "?" + request.url.query
+        upstream = self._client.build_request(request.method, url, headers=headers,
+                                              content=body)
+        return await self._client.send(upstream, stream=True)
+
+
+def _closer(engine: UpstreamEngine,
+            aclose: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """The response's ``on_close``: the request leaves the engine's count, its connection is
+    closed (or goes back to the pool) whether or not the body was read."""
+
+    def close() -> None:
+        engine.in_flight -= 1
+        asyncio.ensure_future(aclose())
+
+    return close

@@ -1,0 +1,77 @@
+"""build_router: the parts of `kvengine router` made from its options, joined into its app."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+
+from server.engine_pool import EnginePool
+from server.kv_locator import KVLocator
+from server.prompt_builder import PromptBuilder
+from server.prompt_tokenizer import PromptTokenizer
+from server.request_router import RequestRouter
+from server.router_app import RouterSettings, build_router_app
+from server.router_metrics import RouterMetrics
+from server.router_proxy import RouterProxy
+from server.routing import RoutingPolicy
+from server.serve_args import api_keys
+from server.tokenize_pool import TokenizePool
+
+
+def build_router(args: argparse.Namespace, model_dir: Path,
+                 tokenizer_dir: Path | None) -> FastAPI:
+    """The router's app over ``args.engines``; ValueError for options that do not fit."""
+    keys = api_keys(args)
+    metrics_key = args.metrics_key or os.environ.get("KVENGINE_METRICS_KEY") or None
+    if metrics_key is not None and metrics_key in keys:
+        raise ValueError("the metrics key must differ from every API key")
+    policy = RoutingPolicy(args.routing, args.kv_load_slack)
+    prompts = _prompt_builder(args, model_dir, tokenizer_dir) if policy.uses_kv else None
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(args.upstream_timeout, connect=args.connect_timeout),
+        limits=httpx.Limits(max_connections=args.max_upstream_connections,
+                            max_keepalive_connections=args.max_upstream_connections),
+        trust_env=False)  # never through a proxy from the environment
+    probe_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else None
+    pool = EnginePool(args.engines, client, probe_headers, args.probe_interval,
+                      args.probe_timeout)
+    metrics = RouterMetrics(pool)
+    locator = None
+    if policy.uses_kv:
+        locator = KVLocator(args.kv_store_socket, args.kv_locate_timeout_s,
+                            args.kv_retry_interval)
+    router = RequestRouter(pool, policy, metrics, locator, prompts)
+
+    async def shutdown() -> None:
+        await client.aclose()
+        if locator is not None:
+            locator.close()
+        if prompts is not None:
+            prompts.close()
+
+    settings = RouterSettings(api_keys=keys, metrics_key=metrics_key,
+                              max_request_body_bytes=args.max_request_body_bytes)
+    return build_router_app(router, RouterProxy(client, pool, metrics), settings, shutdown)
+
+
+def _prompt_builder(args: argparse.Namespace, model_dir: Path,
+                    tokenizer_dir: Path | None) -> PromptBuilder:
+    """Prompts rendered and tokenized as the engines do: the engine's tokenizer and chat
+    template over the same folders, the server's PromptBuilder (tenant caches, bounded pool)."""
+    from engine.model_config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    folder = tokenizer_dir or model_dir
+    codec = Tokenizer(folder)
+    if args.chat_template is not None:  # as LLMEngine applies --chat-template
+        codec.chat_template = args.chat_template
+    pool = TokenizePool()
+    # The model's context bounds the prompts an engine can take (its max_model_len is at most
+    # this): longer texts are not tokenized here either.
+    max_len = ModelConfig.load(model_dir).max_position_embeddings
+    return PromptBuilder(codec, PromptTokenizer(codec, folder, num_threads=pool.num_workers + 1),
+                         max_len, pool, on_overloaded=lambda: None)
