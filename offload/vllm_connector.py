@@ -245,7 +245,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 rid, cached.num_computed_tokens[i], num_tokens.get(rid, 0),
                 list(new_ids[0]) if new_ids is not None else None,
                 replaces_blocks=rid in resumed))
-        return KVStoreConnectorMetadata(plan=self._scheduler.plan_step(scheduled))
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or set()
+        return KVStoreConnectorMetadata(plan=self._scheduler.plan_step(scheduled, preempted))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Failed blocks first: they belong to loads that are reported finished in the same pass.
@@ -262,8 +263,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.finished(request.request_id)
-        return False, None  # saves never read freed blocks (staged, or waited for)
+        # True: saves were planned for it; its blocks stay vLLM's until the workers report it
+        # in finished_sending (their saves ended: never a step's wait).
+        return self._scheduler.finished(request.request_id), None
 
     # ---------------------------------------------------------------------------- worker side
 
@@ -312,13 +314,25 @@ class KVStoreConnector(KVConnectorBase_V1):
                       **kwargs: Any) -> None:
         pass  # whole blocks are saved after the forward (wait_for_save)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward: requests preempted since the last step lose their blocks to
+        others in this step, so their saves still in flight end first (bounded)."""
+        plan = getattr(kv_connector_metadata, "plan", None)
+        if plan is not None and plan.flush and self._worker is not None:
+            self._worker.flush(plan.flush)
+
     def wait_for_save(self) -> None:
         plan = self._plan()
         if plan is None or not plan.saves or self._worker is None:
             return
+        ready = None
         if self._on_cuda:
-            torch.cuda.current_stream().synchronize()  # the daemon copies on its own stream
-        self._worker.save(plan)
+            # The daemon copies on its own stream: a save goes out once the step's compute
+            # (queued before this event) has written its blocks. Nothing here waits.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            ready = event.query
+        self._worker.save(plan, ready)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
@@ -326,7 +340,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, None
         finished, failed = self._worker.poll()
         self._failed_block_ids |= failed
-        return None, finished or None
+        sending = self._worker.finished_saving(finished_req_ids)
+        return sending or None, finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from offload.core.slots import Slots
@@ -23,6 +24,11 @@ class SaveJob:
     state: SaveState = SaveState.PINNED
     call: Transfer | None = None
     outcomes: list[SaveOutcome] = field(default_factory=list)
+    ready: Callable[[], bool] | None = None
+
+    @property
+    def over(self) -> bool:
+        return self.state in (SaveState.ENDED, SaveState.DROPPED)
 
     @property
     def num_blocks(self) -> int:

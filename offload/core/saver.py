@@ -2,7 +2,8 @@
 
 Both engines save through this class against their ``BlockSite``. ``pin`` takes the blocks
 inside the step (before the engine may free them); ``send_pinned`` puts them on the wire after
-it; ``poll`` ends the saves that were answered (or failed, or timed out), hands the slots back
+it (a job whose blocks are not ready yet, behind the step's compute, waits pinned for a later
+call); ``poll`` ends the saves that were answered (or failed, or timed out), hands the slots back
 and counts every block once: ``blocks_saved``, ``blocks_save_duplicate``, ``blocks_save_failed``,
 ``blocks_save_dropped`` (never sent) or ``blocks_save_skipped_*`` (never pinned).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from offload.connector import OffloadConnector
 from offload.core.block_site import BlockSite
@@ -35,9 +37,10 @@ class Saver:
         self.in_flight: list[SaveJob] = []
 
     def pin(self, namespace: bytes, block_ids: list[int], hashes: list[bytes],
-            idents: list[bytes]) -> SaveJob | None:
-        """Have the site hold ``block_ids`` for a save (sent by ``send_pinned``); None if the
-        store is unavailable or the site has no room (counted, the blocks are not saved)."""
+            idents: list[bytes], ready: Callable[[], bool] | None = None) -> SaveJob | None:
+        """Have the site hold ``block_ids`` for a save (sent by ``send_pinned`` once
+        ``ready``); None if the store is unavailable or the site has no room (counted, the
+        blocks are not saved)."""
         if not len(block_ids) == len(hashes) == len(idents):
             raise ValueError(f"{len(block_ids)} block ids, {len(hashes)} hashes, "
                              f"{len(idents)} idents")
@@ -49,14 +52,18 @@ class Saver:
         if slots is None:
             self.counters["blocks_save_skipped_no_room"] += len(block_ids)
             return None
-        job = SaveJob(namespace, list(hashes), list(idents), slots, epoch)
+        job = SaveJob(namespace, list(hashes), list(idents), slots, epoch, ready=ready)
         self.pinned.append(job)
         return job
 
     def send_pinned(self) -> None:
-        """Send every pinned save (the link's thread writes them; nothing waits here)."""
+        """Send every pinned save that is ready (the link's thread writes them; nothing waits
+        here)."""
         pinned, self.pinned = self.pinned, []
         for job in pinned:
+            if job.ready is not None and not job.ready():
+                self.pinned.append(job)
+                continue
             if not self.link.available:  # gone since: nothing would land
                 self._drop(job)
                 continue
@@ -95,19 +102,25 @@ class Saver:
         self.site.unpin_after_save(job.slots, daemon_done=True)
 
     def wait(self, jobs: list[SaveJob], timeout_s: float) -> list[SaveJob]:
-        """Block until ``jobs`` (sent) ended or ``timeout_s`` passed; a hung store is not
-        waited for. The saves that ended meanwhile (any, not only ``jobs``)."""
+        """Block until ``jobs`` ended (sending those pinned once ready) or ``timeout_s``
+        passed; a hung store is not waited for. The saves that ended meanwhile (any, not only
+        ``jobs``)."""
         deadline = time.monotonic() + timeout_s
         ended = self.poll()
         for job in jobs:
-            while (job.state is SaveState.SENT and self.link.state is not StoreState.HUNG
+            while (not job.over and self.link.state is not StoreState.HUNG
                    and time.monotonic() < deadline):
+                if job.state is SaveState.PINNED:
+                    self.send_pinned()
+                    if job.state is SaveState.PINNED:  # not ready yet: the device is busy
+                        time.sleep(0.0005)
+                        continue
                 assert job.call is not None
                 job.call.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                 ended += self.poll()
         return ended
 
     def wait_idle(self, timeout_s: float) -> list[SaveJob]:
-        """Send what is pinned, then wait (bounded) until no save is in flight."""
+        """Send what is pinned, then wait (bounded) until no save is pinned or in flight."""
         self.send_pinned()
-        return self.wait(list(self.in_flight), timeout_s)
+        return self.wait(self.pinned + self.in_flight, timeout_s)

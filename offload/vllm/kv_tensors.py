@@ -41,6 +41,48 @@ def host_bytes(t: Any, num_bytes: int) -> np.ndarray:
 
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _TORCH_CUDA_MALLOC, _TORCH_EXPANDABLE = ord("c"), ord("e")  # c10's shareable handle types
+_EXPANDABLE_SEGMENTS_FIX = ("vLLM's KV tensors live in torch expandable segments, which the store "
+                            "cannot map by CUDA IPC: run vLLM with "
+                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+
+
+def cuda_ipc_handle(ptr: int) -> tuple[bytes, int]:
+    """(the CUDA IPC handle of the device allocation holding ``ptr``, ``ptr``'s offset in it).
+
+    Public driver API (NVIDIA's ``cuda-bindings``, imported here only on the GPU path): the
+    allocation's base from ``cuMemGetAddressRange``, its handle from ``cuIpcGetMemHandle``, both
+    in the context the memory belongs to (pushed for the two calls, whatever is current on this
+    thread). ValueError for memory legacy CUDA IPC cannot export (torch's expandable segments).
+    """
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise RuntimeError("the connector needs NVIDIA's cuda-bindings for CUDA tensors: pip "
+                           "install cuda-bindings (the project's cuda12 or cuda13 extra)") from exc
+
+    def checked(call: str, result: tuple) -> Any:
+        """The call's outputs (one, or a list of several); RuntimeError if it failed."""
+        error, *outputs = result
+        if error != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{call} for 0x{int(ptr):x} failed with {error!r}")
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    attribute = driver.CUpointer_attribute
+    checked("cuInit", driver.cuInit(0))
+    context = checked("cuPointerGetAttribute", driver.cuPointerGetAttribute(
+        attribute.CU_POINTER_ATTRIBUTE_CONTEXT, int(ptr)))
+    if not checked("cuPointerGetAttribute", driver.cuPointerGetAttribute(
+            attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, int(ptr))):
+        raise ValueError(_EXPANDABLE_SEGMENTS_FIX)
+    checked("cuCtxPushCurrent", driver.cuCtxPushCurrent(context))
+    try:
+        base, _ = checked("cuMemGetAddressRange", driver.cuMemGetAddressRange(int(ptr)))
+        handle = checked("cuIpcGetMemHandle", driver.cuIpcGetMemHandle(base))
+    finally:
+        driver.cuCtxPopCurrent()
+    # The handle's 64 bytes, read where the binding keeps them (no attribute for them in every
+    # cuda-bindings release: 13.4 dropped ``reserved``).
+    return ctypes.string_at(handle.getPtr(), CUDA_IPC_HANDLE_BYTES), int(ptr) - int(base)
 
 
 def raw_ipc_handle(shared: bytes) -> bytes:
@@ -55,9 +97,7 @@ def raw_ipc_handle(shared: bytes) -> bytes:
     if len(shared) >= 2 + CUDA_IPC_HANDLE_BYTES and shared[1] == _TORCH_CUDA_MALLOC:
         return shared[2:2 + CUDA_IPC_HANDLE_BYTES]
     if len(shared) >= 2 and shared[1] == _TORCH_EXPANDABLE:
-        raise ValueError("vLLM's KV tensors live in torch expandable segments, which the store "
-                         "cannot map by CUDA IPC: run vLLM with "
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+        raise ValueError(_EXPANDABLE_SEGMENTS_FIX)
     raise ValueError(f"unrecognised torch CUDA IPC handle ({len(shared)} bytes)")
 
 
@@ -66,8 +106,9 @@ def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, nu
     """The mover for these layers (in this order, which is the order of a block's bytes).
 
     GPU: each layer's regions name the CUDA IPC handle of the allocation its storage lives in
-    (``_share_cuda_`` gives the handle and the storage's offset inside that allocation). CPU:
-    byte views of each layer's memory and a ``num_slots``-block staging buffer.
+    and the storage's offset inside it (``cuda_ipc_handle``; one handle per allocation, however
+    many layers share it). CPU: byte views of each layer's memory and a ``num_slots``-block
+    staging buffer.
     """
     if not tensors or len(names) != len(tensors):
         raise ValueError("one name per KV tensor, at least one tensor")
@@ -77,12 +118,13 @@ def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, nu
     dtype = str(tensors[0].dtype).removeprefix("torch.")
     tensors = [_group_kernel_blocks(t, num_blocks) for t in tensors]
     specs, handles, sizes = [], [], []
+    handle_of: dict[int, bytes] = {}  # allocation base -> its handle, asked once
     for name, t in zip(names, tensors):
         storage = t.untyped_storage()
         start = int(t.storage_offset()) * int(t.element_size())
         if on_cuda:
-            shared = storage._share_cuda_()
-            handle, alloc_offset = raw_ipc_handle(bytes(shared[1])), int(shared[3])
+            handle, alloc_offset = cuda_ipc_handle(int(storage.data_ptr()))
+            handle = handle_of.setdefault(int(storage.data_ptr()) - alloc_offset, handle)
             size = alloc_offset + int(storage.nbytes())
             specs.append(_spec(name, t, num_blocks, alloc_offset + start, size))
             handles.append(handle)

@@ -42,11 +42,14 @@ class BlockTransfer:
 
 @dataclass
 class StepPlan:
-    """One step's work for the worker: async loads to start, computed blocks to save."""
+    """One step's work for the worker: async loads to start, computed blocks to save, and
+    requests whose saves must end before the step's forward (``flush``: preempted, so vLLM may
+    hand their blocks to another request in this very step)."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    flush: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.flush

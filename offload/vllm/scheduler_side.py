@@ -5,7 +5,11 @@
 request's blocks past vLLM's own prefix hit the store holds; the worker takes the lease when it
 loads (a lease belongs to the connection that took it). ``after_alloc`` turns a hit into a load of
 the blocks vLLM reserved; ``plan_step`` adds the full blocks each scheduled request completes this
-step as saves. Loads in flight are budgeted (``max_load_blocks``, the worker's staging room).
+step as saves; the worker sends them without waiting, so a request with saves planned keeps its
+blocks after it finished (``finished`` says so, and the worker reports it in
+``finished_sending`` once its saves ended), and a preempted one has them flushed before the
+next forward (``StepPlan.flush``). Loads in flight are budgeted (``max_load_blocks``, the
+worker's staging room).
 Under tensor parallelism each rank keeps its shard of a block under its own namespace
 (``shard_namespace``); this side asks about every shard at once (one deadline) and reports the
 shortest hit, so every shard is touched (kept from eviction alike) and, in a cluster, fetched
@@ -86,6 +90,8 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._loads_to_send: list[BlockTransfer] = []
         self._load_blocks_in_flight = 0
+        # Requests with saves planned: the worker holds their blocks until the saves ended.
+        self._saving: set[str] = set()
 
     # -------------------------------------------------------------------------------- lookups
 
@@ -176,10 +182,13 @@ class SchedulerSide:
 
     # -------------------------------------------------------------------------------- steps
 
-    def plan_step(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        """This step's loads (planned since the last step) and saves (full blocks completed;
-        none for an instance that does not save, a ``kv_consumer``)."""
-        plan = StepPlan(loads=self._loads_to_send)
+    def plan_step(self, scheduled: list[ScheduledRequest],
+                  preempted: Sequence[str] | set[str] = ()) -> StepPlan:
+        """This step's loads (planned since the last step), saves (full blocks completed;
+        none for an instance that does not save, a ``kv_consumer``) and flushes (requests
+        ``preempted`` since the last step whose saves may still read their freed blocks)."""
+        plan = StepPlan(loads=self._loads_to_send,
+                        flush=sorted(rid for rid in preempted if rid in self._saving))
         self._loads_to_send = []
         bs = self.block_size
         for s in scheduled:
@@ -205,6 +214,7 @@ class SchedulerSide:
             save = BlockTransfer(s.request_id, tracked.block_ids[start:full], keys.namespace,
                                  keys.hashes[start:full], keys.idents[start:full])
             plan.saves.append(save)  # the worker cuts it to its mover's request size
+            self._saving.add(s.request_id)
             tracked.num_stored_blocks = full
             self.counters["blocks_save_planned"] += full - start
         return plan
@@ -234,11 +244,19 @@ class SchedulerSide:
                     tracked.load_ok_blocks = i
                     break
 
-    def finished(self, request_id: str) -> None:
-        """The request is done; a load still in flight keeps its budget until it reports."""
+    def finished(self, request_id: str) -> bool:
+        """The request is done; a load still in flight keeps its budget until it reports.
+        True if saves were planned for it: vLLM keeps its blocks until the worker reports it
+        in ``finished_sending`` (the worker follows the same plans, so it reports exactly
+        these)."""
         tracked = self._requests.pop(request_id, None)
         if tracked is not None and tracked.load_blocks:
             self._load_blocks_in_flight -= tracked.load_blocks
+        if request_id in self._saving:
+            self._saving.discard(request_id)
+            self.counters["requests_held_for_saves"] += 1
+            return True
+        return False
 
     @property
     def num_tracked(self) -> int:

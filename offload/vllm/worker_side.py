@@ -7,9 +7,12 @@ engine's ``BlockSite``), advanced by ``poll``, which vLLM calls every step, even
 forward. vLLM's scheduler decided each load when it planned it, so every hit is loaded
 (``Always``). Whatever does not arrive (a shorter hit, a short load, an error, a deadline, a hung
 or lost daemon) is reported as failed vLLM block ids, and vLLM recomputes them; the request is
-reported finished either way. Saves go through the core's ``Saver``: staged ones are copied out
-at once and sent without waiting; direct ones (the daemon reads vLLM's blocks) are waited for,
-bounded, before vLLM may reuse the blocks. Under tensor parallelism every rank has its own
+reported finished either way. Saves go through the core's ``Saver`` and never hold up a step:
+staged ones are copied out at once and sent; direct ones (the daemon reads vLLM's blocks) are
+sent once the step's compute wrote the blocks (``ready``, an event). A request with saves keeps
+its blocks (the scheduler side's ``finished`` returned True) until ``finished_saving`` reports it,
+once its saves ended; a preempted one's saves are flushed (waited for, bounded) before the next
+forward may reuse its blocks. Under tensor parallelism every rank has its own
 worker side, registration and shard namespace (``shard_namespace`` of the plan's): a rank loads
 only its own shard, and what it misses is reported failed like any short load.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvstore.keys import shard_namespace
@@ -25,6 +29,7 @@ from offload.connector import OffloadConnector
 from offload.core.decider import Always
 from offload.core.restore_job import RestoreJob
 from offload.core.restorer import Restorer, RestoreSettings
+from offload.core.save_job import SaveJob
 from offload.core.saver import Saver
 from offload.vllm.block_mover import BlockMover
 from offload.vllm.plan import BlockTransfer, StepPlan
@@ -65,6 +70,9 @@ class WorkerSide:
         self.saver = Saver(self.store, mover, self.counters, save_timeout_s)
         self._finished: set[str] = set()
         self._failed_block_ids: set[int] = set()
+        self._save_jobs: dict[str, list[SaveJob]] = {}  # by request: pinned or in flight
+        self._saving: set[str] = set()  # requests with saves planned (the scheduler's rule)
+        self._finishing: set[str] = set()  # finished requests whose saves are still going
 
     def ready(self) -> bool:
         """Registered and answering (not connected: a reconnect is asked for, off this
@@ -97,7 +105,7 @@ class WorkerSide:
         self.store.keep_connected()
         for job in self.restorer.poll():
             self._report(job)
-        self.saver.poll()
+        self._end_saves()
         finished, self._finished = self._finished, set()
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return finished, failed
@@ -112,21 +120,50 @@ class WorkerSide:
 
     # ---------------------------------------------------------------------------------- saves
 
-    def save(self, plan: StepPlan) -> None:
-        """Write-through: send every planned save (after the forward computed the blocks), in
-        requests of at most the mover's ``max_save_blocks``."""
+    def save(self, plan: StepPlan, ready: Callable[[], bool] | None = None) -> None:
+        """Write-through: pin every planned save (the forward computed the blocks, or will
+        have once ``ready``), in requests of at most the mover's ``max_save_blocks``, and send
+        those that are ready. Never waits."""
         most = self.mover.max_save_blocks
-        for t in (piece for save in plan.saves for piece in save.chunks(most)):
-            self.saver.pin(self._namespace(t.namespace), t.block_ids, t.hashes, t.idents)
-        sent = list(self.saver.pinned)
+        for save in plan.saves:
+            self._saving.add(save.request_id)
+            for t in save.chunks(most):
+                job = self.saver.pin(self._namespace(t.namespace), t.block_ids, t.hashes,
+                                     t.idents, ready)
+                if job is not None:
+                    self._save_jobs.setdefault(t.request_id, []).append(job)
         self.saver.send_pinned()
-        if self.mover.saves_read_engine_blocks:
-            self.saver.wait(sent, self.save_timeout_s)  # a miss drops the connection
+        self._end_saves()
+
+    def flush(self, request_ids: Iterable[str]) -> None:
+        """Wait (bounded by the save deadline) until these requests' saves ended: vLLM is
+        about to hand their blocks to others."""
+        jobs = [job for rid in request_ids for job in self._save_jobs.get(rid, ())]
+        if jobs:
+            self.counters["save_flushes"] += 1
+            self.saver.wait(jobs, self.save_timeout_s)  # a miss drops the connection
+            self._end_saves()
+
+    def finished_saving(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Of the requests that finished (now or before), those whose saves all ended: vLLM
+        may free their blocks (``finished_sending``)."""
+        self._finishing.update(rid for rid in finished_req_ids if rid in self._saving)
+        self._end_saves()
+        done = {rid for rid in self._finishing if rid not in self._save_jobs}
+        self._finishing -= done
+        self._saving -= done
+        return done
+
+    def _end_saves(self) -> None:
+        """Send the saves that became ready, account the ended ones, forget them."""
+        self.saver.send_pinned()
         self.saver.poll()
+        for rid in [rid for rid, jobs in self._save_jobs.items() if all(j.over for j in jobs)]:
+            del self._save_jobs[rid]
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.restorer.jobs) + len(self.saver.in_flight)
+        return len(self.restorer.jobs) + len(self.saver.pinned) + len(self.saver.in_flight)
 
     def drain(self, timeout_s: float) -> None:
         """Wait (bounded) for everything in flight: tests and shutdown."""

@@ -4,6 +4,7 @@ vLLM's CPU backend, saved by one "instance" and loaded by another through the st
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -389,3 +390,48 @@ def test_a_killed_daemon_means_recompute_until_a_new_one_is_up(daemon, tmp_path)
         assert all(b.block(i) == a.block(i) for i in ids[:10])
     finally:
         fresh.stop()
+
+
+def _plan_saves(instance: Instance, rid: str, tokens: list[int], ids: list[int]):
+    instance.scheduler.match(rid, tokens, 0, None, None)
+    instance.scheduler.after_alloc(rid, ids, 0)
+    return instance.scheduler.plan_step([ScheduledRequest(rid, 0, len(tokens), None)])
+
+
+def test_a_request_with_saves_keeps_its_blocks_until_they_ended(daemon) -> None:
+    """Saves never hold up a step: one whose blocks are not written yet (the step's compute,
+    behind an event on a GPU) waits pinned, and the finished request's blocks stay vLLM's
+    until the worker reports it in finished_sending."""
+    a = make_instance(daemon.socket_path, 9)
+    tokens, ids = prompt(9), list(range(11))
+    computed = threading.Event()
+    start = time.monotonic()
+    a.worker.save(_plan_saves(a, "r", tokens, ids), ready=computed.is_set)
+    assert time.monotonic() - start < 0.5  # nothing waited for
+    assert a.scheduler.finished("r") is True  # vLLM keeps r's blocks for now
+    assert a.worker.finished_saving({"r"}) == set()
+    time.sleep(0.2)
+    a.worker.poll()
+    assert a.worker.counters["saves"] == 0  # not sent before its blocks are written
+    computed.set()
+    assert wait_until(lambda: "r" in a.worker.finished_saving(()), 5.0)
+    assert a.worker.counters["blocks_saved"] == 10
+    assert a.worker.finished_saving(()) == set()  # reported once
+    # A request that planned no save is freed at once, and never reported.
+    a.scheduler.match("quiet", prompt(10), 0, None, None)
+    assert a.scheduler.finished("quiet") is False
+    assert a.worker.finished_saving({"quiet"}) == set()
+
+
+def test_a_preempted_requests_saves_end_before_the_next_forward(daemon) -> None:
+    a = make_instance(daemon.socket_path, 11)
+    computed = threading.Event()
+    a.worker.save(_plan_saves(a, "r", prompt(11), list(range(11))), ready=computed.is_set)
+    plan = a.scheduler.plan_step([], preempted={"r", "never-saved"})
+    assert plan.flush == ["r"]
+    threading.Timer(0.3, computed.set).start()
+    start = time.monotonic()
+    a.worker.flush(plan.flush)  # vLLM may give r's blocks to another request after this
+    assert time.monotonic() - start >= 0.25
+    assert a.worker.counters["blocks_saved"] == 10 and a.worker.counters["save_flushes"] == 1
+    assert a.worker.num_in_flight == 0

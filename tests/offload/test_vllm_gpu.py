@@ -75,7 +75,9 @@ def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool) 
         b_ids = random.Random(2).sample(range(NUM_BLOCKS), num_blocks + 1)
         a_sched.match("r", tokens, 0, None, None)
         a_sched.after_alloc("r", a_ids, 0)
+        torch.cuda.synchronize()  # the blocks are written before the daemon reads them
         a_worker.save(a_sched.plan_step([ScheduledRequest("r", 0, len(tokens), None)]))
+        a_worker.drain(30.0)  # saves are never waited for by save() itself
         assert a_worker.counters["blocks_saved"] == num_blocks, a_worker.counters
 
         n = b_sched.match("r", tokens, 0, None, None)
