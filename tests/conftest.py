@@ -1,12 +1,34 @@
 """Shared pytest setup: skip `gpu` tests without CUDA, `cluster` tests without their parts,
-`vllm` tests without vLLM; the tiny model every folder's tests load."""
+`vllm` tests without vLLM; the tiny model every folder's tests load, stores closed after
+each test."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+
+@pytest.fixture
+def make_store() -> Iterator[Callable[..., Any]]:
+    """TieredStores from StoreConfig fields (``file_ops``: the SSD tier's), closed after the
+    test."""
+    from kvstore.store.ssd.files import OS_FILE_OPS
+    from kvstore.store.tiered import StoreConfig, TieredStore
+
+    stores: list[TieredStore] = []
+
+    def make(file_ops=OS_FILE_OPS, **kwargs) -> TieredStore:
+        store = TieredStore(StoreConfig(**kwargs), ssd_file_ops=file_ops)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Fixtures for kvstore's tests: stores closed after each test, one shared real daemon, a
-factory for dedicated ones, and engines' shared-memory arenas closed after each test."""
+"""Fixtures for kvstore's tests: one shared real daemon, a factory for dedicated ones, and
+engines' shared-memory arenas closed after each test."""
 
 from __future__ import annotations
 
@@ -9,22 +9,6 @@ from pathlib import Path
 import pytest
 from daemon_helpers import RunningDaemon, daemon_factory, start_daemon
 from support.arena import ShmArena
-
-from kvstore.store.tiered import StoreConfig, TieredStore
-
-
-@pytest.fixture
-def make_store() -> Iterator[Callable[..., TieredStore]]:
-    stores: list[TieredStore] = []
-
-    def make(**kwargs) -> TieredStore:
-        store = TieredStore(StoreConfig(**kwargs))
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
 
 
 @pytest.fixture

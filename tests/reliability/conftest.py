@@ -1,4 +1,4 @@
-"""Fixtures for the reliability tests: stores, real daemons and guarded arenas, all cleaned up."""
+"""Fixtures for the reliability tests: real daemons and guarded arenas, all cleaned up."""
 
 from __future__ import annotations
 
@@ -11,26 +11,8 @@ from daemon_helpers import RunningDaemon, daemon_factory
 from reliability_helpers import guarded_arena
 from support.arena import ShmArena
 
-from kvstore.store.ssd.files import OS_FILE_OPS, FileOps
-from kvstore.store.tiered import StoreConfig, TieredStore
-
 # schemathesis comes with the `test` extra (CI has it); the GPU machine runs `-m gpu` without it.
 collect_ignore = [] if importlib.util.find_spec("schemathesis") else ["test_http_schema.py"]
-
-
-@pytest.fixture
-def make_store() -> Iterator[Callable[..., TieredStore]]:
-    """TieredStores (``file_ops`` goes to the SSD tier), closed after the test."""
-    stores: list[TieredStore] = []
-
-    def make(file_ops: FileOps = OS_FILE_OPS, **kwargs) -> TieredStore:
-        store = TieredStore(StoreConfig(**kwargs), ssd_file_ops=file_ops)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
 
 
 @pytest.fixture
