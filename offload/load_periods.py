@@ -24,11 +24,10 @@ class LoadBusyPeriods:
     """Bandwidth samples of one engine's loads: the bytes landed by the loads of a busy period
     over the union of their lifetimes (start to reply), under the tier most bytes came from.
 
-    Loads of one engine share the bus and the daemon may interleave their chunks, so a load's
-    own latency reads too slow when it queued behind others, and its time since the previous
-    landing reads absurdly fast when their chunks interleaved (an H100 run measured 11.7 TB/s
-    that way); the union of the lifetimes is the time the bus was theirs, and gaps between
-    loads count for none. A period closes when no load is in flight, or once
+    Loads of one engine share the bus and the daemon may interleave their chunks, so neither a
+    load's own latency (queued behind others) nor its time since the previous landing
+    (interleaved) is the bus's figure (docs/measurements.md, "Restore policy"); the union of
+    the lifetimes is the time the bus was theirs, and gaps between loads count for none. A period closes when no load is in flight, or once
     ``MAX_LOADS_PER_SAMPLE`` of its loads ended. A load that landed nothing (failed, timed out,
     given up, or answered with no block) adds neither bytes nor time.
     """

@@ -12,23 +12,11 @@ step that starts after its blocks landed. So a restore wins when
 used (priors lean towards restoring, since a restore that turns out slow is what measures it).
 
 A load sample is the bytes a busy period of the engine's loads landed over the union of their
-lifetimes (``load_periods.LoadBusyPeriods``): loads of one engine share the bus and the daemon
-may interleave their chunks, so neither a load's own latency (queued behind others: too slow)
-nor its time since the previous landing (interleaved: an H100 run read 11.7 TB/s that way) is
-the bus's figure.
-Recomputing is never estimated below the per-token cost of the large prefill steps measured
-(``_BULK_PREFILL_TOKENS`` or more: chunks of long cold prompts, whose attention spans deep
-contexts like the prefix a restore would replace); the line's slope alone, drawn through short
-restored remainders and long chunks alike, can come out far lower. That cost is the median of the
-last ``_BULK_SAMPLES`` such steps: large steps can be rare (agent loops), and one slow outlier (a
-1.9 s step seen on an H100) must not hold the estimate for the rest of the run.
-
-When busy, recomputing is charged twice its own time: its prefill takes GPU time from the requests
-running beside it (at least one), while a load takes bus time and leaves the GPU to them; and the
-recompute's estimate includes none of the sharing of the step budget with other prefills. On an
-H100 long-context run (15 users, ~19k-token histories) the uncharged rule declined 6 of 40 DRAM
-restores whose recompute then took 0.5-2.4 s where restores took ~90 ms
-(benchmarks/results/multiturn-long-context-*-110s-*).
+lifetimes (``load_periods.LoadBusyPeriods``). Recomputing is never estimated below the median
+per-token cost of the last ``_BULK_SAMPLES`` large prefill steps (``_BULK_PREFILL_TOKENS`` or
+more), and when busy a recompute is charged ``BUSY_RECOMPUTE_FACTOR`` times its own time (it
+takes GPU time from the requests beside it; a load takes only bus time). The runs that set
+these rules: docs/measurements.md, "Restore policy".
 """
 
 from __future__ import annotations
