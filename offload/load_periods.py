@@ -27,9 +27,10 @@ class LoadBusyPeriods:
     Loads of one engine share the bus and the daemon may interleave their chunks, so neither a
     load's own latency (queued behind others) nor its time since the previous landing
     (interleaved) is the bus's figure (docs/measurements.md, "Restore policy"); the union of
-    the lifetimes is the time the bus was theirs, and gaps between loads count for none. A period closes when no load is in flight, or once
-    ``MAX_LOADS_PER_SAMPLE`` of its loads ended. A load that landed nothing (failed, timed out,
-    given up, or answered with no block) adds neither bytes nor time.
+    the lifetimes is the time the bus was theirs, and gaps between loads count for none. A period
+    closes when no load is in flight, or once ``MAX_LOADS_PER_SAMPLE`` of its loads ended. A
+    load that landed nothing (failed, timed out, given up, or answered with no block) adds
+    neither bytes nor time.
     """
 
     def __init__(self) -> None:
