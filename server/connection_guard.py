@@ -16,6 +16,9 @@ uvicorn's h11 connections (composition: the h11 protocol does the HTTP) and
 Events are logged at most once per interval per kind, also asyncio's own "socket.accept() out of
 system resource" (which it logs with a traceback for every failed accept of a burst, and then
 retries: megabytes of log a second once descriptors run out).
+
+uvicorn's `H11Protocol` is not its public API: pyproject.toml pins uvicorn below its next minor
+release, and tests/server/test_uvicorn_h11_shape.py names what changed if a newer one moves it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """An engine's device buffer as the daemon sees it: opened from its CUDA IPC handle.
 
 A mapping's size is the driver's, not the engine's word: ``CudaIpcMapping`` asks
-``cuMemGetAddressRange`` how large the opened allocation really is, and the registry refuses a
-layout that claims more. ``can_access_peer`` says whether one device reads another's memory
-directly (the HBM tier's device-to-device copies).
+``cuMemGetAddressRange`` (NVIDIA's ``cuda-bindings``, imported only once a GPU engine registers)
+how large the opened allocation really is, and the registry refuses a layout that claims more.
+``can_access_peer`` says whether one device reads another's memory directly (the HBM tier's
+device-to-device copies).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -30,35 +29,31 @@ def cuda_available() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _libcuda() -> ctypes.CDLL:
-    """The CUDA driver library (CuPy links it, so it is loaded already wherever CUDA runs)."""
-    name = "libcuda.so.1"
+def _driver():
+    """``cuda.bindings.driver``, initialised (cuInit is per process and idempotent; CuPy has
+    usually called it already)."""
     try:
-        lib = ctypes.CDLL(name)
-    except OSError:
-        found = ctypes.util.find_library("cuda")
-        if found is None:
-            raise
-        lib = ctypes.CDLL(found)
-    fn = lib.cuMemGetAddressRange_v2  # what cuda.h's cuMemGetAddressRange names since CUDA 3.2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                   ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    return lib
+        from cuda.bindings import driver  # imported lazily: the CPU daemon never needs it
+    except ImportError as exc:
+        raise RuntimeError("CUDA registrations need NVIDIA's cuda-bindings: install the "
+                           "project's cuda12 or cuda13 extra (pip install cuda-bindings)") from exc
+    (result,) = driver.cuInit(0)
+    if result != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuInit failed with {result!r}")
+    return driver
 
 
 def allocation_range(ptr: int) -> tuple[int, int]:
     """(base address, size in bytes) of the device allocation that holds ``ptr``.
 
     Call with the pointer's device current (a CUDA context must be). RuntimeError with the
-    driver's error code if the driver does not know the address.
+    driver's error if the driver does not know the address.
     """
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    result = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                ctypes.c_uint64(int(ptr)))
-    if result != 0:
-        raise RuntimeError(f"cuMemGetAddressRange(0x{int(ptr):x}) failed with CUresult {result}")
-    return int(base.value), int(size.value)
+    driver = _driver()
+    result, base, size = driver.cuMemGetAddressRange(int(ptr))
+    if result != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemGetAddressRange(0x{int(ptr):x}) failed with {result!r}")
+    return int(base), int(size)
 
 
 @functools.lru_cache(maxsize=256)

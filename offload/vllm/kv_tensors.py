@@ -91,6 +91,8 @@ def raw_ipc_handle(shared: bytes) -> bytes:
     Older torch gives the 64 raw bytes; newer torch writes a version byte, a type byte and then
     the payload: for a plain ``cudaMalloc`` block (type ``c``) the payload is the raw handle.
     Expandable segments (type ``e``) are not one CUDA IPC allocation: refused, with the fix.
+    ``make_mover`` no longer reads torch's private handle (``cuda_ipc_handle`` asks the driver);
+    this stays only until its test in tests/offload/test_vllm_layout.py goes with it.
     """
     if len(shared) == CUDA_IPC_HANDLE_BYTES:
         return shared
