@@ -303,8 +303,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         return meta.plan if isinstance(meta, KVStoreConnectorMetadata) else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        self._worker.pump_saves()  # the last step's saves go out beside this forward
         plan = self._plan()
-        if plan is not None and plan.loads and self._worker is not None:
+        if plan is not None and plan.loads:
             self._worker.start(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -154,6 +154,11 @@ class WorkerSide:
         self._saving -= done
         return done
 
+    def pump_saves(self) -> None:
+        """Send the saves that became ready since (the last step's, once its compute is done):
+        vLLM's worker calls this before each forward, so the daemon copies them beside it."""
+        self._end_saves()
+
     def _end_saves(self) -> None:
         """Send the saves that became ready, account the ended ones, forget them."""
         self.saver.send_pinned()

@@ -1,0 +1,163 @@
+"""A vLLM-shaped prefill step with the connector's saves on against off, in one run (issue 29).
+
+Each step does what a vLLM worker does for one 2,048-token chunk of a Qwen3-4B-shaped model:
+the chunk's GEMMs on torch (36 layers of QKV, output, gate/up and down projections, bf16, one
+layer's weights reused) and its KV written into ``--layers`` vLLM flash-layout tensors
+(``[2, num_blocks, 16, 8, 128]``, 128 fresh blocks a step), then the connector's worker calls in
+vLLM's order: ``pump_saves`` (``start_load_kv``, before the forward), the forward, ``save`` with
+an event recorded behind the forward (``wait_for_save``), ``poll`` and ``finished_saving``
+(``get_finished``); the step ends when the host has the step's result (a synchronize, as vLLM
+reads its sampled tokens). "off" runs the same steps without the connector. The saves are real:
+a ``kvstore serve`` copies each step's ~300 MB of blocks over CUDA IPC into its DRAM while the
+next steps compute. Reported: step time p50 and mean, on against off (off measured before and
+after on, to see drift), and how many blocks the store saved.
+
+    python -m benchmarks.vllm_step [--steps 30] [--warmup 5] [--tokens 2048] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+
+import numpy as np
+
+from benchmarks.common import command, now_iso, today, write_result
+from benchmarks.vllm_process import start_store, stop_store
+from offload.vllm.block_keys import KeyMaker, VllmModelFacts
+from offload.vllm.kv_tensors import make_mover
+from offload.vllm.plan import BlockTransfer, StepPlan
+from offload.vllm.worker_side import WorkerSide
+
+HIDDEN, INTERMEDIATE, Q_DIM, KV_DIM = 2560, 9728, 4096, 1024  # Qwen3-4B
+
+
+class Step:
+    """One chunk's compute and KV writes on the GPU (torch), without the connector."""
+
+    def __init__(self, torch, tokens: int, layers: int, kv: list, block_size: int) -> None:
+        dev, bf16 = "cuda", torch.bfloat16
+        self.torch = torch
+        self.x = torch.randn(tokens, HIDDEN, device=dev, dtype=bf16)
+        self.w_qkv = torch.randn(HIDDEN, Q_DIM + 2 * KV_DIM, device=dev, dtype=bf16) * 0.02
+        self.w_o = torch.randn(Q_DIM, HIDDEN, device=dev, dtype=bf16) * 0.02
+        self.w_up = torch.randn(HIDDEN, 2 * INTERMEDIATE, device=dev, dtype=bf16) * 0.02
+        self.w_down = torch.randn(INTERMEDIATE, HIDDEN, device=dev, dtype=bf16) * 0.02
+        self.layers = layers
+        self.kv = kv
+        self.block_size = block_size
+        self.num_blocks = tokens // block_size
+        heads = kv[0].shape[3]
+        self.new_kv = torch.randn(2, self.num_blocks, block_size, heads, KV_DIM // heads,
+                                  device=dev, dtype=bf16)
+
+    def run(self, block_ids: list[int]) -> None:
+        torch = self.torch
+        ids = torch.tensor(block_ids, device="cuda")
+        h = self.x
+        for layer in range(self.layers):
+            qkv = h @ self.w_qkv
+            h = h + qkv[:, :Q_DIM] @ self.w_o
+            up = h @ self.w_up
+            gated = torch.nn.functional.silu(up[:, :INTERMEDIATE]) * up[:, INTERMEDIATE:]
+            h = h + gated @ self.w_down
+            self.kv[layer].index_copy_(1, ids, self.new_kv)
+
+
+def _timed(torch, step: Step, pick, worker: WorkerSide | None, plan_for, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        ids = pick(i)
+        t0 = time.perf_counter()
+        if worker is not None:
+            worker.pump_saves()  # start_load_kv
+        step.run(ids)
+        if worker is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            worker.save(plan_for(i, ids), event.query)  # wait_for_save
+            worker.poll()  # get_finished
+            worker.finished_saving(())
+        torch.cuda.synchronize()  # the step's sampled tokens reach the host
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    import torch
+
+    bs, heads, head_dim = 16, 8, 128
+    per_step = args.tokens // bs
+    num_blocks = per_step * 4  # steps cycle through four sets of blocks
+    kv = [torch.zeros(2, num_blocks, bs, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+          for _ in range(args.layers)]
+    step = Step(torch, args.tokens, args.layers, kv, bs)
+    torch.cuda.synchronize()
+    block_bytes = args.layers * 2 * bs * heads * head_dim * 2
+    facts = VllmModelFacts("Qwen3ForCausalLM", args.layers, heads, head_dim, "bfloat16", bs,
+                           "bench-step", "cuda:bench")
+    keys = KeyMaker(facts)
+
+    def pick(i: int) -> list[int]:
+        base = (i % 4) * per_step
+        return random.Random(i).sample(range(base, base + per_step), per_step)
+
+    def plan_for(i: int, ids: list[int]) -> StepPlan:
+        rng = random.Random(10_000 + i)
+        k = keys.keys([rng.randrange(10, 150_000) for _ in range(per_step * bs)])
+        return StepPlan(saves=[BlockTransfer(f"r{i}", ids, k.namespace, k.hashes, k.idents)])
+
+    total = args.warmup + args.steps
+    _timed(torch, step, pick, None, plan_for, args.warmup)
+    off_before = _timed(torch, step, pick, None, plan_for, args.steps)
+    dram = int(block_bytes * per_step * total * 1.1) + (1 << 30)
+    proc, socket_path = start_store(str(dram))
+    try:
+        mover = make_mover([f"l{i}" for i in range(args.layers)], kv, num_blocks, 1, {})
+        worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
+                            retry_interval_s=1.0)
+        if not worker.connect(wait_s=60.0):
+            raise RuntimeError("could not register the CUDA tensors with the daemon")
+        _timed(torch, step, pick, worker, plan_for, args.warmup)
+        on = _timed(torch, step, pick, worker, plan_for, args.steps)
+        worker.drain(120.0)
+        saved = worker.counters["blocks_saved"]
+        failed = worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
+        worker.close()
+    finally:
+        stop_store(proc, socket_path)
+    off_after = _timed(torch, step, pick, None, plan_for, args.steps)
+    off = off_before + off_after
+
+    def stats(xs: list[float]) -> dict:
+        return {"p50_ms": float(np.median(xs)) * 1e3, "mean_ms": float(np.mean(xs)) * 1e3}
+
+    result = {"benchmark": "vllm_step", "date": now_iso(), "device": torch.cuda.get_device_name(),
+              "host": platform.node(), "tokens_per_step": args.tokens, "layers": args.layers,
+              "blocks_per_step": per_step, "bytes_saved_per_step": per_step * block_bytes,
+              "steps": args.steps, "off": stats(off), "off_before": stats(off_before),
+              "off_after": stats(off_after), "on": stats(on), "blocks_saved": saved,
+              "blocks_expected": per_step * total, "blocks_failed": failed,
+              "command": command("python -m benchmarks.vllm_step", argv)}
+    result["on_vs_off_p50"] = result["on"]["p50_ms"] / result["off"]["p50_ms"]
+    result["on_vs_off_mean"] = result["on"]["mean_ms"] / result["off"]["mean_ms"]
+    print(f"step p50 off {result['off']['p50_ms']:.2f} ms (before {stats(off_before)['p50_ms']:.2f}"
+          f", after {stats(off_after)['p50_ms']:.2f}), on {result['on']['p50_ms']:.2f} ms: "
+          f"{result['on_vs_off_p50']:.3f}x; mean {result['on_vs_off_mean']:.3f}x; saved "
+          f"{saved}/{per_step * total} blocks ({failed} failed)", flush=True)
+    tag = "h100" if "H100" in result["device"] else "h200" if "H200" in result["device"] else "gpu"
+    print(f"wrote {write_result(args.out, f'vllm_step-{tag}-{today()}.json', result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
