@@ -88,7 +88,7 @@ def node(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     engine_args = [str(tiny_model_dir), "--kv-offload", "--kv-store-socket",
                    str(daemon.socket_path), "--num-kv-blocks", "256", "--max-model-len", "4096",
                    "--max-num-seqs", "2", "--max-request-body-bytes", str(BODY_LIMIT),
-                   "--no-warm-up"]
+                   "--metrics-key", METRICS_KEY, "--no-warm-up"]
     for key in API_KEYS:
         engine_args += ["--api-key", key]
     engines: list[KvengineProcess] = []
@@ -216,17 +216,17 @@ def test_a_prefix_only_in_dram_goes_to_the_least_loaded_engine(node: Node,
     streams: list[httpx.Response] = []
     with httpx.Client(timeout=60) as client:
         try:
-            for _ in range(3):  # two running, one waiting: busy for seconds
+            for _ in range(4):  # two running, two waiting: busy for seconds
                 stream = client.send(client.build_request(
                     "POST", busy + "/v1/completions", headers=AUTH, json={
-                        "prompt": [11, 12, 13], "max_tokens": 1500, "ignore_eos": True,
+                        "prompt": [11, 12, 13], "max_tokens": 2000, "ignore_eos": True,
                         "stream": True}), stream=True)
                 streams.append(stream)
             assert wait_until(lambda: metric_value(_metrics(node), "kvengine:router_engine_load",
                                                    engine=busy) >= 2, 10)
-            dram_hits = _routed(node, "dram_hit", idle)
-            url, _ = _served_by(node, lambda: _complete(node.url, prompt))
-            assert url == idle
+            dram_hits, served = _routed(node, "dram_hit", idle), _finished(idle)
+            assert _complete(node.url, prompt).status_code == 200
+            assert _finished(idle) == served + 1
             assert _routed(node, "dram_hit", idle) == dram_hits + 1
         finally:
             for stream in streams:
@@ -294,6 +294,22 @@ def test_tenants_never_route_by_each_others_prefixes(node: Node) -> None:
     assert url == owner and _routed(node, "hbm_hit") == hits + 1
 
 
+def test_a_client_that_leaves_cancels_the_request_at_the_engine(node: Node) -> None:
+    def aborted() -> float:
+        return sum(metric_value(httpx.get(url + "/metrics", headers=METRICS).text,
+                                "kvengine:request_success_total", finished_reason="abort")
+                   for url in node.engine_urls())
+
+    before = aborted()
+    body = {"prompt": [9, 9, 9], "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # gone while the engine is still generating
+        httpx.post(node.url + "/v1/completions", headers=AUTH, json=body, timeout=0.5)
+    with httpx.stream("POST", node.url + "/v1/completions", headers=AUTH, timeout=30,
+                      json={**body, "stream": True}) as response:
+        next(response.iter_lines())  # the first event, then gone
+    assert wait_until(lambda: aborted() == before + 2, 15)
+
+
 def test_a_stopped_daemon_costs_no_more_than_the_bound(node: Node) -> None:
     prompt = _text("while the daemon sleeps")
     fallbacks = _routed(node, "fallback")
@@ -309,7 +325,8 @@ def test_a_stopped_daemon_costs_no_more_than_the_bound(node: Node) -> None:
     waits = metric_value(metrics, "kvengine:router_kv_locate_seconds_count")
     bounded = metric_value(metrics, "kvengine:router_kv_locate_seconds_bucket", le="0.25")
     assert waits == bounded  # no request waited for the daemon past 5x its 50 ms bound
-    assert metric_value(metrics, "kvengine:router_kv_store_state", state="hung") == 1
+    assert sum(metric_value(metrics, "kvengine:router_kv_store_state", state=state)
+               for state in ("hung", "down")) == 1  # no answer, or not even a connection
     # Continued: it is asked again (after --kv-retry-interval) and answers.
     assert wait_until(lambda: _complete(node.url, prompt).status_code == 200 and metric_value(
         _metrics(node), "kvengine:router_kv_store_state", state="ok") == 1, 20)
