@@ -2,10 +2,12 @@
 
 Enable with::
 
-    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
-                           "kv_connector_module_path": "offload.vllm_connector",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"kv_store_socket": "/path/kvstore.sock"}}'
+
+vLLM knows the name through the ``vllm.general_plugins`` entry point (``kvstore_tiered_vllm``,
+which also keeps a ``kvstore/`` or ``offload/`` folder in the working directory from replacing
+the installed packages); ``"kv_connector_module_path": "offload.vllm_connector"`` works too.
 
 Everything with logic lives in ``offload/vllm/`` (tested without vLLM); this class only turns
 vLLM's objects (requests, scheduler output, tensors) into plain values and back.
