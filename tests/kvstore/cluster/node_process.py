@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[2]))  # tests/: daemon_helpers, as pytest has it
 
 from cluster_parts import FAST, make_blocks  # noqa: E402
 
