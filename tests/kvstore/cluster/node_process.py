@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).parents[2]))  # tests/: daemon_helpers, as pytest has it
+# daemon_helpers (which cluster_parts imports) lives in tests/; the repository goes first, so
+# `kvstore` is the package, not the tests' folder of that name.
+sys.path[1:1] = [str(Path(__file__).parents[3]), str(Path(__file__).parents[2])]
 
 from cluster_parts import FAST, make_blocks  # noqa: E402
 
