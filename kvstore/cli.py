@@ -243,15 +243,16 @@ def _describe_cluster(config: Any, node: Any, registered: bool) -> str:
             f"{config.redis_port}/{config.redis_db}: {redis_state}")
 
 
-def _admin_server(factory: Any, service: Any, addr: tuple[str, int], explicit: bool) -> Any:
+def _admin_server(factory: Any, service: Any, addr: tuple[str, int], explicit: bool,
+                  health: Any = None) -> Any:
     """The admin app on ``addr``; when the address is the default (not asked for) and another
     daemon holds it, on a free port of the same host instead, with a warning."""
     try:
-        return factory(service, *addr)
+        return factory(service, *addr, health=health)
     except OSError as exc:
         if explicit:
             raise
-        admin = factory(service, addr[0], 0)
+        admin = factory(service, addr[0], 0, health=health)
         logging.getLogger("kvstore.cli").warning(
             "%s (another daemon?); admin HTTP on %s instead (--http picks one)", exc, admin.url)
         return admin
@@ -281,6 +282,7 @@ def _serve(args: argparse.Namespace) -> int:
     socket_path = args.socket if args.socket is not None else default_socket_path()
 
     from kvstore.daemon.admin import AdminServer
+    from kvstore.daemon.health import DaemonHealth
     from kvstore.daemon.server import Daemon
     from kvstore.daemon.service import Service
     from kvstore.store.dram.pool import PinError
@@ -304,13 +306,16 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         store.close()
         raise UsageError(str(exc)) from None
-    daemon = Daemon(service, socket_path, limits=limits)
+    daemon = Daemon(service, socket_path, limits=limits, debug_stall_s=env.debug_stall_s)
+    health = DaemonHealth(service, daemon.heartbeat,
+                          config.ssd_dir if config.ssd_bytes > 0 else None)
     admin = None
     cluster_line = None
     try:
         daemon.bind()
         if http_addr is not None:
-            admin = _admin_server(AdminServer, service, http_addr, explicit=args.http is not None)
+            admin = _admin_server(AdminServer, service, http_addr, explicit=args.http is not None,
+                                  health=health)
         if cluster_config is not None:  # last: nothing after it can fail before serving
             node, registered = _start_cluster(cluster_config, store)
             service.attach_cluster(node)  # stopped by service.close(), before the store closes

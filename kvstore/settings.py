@@ -13,6 +13,9 @@ class EnvSettings:
 
     socket_path: Path
     debug_hash_bits: int | None  # truncate block hashes to this many bits (collision tests only)
+    # Tests only: SIGUSR2 blocks the daemon's control loop this long (a stand-in for a slow
+    # synchronous call on the loop), so the health probes' view of a wedged loop can be tested.
+    debug_stall_s: float | None = None
 
 
 def default_socket_path(env: dict[str, str] | None = None) -> Path:
@@ -38,4 +41,15 @@ def load_env_settings(env: dict[str, str] | None = None) -> EnvSettings:
             raise ValueError(msg) from None
         if not 1 <= debug_hash_bits <= 128:
             raise ValueError(f"KVSTORE_DEBUG_HASH_BITS must be in 1..128, got {debug_hash_bits}")
-    return EnvSettings(socket_path=default_socket_path(env), debug_hash_bits=debug_hash_bits)
+    stall_text = env.get("KVSTORE_DEBUG_STALL_ON_SIGUSR2", "").strip()
+    debug_stall_s = None
+    if stall_text:
+        try:
+            debug_stall_s = float(stall_text)
+        except ValueError:
+            debug_stall_s = -1.0
+        if not 0 < debug_stall_s <= 600:
+            raise ValueError(f"KVSTORE_DEBUG_STALL_ON_SIGUSR2 must be seconds in (0, 600], got "
+                             f"{stall_text!r}")
+    return EnvSettings(socket_path=default_socket_path(env), debug_hash_bits=debug_hash_bits,
+                       debug_stall_s=debug_stall_s)

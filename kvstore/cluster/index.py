@@ -247,6 +247,18 @@ class ClusterIndex:
     def up(self) -> bool:
         return self._up
 
+    def probe(self) -> str | None:
+        """Ask Redis now (one PING, bounded by ``redis_timeout_s``), for the health probes: None
+        when it answers, else why not; a failed PING marks the index down at once (the next
+        successful heartbeat brings it back), rather than at the next heartbeat."""
+        try:
+            self._redis.ping()
+        except (redis.RedisError, OSError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            self._mark_down(why)
+            return why
+        return None
+
     def stats(self) -> dict:
         with self._lock:
             return {"state": "up" if self._up else "down", "incarnation": self.incarnation,

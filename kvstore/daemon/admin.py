@@ -1,6 +1,7 @@
-"""The daemon's admin HTTP app: ``GET /health``, ``GET /stats`` (JSON), ``GET /metrics``.
+"""The daemon's admin HTTP app: ``GET /health``, ``GET /ready``, ``GET /stats`` (JSON),
+``GET /metrics``.
 
-It only reads: every answer comes from ``Service.health()`` / ``Service.stats()`` at request time,
+It only reads: every answer comes from ``DaemonHealth`` / ``Service.stats()`` at request time,
 and the Prometheus registry is private to the app (no process-global collectors). It runs under
 uvicorn on its own thread, so a slow scrape never delays the control socket.
 """
@@ -27,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from kvstore.daemon.health import DaemonHealth, LoopState, SsdState, Status
 from kvstore.daemon.service import Service
 
 _TIER_GAUGES = ("capacity_bytes", "used_bytes", "blocks")
@@ -52,10 +54,12 @@ def _is_counter(name: str) -> bool:
 class StatsCollector:
     """Turns one ``Service.stats()`` snapshot into metric families, at scrape time."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, health: DaemonHealth) -> None:
         self.service = service
+        self.health = health
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._health(self.health.report())  # first: it may mark Redis down
         stats = self.service.stats()
         yield from self._tiers(stats.get("tiers") or {})
         yield from self._daemon(stats.get("daemon") or {})
@@ -94,6 +98,33 @@ class StatsCollector:
             for tier, value in samples:
                 family.add_metric([tier], value)
             yield family
+
+    def _health(self, report: dict) -> Iterator[Metric]:
+        """What ``/health`` says, as gauges: one series per state, 1 for the current one."""
+        status = GaugeMetricFamily("kvstore_health_status", "1 for the daemon's health status "
+                                   "(ok, degraded: a tier or Redis out, failing: the control "
+                                   "loop stalled)", labels=["status"])
+        for value in Status:
+            status.add_metric([value.value], float(report["status"] == value.value))
+        yield status
+        age = report["control_loop"]["last_tick_age_s"]
+        yield GaugeMetricFamily("kvstore_control_loop_last_tick_age_seconds",
+                                "seconds since the control loop last ticked (it ticks every "
+                                "0.1 s; past 0.5 s it is stalled)",
+                                value=float("nan") if age is None else float(age))
+        yield GaugeMetricFamily("kvstore_control_loop_stalled", "1 while the control loop has "
+                                "not ticked for 0.5 s",
+                                value=float(report["control_loop"]["state"]
+                                            == LoopState.STALLED.value))
+        ssd = GaugeMetricFamily("kvstore_ssd_state", "1 for the SSD tier's state (off, ok, "
+                                "read_only, failing: IO errors in the last minute)",
+                                labels=["state"])
+        for value in SsdState:
+            ssd.add_metric([value.value], float(report["ssd"]["state"] == value.value))
+        yield ssd
+        if report["redis"]["state"] != "off":
+            yield GaugeMetricFamily("kvstore_redis_up", "1 while Redis (--cluster) answers",
+                                    value=float(report["redis"]["state"] == "up"))
 
     def _daemon(self, daemon: dict) -> Iterator[Metric]:
         for name, labelled, label in (("requests", "kvstore_requests", "verb"),
@@ -146,11 +177,33 @@ class StatsCollector:
                 yield from self._flat(_metric_name(name, str(key)), sub, depth + 1)
 
 
+class LoopReport(BaseModel):
+    state: str  # starting, ok, stalled, stopping
+    last_tick_age_s: float | None
+
+
+class ComponentReport(BaseModel):
+    state: str
+    reason: str
+
+
 class HealthReply(BaseModel):
+    """``status``: ok, degraded (serving, with the SSD tier or Redis out: 200) or failing (the
+    control loop stalled: 503); ``problems`` says what, one line each."""
+
     status: str
     uptime_s: float
     pid: int
     version: str
+    control_loop: LoopReport
+    ssd: ComponentReport  # off, ok, read_only, failing
+    redis: ComponentReport  # off (no --cluster), up, down
+    problems: list[str]
+
+
+class ReadyReply(BaseModel):
+    ready: bool
+    reason: str
 
 
 class TierStats(BaseModel):
@@ -184,18 +237,29 @@ class StatsReply(BaseModel):
     daemon: DaemonStats
 
 
-def create_app(service: Service) -> FastAPI:
-    """The admin app over ``service``; each app has its own Prometheus registry."""
+def create_app(service: Service, health: DaemonHealth | None = None) -> FastAPI:
+    """The admin app over ``service``; each app has its own Prometheus registry. ``health``:
+    the probes' view of the daemon (without one, of ``service`` alone: no loop, never ready)."""
     app = FastAPI(title="kvstore admin", docs_url=None, redoc_url=None, openapi_url=None)
+    health = health if health is not None else DaemonHealth(service)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(service))
+    registry.register(StatsCollector(service, health))
     ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, fds
 
     # The routes answer with ready JSON; the models only document it (the OpenAPI schema that
     # tests/reliability/test_http_schema.py fuzzes the daemon against).
-    @app.get("/health", response_model=HealthReply)
-    def health() -> JSONResponse:
-        return JSONResponse(service.health())
+    @app.get("/health", response_model=HealthReply,
+             responses={503: {"model": HealthReply, "description": "the control loop stalled"}})
+    def health_route() -> JSONResponse:
+        report = health.report()
+        return JSONResponse(report, status_code=503 if report["status"] == "failing" else 200)
+
+    @app.get("/ready", response_model=ReadyReply,
+             responses={503: {"model": ReadyReply, "description": "not serving (yet)"}})
+    def ready_route() -> JSONResponse:
+        ready, reason = health.ready()
+        return JSONResponse({"ready": ready, "reason": reason},
+                            status_code=200 if ready else 503)
 
     @app.get("/stats", response_model=StatsReply)
     def stats() -> JSONResponse:
@@ -211,7 +275,8 @@ def create_app(service: Service) -> FastAPI:
 class AdminServer:
     """uvicorn serving ``create_app(service)`` on a thread; binds in the constructor."""
 
-    def __init__(self, service: Service, host: str, port: int) -> None:
+    def __init__(self, service: Service, host: str, port: int,
+                 health: DaemonHealth | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP named: asyncio sets TCP_NODELAY only then (else ~40 ms Nagle stalls)
         self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -225,7 +290,8 @@ class AdminServer:
         self.host, self.port = self._sock.getsockname()[:2]
         # asyncio's loop, also where uvloop is installed: under descriptor exhaustion uvloop's
         # server stopped answering /health for good (tests/reliability/test_daemon_fd_exhaustion).
-        config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+        config = uvicorn.Config(create_app(service, health), log_level="warning",
+                                access_log=False,
                                 lifespan="off", loop="asyncio")
         # Now, not lazily on the thread: its imports need file descriptors, and a daemon out of
         # them (clients holding every one) must not lose its admin app for good.

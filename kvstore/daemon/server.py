@@ -32,6 +32,7 @@ from kvstore.daemon import memory
 from kvstore.daemon.accept import Acceptor, RateLimitedLog
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
 from kvstore.daemon.connection import BULK_REPLY_VERBS, Connection, encode_reply
+from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
 from kvstore.daemon.watch import CLOSE_REASONS, ConnectionWatch
@@ -65,8 +66,13 @@ class Daemon:
                  allowed_uids: frozenset[int] | None = None,
                  inline_verbs: frozenset[str] = INLINE_VERBS,
                  flush_on_exit: bool = True,
-                 limits: ConnectionLimits | None = None) -> None:
+                 limits: ConnectionLimits | None = None,
+                 debug_stall_s: float | None = None) -> None:
+        """``debug_stall_s`` (tests only, ``KVSTORE_DEBUG_STALL_ON_SIGUSR2``): SIGUSR2 blocks
+        the loop this long, as a slow synchronous call on it would."""
         self.service = service
+        self.heartbeat = LoopHeartbeat()  # the admin thread's view of this loop
+        self.debug_stall_s = debug_stall_s
         self.socket_path = Path(socket_path)
         self.max_frame_bytes = max_frame_bytes
         self.default_deadline_ms = default_deadline_ms
@@ -115,6 +121,8 @@ class Daemon:
         if install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(signum, self._stop.set)
+        if self.debug_stall_s is not None:
+            self._loop.add_signal_handler(signal.SIGUSR2, time.sleep, self.debug_stall_s)
         memory.use_mmap_for_large_buffers()  # big replies' memory goes back when freed
         self.service.counters.declare(
             [f"connections_closed_{reason}" for reason in CLOSE_REASONS]
@@ -124,12 +132,14 @@ class Daemon:
         acceptor = Acceptor(self._sock, self.limits.connection_cap, lambda: self._num_open,
                             self._on_accept, self._count_event, reclaim=self._reclaim_idle)
         tasks = [asyncio.create_task(acceptor.run()), asyncio.create_task(self._sweep_leases()),
-                 asyncio.create_task(self._watch.run(lambda: list(self._connections)))]
+                 asyncio.create_task(self._watch.run(lambda: list(self._connections))),
+                 asyncio.create_task(self.heartbeat.run())]
         try:
             if on_ready is not None:
                 on_ready()
             await self._stop.wait()
         finally:
+            self.heartbeat.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # the acceptor left the socket

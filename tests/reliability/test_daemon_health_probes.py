@@ -1,0 +1,126 @@
+"""Issue 32 item 6: the daemon's ``/health`` is not a constant. A wedged control loop, a read-only
+SSD and Redis stopped each show in ``/health`` within a second, and in ``/metrics``; ``/ready``
+says whether the daemon serves.
+
+The wedge: ``KVSTORE_DEBUG_STALL_ON_SIGUSR2`` (tests only, off by default) makes SIGUSR2 block the
+control loop with a synchronous sleep, as a slow call on the loop would; the admin thread goes on
+answering. SIGSTOP would stop the whole process, the probe included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from daemon_helpers import RunningDaemon
+from readonly_disk import ext4_mount, make_read_only
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvstore" / "cluster"))
+from cluster_parts import RedisServer, free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+WITHIN_S = 1.0
+STALL_S = 3.0
+
+
+def _health(daemon: RunningDaemon) -> httpx.Response:
+    return httpx.get(daemon.http_url + "/health", timeout=5.0)
+
+
+def _metric(daemon: RunningDaemon, series: str) -> float:
+    for line in httpx.get(daemon.http_url + "/metrics", timeout=5.0).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} is not on /metrics")
+
+
+def _seconds_until(daemon: RunningDaemon, predicate, limit_s: float = 5.0) -> float:
+    """Seconds until ``/health``'s body satisfies ``predicate`` (polled every 20 ms)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if predicate(_health(daemon).json()):
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"/health never changed: {_health(daemon).json()}")
+
+
+def test_a_wedged_control_loop_fails_health_and_readiness(make_daemon) -> None:
+    daemon = make_daemon(http=True, env={"KVSTORE_DEBUG_STALL_ON_SIGUSR2": str(STALL_S)})
+    r = _health(daemon)
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    assert r.json()["control_loop"]["state"] == "ok"
+    assert httpx.get(daemon.http_url + "/ready", timeout=5.0).status_code == 200
+    assert _metric(daemon, "kvstore_control_loop_stalled") == 0.0
+
+    os.kill(daemon.proc.pid, signal.SIGUSR2)
+    took = _seconds_until(daemon, lambda body: body["status"] == "failing")
+    assert took <= WITHIN_S
+    r = _health(daemon)
+    assert r.status_code == 503
+    assert r.json()["control_loop"]["state"] == "stalled"
+    assert any("control loop" in p for p in r.json()["problems"])
+    ready = httpx.get(daemon.http_url + "/ready", timeout=5.0)
+    assert ready.status_code == 503 and not ready.json()["ready"]
+    assert _metric(daemon, "kvstore_control_loop_stalled") == 1.0
+    assert _metric(daemon, 'kvstore_health_status{status="failing"}') == 1.0
+    assert _metric(daemon, "kvstore_control_loop_last_tick_age_seconds") > 0.5
+
+    _seconds_until(daemon, lambda body: body["status"] == "ok", STALL_S + 5.0)  # it recovers
+    assert httpx.get(daemon.http_url + "/ready", timeout=5.0).status_code == 200
+    with daemon.client() as c:
+        assert c.health()["status"] == "ok"
+
+
+def test_the_stall_hook_is_off_by_default(make_daemon) -> None:
+    daemon = make_daemon(http=True)
+    # Without the variable SIGUSR2 keeps its default action: the process ends (nothing of the
+    # test hook is installed in a daemon started normally).
+    os.kill(daemon.proc.pid, signal.SIGUSR2)
+    assert daemon.proc.wait(10) == -signal.SIGUSR2
+
+
+def test_a_read_only_ssd_degrades_health(make_daemon, tmp_path: Path) -> None:
+    with ext4_mount(tmp_path) as mnt:
+        daemon = make_daemon(http=True, ssd_dir=mnt / "ssd", ssd_size="16MiB")
+        body = _health(daemon).json()
+        assert body["status"] == "ok" and body["ssd"]["state"] == "ok", body
+        make_read_only(mnt)
+        took = _seconds_until(daemon, lambda body: body["ssd"]["state"] == "read_only")
+        assert took <= WITHIN_S
+        r = _health(daemon)
+        assert r.status_code == 200  # still serving, from DRAM
+        assert r.json()["status"] == "degraded"
+        assert "read-only" in r.json()["ssd"]["reason"], r.text
+        assert _metric(daemon, 'kvstore_ssd_state{state="read_only"}') == 1.0
+        assert _metric(daemon, 'kvstore_ssd_state{state="ok"}') == 0.0
+        assert _metric(daemon, 'kvstore_health_status{status="degraded"}') == 1.0
+        daemon.stop()
+
+
+@pytest.mark.cluster
+def test_redis_stopped_degrades_health(make_daemon, tmp_path: Path) -> None:
+    redis_server = RedisServer(tmp_path)
+    redis_server.start()
+    try:
+        daemon = make_daemon("--cluster", redis_server.url, "--node-id", "probe-a",
+                             "--listen", f"127.0.0.1:{free_port()}", http=True)
+        body = _health(daemon).json()
+        assert body["status"] == "ok" and body["redis"]["state"] == "up", body
+        assert _metric(daemon, "kvstore_redis_up") == 1.0
+        redis_server.stop()
+        took = _seconds_until(daemon, lambda body: body["redis"]["state"] == "down")
+        assert took <= WITHIN_S
+        r = _health(daemon)
+        assert r.status_code == 200 and r.json()["status"] == "degraded", r.text
+        assert _metric(daemon, "kvstore_redis_up") == 0.0
+        assert _metric(daemon, "kvstore_cluster_index_up") == 0.0
+        redis_server.start()  # on the same port: the index reconnects by its heartbeat
+        _seconds_until(daemon, lambda body: body["redis"]["state"] == "up", 15.0)
+    finally:
+        redis_server.stop()
