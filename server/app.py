@@ -124,8 +124,15 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     async def version() -> JSONResponse:
         return JSONResponse({"version": package_version()})
 
-    @app.get("/health", response_model=openapi.Health, responses=openapi.HEALTH_RESPONSES)
-    async def health() -> Response:
+    @app.get("/ready", response_model=openapi.Ready, responses=openapi.READY_RESPONSES)
+    async def ready() -> JSONResponse:
+        if async_engine.alive:
+            return JSONResponse({"ready": True, "reason": "serving"})
+        why = "the step loop is not running" + (
+            f" ({async_engine.error!r})" if async_engine.error is not None else "")
+        return JSONResponse({"ready": False, "reason": why}, status_code=503)
+
+    def health_response() -> Response:
         if not async_engine.alive:
             return error_response(503, f"engine is not running: {async_engine.error!r}",
                                   code="engine_dead")
@@ -134,6 +141,15 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
         if state is not None:  # a hung or down store is served around by recomputing: still 200
             body["kv_store"] = state
         return JSONResponse(body)
+
+    @app.get("/health", response_model=openapi.Health, responses=openapi.HEALTH_RESPONSES)
+    async def health() -> Response:
+        return health_response()
+
+    # vLLM's /ping (SageMaker's probe, GET): /health's answer.
+    @app.get("/ping", response_model=openapi.Health, responses=openapi.HEALTH_RESPONSES)
+    async def ping() -> Response:
+        return health_response()
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def prometheus() -> Response:

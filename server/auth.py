@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.errors import error_body
 
 KEY_SALT_SCOPE = "kvengine.key_salt"  # scope entry the middleware sets for the route handlers
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/ping"})  # probes carry no key
 METRICS_PATH = "/metrics"
 
 

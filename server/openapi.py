@@ -130,6 +130,14 @@ class Health(BaseModel):
     kv_store: Literal["ok", "hung", "down"] | None = None
 
 
+class Ready(BaseModel):
+    """Serving: the model is loaded and warmed (the server listens only after both) and the
+    step loop runs."""
+
+    ready: bool
+    reason: str
+
+
 def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorResponse, "description": description}
 
@@ -169,6 +177,10 @@ TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: _error("the engine's step loop is not running"),
+}
+READY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    503: {"model": Ready, "description": "not serving: the step loop has not started, has "
+          "stopped or failed"},
 }
 
 

@@ -94,15 +94,17 @@ def test_engine_api_conforms_to_its_schema(case, engine_server) -> None:
 
 def test_engine_schema_is_honest(engine_server) -> None:
     """What the fuzzing relies on: request bodies are declared, 422 (never sent) is not, every
-    route but /health needs the bearer key, errors are documented in the OpenAI shape."""
+    route but the probes (/health, /ready, /ping) needs the bearer key, errors are documented in
+    the OpenAI shape."""
     schema = engine_server.app.openapi()
     paths = schema["paths"]
     assert set(paths) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                          "/metrics", "/tokenize", "/detokenize", "/version"}
+                          "/ready", "/ping", "/metrics", "/tokenize", "/detokenize", "/version"}
     for path, operations in paths.items():
         for method, op in operations.items():
             assert "422" not in op["responses"], f"{method} {path}"
-            assert (op.get("security") is None) == (path == "/health"), f"{method} {path}"
+            assert (op.get("security") is None) == (path in ("/health", "/ready", "/ping")), \
+                f"{method} {path}"
     for path in ("/tokenize", "/detokenize"):
         op = paths[path]["post"]
         assert op["requestBody"]["required"] is True
