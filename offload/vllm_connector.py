@@ -18,10 +18,17 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -31,9 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.connector import OffloadConnector
+from offload.vllm.block_events import BlockEvent, BlocksStored
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
 from offload.vllm.block_mover import BlockMover
 from offload.vllm.kv_tensors import make_mover
@@ -78,6 +87,49 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class KVStoreStoredBlocks(KVConnectorKVEvents):
+    """What a worker tells the scheduler side through vLLM's KV-event channel: the store hashes
+    of blocks the daemon holds after its saves (rank 0's: every rank follows the same plans);
+    the scheduler side turns them into vLLM's events (``take_events``)."""
+
+    def __init__(self, store_hashes: list[bytes] | None = None) -> None:
+        self._hashes = list(store_hashes or [])
+        self._num_workers = 1
+
+    def add_events(self, events: list[Any]) -> None:
+        self._hashes.extend(events)
+
+    def aggregate(self) -> KVStoreStoredBlocks:
+        self._hashes = list(dict.fromkeys(self._hashes))
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._num_workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self._hashes)
+
+    def get_number_of_workers(self) -> int:
+        return self._num_workers
+
+    def clear_events(self) -> None:
+        self._hashes = []
+
+
+def _vllm_event(event: BlockEvent) -> KVCacheEvent:
+    """One of the connector's events as vLLM publishes it."""
+    if isinstance(event, BlocksStored):
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
+            parent_block_hash=(maybe_convert_block_hash(event.parent_block_hash)
+                               if event.parent_block_hash is not None else None),
+            token_ids=event.token_ids, block_size=event.block_size, lora_id=None,
+            medium=event.medium, lora_name=event.lora_name, group_idx=0,
+            locality=event.locality)
+    return BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
+                        medium=event.medium, group_idx=0, locality=event.locality)
 
 
 class KVStorePromMetrics(KVConnectorPromMetrics):
@@ -210,7 +262,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         lora = request.lora_request
         n = self._scheduler.match(request.request_id, request.all_token_ids,
                                   num_computed_tokens, request.cache_salt,
-                                  f"{lora.lora_name}:{lora.lora_int_id}" if lora else None)
+                                  f"{lora.lora_name}:{lora.lora_int_id}" if lora else None,
+                                  block_hashes=getattr(request, "block_hashes", None),
+                                  lora_name=lora.lora_name if lora else None)
         return n, n > 0
 
     def get_external_cache_hit_sources(self, request: Request,
@@ -256,6 +310,30 @@ class KVStoreConnector(KVConnectorBase_V1):
                                          or ()))
         if connector_output.finished_recving:
             self._scheduler.loads_finished(connector_output.finished_recving)
+        stored = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(stored, KVStoreStoredBlocks):  # before the saves that ended with them
+            self._scheduler.saved(stored.aggregate().get_all_events())
+        if connector_output.finished_sending:
+            self._scheduler.saves_ended(connector_output.finished_sending)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM's KV events (published when ``--kv-events-config`` enables them) of the
+        blocks this instance stored in, and saw move or leave, the store: BlockStored and
+        BlockRemoved with medium CPU (the daemon's DRAM) or STORAGE (its SSD), locality
+        REMOTE for a peer daemon's copy (``offload/vllm/block_events.py``)."""
+        if self._scheduler is None:
+            return ()
+        return [_vllm_event(event) for event in self._scheduler.events.take()]
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``/reset_prefix_cache`` with the connector: blocks stored so far are never
+        found again by this instance (its keys change) and their events remove them."""
+        if self._scheduler is None:
+            return None
+        self._scheduler.reset()
+        log.info("kvstore connector: cache reset (%d so far): earlier blocks are not used again",
+                 self._scheduler.keys.num_resets)
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -347,6 +425,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._failed_block_ids |= failed
         sending = self._worker.finished_saving(finished_req_ids)
         return sending or None, finished or None
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """Rank 0's report of the blocks the daemon holds after its saves (every rank saves
+        the same blocks, each its own shard)."""
+        if self._worker is None or self._worker.shard != 0:
+            return None
+        stored = self._worker.take_stored()
+        return KVStoreStoredBlocks(stored) if stored else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()

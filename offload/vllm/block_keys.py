@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstore.keys import (
@@ -84,6 +84,16 @@ class KeyMaker:
         self.block_size = facts.block_size
         self._identity = facts.identity()
         self._digests: dict[tuple[str, str], bytes] = {}
+        self.num_resets = 0
+
+    def reset(self) -> None:
+        """Forget every block stored so far (vLLM's cache reset): later keys carry the number
+        of resets, so blocks stored before are never found again. Instances that reset as
+        often share again (a fleet resets together after a weight update)."""
+        self.num_resets += 1
+        self._identity = replace(self.facts.identity(),
+                                 weights_id=f"{self.facts.weights_id}#reset{self.num_resets}")
+        self._digests.clear()
 
     def namespace(self, cache_salt: str | None, lora_id: str | None) -> bytes:
         key = (cache_salt or "", lora_id or "")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from kvstore.keys import shard_namespace
 from offload.connector import OffloadConnector
 from offload.transfer import Transfer
+from offload.vllm.block_events import BlockEvents, BlockInfo
 from offload.vllm.block_keys import KeyMaker, RequestKeys
 from offload.vllm.plan import BlockTransfer, StepPlan
 
@@ -51,6 +52,10 @@ class _Tracked:
     load_first: int = 0  # the load's first block index in the request
     load_ids: list[int] = field(default_factory=list)  # its vLLM block ids
     load_ok_blocks: int = 0  # the load's blocks before the first one a worker reported failed
+    # vLLM's own hashes of the request's blocks (its live list), for the KV events; None or
+    # short: the store's hashes name the blocks instead.
+    block_hashes: Sequence[bytes] | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -92,18 +97,23 @@ class SchedulerSide:
         self._load_blocks_in_flight = 0
         # Requests with saves planned: the worker holds their blocks until the saves ended.
         self._saving: set[str] = set()
+        self.events = BlockEvents(self.block_size)  # vLLM's KV events of the stored blocks
 
     # -------------------------------------------------------------------------------- lookups
 
     def match(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-              cache_salt: str | None, lora_id: str | None) -> int:
+              cache_salt: str | None, lora_id: str | None,
+              block_hashes: Sequence[bytes] | None = None, lora_name: str | None = None) -> int:
         """Tokens past ``num_computed_tokens`` (block aligned) the store can load; 0 on a miss,
         a store that is down or slow, no load budget left, or an instance that does not load
-        (a ``kv_producer``: it never asks)."""
+        (a ``kv_producer``: it never asks). ``block_hashes`` (vLLM's, its live list) and
+        ``lora_name`` only name the blocks in the KV events."""
         bs = self.block_size
         tracked = self._requests.get(request_id)
         if tracked is None:
-            tracked = self._requests[request_id] = _Tracked(token_ids, cache_salt, lora_id)
+            tracked = self._requests[request_id] = _Tracked(token_ids, cache_salt, lora_id,
+                                                            block_hashes=block_hashes,
+                                                            lora_name=lora_name)
         tracked.hit, tracked.hit_tiers = None, []
         if not self.loads:
             return 0  # a producer: its prompts are computed here and saved
@@ -125,6 +135,8 @@ class SchedulerSide:
             self.counters["lookup_failures"] += 1
             return 0
         reply = lookups[0].result
+        self.events.looked_up(hashes, int(reply.num_hit), list(reply.tiers),
+                              lambda i: self._block_info(tracked, keys, first + i))
         num_hit = min(room, *(int(lookup.result.num_hit) for lookup in lookups))
         if num_hit <= 0:
             self.counters["lookup_misses"] += 1
@@ -214,6 +226,8 @@ class SchedulerSide:
             save = BlockTransfer(s.request_id, tracked.block_ids[start:full], keys.namespace,
                                  keys.hashes[start:full], keys.idents[start:full])
             plan.saves.append(save)  # the worker cuts it to its mover's request size
+            self.events.planned(s.request_id, save.hashes,
+                                [self._block_info(tracked, keys, b) for b in range(start, full)])
             self._saving.add(s.request_id)
             tracked.num_stored_blocks = full
             self.counters["blocks_save_planned"] += full - start
@@ -258,9 +272,38 @@ class SchedulerSide:
             return True
         return False
 
+    def saved(self, store_hashes: Sequence[bytes]) -> None:
+        """A worker reports that the daemon holds these blocks (its saves' outcomes)."""
+        self.events.saved(store_hashes)
+
+    def saves_ended(self, request_ids: Sequence[str] | set[str]) -> None:
+        """The workers reported these requests' saves ended (``finished_sending``)."""
+        for rid in request_ids:
+            self.events.request_ended(rid)
+
+    def reset(self) -> None:
+        """vLLM's cache reset: blocks stored so far are never found again (new keys), and the
+        events remove every block announced."""
+        self.keys.reset()
+        self.events.clear()
+        for tracked in self._requests.values():
+            tracked.hit, tracked.hit_tiers = None, []
+        self.counters["resets"] += 1
+
     @property
     def num_tracked(self) -> int:
         return len(self._requests)
+
+    def _block_info(self, tracked: _Tracked, keys: RequestKeys, index: int) -> BlockInfo:
+        """Block ``index`` of a request as the KV events name it: vLLM's hash where vLLM has
+        one, else the store's (``keys`` covers the block)."""
+        names = tracked.block_hashes
+        if names is None or len(names) <= index:
+            names = keys.hashes
+        bs = self.block_size
+        return BlockInfo(bytes(names[index]), bytes(names[index - 1]) if index else None,
+                         tuple(tracked.token_ids[index * bs:(index + 1) * bs]),
+                         tracked.lora_name)
 
     def _keys(self, tracked: _Tracked, num_blocks: int) -> RequestKeys:
         return self.keys.keys(tracked.token_ids, tracked.cache_salt, tracked.lora_id,

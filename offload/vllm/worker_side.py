@@ -20,7 +20,7 @@ only its own shard, and what it misses is reported failed like any short load.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from offload.vllm.plan import BlockTransfer, StepPlan
 
 # A lease lives at least this long without its load (the load follows within a step or two).
 LEASE_TTL_S = 30.0
+MAX_STORED_REPORTS = 1 << 16
 
 
 class WorkerSide:
@@ -73,6 +74,9 @@ class WorkerSide:
         self._save_jobs: dict[str, list[SaveJob]] = {}  # by request: pinned or in flight
         self._saving: set[str] = set()  # requests with saves planned (the scheduler's rule)
         self._finishing: set[str] = set()  # finished requests whose saves are still going
+        # Hashes the daemon holds by ended saves, until taken (bounded: a caller that never
+        # takes them, a benchmark, keeps only the latest).
+        self._stored: deque[bytes] = deque(maxlen=MAX_STORED_REPORTS)
 
     def ready(self) -> bool:
         """Registered and answering (not connected: a reconnect is asked for, off this
@@ -164,7 +168,16 @@ class WorkerSide:
         self.saver.send_pinned()
         self.saver.poll()
         for rid in [rid for rid, jobs in self._save_jobs.items() if all(j.over for j in jobs)]:
-            del self._save_jobs[rid]
+            for job in self._save_jobs.pop(rid):
+                self._stored.extend(job.stored_hashes)
+
+    def take_stored(self) -> list[bytes]:
+        """The store hashes of blocks the daemon holds after saves that ended since the last
+        call (saved, or there already): the scheduler side announces them (KV events)."""
+        self._end_saves()
+        stored = list(self._stored)
+        self._stored.clear()
+        return stored
 
     @property
     def num_in_flight(self) -> int:
