@@ -12,7 +12,7 @@ DISTRIBUTION = "kvstore-tiered"  # "kvstore" on PyPI is an unrelated project
 
 
 def size_arg(text: str) -> int:
-    """argparse type: a SIZE (``512MiB``, ``4GiB``, ``1.5GB`` or bytes)."""
+    """argparse type: a SIZE (``512MiB``, ``16Gi``, ``1.5GB``, ``16G`` or bytes)."""
     from kvstore.sizes import parse_size
 
     try:

@@ -1,4 +1,11 @@
-"""Byte sizes as users write them (``512MiB``, ``4GiB``, ``1.5GB``, ``1024``) and as printed."""
+"""Byte sizes as users write them (``512MiB``, ``4GiB``, ``16Gi``, ``1.5GB``, ``16G``, ``1024``)
+and as printed.
+
+Units follow Kubernetes' quantities: ``Ki``, ``Mi``, ``Gi``, ``Ti`` (and ``KiB``... ) are powers
+of two (1024, 1024², ...); ``K``, ``M``, ``G``, ``T`` (and ``KB``...) are powers of ten (1000,
+1000², ...), so ``16G`` is 16,000,000,000 bytes and ``16Gi`` is 17,179,869,184. Case does not
+matter (``16gi``, ``16g``).
+"""
 
 from __future__ import annotations
 
@@ -6,24 +13,17 @@ import math
 import re
 
 # Decimal units are powers of 1000, binary units powers of 1024; matched case-insensitively.
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgt", start=1):
+    _UNITS[_prefix] = _UNITS[_prefix + "b"] = 1000**_power
+    _UNITS[_prefix + "i"] = _UNITS[_prefix + "ib"] = 1024**_power
 
 _SIZE_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>[a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """Parse a SIZE (``512MiB``, ``4GiB``, ``1.5GB``, ``1024``) into bytes; ValueError if malformed.
+    """Parse a SIZE (``512MiB``, ``4GiB``, ``16Gi``, ``1.5GB``, ``16G``, ``1024``) into bytes;
+    ValueError if malformed.
 
     A fractional result is rounded down to whole bytes; a fraction of a byte (``1.5``) is an error.
     """
@@ -38,11 +38,12 @@ def parse_size(text: str | int) -> int:
     match = _SIZE_RE.match(text)
     if match is None:
         raise ValueError(f"invalid size {text!r}: expected a number with an optional unit, "
-                         "e.g. 1024, 512MiB, 4GiB, 1.5GB")
+                         "e.g. 1024, 512MiB, 16Gi, 1.5GB, 16G")
     unit = match["unit"].lower()
     if unit not in _UNITS:
         raise ValueError(f"invalid size {text!r}: unknown unit {match['unit']!r} "
-                         "(use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")
+                         "(powers of two: Ki, Mi, Gi, Ti or KiB...; powers of ten: K, M, "
+                         "G, T or KB...; or B)")
     number = match["num"]
     multiplier = _UNITS[unit]
     if "." not in number:

@@ -32,6 +32,18 @@ KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
     ("0.1KB", 100),
     ("1.0000001KB", 1000),  # rounded down to whole bytes
     ("2.", 2),
+    # Kubernetes' spellings: Ki/Mi/Gi/Ti are powers of two, K/M/G/T powers of ten.
+    ("16Gi", 16 * GIB),
+    ("16gi", 16 * GIB),
+    ("512Mi", 512 * MIB),
+    ("1Ti", TIB),
+    ("4Ki", 4 * KIB),
+    ("1.5Gi", 3 * GIB // 2),
+    ("16G", 16 * 10**9),
+    ("16g", 16 * 10**9),
+    ("512M", 512 * 10**6),
+    ("4K", 4000),
+    ("2T", 2 * 10**12),
 ])
 def test_parse_size_table(text: str, expected: int) -> None:
     assert parse_size(text) == expected
