@@ -17,10 +17,13 @@ from typing import Any
 
 from kvstore.cli_args import (
     OneLineParser,
+    add_config_option,
     add_version,
+    expand_sources,
     package_version,
     positive_float_arg,
     size_arg,
+    subcommand,
 )
 from kvstore.cli_copies import add_copy_flags, copy_settings_from_args
 from kvstore.cli_limits import add_limit_flags, limits_from_args
@@ -38,6 +41,7 @@ SERVE_SWITCH_INTERVAL_S = 0.0005
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+ENV_PREFIX = "KVSTORE_"  # KVSTORE_DRAM=16Gi is --dram 16Gi (kvstore serve)
 
 
 class UsageError(Exception):
@@ -51,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    add_config_option(serve, ENV_PREFIX, "DRAM=16Gi")
     serve.add_argument("--socket", type=Path, default=None,
                        help="control socket path (default: $KVSTORE_SOCKET, else "
                             "$XDG_RUNTIME_DIR/kvstore/kvstore.sock, else /tmp/kvstore-$UID/...)")
@@ -373,7 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # its flags belong to the demo program
         return _demo(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv[:1] == ["serve"]:
+        try:
+            argv = ["serve", *expand_sources(subcommand(parser, "serve"), argv[1:], ENV_PREFIX)]
+        except ValueError as exc:
+            print(f"kvstore serve: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             return _serve(args)

@@ -137,3 +137,128 @@ def add_version(parser: argparse.ArgumentParser) -> None:
     """``--version``: print the program name and the installed version, then exit."""
     parser.add_argument("--version", action="version",
                         version=f"{parser.prog} {package_version()}")
+
+
+# ------------------------------------------------------------------ config files and environment
+
+CONFIG_HELP = ("YAML file of options: keys are the long flag names (ssd-dir or ssd_dir), values "
+               "their values (a list for a flag that takes several; true for a switch). "
+               "Precedence: command line, then ${prefix}NAME environment variables (NAME: the "
+               "long flag name in capitals, - as _, e.g. ${prefix}{example}), then this file, "
+               "then the defaults")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def add_config_option(parser: argparse.ArgumentParser, env_prefix: str, example: str) -> None:
+    """``--config FILE`` (read by ``expand_sources`` before argparse sees the command line)."""
+    text = CONFIG_HELP.replace("${prefix}", env_prefix).replace("{example}", example)
+    parser.add_argument("--config", default=None, metavar="FILE.yaml", help=text)
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every long option name of ``parser`` (``ssd-dir``), to its action; not help/version."""
+    out: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if action.dest in ("help", "version", "config") or action.default == argparse.SUPPRESS:
+            continue
+        for flag in action.option_strings:
+            if flag.startswith("--"):
+                out[flag[2:]] = action
+    return out
+
+
+def _given(action: argparse.Action, argv: list[str]) -> bool:
+    return any(token == flag or token.startswith(flag + "=")
+               for token in argv for flag in action.option_strings)
+
+
+def _as_tokens(flag: str, action: argparse.Action, value: object, source: str,
+               negation: str | None = None) -> list[str]:
+    """The command-line tokens that give ``value`` to ``flag``; ValueError naming ``source``.
+    ``negation``: the switch's ``--no-`` twin, which false gives (else false leaves it out)."""
+    if action.nargs == 0:
+        text = str(value).strip().lower()
+        if isinstance(value, bool) or text in _TRUE | _FALSE:
+            if value is True or text in _TRUE:
+                return [flag]
+            return [negation] if negation else []
+        raise ValueError(f"{source}: {flag} is a switch: give true or false, not {value!r}")
+    if isinstance(value, dict):
+        raise ValueError(f"{source}: {flag} takes a value, not a mapping")
+    values = [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    if isinstance(action, argparse._AppendAction):
+        return [token for v in values for token in (flag, v)]
+    if len(values) > 1 and action.nargs not in ("+", "*"):
+        raise ValueError(f"{source}: {flag} takes one value, not {len(values)}")
+    return [flag, *values]
+
+
+def _read_config(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option names to values")
+    return data
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, token in enumerate(argv):
+        if token == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def expand_sources(parser: argparse.ArgumentParser, argv: list[str], env_prefix: str,
+                   env: dict[str, str] | None = None) -> list[str]:
+    """``argv`` with the options it does not give itself taken from ``{env_prefix}NAME``
+    environment variables, else from ``--config FILE`` (both as command-line tokens in front,
+    so argparse checks them as it checks typed ones). ValueError names the bad source."""
+    import os
+
+    env = dict(os.environ if env is None else env)
+    options = _options(parser)
+    path = _config_path(argv)
+    from_file = {}
+    for key, value in (_read_config(path) if path else {}).items():
+        name = str(key).replace("_", "-")
+        if name not in options:
+            raise ValueError(f"--config {path}: {key!r} is not an option of {parser.prog}")
+        from_file[name] = value
+    front: list[str] = []
+    seen: set[int] = set()
+    for name, action in options.items():
+        if id(action) in seen or _given(action, argv):
+            continue
+        twin = options.get("no-" + name)
+        if twin is not None and _given(twin, argv):
+            continue
+        negation = "--no-" + name if twin is not None else None
+        variable = env_prefix + name.upper().replace("-", "_")
+        if variable in env:
+            front += _as_tokens("--" + name, action, env[variable], f"${variable}", negation)
+            seen.add(id(action))
+        elif name in from_file:
+            front += _as_tokens("--" + name, action, from_file[name], f"--config {path}",
+                                negation)
+            seen.add(id(action))
+    return front + argv
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    """The parser of sub-command ``name`` of ``parser``, if it has one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None

@@ -16,7 +16,13 @@ from typing import Any
 
 import uvicorn
 
-from kvstore.cli_args import OneLineParser, add_version
+from kvstore.cli_args import (
+    OneLineParser,
+    add_config_option,
+    add_version,
+    expand_sources,
+    subcommand,
+)
 from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
 from server.router_args import add_router_arguments
@@ -26,6 +32,7 @@ from server.serve_args import add_serve_arguments, api_keys
 # long beside the busy step thread, and a late lookup reply costs a restore whole steps
 # (docs/measurements.md).
 SERVE_SWITCH_INTERVAL_S = 0.0005
+ENV_PREFIX = "KVENGINE_"  # KVENGINE_MAX_MODEL_LEN=4096 is --max-model-len 4096
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,11 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      parser_class=OneLineParser)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
+    add_config_option(serve, ENV_PREFIX, "MAX_MODEL_LEN=4096")
     parser.set_defaults(serve_parser=serve)
     router_parser = commands.add_parser(
         "router", help="an OpenAI-compatible front for several engines sharing one kvstore "
         "daemon: each request to the engine holding its prefix (see router --help)")
     add_router_arguments(router_parser)
+    add_config_option(router_parser, ENV_PREFIX, "ROUTING=kv")
     commands.add_parser("make-model", add_help=False,
                         help="write a random-weight model folder (see make-model --help)")
     return parser
@@ -361,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = make_model_main(argv[1:])
         return result if isinstance(result, int) else 0
     parser = build_parser()
+    if argv and argv[0] in ("serve", "router"):
+        try:
+            argv = [argv[0], *expand_sources(subcommand(parser, argv[0]), argv[1:], ENV_PREFIX)]
+        except ValueError as exc:
+            print(f"kvengine {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
     args = _parse(parser, argv)
     if args.command == "serve":
         return serve(args, parser)
