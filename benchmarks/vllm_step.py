@@ -111,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         base = (i % 4) * per_step
         return random.Random(i).sample(range(base, base + per_step), per_step)
 
+    total = args.warmup + args.steps
+    seeds = iter(range(10_000, 10_000 + 4 * total))
+
     def plan_for(i: int, ids: list[int]) -> StepPlan:
-        rng = random.Random(10_000 + i)
+        rng = random.Random(next(seeds))  # fresh keys every step: saved, never "duplicate"
         k = keys.keys([rng.randrange(10, 150_000) for _ in range(per_step * bs)])
         return StepPlan(saves=[BlockTransfer(f"r{i}", ids, k.namespace, k.hashes, k.idents)])
 
-    total = args.warmup + args.steps
     _timed(torch, step, pick, None, plan_for, args.warmup)
     off_before = _timed(torch, step, pick, None, plan_for, args.steps)
     dram = int(block_bytes * per_step * total * 1.1) + (1 << 30)

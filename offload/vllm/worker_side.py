@@ -184,11 +184,14 @@ class WorkerSide:
         return len(self.restorer.jobs) + len(self.saver.pinned) + len(self.saver.in_flight)
 
     def drain(self, timeout_s: float) -> None:
-        """Wait (bounded) for everything in flight: tests and shutdown."""
+        """Wait (bounded) for everything in flight: tests, benchmarks and shutdown. Waits on
+        the replies themselves (woken as each lands), never in sleeps."""
         deadline = time.monotonic() + timeout_s
-        while self.num_in_flight and time.monotonic() < deadline:
+        self.saver.wait(self.saver.pinned + self.saver.in_flight, timeout_s)
+        self._end_saves()
+        while self.restorer.jobs and time.monotonic() < deadline:
+            self.restorer.wait_for_progress(min(0.05, max(0.0, deadline - time.monotonic())))
             self.poll()
-            time.sleep(0.002)
 
     def close(self) -> None:
         self.store.close()
