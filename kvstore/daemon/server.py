@@ -53,6 +53,8 @@ INLINE_VERBS = frozenset({"health", "lookup", "release", "resident", "evicted"})
 # Frames up to this size are read without asking the buffer budget: requests, not payloads.
 _SMALL_FRAME_BYTES = 64 * 1024
 _LOG_INTERVAL_S = 10.0  # a repeated warning or error is logged once per this, with a count
+# How a request ends when its client is gone before the reply (counted; no client sees it).
+_CLIENT_GONE = "client_gone"
 
 
 class Daemon:
@@ -352,7 +354,7 @@ class Daemon:
 
     async def _answer(self, conn: Connection, request: proto.Request,
                       received_at: float, body_bytes: int) -> None:
-        holds_bulk_slot = False
+        holds_bulk_slot = counted = False
         try:
             if request.verb in BULK_REPLY_VERBS:  # held until the value is written out
                 await conn.bulk_slots.acquire()
@@ -376,10 +378,13 @@ class Daemon:
                 body_bytes = 0
             error = reply["error"]["code"] if not reply["ok"] else None
             self.service.count(request.verb, error, time.monotonic() - received_at)
+            counted = True
             frame = encode_reply(reply, self.max_frame_bytes)
             del reply  # a get's value: only the frame holds its bytes from here
             await conn.send_frame(frame)
         finally:
+            if not counted:  # its connection closed first (dropped, or cancelled mid-call)
+                self.service.count(request.verb, _CLIENT_GONE)
             # Every way out gives the slots back, the early return of a connection cut off
             # included: a bulk slot kept would leave the connection's other gets waiting for
             # good (their tasks destroyed pending, one log error each, at the next collection).
