@@ -25,9 +25,11 @@ from kvstore.cli_args import (
     size_arg,
     subcommand,
 )
+from kvstore.cli_banner import describe_cluster, describe_start
 from kvstore.cli_copies import add_copy_flags, copy_settings_from_args
 from kvstore.cli_limits import add_limit_flags, limits_from_args
 from kvstore.cli_stats import stats_command
+from kvstore.log_lines import LOG_FORMATS, configure
 from kvstore.sizes import format_bytes, parse_size
 
 DEFAULT_DRAM = "1GiB"
@@ -83,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning",
                        choices=("debug", "info", "warning", "error"),
                        help="log level of the daemon's loggers (stderr)")
+    serve.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                       help="text: 'time level logger: message' (the start-up lines: the "
+                            "message alone); json: one JSON object per line (time, level, "
+                            "logger, message), the start-up lines included")
     add_limit_flags(serve)
     add_copy_flags(serve)
     serve.add_argument("--cluster", default=None, metavar="redis://HOST:PORT/DB",
@@ -168,38 +174,6 @@ def _store_config(args: argparse.Namespace, debug_hash_bits: int | None) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _find(stats: dict, *path: str) -> Any:
-    node: Any = stats
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
-def _describe_start(config: Any, stats: dict, socket_path: Path, http_url: str | None) -> str:
-    dram = _find(stats, "tiers", "dram") or {}
-    pinned = dram.get("pinned", _find(stats, "dram_pinned"))
-    pinned_text = "yes" if pinned else "no" if pinned is not None else "unknown"
-    if pinned is False:
-        pinned_text += (" (--pin no)" if config.pin_memory is False else
-                        f" ({dram['pin_error']}: plain host memory, nothing page-locked)"
-                        if dram.get("pin_error") else "")
-    lines = [f"kvstore: DRAM pool {format_bytes(config.dram_bytes)} ({config.dram_bytes} bytes), "
-             f"pinned: {pinned_text}"]
-    if config.ssd_dir is not None and config.ssd_bytes > 0:
-        ssd = _find(stats, "tiers", "ssd") or {}
-        io_mode = ssd.get("io_mode") or ("O_DIRECT" if ssd.get("direct_io") else
-                                         "buffered" if "direct_io" in ssd else "unknown")
-        lines.append(f"kvstore: SSD tier {config.ssd_dir}, {format_bytes(config.ssd_bytes)}, "
-                     f"IO mode {io_mode}, {ssd.get('blocks', 0)} blocks recovered")
-    else:
-        lines.append("kvstore: SSD tier off")
-    lines.append(f"kvstore: control socket {socket_path}")
-    lines.append(f"kvstore: admin HTTP {http_url or 'off'}")
-    return "\n".join(lines)
-
-
 def _cluster_config(args: argparse.Namespace) -> Any:
     """The ClusterConfig of --cluster and its flags, or None without --cluster."""
     if args.cluster is None:
@@ -240,14 +214,6 @@ def _start_cluster(config: Any, store: Any) -> tuple[Any, bool]:
     return node, registered
 
 
-def _describe_cluster(config: Any, node: Any, registered: bool) -> str:
-    listen = f"{config.listen_host}:{node.server.port}"
-    redis_state = "registered" if registered else "unreachable, serving locally until it answers"
-    return (f"kvstore: cluster node {config.node_id}, peers dial {node.addr} (UCX listens on "
-            f"{listen}, port open on every interface), Redis {config.redis_host}:"
-            f"{config.redis_port}/{config.redis_db}: {redis_state}")
-
-
 def _admin_server(factory: Any, service: Any, addr: tuple[str, int], explicit: bool,
                   health: Any = None) -> Any:
     """The admin app on ``addr``; when the address is the default (not asked for) and another
@@ -267,8 +233,8 @@ def _serve(args: argparse.Namespace) -> int:
     cluster_config = _cluster_config(args)
     from kvstore.settings import default_socket_path, load_env_settings
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    banner = configure(args.log_format, "kvstore.banner", banner_stream=sys.stdout)
+    logging.getLogger().setLevel(args.log_level.upper())
     try:
         env = load_env_settings()
     except ValueError as exc:
@@ -292,16 +258,21 @@ def _serve(args: argparse.Namespace) -> int:
     from kvstore.daemon.service import Service
     from kvstore.store.dram.pool import PinError
     from kvstore.store.tiered import TieredStore
-    from kvstore.wire.listener import SocketSetupError
+    from kvstore.wire.listener import SocketSetupError, check_socket_path
 
-    print(f"kvstore: allocating the {format_bytes(config.dram_bytes)} DRAM pool and faulting "
-          "it in (about a second per few GiB)...", flush=True)
+    try:  # before the pool is faulted in: a wrong folder costs a second, not the fault-in
+        check_socket_path(socket_path)
+    except SocketSetupError as exc:
+        banner.error("kvstore: error: %s", exc)
+        return EXIT_FAILURE
+    banner.info("kvstore: allocating the %s DRAM pool and faulting it in (about a second per "
+                "few GiB)...", format_bytes(config.dram_bytes))
     started = time.monotonic()
     try:
         store = TieredStore(config)
     except (OSError, ValueError, MemoryError) as exc:
         hint = " (--pin yes)" if args.pin == "yes" and isinstance(exc, PinError) else ""
-        print(f"kvstore: error: cannot set up the store{hint}: {exc}", file=sys.stderr)
+        banner.error("kvstore: error: cannot set up the store%s: %s", hint, exc)
         return EXIT_FAILURE
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
                       debug_hash_bits=env.debug_hash_bits, version=package_version(),
@@ -324,21 +295,22 @@ def _serve(args: argparse.Namespace) -> int:
         if cluster_config is not None:  # last: nothing after it can fail before serving
             node, registered = _start_cluster(cluster_config, store)
             service.attach_cluster(node)  # stopped by service.close(), before the store closes
-            cluster_line = _describe_cluster(cluster_config, node, registered)
+            cluster_line = describe_cluster(cluster_config, node, registered)
     except (SocketSetupError, OSError) as exc:
         store.close()
-        print(f"kvstore: error: {exc}", file=sys.stderr)
+        banner.error("kvstore: error: %s", exc)
         return EXIT_FAILURE
-    print(f"kvstore: store ready in {time.monotonic() - started:.1f} s", flush=True)
-    print(_describe_start(config, store.stats(), daemon.socket_path,
-                          admin.url if admin else None), flush=True)
+    banner.info("kvstore: store ready in %.1f s", time.monotonic() - started)
+    for line in describe_start(config, store.stats(), daemon.socket_path,
+                                admin.url if admin else None).splitlines():
+        banner.info("%s", line)
     if cluster_line is not None:
-        print(cluster_line, flush=True)
+        banner.info("%s", cluster_line)
 
     def ready() -> None:
         if admin is not None:
             admin.start()
-        print(f"kvstore: ready (pid {os.getpid()})", flush=True)
+        banner.info("kvstore: ready (pid %d)", os.getpid())
 
     switch_interval_before = sys.getswitchinterval()
     sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
@@ -348,7 +320,7 @@ def _serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(switch_interval_before)
         if admin is not None:
             admin.stop()
-    print("kvstore: stopped", flush=True)
+    banner.info("kvstore: stopped")
     return 0
 
 

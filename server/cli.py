@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import resource
 import signal
@@ -25,6 +26,7 @@ from kvstore.cli_args import (
 )
 from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
+from server.log_setup import BANNER_LOGGER, add_log_format_option
 from server.router_args import add_router_arguments
 from server.serve_args import add_serve_arguments, api_keys
 
@@ -45,12 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
     add_config_option(serve, ENV_PREFIX, "MAX_MODEL_LEN=4096")
+    add_log_format_option(serve)
     parser.set_defaults(serve_parser=serve)
     router_parser = commands.add_parser(
         "router", help="an OpenAI-compatible front for several engines sharing one kvstore "
         "daemon: each request to the engine holding its prefix (see router --help)")
     add_router_arguments(router_parser)
     add_config_option(router_parser, ENV_PREFIX, "ROUTING=kv")
+    add_log_format_option(router_parser)
     commands.add_parser("make-model", add_help=False,
                         help="write a random-weight model folder (see make-model --help)")
     return parser
@@ -91,14 +95,18 @@ class WarmUpFailed(RuntimeError):
     """The engine loaded but its start-time warm-up (graph captures) failed; it is closed."""
 
 
+def _banner() -> logging.Logger:
+    """The start-up lines' logger (``configure_logging`` sets it up: always written)."""
+    return logging.getLogger(BANNER_LOGGER)
+
+
 def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
     from engine import LLMEngine
 
-    print(f"kvengine: loading {config.model_dir} ...", file=sys.stderr, flush=True)
+    _banner().info("kvengine: loading %s ...", config.model_dir)
     start = time.perf_counter()
     engine = LLMEngine(config)
-    print(f"kvengine: model loaded in {time.perf_counter() - start:.1f} s",
-          file=sys.stderr, flush=True)
+    _banner().info("kvengine: model loaded in %.1f s", time.perf_counter() - start)
     if warm_up:  # before "listening on": no request pays for a graph capture or cuDNN build
         start = time.perf_counter()
         try:
@@ -111,9 +119,9 @@ def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
             engine.close()
             raise
         if num_graphs:
-            print(f"kvengine: warm-up captured {num_graphs} CUDA graphs "
-                  f"({engine.runner.ops.num_attention_graphs} attention graphs built) in "
-                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+            _banner().info("kvengine: warm-up captured %d CUDA graphs (%d attention graphs "
+                           "built) in %.1f s", num_graphs,
+                           engine.runner.ops.num_attention_graphs, time.perf_counter() - start)
     return engine
 
 
@@ -135,8 +143,8 @@ def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
             pass
     limits = fit_to_open_files(wanted, soft)
     if limits.max_connections < wanted.max_connections:
-        print(f"kvengine: the open-file limit is {soft}: at most {limits.max_connections} HTTP "
-              "connections", file=sys.stderr, flush=True)
+        _banner().info("kvengine: the open-file limit is %d: at most %d HTTP connections",
+                       soft, limits.max_connections)
     return limits
 
 
@@ -175,7 +183,7 @@ class _Server(uvicorn.Server):
             port = self.config.port
             if self.servers and self.servers[0].sockets:
                 port = self.servers[0].sockets[0].getsockname()[1]
-            print(self._line(port), file=sys.stderr, flush=True)
+            _banner().info("%s", self._line(port))
 
 
 def _model_folders(args: argparse.Namespace,
@@ -222,7 +230,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from server.log_setup import configure_logging
     from server.settings import ServerSettings
 
-    configure_logging(args.log_level)
+    banner = configure_logging(args.log_level, args.log_format)
     tune_interpreter()
     model_dir, tokenizer_dir = _model_folders(args, parser)
     name = args.model_tag or args.model
@@ -244,22 +252,21 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:  # bound before the model loads: a busy port costs a second, not a model load
         listener = _bind(args.host, args.port)
     except OSError as exc:
-        print(f"kvengine: error: cannot listen on {args.host}:{args.port}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
+        banner.error("kvengine: error: cannot listen on %s:%d: %s", args.host, args.port,
+                     exc.strerror or exc)
         return 1
     from server.package_check import foreign_kernels_owners, kernels_conflict_message
 
     owners = foreign_kernels_owners()
     if owners:  # checked before the engine imports `kernels`, which may be the other one
         listener.close()
-        print(f"kvengine: error: {kernels_conflict_message(owners)}", file=sys.stderr)
+        banner.error("kvengine: error: %s", kernels_conflict_message(owners))
         return 1
     try:
         engine = _load_engine(config, args.warm_up)
     except (OSError, ValueError, NotImplementedError, WarmUpFailed) as exc:
         listener.close()
-        print(f"kvengine: error: cannot start the engine on {model_dir}: {exc}",
-              file=sys.stderr)
+        banner.error("kvengine: error: cannot start the engine on %s: %s", model_dir, exc)
         return 1
     try:
         app = build_app(engine, settings)
@@ -308,7 +315,7 @@ def router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from server.log_setup import configure_logging
     from server.router_setup import build_router
 
-    configure_logging(args.log_level)
+    banner = configure_logging(args.log_level, args.log_format)
     tune_interpreter()
     model_dir, tokenizer_dir = _model_folders(args, parser)
     try:
@@ -319,8 +326,8 @@ def router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         listener = _bind(args.host, args.port)
     except OSError as exc:
-        print(f"kvengine: error: cannot listen on {args.host}:{args.port}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
+        banner.error("kvengine: error: cannot listen on %s:%d: %s", args.host, args.port,
+                     exc.strerror or exc)
         return 1
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     socket_path = args.kv_store_socket or "the default kvstore socket"

@@ -52,7 +52,18 @@ def prepare_socket_dir(directory: Path) -> None:
                                f"group or others (chmod 700 it or pick another --socket)")
 
 
-def _remove_stale_socket(path: Path) -> None:
+def check_socket_path(path: Path) -> None:
+    """What ``bind_unix_socket`` will refuse, checked before anything costly is done (the
+    daemon's DRAM pool is faulted in after this): the path's length, its directory (created
+    0700 when missing) and a live daemon on it. SocketSetupError says why."""
+    path = Path(os.path.abspath(path))
+    if len(os.fsencode(str(path))) > MAX_SOCKET_PATH_BYTES:
+        raise SocketSetupError(f"socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
+    prepare_socket_dir(path.parent)
+    _remove_stale_socket(path, remove=False)
+
+
+def _remove_stale_socket(path: Path, remove: bool = True) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -66,7 +77,8 @@ def _remove_stale_socket(path: Path) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
             raise SocketSetupError(f"cannot probe existing socket {path}: {exc}") from None
-        path.unlink(missing_ok=True)  # nobody listens: a dead daemon's leftover
+        if remove:
+            path.unlink(missing_ok=True)  # nobody listens: a dead daemon's leftover
         return
     finally:
         probe.close()
