@@ -29,12 +29,15 @@ from server.engine_protocol import ServedEngine
 from server.log_setup import BANNER_LOGGER, add_log_format_option
 from server.router_args import add_router_arguments
 from server.serve_args import add_serve_arguments, api_keys
+from server.vllm_flags import add_vllm_flags
+from server.vllm_flags import notes as vllm_flag_notes
 
 # The GIL switch interval (Python's: 5 ms): the store link's threads wait for the GIL up to this
 # long beside the busy step thread, and a late lookup reply costs a restore whole steps
 # (docs/measurements.md).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 ENV_PREFIX = "KVENGINE_"  # KVENGINE_MAX_MODEL_LEN=4096 is --max-model-len 4096
+_BANNER = logging.getLogger(BANNER_LOGGER)  # the start-up lines: configure_logging sets it up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     add_config_option(serve, ENV_PREFIX, "MAX_MODEL_LEN=4096")
     add_log_format_option(serve)
+    add_vllm_flags(serve)
     parser.set_defaults(serve_parser=serve)
     router_parser = commands.add_parser(
         "router", help="an OpenAI-compatible front for several engines sharing one kvstore "
@@ -95,18 +99,13 @@ class WarmUpFailed(RuntimeError):
     """The engine loaded but its start-time warm-up (graph captures) failed; it is closed."""
 
 
-def _banner() -> logging.Logger:
-    """The start-up lines' logger (``configure_logging`` sets it up: always written)."""
-    return logging.getLogger(BANNER_LOGGER)
-
-
 def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
     from engine import LLMEngine
 
-    _banner().info("kvengine: loading %s ...", config.model_dir)
+    _BANNER.info("kvengine: loading %s ...", config.model_dir)
     start = time.perf_counter()
     engine = LLMEngine(config)
-    _banner().info("kvengine: model loaded in %.1f s", time.perf_counter() - start)
+    _BANNER.info("kvengine: model loaded in %.1f s", time.perf_counter() - start)
     if warm_up:  # before "listening on": no request pays for a graph capture or cuDNN build
         start = time.perf_counter()
         try:
@@ -119,7 +118,7 @@ def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
             engine.close()
             raise
         if num_graphs:
-            _banner().info("kvengine: warm-up captured %d CUDA graphs (%d attention graphs "
+            _BANNER.info("kvengine: warm-up captured %d CUDA graphs (%d attention graphs "
                            "built) in %.1f s", num_graphs,
                            engine.runner.ops.num_attention_graphs, time.perf_counter() - start)
     return engine
@@ -143,7 +142,7 @@ def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
             pass
     limits = fit_to_open_files(wanted, soft)
     if limits.max_connections < wanted.max_connections:
-        _banner().info("kvengine: the open-file limit is %d: at most %d HTTP connections",
+        _BANNER.info("kvengine: the open-file limit is %d: at most %d HTTP connections",
                        soft, limits.max_connections)
     return limits
 
@@ -183,7 +182,7 @@ class _Server(uvicorn.Server):
             port = self.config.port
             if self.servers and self.servers[0].sockets:
                 port = self.servers[0].sockets[0].getsockname()[1]
-            _banner().info("%s", self._line(port))
+            _BANNER.info("%s", self._line(port))
 
 
 def _model_folders(args: argparse.Namespace,
@@ -231,6 +230,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from server.settings import ServerSettings
 
     banner = configure_logging(args.log_level, args.log_format)
+    for note in vllm_flag_notes(args):
+        banner.info("%s", note)
     tune_interpreter()
     model_dir, tokenizer_dir = _model_folders(args, parser)
     name = args.model_tag or args.model
@@ -286,7 +287,7 @@ def _run_app(app: Any, args: argparse.Namespace, limits: ConnectionLimits,
     uv_level = args.uvicorn_log_level or args.log_level
     # log_config None: uvicorn's loggers propagate to the handler configure_logging set up.
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,
-                               log_config=None,
+                               log_config=None, root_path=getattr(args, "root_path", ""),
                                access_log=uv_level in ("info", "debug", "trace"),
                                timeout_graceful_shutdown=5, http=guard.protocol_factory,
                                # asyncio's loop, also where uvloop is installed: the

@@ -1,7 +1,8 @@
 """The options of `kvengine serve`: ours plus the `vllm serve` ones a moved command line carries.
 
 A vLLM option is either honoured or refused with one line that says why; none is accepted and
-then ignored, except `--trust-remote-code`, whose help says that nothing remote runs here.
+then ignored silently: `--trust-remote-code` (whose help says that nothing remote runs here) and
+the harmless ones of `server/vllm_flags.py` (one line at start each says why) change nothing.
 """
 
 from __future__ import annotations
