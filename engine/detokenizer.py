@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._max_stop_chars = max((len(s) for s in self.stop), default=0)
+        self.matched_stop: str | None = None  # the stop string that ended the text, once one did
 
     def update(self, output_ids: list[int], check_stop: bool = True) -> bool:
         """Take the ids generated so far; True when a stop string just matched. With
@@ -49,6 +50,7 @@ class IncrementalDetokenizer:
                 at, stop = min(hits, key=lambda hit: hit[0])
                 self.text = self.text[: at + len(stop) if self._include_stop_str else at]
                 self.stopped = True
+                self.matched_stop = stop
         return self.stopped
 
     def visible_text(self, finished: bool) -> str:

@@ -288,11 +288,14 @@ class LLMEngine:
         if (token_id in self._eos_token_ids and not params.ignore_eos
                 or params.stop_token_ids and token_id in params.stop_token_ids):
             reason = "stop"  # the token stays in token_ids; its text only on request
+            if token_id not in self._eos_token_ids or params.ignore_eos:
+                seq.stop_reason = token_id  # a stop token, not eos (vLLM's stop_reason)
             if params.include_stop_str_in_output:
                 seq.detokenizer.update(seq.output_token_ids, check_stop=False)
         elif seq.detokenizer.update(seq.output_token_ids,
                                     check_stop=seq.num_output_tokens > params.min_tokens):
             reason = "stop"
+            seq.stop_reason = seq.detokenizer.matched_stop
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -317,6 +320,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=output_ids, text=text, finished=finished, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason if finished else None,
             num_cached_tokens=num_cached, cached_tokens_by_tier=by_tier,
             new_token_ids=new_ids, new_text=new_text, logprobs=logprobs,
             new_logprobs=new_logprobs, arrival_time=seq.arrival_time,

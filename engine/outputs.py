@@ -44,3 +44,6 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_time: float = 0.0
+    # Once finished by "stop": the stop string or stop token id that ended it, None for eos
+    # (vLLM's stop_reason).
+    stop_reason: int | str | None = None

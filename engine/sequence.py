@@ -49,6 +49,8 @@ class Sequence:
     # request restored again later keeps the split it was admitted with
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
+    # vLLM's stop_reason: the stop string or stop token id that ended it (None: eos or length)
+    stop_reason: int | str | None = None
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
     # The scheduler step since which it waits for its next prefill chunk (aging, see

@@ -103,6 +103,7 @@ class EngineOutput(Protocol):
     text: str
     finished: bool
     finish_reason: str | None
+    stop_reason: int | str | None  # once finished: the stop string or token id (vLLM's)
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
     new_logprobs: Sequence[Any] | None  # per new token (server/logprobs.TokenLogprobsView)

@@ -73,6 +73,14 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+def is_json_type(content_type: str) -> bool:
+    """``application/json`` or ``application/*+json`` (parameters such as charset aside), the
+    types FastAPI reads a body of as JSON."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map APIError, validation errors (422 in FastAPI) and HTTP errors to OpenAI errors."""
 
@@ -81,7 +89,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not is_json_type(content_type):
+            # FastAPI parses only JSON bodies; any other is a bytes value the schema refuses.
+            return error_response(415, f"the request body must be JSON (Content-Type: "
+                                  f"application/json), not {content_type!r}",
+                                  code="unsupported_media_type")
         message, param = _describe_validation(exc)
         return error_response(400, message, param=param, code="invalid_value")
 

@@ -58,6 +58,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -96,6 +97,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -154,6 +156,7 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _error("missing or wrong API key (when the server has keys)"),
     404: _error("`model` names a model this server does not serve"),
     413: _error("the request body is over --max-request-body-bytes"),
+    415: _error("the request body is not JSON (its Content-Type is another)"),
     503: _error("overloaded (retry later) or the engine is not running"),
 }
 READ_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -173,6 +176,7 @@ TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _error("missing or wrong API key (when the server has keys)"),
     404: _error("`model` names a model this server does not serve"),
     413: _error("the request body is over --max-request-body-bytes"),
+    415: _error("the request body is not JSON (its Content-Type is another)"),
     503: _error("overloaded (retry later)"),
 }
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {

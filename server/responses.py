@@ -21,6 +21,7 @@ class ChoiceState:
     num_sent_chars: int = 0  # streamed text so far, in characters of `text`
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     first_token_time: float | None = None
@@ -87,7 +88,7 @@ def completion_body(response_id: str, created: int, model: str,
         "system_fingerprint": None,
         "choices": [
             {"index": c.index, "text": c.text, "logprobs": c.logprobs_body,
-             "finish_reason": c.finish_reason}
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for c in sorted(choices, key=lambda c: c.index)
         ],
         "usage": usage(choices),
@@ -109,6 +110,7 @@ def chat_body(response_id: str, created: int, model: str,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": c.logprobs_body,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             for c in sorted(choices, key=lambda c: c.index)
         ],
@@ -118,7 +120,8 @@ def chat_body(response_id: str, created: int, model: str,
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, text: str,
                      finish_reason: str | None, with_usage_field: bool,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                     logprobs: dict[str, Any] | None = None,
+                     stop_reason: int | str | None = None) -> dict[str, Any]:
     """One streamed `text_completion` chunk for one choice."""
     chunk: dict[str, Any] = {
         "id": response_id,
@@ -126,7 +129,8 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, tex
         "created": created,
         "model": model,
         "choices": [
-            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+             "stop_reason": stop_reason}
         ],
     }
     if with_usage_field:
@@ -136,7 +140,8 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, tex
 
 def chat_chunk(response_id: str, created: int, model: str, index: int, delta: dict[str, Any],
                finish_reason: str | None, with_usage_field: bool,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None,
+               stop_reason: int | str | None = None) -> dict[str, Any]:
     """One streamed `chat.completion.chunk` for one choice."""
     chunk: dict[str, Any] = {
         "id": response_id,
@@ -145,7 +150,8 @@ def chat_chunk(response_id: str, created: int, model: str, index: int, delta: di
         "model": model,
         "system_fingerprint": None,
         "choices": [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+             "stop_reason": stop_reason}
         ],
     }
     if with_usage_field:

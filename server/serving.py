@@ -274,6 +274,7 @@ class OpenAIServing:
             choice.logprobs.extend(out.new_logprobs)
         if out.finished:
             choice.finish_reason = out.finish_reason or "stop"
+            choice.stop_reason = getattr(out, "stop_reason", None)
             self.metrics.request_finished(choice.finish_reason, now - job.arrival)
         return choice
 
@@ -336,14 +337,15 @@ class OpenAIServing:
                 if not delta and not out.finished:
                     continue
                 reason = choice.finish_reason if out.finished else None
+                stop_reason = choice.stop_reason if out.finished else None
                 logprobs = self._chunk_logprobs(job, choice)
                 if chat:
                     payload = R.chat_chunk(rid, created, model, choice.index,
                                            {"content": delta} if delta else {}, reason,
-                                           include_usage, logprobs)
+                                           include_usage, logprobs, stop_reason)
                 else:
                     payload = R.completion_chunk(rid, created, model, choice.index, delta,
-                                                 reason, include_usage, logprobs)
+                                                 reason, include_usage, logprobs, stop_reason)
                 yield R.sse(payload)
             if include_usage:
                 name = "chat.completion.chunk" if chat else "text_completion"
