@@ -86,10 +86,23 @@ def register() -> None:
         bind_packages()
     except ImportError as exc:
         log.warning("%s", exc)
+    _log_like_vllm()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     with contextlib.suppress(ValueError):  # registered already: a second call in one process
         KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+
+
+def _log_like_vllm() -> None:
+    """The connector's lines ("offload" loggers: connected to kvstore at ..., its layout, its
+    warnings) go where vLLM's go, in vLLM's format and at its level (VLLM_LOGGING_LEVEL)."""
+    vllm_log, ours = logging.getLogger("vllm"), logging.getLogger("offload")
+    if not vllm_log.handlers or ours.handlers:
+        return  # vLLM's logging is off (VLLM_CONFIGURE_LOGGING=0), or ours is set up already
+    for handler in vllm_log.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_log.level or logging.INFO)
+    ours.propagate = False
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,8 @@ from offload.transfer import Transfer
 from offload.vocab import KVLayout
 
 log = logging.getLogger("offload")
+# Connected, reconnected: its own logger, which the programs show at their default level.
+connection_log = logging.getLogger("offload.connection")
 
 # How often a connected link asks the daemon for ``health``, and how long an answer (or any
 # other wait on the daemon) may take before the store counts as hung. Generous against a loaded
@@ -234,9 +236,13 @@ class StoreLink:
         self._up = True
         self.counters["connects"] += 1
         self._next_probe_at = time.monotonic()
+        where = client.socket_path
         if self.counters["connects"] > 1:
-            log.warning("kv offload: reconnected to the store (registration %s)",
-                        registration_id)
+            connection_log.warning("kv offload: reconnected to kvstore at %s (registration %s)",
+                                   where, registration_id)
+        else:
+            connection_log.info("kv offload: connected to kvstore at %s (registration %s)",
+                                where, registration_id)
 
     def _register(self, client: Client) -> int | None:
         """Register the layout (a fresh one if it is made per connect); None without one."""

@@ -22,6 +22,9 @@ def configure_logging(level: str, log_format: str = "text") -> logging.Logger:
     logging.getLogger().setLevel(logging.WARNING)
     for name in OUR_LOGGERS:
         logging.getLogger(name).setLevel(level.upper())
+    # "connected to kvstore at ..." and its reconnects show at the default level too.
+    logging.getLogger("offload.connection").setLevel(
+        min(logging.INFO, logging.getLevelName(level.upper())))
     return banner
 
 

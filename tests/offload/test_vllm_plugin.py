@@ -128,7 +128,10 @@ def test_vllm_serve_finds_the_connector_by_name_from_a_shadowing_folder(shadowed
         # The connector saved the prompt's full blocks: it ran, with the installed packages.
         assert wait_until(lambda: dram_blocks(daemon) >= len(p) // BLOCK_SIZE, 10.0), \
             log_path.read_text()[-3000:]
-        assert "Creating v1 connector with name: KVStoreConnector" in log_path.read_text()
+        text = log_path.read_text()
+        assert "Creating v1 connector with name: KVStoreConnector" in text
+        # The connector's lines go where vLLM's go (the plugin hands them vLLM's handler).
+        assert f"connected to kvstore at {sock}" in text, text[-3000:]
     finally:
         stop_process(server, signal.SIGTERM, timeout_s=30)
         with contextlib.suppress(ProcessLookupError):  # its engine and workers, if left
