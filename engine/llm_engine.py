@@ -332,7 +332,7 @@ class LLMEngine:
         bm, sched = self.block_manager, self.scheduler
         hit_tokens = empty_tier_counts()
         hit_tokens.update(self.offload.restores.hit_tokens_by_tier)
-        hit_tokens["hbm"] += sched.num_prefix_hit_tokens  # own prefix cache + other engines'
+        hit_tokens["hbm"] += sched.num_prefix_hit_tokens  # own prefix cache (peers': hbm_peer)
         return {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting) - sched.num_loading,

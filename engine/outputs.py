@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.logprobs import TokenLogprobs
 
-TIERS = ("hbm", "dram", "ssd", "remote")
+TIERS = ("hbm", "hbm_peer", "dram", "ssd", "remote")  # hbm: this engine's own; hbm_peer: another's
 FINISH_REASONS = ("stop", "length", "abort")
 
 

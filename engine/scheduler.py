@@ -123,10 +123,11 @@ class Scheduler:
 
     def _count_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
         if seq.num_cached_tokens is None:  # first admission: count the prompt once
-            restored = dict(seq.restored_tokens_by_tier)  # "hbm" here: from another engine
+            # from the store ("hbm_peer": another engine's arena on this node); "hbm" is ours
+            restored = dict(seq.restored_tokens_by_tier)
             num_local = num_hit_tokens - sum(restored.values())
             seq.num_cached_tokens = num_hit_tokens
-            seq.cached_tokens_by_tier = {**restored, "hbm": restored.get("hbm", 0) + num_local}
+            seq.cached_tokens_by_tier = {**restored, "hbm": num_local}
             self.num_prefix_query_tokens += seq.num_prompt_tokens
             self.num_prefix_hit_tokens += num_local
             self.num_prompt_tokens += seq.num_prompt_tokens

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from kvstore import Tier
 from offload.bridge import RestoreBridge
 from offload.connector import OffloadConnector
 from offload.core.restore_job import RestoreJob
@@ -45,6 +46,8 @@ MAX_LOOKUP_WAIT_S = 1.5
 # The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
 # when recomputing its blocks is expected to take longer (and longer than a step, when busy).
 MIN_RESTORE_S = 0.002
+# Usage's name for tokens copied from another engine's HBM on this node.
+HBM_PEER = "hbm_peer"
 
 
 def lookup_wait_budget_s(last_step_s: float, likely_hit: bool = False) -> float:
@@ -182,7 +185,9 @@ class EngineRestores(RestoreBridge):
         seq, n, bs = job.owner, job.num_loaded, self.block_size
         if job.end is RestoreEnd.SHORT:
             self.counters["loads_short"] += 1
-        restored = Counter(t.value for t in job.tiers[:n])
+        # The store's HBM tier is always another engine's arena (this engine's own blocks are
+        # its prefix hit): usage calls those tokens hbm_peer, apart from its own hbm.
+        restored = Counter(HBM_PEER if t is Tier.HBM else t.value for t in job.tiers[:n])
         seq.restored_tokens_by_tier = {tier: count * bs for tier, count in restored.items()}
         self._hit_tokens_by_tier.update(seq.restored_tokens_by_tier)
         # Loaded blocks are known to the store: never save them back.

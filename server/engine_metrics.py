@@ -20,7 +20,7 @@ from server.engine_protocol import ServedEngine, kv_store_state, offload_stats
 P = "kvengine:"
 # Offload stats that are levels (how many now), not counts of events.
 OFFLOAD_LEVELS = frozenset({"num_loading", "saves_in_flight", "blocks_quarantined_now"})
-STORE_TIERS = ("hbm", "dram", "ssd", "remote")
+STORE_TIERS = ("hbm_peer", "dram", "ssd", "remote")
 
 
 def _number(value: Any) -> float | None:

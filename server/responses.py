@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-TIERS = ("hbm", "dram", "ssd", "remote")
+TIERS = ("hbm", "hbm_peer", "dram", "ssd", "remote")
 
 
 @dataclass

@@ -182,7 +182,8 @@ def test_stats_count_tokens_and_hits(engine: LLMEngine) -> None:
     stats = engine.stats()
     assert stats["prompt_tokens_total"] == 80 and stats["generation_tokens_total"] == 6
     assert stats["prefix_cache_queries"] == 80
-    assert stats["prefix_cache_hit_tokens"] == {"hbm": 32, "dram": 0, "ssd": 0, "remote": 0}
+    assert stats["prefix_cache_hit_tokens"] == {"hbm": 32, "hbm_peer": 0, "dram": 0, "ssd": 0,
+                                                 "remote": 0}
     assert stats["num_blocks_cached"] >= 2 and stats["num_waiting"] == 0
     engine.add_request("w", prompt, SamplingParams())
     assert engine.stats()["num_waiting"] == 1

@@ -188,7 +188,8 @@ def test_reset_prefix_cache_sends_the_next_hit_to_the_store(tiny_model_dir, make
     out = llm.generate([prompt], GREEDY)[0]
     close_llm(llm)
     assert out.token_ids == reference(prompt)
-    assert out.cached_tokens_by_tier == {"hbm": 0, "dram": 7 * 16, "ssd": 0, "remote": 0}
+    assert out.cached_tokens_by_tier == {"hbm": 0, "hbm_peer": 0, "dram": 7 * 16, "ssd": 0,
+                                         "remote": 0}
 
 
 def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, make_daemon,

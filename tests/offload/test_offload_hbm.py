@@ -65,13 +65,20 @@ def test_second_engine_copies_the_prefix_from_the_first(tiny_model_dir, make_dae
         assert wait_until(lambda: _hbm_stats(daemon)["blocks"] >= 12)
         out = reader.generate([prompt], GREEDY)[0]
         assert out.token_ids == reference(prompt)
-        assert out.cached_tokens_by_tier == {"hbm": 12 * 16, "dram": 0, "ssd": 0, "remote": 0}
+        # another engine's arena on this node: hbm_peer, not this engine's own hbm
+        assert out.cached_tokens_by_tier == {"hbm": 0, "hbm_peer": 12 * 16, "dram": 0, "ssd": 0,
+                                             "remote": 0}
         assert out.num_cached_tokens == 12 * 16
         # The copied blocks are the owner's bytes, exactly.
         assert np.array_equal(_blocks_of(reader, prompt, 12), _blocks_of(owner, prompt, 12))
         stats = reader.engine.stats()
-        assert stats["kv_offload"]["restored_tokens_by_tier"] == {"hbm": 12 * 16}
-        assert stats["prefix_cache_hit_tokens"]["hbm"] == 12 * 16
+        assert stats["kv_offload"]["restored_tokens_by_tier"] == {"hbm_peer": 12 * 16}
+        assert stats["prefix_cache_hit_tokens"]["hbm_peer"] == 12 * 16
+        assert stats["prefix_cache_hit_tokens"]["hbm"] == 0
+        # which path: shared memory to shared memory (CPU engines), every block counted
+        hbm_counters = _hbm_stats(daemon)["counters"]
+        assert hbm_counters["blocks_copied_host"] == hbm_counters["blocks_copied"] == 12
+        assert hbm_counters["blocks_copied_peer_gpu"] == hbm_counters["blocks_copied_same_gpu"] == 0
         with daemon.client() as c:
             daemon_stats = c.stats()
         hbm = daemon_stats["tiers"]["hbm"]
@@ -119,7 +126,7 @@ def test_owner_reusing_its_blocks_shrinks_the_hit_never_the_kv(tiny_model_dir, m
             if final is not None:
                 break
         assert final is not None and final.token_ids == reference(prompt)
-        hbm_tokens = final.cached_tokens_by_tier["hbm"]
+        hbm_tokens = final.cached_tokens_by_tier["hbm_peer"]
         assert hbm_tokens < 12 * 16 and hbm_tokens % 16 == 0
         num_copied = hbm_tokens // 16
         copied = _blocks_of(reader, prompt, num_copied)
@@ -163,7 +170,7 @@ def test_owner_killed_its_blocks_leave_the_index(tiny_model_dir, make_daemon,
         out = reader.generate([prompt], GREEDY)[0]
         reader.close()
         assert out.token_ids == reference(prompt)
-        assert out.cached_tokens_by_tier["hbm"] == 0 and out.num_cached_tokens == 0
+        assert out.cached_tokens_by_tier["hbm_peer"] == 0 and out.num_cached_tokens == 0
         with daemon.client() as c:
             stats = c.stats()
             assert c.health()["status"] == "ok"
@@ -183,7 +190,7 @@ def test_sharing_off_publishes_nothing(tiny_model_dir, make_daemon, reference) -
         owner.generate([prompt], GREEDY)
         out = reader.generate([prompt], GREEDY)[0]
         assert out.token_ids == reference(prompt)
-        assert out.cached_tokens_by_tier["hbm"] == 0
+        assert out.cached_tokens_by_tier["hbm_peer"] == 0
         hbm = _hbm_stats(daemon)
         assert hbm["hits"] == 0 and hbm["registrations"] == 1  # only the reader's blocks
     finally:

@@ -31,7 +31,7 @@ def test_completion_counts_tokens(client, server) -> None:
     details = usage.prompt_tokens_details
     assert details is not None and details.cached_tokens is not None
     by_tier = details.model_extra["cached_tokens_by_tier"]
-    assert set(by_tier) == {"hbm", "dram", "ssd", "remote"}
+    assert set(by_tier) == {"hbm", "hbm_peer", "dram", "ssd", "remote"}
 
 
 def test_token_id_prompt_matches_text_prompt(client, server) -> None:

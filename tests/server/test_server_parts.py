@@ -64,7 +64,7 @@ def test_usage_counts_each_prompt_once() -> None:
     assert u["total_tokens"] == 117
     assert u["prompt_tokens_details"]["cached_tokens"] == 48
     assert u["prompt_tokens_details"]["cached_tokens_by_tier"] == {
-        "hbm": 48, "dram": 0, "ssd": 0, "remote": 0}
+        "hbm": 48, "hbm_peer": 0, "dram": 0, "ssd": 0, "remote": 0}
 
 
 def test_settings_validate_once() -> None:

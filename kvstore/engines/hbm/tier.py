@@ -31,7 +31,19 @@ from kvstore.store.block_store import BlockStore, Lease, Tier
 _FAILURES = {hbm_copy.GENERATION: "generation_failures", hbm_copy.CLOSED: "owner_closed_failures",
              hbm_copy.INCOMPATIBLE: "incompatible_failures", hbm_copy.COPY_ERROR: "copy_errors",
              hbm_copy.STOPPED: "copies_stopped"}
-COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_FAILURES.values())
+# Which path each copied block took: shared memory to shared memory (CPU engines), between two
+# engines on one GPU, or device to device between two GPUs (NVLink / PCIe peer access).
+_PATHS = ("blocks_copied_host", "blocks_copied_same_gpu", "blocks_copied_peer_gpu")
+COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_PATHS,
+            *_FAILURES.values())
+
+
+def _path(src: Registration, dst: Registration) -> str:
+    """The counter of a block copied from ``src``'s arena into ``dst``'s."""
+    if not dst.is_cuda:
+        return "blocks_copied_host"
+    return "blocks_copied_same_gpu" if src.device_id == dst.device_id \
+        else "blocks_copied_peer_gpu"
 
 
 @dataclass
@@ -151,6 +163,8 @@ class HbmTier:
                 with self._lock:
                     self.counters["copies"] += 1
                     self.counters["blocks_copied"] += got
+                    for entry in hit.sources[i:i + got]:
+                        self.counters[_path(entry.reg, dst)] += 1
                     if out.failure is not None:
                         self.counters[_FAILURES[out.failure]] += 1
             else:
