@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
+
+from offload.vllm.lmcache_keys import lmcache_name, take_lmcache
+
+log = logging.getLogger("offload.vllm")
 
 
 @dataclass(frozen=True)
@@ -30,9 +35,19 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        """Known keys only: a typo is an error, not a silently ignored setting."""
+        """Known keys only: a typo is an error, not a silently ignored setting. LMCache's
+        (``lmcache.<name>`` or the bare name) are taken where they have a direct equivalent
+        and refused with the equivalent named otherwise (``lmcache_keys.py``)."""
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
+        for key in [k for k in extra if k not in known and lmcache_name(k) is not None]:
+            taken = take_lmcache(key, extra.pop(key))
+            if taken is not None:
+                if taken[0] in extra:
+                    raise ValueError(f"kv_connector_extra_config: {key} and {taken[0]} are one "
+                                     "setting: give one")
+                extra[taken[0]] = taken[1]
+                log.info("kvstore connector: LMCache's %s taken as %s = %r", key, *taken)
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: "

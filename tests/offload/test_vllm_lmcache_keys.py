@@ -1,0 +1,58 @@
+"""LMCache's settings in ``kv_connector_extra_config`` (issue 30 item 2): taken where they have a
+direct equivalent, accepted where their value is what kvstore always does, refused with the
+equivalent named otherwise; docs/migrating-from-lmcache.md covers every one of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from offload.vllm.lmcache_keys import SETTINGS
+from offload.vllm.settings import ConnectorSettings
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating-from-lmcache.md"
+
+
+@pytest.mark.parametrize("key", ["lmcache.lookup_timeout_ms", "lookup_timeout_ms"])
+def test_a_direct_equivalent_is_taken(key: str) -> None:
+    assert ConnectorSettings.from_extra_config({key: 250}).lookup_timeout_s == 0.25
+
+
+def test_values_kvstore_always_has_are_accepted() -> None:
+    settings = ConnectorSettings.from_extra_config({
+        "lmcache.save_decode_cache": True, "discard_partial_chunks": True,
+        "lmcache.local_cpu": "true", "lmcache.enable_async_loading": True,
+        "lmcache.save_unfull_chunk": False, "kv_store_socket": "/tmp/x.sock"})
+    assert settings == ConnectorSettings(kv_store_socket="/tmp/x.sock")
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"lmcache.max_local_cpu_size": 5.0}, "kvstore serve --dram"),
+    ({"lmcache.local_disk": "file:///mnt/nvme/"}, "kvstore serve --ssd-dir"),
+    ({"lmcache.remote_url": "lm://host:65432"}, "--cluster redis://"),
+    ({"lmcache.chunk_size": 256}, "vLLM's --block-size"),
+    ({"lmcache.enable_blending": True}, "CacheBlend"),
+    ({"lmcache.cache_policy": "LFU"}, "--eviction lru|fifo"),
+    ({"lmcache.save_decode_cache": False}, "decode's included"),
+    ({"lmcache.save_unfull_chunk": True}, "only full blocks"),
+    ({"lmcache.blocking_timeout_secs": 5}, "load_timeout_s and save_timeout_s"),
+    ({"lmcache.some_new_setting": 1}, "LMCache setting this connector does not know"),
+    ({"lookup_timeout_ms": 100, "lookup_timeout_s": 0.2}, "one setting: give one"),
+])
+def test_others_are_refused_with_the_equivalent_named(extra: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle.replace("|", r"\|")) as info:
+        ConnectorSettings.from_extra_config(extra)
+    assert "migrating-from-lmcache" in str(info.value) or "lookup_timeout" in str(info.value) \
+        or "here:" in str(info.value)
+
+
+def test_a_typo_of_our_own_keys_is_still_an_unknown_key() -> None:
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        ConnectorSettings.from_extra_config({"lookup_timeout": 1.0})
+
+
+def test_the_migration_guide_names_every_lmcache_setting() -> None:
+    text = DOC.read_text()
+    missing = [name for name in SETTINGS if f"`{name}`" not in text]
+    assert not missing, missing
