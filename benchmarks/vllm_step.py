@@ -7,12 +7,17 @@ layer's weights reused) and its KV written into ``--layers`` vLLM flash-layout t
 vLLM's order: ``pump_saves`` (``start_load_kv``, before the forward), the forward, ``save`` with
 an event recorded behind the forward (``wait_for_save``), ``poll`` and ``finished_saving``
 (``get_finished``); the step ends when the host has the step's result (a synchronize, as vLLM
-reads its sampled tokens). "off" runs the same steps without the connector. The saves are real:
-a ``kvstore serve`` copies each step's ~300 MB of blocks over CUDA IPC into its DRAM while the
-next steps compute. Reported: step time p50 and mean, on against off (off measured before and
-after on, to see drift), and how many blocks the store saved.
+reads its sampled tokens: the compute stream's synchronize). "off" runs the same steps without
+the connector. The saves are real: a ``kvstore serve`` copies each step's ~300 MB of blocks over
+CUDA IPC into its DRAM while the next steps compute. ``engine`` (the issue's other candidate,
+measured for its cost to the step): the engine copies the same blocks itself, on a side stream of
+its own process behind the step's event, gathered per layer into pinned host memory (no daemon,
+no bookkeeping: the copy alone). Reported: step time p50 and mean per mode against off (off
+measured before and after, to see drift), how many blocks the store saved, and the engine-side
+copy's bandwidth.
 
     python -m benchmarks.vllm_step [--steps 30] [--warmup 5] [--tokens 2048] [--out DIR]
+                                   [--modes daemon,engine]
 """
 
 from __future__ import annotations
@@ -66,8 +71,42 @@ class Step:
             self.kv[layer].index_copy_(1, ids, self.new_kv)
 
 
-def _timed(torch, step: Step, pick, worker: WorkerSide | None, plan_for, n: int) -> list[float]:
+class EngineCopies:
+    """The engine copies a step's blocks to pinned host memory itself, on its own side stream."""
+
+    def __init__(self, torch, kv: list, per_step: int) -> None:
+        self.torch = torch
+        self.kv = kv
+        shape = (len(kv), 2, per_step, *kv[0].shape[2:])
+        self.host = torch.empty(shape, dtype=kv[0].dtype, pin_memory=True)
+        self.stream = torch.cuda.Stream()
+        self.spans: list[tuple] = []  # (start, end) events of each step's copies
+
+    def after_step(self, ids: list[int]) -> None:
+        torch = self.torch
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        index = torch.tensor(ids, device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            start.record(self.stream)
+            for layer, tensor in enumerate(self.kv):
+                self.host[layer].copy_(tensor.index_select(1, index), non_blocking=True)
+            end.record(self.stream)
+        index.record_stream(self.stream)
+        self.spans.append((start, end))
+
+    def gbps(self, num_bytes: int) -> float:
+        self.stream.synchronize()
+        ms = [a.elapsed_time(b) for a, b in self.spans]
+        return num_bytes / (float(np.median(ms)) / 1e3) / 1e9 if ms else 0.0
+
+
+def _timed(torch, step: Step, pick, worker: WorkerSide | None, plan_for, n: int,
+           engine: EngineCopies | None = None) -> list[float]:
     out = []
+    compute = torch.cuda.current_stream()
     for i in range(n):
         ids = pick(i)
         t0 = time.perf_counter()
@@ -76,11 +115,13 @@ def _timed(torch, step: Step, pick, worker: WorkerSide | None, plan_for, n: int)
         step.run(ids)
         if worker is not None:
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream())
+            event.record(compute)
             worker.save(plan_for(i, ids), event.query)  # wait_for_save
             worker.poll()  # get_finished
             worker.finished_saving(())
-        torch.cuda.synchronize()  # the step's sampled tokens reach the host
+        if engine is not None:
+            engine.after_step(ids)
+        compute.synchronize()  # the step's sampled tokens reach the host
         out.append(time.perf_counter() - t0)
     return out
 
@@ -91,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--modes", default="daemon,engine",
+                        help="daemon (the connector's saves), engine (the engine's own copies)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"daemon", "engine"}:
+        parser.error("--modes: daemon, engine or both")
     import torch
 
     bs, heads, head_dim = 16, 8, 128
@@ -121,22 +167,32 @@ def main(argv: list[str] | None = None) -> int:
 
     _timed(torch, step, pick, None, plan_for, args.warmup)
     off_before = _timed(torch, step, pick, None, plan_for, args.steps)
-    dram = int(block_bytes * per_step * total * 1.1) + (1 << 30)
-    proc, socket_path = start_store(str(dram))
-    try:
-        mover = make_mover([f"l{i}" for i in range(args.layers)], kv, num_blocks, 1, {})
-        worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
-                            retry_interval_s=1.0)
-        if not worker.connect(wait_s=60.0):
-            raise RuntimeError("could not register the CUDA tensors with the daemon")
-        _timed(torch, step, pick, worker, plan_for, args.warmup)
-        on = _timed(torch, step, pick, worker, plan_for, args.steps)
-        worker.drain(120.0)
-        saved = worker.counters["blocks_saved"]
-        failed = worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
-        worker.close()
-    finally:
-        stop_store(proc, socket_path)
+    on: dict[str, list[float]] = {}
+    saved = failed = 0
+    engine_gbps = None
+    if "daemon" in modes:
+        dram = int(block_bytes * per_step * total * 1.1) + (1 << 30)
+        proc, socket_path = start_store(str(dram))
+        try:
+            mover = make_mover([f"l{i}" for i in range(args.layers)], kv, num_blocks, 1, {})
+            worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
+                                retry_interval_s=1.0)
+            if not worker.connect(wait_s=60.0):
+                raise RuntimeError("could not register the CUDA tensors with the daemon")
+            _timed(torch, step, pick, worker, plan_for, args.warmup)
+            on["daemon"] = _timed(torch, step, pick, worker, plan_for, args.steps)
+            worker.drain(120.0)
+            saved = worker.counters["blocks_saved"]
+            failed = worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
+            worker.close()
+        finally:
+            stop_store(proc, socket_path)
+    if "engine" in modes:
+        copies = EngineCopies(torch, kv, per_step)
+        _timed(torch, step, pick, None, plan_for, args.warmup, copies)
+        copies.spans.clear()
+        on["engine"] = _timed(torch, step, pick, None, plan_for, args.steps, copies)
+        engine_gbps = copies.gbps(per_step * block_bytes)
     off_after = _timed(torch, step, pick, None, plan_for, args.steps)
     off = off_before + off_after
 
@@ -147,15 +203,24 @@ def main(argv: list[str] | None = None) -> int:
               "host": platform.node(), "tokens_per_step": args.tokens, "layers": args.layers,
               "blocks_per_step": per_step, "bytes_saved_per_step": per_step * block_bytes,
               "steps": args.steps, "off": stats(off), "off_before": stats(off_before),
-              "off_after": stats(off_after), "on": stats(on), "blocks_saved": saved,
-              "blocks_expected": per_step * total, "blocks_failed": failed,
+              "off_after": stats(off_after), "blocks_saved": saved,
+              "blocks_expected": per_step * total if "daemon" in modes else 0,
+              "blocks_failed": failed, "engine_copy_gbps": engine_gbps,
               "command": command("python -m benchmarks.vllm_step", argv)}
-    result["on_vs_off_p50"] = result["on"]["p50_ms"] / result["off"]["p50_ms"]
-    result["on_vs_off_mean"] = result["on"]["mean_ms"] / result["off"]["mean_ms"]
-    print(f"step p50 off {result['off']['p50_ms']:.2f} ms (before {stats(off_before)['p50_ms']:.2f}"
-          f", after {stats(off_after)['p50_ms']:.2f}), on {result['on']['p50_ms']:.2f} ms: "
-          f"{result['on_vs_off_p50']:.3f}x; mean {result['on_vs_off_mean']:.3f}x; saved "
-          f"{saved}/{per_step * total} blocks ({failed} failed)", flush=True)
+    print(f"step p50 off {result['off']['p50_ms']:.2f} ms (before "
+          f"{result['off_before']['p50_ms']:.2f}, after {result['off_after']['p50_ms']:.2f})",
+          flush=True)
+    for mode, xs in on.items():
+        result[mode] = stats(xs)
+        result[f"{mode}_vs_off_p50"] = result[mode]["p50_ms"] / result["off"]["p50_ms"]
+        result[f"{mode}_vs_off_mean"] = result[mode]["mean_ms"] / result["off"]["mean_ms"]
+        print(f"  {mode:>6}: p50 {result[mode]['p50_ms']:.2f} ms, "
+              f"{result[f'{mode}_vs_off_p50']:.3f}x off; mean {result[f'{mode}_vs_off_mean']:.3f}x",
+              flush=True)
+    if "daemon" in on:
+        print(f"  daemon saved {saved}/{per_step * total} blocks ({failed} failed)", flush=True)
+    if engine_gbps is not None:
+        print(f"  engine copy: {engine_gbps:.1f} GB/s a step's blocks (median)", flush=True)
     tag = "h100" if "H100" in result["device"] else "h200" if "H200" in result["device"] else "gpu"
     print(f"wrote {write_result(args.out, f'vllm_step-{tag}-{today()}.json', result)}")
     return 0
