@@ -49,7 +49,7 @@ _COPY_VERBS = frozenset({"save", "load"})
 # that goes on to the cluster's peers returns a Deferred, run on a worker. ``resident`` and
 # ``evicted`` only touch the HBM tier's index; on the loop they also keep one connection's
 # publications in the order it sent them.
-INLINE_VERBS = frozenset({"health", "lookup", "release", "resident", "evicted"})
+INLINE_VERBS = frozenset({"hello", "health", "lookup", "release", "resident", "evicted"})
 # Frames up to this size are read without asking the buffer budget: requests, not payloads.
 _SMALL_FRAME_BYTES = 64 * 1024
 _LOG_INTERVAL_S = 10.0  # a repeated warning or error is logged once per this, with a count

@@ -29,6 +29,7 @@ from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.hbm.tier import HbmTier
 from kvstore.engines.registry import Registry
 from kvstore.store.block_store import BlockStore
+from kvstore.wire import protocol as proto
 
 if TYPE_CHECKING:  # imported only with --cluster: it pulls in redis and ucxx
     from kvstore.cluster.node import ClusterNode
@@ -62,6 +63,7 @@ class Service:
                               self.counters)
         # Every verb of the protocol (wire/protocol.py SCHEMAS), by name: grep finds each.
         self.verbs: dict[str, Handler] = {
+            "hello": lambda args, ctx: self.hello(args),
             "health": lambda args, ctx: self.health(),
             "stats": lambda args, ctx: self.stats(),
             "put": blocks.put,
@@ -137,6 +139,24 @@ class Service:
         if handler is None:  # the protocol validated the verb: a table out of step with it
             raise ServiceError("unknown_verb", f"no handler for verb {verb!r}")
         return with_mapped_errors(handler, args, ctx)
+
+    def hello(self, args: dict) -> dict:
+        """A client's first request: its protocol version against ours (one major, or refused
+        with both named)."""
+        theirs = args["protocol"]
+        try:
+            same = proto.protocol_major(theirs) == proto.protocol_major(proto.PROTOCOL_VERSION)
+        except ValueError as exc:
+            raise ServiceError(proto.BAD_REQUEST, f"hello: {exc}") from None
+        ours = f"protocol {proto.PROTOCOL_VERSION} (kvstore-tiered {self.version or 'unknown'})"
+        if not same:
+            client = args.get("client") or "a client"
+            raise ServiceError(proto.PROTOCOL_MISMATCH,
+                               f"{client} speaks kvstore protocol {theirs[:32]}; this daemon "
+                               f"speaks {ours}: upgrade the older one (one major version on "
+                               f"both sides)")
+        return {"protocol": proto.PROTOCOL_VERSION,
+                "daemon": f"kvstore-tiered {self.version or 'unknown'}"}
 
     def health(self) -> dict:
         return {"status": "ok", "uptime_s": round(time.monotonic() - self.started_at, 3),

@@ -20,6 +20,7 @@ from typing import Any
 from kvstore.layout import KVLayout
 from kvstore.settings import default_socket_path
 from kvstore.wire import protocol as proto
+from kvstore.wire.handshake import hello_args, read_hello
 from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error types, re-exported)
     ClientError,
     DaemonUnavailable,
@@ -27,6 +28,7 @@ from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error t
     LocateReply,
     LookupReply,
     Pending,
+    ProtocolMismatch,
     RequestTimeout,
     SaveReply,
     locate_reply,
@@ -56,6 +58,10 @@ class Client:
         # The daemon's error frame that refused this connection (its connection cap, a uid it
         # does not serve), set by the reader thread: the reason it closed, whatever comes next.
         self._refusal: ClientError | None = None
+        # The hello (protocol versions) goes out in front of the first request, unanswered by
+        # nobody: its reply is checked by the reader thread.
+        self._hello_id: int | None = None
+        self.daemon_protocol: str | None = None  # once the hello is answered
         self._sock = self._connect()
         self._reader = threading.Thread(target=self._read_loop, name="kvstore-client-reader",
                                         daemon=True)
@@ -84,6 +90,9 @@ class Client:
                 convert: Callable[[Any], Any] | None = None) -> Pending:
         """Send a request without waiting; the daemon enforces ``timeout_s`` as its deadline."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._hello_id is None and verb != "hello":
+            self._hello_id = -1  # taken: the hello itself goes through here once
+            self._hello_id = self.request("hello", hello_args(), timeout_s).request_id
         deadline_ms = max(1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS))
         request_id = next(self._ids)
         message = {"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
@@ -167,6 +176,8 @@ class Client:
         return self._refusal or error
 
     def _dispatch(self, reply: dict) -> None:
+        if reply.get("id") == self._hello_id is not None:
+            self._check_hello(reply)
         with self._lock:
             pending = self._pending.pop(reply.get("id"), None)
         if pending is None:
@@ -176,6 +187,14 @@ class Client:
         else:
             err = reply.get("error") or {}
             pending.finish(error=ClientError(str(err.get("code")), str(err.get("message"))))
+
+    def _check_hello(self, reply: dict) -> None:
+        """The hello's answer: another major fails every request with one error naming both."""
+        self.daemon_protocol, mismatch = read_hello(reply, self.socket_path)
+        if mismatch is not None:
+            self._fail_all(mismatch)
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -21,6 +21,12 @@ DEFAULT_DEADLINE_MS = 30_000
 MAX_DEADLINE_MS = 24 * 3600 * 1000
 MAX_IDENT_LEN = 1 << 20  # one packed ident's bytes (lookup's ident_len)
 
+# The protocol's version, "MAJOR.MINOR": a client and a daemon of one major understand each
+# other (a minor adds, never changes); they say theirs in the first exchange (the ``hello`` verb).
+# Daemons from before the handshake answer it ``unknown_verb``: they speak 1.0.
+PROTOCOL_VERSION = "1.1"
+PRE_HANDSHAKE_VERSION = "1.0"
+
 # Error codes, the complete list a client can see.
 BAD_REQUEST = "bad_request"
 UNKNOWN_VERB = "unknown_verb"
@@ -33,6 +39,7 @@ UNSUPPORTED = "unsupported"
 STORE_ERROR = "store_error"
 SHUTTING_DOWN = "shutting_down"
 RESOURCE_EXHAUSTED = "resource_exhausted"  # connection cap, buffer budget, timeouts
+PROTOCOL_MISMATCH = "protocol_mismatch"  # a hello of another major version
 INTERNAL = "internal"
 
 
@@ -46,6 +53,14 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
 
+
+
+def protocol_major(version: str) -> int:
+    """The major of a "MAJOR.MINOR" protocol version; ValueError if it is not one."""
+    major, sep, minor = version.partition(".")
+    if not (sep and major.isdigit() and minor.isdigit()):
+        raise ValueError(f"not a MAJOR.MINOR protocol version: {version[:32]!r}")
+    return int(major)
 
 
 def kind_of(value: Any) -> str:

@@ -11,6 +11,8 @@ followed by the daemon closing the connection. Replies may come out of order.
 Verbs (args -> result; ``h16`` is a 16-byte bin, leases and registrations belong to the
 connection that made them):
 
+  hello       {protocol: "MAJOR.MINOR", client?: str} -> {protocol, daemon}  (a client's first
+              request; another major is refused with ``protocol_mismatch``, naming both)
   health      {}                                    -> {status, uptime_s, pid, version}
   stats       {}                                    -> store stats + {daemon: {...}}
   put         {namespace?: str, key: bin, value: bin} -> {stored: bool, replaced: bool}
@@ -68,6 +70,9 @@ from kvstore.wire.framing import (
     MAX_REQUEST_ID,
     NOT_FOUND,
     PERMISSION_DENIED,
+    PRE_HANDSHAKE_VERSION,
+    PROTOCOL_MISMATCH,
+    PROTOCOL_VERSION,
     RESOURCE_EXHAUSTED,
     SHUTTING_DOWN,
     STORE_ERROR,
@@ -79,6 +84,7 @@ from kvstore.wire.framing import (
     encode_frame,
     frame_length,
     kind_of,
+    protocol_major,
 )
 from kvstore.wire.verbs import (
     SCHEMAS,
@@ -94,6 +100,7 @@ __all__ = [
     "BAD_REQUEST", "DEADLINE_EXCEEDED", "DEFAULT_DEADLINE_MS", "FRAME_TOO_LARGE", "HEADER",
     "HEADER_BYTES", "INTERNAL", "MALFORMED_FRAME", "MAX_DEADLINE_MS", "MAX_FRAME_BYTES",
     "MAX_IDENT_LEN", "MAX_NESTING", "MAX_REQUEST_ID", "NOT_FOUND", "PERMISSION_DENIED",
+    "PRE_HANDSHAKE_VERSION", "PROTOCOL_MISMATCH", "PROTOCOL_VERSION", "protocol_major",
     "RESOURCE_EXHAUSTED", "SCHEMAS", "SHUTTING_DOWN", "STORE_ERROR", "UNKNOWN_VERB",
     "UNSUPPORTED", "FrameDecoder",
     "ProtocolError", "Request", "decode_body", "encode_frame", "error_reply", "expand_tier_runs",

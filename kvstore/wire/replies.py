@@ -24,6 +24,13 @@ class ClientError(Exception):
         self.message = message
 
 
+class ProtocolMismatch(ClientError):
+    """The daemon speaks another major version of the protocol; the message names both."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("protocol_mismatch", message)
+
+
 class RequestTimeout(ClientError, TimeoutError):
     """No reply within the wait's timeout; the request may still complete in the daemon."""
 

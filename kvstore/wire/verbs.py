@@ -98,6 +98,7 @@ class Field:
 
 
 SCHEMAS: dict[str, dict[str, Field]] = {
+    "hello": {"protocol": Field(_is_str, "str"), "client": Field(_is_str, "str", required=False)},
     "health": {},
     "stats": {},
     "put": {

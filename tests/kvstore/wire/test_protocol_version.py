@@ -1,0 +1,67 @@
+"""The protocol version in a connection's first exchange (issue 30 item 8): a client says its
+version in a ``hello`` sent ahead of its first request; a client and daemon of one major work
+together, another major gets one error naming both versions; an older client that sends no
+hello keeps working, as does a newer client with a daemon from before the handshake. A real
+daemon; the other major is this client told to claim 2.0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from daemon_helpers import raw_connect, recv_message, send_message
+
+from kvstore.wire import protocol as proto
+from kvstore.wire.client import Client, ProtocolMismatch
+from kvstore.wire.handshake import read_hello
+
+
+def test_one_major_works_and_the_client_learns_the_daemons_version(daemon) -> None:
+    with Client(daemon.socket_path) as c:
+        assert c.health()["status"] == "ok"
+        assert c.daemon_protocol == proto.PROTOCOL_VERSION
+
+
+def test_a_client_of_another_major_gets_one_error_naming_both(daemon, monkeypatch) -> None:
+    monkeypatch.setattr(proto, "PROTOCOL_VERSION", "2.0")  # this client now speaks 2.0
+    with Client(daemon.socket_path) as c, pytest.raises(ProtocolMismatch) as info:
+        c.stats()
+    message = str(info.value)
+    assert "2.0" in message and "1." in message and "upgrade the older one" in message
+
+
+def test_the_daemon_refuses_another_major_by_name(daemon) -> None:
+    sock = raw_connect(daemon.socket_path)
+    try:
+        send_message(sock, {"id": 1, "verb": "hello", "args": {"protocol": "7.3",
+                                                               "client": "tool 9"}})
+        reply = recv_message(sock)
+        assert reply["error"]["code"] == proto.PROTOCOL_MISMATCH
+        text = reply["error"]["message"]
+        assert "tool 9" in text and "7.3" in text and proto.PROTOCOL_VERSION in text
+        send_message(sock, {"id": 2, "verb": "hello", "args": {"protocol": "one"}})
+        assert recv_message(sock)["error"]["code"] == proto.BAD_REQUEST
+    finally:
+        sock.close()
+
+
+def test_an_old_client_without_a_hello_keeps_working(daemon) -> None:
+    sock = raw_connect(daemon.socket_path)
+    try:
+        send_message(sock, {"id": 1, "verb": "health", "args": {}})
+        assert recv_message(sock)["result"]["status"] == "ok"
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(("reply", "version", "fails"), [
+    ({"id": 1, "ok": True, "result": {"protocol": "1.9"}}, "1.9", False),
+    ({"id": 1, "ok": False, "error": {"code": "unknown_verb", "message": "?"}}, "1.0", False),
+    ({"id": 1, "ok": True, "result": {"protocol": "3.0"}}, "3.0", True),
+    ({"id": 1, "ok": True, "result": {}}, "", True),
+])
+def test_reading_the_answer(reply: dict, version: str, fails: bool) -> None:
+    theirs, mismatch = read_hello(reply, Path("/run/kvstore.sock"))
+    assert theirs == version and (mismatch is not None) == fails
+    if fails:
+        assert "/run/kvstore.sock" in str(mismatch) and proto.PROTOCOL_VERSION in str(mismatch)
