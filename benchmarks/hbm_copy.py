@@ -10,7 +10,11 @@ thread, generation checks included) and its ``lookup`` apart; by CUDA events one
 cudaMemcpyAsync device to device of the same bytes, and, as the ceiling of a call per block, the
 daemon's copier alone in this process with the same runs. Ratio = daemon load / raw.
 
-    python -m benchmarks.hbm_copy [--blocks 64,256,1024] [--reps 10] [--out DIR]
+``--reader-device N`` puts the reader's arena on GPU N (the owner's stays on GPU 0): the daemon
+then copies between the GPUs (peer access: NVLink or PCIe), as for two engines of a node.
+
+    python -m benchmarks.hbm_copy [--blocks 64,256,1024] [--reps 10] [--reader-device N]
+                                  [--out DIR]
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def _raw_row(cp, n: int, src: int, dst: int, src_ids: list[int], dst_ids: list[i
     nbytes = n * BLOCK_BYTES
     stream = cp.cuda.Stream(non_blocking=True)
     raw_ms = cuda_median_ms(
-        cp, lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, 3, stream.ptr), reps, stream)
+        cp, lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, 4, stream.ptr), reps, stream)
     copier = CudaCopier(cp.cuda.Device().id)
     runs = [CopyRun(src + s * BLOCK_BYTES, dst + d * BLOCK_BYTES, BLOCK_BYTES)
             for s, d in zip(src_ids, dst_ids, strict=True)]
@@ -106,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="64,256,1024")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reader-device", type=int, default=0,
+                        help="the GPU of the reader's arena (the owner's is GPU 0)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
 
@@ -116,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
     counts = [int(x) for x in args.blocks.split(",")]
     max_blocks = max(counts)
-    owner_arena, reader_arena = _Arena(cp, max_blocks, seed=0), _Arena(cp, max_blocks, None)
+    owner_arena = _Arena(cp, max_blocks, seed=0)
+    with cp.cuda.Device(args.reader_device):
+        reader_arena = _Arena(cp, max_blocks, None)
     rng = np.random.default_rng(0)
     cases = {}
     for n in counts:
@@ -147,17 +155,21 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             # Byte-exactness of what was measured: the last load's blocks are the owner's.
             src_ids, dst_ids = cases[(max_blocks, "shuffled")]
-            reader_arena.kv[...] = 0
-            cp.cuda.Device().synchronize()
+            with cp.cuda.Device(args.reader_device):
+                reader_arena.kv[...] = 0
+                cp.cuda.Device().synchronize()
             _daemon_row(owner, reader, reg_owner, reg_reader, namespace, owner_arena, src_ids,
                         dst_ids, 1)
-            exact = bool(cp.array_equal(reader_arena.kv[dst_ids], owner_arena.kv[src_ids]))
+            with cp.cuda.Device(args.reader_device):  # each arena read on its own GPU
+                got = cp.asnumpy(reader_arena.kv[dst_ids])
+            exact = bool(np.array_equal(got, cp.asnumpy(owner_arena.kv[src_ids])))
             stats = reader.stats()["tiers"]["hbm"]
     finally:
         stop_daemon(proc, socket_path)
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     out = {
         "benchmark": "hbm_copy", "block_bytes": BLOCK_BYTES, "rows": rows, "byte_exact": exact,
+        "owner_device": 0, "reader_device": args.reader_device,
         "hbm_tier_stats": stats,
         "timing": "daemon: wall clock around Client.load of blocks the lookup found in the "
                   "owner's arena (socket, msgpack, worker thread, generation checks included), "
@@ -171,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": command("python -m benchmarks.hbm_copy", argv),
     }
     print(f"byte-exact: {exact}")
-    path = write_result(args.out, f"hbm-copy-{today()}.json", out)
+    name = "hbm-copy" if args.reader_device == 0 else f"hbm-copy-gpu0-to-gpu{args.reader_device}"
+    path = write_result(args.out, f"{name}-{today()}.json", out)
     print(f"wrote {path}")
     return 0 if exact else 1
 
