@@ -52,7 +52,7 @@ from kvstore.testing.processes import stop_process
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-class _Process:
+class Process:
     """A subprocess whose merged output is drained by a thread (last lines kept)."""
 
     def __init__(self, cmd: list[str], name: str) -> None:
@@ -156,7 +156,7 @@ def plan_sizing(args: argparse.Namespace, workload: WorkloadConfig, block_bytes:
             "notes": notes}
 
 
-def _warm_up(url: str, max_tokens: int, tokens_per_word: float, length: int) -> None:
+def warm_up(url: str, max_tokens: int, tokens_per_word: float, length: int) -> None:
     """Two requests on text no user sends: kernels compiled, prefill rate measured."""
     rng = random.Random("warm-up")
     with httpx.Client(timeout=600) as client:
@@ -206,7 +206,7 @@ def run_point(args: argparse.Namespace, workload: WorkloadConfig, sizing: dict, 
     daemon = engine = None
     try:
         if offload:
-            daemon = _Process([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
+            daemon = Process([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
                                str(socket_path), "--dram", str(sizing["dram_bytes"]),
                                "--http", "off"], "kvstore serve")
             daemon.wait_for(r"kvstore: ready", args.start_timeout)
@@ -219,9 +219,9 @@ def run_point(args: argparse.Namespace, workload: WorkloadConfig, sizing: dict, 
             cmd += ["--kv-offload", "--kv-store-socket", str(socket_path),
                     "--kv-offload-policy", args.kv_offload_policy]
         point["engine_command"] = " ".join(cmd[1:])
-        engine = _Process(cmd, "kvengine serve")
+        engine = Process(cmd, "kvengine serve")
         url = engine.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
-        _warm_up(url, workload.answer_len, workload.tokens_per_word,
+        warm_up(url, workload.answer_len, workload.tokens_per_word,
                  min(1024, sizing["max_model_len"] // 2))
         config = multiturn.RunConfig(url=url, workload=workload, qps=qps,
                                      request_timeout_s=args.request_timeout,

@@ -1,0 +1,40 @@
+"""benchmarks.node: the issue's ratios from configurations' figures, and a scaled-down node end
+to end on CPU (a real daemon, two real `kvengine serve`, a real `kvengine router`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import node
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _point(later_ms: float, later_p50_ms: float) -> dict:
+    return {"error": None, "summary": {"later_ms": later_ms, "later_p50_ms": later_p50_ms}}
+
+
+def test_ratios_follow_the_issue() -> None:
+    ratios = node.compare({"rr-no-store": _point(800, 700), "rr-store": _point(200, 300),
+                           "kv": _point(100, 150), "single": _point(80, 70)})
+    assert ratios == {"kv_later_vs_single": 1.25, "kv_later_vs_rr_no_store": 8.0,
+                      "kv_vs_rr_store_later_p50": 2.0, "rr_store_vs_rr_no_store_later": 4.0}
+    failed = node.compare({"kv": {"error": "boom"}, "single": _point(80, 70)})
+    assert failed["kv_later_vs_single"] is None
+
+
+def test_a_two_engine_node_runs_end_to_end_on_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert node.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--gpus", "2",
+                      "--scale", "0.02", "--duration-s", "3", "--configs", "kv,single",
+                      "--no-progress", "--out", str(tmp_path), "--tag", "smoke"]) == 0
+    result = json.loads(next(tmp_path.glob("node-smoke-*.json")).read_text())
+    kv, single = result["points"]["kv"], result["points"]["single"]
+    assert kv["error"] is None and single["error"] is None, (kv["error"], single["error"])
+    assert kv["engines"] == 2 and single["engines"] == 1
+    assert kv["summary"]["num_ok"] == kv["summary"]["num_requests"] > 0
+    routed = kv["router_requests_by_reason"]
+    assert sum(routed.values()) >= kv["summary"]["num_requests"]  # warm-ups go direct
+    assert result["ratios"]["kv_later_vs_single"] is not None
