@@ -65,6 +65,21 @@ def _blocks(llm: LLM, prompt: list[int]) -> np.ndarray:
     return cp.asnumpy(llm.engine.kv_cache.array[[bm._by_key[k] for k in keys]].view(cp.uint16))
 
 
+def _restore_on_cuda1(model: Path, socket_path: Path, prompt: list[int], tokens: list[int],
+                      blocks_file: Path, tier: str) -> None:
+    """A fresh engine on cuda:1 answers ``prompt`` as the owner did, its prefix restored from
+    ``tier``, byte for byte."""
+    llm = LLM(str(model), device="cuda:1", kv_offload=True, num_kv_blocks=128,
+              kv_store_socket=str(socket_path), kv_offload_restore="always")
+    try:
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.token_ids == tokens
+        assert out.cached_tokens_by_tier[tier] == NUM_BLOCKS * 16, out.cached_tokens_by_tier
+        assert np.array_equal(_blocks(llm, prompt), np.load(blocks_file))
+    finally:
+        llm.close()
+
+
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 def test_a_prefix_from_cuda0_reaches_cuda1_by_peer_copy_and_from_dram(tmp_path: Path) -> None:
     model = tmp_path / "model"
@@ -86,26 +101,15 @@ def test_a_prefix_from_cuda0_reaches_cuda1_by_peer_copy_and_from_dram(tmp_path: 
         assert line and line[0] == "tokens", "the engine on cuda:0 did not start"
         owner_tokens = [int(t) for t in line[1:]]
         assert wait_until(lambda: tiers()["hbm"]["blocks"] >= NUM_BLOCKS, timeout_s=20.0)
-        peer = LLM(str(model), device="cuda:1", kv_offload=True, num_kv_blocks=128,
-                   kv_store_socket=str(daemon.socket_path), kv_offload_restore="always")
-        out = peer.generate([prompt], GREEDY)[0]
-        assert out.token_ids == owner_tokens
-        assert out.cached_tokens_by_tier["hbm_peer"] == NUM_BLOCKS * 16
-        assert np.array_equal(_blocks(peer, prompt), np.load(owner_blocks))
-        peer.close()
+        _restore_on_cuda1(model, daemon.socket_path, prompt, owner_tokens, owner_blocks,
+                          "hbm_peer")
         counters = tiers()["hbm"]["counters"]
         assert counters["blocks_copied_peer_gpu"] == NUM_BLOCKS, counters
         child.kill()
         child.wait(10)
         assert wait_until(lambda: tiers()["hbm"]["blocks"] == 0, timeout_s=10.0)
         assert tiers()["dram"]["blocks"] >= NUM_BLOCKS
-        fresh = LLM(str(model), device="cuda:1", kv_offload=True, num_kv_blocks=128,
-                    kv_store_socket=str(daemon.socket_path), kv_offload_restore="always")
-        out = fresh.generate([prompt], GREEDY)[0]
-        assert out.token_ids == owner_tokens
-        assert out.cached_tokens_by_tier["dram"] == NUM_BLOCKS * 16
-        assert np.array_equal(_blocks(fresh, prompt), np.load(owner_blocks))
-        fresh.close()
+        _restore_on_cuda1(model, daemon.socket_path, prompt, owner_tokens, owner_blocks, "dram")
     finally:
         if child.poll() is None:
             child.kill()
