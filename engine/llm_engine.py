@@ -20,6 +20,7 @@ import numpy as np
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, check_dtype, cuda_index, resolve_device, use_cuda_device
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCache, kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
 from engine.logprobs import TokenLogprobs
@@ -69,6 +70,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer_dir or model_dir, mc.eos_token_ids)
         if config.chat_template is not None:  # --chat-template: replaces the folder's template
             self.tokenizer.chat_template = config.chat_template
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)  # structured outputs
         ops = make_ops(self.device)
         check_dtype(config.dtype, ops.kv_dtype, self.device)
         # Requests without a seed draw theirs from here: --seed makes a whole run repeatable.
@@ -155,7 +157,8 @@ class LLMEngine:
                        detokenizer=IncrementalDetokenizer(
                            self.tokenizer, params.stop, params.skip_special_tokens,
                            params.include_stop_str_in_output),
-                       token_bytes=token_bytes, arrival_time=time.perf_counter())
+                       token_bytes=token_bytes, arrival_time=time.perf_counter(),
+                       grammar=self.grammars.matcher(params.structured_outputs))  # or ValueError
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -296,6 +299,8 @@ class LLMEngine:
                                     check_stop=seq.num_output_tokens > params.min_tokens):
             reason = "stop"
             seq.stop_reason = seq.detokenizer.matched_stop
+        elif seq.grammar is not None and seq.grammar.advance(token_id):
+            reason = "stop"  # the grammar is complete (or broken): nothing more may follow
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.max_model_len):
             reason = "length"

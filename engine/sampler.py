@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from engine.grammar_masks import GrammarMasks
 from engine.logits_processor import LogitsProcessor
 from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.sequence import Sequence
@@ -15,18 +16,22 @@ from kernels.ops import Array, Ops
 class Sampler:
     """Greedy rows take the argmax; the others sample from temperature/top-k/top-p filtered
     probabilities with one uniform drawn from the request's own generator, so a seeded request
-    gets the same tokens whatever it is batched with. Rows whose params adjust the logits
-    (penalties, bias, min_tokens, min_p) go through ``LogitsProcessor`` first; rows that ask for
-    logprobs get them from the raw logits."""
+    gets the same tokens whatever it is batched with. Constrained rows (structured outputs)
+    get their grammar masks first (``GrammarMasks``: refused tokens at -inf, as vLLM applies its
+    bitmask before sampling); rows whose params adjust the logits (penalties, bias, min_tokens,
+    min_p) then go through ``LogitsProcessor``; rows that ask for logprobs get them from the
+    logits before the processor (after the mask)."""
 
     def __init__(self, ops: Ops, eos_token_ids: Iterable[int] = ()) -> None:
         self.ops = ops
         self.processor = LogitsProcessor(ops, eos_token_ids)
+        self.grammar_masks = GrammarMasks(ops)
 
     def __call__(self, logits: Array, seqs: list[Sequence]
                  ) -> list[tuple[int, TokenLogprobs | None]]:
         """``logits[len(seqs), V]`` float32 on the device -> (token id, logprobs or None) per
         sequence."""
+        logits = self.grammar_masks.apply(logits, seqs)  # first: overlaps the device's forward
         token_ids = self._sample(self.processor(logits, seqs), seqs)
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)

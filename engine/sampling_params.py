@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from engine.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI and vLLM's default allow
 MAX_LOGIT_BIAS = 100.0  # |bias| bound, as in the OpenAI API
 # repetition_penalty bounds: far beyond any useful value, and in float32 a logit divided or
@@ -35,6 +37,11 @@ class SamplingParams:
     alternatives (0: the token only), computed from the model's raw logits (vLLM's default
     ``raw_logprobs``: before penalties, bias and temperature); ``skip_special_tokens`` False keeps
     special tokens in the text. Greedy rows get the penalties, bias and ``min_tokens`` too.
+
+    ``structured_outputs`` (vLLM's name; a ``StructuredOutputsParams`` or a mapping of its
+    fields, e.g. ``{"json": schema}``) constrains the output to a JSON schema, any JSON object,
+    a regex, one of some strings or a grammar: tokens the grammar refuses are never sampled, eos
+    only once it accepts, and the request ends when nothing more can follow.
     """
 
     temperature: float = 0.0
@@ -54,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -97,6 +105,8 @@ class SamplingParams:
                              f"got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _normalize_bias(self.logit_bias))
+        object.__setattr__(self, "structured_outputs",
+                           StructuredOutputsParams.from_value(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:

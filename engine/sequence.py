@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarMatcher
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from offload.vocab import encode_tokens
@@ -57,6 +58,8 @@ class Sequence:
     # engine/prefill_order.py); moved on whenever it gets tokens or (re)joins a queue.
     ready_since_step: int = 0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
+    # params.structured_outputs compiled: advanced with every generated token (engine/grammar.py)
+    grammar: GrammarMatcher | None = None
     # --kv-offload state (see offload/bridge.py)
     offload_checked: bool = False  # the store was asked since the last (re)admission
     abort_requested: bool = False  # aborted while a load was in flight

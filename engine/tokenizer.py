@@ -68,6 +68,10 @@ class Tokenizer:
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance reads for structured outputs)."""
+        return self._tok.to_str()
+
     def token_strings(self, token_ids: Iterable[int]) -> list[str]:
         """Each id's vocabulary entry ("" for an id the vocabulary lacks)."""
         return [self._tok.id_to_token(int(i)) or "" for i in token_ids]

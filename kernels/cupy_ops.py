@@ -21,6 +21,7 @@ from kernels import (
     rms_norm,
     rope,
     sampling,
+    token_bitmask,
     write_kv,
 )
 from kernels.attention_backends import wanted_backends
@@ -147,3 +148,6 @@ class CupyOps(Ops):
 
     def sample_from_probs(self, probs, uniforms):
         return sampling.sample_from_probs(probs, uniforms)
+
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        token_bitmask.apply_token_bitmask(logits, bitmask, rows)

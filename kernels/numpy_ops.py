@@ -48,3 +48,4 @@ class NumpyOps(Ops):
     argmax = staticmethod(reference.argmax)
     sampling_probs = staticmethod(reference.sampling_probs)
     sample_from_probs = staticmethod(reference.sample_from_probs)
+    apply_token_bitmask = staticmethod(reference.apply_token_bitmask)

@@ -183,3 +183,8 @@ class Ops(ABC):
     @abstractmethod
     def sample_from_probs(self, probs: Array, uniforms: Array) -> Array:
         """Inverse-CDF draw of one id per row with host-drawn ``uniforms[B]`` -> int32 ``[B]``."""
+
+    @abstractmethod
+    def apply_token_bitmask(self, logits: Array, bitmask: Array, rows: Array) -> None:
+        """Grammar masks, in place: ``logits[rows[r], v] = -inf`` where bit ``v`` of
+        ``bitmask[r]`` (int32 ``[R, ceil(V / 32)]``) is 0; other rows untouched."""

@@ -251,3 +251,18 @@ def sample_from_probs(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     # u * total can round up to the total: fall back to the last id with mass.
     last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
     return np.minimum(ids, last_nonzero).astype(np.int32)
+
+
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
+    """Grammar masks, in place: ``logits[rows[r], v] = -inf`` wherever bit ``v % 32`` of
+    ``bitmask[r, v // 32]`` is 0 (llguidance's layout: int32 words, token ``32 w + j`` is bit
+    ``j`` of word ``w``). ``logits[B, V]`` float32; ``bitmask[R, W]`` int32 with ``32 W >= V``;
+    ``rows[R]`` distinct row indices (the constrained rows of a batch: the others are untouched).
+    """
+    vocab = logits.shape[1]
+    words = np.ascontiguousarray(bitmask, dtype="<i4")
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    rows = np.asarray(rows, dtype=np.int64)
+    masked = logits[rows]
+    masked[allowed == 0] = -np.inf
+    logits[rows] = masked

@@ -1,0 +1,166 @@
+"""Grammar-constrained decoding with llguidance: a request's constraint compiled into a matcher
+that says which tokens may come next, advanced with each accepted token.
+
+``GrammarCompiler`` is engine-wide: llguidance's view of the model's vocabulary (built once, at
+the first constrained request: 0.6 s at 150k tokens) and the JSON options. ``GrammarMatcher`` is
+one request's state. ``MaskFiller`` writes the next-token bitmasks of a step's constrained rows
+(int32 ``[rows, ceil(V / 32)]``, bit ``v % 32`` of word ``v // 32`` set when token ``v`` is
+allowed; ``kernels.reference.apply_token_bitmask`` applies it), several rows on llguidance's own
+threads. Why llguidance: docs/agents.md.
+
+End of a constrained output: eos is in the mask only while the grammar accepts what was generated,
+and once the grammar can take nothing more (``is_finished``) the engine ends the request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Protocol
+
+import numpy as np
+
+from engine.structured_outputs import StructuredOutputsParams
+
+# JSON as json.dumps and chat templates' tojson write it (", " and ": ", no other whitespace):
+# a weak model cannot wander into endless whitespace, and a tool call generated under a grammar
+# reads back through the chat template as the same text (the next turn's prefix hits the cache).
+# A schema's own "x-guidance" options override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarMatcher:
+    """One request's grammar state: ``accept`` each generated token; ``fill`` the next mask."""
+
+    def __init__(self, matcher: object) -> None:
+        self._matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one generated token; False when the grammar does not allow it (the
+        matcher then stays in an error state and ``is_finished`` is true)."""
+        return bool(self._matcher.consume_token(int(token_id)))
+
+    def advance(self, token_id: int) -> bool:
+        """``accept`` the token; True when the output is now over (``is_finished``)."""
+        self.accept(token_id)
+        return self.is_finished
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing more can follow (the grammar is complete, or broken by a refused token)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def is_accepting(self) -> bool:
+        """What was generated so far is a complete match (eos is allowed now)."""
+        return bool(self._matcher.is_accepting())
+
+    @property
+    def error(self) -> str:
+        """Why the matcher is broken ("" while it is not)."""
+        return str(self._matcher.get_error())
+
+
+class ModelTokenizer(Protocol):
+    """What the compiler reads of the engine's tokenizer (engine.tokenizer.Tokenizer)."""
+
+    eos_token_ids: tuple[int, ...]
+
+    def to_json(self) -> str:
+        """tokenizer.json text."""
+        ...
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutputsParams`` into matchers over one model's vocabulary.
+
+    ``vocab_size``: the rows of the model's logits (ids past the tokenizer's are never allowed);
+    the tokenizer's eos ids may end a complete match. Thread-safe.
+    """
+
+    def __init__(self, tokenizer: ModelTokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._llg: object | None = None
+
+    def _llg_tokenizer(self) -> object:
+        with self._lock:
+            if self._llg is None:
+                import llguidance
+
+                text = self._tokenizer.to_json()
+                self._llg = llguidance.LLTokenizer(
+                    text, n_vocab=max(self.vocab_size, _num_tokens(text)),
+                    eos_token=list(self._tokenizer.eos_token_ids) or None)
+            return self._llg
+
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        """llguidance's grammar text for ``params``; ValueError for an unreadable schema."""
+        import llguidance
+
+        matcher_cls = llguidance.LLMatcher
+        kind = params.kind
+        try:
+            if kind == "json":
+                return matcher_cls.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+            if kind == "json_object":
+                return matcher_cls.grammar_from_json_schema({"type": "object"},
+                                                            defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json: not a JSON schema: {exc}") from None
+        if kind == "regex":
+            return matcher_cls.grammar_from_regex(params.regex)
+        if kind == "choice":
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            return matcher_cls.grammar_from_lark(f"start: {alternatives}\n")
+        return matcher_cls.grammar_from_lark(params.grammar)
+
+    def matcher(self, params: StructuredOutputsParams | None) -> GrammarMatcher | None:
+        """A fresh matcher at the start of the output (None without params); ValueError (naming
+        the field and what llguidance found wrong) for a schema, regex or grammar it cannot
+        compile."""
+        if params is None:
+            return None
+        import llguidance
+
+        grammar = self.grammar(params)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind}: {_first_lines(matcher)}")
+        return GrammarMatcher(matcher)
+
+
+class MaskFiller:
+    """Fills a step's bitmask rows from the matchers, on llguidance's threads when several."""
+
+    def __init__(self) -> None:
+        self._executor: object | None = None
+
+    def fill(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
+        """Row ``i`` of ``bitmask`` (C-contiguous int32) := the allowed tokens of
+        ``matchers[i]``. The GIL is released while llguidance computes."""
+        import llguidance
+        import llguidance.numpy as lln
+
+        if len(matchers) == 1:
+            lln.fill_next_token_bitmask(matchers[0]._matcher, bitmask, 0)
+            return
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        lln.fill_next_token_bitmask_par(
+            self._executor, [(m._matcher, i) for i, m in enumerate(matchers)], bitmask)
+
+
+def _num_tokens(tokenizer_json: str) -> int:
+    """Ids the tokenizer.json defines (its model's vocabulary and its added tokens)."""
+    data = json.loads(tokenizer_json)
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]  # Unigram: list
+    ids += [token.get("id") for token in data.get("added_tokens") or []]
+    return max([i for i in ids if isinstance(i, int)] or [-1]) + 1
+
+
+def _first_lines(matcher: object, num_lines: int = 6) -> str:
+    text = str(matcher.get_error()).strip()
+    return "\n".join(text.splitlines()[:num_lines])
