@@ -47,7 +47,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     max_num_seqs = int(engine.config.max_num_seqs)
     metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs),
-                               on_finished=metrics.request_done)
+                               on_finished=metrics.request_done, on_step=metrics.step_done)
     serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams)
     model_names = (model_name, *settings.model_aliases)
     defaults = settings.sampling_defaults

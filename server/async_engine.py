@@ -87,10 +87,12 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: ServedEngine, max_in_flight: int,
-                 on_finished: Callable[[EngineOutput], None] | None = None) -> None:
+                 on_finished: Callable[[EngineOutput], None] | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
         self.engine = engine
         self.max_in_flight = max_in_flight
         self._on_finished = on_finished  # every request's last output, on the event loop
+        self._on_step = on_step  # tokens each step computed, on the step thread
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -203,6 +205,9 @@ class AsyncEngine:
                     return
             try:
                 outputs = self.engine.step()
+                last_step = getattr(self.engine, "last_step", None)
+                if self._on_step is not None and last_step is not None:
+                    self._on_step(int(last_step.num_tokens))
                 if outputs:
                     loop.call_soon_threadsafe(self._dispatch, outputs)
                 # Hand the GIL to the event loop now rather than after the switch interval

@@ -17,7 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from server.engine_protocol import ServedEngine, kv_store_state, offload_stats
 
-P = "kvengine:"
+P = "kvengine:"  # series vLLM has no name for
+V = "vllm:"  # vLLM 0.32's names, where vLLM has one
+# The store's tiers as vLLM's cache-hit sources (vllm:prompt_tokens_cached_by_source): another
+# engine's HBM and another node are both another instance's cache (p2p).
+HIT_SOURCES = {"dram": "host", "ssd": "disk", "hbm": "p2p", "hbm_peer": "p2p", "remote": "p2p"}
 # Offload stats that are levels (how many now), not counts of events.
 OFFLOAD_LEVELS = frozenset({"num_loading", "saves_in_flight", "blocks_quarantined_now"})
 STORE_TIERS = ("hbm_peer", "dram", "ssd", "remote")
@@ -47,41 +51,79 @@ class EngineCollector:
         self.num_in_flight = num_in_flight
 
     def _gauge(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+        """``name`` carries its prefix (``V`` or ``P``)."""
         if value is not None:
-            family = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model], value)
             yield family
 
     def _counter(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
         if value is not None:
-            family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model], value)
             yield family
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
-        yield from self._gauge("num_requests_running", "Requests in the running batch.",
+        yield from self._gauge(V + "num_requests_running", "Requests in the running batch.",
                                _number(s.get("num_running")))
-        yield from self._gauge("num_requests_waiting", "Requests admitted but not running yet.",
-                               _number(s.get("num_waiting")))
-        yield from self._gauge("num_requests_in_flight", "Engine requests admitted by the server.",
-                               float(self.num_in_flight))
+        waiting, loading = _number(s.get("num_waiting")), _number(s.get("num_loading")) or 0.0
+        yield from self._gauge(V + "num_requests_waiting", "Requests admitted but not running "
+                               "yet (waiting for room, or for their KV from the store).",
+                               None if waiting is None else waiting + loading)
+        if waiting is not None:
+            by_reason = GaugeMetricFamily(V + "num_requests_waiting_by_reason",
+                                          "Waiting requests by reason: capacity (room in the "
+                                          "batch or the KV pool), deferred (their KV is being "
+                                          "loaded from the store).",
+                                          labels=["model_name", "reason"])
+            by_reason.add_metric([self._model, "capacity"], waiting)
+            by_reason.add_metric([self._model, "deferred"], loading)
+            yield by_reason
+        yield from self._gauge(P + "num_requests_in_flight", "Engine requests admitted by the "
+                               "server.", float(self.num_in_flight))
         total, used = _number(s.get("num_kv_blocks")), _number(s.get("num_blocks_in_use"))
-        yield from self._gauge("kv_blocks_in_use", "KV blocks held by requests.", used)
-        yield from self._gauge("kv_blocks_total", "KV blocks in the engine's pool.", total)
+        yield from self._gauge(P + "kv_blocks_in_use", "KV blocks held by requests.", used)
+        yield from self._gauge(P + "kv_blocks_total", "KV blocks in the engine's pool.", total)
         if total and used is not None:
-            yield from self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
-                                   used / total)
-        yield from self._counter("prefix_cache_queries",
+            yield from self._gauge(V + "kv_cache_usage_perc", "Fraction of KV blocks in use "
+                                   "(0..1).", used / total)
+        yield from self._counter(V + "prefix_cache_queries",
                                  "Prompt tokens looked up in the prefix cache (once a request).",
                                  _number(s.get("prefix_cache_queries")))
-        yield from self._counter("prefix_cache_hits",
+        yield from self._counter(V + "prefix_cache_hits",
                                  "Prompt tokens served by this engine's own prefix cache.",
                                  _number(s.get("prefix_cache_hits")))
-        yield from self._counter("num_preemptions", "Requests preempted (to be recomputed).",
+        yield from self._counter(V + "num_preemptions", "Requests preempted (to be recomputed).",
                                  _number(s.get("num_preemptions")))
+        yield from self._cached(s)
         yield from self._external(s)
         yield from self._configuration()
+
+    def _cached(self, s: Mapping[str, Any]) -> Iterator[Metric]:
+        """vLLM's cached prompt tokens, all and by source: ``device`` (this engine's HBM),
+        ``host`` (the store's DRAM), ``disk`` (its SSD), ``p2p`` (another engine's HBM,
+        another node)."""
+        own = _number(s.get("prefix_cache_hits"))
+        if own is None:
+            return
+        offload = offload_stats(s) or {}
+        restored = offload.get("restored_tokens_by_tier")
+        restored = restored if isinstance(restored, Mapping) else {}
+        by_source = dict.fromkeys(("device", "host", "disk", "p2p", "external_unspecified"), 0.0)
+        by_source["device"] = own
+        for tier, value in restored.items():
+            source = HIT_SOURCES.get(str(tier), "external_unspecified")
+            by_source[source] += _number(value) or 0.0
+        yield from self._counter(V + "prompt_tokens_cached", "Prompt tokens served by a cache: "
+                                 "this engine's prefix cache and the store.",
+                                 sum(by_source.values()))
+        family = CounterMetricFamily(V + "prompt_tokens_cached_by_source",
+                                     "Cached prompt tokens by the cache that supplied them.",
+                                     labels=["model_name", "source"])
+        for source, value in by_source.items():
+            family.add_metric([self._model, source], value)
+        yield family
 
     def _external(self, s: Mapping[str, Any]) -> Iterator[Metric]:
         offload = offload_stats(s)
@@ -90,10 +132,10 @@ class EngineCollector:
         restored = offload.get("restored_tokens_by_tier")
         restored = restored if isinstance(restored, Mapping) else {}
         # As vLLM's connector stats: every prompt token is a query, hits are what it supplied.
-        yield from self._counter("external_prefix_cache_queries",
+        yield from self._counter(V + "external_prefix_cache_queries",
                                  "Prompt tokens the kvstore daemon was asked about.",
                                  _number(s.get("prefix_cache_queries")))
-        yield from self._counter("external_prefix_cache_hits",
+        yield from self._counter(V + "external_prefix_cache_hits",
                                  "Prompt tokens restored from the kvstore daemon (all tiers).",
                                  float(sum(_number(v) or 0.0 for v in restored.values())))
         by_tier = CounterMetricFamily(P + "external_prefix_cache_hits_by_tier",
@@ -123,7 +165,7 @@ class EngineCollector:
         yield from self._restore_estimates(offload.get("restore_policy"))
         state = kv_store_state(s)
         if state is not None:
-            yield from self._gauge("kv_store_up", "1 while the kvstore daemon answers, 0 while "
+            yield from self._gauge(P + "kv_store_up", "1 while the kvstore daemon answers, 0 while "
                                    "it is hung or down (the engine then recomputes).",
                                    1.0 if state == "ok" else 0.0)
 
@@ -153,7 +195,7 @@ class EngineCollector:
 
     def _configuration(self) -> Iterator[Metric]:
         config, runner = self._engine.config, self._engine.runner
-        info = GaugeMetricFamily(P + "cache_config_info", "The KV cache's configuration (1).",
+        info = GaugeMetricFamily(V + "cache_config_info", "The KV cache's configuration (1).",
                                  labels=["block_size", "cache_dtype", "enable_prefix_caching",
                                          "gpu_memory_utilization", "num_gpu_blocks",
                                          "kv_offload", "kv_offload_policy"])
@@ -168,6 +210,6 @@ class EngineCollector:
                                     labels=["prefill", "decode"])
         backend.add_metric([labels["prefill"], labels["decode"]], 1.0)
         yield backend
-        yield from self._counter("attention_fallbacks",
+        yield from self._counter(P + "attention_fallbacks",
                                  "Attention calls the chosen backend refused (our kernel "
                                  "served them).", float(runner.ops.num_attention_fallbacks))

@@ -1,4 +1,6 @@
-"""ServerMetrics: Prometheus metrics of the engine API, in a private registry, named like vLLM's."""
+"""ServerMetrics: Prometheus metrics of the engine API, in a private registry, under vLLM 0.32's
+names (``vllm:*``, so vLLM's dashboards and alerts read kvengine); ``kvengine:*`` only for series
+vLLM has no name for."""
 
 from __future__ import annotations
 
@@ -41,33 +43,41 @@ class ServerMetrics:
         labels = ["model_name"]
         reg = self.registry
         self._requests = Counter(
-            "kvengine:request_success", "Engine requests finished, by finish reason.",
+            "vllm:request_success", "Engine requests finished, by finish reason.",
             labels + ["finished_reason"], registry=reg)
         self._rejected = Counter(
-            "kvengine:request_rejected", "HTTP requests refused before reaching the engine.",
+            "vllm:admission_rejections", "HTTP requests refused before reaching the engine "
+            "(overloaded: the queue limit; request_too_large), by reason.",
             labels + ["reason"], registry=reg)
         self._prompt_tokens = Counter(
-            "kvengine:prompt_tokens", "Prompt tokens admitted.", labels, registry=reg)
+            "vllm:prompt_tokens", "Prompt tokens admitted.", labels, registry=reg)
         self._generation_tokens = Counter(
-            "kvengine:generation_tokens", "Tokens generated.", labels, registry=reg)
+            "vllm:generation_tokens", "Tokens generated.", labels, registry=reg)
         self._ttft = Histogram(
-            "kvengine:time_to_first_token_seconds",
+            "vllm:time_to_first_token_seconds",
             "Arrival at the server (before tokenization) to the first generated token.",
             labels, buckets=_TTFT_BUCKETS, registry=reg)
         self._itl = Histogram(
-            "kvengine:inter_token_latency_seconds", "Time between generated tokens.",
+            "vllm:inter_token_latency_seconds", "Time between generated tokens.",
             labels, buckets=_ITL_BUCKETS, registry=reg)
         self._e2e = Histogram(
-            "kvengine:e2e_request_latency_seconds", "Arrival to the last token of a request.",
+            "vllm:e2e_request_latency_seconds", "Arrival to the last token of a request.",
             labels, buckets=_E2E_BUCKETS, registry=reg)
         self._request_prompt_tokens = Histogram(
-            "kvengine:request_prompt_tokens", "Prompt tokens of finished requests.",
+            "vllm:request_prompt_tokens", "Prompt tokens of finished requests.",
             labels, buckets=_TOKEN_BUCKETS, registry=reg)
         self._request_generation_tokens = Histogram(
-            "kvengine:request_generation_tokens", "Generated tokens of finished requests.",
+            "vllm:request_generation_tokens", "Generated tokens of finished requests.",
+            labels, buckets=_TOKEN_BUCKETS, registry=reg)
+        self._prefill_computed = Histogram(
+            "vllm:request_prefill_kv_computed_tokens", "Prompt tokens a finished request "
+            "computed (not served by a cache, this engine's or the store's).",
+            labels, buckets=_TOKEN_BUCKETS, registry=reg)
+        self._iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Tokens computed per engine step.",
             labels, buckets=_TOKEN_BUCKETS, registry=reg)
         self._phases = {phase: Histogram(
-            f"kvengine:request_{phase}_time_seconds", doc, labels, buckets=_PHASE_BUCKETS,
+            f"vllm:request_{phase}_time_seconds", doc, labels, buckets=_PHASE_BUCKETS,
             registry=reg) for phase, doc in (
                 ("queue", "Added to the engine to first scheduled."),
                 ("prefill", "First scheduled to the first token."),
@@ -84,7 +94,7 @@ class ServerMetrics:
         self._rejected.labels(model_name, "overloaded")
         for family in (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl,
                        self._e2e, self._request_prompt_tokens, self._request_generation_tokens,
-                       *self._phases.values()):
+                       self._prefill_computed, self._iteration_tokens, *self._phases.values()):
             family.labels(model_name)
 
     def request_admitted(self, num_prompt_tokens: int) -> None:
@@ -121,6 +131,9 @@ class ServerMetrics:
         model = self._model
         self._request_prompt_tokens.labels(model).observe(len(out.prompt_token_ids))
         self._request_generation_tokens.labels(model).observe(len(out.token_ids))
+        if out.first_token_time is not None:  # its prefill ran: what it computed of the prompt
+            computed = len(out.prompt_token_ids) - int(out.num_cached_tokens or 0)
+            self._prefill_computed.labels(model).observe(max(0, computed))
         scheduled, first, end = out.first_scheduled_time, out.first_token_time, out.output_time
         if scheduled is None:
             return  # aborted while queued: it has no phases
@@ -129,6 +142,11 @@ class ServerMetrics:
         if first is not None:
             self._phases["prefill"].labels(model).observe(max(0.0, first - scheduled))
             self._phases["decode"].labels(model).observe(max(0.0, end - first))
+
+    def step_done(self, num_tokens: int) -> None:
+        """One engine step computed ``num_tokens`` tokens (from the step thread)."""
+        if num_tokens > 0:
+            self._iteration_tokens.labels(self._model).observe(num_tokens)
 
     def update_engine(self, snapshot: Mapping[str, Any], num_in_flight: int) -> None:
         """Hand the latest engine stats snapshot to the engine collector (read at scrape)."""

@@ -277,7 +277,7 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     assert 'kvengine:kv_offload_in_flight{model_name="tiny",what="saves_in_flight"}' in text
     assert 'event="saves_in_flight"' not in text
     # The store's tiers are the external prefix cache, as vLLM names a connector's hits.
-    assert 'kvengine:external_prefix_cache_queries_total{model_name="tiny"}' in text
+    assert 'vllm:external_prefix_cache_queries_total{model_name="tiny"}' in text
     assert ('kvengine:external_prefix_cache_hits_by_tier_total{model_name="tiny",tier="dram"}'
             in text)
     # The restore policy's estimates (why a restore would lose), as gauges.

@@ -29,9 +29,9 @@ def _metrics(engine: EngineProcess, key: str | None) -> httpx.Response:
 
 
 def _prompt_tokens(text: str) -> float:
-    assert "# TYPE kvengine:prompt_tokens_total counter" in text or "kvengine:prompt_tokens" in text
+    assert "# TYPE vllm:prompt_tokens_total counter" in text or "vllm:prompt_tokens" in text
     for line in text.splitlines():
-        if line.startswith("kvengine:prompt_tokens_total{"):
+        if line.startswith("vllm:prompt_tokens_total{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0  # no sample before the first request
 
@@ -53,7 +53,7 @@ def test_tenant_b_cannot_watch_tenant_a(engine: EngineProcess) -> None:
     r = _metrics(engine, KEY_B)
     assert r.status_code == 403, r.text[:300]
     assert r.json()["error"]["code"] == "metrics_forbidden"
-    assert "kvengine:" not in r.text
+    assert "kvengine:" not in r.text and "vllm:" not in r.text
     for key in (None, "wrong", KEY_A + "x"):
         r = _metrics(engine, key)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
@@ -94,6 +94,6 @@ def test_without_api_keys_metrics_stay_open(model_dir: Path) -> None:
     running = EngineProcess(model_dir, env={"KVENGINE_METRICS_KEY": None})
     try:
         r = _metrics(running, None)
-        assert r.status_code == 200 and "kvengine:prompt_tokens_total" in r.text
+        assert r.status_code == 200 and "vllm:prompt_tokens_total" in r.text
     finally:
         running.stop()

@@ -11,27 +11,33 @@ from server_helpers import METRICS_KEY, metric_value
 OPERATOR = {"Authorization": f"Bearer {METRICS_KEY}"}
 
 NAMES = [
-    "kvengine:request_success_total",
-    "kvengine:prompt_tokens_total",
-    "kvengine:generation_tokens_total",
-    "kvengine:time_to_first_token_seconds_bucket",
-    "kvengine:inter_token_latency_seconds_count",
-    "kvengine:e2e_request_latency_seconds_count",
-    "kvengine:prefix_cache_queries_total",
-    "kvengine:prefix_cache_hits_total",
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
     "kvengine:kv_blocks_in_use",
     "kvengine:kv_blocks_total",
-    "kvengine:num_requests_running",
-    "kvengine:num_requests_waiting",
-    "kvengine:num_preemptions_total",
-    "kvengine:cache_config_info{",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total",
+    "vllm:cache_config_info{",
     "kvengine:attention_backend_info{",
     "kvengine:attention_fallbacks_total",
-    "kvengine:request_queue_time_seconds_bucket",
-    "kvengine:request_prefill_time_seconds_bucket",
-    "kvengine:request_decode_time_seconds_bucket",
-    "kvengine:request_prompt_tokens_bucket",
-    "kvengine:request_generation_tokens_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_prefill_time_seconds_bucket",
+    "vllm:request_decode_time_seconds_bucket",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:prompt_tokens_cached_total",
+    "vllm:prompt_tokens_cached_by_source_total{",
+    "vllm:num_requests_waiting_by_reason{",
+    "vllm:request_prefill_kv_computed_tokens_bucket",
+    "vllm:iteration_tokens_total_bucket",
+    "vllm:admission_rejections_total{",
     "process_cpu_seconds_total",
     "process_resident_memory_bytes",
 ]
@@ -53,21 +59,29 @@ def test_metrics_count_what_was_served(http: httpx.Client) -> None:
     def delta(name: str, **labels: str) -> float:
         return metric_value(after, name, **labels) - metric_value(before.text, name, **labels)
 
-    assert delta("kvengine:request_success_total", finished_reason="length") == 2
-    assert delta("kvengine:prompt_tokens_total") == 140
-    assert delta("kvengine:generation_tokens_total") == 10
-    assert delta("kvengine:time_to_first_token_seconds_count") == 2
-    assert delta("kvengine:inter_token_latency_seconds_count") == 8
-    assert delta("kvengine:prefix_cache_queries_total") == 140
+    assert delta("vllm:request_success_total", finished_reason="length") == 2
+    assert delta("vllm:prompt_tokens_total") == 140
+    assert delta("vllm:generation_tokens_total") == 10
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == 8
+    assert delta("vllm:prefix_cache_queries_total") == 140
     # vLLM's label sets: hits and queries carry the same labels, so hits / queries is a rate.
-    assert delta("kvengine:prefix_cache_hits_total") >= 48
-    assert 'kvengine:prefix_cache_hits_total{model_name=' in after and 'tier=' not in "".join(
-        line for line in after.splitlines() if line.startswith("kvengine:prefix_cache_hits"))
-    assert delta("kvengine:request_queue_time_seconds_count") == 2
-    assert delta("kvengine:request_prefill_time_seconds_count") == 2
-    assert delta("kvengine:request_decode_time_seconds_count") == 2
-    assert delta("kvengine:request_prompt_tokens_sum") == 140
-    assert delta("kvengine:request_generation_tokens_sum") == 10
+    assert delta("vllm:prefix_cache_hits_total") >= 48
+    assert 'vllm:prefix_cache_hits_total{model_name=' in after and 'tier=' not in "".join(
+        line for line in after.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+    assert delta("vllm:request_queue_time_seconds_count") == 2
+    assert delta("vllm:request_prefill_time_seconds_count") == 2
+    assert delta("vllm:request_decode_time_seconds_count") == 2
+    assert delta("vllm:request_prompt_tokens_sum") == 140
+    assert delta("vllm:request_generation_tokens_sum") == 10
     assert 'kvengine:attention_backend_info{decode="reference",prefill="reference"} 1.0' in after
-    assert re.search(r"# TYPE kvengine:num_preemptions(_total)? counter", after)
+    assert re.search(r"# TYPE vllm:num_preemptions(_total)? counter", after)
     assert metric_value(after, "kvengine:kv_blocks_total") > 0
+    # vLLM 0.32's newer series (issue 30 item 4): what the caches served and what was computed.
+    hits = delta("vllm:prefix_cache_hits_total")
+    assert delta("vllm:prompt_tokens_cached_total") == hits
+    assert delta("vllm:prompt_tokens_cached_by_source_total", source="device") == hits
+    assert delta("vllm:request_prefill_kv_computed_tokens_sum") == 140 - hits
+    assert delta("vllm:request_prefill_kv_computed_tokens_count") == 2
+    assert delta("vllm:iteration_tokens_total_sum") >= 140 - hits + 8
+    assert metric_value(after, "vllm:num_requests_waiting_by_reason", reason="deferred") == 0

@@ -55,7 +55,7 @@ def test_full_queue_answers_503_and_recovers(small: RunningServer) -> None:
         refused_n = c.post("/v1/chat/completions", json={**_long_chat(), "stream": False})
         assert refused_n.status_code == 503
         assert c.get("/health").status_code == 200
-        assert metric_value(_metrics(small.url), "kvengine:request_rejected_total",
+        assert metric_value(_metrics(small.url), "vllm:admission_rejections_total",
                             reason="overloaded") >= 2
     # Both streams were closed unfinished: their slots come back and requests run again.
     assert wait_until(lambda: _engine_idle(small), timeout_s=20)
@@ -65,7 +65,7 @@ def test_full_queue_answers_503_and_recovers(small: RunningServer) -> None:
 def test_stream_disconnect_aborts_and_frees_blocks(small: RunningServer) -> None:
     assert wait_until(lambda: _engine_idle(small), timeout_s=20)
     before = _metrics(small.url)
-    aborted_before = metric_value(before, "kvengine:request_success_total",
+    aborted_before = metric_value(before, "vllm:request_success_total",
                                   finished_reason="abort")
     stats_before = small.async_engine.stats()
     with httpx.Client(base_url=small.url, timeout=60) as c, \
@@ -81,7 +81,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(small: RunningServer) -> None
 
     def aborted() -> bool:
         text = _metrics(small.url)
-        return metric_value(text, "kvengine:request_success_total",
+        return metric_value(text, "vllm:request_success_total",
                             finished_reason="abort") == aborted_before + 1
     assert wait_until(aborted, timeout_s=20)
     assert wait_until(lambda: _engine_idle(small), timeout_s=20)
@@ -96,7 +96,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(small: RunningServer) -> None
 @pytest.mark.parametrize("stream", [False, True])
 def test_waiting_request_is_aborted_on_disconnect(small: RunningServer, stream: bool) -> None:
     assert wait_until(lambda: _engine_idle(small), timeout_s=20)
-    aborted_before = metric_value(_metrics(small.url), "kvengine:request_success_total",
+    aborted_before = metric_value(_metrics(small.url), "vllm:request_success_total",
                                   finished_reason="abort")
     with httpx.Client(base_url=small.url, timeout=60) as c, \
             c.stream("POST", "/v1/chat/completions", json=_long_chat()) as running:
@@ -113,7 +113,7 @@ def test_waiting_request_is_aborted_on_disconnect(small: RunningServer, stream: 
         assert wait_until(lambda: small.async_engine.num_in_flight == 2, timeout_s=20)
         raw.close()  # gone while still waiting for the running request to finish
         assert wait_until(lambda: small.async_engine.num_in_flight == 1, timeout_s=20)
-        assert metric_value(_metrics(small.url), "kvengine:request_success_total",
+        assert metric_value(_metrics(small.url), "vllm:request_success_total",
                             finished_reason="abort") == aborted_before + 1
     assert wait_until(lambda: _engine_idle(small), timeout_s=20)
     # The engine never scheduled the request that left while waiting.

@@ -297,7 +297,7 @@ def test_tenants_never_route_by_each_others_prefixes(node: Node) -> None:
 def test_a_client_that_leaves_cancels_the_request_at_the_engine(node: Node) -> None:
     def aborted() -> float:
         return sum(metric_value(httpx.get(url + "/metrics", headers=METRICS).text,
-                                "kvengine:request_success_total", finished_reason="abort")
+                                "vllm:request_success_total", finished_reason="abort")
                    for url in node.engine_urls())
 
     before = aborted()
