@@ -22,7 +22,7 @@ from kvstore.daemon.calls import CallContext, Deferred, ServiceError, with_mappe
 from kvstore.daemon.cluster_link import ClusterLink
 from kvstore.daemon.counters import DaemonCounters
 from kvstore.daemon.engine_verbs import EngineVerbs
-from kvstore.daemon.latency import VerbLatency
+from kvstore.daemon.latency import RequestLatency
 from kvstore.daemon.lease_table import LeaseTable
 from kvstore.daemon.stats import merge_stats
 from kvstore.engines.copy_settings import CopySettings
@@ -54,7 +54,7 @@ class Service:
         self.version = version
         self.started_at = time.monotonic()
         self.counters = DaemonCounters()
-        self.latency = VerbLatency()
+        self.latency = RequestLatency()
         self.leases = LeaseTable(store.release)
         self._cluster = ClusterLink(store, self.counters)
         blocks = BlockVerbs(store, self.hbm, self.leases, self._cluster, default_lease_ttl_s,
