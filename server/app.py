@@ -48,7 +48,8 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs),
                                on_finished=metrics.request_done, on_step=metrics.step_done)
-    serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams)
+    serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams,
+                            settings.tools, settings.reasoning_parser)
     model_names = (model_name, *settings.model_aliases)
     defaults = settings.sampling_defaults
     tokenization = TokenizationServing(engine.tokenizer, serving.prompts, frozenset(model_names),

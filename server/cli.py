@@ -28,7 +28,7 @@ from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_op
 from server.engine_protocol import ServedEngine
 from server.log_setup import BANNER_LOGGER, add_log_format_option
 from server.router_args import add_router_arguments
-from server.serve_args import add_serve_arguments, api_keys
+from server.serve_args import add_serve_arguments, api_keys, tool_settings
 from server.vllm_flags import add_vllm_flags
 from server.vllm_flags import notes as vllm_flag_notes
 
@@ -246,7 +246,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                   max_queue=args.max_queue,
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   metrics_key=metrics_key,
-                                  sampling_defaults=_sampling_defaults(args, model_dir))
+                                  sampling_defaults=_sampling_defaults(args, model_dir),
+                                  tools=tool_settings(args), reasoning_parser=args.reasoning_parser)
         limits = _connection_limits(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))

@@ -36,7 +36,6 @@ PASSTHROUGH_FIELDS = frozenset({
     "service_tier",  # OpenAI's latency tier; one tier here
     "metadata",  # tags for OpenAI's stored completions
     "store",  # OpenAI's stored completions (nothing is stored)
-    "parallel_tool_calls",  # meaningful only with tools, which are refused
 })
 
 # Strict number types: "0.5" or true for temperature is a client bug, answered with 400.
@@ -118,6 +117,14 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Structured outputs (server/structured_outputs.py reads them): OpenAI's response_format,
+    # vLLM's structured_outputs and its older guided_* fields; at most one may be given.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -222,6 +229,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NumLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # None: True, as OpenAI's default
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}

@@ -22,6 +22,7 @@ class ChoiceState:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    message: dict[str, Any] | None = None  # chat: the parsed message (tool calls, reasoning)
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     first_token_time: float | None = None
@@ -107,7 +108,7 @@ def chat_body(response_id: str, created: int, model: str,
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": c.message or {"role": "assistant", "content": c.text},
                 "logprobs": c.logprobs_body,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,

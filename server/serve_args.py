@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from kvstore.cli_args import (
     fraction_arg,
@@ -27,6 +28,10 @@ DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "floa
 # engine.config.PREFILL_ORDERS (a test keeps them equal).
 PREFILL_ORDERS = ("shortest-first", "fcfs")
 _JINJA_CHARS = "{}\n"
+# server.tool_parsers.TOOL_PARSERS and server.reasoning_parsers.REASONING_PARSERS (a test keeps
+# them equal).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("qwen3",)
 
 
 def _tensor_parallel_size(text: str) -> int:
@@ -70,6 +75,14 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
         return tuple(args.api_key)
     from_env = os.environ.get(API_KEY_ENV, "")
     return (from_env,) if from_env else ()
+
+
+def tool_settings(args: argparse.Namespace) -> Any:
+    """--enable-auto-tool-choice and --tool-call-parser as the server's ToolSettings
+    (ValueError for auto tool choice without a parser)."""
+    from server.chat_tools import ToolSettings
+
+    return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -157,6 +170,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--chat-template", type=chat_template_text, default=None,
                        help="chat template file, or the template text itself, replacing the "
                        "tokenizer's (default: the tokenizer folder's)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide when to call tools (tool_choice auto, the "
+                       "default with tools); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: "
+                       "<tool_call> blocks) or llama3_json (Llama 3.1-3.3); also the format "
+                       "tool_choice required / a named function is forced into (default: hermes)")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split a thinking model's <think> block off its chat answers as "
+                       "reasoning_content: qwen3 (default: off)")
     serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                        help="sampling defaults for fields a request leaves out: auto reads the "
                        "model's generation_config.json (temperature, top_p, top_k, min_p, "

@@ -21,6 +21,8 @@ from server.async_engine import (
     RequestGroup,
 )
 from server.auth import KEY_SALT_SCOPE, tenant_salt
+from server.chat_output import ChatShape
+from server.chat_tools import ToolSettings, template_messages, tool_request
 from server.engine_protocol import EngineOutput, ServedEngine
 from server.errors import APIError
 from server.logprobs import LogprobsFormatter
@@ -34,7 +36,9 @@ from server.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from server.reasoning_parsers import REASONING_PARSERS
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
+from server.structured_outputs import Constraint, constraint_of
 from server.tokenize_pool import TokenizePool
 
 
@@ -58,14 +62,19 @@ class _Job:
     requests: list[EngineRequest]
     choices: dict[str, R.ChoiceState]
     logprobs: str | None = None  # "completion" or "chat": the shape of the `logprobs` asked for
+    constraint: Constraint | None = None  # structured outputs, and the field they came from
+    shape: ChatShape | None = None  # chat with tools or a reasoning parser: message parsing
 
 
 class OpenAIServing:
     """The request path shared by /v1/completions and /v1/chat/completions."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
-                 sampling_params_cls: Callable[..., Any]) -> None:
+                 sampling_params_cls: Callable[..., Any], tools: ToolSettings | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
+        self.tools = tools or ToolSettings()
+        self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.metrics = metrics
         self.model_name = model_name
         self._params_cls = sampling_params_cls
@@ -93,7 +102,7 @@ class OpenAIServing:
         salt = self._tenant(body, request)
         prompts = await self.prompts.completion(body.prompt, salt)
         job = self._prepare(body, salt, prompts, body.max_tokens, "prompt", "cmpl", arrival,
-                            body.logprobs)
+                            body.logprobs, constraint_of(body))
         if body.logprobs is not None:
             job.logprobs = "completion"
         if body.stream:
@@ -109,27 +118,31 @@ class OpenAIServing:
         self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice other than 'none' or 'auto' needs tools, which are "
-                           "not supported", param="tool_choice")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported",
-                           param="response_format")
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
+        constraint = constraint_of(body)
+        if tools is not None and tools.grammar is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice {body.tool_choice!r} cannot be combined with "
+                               f"{constraint.param}", param=constraint.param)
+            constraint = Constraint({"grammar": tools.grammar}, "tool_choice")
         template_kwargs = body.chat_template_kwargs or {}
         reserved = RESERVED_TEMPLATE_NAMES & template_kwargs.keys()
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}: they are "
                            "request fields of their own", param="chat_template_kwargs")
-        messages = [m.template_fields() for m in body.messages]
+        messages = template_messages([m.template_fields() for m in body.messages])
+        if tools is not None:
+            template_kwargs = {**template_kwargs, "tools": tools.tools}
         salt = self._tenant(body, request)
         prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt,
                                            template_kwargs)]
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = self._prepare(body, salt, prompts, max_tokens, "messages", "chatcmpl", arrival,
-                            num_logprobs)
+                            num_logprobs, constraint)
+        if (tools is not None and tools.parser is not None) or self.reasoning is not None:
+            job.shape = ChatShape(self.reasoning, tools and tools.parser,
+                                  bool(tools and tools.named))
         if num_logprobs is not None:
             job.logprobs = "chat"
         if body.stream:
@@ -163,7 +176,8 @@ class OpenAIServing:
 
     def _prepare(self, body: SamplingFields, salt: str, prompts: list[list[int]],
                  max_tokens: int | None, prompt_param: str, id_prefix: str,
-                 arrival: float, num_logprobs: int | None = None) -> _Job:
+                 arrival: float, num_logprobs: int | None = None,
+                 constraint: Constraint | None = None) -> _Job:
         for token_ids in prompts:
             if not token_ids:
                 raise APIError(400, "the prompt is empty after tokenization", param=prompt_param)
@@ -189,13 +203,15 @@ class OpenAIServing:
                 index = prompt_index * body.n + sample
                 request_id = f"{response_id}-{index}"
                 params = self._sampling_params(body, sample, max_tokens, len(token_ids),
-                                               num_logprobs)
+                                               num_logprobs, constraint)
                 requests.append(EngineRequest(request_id, token_ids, params, salt))
                 choices[request_id] = R.ChoiceState(index, prompt_index, len(token_ids))
-        return _Job(response_id, int(time.time()), arrival, requests, choices)
+        return _Job(response_id, int(time.time()), arrival, requests, choices,
+                    constraint=constraint)
 
     def _sampling_params(self, body: SamplingFields, sample: int, max_tokens: int | None,
-                         num_prompt_tokens: int, num_logprobs: int | None) -> Any:
+                         num_prompt_tokens: int, num_logprobs: int | None,
+                         constraint: Constraint | None = None) -> Any:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
         if bias and self.vocab_size is not None and max(bias) >= self.vocab_size:
@@ -226,6 +242,7 @@ class OpenAIServing:
                 logprobs=num_logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                structured_outputs=None if constraint is None else constraint.spec,
             )
         except ValueError as exc:  # the engine's checks name the field first
             field = str(exc).split(" ", 1)[0]
@@ -240,8 +257,9 @@ class OpenAIServing:
             raise APIError(503, str(exc), code="overloaded") from exc
         except EngineDead as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
-        except ValueError as exc:  # the engine's own prompt checks
-            raise APIError(400, str(exc)) from exc
+        except ValueError as exc:  # the engine's prompt and structured-output checks
+            constraint = job.constraint if str(exc).startswith("structured_outputs") else None
+            raise APIError(400, str(exc), param=constraint and constraint.param) from exc
         for r in job.requests:
             self.metrics.request_admitted(len(r.prompt_token_ids))
         return group
@@ -298,7 +316,10 @@ class OpenAIServing:
             raise APIError(500, str(exc), code="engine_dead") from exc
         finally:
             self._close(job, group)
-        for choice in job.choices.values():
+        for request_id, choice in job.choices.items():
+            if job.shape is not None:
+                choice.message, choice.finish_reason = job.shape.message(
+                    request_id, choice.text, choice.finish_reason)
             if job.logprobs == "chat":
                 choice.logprobs_body = self.logprobs.chat(choice.logprobs or [])
             elif job.logprobs == "completion":
@@ -333,6 +354,13 @@ class OpenAIServing:
                                              include_usage))
             async for out in group:
                 choice = self._observe(job, out)
+                if chat and job.shape is not None:  # reasoning and tool calls parsed
+                    for delta, reason in job.shape.chunks(out.request_id, choice.text,
+                                                          out.finished, choice.finish_reason):
+                        yield R.sse(R.chat_chunk(rid, created, model, choice.index, delta, reason,
+                                                 include_usage, self._chunk_logprobs(job, choice),
+                                                 choice.stop_reason if reason else None))
+                    continue
                 delta = choice.take_delta(final=out.finished)
                 if not delta and not out.finished:
                     continue

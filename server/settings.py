@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from server.chat_tools import ToolSettings
 
 if TYPE_CHECKING:
     from server.sampling_defaults import SamplingDefaults
@@ -28,6 +30,8 @@ class ServerSettings:
     `model_aliases`: more names requests may send as `model` (vLLM's `--served-model-name A B`);
     responses carry `served_model_name`.
     `sampling_defaults`: the model's generation_config values for fields a request leaves out.
+    `tools`: --enable-auto-tool-choice and --tool-call-parser; `reasoning_parser`: the
+    --reasoning-parser that splits reasoning_content off chat answers (None: off).
     """
 
     served_model_name: str | None = None
@@ -37,6 +41,8 @@ class ServerSettings:
     metrics_key: str | None = None
     model_aliases: tuple[str, ...] = ()
     sampling_defaults: SamplingDefaults | None = None
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model_aliases, str):

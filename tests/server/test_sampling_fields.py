@@ -138,8 +138,9 @@ def test_chat_logprobs_in_openai_shape_streamed_the_same(http: httpx.Client, cli
     ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"), ({"frequency_penalty": -2.5},
                                                           "frequency_penalty"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
-    ({"guided_json": {"type": "object"}}, "guided_json"), ({"prompt_logprobs": 1},
-                                                            "prompt_logprobs"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"guided_json": {"type": "strin"}}, "guided_json"), ({"prompt_logprobs": 1},
+                                                          "prompt_logprobs"),
 ])
 def test_bad_or_unsupported_completion_fields_are_400(http: httpx.Client, fields: dict,
                                                       param: str) -> None:
