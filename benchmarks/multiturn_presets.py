@@ -6,6 +6,12 @@
 - ``agentic``: tool-call loops: 8 agents over a ~1k-token system prompt (tool definitions), a
   ~2k-token task, then every step brings a ~300-token tool result and a short question and gets a
   32-token answer (a tool call); 10 steps, 1 request/s; same HBM/DRAM sizing.
+- ``agent-tools`` (issue 31): many short tool-call turns: 16 agents over a ~4k-token system
+  prompt (the tool schemas an agent framework sends), a ~512-token task, then 24 steps each
+  bringing a ~160-token tool result and an 8-token nudge and getting a 24-token answer (a tool
+  call); 2 requests/s so the agents' steps interleave; HBM holds about a third of them. The
+  schemas and calls are stand-in text (the requests send no ``tools``): this measures the KV
+  reuse of the agent loop; ``benchmarks.structured_step`` measures the grammar's cost.
 
 Each configuration runs on a fresh ``kvstore serve`` (offload on) and ``kvengine serve``
 (``benchmarks.multiturn_sweep.run_point``). Reported per configuration: mean TTFT over all turns,
@@ -54,6 +60,11 @@ PRESETS: dict[str, dict] = {
                                 history_len=2048, answer_len=32, question_len=16, agentic=True,
                                 tool_result_len=300),
         qps=1.0, pressure_factor=3.0),
+    "agent-tools": dict(
+        workload=WorkloadConfig(num_users=16, num_rounds=24, system_prompt_len=4096,
+                                history_len=512, answer_len=24, question_len=8, agentic=True,
+                                tool_result_len=160),
+        qps=2.0, pressure_factor=3.0),
 }
 TARGETS = {"later_speedup": 6.0, "all_speedup": 3.0, "p99_ratio": 1.0, "first_ratio": 1.0,
            "fits_overhead": 0.03}
