@@ -75,7 +75,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     for flag, (check, why) in VALUED.items():
         note = f"accepted only with that value ({why})" if why else "refused"
         parser.add_argument(flag, dest=_dest(flag), type=check, default=None,
-                            help=f"vLLM's flag: {note}")
+                            help=f"vLLM's flag: {note} (default: not given)")
 
 
 def notes(args: argparse.Namespace) -> list[str]:
