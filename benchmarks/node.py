@@ -19,7 +19,7 @@ p50 of later turns (>= 1.5x), (b) against (a) (>= 3x). JSON to ``--out``.
 
     python -m benchmarks.node --model-dir DIR --device cuda --gpus 2 [--duration-s 60]
     python -m benchmarks.node --model-dir /tmp/tiny --device cpu --gpus 2 --scale 0.02 \\
-        --duration-s 5 --configs kv,single      # CPU smoke: says nothing about a GPU node
+        --users 4 --qps 8 --duration-s 5 --configs kv,single   # CPU smoke only
 """
 
 from __future__ import annotations
@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length (CPU runs)")
     p.add_argument("--duration-s", type=float, default=60.0, help="per configuration")
+    p.add_argument("--users", type=int, default=None, help="per engine (default: the preset's)")
+    p.add_argument("--qps", type=float, default=None, help="per engine (default: the preset's)")
     p.add_argument("--dram", type=size_arg, default=None)
     p.add_argument("--h2d-gbps", type=float, default=50.0,
                    help="the restore floor's bandwidth in the summaries")
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes, max_positions = multiturn_sweep.model_shape(args.model_dir, args.block_size)
     per_engine = scaled(preset["workload"], args.scale)
     per_engine = replace(per_engine, tokens_per_word=multiturn_sweep.tokens_per_word_of(
-        args.model_dir, 0) or 1.3)
+        args.model_dir, 0) or 1.3, num_users=args.users or per_engine.num_users)
+    engine_qps = args.qps or preset["qps"]
     node = replace(per_engine, num_users=per_engine.num_users * args.gpus)
     sizing_args = argparse.Namespace(
         block_size=args.block_size, max_model_len=args.max_model_len, fits_kv_blocks=None,
@@ -217,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     points: dict[str, dict] = {}
     for config in configs:
         single = config == "single"
-        workload, qps = (per_engine, preset["qps"]) if single else \
-            (node, preset["qps"] * args.gpus)
+        workload, qps = (per_engine, engine_qps) if single else (node, engine_qps * args.gpus)
         print(f"\n== node: {config} ({1 if single else args.gpus} engines, {workload.num_users} "
               f"users, {qps:g} req/s)", flush=True)
         points[config] = run_config(args, config, workload, qps, sizing, block_bytes)

@@ -28,7 +28,8 @@ def test_ratios_follow_the_issue() -> None:
 
 def test_a_two_engine_node_runs_end_to_end_on_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert node.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--gpus", "2",
-                      "--scale", "0.02", "--duration-s", "3", "--configs", "kv,single",
+                      "--scale", "0.02", "--users", "3", "--qps", "6", "--duration-s", "3",
+                      "--configs", "kv,single",
                       "--no-progress", "--out", str(tmp_path), "--tag", "smoke"]) == 0
     result = json.loads(next(tmp_path.glob("node-smoke-*.json")).read_text())
     kv, single = result["points"]["kv"], result["points"]["single"]
