@@ -40,7 +40,6 @@ def host_bytes(t: Any, num_bytes: int) -> np.ndarray:
 
 
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-_TORCH_CUDA_MALLOC, _TORCH_EXPANDABLE = ord("c"), ord("e")  # c10's shareable handle types
 _EXPANDABLE_SEGMENTS_FIX = ("vLLM's KV tensors live in torch expandable segments, which the store "
                             "cannot map by CUDA IPC: run vLLM with "
                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
@@ -83,24 +82,6 @@ def cuda_ipc_handle(ptr: int) -> tuple[bytes, int]:
     # The handle's 64 bytes, read where the binding keeps them (no attribute for them in every
     # cuda-bindings release: 13.4 dropped ``reserved``).
     return ctypes.string_at(handle.getPtr(), CUDA_IPC_HANDLE_BYTES), int(ptr) - int(base)
-
-
-def raw_ipc_handle(shared: bytes) -> bytes:
-    """The ``cudaIpcMemHandle_t`` inside torch's shareable handle (``_share_cuda_()[1]``).
-
-    Older torch gives the 64 raw bytes; newer torch writes a version byte, a type byte and then
-    the payload: for a plain ``cudaMalloc`` block (type ``c``) the payload is the raw handle.
-    Expandable segments (type ``e``) are not one CUDA IPC allocation: refused, with the fix.
-    ``make_mover`` no longer reads torch's private handle (``cuda_ipc_handle`` asks the driver);
-    this stays only until its test in tests/offload/test_vllm_layout.py goes with it.
-    """
-    if len(shared) == CUDA_IPC_HANDLE_BYTES:
-        return shared
-    if len(shared) >= 2 + CUDA_IPC_HANDLE_BYTES and shared[1] == _TORCH_CUDA_MALLOC:
-        return shared[2:2 + CUDA_IPC_HANDLE_BYTES]
-    if len(shared) >= 2 and shared[1] == _TORCH_EXPANDABLE:
-        raise ValueError(_EXPANDABLE_SEGMENTS_FIX)
-    raise ValueError(f"unrecognised torch CUDA IPC handle ({len(shared)} bytes)")
 
 
 def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, num_slots: int,

@@ -154,17 +154,3 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         ConnectorSettings.from_extra_config({"load_blocks": 1.5})
     with pytest.raises(ValueError, match="positive"):
         ConnectorSettings.from_extra_config({"lookup_timeout_s": 0})
-
-
-
-def test_torch_shareable_handles_unwrap_to_the_raw_cuda_ipc_handle() -> None:
-    from offload.vllm.kv_tensors import raw_ipc_handle
-
-    raw = bytes(range(64))
-    assert raw_ipc_handle(raw) == raw  # older torch: the handle itself
-    for version in (2, 3):  # torch <= 2.12 and 2.13: version byte, 'c', the handle
-        assert raw_ipc_handle(bytes([version]) + b"c" + raw) == raw
-    with pytest.raises(ValueError, match="expandable_segments:False"):
-        raw_ipc_handle(bytes([3]) + b"e" + raw)
-    with pytest.raises(ValueError, match="unrecognised"):
-        raw_ipc_handle(b"x" * 10)
