@@ -97,3 +97,31 @@ def test_a_bad_constraint_is_refused_when_added(llm: LLM, spec: dict, message: s
 def test_params_take_exactly_one_constraint(spec: dict) -> None:
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs=spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True])
+def test_constrained_beside_free_requests_on_gpu(tiny_model_dir: Path, eager: bool) -> None:
+    """One batch on the CUDA backend (decode steps replayed from graphs, or eager): every
+    constrained output validates; the free rows beside them are not masked (they run to
+    max_tokens in free text; that the kernel leaves unnamed rows bit-exact is
+    tests/kernels/test_token_bitmask.py's)."""
+    with LLM(str(tiny_model_dir), device="cuda", enforce_eager=eager) as gpu:
+        engine = gpu.engine
+        free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            ids = gpu.tokenizer.encode(prompt)
+            engine.add_request(f"free-{i}", ids, free)
+            engine.add_request(f"json-{i}", ids, SamplingParams(
+                temperature=1.0, seed=i, max_tokens=160, structured_outputs={"json": PERSON}))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    for i in range(len(PROMPTS)):
+        out = done[f"json-{i}"]
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), PERSON)
+        assert len(done[f"free-{i}"].token_ids) == 24
+    assert not any(done[f"free-{i}"].text.startswith('{"name": ') for i in range(len(PROMPTS)))
