@@ -92,9 +92,11 @@ class Client:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self._hello_id is None and verb != "hello":
             self._hello_id = -1  # taken: the hello itself goes through here once
-            self._hello_id = self.request("hello", hello_args(), timeout_s).request_id
+            self.request("hello", hello_args(), timeout_s)
         deadline_ms = max(1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS))
         request_id = next(self._ids)
+        if verb == "hello" and self._hello_id == -1:
+            self._hello_id = request_id  # before it is sent: its reply may come at once
         message = {"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
                    "args": args or {}}
         frame = proto.encode_frame(message, self.max_frame_bytes)
