@@ -127,3 +127,18 @@ def test_kvengine_serve_reads_a_config_file_and_the_environment(tiny_model_dir: 
                          env={"KVENGINE_MAX_MODEL_LEN": "192"}) as served:
         assert "serving from-file" in served.ready_line
         assert "max_model_len 192" in served.ready_line, served.ready_line
+
+
+def test_kvengine_router_takes_a_config_file_and_the_environment(tmp_path: Path) -> None:
+    from kvstore.cli_args import subcommand
+    from server.cli import build_parser
+
+    config = tmp_path / "router.yaml"
+    config.write_text("model: /models/m\nengine: [http://127.0.0.1:8001, http://127.0.0.1:8002]\n"
+                      "routing: round-robin\n")
+    parser = build_parser()
+    argv = expand_sources(subcommand(parser, "router"), ["--config", str(config)], "KVENGINE_",
+                          {"KVENGINE_ROUTING": "least-loaded", "KVENGINE_LOG_FORMAT": "json"})
+    args = parser.parse_args(["router", *argv])
+    assert args.engines == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    assert args.routing == "least-loaded" and args.log_format == "json"
