@@ -23,6 +23,7 @@ from kvstore.keys import Namespace, block_hashes, block_ident
 from kvstore.testing.processes import stop_process
 from kvstore.wire import protocol as proto
 from kvstore.wire.client import Client
+from kvstore.wire.fds import send_with_fds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 30.0
@@ -144,8 +145,9 @@ def raw_connect(path: Path, timeout_s: float = 10.0) -> socket.socket:
     return sock
 
 
-def send_message(sock: socket.socket, obj) -> None:
-    sock.sendall(b"".join(proto.encode_frame(obj)))
+def send_message(sock: socket.socket, obj, fds: tuple[int, ...] = ()) -> None:
+    """One frame of ``obj``, with ``fds`` (SCM_RIGHTS) as the client sends a register's."""
+    send_with_fds(sock, [b"".join(proto.encode_frame(obj))], fds)
 
 
 def recv_message(sock: socket.socket):

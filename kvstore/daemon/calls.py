@@ -28,6 +28,9 @@ class CallContext:
     owner: str
     deadline: float  # time.monotonic() seconds
     on_loop: bool = False  # called on the event loop: waiting on peers must be deferred
+    # The file descriptors sent with the request's frame (``wire/fds.py``), open until the call
+    # ends: a verb that keeps their memory maps it.
+    fds: tuple[int, ...] = ()
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

@@ -14,12 +14,15 @@ import time
 
 from kvstore.daemon.calls import CallContext
 from kvstore.wire import protocol as proto
+from kvstore.wire.fds import NO_FDS, FdSocket, FrameFds
 
 # Verbs whose replies carry bulk data (a get's value): a connection runs one at a time, holding
 # its slot until the reply is written out, so one that does not read holds one value in memory,
 # never one per request in flight.
 BULK_REPLY_VERBS = frozenset({"get"})
 BULK_SLOTS_PER_CONNECTION = 1
+# Verbs that take file descriptors with their frame (``wire/fds.py``): the memory they register.
+FD_VERBS = frozenset({"register"})
 LARGE_BYTES = 1 << 20
 
 
@@ -33,10 +36,13 @@ def encode_reply(reply: dict, max_frame_bytes: int) -> list[bytes]:
 
 class Connection:
     def __init__(self, conn_id: int, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, max_inflight: int) -> None:
+                 writer: asyncio.StreamWriter, max_inflight: int,
+                 fd_socket: FdSocket | None = None) -> None:
         self.owner = f"conn-{conn_id}"
         self.reader = reader
         self.writer = writer
+        self.fd_socket = fd_socket  # its reads take the descriptors sent with frames
+        self._frames_end = 0  # stream bytes the frame loop has read: where the next frame starts
         self.slots = asyncio.Semaphore(max_inflight)
         self.bulk_slots = asyncio.Semaphore(BULK_SLOTS_PER_CONNECTION)
         self.write_lock = asyncio.Lock()
@@ -74,6 +80,17 @@ class Connection:
             self._unread_since = now
         self._last_unread = unread
         return 0.0 if self._unread_since is None else now - self._unread_since
+
+    # -- descriptors sent with frames -----------------------------------------------------
+
+    def claim_fds(self, body_bytes: int) -> FrameFds:
+        """The descriptors sent with the frame just read (its header and ``body_bytes``);
+        FdError if they came otherwise or past the connection's bound (``wire/fds.py``)."""
+        start = self._frames_end
+        self._frames_end += proto.HEADER_BYTES + body_bytes
+        if self.fd_socket is None:
+            return NO_FDS
+        return self.fd_socket.claim(start, self._frames_end)
 
     # -- replies and closing --------------------------------------------------------------
 

@@ -31,12 +31,13 @@ from typing import Any
 from kvstore.daemon import memory
 from kvstore.daemon.accept import Acceptor, RateLimitedLog
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
-from kvstore.daemon.connection import BULK_REPLY_VERBS, Connection, encode_reply
+from kvstore.daemon.connection import BULK_REPLY_VERBS, FD_VERBS, Connection, encode_reply
 from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
 from kvstore.daemon.watch import CLOSE_REASONS, ConnectionWatch
 from kvstore.wire import protocol as proto
+from kvstore.wire.fds import FdError, FdSocket, FrameFds
 from kvstore.wire.listener import bind_unix_socket, peer_uid, socket_identity, unlink_if_ours
 
 log = logging.getLogger("kvstore.daemon.server")
@@ -221,6 +222,7 @@ class Daemon:
         task.add_done_callback(self._handlers.discard)
 
     async def _on_connect(self, sock: socket.socket) -> None:
+        sock = FdSocket.adopt(sock)  # the transport's reads take descriptors sent with frames
         try:
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=2**16)
         except OSError:
@@ -228,13 +230,15 @@ class Daemon:
             self._num_open -= 1
             return
         try:
-            await self._serve_connection(reader, writer)
+            await self._serve_connection(reader, writer, sock)
         finally:
+            sock.close_unclaimed()
             self._num_open -= 1
 
     async def _serve_connection(self, reader: asyncio.StreamReader,
-                                writer: asyncio.StreamWriter) -> None:
-        conn = Connection(next(self._conn_ids), reader, writer, self.max_inflight)
+                                writer: asyncio.StreamWriter,
+                                fd_socket: FdSocket | None = None) -> None:
+        conn = Connection(next(self._conn_ids), reader, writer, self.max_inflight, fd_socket)
         uid = peer_uid(writer.get_extra_info("socket"))
         if uid not in self.allowed_uids:
             self.service.count("connect", proto.PERMISSION_DENIED)
@@ -294,9 +298,20 @@ class Daemon:
                                    f"{self.limits.frame_timeout_s:g} s")
                 return
             try:
+                fds = conn.claim_fds(length)
+            except FdError as exc:  # every descriptor it sent is closed already
+                await self._refuse(conn, None, exc.code, exc.message)
+                return
+            try:
                 request = proto.parse_request(proto.decode_body(body, check_plain=False),
                                               self.default_deadline_ms)
+                if fds and request.verb not in FD_VERBS:
+                    raise proto.ProtocolError(
+                        proto.BAD_REQUEST, f"file descriptors came with a {request.verb!r} "
+                        f"request; only {sorted(FD_VERBS)} take them (closed)",
+                        request.request_id)
             except proto.ProtocolError as exc:
+                fds.close()
                 conn.body_bytes -= length
                 if exc.code == proto.MALFORMED_FRAME:
                     await self._refuse(conn, exc.request_id, exc.code, exc.message)
@@ -306,8 +321,12 @@ class Daemon:
                                 self.max_frame_bytes)
                 continue
             del body
-            await conn.slots.acquire()  # backpressure: stop reading at max in-flight requests
-            task = asyncio.create_task(self._answer(conn, request, received_at, length))
+            try:
+                await conn.slots.acquire()  # backpressure: stop reading at max in-flight
+            except BaseException:
+                fds.close()
+                raise
+            task = asyncio.create_task(self._answer(conn, request, received_at, length, fds))
             conn.tasks.add(task)
             task.add_done_callback(conn.tasks.discard)
 
@@ -353,8 +372,9 @@ class Daemon:
     # ---------------------------------------------------------------------------- requests
 
     async def _answer(self, conn: Connection, request: proto.Request,
-                      received_at: float, body_bytes: int) -> None:
-        holds_bulk_slot = counted = False
+                      received_at: float, body_bytes: int, fds: FrameFds) -> None:
+        """``fds``: the descriptors sent with the request (closed once its call is done)."""
+        holds_bulk_slot = counted = handed_fds = False
         try:
             if request.verb in BULK_REPLY_VERBS:  # held until the value is written out
                 await conn.bulk_slots.acquire()
@@ -365,10 +385,11 @@ class Daemon:
             deadline = received_at + request.deadline_ms / 1000.0
             timeout_s = max(0.0, deadline - time.monotonic())
             ctx = CallContext(owner=conn.owner, deadline=deadline,
-                              on_loop=request.verb in self.inline_verbs)
+                              on_loop=request.verb in self.inline_verbs, fds=fds.numbers)
             conn.contexts.add(ctx)
             try:
-                reply = await self._execute(request, ctx, timeout_s)
+                handed_fds = True
+                reply = await self._execute(request, ctx, timeout_s, fds)
             except Exception as exc:  # never leave a client waiting on a reply
                 self._log_failure(f"{request.verb} failed")
                 reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
@@ -383,6 +404,8 @@ class Daemon:
             del reply  # a get's value: only the frame holds its bytes from here
             await conn.send_frame(frame)
         finally:
+            if not handed_fds:
+                fds.close()
             if not counted:  # its connection closed first (dropped, or cancelled mid-call)
                 self.service.count(request.verb, _CLIENT_GONE)
             # Every way out gives the slots back, the early return of a connection cut off
@@ -395,9 +418,12 @@ class Daemon:
             # own connection (at max in-flight requests); the watch cuts it off.
             conn.slots.release()
 
-    async def _execute(self, request: proto.Request, ctx: CallContext,
-                       timeout_s: float) -> dict[str, Any]:
+    async def _execute(self, request: proto.Request, ctx: CallContext, timeout_s: float,
+                       fds: FrameFds) -> dict[str, Any]:
+        """The call's reply; ``fds`` are closed once the call is done (a call past its
+        deadline may still be mapping them on its worker)."""
         rid = request.request_id
+        future: asyncio.Future | None = None
         try:
             if ctx.on_loop:
                 result = self.service.call(request.verb, request.args, ctx)
@@ -440,6 +466,11 @@ class Daemon:
         except Exception as exc:
             self._log_failure(f"{request.verb} failed")
             return proto.error_reply(rid, proto.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            if future is None or future.done():
+                fds.close()
+            else:
+                future.add_done_callback(lambda _: fds.close())
 
     def _cleanup_abandoned(self, future: asyncio.Future) -> None:
         """A call whose reply nobody reads: its exception retrieved (not logged as lost), the

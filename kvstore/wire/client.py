@@ -20,6 +20,7 @@ from typing import Any
 from kvstore.layout import KVLayout
 from kvstore.settings import default_socket_path
 from kvstore.wire import protocol as proto
+from kvstore.wire.fds import send_with_fds
 from kvstore.wire.handshake import hello_args, read_hello
 from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error types, re-exported)
     ClientError,
@@ -87,8 +88,12 @@ class Client:
 
     def request(self, verb: str, args: dict[str, Any] | None = None,
                 timeout_s: float | None = None,
-                convert: Callable[[Any], Any] | None = None) -> Pending:
-        """Send a request without waiting; the daemon enforces ``timeout_s`` as its deadline."""
+                convert: Callable[[Any], Any] | None = None,
+                fds: Sequence[int] = ()) -> Pending:
+        """Send a request without waiting; the daemon enforces ``timeout_s`` as its deadline.
+
+        ``fds``: file descriptors sent with the frame (``SCM_RIGHTS``; the daemon gets its own
+        copies, these stay the caller's), only for ``register``."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self._hello_id is None and verb != "hello":
             self._hello_id = -1  # taken: the hello itself goes through here once
@@ -107,8 +112,7 @@ class Client:
             self._pending[request_id] = pending
         try:
             with self._send_lock:
-                self._sock.sendall(frame[0])
-                self._sock.sendall(frame[1])
+                send_with_fds(self._sock, frame, fds)
         except OSError as exc:
             # A frame may be half written: the stream is unusable from here on. A daemon that
             # refused the connection wrote why before it closed: say that, not "Broken pipe".
@@ -305,15 +309,22 @@ class Client:
         return self.call("remove", {"namespace": namespace, "hashes": list(hashes)})["num_removed"]
 
     def register_async(self, layout: KVLayout | dict, engine_id: str,
-                       timeout_s: float | None = None) -> Pending:
+                       timeout_s: float | None = None,
+                       fds: Sequence[int] | None = None) -> Pending:
         """Describe this engine's KV memory to the daemon; the result is the registration
-        id."""
-        wire = layout.to_wire() if isinstance(layout, KVLayout) else layout
+        id. The memory's file descriptors go with the frame: ``fds``, else ``layout.fds``
+        (the daemon maps its own copies; the caller's stay open)."""
+        if isinstance(layout, KVLayout):
+            wire = layout.to_wire()
+            fds = layout.fds if fds is None else fds
+        else:
+            wire = layout
         return self.request("register", {"layout": wire, "engine_id": engine_id}, timeout_s,
-                            lambda r: int(r["registration_id"]))
+                            lambda r: int(r["registration_id"]), fds or ())
 
-    def register(self, layout: KVLayout | dict, engine_id: str) -> int:
-        return self.register_async(layout, engine_id).wait()
+    def register(self, layout: KVLayout | dict, engine_id: str,
+                 fds: Sequence[int] | None = None) -> int:
+        return self.register_async(layout, engine_id, fds=fds).wait()
 
     def unregister_async(self, registration_id: int, timeout_s: float | None = None) -> Pending:
         return self.request("unregister", {"registration_id": registration_id}, timeout_s,
