@@ -50,8 +50,8 @@ class _Arena:
         handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
         self.layout = KVLayout(num_blocks, (Region(handle, num_blocks * BLOCK_BYTES, 0,
                                                    BLOCK_BYTES, BLOCK_BYTES),),
-                               device=f"cuda:{cp.cuda.Device().id}", dtype="bfloat16",
-                               generations=self.generations.name)
+                               device=f"cuda:{cp.cuda.Device().id}", dtype="bfloat16"
+                               ).with_generations(self.generations.fd)
 
 
 def _raw_row(cp, n: int, src: int, dst: int, src_ids: list[int], dst_ids: list[int],

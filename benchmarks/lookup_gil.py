@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,7 @@ from benchmarks.vllm_process import REPO_ROOT, start_store, stop_store
 from kvstore.keys import Namespace, block_hashes, block_ident
 from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client
+from offload.anon_memory import AnonymousMemory
 
 SAVE_BLOCK_BYTES = 16 << 10  # small blocks: the daemon's per-block Python is what keeps it busy
 
@@ -99,12 +99,12 @@ def _beside_busy_thread_ms(socket_path: Path, chain, seconds: float, interval_s:
 def saver_main(socket_path: str, num_blocks: int, seconds: float) -> None:
     """The child of ``--busy daemon``: save ``num_blocks`` fresh blocks at a time for
     ``seconds``, then print ``SAVES <count> <elapsed_s>``."""
-    shm = shared_memory.SharedMemory(create=True, size=num_blocks * SAVE_BLOCK_BYTES)
+    memory = AnonymousMemory(num_blocks * SAVE_BLOCK_BYTES, "lookup-gil-saver")
     try:
         with Client(socket_path) as client:
-            region = Region(shm.name, shm.size, 0, SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES)
-            registration = client.register(KVLayout(num_blocks, (region,), dtype="uint8"),
-                                           "lookup-gil-saver")
+            region = Region(0, memory.size_bytes, 0, SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES)
+            registration = client.register(KVLayout(num_blocks, (region,), dtype="uint8",
+                                                    fds=(memory.fd,)), "lookup-gil-saver")
             count, start = 0, time.monotonic()
             while time.monotonic() - start < seconds:
                 namespace, hashes, idents = _chain(num_blocks, "lookup-gil-saver", count + 1)
@@ -112,8 +112,7 @@ def saver_main(socket_path: str, num_blocks: int, seconds: float) -> None:
                 count += 1
             print(f"SAVES {count} {time.monotonic() - start:.3f}", flush=True)
     finally:
-        shm.close()
-        shm.unlink()
+        memory.close()
 
 
 def _beside_busy_daemon(args, interval_s: float) -> tuple[np.ndarray, float]:

@@ -37,7 +37,6 @@ import threading
 import time
 from collections import Counter
 from datetime import date, datetime, timezone
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +51,7 @@ from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import parse_size  # noqa: E402
 from kvstore.testing.processes import stop_process  # noqa: E402
+from offload.anon_memory import AnonymousMemory  # noqa: E402
 
 CHAIN_BLOCKS = 8
 
@@ -107,12 +107,13 @@ class Tally:
 def block_worker(sock: Path, stop: threading.Event, tally: Tally, ns: bytes, chains: list,
                  block_bytes: int, seed: int) -> None:
     rng = random.Random(seed)
-    shm = shared_memory.SharedMemory(create=True, size=CHAIN_BLOCKS * block_bytes)
-    kv = np.ndarray((CHAIN_BLOCKS, block_bytes), np.uint8, shm.buf)
+    memory = AnonymousMemory(CHAIN_BLOCKS * block_bytes, f"soak-{seed}")
+    kv = np.ndarray((CHAIN_BLOCKS, block_bytes), np.uint8, memory.buf)
     try:
         with Client(sock, timeout_s=30) as c:
-            reg = c.register(KVLayout(CHAIN_BLOCKS, (Region(shm.name, shm.size, 0, block_bytes,
-                                                            block_bytes),)), f"soak-{seed}")
+            reg = c.register(KVLayout(CHAIN_BLOCKS, (Region(0, memory.size_bytes, 0, block_bytes,
+                                                            block_bytes),), fds=(memory.fd,)),
+                             f"soak-{seed}")
             while not stop.is_set():
                 hashes, idents = rng.choice(chains)
                 try:
@@ -125,8 +126,7 @@ def block_worker(sock: Path, stop: threading.Event, tally: Tally, ns: bytes, cha
         print(f"soak: block worker lost the daemon: {exc}", file=sys.stderr)
     finally:
         del kv
-        shm.close()
-        shm.unlink()
+        memory.close()
 
 
 def _block_round(c: Client, reg: int, rng: random.Random, tally: Tally, ns: bytes,
@@ -191,28 +191,29 @@ def doomed_client_loop(sock: Path, stop: threading.Event, tally: Tally, block_by
                        every_s: float, seed: int) -> None:
     """Start a churning child, SIGKILL it after a random while, again and again."""
     rng = random.Random(seed)
-    shm = shared_memory.SharedMemory(create=True, size=CHAIN_BLOCKS * block_bytes)
+    memory = AnonymousMemory(CHAIN_BLOCKS * block_bytes, "soak-doomed")
     try:
-        while not stop.is_set():
+        while not stop.is_set():  # the child registers our memory by the descriptor it inherits
             child = subprocess.Popen([sys.executable, "-m", "benchmarks.soak", "--child",
-                                      str(sock), shm.name, str(block_bytes),
+                                      str(sock), str(memory.fd), str(block_bytes),
                                       str(rng.randrange(1 << 30))], cwd=REPO,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     pass_fds=(memory.fd,))
             stop.wait(rng.uniform(0.5, 1.5) * every_s)
             child.kill()
             child.wait()
             tally.add("clients_killed")
     finally:
-        shm.close()
-        shm.unlink()
+        memory.close()
 
 
-def child_main(sock: str, shm_name: str, block_bytes: int, seed: int) -> None:
-    """The doomed client: registers the parent's buffer and churns until it is killed."""
+def child_main(sock: str, fd: int, block_bytes: int, seed: int) -> None:
+    """The doomed client: registers the parent's buffer (descriptor ``fd``, inherited) and
+    churns until it is killed."""
     rng = random.Random(seed)
     ns, chains = _chains("soak-doomed", 32, seed % 7)
-    layout = KVLayout(CHAIN_BLOCKS, (Region(shm_name, CHAIN_BLOCKS * block_bytes, 0,
-                                            block_bytes, block_bytes),))
+    layout = KVLayout(CHAIN_BLOCKS, (Region(0, CHAIN_BLOCKS * block_bytes, 0,
+                                            block_bytes, block_bytes),), fds=(fd,))
     with Client(Path(sock), timeout_s=30) as c:
         reg = c.register(layout, f"doomed-{seed}")
         while True:
@@ -322,7 +323,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
-        child_main(argv[1], argv[2], int(argv[3]), int(argv[4]))
+        child_main(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0)

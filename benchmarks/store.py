@@ -31,7 +31,6 @@ import sys
 import tempfile
 import time
 from datetime import date, datetime, timezone
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +44,7 @@ from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import format_bytes, parse_size  # noqa: E402
 from kvstore.store.tiered import StoreConfig, TieredStore  # noqa: E402
+from offload.anon_memory import AnonymousMemory  # noqa: E402
 
 QWEN3_4B_BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2  # layers x K/V x tokens x kv heads x dim x bf16
 LOOKUP_BLOCKS = 1024
@@ -115,11 +115,11 @@ def bench_lookup(iterations: int) -> dict:
     block_bytes = 4096
     ns, hashes, idents = chain("bench-lookup", LOOKUP_BLOCKS)
     daemon = Daemon("--dram", "64MiB")
-    shm = shared_memory.SharedMemory(create=True, size=LOOKUP_BLOCKS * block_bytes)
+    memory = AnonymousMemory(LOOKUP_BLOCKS * block_bytes, "bench-lookup")
     try:
         with Client(daemon.socket) as c:
-            layout = KVLayout(LOOKUP_BLOCKS, (Region(shm.name, shm.size, 0, block_bytes,
-                                                     block_bytes),))
+            layout = KVLayout(LOOKUP_BLOCKS, (Region(0, memory.size_bytes, 0, block_bytes,
+                                                     block_bytes),), fds=(memory.fd,))
             reg = c.register(layout, "bench")
             assert c.save(reg, ns, range(LOOKUP_BLOCKS), hashes, idents).num_saved == \
                 LOOKUP_BLOCKS
@@ -139,8 +139,7 @@ def bench_lookup(iterations: int) -> dict:
                     miss.append(dt_miss)
             c.unregister(reg)
     finally:
-        shm.close()
-        shm.unlink()
+        memory.close()
         daemon.stop()
     # The store's own share: the same lookup in-process, no socket.
     store = TieredStore(StoreConfig(dram_bytes=64 << 20))
@@ -256,11 +255,11 @@ def ssd_restore_through_daemon(directory: Path, total_bytes: int, block_bytes: i
     _drop_page_cache_hint(directory)
     daemon = Daemon("--dram", str(2 * chunk * block_bytes + (16 << 20)), "--ssd-dir",
                     str(directory), "--ssd-size", str(n * block_bytes * 2 + (64 << 20)))
-    shm = shared_memory.SharedMemory(create=True, size=chunk * block_bytes)
+    memory = AnonymousMemory(chunk * block_bytes, "bench-ssd")
     try:
         with Client(daemon.socket, timeout_s=120) as c:
-            reg = c.register(KVLayout(chunk, (Region(shm.name, shm.size, 0, block_bytes,
-                                                     block_bytes),)), "bench")
+            reg = c.register(KVLayout(chunk, (Region(0, memory.size_bytes, 0, block_bytes,
+                                                     block_bytes),), fds=(memory.fd,)), "bench")
             loaded = 0
             t0 = time.perf_counter()
             for start in range(0, n, chunk):
@@ -269,8 +268,7 @@ def ssd_restore_through_daemon(directory: Path, total_bytes: int, block_bytes: i
             read_s = time.perf_counter() - t0
             c.unregister(reg)
     finally:
-        shm.close()
-        shm.unlink()
+        memory.close()
         daemon.stop()
     assert loaded == n, f"only {loaded} of {n} blocks restored"
     return {"bytes": n * block_bytes, "read_gb_per_s": n * block_bytes / read_s / 1e9}

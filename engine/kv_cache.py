@@ -2,22 +2,19 @@
 
 ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: block ``b`` is one contiguous
 run of ``block_bytes`` bytes at ``b * block_bytes``, so one ``kvstore.layout.Region`` describes the
-whole arena. On CPU it lives in POSIX shared memory, so the daemon can map it by name.
+whole arena. On CPU it lives in anonymous shared memory (a memfd, nothing in /dev/shm), which the
+daemon maps from the file descriptor the registration sends.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import secrets
-import weakref
 from abc import ABC, abstractmethod
-from multiprocessing import shared_memory
 
 import numpy as np
 
 from kernels.ops import Array
+from offload.anon_memory import AnonymousMemory
 from offload.vocab import KVLayout, Region
 
 KV_LAYOUT_NAME = "block-major"
@@ -59,17 +56,9 @@ class KVCache(ABC):
                 "block_size": block_size, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
 
 
-def _release_shm(shm: shared_memory.SharedMemory) -> None:
-    # BufferError: a view of the arena is still alive, the mapping goes when it does.
-    with contextlib.suppress(BufferError):
-        shm.close()
-    with contextlib.suppress(FileNotFoundError):
-        shm.unlink()
-
-
 class SharedMemoryKVCache(KVCache):
-    """The CPU arena in a POSIX shared-memory segment named ``shm_name``, unlinked on close (or
-    when the object is collected, or at interpreter exit)."""
+    """The CPU arena in anonymous shared memory (``memory``: a sealed memfd), released on close
+    (or when the object is collected)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: str = "float32") -> None:
         if len(shape) != 6 or min(shape) <= 0:
@@ -77,33 +66,19 @@ class SharedMemoryKVCache(KVCache):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = dtype
         nbytes = math.prod(self.shape) * np.dtype(dtype).itemsize
-        _check_shm_room(nbytes)
-        name = f"kvengine_{os.getpid()}_{secrets.token_hex(6)}"
-        self._shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        self.shm_name = self._shm.name
+        self.memory = AnonymousMemory(nbytes, "kvengine-arena")
         self.size_bytes = nbytes
-        self.array = np.ndarray(self.shape, dtype=dtype, buffer=self._shm.buf)
-        self._finalizer = weakref.finalize(self, _release_shm, self._shm)
+        self.array = np.ndarray(self.shape, dtype=dtype, buffer=self.memory.buf)
 
     def layout(self) -> KVLayout:
-        region = Region(handle=self.shm_name, size_bytes=self.size_bytes, offset=0,
+        """One region in the memory of file descriptor 0 of the registration (``fds``)."""
+        region = Region(handle=0, size_bytes=self.size_bytes, offset=0,
                         block_stride=self.block_bytes, block_bytes=self.block_bytes)
         layout = KVLayout(num_blocks=self.num_blocks, regions=(region,), device="cpu",
-                          dtype=self.dtype, meta=self._layout_meta())
+                          dtype=self.dtype, meta=self._layout_meta(), fds=(self.memory.fd,))
         layout.validate()
         return layout
 
     def close(self) -> None:
         self.array = None
-        self._finalizer()
-
-
-def _check_shm_room(nbytes: int) -> None:
-    """Fail with a clear error rather than SIGBUS later when /dev/shm cannot hold the arena."""
-    if not os.path.isdir("/dev/shm"):
-        return
-    stat = os.statvfs("/dev/shm")
-    available = stat.f_bavail * stat.f_frsize
-    if nbytes > available:
-        raise MemoryError(f"the KV arena needs {nbytes} bytes of /dev/shm, only {available} are "
-                          f"free; lower num_kv_blocks or cpu_kv_cache_bytes")
+        self.memory.close()

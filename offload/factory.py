@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from offload.block_generations import BlockGenerations
@@ -31,18 +30,18 @@ def make_store_bridge(socket_path: str | None, layout: KVLayout, engine_id: str,
     ``policy`` is an ``OffloadPolicy`` value.
 
     ``share_hbm``: publish the cached blocks as the store's HBM tier (block generations in
-    shared memory, named in the registered layout)."""
+    anonymous shared memory, sent by file descriptor with the registration)."""
     save_policy = OffloadPolicy(policy)  # a bad name fails before anything is made
     bandwidth, prefill = _PRIORS["cuda" if device.startswith("cuda") else "cpu"]
     generations = None
     if share_hbm:
         try:
             generations = BlockGenerations(layout.num_blocks)
-        except OSError as exc:  # no /dev/shm room: serve, just without sharing the arena
+        except OSError as exc:  # no memory or descriptors: serve, just without sharing the arena
             log.warning("kv offload: cannot create block generations in shared memory (%s); "
                         "this engine's blocks are not offered to other engines", exc)
     if generations is not None:
-        layout = dataclasses.replace(layout, generations=generations.name)
+        layout = layout.with_generations(generations.fd)
     try:
         link = OffloadConnector(socket_path, layout, engine_id)
     except BaseException:

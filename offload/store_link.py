@@ -17,7 +17,9 @@ planned for.
 
 What is registered: a fixed ``KVLayout`` (kvengine's arena), a callable that makes a fresh one
 on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writes only into
-memory nobody reads), or nothing (vLLM's scheduler side, which only looks up).
+memory nobody reads), or nothing (vLLM's scheduler side, which only looks up). CPU memory is
+registered by file descriptor (``KVLayout.fds``, sent with the frame): each registration sends
+fresh duplicates, so a daemon met again maps the same memory from descriptors of its own.
 ``on_registered`` runs once each registration has been answered or given up.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
 import queue
 import threading
 import time
@@ -249,10 +252,21 @@ class StoreLink:
         if self.layout is None:
             return None
         layout = self.layout() if callable(self.layout) else self.layout
+        # Fresh duplicates of the memory's descriptors for each registration: what goes out is
+        # held open by this send alone, whatever the memory's owner does meanwhile.
+        fds: list[int] = []
         try:
-            pending = client.register_async(layout, self.engine_id, self.register_timeout_s)
+            for fd in layout.fds:
+                fds.append(os.dup(fd))
+            pending = client.register_async(layout, self.engine_id, self.register_timeout_s,
+                                            fds=fds)
+            for fd in fds:  # sent: the daemon holds its own copies
+                os.close(fd)
+            fds.clear()
             return self._await(pending, self.register_timeout_s)
         finally:
+            for fd in fds:
+                os.close(fd)
             if self.on_registered is not None:
                 self.on_registered()
 

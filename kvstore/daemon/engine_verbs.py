@@ -34,7 +34,7 @@ class EngineVerbs:
         self._counters = counters
 
     def register(self, args: dict, ctx: CallContext) -> dict:
-        reg = self._registry.register(args["layout"], args["engine_id"], ctx.owner)
+        reg = self._registry.register(args["layout"], args["engine_id"], ctx.owner, ctx.fds)
         return {"registration_id": reg.registration_id, "num_blocks": reg.num_blocks,
                 "block_bytes": reg.block_bytes}
 

@@ -4,8 +4,9 @@
 ``CudaRegistration`` (GPU, CUDA IPC) implement it. Copies hold the registration open, so
 unregistering (or the engine's disconnect) while a copy runs unmaps only after the last copy is
 done. A registration may name its block generations (a small shared-memory array of uint64
-counters the engine bumps whenever it reallocates a block): the daemon maps it read-only, and
-the HBM tier reads it to know a published block is still what it was.
+counters the engine bumps whenever it reallocates a block, sent by file descriptor as CPU memory
+is): the daemon maps it read-only, and the HBM tier reads it to know a published block is still
+what it was.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ class Registration(ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def num_mappings(self) -> int:
+        """Host memory mapped from the engine's file descriptors (each holds one descriptor)."""
+        return int(self._generation_map is not None)
 
     @property
     def has_generations(self) -> bool:

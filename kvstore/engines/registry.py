@@ -1,8 +1,12 @@
 """Registered engines by id: opening a layout's memory, finding it per connection, closing it.
 
-A CPU layout opens a ``ShmRegistration``, a GPU one a ``CudaRegistration`` (one ``CudaCopier``
-per device, all with the daemon's ``CopySettings``; one refcounted IPC table for the process).
-Owners are connection names: a disconnect closes every registration of its connection.
+A CPU layout opens a ``ShmRegistration`` over the file descriptors sent with its frame, a GPU one
+a ``CudaRegistration`` (one ``CudaCopier`` per device, all with the daemon's ``CopySettings``; one
+IPC table for the process). Any piece of engine memory, a CUDA IPC handle or host memory behind a
+descriptor (``MemoryClaims``), is held by one live registration at a time. Owners are connection
+names: a disconnect closes every registration of its connection, and only the owning connection
+may use, publish or unregister a registration. What a connection keeps mapped is bounded
+(``max_mappings_per_owner``): each mapping holds a descriptor of the daemon.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import itertools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvstore.engines.copier import CudaCopier
 from kvstore.engines.copy_settings import CopySettings
@@ -22,56 +26,83 @@ from kvstore.engines.registration import (  # noqa: F401 (the registry's errors,
     RegistrationClosed,
     RegistryError,
 )
-from kvstore.engines.shm_registration import ShmRegistration, map_shm
+from kvstore.engines.memory_claims import MemoryClaims, memory_key
+from kvstore.engines.shm_registration import ShmRegistration, fd_of, map_fd
 from kvstore.layout import GENERATION_BYTES, KVLayout
 
 log = logging.getLogger(__name__)
+
+MAX_MAPPINGS_PER_OWNER = 64
 
 
 class Registry:
     """Registrations by id; thread-safe. Owners are connection names, so a disconnect drops all."""
 
-    def __init__(self, copy_settings: CopySettings = CopySettings()) -> None:
+    def __init__(self, copy_settings: CopySettings = CopySettings(),
+                 max_mappings_per_owner: int = MAX_MAPPINGS_PER_OWNER) -> None:
         self.copy_settings = copy_settings
+        self.max_mappings_per_owner = max_mappings_per_owner
         self._lock = threading.Lock()
         self._by_id: dict[int, Registration] = {}
         self._ids = itertools.count(1)
         self._ipc = IpcTable()
+        self._claims = MemoryClaims()
         self._copiers: dict[int, CudaCopier] = {}
         # Told of every registration that leaves (unregistered, its connection closed, shutdown),
         # before its mappings go: the HBM tier forgets its blocks.
         self.on_close: Callable[[Registration], None] | None = None
 
-    def register(self, layout_wire: dict, engine_id: str, owner: str) -> Registration:
-        """Map a layout's memory; RegistryError(bad_request|unsupported|not_found) if impossible."""
+    def register(self, layout_wire: dict, engine_id: str, owner: str,
+                 fds: Sequence[int] = ()) -> Registration:
+        """Map a layout's memory (CPU memory and block generations from ``fds``, the
+        descriptors sent with the register frame, which stay the caller's to close);
+        RegistryError(bad_request|permission_denied|unsupported|not_found|resource_exhausted)
+        if impossible."""
         try:
             layout = KVLayout.from_wire(layout_wire)
         except (ValueError, TypeError) as exc:
             raise RegistryError("bad_request", f"invalid layout: {exc}") from None
+        keys = self._memory_keys(layout, fds)  # names are refused here, before any mapping
+        with self._lock:
+            held = sum(r.num_mappings for r in self._by_id.values() if r.owner == owner)
+        if held >= self.max_mappings_per_owner:
+            raise RegistryError("resource_exhausted", f"this connection keeps {held} mappings "
+                                "of engine memory, the most one may; unregister some first")
         reg: Registration
         if layout.device != "cpu":
             reg = CudaRegistration.open(self._ids, engine_id, layout, owner, self._copier,
                                         self._ipc)
         else:
-            reg = ShmRegistration.open(next(self._ids), engine_id, layout, owner)
-        if layout.generations:
-            try:
-                self._map_generations(reg)
-            except BaseException:
-                reg.close()
-                raise
+            reg = ShmRegistration.open(next(self._ids), engine_id, layout, owner, fds)
+        try:
+            self._claims.claim(keys, reg.registration_id)
+            if layout.generations is not None:
+                self._map_generations(reg, fd_of(layout.generations, fds, "block generations"))
+        except BaseException:  # never listed: nobody else needs to hear of it
+            reg.close()
+            self._claims.release(reg.registration_id)
+            raise
         with self._lock:
             self._by_id[reg.registration_id] = reg
         return reg
 
     @staticmethod
-    def _map_generations(reg: Registration) -> None:
-        name = reg.layout.generations
-        mapping = map_shm(name, writable=False)
+    def _memory_keys(layout: KVLayout, fds: Sequence[int]) -> list[tuple[tuple[int, int], str]]:
+        """The host memory a layout names (its CPU regions' and its generations' descriptors),
+        as (identity, what) pairs; RegistryError for memory named otherwise."""
+        named = [] if layout.device != "cpu" else \
+            [(r.handle, f"region {i}") for i, r in enumerate(layout.regions)]
+        if layout.generations is not None:
+            named.append((layout.generations, "block generations"))
+        return [(memory_key(fd_of(handle, fds, what), what), what) for handle, what in named]
+
+    @staticmethod
+    def _map_generations(reg: Registration, fd: int) -> None:
+        mapping = map_fd(fd, False, "block generations")
         needed, size = reg.layout.num_blocks * GENERATION_BYTES, len(mapping)
         if size < needed:
             mapping.close()
-            raise RegistryError("bad_request", f"block generations {name!r} hold {size} bytes, "
+            raise RegistryError("bad_request", f"block generations hold {size} bytes, "
                                 f"{reg.layout.num_blocks} blocks need {needed}")
         reg.attach_generations(mapping)
 
@@ -123,6 +154,7 @@ class Registry:
 
     def _close(self, reg: Registration) -> None:
         reg.close()  # first: a copy that checks ``closed`` after this fails its block
+        self._claims.release(reg.registration_id)
         if self.on_close is not None:
             try:
                 self.on_close(reg)

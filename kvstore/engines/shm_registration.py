@@ -1,8 +1,11 @@
-"""A CPU engine's registration: its KV regions in POSIX shared memory, copied by memcpy.
+"""A CPU engine's registration: its KV regions in shared memory it sent by file descriptor.
 
-Sizes are checked against the memory itself, never taken on the engine's word: each region
-against the segment's real size. Segments are mapped through /dev/shm directly, and only
-segments owned by this user.
+A registration proves possession: each CPU region names one of the file descriptors the engine
+sent with its register frame (``SCM_RIGHTS``), an anonymous ``memfd`` no other process can open by
+name; a region that names shared memory by name is refused. The daemon maps the descriptors it
+received on that very connection. Sizes are checked against the memory itself, never taken on the
+engine's word, and the memory must be sealed against shrinking (``F_SEAL_SHRINK``): an engine can
+then never cut its memory short under a running copy (which would kill the daemon with SIGBUS).
 
 Saves and loads go block by block. A save reserves a store slot per block, copies the engine's
 block into it and publishes it only after the copy; a load reads each leased block (promoting
@@ -13,9 +16,9 @@ cancelled call stops writing at the next block boundary.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import re
 import stat
 from collections.abc import Sequence
 
@@ -23,69 +26,88 @@ from kvstore.engines.registration import Cancellation, Registration, RegistryErr
 from kvstore.layout import KVLayout
 from kvstore.store.block_store import BlockStore, Lease, StoreError
 
-# POSIX shm names as multiprocessing.shared_memory makes them; no path separators, no dot-files.
-_SHM_NAME = re.compile(r"^/?[A-Za-z0-9_][A-Za-z0-9_.\-]{0,250}$")
-_SHM_DIR = "/dev/shm"
+# Why a name is not enough, said to a client that still registers by name.
+BY_NAME_REFUSED = ("registrations by shared-memory name are refused: any process of this uid "
+                   "could name another engine's memory. Send the memory's file descriptor with "
+                   "the register frame instead (an anonymous memfd, SCM_RIGHTS; "
+                   "kvstore.Client.register sends KVLayout.fds)")
 
 
-def map_shm(name: str, writable: bool = True) -> mmap.mmap:
-    """Map shared-memory segment ``name``; RegistryError if it is missing, empty or foreign."""
-    # Mapped through /dev/shm directly: multiprocessing.SharedMemory (3.11) would register the
-    # segment with this process's resource tracker and unlink the engine's memory at our exit.
-    if not isinstance(name, str) or not _SHM_NAME.match(name):
-        raise RegistryError("bad_request", f"invalid shared-memory name {name!r}")
-    path = os.path.join(_SHM_DIR, name.lstrip("/"))
-    try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW
-                     | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise RegistryError("not_found", f"shared memory {name!r} does not exist") from None
-    except OSError as exc:
-        raise RegistryError("bad_request", f"cannot open shared memory {name!r}: {exc}") from None
+def fd_of(handle: object, fds: Sequence[int], what: str) -> int:
+    """The received descriptor ``handle`` indexes; RegistryError if it names memory otherwise
+    (a shared-memory name: permission_denied) or past the descriptors the frame carried."""
+    if isinstance(handle, str):
+        raise RegistryError("permission_denied", f"{what} names shared memory {handle[:64]!r}: "
+                            + BY_NAME_REFUSED)
+    if type(handle) is not int:
+        raise RegistryError("bad_request", f"{what}: a CPU handle must be the index of a file "
+                            f"descriptor sent with the register frame, got "
+                            f"{type(handle).__name__}")
+    if not 0 <= handle < len(fds):
+        raise RegistryError("bad_request", f"{what} names file descriptor {handle}; the register "
+                            f"frame carried {len(fds)}")
+    return fds[handle]
+
+
+def map_fd(fd: int, writable: bool, what: str) -> mmap.mmap:
+    """Map the whole of received descriptor ``fd``; RegistryError unless it is shared memory
+    (a regular file, not empty) sealed against shrinking, mappable as asked."""
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise RegistryError("permission_denied",
-                                f"shared memory {name!r} is not a segment owned by this user")
-        if st.st_size == 0:
-            raise RegistryError("bad_request", f"shared memory {name!r} is empty")
-        prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
+    except OSError as exc:  # EINVAL: a file that takes no seals (not a memfd)
+        raise RegistryError("bad_request", f"{what}: its file descriptor is not sealable shared "
+                            f"memory (memfd_create with MFD_ALLOW_SEALING): {exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RegistryError("bad_request", f"{what}: its file descriptor is not shared memory")
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise RegistryError("bad_request", f"{what}: its memory must be sealed against shrinking "
+                            "(fcntl F_ADD_SEALS F_SEAL_SHRINK) before it is registered")
+    if st.st_size == 0:
+        raise RegistryError("bad_request", f"{what}: its memory is empty")
+    prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+    try:
         return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
-    finally:
-        os.close(fd)
+    except OSError as exc:  # EACCES: a descriptor opened read-only, for memory to be written
+        raise RegistryError("bad_request", f"{what}: cannot map its memory"
+                            f"{' for writing' if writable else ''}: {exc}") from None
 
 
 class ShmRegistration(Registration):
-    """Regions as views of mapped shared-memory segments (each segment mapped once)."""
+    """Regions as views of the received memory (each descriptor mapped once)."""
 
     def __init__(self, registration_id: int, engine_id: str, layout: KVLayout,
                  owner: str) -> None:
         super().__init__(registration_id, engine_id, layout, owner)
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[int, mmap.mmap] = {}  # by descriptor index
         self._views: list[memoryview] = []  # one per region
 
     @classmethod
-    def open(cls, registration_id: int, engine_id: str, layout: KVLayout,
-             owner: str) -> ShmRegistration:
-        """Map every region's segment; RegistryError (nothing left mapped) if one does not fit."""
+    def open(cls, registration_id: int, engine_id: str, layout: KVLayout, owner: str,
+             fds: Sequence[int]) -> ShmRegistration:
+        """Map every region's descriptor (from ``fds``, those sent with the register frame);
+        RegistryError (nothing left mapped) if one does not fit."""
         reg = cls(registration_id, engine_id, layout, owner)
         try:
             for i, region in enumerate(layout.regions):
-                name = region.handle
-                if isinstance(name, bytes):
-                    name = name.decode("utf-8", "replace")
-                if name not in reg._maps:
-                    reg._maps[name] = map_shm(name)
-                mapping = reg._maps[name]
+                fd = fd_of(region.handle, fds, f"region {i}")
+                index = int(region.handle)
+                if index not in reg._maps:
+                    reg._maps[index] = map_fd(fd, True, f"region {i}")
+                mapping = reg._maps[index]
                 if region.size_bytes > len(mapping):
                     raise RegistryError("bad_request", f"region {i}: size_bytes "
-                                        f"{region.size_bytes} exceeds shared memory {name!r} of "
-                                        f"{len(mapping)} bytes")
+                                        f"{region.size_bytes} exceeds its memory (file "
+                                        f"descriptor {index}) of {len(mapping)} bytes")
                 reg._views.append(memoryview(mapping)[:region.size_bytes])
         except BaseException:
             reg.unmap()
             raise
         return reg
+
+    @property
+    def num_mappings(self) -> int:
+        return len(self._maps) + super().num_mappings
 
     def piece_views(self, block_id: int) -> list[memoryview]:
         """Block ``block_id``'s region pieces, in region order (inside ``open_for_copy``)."""

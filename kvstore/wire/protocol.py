@@ -33,6 +33,8 @@ connection that made them):
   remove      {namespace: h16, hashes: [h16]}       -> {num_removed}
   register    {layout: KVLayout.to_wire(), engine_id: str}
                                                     -> {registration_id, num_blocks, block_bytes}
+              (CPU memory goes as file descriptors with the frame, SCM_RIGHTS: ``fds.py``;
+              handles index them. Only ``register`` takes descriptors; a name is refused)
   unregister  {registration_id}                     -> {unregistered: bool}
   save        {registration_id, namespace: h16, block_ids: [int], hashes: [h16], idents: [bin]}
                                                     -> {outcomes: ["saved"|"duplicate"|"failed"],

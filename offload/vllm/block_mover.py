@@ -149,15 +149,15 @@ class StagedMover(BlockMover):
 
     def open(self) -> KVLayout:
         if self.buffer is not None:
-            self.buffer.unlink()  # abandoned: jobs that still hold it finish on it
+            self.buffer.drop_fd()  # abandoned: jobs that still hold it finish on it
         self.buffer = StagingBuffer(self.num_slots, self.block_bytes)
         return self.buffer.layout(self.dtype, self.meta)
 
     def registered(self) -> None:
-        # The daemon mapped the segment by name while registering: the name can go now, so a
-        # crash of this process (or of the daemon) leaves nothing behind in /dev/shm.
+        # The daemon mapped the memory from the descriptor the registration sent: ours can go
+        # (a reconnect registers a fresh buffer).
         if self.buffer is not None:
-            self.buffer.unlink()
+            self.buffer.drop_fd()
 
     def _check(self, block_ids: list[int]) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.intp)
@@ -191,7 +191,7 @@ class StagedMover(BlockMover):
 
     def close(self) -> None:
         if self.buffer is not None:
-            self.buffer.unlink()
+            self.buffer.drop_fd()
             self.buffer = None
 
 

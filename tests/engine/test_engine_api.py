@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -192,26 +193,28 @@ def test_stats_count_tokens_and_hits(engine: LLMEngine) -> None:
 def test_kv_arena_in_shared_memory(tiny_model_dir: Path) -> None:
     engine = LLMEngine(EngineConfig(str(tiny_model_dir), device="cpu", num_kv_blocks=12))
     kv = engine.kv_cache
-    shm_path = Path("/dev/shm") / kv.shm_name
-    assert shm_path.exists()
+    # Anonymous shared memory: a memfd, nothing in /dev/shm to open by name.
+    fd = kv.layout().fds[0]
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvengine-arena")
     mc = engine.model_config
     assert kv.array.shape == (12, mc.num_layers, 2, 16, mc.num_kv_heads, mc.head_dim)
     assert kv.dtype == "float32"
     layout = KVLayout.from_wire(kv.layout().to_wire())
     region = layout.regions[0]
-    assert region.handle == kv.shm_name and layout.num_blocks == 12
+    assert region.handle == 0 and layout.num_blocks == 12 and layout.fds == ()
     assert region.block_bytes == region.block_stride == kv.array[0].nbytes
     assert region.size_bytes == kv.array.nbytes and layout.meta["layout"] == "block-major"
     # One block is one contiguous run of bytes at block_id * block_bytes.
     kv.array[5] = 1.5
-    flat = np.frombuffer(shm_path.read_bytes(), dtype=np.float32)
+    flat = np.frombuffer(os.pread(fd, kv.size_bytes, 0), dtype=np.float32)
     start, end = (x // 4 for x in region.piece_bounds(5))
     assert (flat[start:end] == 1.5).all() and (flat[:start] == 0).all()
     ns = engine.namespace("t")
     assert ns.model == engine.model_identity and ns.tenant_salt == "t"
     engine.close()
     engine.close()
-    assert not shm_path.exists()
+    with pytest.raises(ValueError):
+        _ = kv.memory.fd  # closed with the engine
 
 
 def test_llm_generate_text_prompts_in_order(tiny_model_dir: Path) -> None:
@@ -270,9 +273,19 @@ def test_incremental_detokenizer_equals_full_decode(tiny_model_dir: Path) -> Non
         assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
 
 
+def _memfds() -> set[str]:
+    """This process's descriptors of anonymous shared memory."""
+    found = set()
+    for entry in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(entry).startswith("/memfd:"):
+                found.add(entry.name)
+    return found
+
+
 def test_no_shared_memory_left_behind(tiny_model_dir: Path) -> None:
-    before = {p.name for p in Path("/dev/shm").glob(f"kvengine_{os.getpid()}_*")}
+    before_fds = _memfds()
     with LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=8) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
-    after = {p.name for p in Path("/dev/shm").glob(f"kvengine_{os.getpid()}_*")}
-    assert after <= before
+        assert _memfds() - before_fds  # the arena
+    assert _memfds() <= before_fds

@@ -44,16 +44,16 @@ class Conn:
         self.sock: socket.socket = raw_connect(daemon.socket_path, timeout_s=30.0)
         self._ids = iter(range(1, 1 << 62))
 
-    def call(self, verb: str, args: dict) -> dict:
+    def call(self, verb: str, args: dict, fds: tuple[int, ...] = ()) -> dict:
         request_id = next(self._ids)
-        send_message(self.sock, {"id": request_id, "verb": verb, "args": args})
+        send_message(self.sock, {"id": request_id, "verb": verb, "args": args}, fds)
         reply = recv_message(self.sock)
         assert reply is not None, f"the daemon closed the connection on {verb} {args!r:.200}"
         assert reply["id"] == request_id
         return reply
 
-    def ok(self, verb: str, args: dict) -> dict:
-        reply = self.call(verb, args)
+    def ok(self, verb: str, args: dict, fds: tuple[int, ...] = ()) -> dict:
+        reply = self.call(verb, args, fds)
         assert reply["ok"], reply
         return reply["result"]
 
@@ -65,6 +65,7 @@ class Setup:
     other: Conn  # a second client: its leases and registrations are not ours
     src: ShmArena
     dst: ShmArena
+    spare: ShmArena  # the second client's own memory (a memory is registered once)
     reg_src: int
     reg_dst: int
     chain: object
@@ -75,17 +76,20 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     daemon = start_daemon(tmp_path_factory.mktemp("bad-input"), dram="32MiB", http=False)
     src = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=1)
     dst = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
+    spare = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
     try:
         conn, other = Conn(daemon), Conn(daemon)
-        reg_src = conn.ok("register", {"layout": src.layout.to_wire(), "engine_id": "src"})
-        reg_dst = conn.ok("register", {"layout": dst.layout.to_wire(), "engine_id": "dst"})
+        reg_src = conn.ok("register", {"layout": src.layout.to_wire(), "engine_id": "src"},
+                          src.layout.fds)
+        reg_dst = conn.ok("register", {"layout": dst.layout.to_wire(), "engine_id": "dst"},
+                          dst.layout.fds)
         chain = make_chain("bad-input", CHAIN_BLOCKS, seed=4)
         saved = conn.ok("save", {"registration_id": reg_src["registration_id"],
                                  "namespace": chain.namespace,
                                  "block_ids": list(range(CHAIN_BLOCKS)),
                                  "hashes": chain.hashes, "idents": chain.idents})
         assert saved["num_saved"] == CHAIN_BLOCKS
-        yield Setup(daemon, conn, other, src, dst, reg_src["registration_id"],
+        yield Setup(daemon, conn, other, src, dst, spare, reg_src["registration_id"],
                     reg_dst["registration_id"], chain)
         assert daemon.proc.poll() is None, "the daemon died"
         assert daemon.stop() == 0, "\n".join(daemon.lines)
@@ -94,6 +98,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             daemon.stop()
         src.close()
         dst.close()
+        spare.close()
 
 
 def _typed(reply: dict, codes: set[str]) -> None:
@@ -125,7 +130,8 @@ def test_fuzzed_loads_touch_only_the_blocks_they_report(setup: Setup, block_ids,
                                       "hashes": s.chain.hashes[:1], "idents": s.chain.idents[:1]})
     lease_id = {"mine": hit["lease_id"], "other": other_hit["lease_id"],
                 "bogus": 10**12}[lease_kind]
-    other_reg = s.other.ok("register", {"layout": s.dst.layout.to_wire(), "engine_id": "x"})
+    other_reg = s.other.ok("register", {"layout": s.spare.layout.to_wire(), "engine_id": "x"},
+                           s.spare.layout.fds)
     registration_id = {"dst": s.reg_dst, "other": other_reg["registration_id"], "bogus": 10**9,
                        "junk": "dst"}[reg_kind]
     before = s.dst.snapshot()
@@ -164,7 +170,8 @@ def test_fuzzed_saves_publish_only_whole_blocks(setup: Setup, block_ids, extra, 
         hashes[0] = hashes[0][:5]
     if idents is None:
         idents = [b"ident-%d" % n for n in range(num_hashes)]
-    other_reg = s.other.ok("register", {"layout": s.src.layout.to_wire(), "engine_id": "x"})
+    other_reg = s.other.ok("register", {"layout": s.spare.layout.to_wire(), "engine_id": "x"},
+                           s.spare.layout.fds)
     registration_id = {"src": s.reg_src, "other": other_reg["registration_id"],
                        "bogus": 10**9}[reg_kind]
     before = s.src.snapshot()
@@ -211,16 +218,20 @@ def _near(*values: int) -> st.SearchStrategy[int]:
        offset=_near(0, GUARD_BYTES, 2 * GUARD_BYTES),
        block_stride=_near(0, BLOCK_BYTES),
        block_bytes=st.one_of(_near(BLOCK_BYTES, 1), _JUNK),
-       handle_kind=st.sampled_from(["src", "src", "src", "junk"]))
+       handle_kind=st.sampled_from(["own", "own", "own", "name", "index", "live"]))
 def test_fuzzed_layouts_never_reach_past_the_memory(setup: Setup, num_blocks, size_bytes,
                                                    offset, block_stride, block_bytes,
                                                    handle_kind) -> None:
     s = setup
-    handle = s.src.shm.name if handle_kind == "src" else "../" + s.src.shm.name
+    # Its own memory's descriptor, a name (refused whatever it names), an index past the
+    # frame's, or the descriptor of memory another connection has registered (refused).
+    handle = {"own": 0, "name": "../dev/shm/kvengine", "index": 1, "live": 0}[handle_kind]
     layout = {"num_blocks": num_blocks, "device": "cpu", "dtype": "uint8", "meta": {},
               "regions": [{"handle": handle, "size_bytes": size_bytes, "offset": offset,
                            "block_stride": block_stride, "block_bytes": block_bytes}]}
-    reply = s.other.call("register", {"layout": layout, "engine_id": "fuzz"})
+    fds = s.src.layout.fds if handle_kind == "live" else s.spare.layout.fds
+    reply = s.other.call("register", {"layout": layout, "engine_id": "fuzz"}, fds)
+    assert handle_kind == "own" or not reply["ok"], reply
     if not reply["ok"]:
         _typed(reply, {"bad_request", "not_found", "permission_denied", "unsupported"})
         return
@@ -229,7 +240,7 @@ def test_fuzzed_layouts_never_reach_past_the_memory(setup: Setup, num_blocks, si
     assert all(type(v) is int for v in fields), fields
     last_end = offset + (num_blocks - 1) * block_stride + block_bytes
     assert num_blocks > 0 and block_bytes > 0 and offset >= 0 and block_stride >= 0
-    assert last_end <= size_bytes <= s.src.shm.size
+    assert last_end <= size_bytes <= s.spare.size_bytes
     s.other.ok("unregister", {"registration_id": reply["result"]["registration_id"]})
 
 
@@ -237,12 +248,13 @@ def test_fuzzed_layouts_never_reach_past_the_memory(setup: Setup, num_blocks, si
                                    "block_bytes"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 2.5, 16.0, True, "16", None, [16]])
 def test_layout_sizes_of_the_wrong_type_are_refused(setup: Setup, field: str, value) -> None:
-    layout = setup.src.layout.to_wire()
+    layout = setup.spare.layout.to_wire()
     if field == "num_blocks":
         layout[field] = value
     else:
         layout["regions"] = [dict(layout["regions"][0], **{field: value})]
-    reply = setup.other.call("register", {"layout": layout, "engine_id": "typed"})
+    reply = setup.other.call("register", {"layout": layout, "engine_id": "typed"},
+                             setup.spare.layout.fds)
     _typed(reply, {"bad_request"})
 
 
@@ -256,4 +268,4 @@ def test_the_daemon_is_alive_and_whole_after_the_fuzz(setup: Setup) -> None:
     assert stats["leases"] == stats["daemon"]["leases_active"] == 0
     assert stats["tiers"]["dram"]["pinned_blocks"] == 0
     assert stats["daemon"]["registrations"] == 2  # the two the fixture made, nothing else
-    assert s.src.guards_intact() and s.dst.guards_intact()
+    assert s.src.guards_intact() and s.dst.guards_intact() and s.spare.guards_intact()

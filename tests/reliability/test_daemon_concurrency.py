@@ -36,14 +36,10 @@ _CLIENT = textwrap.dedent("""
     from daemon_helpers import make_chain, random_bytes
     from reliability_helpers import guarded_arena
     from kvstore.wire.client import Client
-    from kvstore.layout import KVLayout, Region
 
-    sock, proc, layout_json, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    sock, proc, seed, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     NUM_BLOCKS, BLOCK_BYTES, NUM_SHARED, NUM_CONTESTED, NUM_PROCS, SECONDS = map(
         int, sys.argv[5:11])
-    wire = json.loads(layout_json)
-    src_layout = KVLayout(wire["num_blocks"], tuple(Region(**r) for r in wire["regions"]),
-                          wire["device"], wire["dtype"])
     chain = make_chain("concurrency", NUM_BLOCKS, seed=9)
     shared = lambda i: random_bytes(1000 + 997 * i, seed=10_000 + i)
     contested = lambda i, p: random_bytes(3000 + 101 * i, seed=20_000 + 100 * i + p)
@@ -65,10 +61,12 @@ _CLIENT = textwrap.dedent("""
 
     def worker(t):
         rng = random.Random(proc * 100 + t)
+        # Every engine's own memory (a memory is registered once), with the test's blocks.
+        src = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=seed)
         dst = guarded_arena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
         try:
             with Client(sock, timeout_s=30.0) as c:
-                reg_src = c.register(src_layout, f"engine-{proc}-{t}")
+                reg_src = c.register(src.layout, f"engine-{proc}-{t}")
                 reg_dst = c.register(dst.layout, f"engine-{proc}-{t}-dst")
                 wait_for(go + "-save")
                 res = c.save(reg_src, chain.namespace, range(NUM_BLOCKS), chain.hashes,
@@ -106,7 +104,7 @@ _CLIENT = textwrap.dedent("""
                             n = c.load(reg_dst, hit.lease_id, ids)
                             note("loaded", n)
                             for b in range(n):
-                                if dst.block(ids[b]) != src_block(start + b):
+                                if dst.block(ids[b]) != src.block(start + b):
                                     out["wrong"].append(f"block {start + b}")
                     elif op < 0.93:
                         i = rng.randrange(NUM_BLOCKS)
@@ -123,17 +121,8 @@ _CLIENT = textwrap.dedent("""
         except Exception as exc:
             out["errors"].append(repr(exc))
         finally:
+            src.close()
             dst.close()
-
-    # Read through /dev/shm: attaching a SharedMemory would have this process's resource
-    # tracker unlink the test's segment at exit (Python 3.11).
-    region = src_layout.regions[0]
-    with open("/dev/shm/" + region.handle.lstrip("/"), "rb") as f:
-        src_bytes = f.read()
-
-    def src_block(b):
-        start = region.offset + b * region.block_stride
-        return src_bytes[start:start + region.block_bytes]
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
     for t in threads:
@@ -154,9 +143,9 @@ def test_concurrent_engines_and_clients_on_the_same_keys(arenas, tmp_path):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(TESTS_DIR / "reliability"), str(TESTS_DIR), str(REPO_ROOT)]))
         procs = [subprocess.Popen(
-            [sys.executable, "-c", _CLIENT, str(daemon.socket_path), str(p),
-             json.dumps(src.layout.to_wire()), go, str(NUM_BLOCKS), str(BLOCK_BYTES),
-             str(NUM_SHARED), str(NUM_CONTESTED), str(NUM_PROCS), "2"],
+            [sys.executable, "-c", _CLIENT, str(daemon.socket_path), str(p), "9", go,
+             str(NUM_BLOCKS), str(BLOCK_BYTES), str(NUM_SHARED), str(NUM_CONTESTED),
+             str(NUM_PROCS), "2"],
             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for p in range(NUM_PROCS)]
         num_engines = NUM_PROCS * NUM_THREADS

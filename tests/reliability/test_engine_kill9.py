@@ -38,9 +38,9 @@ _ENGINE = textwrap.dedent("""
     from kvstore.layout import KVLayout, Region
 
     sock_path, mode, wire, num_blocks = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-    wire, num_blocks = json.loads(wire), int(num_blocks)
+    wire, num_blocks, fd = json.loads(wire), int(num_blocks), int(sys.argv[5])
     layout = KVLayout(wire["num_blocks"], tuple(Region(**r) for r in wire["regions"]),
-                      wire["device"], wire["dtype"])
+                      wire["device"], wire["dtype"], fds=(fd,))  # the arena's, inherited
     chain = make_chain("engine-kill9", num_blocks, seed=5)
     c = Client(sock_path, timeout_s=60.0)
     reg = c.register(layout, "doomed-engine")
@@ -75,8 +75,9 @@ def _spawn(daemon: InProcessDaemon, mode: str, arena,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT)]))
     return subprocess.Popen(
         [sys.executable, "-c", _ENGINE, str(daemon.socket_path), mode,
-         json.dumps(arena.layout.to_wire()), str(num_blocks)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         json.dumps(arena.layout.to_wire()), str(num_blocks), str(arena.layout.fds[0])],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        pass_fds=arena.layout.fds)
 
 
 def _kill_when(child: subprocess.Popen, started, timeout_s: float = 20.0) -> None:

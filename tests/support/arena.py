@@ -1,26 +1,26 @@
 """A test engine's KV arena: the memory an engine registers with the daemon, without an engine.
 
-``ShmArena`` is block-major memory in POSIX shared memory (what a CPU engine registers);
-``CudaArena`` is one cudaMalloc shared by CUDA IPC handle (a GPU engine). Either may share block
-generations (the HBM-tier tests). The daemon's, the cluster's and the reliability tests all use
-these; nothing here mocks the daemon: the arena is real memory the daemon maps.
+``ShmArena`` is block-major memory in anonymous shared memory (a memfd, registered by file
+descriptor as a CPU engine's is); ``CudaArena`` is one cudaMalloc shared by CUDA IPC handle (a GPU
+engine). Either may share block generations (the HBM-tier tests). The daemon's, the cluster's and
+the reliability tests all use these; nothing here mocks the daemon: the arena is real memory the
+daemon maps.
 """
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
-
 import numpy as np
 
 from kvstore.layout import KVLayout, Region
+from offload.anon_memory import AnonymousMemory
 from offload.block_generations import BlockGenerations
 
 GUARD_FILL = (0xA5, 0x5A)  # the bytes of the guard before and the guard after the blocks
 
 
 class ShmArena:
-    """``num_blocks`` blocks of ``block_bytes`` in shared memory, filled from ``seed`` (None:
-    zeros).
+    """``num_blocks`` blocks of ``block_bytes`` in anonymous shared memory (``memory``; its
+    layout's file descriptor 0), filled from ``seed`` (None: zeros).
 
     ``split_kv``: K pieces in the first half of the blocks' span, V pieces in the second (two
     regions). ``lead_bytes``: unregistered-but-mapped bytes before the blocks (offsets must be
@@ -36,8 +36,9 @@ class ShmArena:
         self.start = guard_bytes + lead_bytes  # where the blocks begin
         self.guard_bytes = guard_bytes
         size = self.start + num_blocks * block_bytes + guard_bytes
-        self.shm = shared_memory.SharedMemory(create=True, size=size)
-        self.array = np.ndarray((size,), np.uint8, self.shm.buf)
+        self.size_bytes = size
+        self.memory = AnonymousMemory(size, "test-arena")
+        self.array = np.ndarray((size,), np.uint8, self.memory.buf)
         if seed is None:
             self.array[:] = 0
         else:
@@ -49,12 +50,14 @@ class ShmArena:
         end = self.start + num_blocks * block_bytes  # the registered memory ends here
         if split_kv:
             half = block_bytes // 2
-            regions = (Region(self.shm.name, end, self.start, half, half),
-                       Region(self.shm.name, end, self.start + num_blocks * half, half, half))
+            regions = (Region(0, end, self.start, half, half),
+                       Region(0, end, self.start + num_blocks * half, half, half))
         else:
-            regions = (Region(self.shm.name, end, self.start, block_bytes, block_bytes),)
+            regions = (Region(0, end, self.start, block_bytes, block_bytes),)
         self.layout = KVLayout(num_blocks, regions, device="cpu", dtype="uint8",
-                               generations=self.generations.name if generations else "")
+                               fds=(self.memory.fd,))
+        if self.generations is not None:
+            self.layout = self.layout.with_generations(self.generations.fd)
 
     @property
     def blocks(self) -> np.ndarray:
@@ -93,8 +96,7 @@ class ShmArena:
 
     def close(self) -> None:
         del self.array
-        self.shm.close()
-        self.shm.unlink()
+        self.memory.close()
         if self.generations is not None:
             self.generations.close()
 
@@ -124,8 +126,9 @@ class CudaArena:
         handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
         region = Region(handle, num_blocks * block_bytes, 0, block_bytes, block_bytes)
         self.layout = KVLayout(num_blocks, (region,), device="cuda:0", dtype=dtype,
-                               generations=self.generations.name if generations else "",
                                **({"meta": meta} if meta is not None else {}))
+        if self.generations is not None:
+            self.layout = self.layout.with_generations(self.generations.fd)
 
     def fill(self, seed: int | None) -> None:
         """Every byte from ``seed`` (None: zeros)."""

@@ -116,18 +116,22 @@ def test_registration_errors(daemon: RunningDaemon, arenas: list[ShmArena]) -> N
         # refused when it is opened. Either way the registration fails and nothing is mapped.
         assert (info.value.code, "CUDA IPC" in info.value.message) in {
             ("unsupported", True), ("bad_request", True)}
-        missing = KVLayout(1, (Region("kvstore-no-such-shm", 4096, 0, 4096, 4096),))
+        # A region names a file descriptor the frame did not carry.
+        missing = KVLayout(1, (Region(1, 4096, 0, 4096, 4096),), fds=src.layout.fds)
         with pytest.raises(ClientError) as info:
             c.register(missing, "e")
-        assert info.value.code == "not_found"
-        too_big = KVLayout(1, (Region(src.shm.name, 1 << 30, 0, 1 << 29, 1 << 29),))
+        assert info.value.code == "bad_request" and "carried 1" in info.value.message
+        too_big = KVLayout(1, (Region(0, 1 << 30, 0, 1 << 29, 1 << 29),), fds=src.layout.fds)
         with pytest.raises(ClientError) as info:
             c.register(too_big, "e")
-        assert info.value.code == "bad_request"
-        evil = KVLayout(1, (Region("../../etc/passwd", 4096, 0, 4096, 4096),))
-        with pytest.raises(ClientError) as info:
-            c.register(evil, "e")
-        assert info.value.code == "bad_request"
+        assert info.value.code == "bad_request" and "exceeds its memory" in info.value.message
+        # Names are refused, whatever they name (nothing is opened).
+        for name in ("kvstore-no-such-shm", "../../etc/passwd"):
+            by_name = KVLayout(1, (Region(name, 4096, 0, 4096, 4096),))
+            with pytest.raises(ClientError) as info:
+                c.register(by_name, "e")
+            assert info.value.code == "permission_denied" and "by shared-memory name" in \
+                info.value.message
         with pytest.raises(ClientError) as info:
             c.register({"num_blocks": 1}, "e")
         assert info.value.code == "bad_request"

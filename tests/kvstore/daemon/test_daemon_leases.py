@@ -82,19 +82,19 @@ def test_crashed_engine_process_leaves_nothing_behind(daemon: RunningDaemon) -> 
     script = textwrap.dedent(f"""
         import os, sys
         import xxhash
-        from multiprocessing import shared_memory
         from kvstore.wire.client import Client
         from kvstore.keys import Namespace
         from kvstore.layout import KVLayout, Region
-        shm = shared_memory.SharedMemory(create=True, size=8 * 4096)
+        from offload.anon_memory import AnonymousMemory
+        memory = AnonymousMemory(8 * 4096, "doomed")
         c = Client({str(daemon.socket_path)!r})
-        c.register(KVLayout(8, (Region(shm.name, shm.size, 0, 4096, 4096),)), "doomed")
+        c.register(KVLayout(8, (Region(0, memory.size_bytes, 0, 4096, 4096),),
+                            fds=(memory.fd,)), "doomed")
         hit = c.lookup(Namespace(name="default").digest,
                        [xxhash.xxh3_128_digest(b"lease-crash")], [b"lease-crash"])
         assert hit.lease_id is not None
         print("holding", flush=True)
         sys.stdin.readline()
-        shm.unlink()
         os._exit(1)  # no close, no unregister, no release: an engine crash
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, text=True,

@@ -156,8 +156,8 @@ def test_a_reader_without_a_compatible_registration_gets_no_hbm_hit(
     owner_arena, other = _arena(7), _arena(None, num_blocks=4)
     arenas += [owner_arena, other]
     chain = make_chain("hbm-compat", 2, seed=7)
-    small = KVLayout(4, (Region(other.shm.name, 4 * BLOCK_BYTES, 0, BLOCK_BYTES // 2,
-                                BLOCK_BYTES // 2),), device="cpu", dtype="uint8")
+    small = KVLayout(4, (Region(0, 4 * BLOCK_BYTES, 0, BLOCK_BYTES // 2, BLOCK_BYTES // 2),),
+                     device="cpu", dtype="uint8", fds=(other.memory.fd,))
     with daemon.client() as owner, daemon.client() as reader, daemon.client() as bystander:
         reg_owner = owner.register(owner_arena.layout, "owner")
         _publish(owner, reg_owner, owner_arena, chain, [0, 1])
@@ -215,19 +215,21 @@ def test_sizes_and_ids_are_checked_against_the_memory(daemon: RunningDaemon,
     arena = _arena(10)
     arenas.append(arena)
     chain = make_chain("hbm-checks", 2, seed=9)
-    segment = arena.shm.size
+    segment = arena.size_bytes
     with daemon.client() as c:
-        # A region larger than its shared-memory segment is refused, however it is split.
+        # A region larger than its shared memory is refused, however it is split.
         larger = dataclasses.replace(arena.layout, num_blocks=NUM_BLOCKS + 1, regions=(
-            Region(arena.shm.name, segment + BLOCK_BYTES, 0, BLOCK_BYTES, BLOCK_BYTES),))
+            Region(0, segment + BLOCK_BYTES, 0, BLOCK_BYTES, BLOCK_BYTES),))
         with pytest.raises(ClientError) as info:
             c.register(larger, "e")
-        assert info.value.code == "bad_request" and "exceeds shared memory" in info.value.message
+        assert info.value.code == "bad_request" and "exceeds its memory" in info.value.message
         # Generations too short for the layout's blocks are refused too.
         short = BlockGenerations(NUM_BLOCKS // 2)
         try:
             with pytest.raises(ClientError) as info:
-                c.register(dataclasses.replace(arena.layout, generations=short.name), "e")
+                c.register(dataclasses.replace(arena.layout, generations=None,
+                                               fds=arena.layout.fds[:1]).with_generations(
+                                                   short.fd), "e")
             assert info.value.code == "bad_request" and "generations" in info.value.message
         finally:
             short.close()
@@ -235,8 +237,10 @@ def test_sizes_and_ids_are_checked_against_the_memory(daemon: RunningDaemon,
         with pytest.raises(ClientError) as info:
             c.resident(reg, chain.namespace, [0, NUM_BLOCKS], chain.hashes, chain.idents, [1, 1])
         assert info.value.code == "bad_request" and "out of range" in info.value.message
-        # A layout without generations cannot publish resident blocks.
-        plain = c.register(dataclasses.replace(arena.layout, generations=""), "plain")
+        # A layout without generations cannot publish resident blocks (its memory registered
+        # again once the first registration is gone: memory is registered once at a time).
+        assert c.unregister(reg)
+        plain = c.register(dataclasses.replace(arena.layout, generations=None), "plain")
         with pytest.raises(ClientError) as info:
             c.resident(plain, chain.namespace, [0], chain.hashes[:1], chain.idents[:1], [1])
         assert info.value.code == "bad_request"

@@ -43,8 +43,10 @@ def _setup(parts, num_blocks: int):
     store, registry, tier, arenas = parts
     owner_arena, reader_arena = _arena(11), _arena(None)
     arenas += [owner_arena, reader_arena]
-    owner = registry.register(owner_arena.layout.to_wire(), "owner", "conn-owner")
-    reader = registry.register(reader_arena.layout.to_wire(), "reader", "conn-reader")
+    owner = registry.register(owner_arena.layout.to_wire(), "owner", "conn-owner",
+                              owner_arena.layout.fds)
+    reader = registry.register(reader_arena.layout.to_wire(), "reader", "conn-reader",
+                               reader_arena.layout.fds)
     chain = make_chain("hbm-seqlock", num_blocks, seed=12)
     ids = list(range(num_blocks))
     assert tier.publish(owner, chain.namespace, ids, chain.hashes, chain.idents,

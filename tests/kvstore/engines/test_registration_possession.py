@@ -1,0 +1,144 @@
+"""A registration proves possession of the memory it names, and holds it alone while it lives.
+
+Against a real daemon: memory named by a shared-memory name is refused whatever the name; memory
+that could shrink under a copy, or that the sender may not write, is refused; the same memory
+registered again while a registration holds it is refused, whether the second registration sends
+a duplicate of the descriptor or one reopened through /proc (as any process of the same uid may
+do), from the same connection or another, and goes again once the first is gone. The registry's
+bound on what one connection keeps mapped is checked on the registry itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+
+import pytest
+from daemon_helpers import RunningDaemon, make_chain, wait_until
+from support.arena import ShmArena
+
+from kvstore.engines.registration import RegistryError
+from kvstore.engines.registry import Registry
+from kvstore.layout import KVLayout, Region
+from kvstore.wire.client import ClientError
+from offload.anon_memory import AnonymousMemory
+
+NUM_BLOCKS, BLOCK_BYTES = 8, 4096
+
+
+def _refused(client, layout: KVLayout, code: str, text: str) -> None:
+    with pytest.raises(ClientError) as info:
+        client.register(layout, "e")
+    assert info.value.code == code and text in info.value.message, info.value
+
+
+def test_memory_named_by_name_is_refused(daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES, 1, generations=True)
+    arenas.append(arena)
+    region = Region("kvengine_1_000000000000", NUM_BLOCKS * BLOCK_BYTES, 0, BLOCK_BYTES,
+                    BLOCK_BYTES)
+    with daemon.client() as c:
+        _refused(c, KVLayout(NUM_BLOCKS, (region,)), "permission_denied",
+                 "by shared-memory name are refused")
+        # The generations by name too, with memory sent the right way.
+        by_name = dataclasses.replace(arena.layout, generations="kvgen_1_000000000000")
+        _refused(c, by_name, "permission_denied", "block generations names shared memory")
+        assert c.health()["status"] == "ok"
+
+
+def test_memory_that_could_shrink_or_may_not_be_written_is_refused(
+        daemon: RunningDaemon, tmp_path) -> None:
+    size = NUM_BLOCKS * BLOCK_BYTES
+    region = Region(0, size, 0, BLOCK_BYTES, BLOCK_BYTES)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, size)
+    plain_file = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(plain_file, size)
+    sealed = AnonymousMemory(size, "sealed")
+    read_only = os.open(f"/proc/self/fd/{sealed.fd}", os.O_RDONLY)
+    try:
+        with daemon.client() as c:
+            _refused(c, KVLayout(NUM_BLOCKS, (region,), fds=(unsealed,)), "bad_request",
+                     "sealed against shrinking")
+            _refused(c, KVLayout(NUM_BLOCKS, (region,), fds=(plain_file,)), "bad_request",
+                     "not sealable shared memory")
+            _refused(c, KVLayout(NUM_BLOCKS, (region,), fds=(read_only,)), "bad_request",
+                     "cannot map its memory for writing")
+            reg = c.register(KVLayout(NUM_BLOCKS, (region,), fds=(sealed.fd,)), "sealed")
+            assert c.unregister(reg)
+    finally:
+        for fd in (unsealed, plain_file, read_only):
+            os.close(fd)
+        sealed.close()
+
+
+def test_the_engines_memory_cannot_shrink_under_the_daemon() -> None:
+    memory = AnonymousMemory(2 * mmap.PAGESIZE, "sealed")
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(memory.fd, mmap.PAGESIZE)
+        with pytest.raises(PermissionError):
+            os.ftruncate(memory.fd, 4 * mmap.PAGESIZE)
+    finally:
+        memory.close()
+
+
+def test_memory_is_registered_once_while_its_registration_lives(
+        daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES, 2, generations=True)
+    arenas.append(arena)
+    chain = make_chain("registered-once", 2, seed=2)
+    duplicate = os.dup(arena.memory.fd)
+    reopened = os.open(f"/proc/self/fd/{arena.memory.fd}", os.O_RDWR)  # as another process could
+    gens_reopened = os.open(f"/proc/self/fd/{arena.generations.fd}", os.O_RDWR)
+    try:
+        with daemon.client() as owner, daemon.client() as other:
+            reg = owner.register(arena.layout, "owner")
+            for client in (owner, other):
+                for fd in (duplicate, reopened):
+                    second = dataclasses.replace(arena.layout, fds=(fd,), generations=None)
+                    _refused(client, second, "permission_denied", "registered already")
+            # Its block generations alone are held too (with memory of the second's own).
+            own = ShmArena(NUM_BLOCKS, BLOCK_BYTES, 3)
+            arenas.append(own)
+            _refused(other, own.layout.with_generations(gens_reopened), "permission_denied",
+                     "block generations: its memory is registered already")
+            # The refusals left the owner's registration whole.
+            assert owner.save(reg, chain.namespace, [0, 1], chain.hashes,
+                              chain.idents).num_saved == 2
+            assert other.register(own.layout, "own") > 0  # its own memory: fine
+            assert owner.unregister(reg)
+            again = other.register(dataclasses.replace(arena.layout, fds=(reopened,),
+                                                       generations=None), "after")
+            assert again > 0
+        # Once its connection is gone, so is its hold.
+        with daemon.client() as third:
+            assert wait_until(lambda: _registers(third, arena.layout), timeout_s=5)
+    finally:
+        for fd in (duplicate, reopened, gens_reopened):
+            os.close(fd)
+
+
+def _registers(client, layout: KVLayout) -> bool:
+    try:
+        return client.unregister(client.register(layout, "third"))
+    except ClientError as exc:
+        assert exc.code == "permission_denied", exc
+        return False
+
+
+def test_a_connection_keeps_a_bounded_number_of_mappings(arenas: list[ShmArena]) -> None:
+    registry = Registry(max_mappings_per_owner=2)
+    made = [ShmArena(2, BLOCK_BYTES, i) for i in range(3)]
+    arenas += made
+    regs = [registry.register(a.layout.to_wire(), "e", "conn-1", a.layout.fds)
+            for a in made[:2]]
+    with pytest.raises(RegistryError) as info:
+        registry.register(made[2].layout.to_wire(), "e", "conn-1", made[2].layout.fds)
+    assert info.value.code == "resource_exhausted"
+    other = registry.register(made[2].layout.to_wire(), "e", "conn-2", made[2].layout.fds)
+    assert registry.unregister(regs[0].registration_id, "conn-1")
+    assert registry.unregister(other.registration_id, "conn-2")
+    registry.register(made[2].layout.to_wire(), "e", "conn-1", made[2].layout.fds)
+    registry.close_all()
