@@ -1,8 +1,11 @@
 """A GPU engine's registration: its KV regions opened by CUDA IPC handle, moved by its pipeline.
 
 A CUDA region's size is checked against the allocation size the driver reports for the opened
-IPC mapping, never taken on the engine's word. CUDA maps a handle at most once per process, so
-registrations of the same buffer share one refcounted mapping (``IpcTable``). Once its regions
+IPC mapping, never taken on the engine's word. A handle is open for one live registration at a
+time (``IpcTable``): a second registration of it, from any connection, is refused, so holding a
+copy of another engine's handle gains nobody a way to write into that engine's memory (which
+only its own connection's registration may do). Regions of one registration may share a handle
+(one mapping). Once its regions
 are mapped the registration owns a ``CopyPipeline`` over the device's ``CudaCopier`` and its
 ``PieceTable`` (NumPy arrays computed once): saves and loads are its pipelined batches. Importable
 without CuPy: nothing here touches it until a CUDA layout is registered.
@@ -34,31 +37,47 @@ _CUDA_DEVICE = re.compile(r"^cuda(?::(\d{1,3}))?$")
 CUDA_IPC_HANDLE_BYTES = 64
 
 
+class HandleInUse(RegistryError):
+    """A CUDA IPC handle a live registration holds: registered once, by its own engine."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__("permission_denied", f"{what}: its CUDA IPC handle is registered "
+                         "already, and a handle is registered once while that registration "
+                         "lives (its engine's connection owns it)")
+
+
 class IpcTable:
-    """CUDA IPC mappings open in this process, by (device, handle), with reference counts."""
+    """CUDA IPC mappings open in this process, by (device, handle): one registration each."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[tuple[int, bytes], list] = {}  # key -> [mapping, num_users]
+        self._open: dict[tuple[int, bytes], CudaIpcMapping | None] = {}  # None: being opened
 
-    def acquire(self, handle: bytes, size_bytes: int, device_id: int) -> CudaIpcMapping:
+    def acquire(self, handle: bytes, size_bytes: int, device_id: int,
+                what: str) -> CudaIpcMapping:
+        """Open ``handle`` for one registration; HandleInUse if another one holds it."""
+        key = (device_id, handle)
         with self._lock:
-            entry = self._open.get((device_id, handle))
-            if entry is None:
-                entry = [CudaIpcMapping(handle, size_bytes, device_id), 0]
-                self._open[(device_id, handle)] = entry
-            entry[1] += 1
-            return entry[0]
+            if key in self._open:
+                raise HandleInUse(what)
+            self._open[key] = None  # claimed: a concurrent registration of it is refused too
+        try:
+            mapping = CudaIpcMapping(handle, size_bytes, device_id)
+        except BaseException:
+            with self._lock:
+                del self._open[key]
+            raise
+        with self._lock:
+            self._open[key] = mapping
+        return mapping
 
     def release(self, handle: bytes, device_id: int) -> None:
         with self._lock:
-            entry = self._open[(device_id, handle)]
-            entry[1] -= 1
-            if entry[1]:
-                return
-            del self._open[(device_id, handle)]
+            mapping = self._open.pop((device_id, handle))
+        if mapping is None:
+            return
         try:
-            entry[0].close()
+            mapping.close()
         except Exception as exc:  # a broken CUDA context: nothing left to unmap
             log.warning("closing a CUDA IPC mapping on device %d failed: %s", device_id, exc)
 
@@ -120,7 +139,9 @@ class CudaRegistration(Registration):
                     size = max(r.size_bytes for r, h in zip(layout.regions, handles)
                                if h == handle)
                     try:
-                        mapping = ipc_table.acquire(handle, size, device_id)
+                        mapping = ipc_table.acquire(handle, size, device_id, f"region {i}")
+                    except RegistryError:
+                        raise
                     except Exception as exc:  # CUDARuntimeError: stale, foreign or own handle
                         raise RegistryError("bad_request", f"region {i}: cannot open its CUDA "
                                             f"IPC handle on {layout.device}: {exc}") from None

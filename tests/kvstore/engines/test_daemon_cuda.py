@@ -201,18 +201,23 @@ def test_cuda_registration_and_block_id_errors(daemon: _Daemon) -> None:
         with pytest.raises(ClientError) as info:
             c.register(KVLayout(8, good.regions, device="cuda:99"), "e")
         assert info.value.code == "bad_request"
-        # The same buffer registered twice shares one IPC mapping (CUDA maps a handle once).
-        reg_a, reg_b = c.register(good, "e"), c.register(good, "e")
+        # A handle is registered once while that registration lives: a second one is
+        # refused, and freed again by unregistering.
+        reg_a = c.register(good, "e")
+        with pytest.raises(ClientError) as info:
+            c.register(good, "e")
+        assert info.value.code == "permission_denied" and "registered" in info.value.message
         namespace, hashes, idents = _chain("gpu-errors", 2)
         with pytest.raises(ClientError) as info:
             c.save(reg_a, namespace, [0, 8], hashes, idents)
         assert info.value.code == "bad_request"
-        assert c.save(reg_b, namespace, [0, 7], hashes, idents).num_saved == 2
         assert c.unregister(reg_a) is True
+        reg_b = c.register(good, "e")
+        assert c.save(reg_b, namespace, [0, 7], hashes, idents).num_saved == 2
         arena.kv[0] = 0
         arena.kv[7] = 0
         hit = c.lookup(namespace, hashes, idents)
-        assert c.load(reg_b, hit.lease_id, [7, 0]) == 2  # reg_a's unmap left reg_b's mapping
+        assert c.load(reg_b, hit.lease_id, [7, 0]) == 2  # reg_a's unmap freed the handle
         assert c.health()["status"] == "ok"
     # Saved from blocks (0, 7) and loaded back into (7, 0): the arena's two blocks swapped.
     fresh = _arena(8, seed=4)
