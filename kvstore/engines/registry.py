@@ -20,13 +20,13 @@ from collections.abc import Callable, Sequence
 from kvstore.engines.copier import CudaCopier
 from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.cuda_registration import CudaRegistration, IpcTable
+from kvstore.engines.memory_claims import MemoryClaims, memory_key
 from kvstore.engines.registration import (  # noqa: F401 (the registry's errors, re-exported)
     BlockIdsOutOfRange,
     Registration,
     RegistrationClosed,
     RegistryError,
 )
-from kvstore.engines.memory_claims import MemoryClaims, memory_key
 from kvstore.engines.shm_registration import ShmRegistration, fd_of, map_fd
 from kvstore.layout import GENERATION_BYTES, KVLayout
 

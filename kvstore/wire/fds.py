@@ -13,11 +13,12 @@ carried descriptors, so the descriptors of one read belong to the frame holding 
 byte, and that frame must start inside the read (else they did not come with a frame's first
 bytes, and the connection is refused; a client that breaks the rule inside one read has them
 bound to that frame, which concerns nobody but itself: descriptors never leave the connection
-that sent them). ``FdSocket`` remembers each read that brought descriptors with its byte range in the
-stream; the frame loop claims them per frame (``claim``). What a connection holds (received and
-not yet closed) is bounded by ``max_fds``: past it, or when the kernel had to drop descriptors
-(``MSG_CTRUNC``: too many in one message, or the daemon out of descriptors), every descriptor
-it holds unclaimed is closed and the next claim fails, which refuses the connection.
+that sent them). ``FdSocket`` remembers each read that brought descriptors with its byte range
+in the stream; the frame loop claims them per frame (``claim``). What a connection holds
+(received and not yet closed) is bounded by ``max_fds``: past it, or when the kernel had to
+drop descriptors (``MSG_CTRUNC``: too many in one message, or the daemon out of descriptors),
+every descriptor it holds unclaimed is closed and the next claim fails, which refuses the
+connection.
 """
 
 from __future__ import annotations
