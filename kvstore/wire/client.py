@@ -91,9 +91,7 @@ class Client:
                 convert: Callable[[Any], Any] | None = None,
                 fds: Sequence[int] = ()) -> Pending:
         """Send a request without waiting; the daemon enforces ``timeout_s`` as its deadline.
-
-        ``fds``: file descriptors sent with the frame (``SCM_RIGHTS``; the daemon gets its own
-        copies, these stay the caller's), only for ``register``."""
+        ``fds`` go with the frame (SCM_RIGHTS, only for ``register``; they stay the caller's)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self._hello_id is None and verb != "hello":
             self._hello_id = -1  # taken: the hello itself goes through here once
@@ -314,11 +312,9 @@ class Client:
         """Describe this engine's KV memory to the daemon; the result is the registration
         id. The memory's file descriptors go with the frame: ``fds``, else ``layout.fds``
         (the daemon maps its own copies; the caller's stay open)."""
-        if isinstance(layout, KVLayout):
-            wire = layout.to_wire()
-            fds = layout.fds if fds is None else fds
-        else:
-            wire = layout
+        wire = layout.to_wire() if isinstance(layout, KVLayout) else layout
+        if fds is None and isinstance(layout, KVLayout):
+            fds = layout.fds
         return self.request("register", {"layout": wire, "engine_id": engine_id}, timeout_s,
                             lambda r: int(r["registration_id"]), fds or ())
 
