@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     owner_arena = _Arena(cp, max_blocks, seed=0)
     with cp.cuda.Device(args.reader_device):
         reader_arena = _Arena(cp, max_blocks, None)
+    if args.reader_device != 0:  # this process's own copies (the raw rows) cross the GPUs too
+        cp.cuda.runtime.deviceEnablePeerAccess(args.reader_device)
     rng = np.random.default_rng(0)
     cases = {}
     for n in counts:

@@ -68,7 +68,6 @@ def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool) 
     try:
         a_layers, b_layers = _layers(1, heads_major), _layers(None, heads_major)
         a_sched, a_worker = _instance(daemon.socket_path, a_layers)
-        b_sched, b_worker = _instance(daemon.socket_path, b_layers)
         num_blocks = 40
         tokens = [random.Random(3).randrange(10, 5000) for _ in range(num_blocks * BLOCK_SIZE + 1)]
         a_ids = random.Random(1).sample(range(NUM_BLOCKS), num_blocks + 1)
@@ -79,6 +78,11 @@ def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool) 
         a_worker.save(a_sched.plan_step([ScheduledRequest("r", 0, len(tokens), None)]))
         a_worker.drain(30.0)  # saves are never waited for by save() itself
         assert a_worker.counters["blocks_saved"] == num_blocks, a_worker.counters
+        # The first instance goes before the second registers: torch's allocator may have put
+        # both instances' tensors in one cudaMalloc segment, and a CUDA IPC handle is registered
+        # once while its registration lives (possession, issue 32).
+        a_worker.close()
+        b_sched, b_worker = _instance(daemon.socket_path, b_layers)
 
         n = b_sched.match("r", tokens, 0, None, None)
         assert n == num_blocks * BLOCK_SIZE
