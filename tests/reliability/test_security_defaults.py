@@ -208,7 +208,11 @@ def _is_401(response: httpx.Response) -> bool:
             and response.headers.get("www-authenticate") == "Bearer")
 
 
-def test_api_key_covers_every_route_but_health(keyed_server) -> None:
+# Probes answer without a key (orchestrators hold none); they say nothing about requests.
+PROBES = ("/health", "/ready", "/ping")
+
+
+def test_api_key_covers_every_route_but_the_probes(keyed_server) -> None:
     routes = _routes(keyed_server.app)
     assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
             ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/health")} <= set(routes)
@@ -223,7 +227,7 @@ def test_api_key_covers_every_route_but_health(keyed_server) -> None:
             body = bodies.get(path)
             for headers in wrong:
                 r = c.request(method, path, json=body, headers=headers)
-                if path == "/health":
+                if path in PROBES:
                     assert r.status_code == 200, (method, path, headers, r.status_code)
                 else:
                     assert _is_401(r), (method, path, headers, r.status_code, r.text[:200])
