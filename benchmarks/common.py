@@ -6,6 +6,7 @@ and the command that made it, so any number in the README can be traced to a run
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -16,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,18 @@ def raw_h2d_gbps(num_bytes: int, device: str) -> float | None:
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop))
     return num_bytes / statistics.median(times[1:]) / 1e6
+
+
+def names_arg(known: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of ``known``."""
+    known = list(known)
+
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown)}; known: "
+                                             + ", ".join(known))
+        return names
+
+    return parse

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
+from benchmarks.common import command, cuda_median_ms, names_arg, now_iso, today, write_result
 from benchmarks.transfer_pipeline import pipeline_rows
 from kvstore.testing.processes import stop_process
 
@@ -85,16 +85,6 @@ def start_daemon(dram_bytes: int, variant: str,
             raise RuntimeError(f"daemon exited with {proc.wait()}")
         if "kvstore: ready" in line:
             return proc, socket_path
-
-
-def _variant_list(text: str) -> list[str]:
-    """argparse type: comma-separated names of ``_VARIANTS``."""
-    names = text.split(",")
-    unknown = [n for n in names if n not in _VARIANTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown)}; known: "
-                                         + ", ".join(_VARIANTS))
-    return names
 
 
 def stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
@@ -212,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", default="64,256,1024")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--depth", type=int, default=4, help="requests in flight, streamed")
-    parser.add_argument("--variants", default="default", type=_variant_list,
+    parser.add_argument("--variants", default="default", type=names_arg(_VARIANTS),
                         help="comma-separated: " + ", ".join(_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--trace", action="store_true",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import command
+from benchmarks.common import command, names_arg
 from benchmarks.vllm_process import start_store, stop_store
 from kvstore import Client
 from kvstore.cli_args import positive_int_arg
@@ -47,16 +47,6 @@ _VARIANTS = {"default": [],
              "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED],
              "runs": _NEVER_PACKED,
              "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"]}
-
-
-def _variant_list(text: str) -> list[str]:
-    """argparse type: comma-separated names of ``_VARIANTS``."""
-    names = text.split(",")
-    unknown = [n for n in names if n not in _VARIANTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown)}; known: "
-                                         + ", ".join(_VARIANTS))
-    return names
 
 
 def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
@@ -186,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the staged path with CPU tensors (a smoke run, not the target)")
-    parser.add_argument("--variants", default="default", type=_variant_list,
+    parser.add_argument("--variants", default="default", type=names_arg(_VARIANTS),
                         help="comma-separated daemon variants: " + ", ".join(_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--trace", action="store_true",
