@@ -259,14 +259,8 @@ class Client:
 
     def lookup_async(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                      lease_ttl_s: float | None = None) -> Pending:
-        """Idents of one length (the engine's case) go packed: two bins, not 2N items."""
-        hashes, idents = list(hashes), list(idents)
-        packed = proto.pack_lookup(hashes, idents)
-        args: dict[str, Any] = {"namespace": namespace}
-        if packed is None:
-            args["hashes"], args["idents"] = hashes, idents
-        else:
-            args.update(packed)
+        """The longest verified prefix, without waiting (a ``Pending`` of the LookupReply)."""
+        args = _chain_args(namespace, hashes, idents)
         if lease_ttl_s is not None:
             args["lease_ttl_s"] = lease_ttl_s
         return self.request("lookup", args, convert=lookup_reply)
@@ -284,14 +278,8 @@ class Client:
     def locate_async(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                      timeout_s: float | None = None) -> Pending:
         """``locate`` without waiting: a ``Pending`` of the LocateReply."""
-        hashes, idents = list(hashes), list(idents)
-        packed = proto.pack_lookup(hashes, idents)
-        args: dict[str, Any] = {"namespace": namespace}
-        if packed is None:
-            args["hashes"], args["idents"] = hashes, idents
-        else:
-            args.update(packed)
-        return self.request("locate", args, timeout_s, convert=locate_reply)
+        return self.request("locate", _chain_args(namespace, hashes, idents), timeout_s,
+                            convert=locate_reply)
 
     def locate(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                timeout_s: float | None = None) -> LocateReply:
@@ -383,6 +371,20 @@ class Client:
     def evicted(self, namespace: bytes, hashes: Sequence[bytes],
                 registration_id: int | None = None) -> int:
         return self.evicted_async(namespace, hashes, registration_id).wait()
+
+
+def _chain_args(namespace: bytes, hashes: Sequence[bytes],
+                idents: Sequence[bytes]) -> dict[str, Any]:
+    """A chain's arguments (lookup, locate): idents of one length (the engine's case) go
+    packed, two bins instead of 2N items."""
+    hashes, idents = list(hashes), list(idents)
+    packed = proto.pack_lookup(hashes, idents)
+    args: dict[str, Any] = {"namespace": namespace}
+    if packed is None:
+        args["hashes"], args["idents"] = hashes, idents
+    else:
+        args.update(packed)
+    return args
 
 
 def _as_bytes(value: Any) -> bytes | memoryview:
