@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.logprobs import TokenLogprobs
+from offload.vocab import Tier
 
-TIERS = ("hbm", "hbm_peer", "dram", "ssd", "remote")  # hbm: this engine's own; hbm_peer: another's
+TIERS = tuple(t.value for t in Tier)  # hbm: this engine's own; hbm_peer: another's
 FINISH_REASONS = ("stop", "length", "abort")
 
 

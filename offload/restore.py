@@ -46,8 +46,6 @@ MAX_LOOKUP_WAIT_S = 1.5
 # The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
 # when recomputing its blocks is expected to take longer (and longer than a step, when busy).
 MIN_RESTORE_S = 0.002
-# Usage's name for tokens copied from another engine's HBM on this node.
-HBM_PEER = "hbm_peer"
 
 
 def lookup_wait_budget_s(last_step_s: float, likely_hit: bool = False) -> float:
@@ -187,7 +185,7 @@ class EngineRestores(RestoreBridge):
             self.counters["loads_short"] += 1
         # The store's HBM tier is always another engine's arena (this engine's own blocks are
         # its prefix hit): usage calls those tokens hbm_peer, apart from its own hbm.
-        restored = Counter(HBM_PEER if t is Tier.HBM else t.value for t in job.tiers[:n])
+        restored = Counter((Tier.HBM_PEER if t is Tier.HBM else t).value for t in job.tiers[:n])
         seq.restored_tokens_by_tier = {tier: count * bs for tier, count in restored.items()}
         self._hit_tokens_by_tier.update(seq.restored_tokens_by_tier)
         # Loaded blocks are known to the store: never save them back.

@@ -2,12 +2,14 @@
 
 The engine never imports ``kvstore``; what it shares with the store (the chained block hashes its
 prefix cache keys blocks by, the int32-LE token encoding they are made of, the model identity and
-tenant namespace that salt them, the layout a KV arena is registered with) comes through here, so
+tenant namespace that salt them, the layout a KV arena is registered with, the tiers usage counts
+cached tokens by) comes through here, so
 both sides hash and describe blocks with the very same code (``kvstore.keys``, ``kvstore.layout``).
 """
 
 from __future__ import annotations
 
+from kvstore import Tier
 from kvstore.keys import (
     ModelIdentity,
     Namespace,
@@ -19,5 +21,5 @@ from kvstore.layout import GENERATION_BYTES, GENERATION_DTYPE, KVLayout, Region
 
 __all__ = [
     "GENERATION_BYTES", "GENERATION_DTYPE", "KVLayout", "ModelIdentity", "Namespace", "Region",
-    "chain_hashes", "encode_tokens", "ident_from_bytes",
+    "Tier", "chain_hashes", "encode_tokens", "ident_from_bytes",
 ]

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-TIERS = ("hbm", "hbm_peer", "dram", "ssd", "remote")
+from kvstore import Tier
+
+TIERS = tuple(t.value for t in Tier)
 
 
 @dataclass

@@ -97,6 +97,16 @@ class Field:
     required: bool = True
 
 
+# A chain of blocks (lookup, locate): hashes + idents, or the packed three.
+_CHAIN_FIELDS = {
+    "namespace": Field(_is_hash, "bin of 16 bytes"),
+    "hashes": Field(_HASHES, "array of 16-byte bin", required=False),
+    "idents": Field(_BYTES_LIST, "array of bin", required=False),
+    "hashes_packed": Field(_is_bytes, "bin", required=False),
+    "idents_packed": Field(_is_bytes, "bin", required=False),
+    "ident_len": Field(_is_int, "int", required=False),
+}
+
 SCHEMAS: dict[str, dict[str, Field]] = {
     "hello": {"protocol": Field(_is_str, "str"), "client": Field(_is_str, "str", required=False)},
     "health": {},
@@ -110,23 +120,10 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "namespace": Field(_is_str, "str", required=False),
         "key": Field(_is_bytes, "bin"),
     },
-    "lookup": {  # hashes + idents, or the packed three: _check_lookup_forms
-        "namespace": Field(_is_hash, "bin of 16 bytes"),
-        "hashes": Field(_HASHES, "array of 16-byte bin", required=False),
-        "idents": Field(_BYTES_LIST, "array of bin", required=False),
-        "hashes_packed": Field(_is_bytes, "bin", required=False),
-        "idents_packed": Field(_is_bytes, "bin", required=False),
-        "ident_len": Field(_is_int, "int", required=False),
-        "lease_ttl_s": Field(_optional(_is_number), "number or nil", required=False),
-    },
-    "locate": {  # lookup's two forms, without a lease: _check_lookup_forms
-        "namespace": Field(_is_hash, "bin of 16 bytes"),
-        "hashes": Field(_HASHES, "array of 16-byte bin", required=False),
-        "idents": Field(_BYTES_LIST, "array of bin", required=False),
-        "hashes_packed": Field(_is_bytes, "bin", required=False),
-        "idents_packed": Field(_is_bytes, "bin", required=False),
-        "ident_len": Field(_is_int, "int", required=False),
-    },
+    # hashes + idents, or the packed three: _check_lookup_forms
+    "lookup": {**_CHAIN_FIELDS,
+               "lease_ttl_s": Field(_optional(_is_number), "number or nil", required=False)},
+    "locate": dict(_CHAIN_FIELDS),  # lookup's two forms, without a lease
     "release": {"lease_id": Field(_is_uint, "non-negative int")},
     "remove": {
         "namespace": Field(_is_hash, "bin of 16 bytes"),

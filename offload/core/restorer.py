@@ -45,7 +45,7 @@ class RestoreSettings:
             raise ValueError("max_slot_wait_s must be shorter than the lease's TTL")
 
 
-def _tiers(names: list[str]) -> list[Tier]:
+def known_tiers(names: list[str]) -> list[Tier]:
     """The reply's tiers up to the first one this client does not know (the hit ends there:
     a block whose tier is unknown is not loaded)."""
     out = []
@@ -156,7 +156,7 @@ class Restorer(Generic[Owner]):
         if reply is None:
             self._end(job, State.GIVEN_UP, End.LOOKUP_FAILED)
             return
-        tiers = _tiers(list(reply.tiers)[:min(int(reply.num_hit), job.num_asked)])
+        tiers = known_tiers(list(reply.tiers)[:min(int(reply.num_hit), job.num_asked)])
         if not tiers or not reply.lease_id:
             if reply.lease_id:
                 self.link.release(reply.lease_id)

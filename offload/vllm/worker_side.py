@@ -109,7 +109,7 @@ class WorkerSide:
         self.store.keep_connected()
         for job in self.restorer.poll():
             self._report(job)
-        self._end_saves()
+        self.pump_saves()
         finished, self._finished = self._finished, set()
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return finished, failed
@@ -137,7 +137,7 @@ class WorkerSide:
                 if job is not None:
                     self._save_jobs.setdefault(t.request_id, []).append(job)
         self.saver.send_pinned()
-        self._end_saves()
+        self.pump_saves()
 
     def flush(self, request_ids: Iterable[str]) -> None:
         """Wait (bounded by the save deadline) until these requests' saves ended: vLLM is
@@ -146,25 +146,22 @@ class WorkerSide:
         if jobs:
             self.counters["save_flushes"] += 1
             self.saver.wait(jobs, self.save_timeout_s)  # a miss drops the connection
-            self._end_saves()
+            self.pump_saves()
 
     def finished_saving(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Of the requests that finished (now or before), those whose saves all ended: vLLM
         may free their blocks (``finished_sending``)."""
         self._finishing.update(rid for rid in finished_req_ids if rid in self._saving)
-        self._end_saves()
+        self.pump_saves()
         done = {rid for rid in self._finishing if rid not in self._save_jobs}
         self._finishing -= done
         self._saving -= done
         return done
 
     def pump_saves(self) -> None:
-        """Send the saves that became ready since (the last step's, once its compute is done):
-        vLLM's worker calls this before each forward, so the daemon copies them beside it."""
-        self._end_saves()
-
-    def _end_saves(self) -> None:
-        """Send the saves that became ready, account the ended ones, forget them."""
+        """Send the saves that became ready (the last step's, once its compute is done),
+        account the ended ones, forget them. vLLM's worker calls this before each forward
+        too, so the daemon copies the last step's blocks beside it."""
         self.saver.send_pinned()
         self.saver.poll()
         for rid in [rid for rid, jobs in self._save_jobs.items() if all(j.over for j in jobs)]:
@@ -174,7 +171,7 @@ class WorkerSide:
     def take_stored(self) -> list[bytes]:
         """The store hashes of blocks the daemon holds after saves that ended since the last
         call (saved, or there already): the scheduler side announces them (KV events)."""
-        self._end_saves()
+        self.pump_saves()
         stored = list(self._stored)
         self._stored.clear()
         return stored
@@ -188,7 +185,7 @@ class WorkerSide:
         the replies themselves (woken as each lands), never in sleeps."""
         deadline = time.monotonic() + timeout_s
         self.saver.wait(self.saver.pinned + self.saver.in_flight, timeout_s)
-        self._end_saves()
+        self.pump_saves()
         while self.restorer.jobs and time.monotonic() < deadline:
             self.restorer.wait_for_progress(min(0.05, max(0.0, deadline - time.monotonic())))
             self.poll()

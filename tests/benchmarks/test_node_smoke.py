@@ -39,3 +39,11 @@ def test_a_two_engine_node_runs_end_to_end_on_cpu(tiny_model_dir: Path, tmp_path
     routed = kv["router_requests_by_reason"]
     assert sum(routed.values()) >= kv["summary"]["num_requests"]  # warm-ups go direct
     assert result["ratios"]["kv_later_vs_single"] is not None
+
+
+@pytest.mark.parametrize("argv", [["--configs", "kv,bogus"], ["--gpus", "0"]])
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path, argv) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        node.main(["--model-dir", str(tmp_path), "--device", "cpu", *argv])
+    assert exc.value.code == 2
