@@ -10,12 +10,21 @@ threads. Why llguidance: docs/agents.md.
 
 End of a constrained output: eos is in the mask only while the grammar accepts what was generated,
 and once the grammar can take nothing more (``is_finished``) the engine ends the request.
+
+Thinking first (``StructuredOutputsParams.reasoning_end``): the matcher starts in
+``GrammarPhase.REASONING``, where tokens are neither masked nor consumed, and moves to
+``CONSTRAINED`` when the end-of-reasoning token is generated; its grammar then takes up to two
+newlines before the answer (Qwen3 writes ``</think>\n\n``). A prompt that already ends the
+reasoning (the token, then only whitespace: Qwen3's template with ``enable_thinking`` false)
+starts ``CONSTRAINED`` with the plain grammar.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -27,21 +36,51 @@ from engine.structured_outputs import StructuredOutputsParams
 # reads back through the chat template as the same text (the next turn's prefix hits the cache).
 # A schema's own "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Between the end of the reasoning and the answer: what Qwen3's template writes after </think>,
+# and no more (a weak model must not wander into whitespace here either).
+SEPARATOR = r"/\n{0,2}/"
+# The prompt ends the reasoning when the marker is among its last tokens, only whitespace after.
+PROMPT_TAIL_TOKENS = 8
+
+
+class GrammarPhase(str, enum.Enum):
+    """Where a request's output stands with its grammar."""
+
+    REASONING = "reasoning"  # free: no mask, nothing consumed, until the reasoning's end token
+    CONSTRAINED = "constrained"  # every token masked by the grammar and consumed by it
 
 
 class GrammarMatcher:
-    """One request's grammar state: ``accept`` each generated token; ``fill`` the next mask."""
+    """One request's grammar state: ``advance`` with each generated token; its mask applies
+    while ``is_active``.
 
-    def __init__(self, matcher: object) -> None:
+    With ``reasoning_end_id`` it starts in ``REASONING`` and moves to ``CONSTRAINED`` (the one
+    transition) when that token is generated; the grammar starts at the token after it.
+    """
+
+    def __init__(self, matcher: object, reasoning_end_id: int | None = None) -> None:
         self._matcher = matcher
+        self._reasoning_end_id = reasoning_end_id
+        self.phase = (GrammarPhase.CONSTRAINED if reasoning_end_id is None
+                      else GrammarPhase.REASONING)
+
+    @property
+    def is_active(self) -> bool:
+        """The grammar masks the next token (False while the reasoning runs)."""
+        return self.phase is GrammarPhase.CONSTRAINED
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one generated token; False when the grammar does not allow it (the
-        matcher then stays in an error state and ``is_finished`` is true)."""
+        """Feed one token to the grammar; False when it does not allow it (the matcher then
+        stays in an error state and ``is_finished`` is true)."""
         return bool(self._matcher.consume_token(int(token_id)))
 
     def advance(self, token_id: int) -> bool:
-        """``accept`` the token; True when the output is now over (``is_finished``)."""
+        """Take one generated token (the grammar ``accept``s it once active); True when the
+        output is now over (``is_finished``)."""
+        if self.phase is GrammarPhase.REASONING:
+            if token_id == self._reasoning_end_id:
+                self.phase = GrammarPhase.CONSTRAINED
+            return False
         self.accept(token_id)
         return self.is_finished
 
@@ -68,6 +107,14 @@ class ModelTokenizer(Protocol):
 
     def to_json(self) -> str:
         """tokenizer.json text."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``."""
         ...
 
 
@@ -116,19 +163,42 @@ class GrammarCompiler:
             return matcher_cls.grammar_from_lark(f"start: {alternatives}\n")
         return matcher_cls.grammar_from_lark(params.grammar)
 
-    def matcher(self, params: StructuredOutputsParams | None) -> GrammarMatcher | None:
+    def matcher(self, params: StructuredOutputsParams | None,
+                prompt_token_ids: Sequence[int] = ()) -> GrammarMatcher | None:
         """A fresh matcher at the start of the output (None without params); ValueError (naming
         the field and what llguidance found wrong) for a schema, regex or grammar it cannot
-        compile."""
+        compile, or a ``reasoning_end`` that is not one token. ``prompt_token_ids`` tell
+        whether the prompt already ended the reasoning."""
         if params is None:
             return None
         import llguidance
 
         grammar = self.grammar(params)
+        end_id = None
+        if params.reasoning_end is not None:
+            end_id = self._one_token(params.reasoning_end)
+            if self._prompt_ends_reasoning(prompt_token_ids, end_id):
+                end_id = None  # constrained from the first token, with the plain grammar
+            else:
+                grammar = _after_separator(grammar)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {_first_lines(matcher)}")
-        return GrammarMatcher(matcher)
+        return GrammarMatcher(matcher, end_id)
+
+    def _one_token(self, marker: str) -> int:
+        ids = self._tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"structured_outputs.reasoning_end: {marker!r} is not one token of "
+                             f"this model's vocabulary (it encodes to {len(ids)} tokens)")
+        return int(ids[0])
+
+    def _prompt_ends_reasoning(self, prompt_token_ids: Sequence[int], end_id: int) -> bool:
+        tail = [int(t) for t in prompt_token_ids[-PROMPT_TAIL_TOKENS:]]
+        if end_id not in tail:
+            return False
+        after = tail[len(tail) - tail[::-1].index(end_id):]
+        return not self._tokenizer.decode(after, skip_special_tokens=False).strip()
 
 
 class MaskFiller:
@@ -150,6 +220,19 @@ class MaskFiller:
             self._executor = llguidance.LLExecutor()
         lln.fill_next_token_bitmask_par(
             self._executor, [(m._matcher, i) for i, m in enumerate(matchers)], bitmask)
+
+
+def _after_separator(grammar: str) -> str:
+    """``grammar`` (Lark text, or llguidance's JSON form, whose first grammar is the start)
+    behind ``SEPARATOR``, as one grammar in llguidance's JSON form."""
+    if grammar.lstrip().startswith("{"):
+        top = json.loads(grammar)
+        first, *others = top["grammars"]
+    else:
+        top, first, others = {}, {"lark_grammar": grammar}, []
+    name = first.get("name") or "answer"
+    start = {"lark_grammar": f"start: {SEPARATOR} @{name}"}
+    return json.dumps({**top, "grammars": [start, {**first, "name": name}, *others]})
 
 
 def _num_tokens(tokenizer_json: str) -> int:

@@ -4,7 +4,8 @@ The sampler calls ``apply`` first thing, right after the runner enqueued the for
 the forward is still running when llguidance computes the masks of the step's constrained rows on
 the host (the GIL released, several rows on its own threads), so the mask costs the step only
 what is left after the forward, plus one small upload and one kernel. A batch mixes constrained
-and free rows: only the constrained rows get a mask row and only they are touched.
+and free rows: only the constrained rows get a mask row and only they are touched. A request
+whose grammar waits for the end of its reasoning (``GrammarPhase.REASONING``) is a free row.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class GrammarMasks:
         """``logits[len(seqs), V]`` with every constrained row's refused tokens at -inf, in
         place (the same array: a captured graph's output is rewritten by its next replay
         anyway)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        rows = [i for i, seq in enumerate(seqs)
+                if seq.grammar is not None and seq.grammar.is_active]
         if not rows:
             return logits
         num_words = -(-int(logits.shape[1]) // 32)

@@ -158,7 +158,8 @@ class LLMEngine:
                            self.tokenizer, params.stop, params.skip_special_tokens,
                            params.include_stop_str_in_output),
                        token_bytes=token_bytes, arrival_time=time.perf_counter(),
-                       grammar=self.grammars.matcher(params.structured_outputs))  # or ValueError
+                       # or ValueError; the prompt may have ended a reasoning already
+                       grammar=self.grammars.matcher(params.structured_outputs, ids))
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")

@@ -4,6 +4,11 @@ Exactly one constraint: ``json`` (a JSON schema, as a dict or its text), ``json_
 JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (a Lark grammar in
 llguidance's dialect, which may embed JSON schemas as ``%json {...}``). ``engine/grammar.py``
 compiles it; this module only checks its shape, so it imports nothing heavy.
+
+``reasoning_end`` (optional, beside the constraint): a thinking model's end-of-reasoning marker,
+one token of the model's vocabulary (Qwen3's ``</think>``). The output is then free until that
+token is generated and constrained after it (or from the start when the prompt already ends the
+reasoning); the server sets it for chats under ``--reasoning-parser`` (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -14,18 +19,20 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+OPTIONS = ("reasoning_end",)  # fields beside the one constraint
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """One of the constraints (the others None / False). ``json`` is kept as its JSON text, so
-    the params stay immutable and hashable."""
+    """One of the constraints (the others None / False), maybe with ``reasoning_end``. ``json``
+    is kept as its JSON text, so the params stay immutable and hashable."""
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -36,7 +43,7 @@ class StructuredOutputsParams:
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a bool, "
                              f"got {self.json_object!r}")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "reasoning_end"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
@@ -65,9 +72,9 @@ class StructuredOutputsParams:
         if not isinstance(value, Mapping):
             raise ValueError(f"structured_outputs must be a mapping of {', '.join(KINDS)}, "
                              f"got {type(value).__name__}")
-        unknown = sorted(set(value) - set(KINDS))
+        unknown = sorted(set(value) - set(KINDS) - set(OPTIONS))
         if unknown:
             raise ValueError(f"structured_outputs has unknown fields {unknown}; "
-                             f"known: {', '.join(KINDS)}")
+                             f"known: {', '.join(KINDS + OPTIONS)}")
         fields: dict[str, Any] = {k: v for k, v in value.items() if v is not None}
         return cls(**fields)

@@ -5,9 +5,18 @@ after it (all reasoning while the block is open: a thought cut off by max_tokens
 content); an output that does not start with ``<think>`` is all content (Qwen3 with
 ``enable_thinking`` false, whose template writes the empty block into the prompt). The reasoning
 goes out as ``reasoning_content``, in the message and in stream deltas, as vLLM sends it.
+
+A chat's constraint (a forced tool call, structured outputs) starts after the reasoning when the
+parser's end marker is one token of the model's vocabulary (``reasoning_end_token``): the engine
+leaves the output free until it generates that token (docs/agents.md).
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger("kvengine.server")
 
 
 class Qwen3ReasoningParser:
@@ -38,3 +47,18 @@ class Qwen3ReasoningParser:
 
 
 REASONING_PARSERS: dict[str, type[Qwen3ReasoningParser]] = {"qwen3": Qwen3ReasoningParser}
+
+
+def reasoning_end_token(parser: Qwen3ReasoningParser | None,
+                        encode: Callable[..., list[int]]) -> str | None:
+    """The parser's end marker when ``encode`` makes it one token (Qwen3's ``</think>`` is one),
+    else None. A model without that token does not think in the parser's format (the make-model
+    checkpoints), so its constraints keep starting at the first token."""
+    if parser is None:
+        return None
+    if len(encode(parser.end, add_special_tokens=False)) == 1:
+        return parser.end
+    logger.info("--reasoning-parser %s: %r is not one token of this model's vocabulary, so "
+                "constrained chats are constrained from their first token", parser.name,
+                parser.end)
+    return None

@@ -36,7 +36,7 @@ from server.protocol import (
     CompletionRequest,
     SamplingFields,
 )
-from server.reasoning_parsers import REASONING_PARSERS
+from server.reasoning_parsers import REASONING_PARSERS, reasoning_end_token
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 from server.structured_outputs import Constraint, constraint_of
 from server.tokenize_pool import TokenizePool
@@ -89,6 +89,8 @@ class OpenAIServing:
             on_overloaded=lambda: metrics.request_rejected("overloaded"))
         self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
         self.logprobs = LogprobsFormatter(core.tokenizer.decode)
+        # Under --reasoning-parser a chat's constraint starts after the reasoning's end token
+        self.reasoning_end = reasoning_end_token(self.reasoning, core.tokenizer.encode)
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -125,6 +127,9 @@ class OpenAIServing:
                 raise APIError(400, f"tool_choice {body.tool_choice!r} cannot be combined with "
                                f"{constraint.param}", param=constraint.param)
             constraint = Constraint({"grammar": tools.grammar}, "tool_choice")
+        if constraint is not None and self.reasoning_end is not None:  # think first, then obey
+            constraint = Constraint({**constraint.spec, "reasoning_end": self.reasoning_end},
+                                    constraint.param)
         template_kwargs = body.chat_template_kwargs or {}
         reserved = RESERVED_TEMPLATE_NAMES & template_kwargs.keys()
         if reserved:
