@@ -12,7 +12,10 @@ One run, two processes on this host, one redis-server started for the run:
   - fetch_into_store: ``ClusterNode.fetch_remote_prefix`` (index lookup, then the payloads
     received straight into B's DRAM write slots, verified, committed), the daemon's remote-hit
     path end to end;
-* the index: ``lookup_holders`` of 1,024 hashes that A published (one script call), p50/p99.
+* the index: ``lookup_holders`` of 1,024 hashes that A published (one script call), p50/p99;
+* the UCX lanes (``ucp_ep_query``) of the raw endpoint and of the fetch endpoints, so the result
+  says which transports the numbers are of (UCX's own choice; ``UCX_*`` variables in the
+  environment reach both processes and are recorded).
 
 Usage: python benchmarks/cluster.py [--blocks 64] [--block-bytes 2359296] [--reps 9]
                                     [--ucx-tls tcp,self,sm] [--machine NAME]
@@ -133,10 +136,16 @@ def _owner_main(conn, redis_url: str, num_blocks: int, block_bytes: int, ucx_tls
 
 
 def _raw_client(runtime, port: int, num_blocks: int, block_bytes: int):
+    """(one transfer, close, the endpoint's UCX lanes)."""
     import ucxx
+
+    from kvstore.cluster.ucx.transports import endpoint_transports
 
     buffer = np.empty(num_blocks * block_bytes, dtype=np.uint8)
     ep = runtime.call(ucxx.create_endpoint("127.0.0.1", port), 10.0)
+
+    async def lanes() -> list[str] | None:
+        return endpoint_transports(ep)  # on the loop, as every ucxx call
 
     async def once() -> float:
         start = time.perf_counter()
@@ -149,7 +158,8 @@ def _raw_client(runtime, port: int, num_blocks: int, block_bytes: int):
         await ep.send(np.array([0, 0], dtype="<u8"))
         ep.abort(period=100_000_000)
 
-    return (lambda: runtime.call(once(), 60.0)), (lambda: runtime.call(close(), 5.0))
+    return (lambda: runtime.call(once(), 60.0)), (lambda: runtime.call(close(), 5.0)), \
+        runtime.call(lanes(), 5.0)
 
 
 def _gbps(num_bytes: int, seconds: list[float]) -> dict:
@@ -177,8 +187,8 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
         runtime = UcxRuntime.acquire()
         try:
             ns, hashes, idents = _chain(args.blocks, seed=1)
-            raw_once, raw_close = _raw_client(runtime, info["raw_port"], args.blocks,
-                                              args.block_bytes)
+            raw_once, raw_close, raw_lanes = _raw_client(runtime, info["raw_port"], args.blocks,
+                                                         args.block_bytes)
 
             def fetch_once() -> float:
                 start = time.perf_counter()
@@ -214,6 +224,7 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
                 lookup_s.append(time.perf_counter() - start)
             lookup_s.sort()
             stats = node.stats()
+            fetch_lanes = node.client.lanes().get(info["addr"])
         finally:
             runtime.release()
             node.stop()
@@ -223,8 +234,15 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
         owner.join(30)
         if owner.is_alive():
             owner.kill()
+    from kvstore.cluster.ucx.transports import data_transports
+
     raw, fetch, into = (_gbps(total, s) for s in (raw_s, fetch_s, store_s))
     return {
+        "transports": {
+            "raw_ucxx": data_transports(raw_lanes) or ["unknown"],
+            "fetch": data_transports(fetch_lanes) or ["unknown"],
+            "raw_ucxx_lanes": raw_lanes, "fetch_lanes": fetch_lanes,
+        },
         "transfer": {
             "blocks": args.blocks, "block_bytes": args.block_bytes, "bytes": total,
             "reps": args.reps, "raw_ucxx": raw, "fetch": fetch, "fetch_into_store": into,
@@ -265,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command, "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
+        "load_average_1m_at_start": os.getloadavg()[0],  # a busy small host makes noise
         "ucx_tls": args.ucx_tls or os.environ.get("UCX_TLS", "default"),
-        "note": "both processes on one host: with this UCX build, UCX picks tcp over the "
-                "loopback device (UCX_LOG_LEVEL=info shows tag(tcp/lo))",
+        "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+        "note": "both processes on one host; 'transports' are the lanes UCX picked (ucp_ep_query)",
     }
     try:
         import ucxx

@@ -8,6 +8,9 @@ The daemon owns one ``ClusterNode`` (only with ``--cluster``) and calls it at th
   hashes, idents, start_index=n)`` pulls the longest run of the rest from live peers into the
   local store and returns how many arrived; the daemon then serves them like local blocks (tier
   "remote"). Both hooks only queue work; the fetch is bounded by ``remote_timeout_s``.
+
+Which UCX transports reach each peer (tcp, shared memory, cuda_ipc, RDMA: UCX's choice) is logged
+at INFO once per peer and whenever it changes, and shown in ``stats()["peers"]``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.membership import Holder
 from kvstore.cluster.peers.client import PeerClient
 from kvstore.cluster.peers.server import PeerServer
+from kvstore.cluster.ucx.transports import data_transports
 from kvstore.store.block_store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,8 @@ class ClusterNode:
         self.index: ClusterIndex | None = None
         self.addr = ""
         self._suspects: dict[tuple[str, str], float] = {}
+        self._peer_ids: dict[str, str] = {}  # address → node id, of the peers fetched from
+        self._logged_lanes: dict[str, list[str] | None] = {}  # per address, as last logged
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
 
@@ -126,6 +132,7 @@ class ClusterNode:
             num_stored, error = self.client.fetch_into(
                 self.store, peer.addr, namespace, hashes[num_done:end], wanted[num_done:end],
                 deadline)
+            self._note_peer(peer)
             if num_stored:
                 self.index.publish(namespace, hashes[num_done:num_done + num_stored])
             num_done += num_stored
@@ -167,6 +174,31 @@ class ClusterNode:
             self._count("remote_skipped_suspect")
         return best, min(best_len, self.config.max_blocks_per_fetch)
 
+    def _note_peer(self, peer: Holder) -> None:
+        """Remember whose address this is; log the UCX lanes to it when new or changed."""
+        lanes = self.client.lanes()
+        if peer.addr not in lanes:
+            return  # no endpoint was made (the peer did not answer)
+        found = lanes[peer.addr]
+        with self._lock:
+            self._peer_ids[peer.addr] = peer.node_id
+            if peer.addr in self._logged_lanes and self._logged_lanes[peer.addr] == found:
+                return
+            self._logged_lanes[peer.addr] = found
+        log.info("UCX to peer %s (%s): %s (lanes: %s)", peer.node_id, peer.addr,
+                 ", ".join(data_transports(found)) or "unknown",
+                 ", ".join(found) if found else "ucp_ep_query unavailable")
+
+    def peers(self) -> dict[str, dict]:
+        """Per peer node fetched from: its address and the UCX transports to it ("unknown"
+        where UCX could not tell)."""
+        lanes = self.client.lanes()
+        with self._lock:
+            ids = dict(self._peer_ids)
+        return {node_id: {"addr": addr, "transports": data_transports(lanes.get(addr)) or
+                          ["unknown"], "lanes": lanes.get(addr) or []}
+                for addr, node_id in sorted(ids.items())}
+
     def _suspect(self, peer: Holder) -> None:
         with self._lock:
             self._suspects[(peer.node_id, peer.incarnation)] = (
@@ -195,4 +227,5 @@ class ClusterNode:
         out["index"] = self.index.stats() if self.index is not None else {"state": "stopped"}
         out["server"] = self.server.stats()
         out["client"] = self.client.stats()
+        out["peers"] = self.peers()
         return out

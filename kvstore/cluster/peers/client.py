@@ -41,6 +41,7 @@ from kvstore.cluster.peers.transport import (
     send_frame,
 )
 from kvstore.cluster.ucx.runtime import UcxRuntime
+from kvstore.cluster.ucx.transports import endpoint_transports
 from kvstore.store.block_store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class PeerClient:
         self._buffers = BufferPool(buffer_pool_bytes)
         self._runtime: UcxRuntime | None = None
         self._peers: dict[str, _Peer] = {}
+        self._lanes: dict[str, list[str] | None] = {}  # per address, of its newest endpoint
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
 
@@ -90,6 +92,12 @@ class PeerClient:
     def stats(self) -> dict:
         with self._lock:
             return dict(self._counters)
+
+    def lanes(self) -> dict[str, list[str] | None]:
+        """The UCX lanes (``endpoint_transports``) of the newest endpoint to each peer address
+        this client connected to; None where UCX could not tell."""
+        with self._lock:
+            return dict(self._lanes)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -239,6 +247,11 @@ class PeerClient:
         ep = await ucxx.create_endpoint(host, port,
                                         connect_timeout=max(deadline - time.monotonic(), 0.001))
         self._count("connections_opened")
+        lanes = endpoint_transports(ep)  # here: on the loop, with the endpoint open
+        with self._lock:
+            self._lanes[addr] = lanes
+            if lanes is None:
+                self._counters["transports_unknown"] += 1
         return ep
 
     async def _exchange(self, ep, ns: bytes, hashes: list[bytes], idents: list[bytes],

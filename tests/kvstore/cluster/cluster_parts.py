@@ -71,6 +71,27 @@ class Blocks:
             assert node.index.flush(2.0)
 
 
+def shm_lanes() -> set[str]:
+    """The shared-memory lanes UCX adds between endpoints of one host: none unless
+    UCX_MM_ERROR_HANDLING is on (UCX leaves out transports without peer-failure handling, which
+    ucxx's endpoints ask for, and its shared memory has that only when told)."""
+    on = os.environ.get("UCX_MM_ERROR_HANDLING", "n").lower() in ("y", "yes", "on", "1")
+    return {"posix/memory", "sysv/memory"} if on else set()
+
+
+def daemon_stats(daemon) -> dict:
+    """A running daemon's ``stats`` (a ``daemon_helpers.RunningDaemon``)."""
+    with daemon.client(timeout_s=5.0) as c:
+        return c.stats()
+
+
+def index_caught_up(daemon, num_blocks: int) -> bool:
+    """Everything the daemon stored has reached Redis (at least ``num_blocks`` published)."""
+    index = daemon_stats(daemon)["cluster"]["index"]
+    return index["state"] == "up" and index["pending_events"] == 0 and \
+        index["published_blocks"] >= num_blocks
+
+
 def make_blocks(num_blocks: int, block_bytes: int = 64 << 10, seed: int = 0) -> Blocks:
     rng = np.random.default_rng(seed)
     ns = Namespace(tenant_salt="t", name=f"test-{seed}").digest

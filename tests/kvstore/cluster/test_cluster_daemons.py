@@ -4,18 +4,16 @@ miss, never a hang; engines on different daemons share a prompt's KV."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from cluster_parts import free_port
-from daemon_helpers import RunningDaemon, make_chain, random_bytes, start_daemon, wait_until
+from cluster_parts import daemon_stats, index_caught_up
+from daemon_helpers import RunningDaemon, make_chain, random_bytes, wait_until
 from support.arena import ShmArena
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -23,47 +21,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 BLOCK = 64 << 10
 
 
-@pytest.fixture
-def start_nodes(redis_server, tmp_path):
-    """``start_nodes("a", "b", http=...)``: `kvstore serve --cluster` daemons, started together,
-    all stopped (together) at teardown."""
-    started: list[RunningDaemon] = []
-
-    def start_one(node_id: str, http: bool) -> RunningDaemon:
-        return start_daemon(tmp_path, "--cluster", redis_server.url, "--node-id", node_id,
-                            "--listen", f"127.0.0.1:{free_port()}", dram="64MiB", http=http)
-
-    def start(*node_ids: str, http: bool = False) -> list[RunningDaemon]:
-        with ThreadPoolExecutor(len(node_ids)) as pool:
-            daemons = list(pool.map(lambda n: start_one(n, http), node_ids))
-        started.extend(daemons)
-        for daemon in daemons:  # each sees the others before the test asks anything
-            assert wait_until(lambda d=daemon: _cluster(d)["index"]["live_nodes"]
-                              >= len(node_ids), 5.0)
-        return daemons
-
-    yield start
-    for daemon in started:
-        if daemon.proc.poll() is None:
-            daemon.proc.send_signal(signal.SIGTERM)
-    for daemon in started:
-        daemon.stop()
-
-
-def _stats(daemon: RunningDaemon) -> dict:
-    with daemon.client(timeout_s=5.0) as c:
-        return c.stats()
-
-
 def _cluster(daemon: RunningDaemon) -> dict:
-    return _stats(daemon)["cluster"]
-
-
-def _published(daemon: RunningDaemon, num_blocks: int) -> bool:
-    """Everything ``daemon`` stored has reached Redis."""
-    index = _cluster(daemon)["index"]
-    return index["state"] == "up" and index["pending_events"] == 0 and \
-        index["published_blocks"] >= num_blocks
+    return daemon_stats(daemon)["cluster"]
 
 
 def _remote_errors(cluster: dict) -> int:
@@ -81,7 +40,7 @@ def test_put_on_a_get_on_b_and_blocks_come_back_as_remote(start_nodes):
     with a.client() as ca:
         for key, value in values.items():
             ca.put(key, value)
-    assert wait_until(lambda: _published(a, len(values)), 5.0)
+    assert wait_until(lambda: index_caught_up(a, len(values)), 5.0)
     with b.client() as cb:
         for key, value in values.items():
             reply = cb.call("get", {"namespace": "default", "key": key})
@@ -103,7 +62,7 @@ def test_put_on_a_get_on_b_and_blocks_come_back_as_remote(start_nodes):
             reg_b = cb.register(src.layout, "engine-b")  # the same bytes, saved on b too
             assert cb.save(reg_b, chain.namespace, [0, 1, 2], chain.hashes[:3],
                            chain.idents[:3]).num_saved == 3
-            assert wait_until(lambda: _published(a, len(values) + 8), 5.0)
+            assert wait_until(lambda: index_caught_up(a, len(values) + 8), 5.0)
             reply = cb.lookup(chain.namespace, chain.hashes, chain.idents, lease_ttl_s=30.0)
             assert reply.num_hit == 8
             assert reply.tiers == ["dram"] * 3 + ["remote"] * 5
@@ -116,14 +75,14 @@ def test_put_on_a_get_on_b_and_blocks_come_back_as_remote(start_nodes):
             # A block a drops is withdrawn from the index: b can no longer find it there.
             assert ca.remove(chain.namespace, chain.hashes[7:]) == 1
             assert cb.remove(chain.namespace, chain.hashes[7:]) == 1
-            assert wait_until(lambda: _published(a, 0) and _published(b, 0), 5.0)
+            assert wait_until(lambda: index_caught_up(a, 0) and index_caught_up(b, 0), 5.0)
             skipped = cb.lookup(chain.namespace, chain.hashes, chain.idents, lease_ttl_s=0)
             assert skipped.num_hit == 7
     finally:
         src.close()
         dst.close()
 
-    stats = _stats(b)
+    stats = daemon_stats(b)
     assert stats["tiers"]["remote"]["hits"] == len(values) + 5
     assert stats["cluster"]["remote_hit_blocks"] == len(values) + 5
     assert _remote_errors(stats["cluster"]) == 0
@@ -139,7 +98,7 @@ def test_killed_peer_is_a_prompt_counted_miss(start_nodes):
     with a.client() as ca:
         ca.put(b"first", b"1" * 1000)
         ca.put(b"second", b"2" * 1000)
-    assert wait_until(lambda: _published(a, 2), 5.0)
+    assert wait_until(lambda: index_caught_up(a, 2), 5.0)
     with b.client() as cb:
         assert cb.get(b"first") == b"1" * 1000  # b now holds an endpoint to a
         a.kill9()  # no deregistration: Redis lists a until its heartbeat key expires
@@ -150,14 +109,14 @@ def test_killed_peer_is_a_prompt_counted_miss(start_nodes):
         assert cb.get(b"first") == b"1" * 1000  # fetched before: served locally
     cluster = _cluster(b)
     assert _remote_errors(cluster) == 1 and cluster["remote_errors"] == 1
-    assert _stats(b)["tiers"]["remote"]["misses"] >= 1
+    assert daemon_stats(b)["tiers"]["remote"]["misses"] >= 1
 
 
 def test_lost_redis_keeps_both_serving_and_sharing_resumes(start_nodes, redis_server):
     a, b = start_nodes("a", "b")
     with a.client() as ca:
         ca.put(b"before", b"b" * 5000)
-    assert wait_until(lambda: _published(a, 1), 5.0)
+    assert wait_until(lambda: index_caught_up(a, 1), 5.0)
 
     redis_server.stop()
     with a.client() as ca, b.client() as cb:
@@ -172,7 +131,7 @@ def test_lost_redis_keeps_both_serving_and_sharing_resumes(start_nodes, redis_se
 
     redis_server.start()  # empty: both nodes register again and re-publish what they hold
     # (live_nodes is the view as of the last heartbeat that got through: b must be up again.)
-    assert wait_until(lambda: _published(a, 2) and _published(b, 1)
+    assert wait_until(lambda: index_caught_up(a, 2) and index_caught_up(b, 1)
                       and _cluster(b)["index"]["live_nodes"] == 2, 15.0)
     with b.client() as cb:
         assert cb.get(b"before") == b"b" * 5000
@@ -203,14 +162,14 @@ def test_engine_on_b_restores_a_prompt_computed_on_a(start_nodes, tmp_path):
     reference = run(enable_prefix_caching=False).token_ids
     first = run(kv_offload=True, kv_store_socket=str(a.socket_path))
     assert first.token_ids == reference and first.num_cached_tokens == 0
-    assert wait_until(lambda: _published(a, 12), 5.0)
+    assert wait_until(lambda: index_caught_up(a, 12), 5.0)
     # Tiny blocks recompute faster than they cross a socket: restore regardless.
     second = run(kv_offload=True, kv_store_socket=str(b.socket_path),
                  kv_offload_restore="always")
     assert second.token_ids == reference
     assert second.cached_tokens_by_tier["remote"] == 12 * 16
     assert second.cached_tokens_by_tier["dram"] == 0
-    assert _stats(b)["tiers"]["remote"]["hits"] == 12
+    assert daemon_stats(b)["tiers"]["remote"]["hits"] == 12
 
 
 def test_cluster_flags_are_checked_and_nothing_is_imported_without_them(tmp_path):
