@@ -175,8 +175,9 @@ class OffloadConnector:
         self._disowned.append(lookup)
 
     def release_disowned(self) -> None:
-        """Release the leases of disowned lookups that have replied (call it every step)."""
-        if not self._disowned:
+        """Release the leases of disowned lookups that have replied (call it every step); not
+        while the store is hung (a release would be dropped): they wait until it answers."""
+        if not self._disowned or self._link.state is StoreState.HUNG:
             return
         still = []
         for lookup in self._disowned:

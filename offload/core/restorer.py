@@ -136,7 +136,11 @@ class Restorer(Generic[Owner]):
         if job.state is State.LOOKING_UP:
             self._take_reply(job, hung, now)
         if job.state in (State.LEASED, State.WAITING_FOR_SLOTS):
-            self._reserve_and_load(job, now)
+            if hung:  # nothing reserved yet: the owner recomputes now, not after the slot wait
+                self._release_lease_later(job)
+                self._end(job, State.GIVEN_UP, End.STORE_HUNG)
+            else:
+                self._reserve_and_load(job, now)
         elif job.state is State.LOADING:
             self._take_load(job, hung, now)
         return job.over
@@ -232,6 +236,12 @@ class Restorer(Generic[Owner]):
         """Give the lease back, if it still belongs to the link's connection."""
         if job.lease_id is not None and job.lease_epoch == self.link.registration_epoch:
             self.link.release(job.lease_id)
+
+    def _release_lease_later(self, job: RestoreJob[Owner]) -> None:
+        """Give the lease back once the store answers again (a release sent to a hung store
+        would be dropped, and the lease would pin its blocks until its TTL)."""
+        if job.lease_id is not None and job.lease_epoch == self.link.registration_epoch:
+            self.link.disown(job.lookup)
 
     def _end(self, job: RestoreJob[Owner], state: RestoreState, end: RestoreEnd) -> None:
         job.to(state, end)

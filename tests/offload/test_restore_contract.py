@@ -355,6 +355,30 @@ def test_loading_to_given_up_when_the_store_hangs_keeps_the_slots_until_it_answe
     assert side.counters["blocks_quarantine_released"] == CHAIN
 
 
+def test_waiting_for_slots_to_given_up_when_the_store_hangs(side, daemon) -> None:
+    """A leased hit waiting for slots when the store hangs is given up at the next poll, not
+    after the slot wait (found by benchmarks.fault_soak: requests waited out a whole SIGSTOP,
+    then restored); its lease goes back once the store answers again."""
+    store_chain(daemon.socket_path, 15)
+    r = restorer(side)  # the default slot wait (5 s), far longer than this test allows
+    job = look_up(r, side, "a", 15)
+    free = side.num_free()
+    with side.full():
+        r.start(job)
+        assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
+        daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: side.link.live_state == "hung", 5.0)
+        started = time.monotonic()
+        run_polled(r, job)
+        assert (job.state, job.end) == (RestoreState.GIVEN_UP, RestoreEnd.STORE_HUNG)
+        assert time.monotonic() - started < 0.5
+        assert job.slots is None and side.num_free() == free and r.jobs == []
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: (r.poll(), num_leases(daemon.socket_path))[1] == 0, 10.0)
+
+
 def test_leased_to_given_up_when_the_lease_was_another_connections(side, daemon) -> None:
     store_chain(daemon.socket_path, 10)
     r = restorer(side)
