@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import resource
 import signal
 import socket
@@ -26,9 +25,10 @@ from kvstore.cli_args import (
 )
 from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
+from server.http_front_args import api_keys, metrics_key
 from server.log_setup import BANNER_LOGGER, add_log_format_option
 from server.router_args import add_router_arguments
-from server.serve_args import add_serve_arguments, api_keys, tool_settings
+from server.serve_args import add_serve_arguments, tool_settings
 from server.vllm_flags import add_vllm_flags
 from server.vllm_flags import notes as vllm_flag_notes
 
@@ -239,13 +239,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.served_model_name = [name]  # a hub id names the model, as in vLLM
     try:
         config = _engine_config(args, model_dir, tokenizer_dir)
-        metrics_key = args.metrics_key or os.environ.get("KVENGINE_METRICS_KEY") or None
         names = tuple(args.served_model_name or ())
         settings = ServerSettings(served_model_name=names[0] if names else None,
                                   model_aliases=names[1:], api_keys=api_keys(args),
                                   max_queue=args.max_queue,
                                   max_request_body_bytes=args.max_request_body_bytes,
-                                  metrics_key=metrics_key,
+                                  metrics_key=metrics_key(args),
                                   sampling_defaults=_sampling_defaults(args, model_dir),
                                   tools=tool_settings(args), reasoning_parser=args.reasoning_parser)
         limits = _connection_limits(args)

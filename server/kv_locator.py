@@ -3,20 +3,23 @@
 A daemon that is down, hung (SIGSTOP) or slow costs a request at most ``timeout_s`` and routing
 by load instead, never an error: ``locate`` returns None, the state says why, and the daemon is
 left alone for ``retry_after_s`` (requests in between do not wait at all) before it is asked
-again. The blocking client runs on a few threads of its own; the event loop only awaits.
+again. The blocking client connects and sends on a few threads of its own; its reader thread
+hands the reply to the event loop, which only awaits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvstore import Client, ClientError, DaemonUnavailable, LocateReply
+from kvstore import Client, ClientError, DaemonUnavailable, LocateReply, Pending
 from server.prompt_chain import PromptChain
 
 logger = logging.getLogger("kvengine.router")
@@ -53,19 +56,40 @@ class KVLocator:
         if time.monotonic() < self._skip_until:
             return None
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._threads, self._locate_blocking, chain)
-        try:  # the thread's own wait is bounded too: a timed-out one ends soon after
-            return await asyncio.wait_for(work, self.timeout_s)
+        answer: asyncio.Future = loop.create_future()
+
+        def land(outcome: Pending | BaseException) -> None:  # any thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, answer, outcome)
+
+        # Connecting and sending may block (a daemon that stopped reading fills the socket), so
+        # one of our threads does them; the reply wakes the loop straight from the client's
+        # reader thread, with no thread in between waiting for it.
+        self._threads.submit(self._send, chain, land)
+        try:
+            outcome = await asyncio.wait_for(answer, self.timeout_s)
         except asyncio.TimeoutError:
             self._failed(StoreState.HUNG, None)
             return None
+        return self._read(outcome)
 
-    def _locate_blocking(self, chain: PromptChain) -> LocateReply | None:
+    def _send(self, chain: PromptChain,
+              land: Callable[[Pending | BaseException], None]) -> None:
         try:
             client = self._connected()
             pending = client.locate_async(chain.namespace, chain.hashes, chain.idents,
                                           timeout_s=self.timeout_s)
-            reply = pending.wait(self.timeout_s)
+        except Exception as exc:  # not connected, or the connection failed under the send
+            land(exc)
+            return
+        pending.add_done_callback(land)
+
+    def _read(self, outcome: Pending | BaseException) -> LocateReply | None:
+        """The landed reply, or None with the state (and the skip) saying why."""
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            reply = outcome.wait(0)
         except TimeoutError as exc:  # RequestTimeout: the daemon did not answer in time
             self._failed(StoreState.HUNG, exc)
             return None
@@ -107,3 +131,8 @@ class KVLocator:
         if client is not None:
             client.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(answer: asyncio.Future, outcome: Pending | BaseException) -> None:
+    if not answer.done():  # else the wait timed out first
+        answer.set_result(outcome)

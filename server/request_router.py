@@ -46,12 +46,14 @@ class RequestRouter:
     async def route(self, kind: str, body: bytes, key_salt: str) -> UpstreamEngine | None:
         """The engine for a generation request (``kind``: CHAT or COMPLETION), counted by
         reason; None when no engine is ready."""
+        start = time.perf_counter()
         ready = self.pool.ready()
         if not ready:
             return None
         route = await self._choose(ready, kind, body, key_salt)
         identity = self.pool.identity()
-        self.metrics.routed(route, identity.block_size if identity is not None else 0)
+        self.metrics.routed(route, identity.block_size if identity is not None else 0,
+                            time.perf_counter() - start)
         return self.pool.engines[route.name]
 
     def least_loaded(self, exclude: Collection[str] = ()) -> UpstreamEngine | None:
@@ -68,11 +70,13 @@ class RequestRouter:
         identity = self.pool.identity()
         if identity is None:  # no engine runs with --kv-offload: there is no store to ask
             return self.policy.choose([e.candidate() for e in ready], None)
+        start = time.perf_counter()
         prompt = await self._prompt(kind, body, key_salt)
         if prompt is None:
             return self.policy.choose([e.candidate() for e in ready], 0)
         token_ids, salt = prompt
         chain = PromptChain.of(identity, token_ids, salt)
+        self.metrics.prompted(time.perf_counter() - start)
         if not len(chain):
             return self.policy.choose([e.candidate() for e in ready], 0)
         assert self.locator is not None

@@ -1,4 +1,5 @@
-"""The options of `kvengine router`: the engines, the daemon, routing, and the HTTP front."""
+"""The options of `kvengine router`: the engines, the daemon, routing; the HTTP front is shared
+with `kvengine serve` (``server/http_front_args.py``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ from urllib.parse import urlsplit
 
 from kvstore.cli_args import (
     non_negative_int_arg,
-    port_arg,
     positive_float_arg,
     positive_int_arg,
 )
+from server.http_front_args import ROUTER_FRONT, add_http_front_args
 from server.routing import ROUTING_MODES
-from server.serve_args import API_KEY_ENV, LOG_LEVELS, chat_template_text
-from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.serve_args import chat_template_text
 
 
 def _engine_url(text: str) -> str:
@@ -86,33 +86,4 @@ def add_router_arguments(router: argparse.ArgumentParser) -> None:
     router.add_argument("--max-upstream-connections", type=positive_int_arg, default=1024,
                         metavar="N", help="HTTP connections to the engines, all together "
                         "(default: %(default)s)")
-    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    router.add_argument("--port", type=port_arg, default=8000,
-                        help="port to listen on; 0 picks a free one")
-    router.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                        help="the keys the engines were given: the router checks them as the "
-                        "engines do, passes them on, and keys each tenant's prefixes as the "
-                        f"engines do (default: ${API_KEY_ENV}, else no key)")
-    router.add_argument("--metrics-key", default=None, metavar="KEY",
-                        help="the operator's key for the router's GET /metrics (default: "
-                        "$KVENGINE_METRICS_KEY; with --api-key and no metrics key /metrics is "
-                        "refused, without --api-key it is open)")
-    router.add_argument("--max-request-body-bytes", type=positive_int_arg,
-                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help="larger request bodies get a 413, as from the engines (default: "
-                        "%(default)s = 4 MiB; give the engines' value)")
-    router.add_argument("--max-connections", type=positive_int_arg, default=1024,
-                        help="open client connections; more are refused with a 503 at once "
-                        "(default: %(default)s)")
-    router.add_argument("--timeout-keep-alive", type=positive_float_arg, default=5.0,
-                        metavar="SECONDS",
-                        help="close a client connection idle this long (default: %(default)s)")
-    router.add_argument("--request-read-timeout", type=positive_float_arg, default=30.0,
-                        metavar="SECONDS",
-                        help="close a connection whose request is not all there this long after "
-                        "it began, with a 408 (default: %(default)s)")
-    router.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
-                        help="level of kvengine's own logs and, unless --uvicorn-log-level is "
-                        "given, of uvicorn's (stderr)")
-    router.add_argument("--uvicorn-log-level", default=None, choices=(*LOG_LEVELS, "trace"),
-                        help="level of uvicorn's logs (default: --log-level)")
+    add_http_front_args(router, ROUTER_FRONT)

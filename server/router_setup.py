@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
 
 from server.engine_pool import EnginePool
+from server.http_front_args import api_keys, metrics_key
 from server.kv_locator import KVLocator
 from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
@@ -18,7 +18,6 @@ from server.router_app import RouterSettings, build_router_app
 from server.router_metrics import RouterMetrics
 from server.router_proxy import RouterProxy
 from server.routing import RoutingPolicy
-from server.serve_args import api_keys
 from server.tokenize_pool import TokenizePool
 
 
@@ -26,16 +25,18 @@ def build_router(args: argparse.Namespace, model_dir: Path,
                  tokenizer_dir: Path | None) -> FastAPI:
     """The router's app over ``args.engines``; ValueError for options that do not fit."""
     keys = api_keys(args)
-    metrics_key = args.metrics_key or os.environ.get("KVENGINE_METRICS_KEY") or None
-    if metrics_key is not None and metrics_key in keys:
+    operator_key = metrics_key(args)
+    if operator_key is not None and operator_key in keys:
         raise ValueError("the metrics key must differ from every API key")
     policy = RoutingPolicy(args.routing, args.kv_load_slack)
     prompts = _prompt_builder(args, model_dir, tokenizer_dir) if policy.uses_kv else None
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(args.upstream_timeout, connect=args.connect_timeout),
-        limits=httpx.Limits(max_connections=args.max_upstream_connections,
-                            max_keepalive_connections=args.max_upstream_connections),
-        trust_env=False)  # never through a proxy from the environment
+    timeout = httpx.Timeout(args.upstream_timeout, connect=args.connect_timeout)
+    # One pool of connections for the requests (RouterProxy sends on the transport) and the
+    # probes (through a client over it); never through a proxy from the environment.
+    transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(
+        max_connections=args.max_upstream_connections,
+        max_keepalive_connections=args.max_upstream_connections), trust_env=False)
+    client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
     probe_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else None
     pool = EnginePool(args.engines, client, probe_headers, args.probe_interval,
                       args.probe_timeout)
@@ -53,9 +54,10 @@ def build_router(args: argparse.Namespace, model_dir: Path,
         if prompts is not None:
             prompts.close()
 
-    settings = RouterSettings(api_keys=keys, metrics_key=metrics_key,
+    settings = RouterSettings(api_keys=keys, metrics_key=operator_key,
                               max_request_body_bytes=args.max_request_body_bytes)
-    return build_router_app(router, RouterProxy(client, pool, metrics), settings, shutdown)
+    proxy = RouterProxy(transport, timeout, pool, metrics)
+    return build_router_app(router, proxy, settings, shutdown)
 
 
 def _prompt_builder(args: argparse.Namespace, model_dir: Path,

@@ -8,21 +8,16 @@ the harmless ones of `server/vllm_flags.py` (one line at start each says why) ch
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
 from kvstore.cli_args import (
     fraction_arg,
     non_negative_int_arg,
-    port_arg,
-    positive_float_arg,
     positive_int_arg,
 )
-from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.http_front_args import ENGINE_FRONT, add_http_front_args
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-API_KEY_ENV = "KVENGINE_API_KEY"
 # vLLM's spellings; engine.config.DTYPES maps them (not imported here: the engine is heavy).
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 # engine.config.PREFILL_ORDERS (a test keeps them equal).
@@ -69,14 +64,6 @@ def chat_template_text(value: str) -> str:
     return value
 
 
-def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The --api-key values, else $KVENGINE_API_KEY (one key), else none."""
-    if args.api_key:
-        return tuple(args.api_key)
-    from_env = os.environ.get(API_KEY_ENV, "")
-    return (from_env,) if from_env else ()
-
-
 def tool_settings(args: argparse.Namespace) -> Any:
     """--enable-auto-tool-choice and --tool-call-parser as the server's ToolSettings
     (ValueError for auto tool choice without a parser)."""
@@ -107,9 +94,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--seed", type=non_negative_int_arg, default=None,
                        help="seeds the random streams of requests that bring no seed, so a run "
                        "repeats (default: fresh entropy)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=port_arg, default=8000,
-                       help="port to listen on; 0 picks a free one")
     serve.add_argument("--kv-offload", action="store_true",
                        help="load cached prefixes from the kvstore daemon and save new blocks")
     serve.add_argument("--kv-store-socket", default=None, help="the daemon's socket "
@@ -188,32 +172,4 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model names in the API; requests may use any, responses carry "
                        "the first (default: the model folder's name)")
-    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY'; repeat for several keys "
-                       f"(each key is its own cache tenant; default: ${API_KEY_ENV}, else no "
-                       "key)")
-    serve.add_argument("--metrics-key", default=None, metavar="KEY",
-                       help="the operator's key for GET /metrics, which shows every tenant's "
-                       "traffic (default: $KVENGINE_METRICS_KEY; with --api-key and no metrics "
-                       "key /metrics is refused, without --api-key it is open)")
-    serve.add_argument("--max-request-body-bytes", type=positive_int_arg,
-                       default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                       help="larger request bodies get a 413 before they are parsed "
-                       "(default: %(default)s = 4 MiB)")
-    serve.add_argument("--max-connections", type=positive_int_arg, default=1024,
-                       help="open HTTP connections; more are refused with a 503 at once "
-                       "(default: %(default)s, lowered to fit the open-file limit)")
-    serve.add_argument("--timeout-keep-alive", type=positive_float_arg, default=5.0,
-                       metavar="SECONDS",
-                       help="close a connection that sends nothing for this long "
-                       "(default: %(default)s)")
-    serve.add_argument("--request-read-timeout", type=positive_float_arg, default=30.0,
-                       metavar="SECONDS",
-                       help="close a connection whose request (headers and body) is not all "
-                       "there this long after it began, with a 408 (default: %(default)s)")
-    serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
-                       help="level of kvengine's own logs (engine, offload, server) and, "
-                       "unless --uvicorn-log-level is given, of uvicorn's (stderr)")
-    serve.add_argument("--uvicorn-log-level", default=None, choices=(*LOG_LEVELS, "trace"),
-                       help="level of uvicorn's logs (default: --log-level); info and below "
-                       "log every request")
+    add_http_front_args(serve, ENGINE_FRONT)

@@ -47,10 +47,13 @@ log = logging.getLogger("kvstore.daemon.server")
 _COPY_VERBS = frozenset({"save", "load"})
 # Verbs answered on the loop itself, skipping the worker-thread hop (~0.1 ms): only calls that
 # never wait on IO. A lookup reads the in-memory index; the lease it takes makes it no slower. One
-# that goes on to the cluster's peers returns a Deferred, run on a worker. ``resident`` and
-# ``evicted`` only touch the HBM tier's index; on the loop they also keep one connection's
-# publications in the order it sent them.
-INLINE_VERBS = frozenset({"hello", "health", "lookup", "release", "resident", "evicted"})
+# that goes on to the cluster's peers returns a Deferred, run on a worker. ``locate`` reads the
+# same indexes as a lookup and never asks peers; a router waits for it in front of every request
+# (on a worker it also queued behind the engines' saves). ``resident`` and ``evicted`` only touch
+# the HBM tier's index; on the loop they also keep one connection's publications in the order it
+# sent them.
+INLINE_VERBS = frozenset({"hello", "health", "lookup", "locate", "release", "resident",
+                          "evicted"})
 # Frames up to this size are read without asking the buffer budget: requests, not payloads.
 _SMALL_FRAME_BYTES = 64 * 1024
 _LOG_INTERVAL_S = 10.0  # a repeated warning or error is logged once per this, with a count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.wire import protocol as proto
+
+log = logging.getLogger("kvstore.client")
 
 # The client waits this much longer than the deadline it sent, so the daemon's own
 # deadline_exceeded reply normally arrives first.
@@ -122,6 +125,9 @@ class Pending:
         self._result: Any = _NO_RESULT
         self._error: BaseException | None = None
         self.landed_at: float | None = None  # time.monotonic() when the reply came in
+        # Called once each when the reply lands; list.pop is atomic, so whoever pops one
+        # (finish, or add_done_callback after it) calls it, exactly once.
+        self._callbacks: list[Callable[[Pending], None]] = []
 
     def finish(self, result: Any = _NO_RESULT, error: BaseException | None = None) -> None:
         """Land the reply (or ``error``); called only by whoever popped this request from the
@@ -137,6 +143,28 @@ class Pending:
         self.landed_at = time.monotonic()
         self._done = True
         self._gate.release()
+        if self._callbacks:  # read after _done is set: an add that missed this sees _done
+            self._run_callbacks()
+
+    def add_done_callback(self, fn: Callable[[Pending], None]) -> None:
+        """Call ``fn(self)`` once the reply (or a failure) is in: on the client's reader thread
+        as it lands, or here and now if it has. ``fn`` must be quick (it holds up every other
+        reply of the connection) and must not block; what it raises is logged."""
+        self._callbacks.append(fn)
+        if self._done:
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        while True:
+            try:
+                fn = self._callbacks.pop()
+            except IndexError:
+                return
+            try:
+                fn(self)
+            except Exception:  # the reader thread must go on dispatching the other replies
+                log.exception("a done callback of %s (request %d) failed", self.verb,
+                              self.request_id)
 
     def poll(self) -> bool:
         """True once the reply (or a failure) is in; ``wait()`` then returns without blocking."""

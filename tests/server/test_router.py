@@ -128,6 +128,7 @@ def _served_by(node: Node, send) -> tuple[str, httpx.Response]:
     assert response.status_code == 200, response.text
     moved = [url for url in node.engine_urls() if _finished(url) > before[url]]
     assert len(moved) == 1, (before, moved)
+    assert response.headers["x-kvengine-engine"] == moved[0]  # the router names it
     return moved[0], response
 
 
@@ -177,11 +178,19 @@ def test_a_second_turn_lands_where_the_first_was_served(node: Node) -> None:
     # The engine publishes its blocks right after the step that computed them.
     assert wait_until(lambda: _hbm_blocks(node) >= published + num_blocks, 10)
     hits_before = _routed(node, "hbm_hit", engine)
+    stages = ("route", "prompt", "kv_locate")
+
+    def timed() -> list[float]:  # what each routing decision cost, counted once per stage
+        text = _metrics(node)
+        return [metric_value(text, f"kvengine:router_{stage}_seconds_count") for stage in stages]
+
+    counts = timed()
     second = [*first, {"role": "assistant", "content": reply},
               {"role": "user", "content": "and then what happened next?"}]
     again, response = _served_by(node, lambda: _chat(node, second))
     assert again == engine
     assert _routed(node, "hbm_hit", engine) == hits_before + 1
+    assert timed() == [count + 1 for count in counts]
     by_tier = response.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]
     assert by_tier["hbm"] >= 16 * (num_blocks - 1), by_tier
 
