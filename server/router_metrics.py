@@ -20,7 +20,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Fine around a millisecond, where a routing decision's cost is (the budget is 2 ms).
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
-                    0.01, 0.025, 0.05, 0.1, 0.25)
+                    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class RouterMetrics:

@@ -35,7 +35,7 @@ AUTH = {"Authorization": f"Bearer {API_KEYS[0]}"}
 OTHER_TENANT = {"Authorization": f"Bearer {API_KEYS[1]}"}
 METRICS = {"Authorization": f"Bearer {METRICS_KEY}"}
 BODY_LIMIT = 64 * 1024
-LOCATE_TIMEOUT_MS = 50
+LOCATE_TIMEOUT_MS = 200  # not 50 (the default): a loaded 2-core CI box must not fall back
 _LISTENING = re.compile(r"listening on (http://\S+)")
 
 
@@ -332,8 +332,9 @@ def test_a_stopped_daemon_costs_no_more_than_the_bound(node: Node) -> None:
     assert _routed(node, "fallback") >= fallbacks + 3
     metrics = _metrics(node)
     waits = metric_value(metrics, "kvengine:router_kv_locate_seconds_count")
-    bounded = metric_value(metrics, "kvengine:router_kv_locate_seconds_bucket", le="0.25")
-    assert waits == bounded  # no request waited for the daemon past 5x its 50 ms bound
+    bounded = metric_value(metrics, "kvengine:router_kv_locate_seconds_bucket",
+                           le=str(5 * LOCATE_TIMEOUT_MS / 1000))
+    assert waits == bounded  # no request waited for the daemon past 5x its bound
     assert sum(metric_value(metrics, "kvengine:router_kv_store_state", state=state)
                for state in ("hung", "down")) == 1  # no answer, or not even a connection
     # Continued: it is asked again (after --kv-retry-interval) and answers.
