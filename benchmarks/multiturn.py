@@ -29,12 +29,13 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import command, machine_info, now_iso, write_result
 from benchmarks.multiturn_summary import TIERS, fmt_num, format_summary, summarize
+from benchmarks.request_record import RequestRecord
 from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
 
 __all__ = ["TIERS", "RequestRecord", "RunConfig", "fmt_num", "format_summary", "run", "summarize"]
@@ -64,29 +65,6 @@ class RunConfig:
             raise ValueError("max_requests must be at least 1")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError("duration_s must be > 0")
-
-
-@dataclass
-class RequestRecord:
-    """What one request did; times in seconds, `*_s` relative to the start of the run."""
-
-    user: int
-    round: int
-    scheduled_s: float
-    sent_s: float
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    cached_tokens_by_tier: dict[str, int] | None = None
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    e2e_s: float | None = None
-    num_chunks: int = 0
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 def base_url(url: str) -> str:

@@ -4,12 +4,9 @@ time, throughput and cache hit rates by tier, overall and per round."""
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 from benchmarks.common import percentile
-
-if TYPE_CHECKING:  # multiturn imports this module: the record type is only named here
-    from benchmarks.multiturn import RequestRecord
+from benchmarks.request_record import RequestRecord
 
 TIERS = ("hbm", "dram", "ssd", "remote")
 
