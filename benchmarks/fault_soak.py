@@ -42,7 +42,7 @@ from benchmarks import multiturn_sweep
 from benchmarks.chat_load import ChatLoad, answer_again
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.fault_injector import FaultInjector
-from benchmarks.fault_schedule import describe, make_schedule, parse_kinds
+from benchmarks.fault_schedule import FaultKind, describe, make_schedule, parse_kinds
 from benchmarks.fault_soak_verdict import verdict
 from benchmarks.multiturn_presets import PRESETS, scaled
 from benchmarks.process_memory import snapshot
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--users", type=positive_int_arg, default=None)
     p.add_argument("--qps", type=positive_float_arg, default=None)
     p.add_argument("--faults", default="all", help="fault kinds, comma-separated: all or "
-                   "daemon-stop, daemon-kill, engine-term, engine-kill")
+                   + ", ".join(kind.value for kind in FaultKind))
     p.add_argument("--fault-every", type=positive_float_arg, default=60.0, help="seconds")
     p.add_argument("--first-fault-s", type=positive_float_arg, default=None,
                    help="quiet start (default: half a fault interval)")

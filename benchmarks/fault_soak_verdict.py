@@ -21,6 +21,7 @@ Checks (all must hold):
 from __future__ import annotations
 
 from benchmarks.common import percentile
+from benchmarks.fault_schedule import FaultKind
 
 STORE_TIERS = ("dram", "ssd")
 
@@ -36,7 +37,7 @@ def compare_answers(records: list[dict]) -> dict:
 
 def failures(records: list[dict], faults: list[dict]) -> dict:
     """Failed requests: allowed (in flight at an engine stop) or not, and their errors."""
-    engine_stops = {f["index"] for f in faults if f["kind"] in ("engine-term", "engine-kill")}
+    engine_stops = {f["index"] for f in faults if FaultKind(f["kind"]).stops_engine}
     failed = [r for r in records if r["error"] is not None]
     allowed = [r["index"] for r in failed if r["in_flight_at_fault"] in engine_stops]
     errors: dict[str, int] = {}

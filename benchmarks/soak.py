@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import write_result  # noqa: E402
+from benchmarks.process_memory import host_memory  # noqa: E402
 from benchmarks.soak_verdict import verdict  # noqa: E402
 from kvstore import Client, ClientError, DaemonUnavailable  # noqa: E402
 from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
@@ -78,14 +79,6 @@ def _block_content(block_hash: bytes, block_bytes: int) -> np.ndarray:
 def _value_of(key: bytes) -> bytes:
     rng = random.Random(key)
     return rng.randbytes(rng.randint(1, 64) * 1024)
-
-
-def read_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 class Tally:
@@ -231,7 +224,7 @@ def sample(pid: int, c: Client, t0: float, tally: Tally) -> dict:
     stats = c.stats()
     dram, ssd = stats["tiers"]["dram"], stats["tiers"].get("ssd", {})
     daemon = stats["daemon"]
-    return {"t_s": round(time.monotonic() - t0, 2), "rss_bytes": read_rss_bytes(pid),
+    return {"t_s": round(time.monotonic() - t0, 2), "rss_bytes": host_memory(pid)["rss_bytes"],
             "dram_used_bytes": dram["used_bytes"], "dram_blocks": dram["blocks"],
             "ssd_used_bytes": ssd.get("used_bytes", 0), "ssd_blocks": ssd.get("blocks", 0),
             "leases_active": daemon["leases_active"], "connections": daemon["connections"],

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.soak import read_rss_bytes
+from benchmarks.process_memory import host_memory
 from kvstore.testing.processes import stop_process
 
 TARGET_READY_S = 5.0
@@ -74,7 +74,7 @@ def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float) 
                         break
             first_token_s = time.perf_counter() - start
         time.sleep(0.5)  # let the request finish so the RSS is the idle one
-        rss = read_rss_bytes(proc.pid)
+        rss = host_memory(proc.pid)["rss_bytes"]
     finally:
         stop_process(proc, timeout_s=60)
     load_line = next((ln.strip() for ln in lines if "model loaded in" in ln), None)
