@@ -20,7 +20,7 @@ from kvstore.daemon.health import LoopState, SsdState, Status
 
 Samples = Iterable[tuple[tuple[str, ...], float]]
 TIER_LEVELS = ("capacity_bytes", "used_bytes", "blocks", "pinned_blocks", "in_flight_blocks",
-               "demoting_blocks", "files")
+               "demoting_blocks", "promoting_blocks", "files")
 CLUSTER_LEVELS = frozenset({"suspect_peers", "live_nodes", "pending_events", "published_blocks",
                             "connections"})
 

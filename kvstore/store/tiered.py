@@ -186,6 +186,7 @@ class TieredStore(BlockStore):
             pool = self._dram.pool
             dram.update({
                 "demoting_blocks": self._demoter.num_demoting,
+                "promoting_blocks": len(self._promoter.blocks()),
                 "pinned": pool.pinned,  # page-locked host memory
                 "pin_error": pool.pin_error,  # why not, where pinning was tried
                 "hits": c.get("hit_blocks_dram", 0),

@@ -99,6 +99,7 @@ def _settled(daemon: InProcessDaemon, verb: str) -> bool:
             and len(daemon.service.registry) == 0 and daemon.service.num_leases() == 0
             and stats["leases"] == 0 and stats["tiers"]["dram"]["in_flight_blocks"] == 0
             and stats["tiers"]["dram"]["demoting_blocks"] == 0
+            and stats["tiers"]["dram"]["promoting_blocks"] == 0
             and daemon.service.stats()["daemon"]["connections"] == 0)
 
 

@@ -209,7 +209,9 @@ class DramTier:
         assert all(not h.counted and id(h) in held_ids
                    for h in self._uncounted.values()), "uncounted leases"
         self.count_pins()
-        live = list(self._blocks.values()) + list(self._private)
+        promoting = list(promoting)
+        # A block being read from SSD owns its allocation before it is published or kept.
+        live = list(self._blocks.values()) + list(self._private) + promoting
         assert sorted((b.alloc.offset, b.alloc.reserved_bytes) for b in live) == \
             self.pool.allocations(), "DRAM allocations differ from the blocks that own them"
         ready = {k: b for k, b in self._blocks.items() if b.state is BlockState.READY}

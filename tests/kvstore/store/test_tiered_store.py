@@ -275,3 +275,37 @@ def test_concurrent_writers_and_readers_only_ever_see_their_bytes(make_store, tm
     store.check_integrity()
     c = store.stats()["counters"]
     assert c["lookup_blocks"] == c["hit_blocks_dram"] + c["hit_blocks_ssd"] + c["miss_blocks"]
+
+
+def test_integrity_holds_while_a_promotion_reads_from_ssd(make_store, tmp_path):
+    # A block being read from SSD owns DRAM before it is published: the check must count it.
+    size, num = 256 * KIB, 48
+    store = make_store(dram_bytes=12 * size, ssd_dir=tmp_path / "ssd", ssd_bytes=64 * size)
+    put_blocks(store, range(num), size)
+    keys = [block_key(i) for i in range(num)]
+    hashes, idents = [k[0] for k in keys], [k[1] for k in keys]
+    assert wait_until(lambda: store.lookup(NS, hashes[:8], idents[:8], lease_ttl_s=None).tiers
+                      == [Tier.SSD] * 8)
+    result = store.lookup(NS, hashes, idents)
+    done = threading.Event()
+    wrong: list[int] = []
+
+    def reader() -> None:
+        try:
+            for i in range(num):
+                if bytes(store.read(result.lease, i)) != block_bytes(i, size):
+                    wrong.append(i)
+                store.done(result.lease, i)
+        finally:
+            done.set()
+
+    seen_in_flight = 0
+    thread = threading.Thread(target=reader)
+    thread.start()
+    while not done.is_set():
+        seen_in_flight += store.stats()["tiers"]["dram"]["promoting_blocks"]
+        store.check_integrity()
+    thread.join(10)
+    result.lease.release()
+    assert not wrong and seen_in_flight > 0
+    store.check_integrity()
