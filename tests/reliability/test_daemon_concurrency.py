@@ -176,7 +176,8 @@ def test_concurrent_engines_and_clients_on_the_same_keys(arenas, tmp_path):
             return (daemon.service.stats()["daemon"]["connections"] == 0
                     and len(daemon.service.registry) == 0 and stats["leases"] == 0
                     and stats["tiers"]["dram"]["in_flight_blocks"] == 0
-                    and stats["tiers"]["dram"]["demoting_blocks"] == 0)
+                    and stats["tiers"]["dram"]["demoting_blocks"] == 0
+                    and stats["tiers"]["dram"]["promoting_blocks"] == 0)
 
         assert wait_until(settled, timeout_s=10), daemon.service.stats()
         store = daemon.store
