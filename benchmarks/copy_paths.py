@@ -56,13 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     tables = {"vllm": PieceTable(vllm, [t.data.ptr for t in layers for _ in range(2)]),
               "block_major": PieceTable(major, [arena.data.ptr])}
     pool = HostPool(num_blocks * BLOCK_BYTES, pin=True)
-    copiers = {m: CudaCopier(0, CopySettings(small_runs=m, large_runs=m)) for m in CopyMethod}
+    unrolls = [int(u) for u in args.unrolls.split(",")]
+    copiers = {(m, u): CudaCopier(0, CopySettings(small_runs=m, large_runs=m, kernel_unroll=u))
+               for m in CopyMethod for u in ([block_copy.UNROLL] if m != CopyMethod.KERNEL
+                                             else unrolls)}
     stream = cp.cuda.Stream(non_blocking=True)
-    methods = ["staged"] + [f"kernel_u{u}" for u in args.unrolls.split(",")] + ["memcpy"]
+    methods = ["staged"] + [f"kernel_u{u}" for u in unrolls] + ["memcpy"]
     if cuda_batch.available():
         methods.append("batch")
     rng = np.random.default_rng(0)
-    default_unroll = block_copy.UNROLL
     rows = []
     for n in counts:
         nbytes = n * BLOCK_BYTES
@@ -81,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # ~6 GB/s (a call per 32 KiB piece): measured once is enough
                 for way in ("d2h", "h2d"):
                     name = method.split("_")[0]
-                    copier = copiers[CopyMethod(name)]
-                    block_copy.UNROLL = int(method.split("_u")[1]) if name == "kernel" \
-                        else default_unroll
+                    unroll = int(method.split("_u")[1]) if name == "kernel" \
+                        else block_copy.UNROLL
+                    copier = copiers[CopyMethod(name), unroll]
                     submit = copier.host_to_device if way == "h2d" else copier.device_to_host
                     times = []
                     for rep in range(args.reps + 1):

@@ -14,7 +14,9 @@ import numpy as np
 
 THREADS = 256
 # 16-byte loads in flight per thread: the best of 4, 8 and 16 measured (kernels/KERNELS.md).
+# The default of ``CopySettings.kernel_unroll``; a launch takes the value it is given.
 UNROLL = 4
+UNROLLS = (4, 8, 16)  # the values compared
 _MAX_BLOCKS_PER_RUN = 128
 _MAX_GRID = (1 << 31) - 1
 
@@ -116,7 +118,7 @@ def region_table(device_base: np.ndarray, device_stride: np.ndarray, piece_bytes
 
 def launch_pieces(regions_ptr: int, num_regions: int, block_ids_ptr: int, num_blocks: int,
                   packed_ptr: int, block_bytes: int, max_piece_bytes: int, pack: bool,
-                  stream) -> None:
+                  stream, unroll: int | None = None) -> None:
     """Launch ``copy_pieces`` on ``stream``: ``num_blocks`` blocks (int64 ids at
     ``block_ids_ptr``, device readable) between the engine and ``packed_ptr`` (``block_bytes``
     a block, 16-byte aligned); ``pack``: engine -> packed. The region table at ``regions_ptr``
@@ -125,12 +127,13 @@ def launch_pieces(regions_ptr: int, num_regions: int, block_ids_ptr: int, num_bl
         return
     if block_bytes % 16 or packed_ptr % 16:
         raise ValueError("a packed buffer needs 16-byte aligned blocks")
-    blocks_per_piece = blocks_per_run_for(max_piece_bytes)
+    unroll = UNROLL if unroll is None else unroll
+    blocks_per_piece = blocks_per_run_for(max_piece_bytes, unroll)
     if num_blocks * num_regions * blocks_per_piece > _MAX_GRID:
         raise ValueError(f"{num_blocks} blocks x {num_regions} pieces is no launchable grid")
     from kernels.cuda_module import kernel  # lazily: it needs ml_dtypes, the daemon does not
 
-    kernel("block_copy", "copy_pieces", UNROLL=UNROLL)(
+    kernel("block_copy", "copy_pieces", UNROLL=unroll)(
         (num_blocks * num_regions * blocks_per_piece,), (THREADS,),
         (np.uint64(regions_ptr), np.int32(num_regions), np.uint64(block_ids_ptr),
          np.uint64(packed_ptr), np.int64(block_bytes), np.int32(blocks_per_piece),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kernels.block_copy import UNROLLS
 from kvstore.cli_args import positive_int_arg, size_arg
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.sizes import format_bytes
@@ -48,6 +49,10 @@ def add_copy_flags(serve: argparse.ArgumentParser) -> None:
                        help="each of the GPU staging slots (4 per direction, on the engine's "
                             "device) a staged or packed batch goes through; larger batches go "
                             f"in parts (default {format_bytes(defaults.staging_slot_bytes)})")
+    group.add_argument("--copy-kernel-unroll", type=int, choices=UNROLLS, metavar="N",
+                       default=defaults.kernel_unroll,
+                       help="16-byte loads each thread of the copy kernels keeps in flight, one "
+                            f"of {', '.join(map(str, UNROLLS))} (default {defaults.kernel_unroll})")
 
 
 def copy_settings_from_args(args: argparse.Namespace) -> CopySettings:
@@ -55,4 +60,5 @@ def copy_settings_from_args(args: argparse.Namespace) -> CopySettings:
     return CopySettings(small_runs=args.copy_small_runs, large_runs=args.copy_large_runs,
                         packed_min_pieces=args.copy_packed_min_pieces,
                         chunk_bytes=args.copy_chunk_size,
-                        staging_slot_bytes=args.copy_staging_slot_size)
+                        staging_slot_bytes=args.copy_staging_slot_size,
+                        kernel_unroll=args.copy_kernel_unroll)

@@ -197,15 +197,16 @@ class CudaCopier:
         from kernels.block_copy import blocks_per_run_for, launch_table, run_table
 
         table = run_table(runs.src_ptrs, runs.dst_ptrs, runs.num_bytes)
-        blocks_per_run = blocks_per_run_for(int(table[2].max()))
+        unroll = self.settings.kernel_unroll
+        blocks_per_run = blocks_per_run_for(int(table[2].max()), unroll)
         staged = self._tables[kind].take(table)
         if staged is None:
             with stream:
                 dev_table = _cupy().asarray(table)  # freed into the stream-ordered pool
-                launch_table(dev_table.data.ptr, len(runs), stream, blocks_per_run)
+                launch_table(dev_table.data.ptr, len(runs), stream, blocks_per_run, unroll)
             return None
         ptr, slot = staged
-        launch_table(ptr, len(runs), stream, blocks_per_run)
+        launch_table(ptr, len(runs), stream, blocks_per_run, unroll)
         return slot
 
     def blocks_to_host(self, table: PieceTable, block_ids: Sequence[int] | np.ndarray,
@@ -315,7 +316,7 @@ class CudaCopier:
         def pack_or_unpack() -> None:
             launch_pieces(regions.data.ptr, regions.shape[1], ids_ptr, len(ids),
                           staging.memory.ptr, block_bytes, int(table.piece_bytes.max()),
-                          not to_device, side)
+                          not to_device, side, self.settings.kernel_unroll)
 
         if to_device:
             self._bus_copy(bus, kind, batch)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kernels.block_copy import UNROLL, UNROLLS
+
 DEFAULT_CHUNK_BYTES = 32 << 20
 # A staging slot holds one default save/load chunk: 4 slots per direction are at most 128 MiB of
 # the engine's HBM, whatever size of batch the copier is handed.
@@ -39,6 +41,8 @@ class CopySettings:
     ``chunk_bytes``: a save or load is cut into submissions of at most this many bytes, so the
     next chunk is prepared while one copies (0: each request is one submission).
     ``staging_slot_bytes``: the size of each device staging slot (a batch larger goes in parts).
+    ``kernel_unroll``: 16-byte loads each thread of the copy kernels has in flight (one of
+    ``kernels.block_copy.UNROLLS``).
     """
 
     small_runs: CopyMethod = CopyMethod.STAGED
@@ -46,6 +50,7 @@ class CopySettings:
     packed_min_pieces: int = 2
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     staging_slot_bytes: int = DEFAULT_STAGING_SLOT_BYTES
+    kernel_unroll: int = UNROLL
 
     def __post_init__(self) -> None:
         for name in ("small_runs", "large_runs"):
@@ -60,3 +65,6 @@ class CopySettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if isinstance(self.kernel_unroll, bool) or self.kernel_unroll not in UNROLLS:
+            raise ValueError(f"kernel_unroll must be one of {', '.join(map(str, UNROLLS))}, "
+                             f"got {self.kernel_unroll!r}")

@@ -35,7 +35,8 @@ def test_methods_by_name_become_members_and_the_value_is_frozen() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("small_runs", "fast"), ("large_runs", ""), ("packed_min_pieces", 0),
     ("packed_min_pieces", True), ("packed_min_pieces", 2.0), ("chunk_bytes", -1),
-    ("staging_slot_bytes", 0),
+    ("staging_slot_bytes", 0), ("kernel_unroll", 5), ("kernel_unroll", True),
+    ("kernel_unroll", "8"),
 ])
 def test_bad_values_are_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -51,16 +52,18 @@ def test_every_copy_flag_sets_its_field() -> None:
     args = build_parser().parse_args([
         "serve", "--copy-small-runs", "kernel", "--copy-large-runs", "staged",
         "--copy-packed-min-pieces", "1073741824", "--copy-chunk-size", "0",
-        "--copy-staging-slot-size", "64MiB"])
+        "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16"])
     assert copy_settings_from_args(args) == CopySettings(
         small_runs=CopyMethod.KERNEL, large_runs=CopyMethod.STAGED,
-        packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20)
+        packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20,
+        kernel_unroll=16)
 
 
 @pytest.mark.parametrize("flags", [["--copy-small-runs", "fast"],
                                    ["--copy-staging-slot-size", "0"],
                                    ["--copy-packed-min-pieces", "0"],
-                                   ["--copy-chunk-size", "lots"]])
+                                   ["--copy-chunk-size", "lots"],
+                                   ["--copy-kernel-unroll", "5"]])
 def test_serve_refuses_a_bad_copy_flag_in_one_line_before_starting(flags: list[str],
                                                                    tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
