@@ -12,8 +12,8 @@ from kvstore.cli_args import (
     positive_int_arg,
 )
 from server.http_front_args import ROUTER_FRONT, add_http_front_args
+from server.model_args import ROUTER_MODEL, add_model_args
 from server.routing import ROUTING_MODES
-from server.serve_args import chat_template_text
 
 
 def _engine_url(text: str) -> str:
@@ -31,18 +31,7 @@ def _milliseconds(text: str) -> float:
 
 def add_router_arguments(router: argparse.ArgumentParser) -> None:
     """Every option of `kvengine router`."""
-    router.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="the engines' model folder or Hugging Face repo id: its tokenizer "
-                        "and chat template render prompts exactly as the engines do (the hub "
-                        "cache, as `kvengine serve MODEL` finds it); or give --model")
-    router.add_argument("--model", default=None, help="the same as MODEL")
-    router.add_argument("--revision", default=None,
-                        help="hub revision of a repo id, as given to the engines")
-    router.add_argument("--tokenizer", default=None,
-                        help="tokenizer folder or repo id, as given to the engines (default: the "
-                        "model's)")
-    router.add_argument("--chat-template", type=chat_template_text, default=None,
-                        help="the chat template file or text the engines were given, if any")
+    add_model_args(router, ROUTER_MODEL)
     router.add_argument("--engine", dest="engines", action="append", type=_engine_url,
                         required=True, metavar="URL",
                         help="an engine's base URL (`kvengine serve ... --kv-offload`, one per "

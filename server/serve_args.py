@@ -8,7 +8,6 @@ the harmless ones of `server/vllm_flags.py` (one line at start each says why) ch
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from kvstore.cli_args import (
@@ -17,12 +16,12 @@ from kvstore.cli_args import (
     positive_int_arg,
 )
 from server.http_front_args import ENGINE_FRONT, add_http_front_args
+from server.model_args import ENGINE_MODEL, add_model_args
 
 # vLLM's spellings; engine.config.DTYPES maps them (not imported here: the engine is heavy).
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 # engine.config.PREFILL_ORDERS (a test keeps them equal).
 PREFILL_ORDERS = ("shortest-first", "fcfs")
-_JINJA_CHARS = "{}\n"
 # server.tool_parsers.TOOL_PARSERS and server.reasoning_parsers.REASONING_PARSERS (a test keeps
 # them equal).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -46,24 +45,6 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def chat_template_text(value: str) -> str:
-    """`--chat-template`: a file's text, or the template itself when it holds Jinja characters
-    (as vLLM decides); ArgumentTypeError for a path that does not exist."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise argparse.ArgumentTypeError(f"cannot read {value}: {exc}") from None
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"{value} is empty")
-        return text
-    if not any(char in value for char in _JINJA_CHARS):
-        raise argparse.ArgumentTypeError(f"{value!r} looks like a file path, but there is no "
-                                         "such file (an inline template holds {{ or {%)")
-    return value
-
-
 def tool_settings(args: argparse.Namespace) -> Any:
     """--enable-auto-tool-choice and --tool-call-parser as the server's ToolSettings
     (ValueError for auto tool choice without a parser)."""
@@ -74,16 +55,7 @@ def tool_settings(args: argparse.Namespace) -> Any:
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     """Every option of `kvengine serve`."""
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model folder (config.json, *.safetensors, tokenizer.json) or "
-                       "Hugging Face repo id (Qwen/Qwen3-0.6B: the cached snapshot, downloaded "
-                       "unless HF_HUB_OFFLINE=1), as in `vllm serve MODEL`; or give --model")
-    serve.add_argument("--model", default=None,
-                       help="the same as MODEL (default: MODEL; one of the two is required)")
-    serve.add_argument("--revision", default=None,
-                       help="hub revision (branch, tag or commit) of a repo id (default: main)")
-    serve.add_argument("--tokenizer", default=None,
-                       help="tokenizer folder or repo id (default: the model's)")
+    add_model_args(serve, ENGINE_MODEL)
     serve.add_argument("--device", type=_device, default="auto", metavar="auto|cpu|cuda|cuda:N",
                        help="where the model runs; auto takes the GPU when CuPy sees one, "
                        "cuda:N the N-th GPU CUDA_VISIBLE_DEVICES leaves visible (one engine per "
@@ -151,9 +123,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM command lines; it changes nothing: kvengine "
                        "never runs code from a model folder (it reads JSON and safetensors)")
-    serve.add_argument("--chat-template", type=chat_template_text, default=None,
-                       help="chat template file, or the template text itself, replacing the "
-                       "tokenizer's (default: the tokenizer folder's)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide when to call tools (tool_choice auto, the "
                        "default with tools); needs --tool-call-parser")

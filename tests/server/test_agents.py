@@ -210,7 +210,11 @@ def test_auto_tool_choice_needs_the_flags(tiny_model_dir: Path) -> None:
         body = {"messages": USER, "max_tokens": 200, "tools": TOOLS}
         reply = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 400 and "--enable-auto-tool-choice" in reply.text
+        # One call, seeded: with parallel calls allowed the random model may start a second
+        # call it has no tokens left to finish (finish_reason "length", no call claimed).
         forced = httpx.post(plain.url + "/v1/chat/completions", timeout=60,
-                            json={**body, "tool_choice": "required"}).json()
+                            json={**body, "tool_choice": "required", "seed": 3,
+                                  "parallel_tool_calls": False}).json()
+        assert forced["choices"][0]["finish_reason"] == "tool_calls", forced
         call = forced["choices"][0]["message"]["tool_calls"][0]["function"]
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
