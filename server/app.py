@@ -147,8 +147,9 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     async def health() -> Response:
         return health_response()
 
-    # vLLM's /ping (SageMaker's probe, GET): /health's answer.
-    @app.get("/ping", response_model=openapi.Health, responses=openapi.HEALTH_RESPONSES)
+    # vLLM's /ping (SageMaker's probe, GET and POST as vLLM takes it): /health's answer.
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=openapi.Health,
+                   responses=openapi.HEALTH_RESPONSES)
     async def ping() -> Response:
         return health_response()
 
