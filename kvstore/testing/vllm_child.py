@@ -5,8 +5,9 @@ Run as ``python vllm_child.py MODEL_DIR SOCKET|- EXTRA_CONFIG_JSON RESULT_FD [EN
 ("-": no connector; ENGINE_JSON: ``LLM`` arguments over the defaults below, and ``kv_role``).
 Writes ``READY`` to the file descriptor ``RESULT_FD`` once the engine is up, then one ``RESULT
 {json}`` line per request line ``{"prompt_token_ids": [...], "cache_salt": null, "max_tokens":
-4}`` (or ``"batch": [[...], ...]``, run together); vLLM's and the connector's logs go to stdout
-and stderr, never in between.
+4}`` (or ``"batch": [[...], ...]``, run together; or ``{"reset_prefix_cache": {"reset_connector":
+true}}``, answered ``RESULT {"reset": ...}``, ``LLM.reset_prefix_cache``'s answer); vLLM's and
+the connector's logs go to stdout and stderr, never in between.
 The guard matters: vLLM spawns, and a spawned child re-imports this file.
 """
 
@@ -84,6 +85,10 @@ def main() -> None:
         if not line.strip():
             continue
         req = json.loads(line)
+        if req.get("reset_prefix_cache") is not None:
+            reset = llm.reset_prefix_cache(**req["reset_prefix_cache"])
+            _emit(results, "RESULT " + json.dumps({"reset": reset}))
+            continue
         # One prompt, or a batch of them run together ("batch": [[ids...], ...]).
         batch = req["batch"] if req.get("batch") is not None else [req["prompt_token_ids"]]
         prompts = [{"prompt_token_ids": ids} for ids in batch]

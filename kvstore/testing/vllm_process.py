@@ -98,10 +98,18 @@ class VllmProcess:
         one's in ``outputs``, in order)."""
         if (prompt_token_ids is None) == (batch is None) or batch == []:
             raise ValueError("ask takes one prompt or a non-empty batch")
+        return self._request({"prompt_token_ids": prompt_token_ids, "batch": batch,
+                              "cache_salt": cache_salt, "max_tokens": max_tokens}, timeout_s)
+
+    def reset_prefix_cache(self, reset_connector: bool, timeout_s: float = 60.0) -> bool:
+        """``LLM.reset_prefix_cache(reset_connector=...)`` in the child (vLLM's
+        ``/reset_prefix_cache``); its answer."""
+        return self._request({"reset_prefix_cache": {"reset_connector": reset_connector}},
+                             timeout_s)["reset"]
+
+    def _request(self, request: dict, timeout_s: float) -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt_token_ids": prompt_token_ids,
-                                          "batch": batch, "cache_salt": cache_salt,
-                                          "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         try:
             result = self._results.get(timeout=timeout_s)
