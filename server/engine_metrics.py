@@ -19,6 +19,9 @@ from server.engine_protocol import ServedEngine, kv_store_state, offload_stats
 
 P = "kvengine:"  # series vLLM has no name for
 V = "vllm:"  # vLLM 0.32's names, where vLLM has one
+# vLLM's labels on every series: the served model, and the engine's index (one engine a server).
+LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"
 # The store's tiers as vLLM's cache-hit sources (vllm:prompt_tokens_cached_by_source): another
 # engine's HBM and another node are both another instance's cache (p2p).
 HIT_SOURCES = {"dram": "host", "ssd": "disk", "hbm": "p2p", "hbm_peer": "p2p", "remote": "p2p"}
@@ -42,7 +45,7 @@ class EngineCollector:
 
     def __init__(self, engine: ServedEngine, model_name: str) -> None:
         self._engine = engine
-        self._model = model_name
+        self._ids = [model_name, ENGINE_INDEX]  # the values of LABELS
         self.snapshot: Mapping[str, Any] = {}
         self.num_in_flight = 0
 
@@ -53,14 +56,14 @@ class EngineCollector:
     def _gauge(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
         """``name`` carries its prefix (``V`` or ``P``)."""
         if value is not None:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model], value)
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self._ids, value)
             yield family
 
     def _counter(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
         if value is not None:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model], value)
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self._ids, value)
             yield family
 
     def collect(self) -> Iterator[Metric]:
@@ -76,9 +79,9 @@ class EngineCollector:
                                           "Waiting requests by reason: capacity (room in the "
                                           "batch or the KV pool), deferred (their KV is being "
                                           "loaded from the store).",
-                                          labels=["model_name", "reason"])
-            by_reason.add_metric([self._model, "capacity"], waiting)
-            by_reason.add_metric([self._model, "deferred"], loading)
+                                          labels=[*LABELS, "reason"])
+            by_reason.add_metric([*self._ids, "capacity"], waiting)
+            by_reason.add_metric([*self._ids, "deferred"], loading)
             yield by_reason
         yield from self._gauge(P + "num_requests_in_flight", "Engine requests admitted by the "
                                "server.", float(self.num_in_flight))
@@ -120,9 +123,9 @@ class EngineCollector:
                                  sum(by_source.values()))
         family = CounterMetricFamily(V + "prompt_tokens_cached_by_source",
                                      "Cached prompt tokens by the cache that supplied them.",
-                                     labels=["model_name", "source"])
+                                     labels=[*LABELS, "source"])
         for source, value in by_source.items():
-            family.add_metric([self._model, source], value)
+            family.add_metric([*self._ids, source], value)
         yield family
 
     def _external(self, s: Mapping[str, Any]) -> Iterator[Metric]:
@@ -140,9 +143,9 @@ class EngineCollector:
                                  float(sum(_number(v) or 0.0 for v in restored.values())))
         by_tier = CounterMetricFamily(P + "external_prefix_cache_hits_by_tier",
                                       "Prompt tokens restored from the kvstore daemon, by tier.",
-                                      labels=["model_name", "tier"])
+                                      labels=[*LABELS, "tier"])
         for tier in sorted(set(STORE_TIERS) | set(restored)):
-            by_tier.add_metric([self._model, str(tier)], _number(restored.get(tier)) or 0.0)
+            by_tier.add_metric([*self._ids, str(tier)], _number(restored.get(tier)) or 0.0)
         yield by_tier
         connector = offload.get("connector")
         events = dict(connector) if isinstance(connector, Mapping) else {}
@@ -150,16 +153,16 @@ class EngineCollector:
         counts = CounterMetricFamily(P + "kv_offload_events",
                                      "The engine's --kv-offload event counts (lookups, loads, "
                                      "blocks_loaded, blocks_saved, errors_*...).",
-                                     labels=["model_name", "event"])
+                                     labels=[*LABELS, "event"])
         levels = GaugeMetricFamily(P + "kv_offload_in_flight",
                                    "The engine's --kv-offload work in progress now (num_loading, "
                                    "saves_in_flight, blocks_quarantined_now).",
-                                   labels=["model_name", "what"])
+                                   labels=[*LABELS, "what"])
         for key, value in sorted(events.items()):
             number = _number(value)
             if number is not None:
                 (levels if key in OFFLOAD_LEVELS else counts).add_metric(
-                    [self._model, key], number)
+                    [*self._ids, key], number)
         yield counts
         yield levels
         yield from self._restore_estimates(offload.get("restore_policy"))
@@ -178,7 +181,7 @@ class EngineCollector:
                                    "The restore policy's estimates: load bandwidth by tier "
                                    "(bytes/s), prefill tokens/s, step floor (s); last_declined_*: "
                                    "the last restore it declined (seconds, tokens).",
-                                   labels=["model_name", "what"])
+                                   labels=[*LABELS, "what"])
         values = {"prefill_tokens_per_s": policy.get("prefill_tokens_per_s"),
                   "step_floor_s": policy.get("step_floor_s")}
         bandwidth = policy.get("bandwidth_bytes_per_s")
@@ -190,7 +193,7 @@ class EngineCollector:
         for what, value in sorted(values.items()):
             number = _number(value)
             if number is not None:
-                family.add_metric([self._model, what], number)
+                family.add_metric([*self._ids, what], number)
         yield family
 
     def _configuration(self) -> Iterator[Metric]:

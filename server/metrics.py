@@ -16,7 +16,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from server.engine_metrics import EngineCollector
+from server.engine_metrics import ENGINE_INDEX, LABELS, EngineCollector
 from server.engine_protocol import EngineOutput, ServedEngine
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -40,7 +40,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, engine: ServedEngine | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
+        labels = list(LABELS)
         reg = self.registry
         self._requests = Counter(
             "vllm:request_success", "Engine requests finished, by finish reason.",
@@ -83,70 +83,70 @@ class ServerMetrics:
                 ("prefill", "First scheduled to the first token."),
                 ("decode", "First token to the last."),
                 ("inference", "First scheduled to the last token."))}
+        self._ids = (model_name, ENGINE_INDEX)  # the values of LABELS
         ProcessCollector(registry=reg)  # process_cpu_seconds_total, resident memory, open fds
         self.engine = EngineCollector(engine, model_name) if engine is not None else None
         if self.engine is not None:
             reg.register(self.engine)
-        self._model = model_name
         # Touch every labelled child so a scrape lists zeros before the first request.
         for reason in FINISH_REASONS:
-            self._requests.labels(model_name, reason)
-        self._rejected.labels(model_name, "overloaded")
+            self._requests.labels(*self._ids, reason)
+        self._rejected.labels(*self._ids, "overloaded")
         for family in (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl,
                        self._e2e, self._request_prompt_tokens, self._request_generation_tokens,
                        self._prefill_computed, self._iteration_tokens, *self._phases.values()):
-            family.labels(model_name)
+            family.labels(*self._ids)
 
     def request_admitted(self, num_prompt_tokens: int) -> None:
         """An engine request entered the engine with this many prompt tokens."""
-        self._prompt_tokens.labels(self._model).inc(num_prompt_tokens)
+        self._prompt_tokens.labels(*self._ids).inc(num_prompt_tokens)
 
     def request_rejected(self, reason: str) -> None:
         """An HTTP request was refused before the engine saw it (e.g. "overloaded")."""
-        self._rejected.labels(self._model, reason).inc()
+        self._rejected.labels(*self._ids, reason).inc()
 
     def first_token(self, ttft_s: float, num_cached_tokens: int, num_prompt_tokens: int,
                     cached_tokens_by_tier: Mapping[str, int]) -> None:
         """The first output of an engine request. The prefix-cache counters come from the
         engine's own stats (see EngineCollector); the cache arguments are kept for callers."""
-        self._ttft.labels(self._model).observe(ttft_s)
+        self._ttft.labels(*self._ids).observe(ttft_s)
 
     def tokens_generated(self, num_tokens: int, since_last_s: float | None) -> None:
         """`num_tokens` new tokens arrived `since_last_s` after the previous ones (None: first)."""
         if num_tokens <= 0:
             return
-        self._generation_tokens.labels(self._model).inc(num_tokens)
+        self._generation_tokens.labels(*self._ids).inc(num_tokens)
         if since_last_s is not None:
             per_token = since_last_s / num_tokens
             for _ in range(num_tokens):
-                self._itl.labels(self._model).observe(per_token)
+                self._itl.labels(*self._ids).observe(per_token)
 
     def request_finished(self, finish_reason: str, e2e_s: float) -> None:
         """An engine request ended (including aborts by disconnect)."""
-        self._requests.labels(self._model, finish_reason).inc()
-        self._e2e.labels(self._model).observe(e2e_s)
+        self._requests.labels(*self._ids, finish_reason).inc()
+        self._e2e.labels(*self._ids).observe(e2e_s)
 
     def request_done(self, out: EngineOutput) -> None:
         """An engine request's last output: its token counts and where its time went."""
-        model = self._model
-        self._request_prompt_tokens.labels(model).observe(len(out.prompt_token_ids))
-        self._request_generation_tokens.labels(model).observe(len(out.token_ids))
+        ids = self._ids
+        self._request_prompt_tokens.labels(*ids).observe(len(out.prompt_token_ids))
+        self._request_generation_tokens.labels(*ids).observe(len(out.token_ids))
         if out.first_token_time is not None:  # its prefill ran: what it computed of the prompt
             computed = len(out.prompt_token_ids) - int(out.num_cached_tokens or 0)
-            self._prefill_computed.labels(model).observe(max(0, computed))
+            self._prefill_computed.labels(*ids).observe(max(0, computed))
         scheduled, first, end = out.first_scheduled_time, out.first_token_time, out.output_time
         if scheduled is None:
             return  # aborted while queued: it has no phases
-        self._phases["queue"].labels(model).observe(max(0.0, scheduled - out.arrival_time))
-        self._phases["inference"].labels(model).observe(max(0.0, end - scheduled))
+        self._phases["queue"].labels(*ids).observe(max(0.0, scheduled - out.arrival_time))
+        self._phases["inference"].labels(*ids).observe(max(0.0, end - scheduled))
         if first is not None:
-            self._phases["prefill"].labels(model).observe(max(0.0, first - scheduled))
-            self._phases["decode"].labels(model).observe(max(0.0, end - first))
+            self._phases["prefill"].labels(*ids).observe(max(0.0, first - scheduled))
+            self._phases["decode"].labels(*ids).observe(max(0.0, end - first))
 
     def step_done(self, num_tokens: int) -> None:
         """One engine step computed ``num_tokens`` tokens (from the step thread)."""
         if num_tokens > 0:
-            self._iteration_tokens.labels(self._model).observe(num_tokens)
+            self._iteration_tokens.labels(*self._ids).observe(num_tokens)
 
     def update_engine(self, snapshot: Mapping[str, Any], num_in_flight: int) -> None:
         """Hand the latest engine stats snapshot to the engine collector (read at scrape)."""

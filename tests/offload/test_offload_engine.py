@@ -270,16 +270,17 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     text = metrics.render().decode()
     close_llm(llm)
     # Counts are counters; levels (loads in flight, saves in flight) are a separate gauge.
-    assert ('kvengine:kv_offload_events_total{event="blocks_saved",model_name="tiny"} 4.0'
-            in text)
+    assert ('kvengine:kv_offload_events_total{engine="0",event="blocks_saved",'
+            'model_name="tiny"} 4.0' in text)
     assert 'event="connects"' in text
     assert '# TYPE kvengine:kv_offload_events_total counter' in text
-    assert 'kvengine:kv_offload_in_flight{model_name="tiny",what="saves_in_flight"}' in text
+    assert ('kvengine:kv_offload_in_flight{engine="0",model_name="tiny",'
+            'what="saves_in_flight"}' in text)
     assert 'event="saves_in_flight"' not in text
     # The store's tiers are the external prefix cache, as vLLM names a connector's hits.
-    assert 'vllm:external_prefix_cache_queries_total{model_name="tiny"}' in text
-    assert ('kvengine:external_prefix_cache_hits_by_tier_total{model_name="tiny",tier="dram"}'
-            in text)
+    assert 'vllm:external_prefix_cache_queries_total{engine="0",model_name="tiny"}' in text
+    assert ('kvengine:external_prefix_cache_hits_by_tier_total{engine="0",model_name="tiny",'
+            'tier="dram"}' in text)
     # The restore policy's estimates (why a restore would lose), as gauges.
     assert '# TYPE kvengine:kv_offload_restore_estimate gauge' in text
     assert 'what="prefill_tokens_per_s"' in text and 'what="bandwidth_dram_bytes_per_s"' in text

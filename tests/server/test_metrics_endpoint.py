@@ -67,7 +67,9 @@ def test_metrics_count_what_was_served(http: httpx.Client) -> None:
     assert delta("vllm:prefix_cache_queries_total") == 140
     # vLLM's label sets: hits and queries carry the same labels, so hits / queries is a rate.
     assert delta("vllm:prefix_cache_hits_total") >= 48
-    assert 'vllm:prefix_cache_hits_total{model_name=' in after and 'tier=' not in "".join(
+    # ... and vLLM's two labels on every series: the model and the engine's index.
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name=' in after
+    assert 'tier=' not in "".join(
         line for line in after.splitlines() if line.startswith("vllm:prefix_cache_hits"))
     assert delta("vllm:request_queue_time_seconds_count") == 2
     assert delta("vllm:request_prefill_time_seconds_count") == 2
