@@ -1,8 +1,11 @@
 """The service's side of the cluster: advertising stored blocks, fetching missed ones from peers.
 
 Without ``--cluster`` there is no node and every method here is a no-op (or says no). With one,
-blocks that save/put commit are advertised, and a lookup or get that falls short locally asks
-the peers for the rest: what arrives is stored here and leased like any local block.
+blocks that save/put commit and blocks engines publish as resident in their arenas (the HBM
+tier) are advertised, and a lookup or get that falls short locally asks the peers for the rest:
+what arrives is stored here and leased like any local block. A peer asking for blocks only an
+arena holds gets them staged into the store first (``HbmTier.stage``). A block is withdrawn once
+it left the node: the store dropped it and no arena holds it, or the other way round.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.daemon.calls import CallContext
 from kvstore.daemon.counters import DaemonCounters
+from kvstore.engines.hbm.tier import HbmTier
 from kvstore.store.block_store import BlockStore, LookupResult
 
 if TYPE_CHECKING:  # imported only with --cluster: it pulls in redis and ucxx
@@ -25,17 +29,37 @@ REMOTE_EVENTS = ("lookups_remote", "blocks_hit_remote", "blocks_miss_remote")
 class ClusterLink:
     """The cluster node this daemon shares its store through, if any."""
 
-    def __init__(self, store: BlockStore, counters: DaemonCounters) -> None:
+    def __init__(self, store: BlockStore, hbm: HbmTier, counters: DaemonCounters) -> None:
         self._store = store
+        self._hbm = hbm
         self._counters = counters
         self.node: ClusterNode | None = None
 
     def attach(self, node: ClusterNode) -> None:
-        """Share the store through ``node``: withdraw what the store drops for good."""
+        """Share the store and the engines' arenas through ``node``: serve peers what either
+        holds, withdraw what leaves both."""
         self._counters.declare(REMOTE_EVENTS)
-        if hasattr(self._store, "on_dropped"):  # TieredStore: blocks that left every tier
-            self._store.on_dropped = node.on_evicted
         self.node = node
+        if hasattr(self._store, "on_dropped"):  # TieredStore: blocks that left every tier
+            self._store.on_dropped = self._left_store
+        self._hbm.report_left_to(self._left_arenas)
+        node.server.extend_with(self._hbm.stage)
+
+    def _left_store(self, namespace: bytes, block_hashes: list[bytes]) -> None:
+        """The store dropped these for good: withdraw those no engine's arena holds."""
+        in_arenas = self._hbm.index.holding(namespace, block_hashes)
+        self._withdraw(namespace, [h for h, held in zip(block_hashes, in_arenas) if not held])
+
+    def _left_arenas(self, namespace: bytes, block_hashes: list[bytes]) -> None:
+        """No engine's arena holds these any more: withdraw those the store does not hold."""
+        in_arenas = self._hbm.index.holding(namespace, block_hashes)
+        in_store = self._store.holding(namespace, block_hashes)
+        self._withdraw(namespace, [h for h, a, s in zip(block_hashes, in_arenas, in_store)
+                                   if not a and not s])
+
+    def _withdraw(self, namespace: bytes, block_hashes: list[bytes]) -> None:
+        if self.node is not None and block_hashes:
+            self.node.on_evicted(namespace, block_hashes)
 
     def on_stored(self, namespace: bytes, block_hashes: list[bytes]) -> None:
         """Advertise blocks this daemon now holds."""

@@ -117,7 +117,8 @@ class EngineVerbs:
             raise ServiceError("bad_request", "resident: the registration shares no block "
                                               "generations (layout.generations)")
         reg.check_block_ids(args["block_ids"])
-        num_indexed = self._hbm.publish(reg, args["namespace"], args["block_ids"],
-                                        args["hashes"], args["idents"], args["generations"])
+        indexed = self._hbm.publish(reg, args["namespace"], args["block_ids"], args["hashes"],
+                                    args["idents"], args["generations"])
+        self._cluster.on_stored(args["namespace"], indexed)  # peers may fetch them (staged)
         self._counters.add(blocks_published_resident=len(args["block_ids"]))
-        return {"num_indexed": num_indexed}
+        return {"num_indexed": len(indexed)}

@@ -56,7 +56,7 @@ class Service:
         self.counters = DaemonCounters()
         self.latency = RequestLatency()
         self.leases = LeaseTable(store.release)
-        self._cluster = ClusterLink(store, self.counters)
+        self._cluster = ClusterLink(store, self.hbm, self.counters)
         blocks = BlockVerbs(store, self.hbm, self.leases, self._cluster, default_lease_ttl_s,
                             debug_hash_bits)
         engines = EngineVerbs(store, self.registry, self.hbm, self.leases, self._cluster,

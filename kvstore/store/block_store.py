@@ -138,6 +138,11 @@ class BlockStore(ABC):
         """
 
     @abstractmethod
+    def holding(self, namespace: bytes, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether a tier holds a block under it (being written counts; any ident):
+        nothing pinned, touched or counted. For deciding whether a block left this node."""
+
+    @abstractmethod
     def remove(self, namespace: bytes, block_hash: bytes) -> bool:
         """Drop a block from every tier unless pinned; True if something was dropped."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvstore.store.block_store import BlockStore, Lease, LookupResult, Tier, WriteSlot
 from kvstore.store.config import StoreConfig
@@ -129,6 +129,11 @@ class TieredStore(BlockStore):
             if self._drops.pending:  # room was made by evicting blocks
                 self._drops.report()
 
+    def holding(self, namespace: bytes, block_hashes: Sequence[bytes]) -> list[bool]:
+        keys = [self._keys.key(namespace, h) for h in block_hashes]
+        held = set(self._still_held(keys))
+        return [k in held for k in keys]
+
     def remove(self, namespace: bytes, block_hash: bytes) -> bool:
         key = self._keys.key(namespace, block_hash)
         with self._guard.cond:
@@ -237,6 +242,11 @@ class TieredStore(BlockStore):
 
     def _still_gone(self, keys: set[bytes]) -> list[bytes]:
         """The keys of ``keys`` no tier holds now (takes the store's lock)."""
+        held = set(self._still_held(keys))
+        return [k for k in keys if k not in held]
+
+    def _still_held(self, keys: Iterable[bytes]) -> list[bytes]:
+        """The keys of ``keys`` a tier holds now, being written included (takes the lock)."""
         with self._guard.cond:
-            return [k for k in keys if k not in self._dram
-                    and (self._ssd is None or self._ssd.lookup(k) is None)]
+            return [k for k in keys if k in self._dram
+                    or (self._ssd is not None and self._ssd.lookup(k) is not None)]

@@ -2,8 +2,10 @@
 
 Each request is answered from the local store: a lookup with the client's idents (a hit is
 verified at the owner), under a lease held until the payloads are sent, then a header and the
-payloads of the verified prefix, read from DRAM without a copy. Store calls run on worker threads
-so the shared UCX loop never waits on a lock or a disk.
+payloads of the verified prefix, read from DRAM without a copy. Where the store's prefix falls
+short, a ``stage`` callable (the daemon's HBM tier: blocks only an engine's arena holds) may put
+the next blocks into the store first. Store calls run on worker threads so the shared UCX loop
+never waits on a lock or a disk.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.cluster.peers.transport import (
@@ -35,6 +39,9 @@ from kvstore.store.block_store import BlockStore, BlockUnavailable, StoreError
 log = logging.getLogger(__name__)
 
 _LEASE_SLACK_S = 1.0
+# (namespace, hashes, idents, start, deadline) -> how many blocks from ``start`` the store
+# holds now: see HbmTier.stage.
+Stage = Callable[[bytes, Sequence[bytes], Sequence[bytes], int, float], int]
 
 
 class PeerServer:
@@ -58,6 +65,12 @@ class PeerServer:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._closed = False
+        self._stage: Stage | None = None
+
+    def extend_with(self, stage: Stage) -> None:
+        """Where the store's prefix of a request falls short, ask ``stage`` to store the next
+        blocks (from engines' arenas) before answering."""
+        self._stage = stage
 
     def start(self) -> int:
         """Listen; returns the bound port."""
@@ -167,9 +180,12 @@ class PeerServer:
 
     def _read_blocks(self, ns: bytes, hashes: list[bytes], idents: list[bytes], timeout_s: float):
         """On a worker thread: the verified prefix, its DRAM views and their header entries."""
+        deadline = time.monotonic() + timeout_s / 2  # half for staging, the rest to send
         try:
             result = self.store.lookup(ns, hashes, idents, lease_ttl_s=timeout_s + _LEASE_SLACK_S,
                                        owner="peer")
+            if result.num_hit < len(hashes) and self._stage is not None:
+                result = self._staged(ns, hashes, idents, result, deadline, timeout_s)
         except StoreError as exc:
             log.warning("peer fetch: store lookup failed: %s", exc)
             return None, [], []
@@ -185,6 +201,26 @@ class PeerServer:
             views.append(view)
             entries.append([hashes[i], idents[i], view.nbytes, checksum(view)])
         return result.lease, views, entries
+
+    def _staged(self, ns: bytes, hashes: list[bytes], idents: list[bytes], local, deadline: float,
+                timeout_s: float):
+        """``local``, or a longer hit once ``stage`` stored blocks past it (``local``'s lease
+        pins its prefix until the new lookup's does)."""
+        assert self._stage is not None
+        try:
+            num_staged = self._stage(ns, hashes, idents, local.num_hit, deadline)
+        except Exception:  # staging never fails the answer: it just stays the store's prefix
+            log.exception("peer fetch: staging from engines' arenas failed")
+            return local
+        if not num_staged:
+            return local
+        self._count("blocks_staged", num_staged)
+        try:
+            return self.store.lookup(ns, hashes, idents, lease_ttl_s=timeout_s + _LEASE_SLACK_S,
+                                     owner="peer")
+        finally:
+            if local.lease is not None:
+                local.lease.release()
 
     async def _send_answer(self, ep, header: dict, views: list[memoryview]) -> None:
         await send_frame(ep, TAG_RESP_LEN, TAG_RESP, header)

@@ -12,12 +12,15 @@ entries than the registered engines have blocks.
 
 Thread-safe: lookups and publications run on the daemon's event loop, copies and disconnects on
 worker threads.
+
+With ``track_left`` on (a cluster advertises what the node holds), each hash whose last entry
+went is noted, for ``drain_left`` to hand to whoever withdraws it from the cluster's index.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -56,15 +59,18 @@ class HbmIndex:
         self._by_hash: dict[bytes, dict[bytes, list[HbmEntry]]] = {}  # namespace -> hash -> ...
         self._by_reg: dict[int, dict[int, HbmEntry]] = {}  # registration id -> block id -> ...
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self.track_left = False
+        self._left: deque[tuple[bytes, bytes]] = deque()  # (namespace, hash): no entry left
 
     def publish(self, reg: Registration, namespace: bytes, block_ids: Sequence[int],
                 hashes: Sequence[bytes], idents: Sequence[bytes],
-                generations: Sequence[int]) -> int:
-        """Index blocks of ``reg`` (ids already checked); returns how many were current."""
-        num_indexed = 0
+                generations: Sequence[int]) -> list[bytes]:
+        """Index blocks of ``reg`` (ids already checked); returns the hashes of those that were
+        current (indexed)."""
+        indexed: list[bytes] = []
         with self._lock:
             if reg.closed:
-                return 0
+                return indexed
             blocks = self._by_reg.setdefault(reg.registration_id, {})
             table = self._by_hash.setdefault(namespace, {})
             for block_id, block_hash, ident, gen in zip(block_ids, hashes, idents, generations):
@@ -77,13 +83,13 @@ class HbmIndex:
                 entry = HbmEntry(reg, block_id, gen, namespace, block_hash, ident)
                 blocks[block_id] = entry
                 table.setdefault(block_hash, []).append(entry)
-                num_indexed += 1
+                indexed.append(block_hash)
             if not table:
                 del self._by_hash[namespace]
             if not blocks:
                 del self._by_reg[reg.registration_id]
-            self.counters["published"] += num_indexed
-        return num_indexed
+            self.counters["published"] += len(indexed)
+        return indexed
 
     def withdraw(self, regs: Sequence[Registration], namespace: bytes,
                  hashes: Sequence[bytes]) -> int:
@@ -124,6 +130,24 @@ class HbmIndex:
     def holds(self, namespace: bytes) -> bool:
         """Any entry in ``namespace`` (a hint: read without the lock)."""
         return bool(self._by_hash.get(namespace))
+
+    def holding(self, namespace: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether any registration has an entry for it (current or not)."""
+        with self._lock:
+            table = self._by_hash.get(namespace) or {}
+            return [bool(table.get(h)) for h in hashes]
+
+    def drain_left(self) -> dict[bytes, list[bytes]]:
+        """The hashes noted (``track_left``) since the last call as having lost their last
+        entry, by namespace; some may have come back since (ask ``holding``)."""
+        left: dict[bytes, list[bytes]] = {}
+        while self._left:
+            try:
+                namespace, block_hash = self._left.popleft()
+            except IndexError:  # another thread drained it meanwhile
+                break
+            left.setdefault(namespace, []).append(block_hash)
+        return left
 
     def find(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
              usable: Callable[[Registration], bool]) -> list[HbmEntry | None] | None:
@@ -243,5 +267,7 @@ class HbmIndex:
             return
         if not entries:
             del table[entry.block_hash]
+            if self.track_left:
+                self._left.append((entry.namespace, entry.block_hash))
             if not table:
                 del self._by_hash[entry.namespace]

@@ -11,19 +11,29 @@ Eligible sources for a requester (its connection's registrations): another conne
 registration that publishes generations, with the same block pieces, on the host for a host
 requester, on the same or a peer-accessible device for a CUDA one. Without any usable entry the
 lookup returns None and the caller's plain store path runs, untouched.
+
+For a peer node (``stage``): blocks only an engine's arena holds are copied into the store, each
+into a slot that is committed only if the block's generation is still the published one after
+the copy (the same check as an HBM copy), so the peer server serves them from DRAM. Hashes that
+left the index are told to ``on_left`` (the cluster withdraws what the node no longer holds).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.engines.hbm import copy as hbm_copy
 from kvstore.engines.hbm.index import HbmEntry, HbmIndex
+from kvstore.engines.registration import RegistrationClosed
 from kvstore.engines.registry import Registration, Registry
-from kvstore.store.block_store import BlockStore, Lease, Tier
+from kvstore.store.block_store import BlockStore, Lease, StoreError, Tier
+
+log = logging.getLogger(__name__)
 
 # Counted outcomes, present from the start: hits and misses are blocks of lookups that found
 # HBM candidates (a miss: a block of such a lookup the HBM tier did not serve); copies are
@@ -34,8 +44,13 @@ _FAILURES = {hbm_copy.GENERATION: "generation_failures", hbm_copy.CLOSED: "owner
 # Which path each copied block took: shared memory to shared memory (CPU engines), between two
 # engines on one GPU, or device to device between two GPUs (NVLink / PCIe peer access).
 _PATHS = ("blocks_copied_host", "blocks_copied_same_gpu", "blocks_copied_peer_gpu")
+# Staging for peers: calls, blocks committed to the store, and why a stage stopped short.
+_STAGES = ("stages", "blocks_staged", "stage_generation_failures", "stage_owner_closed_failures",
+           "stage_store_refusals", "stage_copy_errors")
 COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_PATHS,
-            *_FAILURES.values())
+            *_FAILURES.values(), *_STAGES)
+_STAGED, _STORED = "staged", "stored"
+LeftHook = Callable[[bytes, list[bytes]], None]
 
 
 def _path(src: Registration, dst: Registration) -> str:
@@ -66,21 +81,49 @@ class HbmTier:
         self.store = store
         self.registry = registry
         self.index = HbmIndex()
-        registry.on_close = self.index.drop_registration
+        registry.on_close = self._registration_closed
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._on_left: LeftHook | None = None
+
+    def report_left_to(self, hook: LeftHook) -> None:
+        """From now on, tell ``hook(namespace, hashes)`` (outside every lock) of hashes whose
+        last entry left the index; they may be back already, or held by the store."""
+        self._on_left = hook
+        self.index.track_left = True
+
+    def _report_left(self) -> None:
+        hook = self._on_left
+        if hook is None:
+            return
+        for namespace, hashes in self.index.drain_left().items():
+            try:
+                hook(namespace, hashes)
+            except Exception:  # a listener's failure never fails the caller
+                log.exception("on_left hook failed")
+
+    def _registration_closed(self, reg: Registration) -> None:
+        self.index.drop_registration(reg)
+        self._report_left()
 
     # -- publications -----------------------------------------------------------------------
 
     def publish(self, reg: Registration, namespace: bytes, block_ids: Sequence[int],
                 hashes: Sequence[bytes], idents: Sequence[bytes],
-                generations: Sequence[int]) -> int:
-        """Index ``reg``'s resident blocks (ids checked by the caller); returns how many."""
-        return self.index.publish(reg, namespace, block_ids, hashes, idents, generations)
+                generations: Sequence[int]) -> list[bytes]:
+        """Index ``reg``'s resident blocks (ids checked by the caller); returns the hashes
+        indexed (the blocks still current)."""
+        try:
+            return self.index.publish(reg, namespace, block_ids, hashes, idents, generations)
+        finally:
+            self._report_left()  # a block id republished under another hash
 
     def withdraw(self, regs: Sequence[Registration], namespace: bytes,
                  hashes: Sequence[bytes]) -> int:
-        return self.index.withdraw(regs, namespace, hashes)
+        try:
+            return self.index.withdraw(regs, namespace, hashes)
+        finally:
+            self._report_left()
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -99,6 +142,7 @@ class HbmTier:
                     and any(hbm_copy.compatible(src, dst) for dst in targets))
 
         found = self.index.find(namespace, hashes, idents, usable)
+        self._report_left()  # stale entries find dropped
         if found is None:
             return None
         rest = [i for i, entry in enumerate(found) if entry is None]
@@ -160,6 +204,7 @@ class HbmTier:
                 got = out.num_copied
                 if out.stale is not None:
                     self.index.discard(out.stale)
+                    self._report_left()
                 with self._lock:
                     self.counters["copies"] += 1
                     self.counters["blocks_copied"] += got
@@ -174,6 +219,85 @@ class HbmTier:
                 break
             i = j
         return num_loaded
+
+    # -- staging for peers -------------------------------------------------------------------
+
+    def stage(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+              start: int, deadline: float,
+              after_copy: Callable[[int], None] | None = None) -> int:
+        """Copy blocks ``start, start + 1, ...`` of the chain that an engine's arena holds (any
+        registration's current, verified entry) into the store, in order, until the first one
+        no arena holds, whose copy fails its generation check, or the store refuses, or
+        ``deadline`` (monotonic) passes. Returns how many of them the store holds now (staged
+        here, or stored meanwhile by someone else). For a peer's fetch: it then reads the store.
+        ``after_copy(i)`` (tests) runs once block ``start + i``'s bytes are in its store slot,
+        before its generation is checked again.
+        """
+        if start >= len(hashes) or not self.index.holds(namespace):
+            return 0
+
+        def usable(src: Registration) -> bool:
+            return src.has_generations and not src.closed
+
+        found = self.index.find(namespace, hashes[start:], idents[start:], usable)
+        self._report_left()
+        if found is None:
+            return 0
+        outcomes: Counter[str] = Counter()
+        for i, entry in enumerate(found):
+            if entry is None or time.monotonic() >= deadline:
+                break
+            outcome = self._stage_one(entry, namespace, hashes[start + i], idents[start + i],
+                                      None if after_copy is None else lambda i=i: after_copy(i))
+            outcomes[outcome] += 1
+            if outcome not in (_STAGED, _STORED):
+                break
+        if outcomes["stage_generation_failures"]:
+            self._report_left()  # the stale entry was dropped
+        with self._lock:
+            self.counters["stages"] += 1
+            self.counters["blocks_staged"] += outcomes[_STAGED]
+            for outcome, n in outcomes.items():
+                if outcome not in (_STAGED, _STORED):
+                    self.counters[outcome] += n
+        return outcomes[_STAGED] + outcomes[_STORED]
+
+    def _stage_one(self, entry: HbmEntry, namespace: bytes, block_hash: bytes, ident: bytes,
+                   after_copy: Callable[[], None] | None) -> str:
+        """One block into the store: ``_STAGED``, ``_STORED`` (it was there already), or the
+        counter of why not."""
+        reg = entry.reg
+        try:
+            slot = self.store.begin_write(namespace, block_hash, ident, reg.block_bytes)
+        except StoreError:
+            return "stage_store_refusals"
+        if slot is None:
+            return _STORED  # a save landed meanwhile
+        current = False
+        failure = "stage_copy_errors"
+        try:
+            with reg.open_for_copy():
+                reg.read_block(entry.block_id, slot.buffer[:reg.block_bytes])
+            if after_copy is not None:
+                after_copy()
+            # Seqlock: the generation was the published one when ``find`` picked the entry;
+            # unchanged after the copy, nothing can have rewritten the block meanwhile.
+            current = entry.current()
+            failure = "stage_generation_failures"
+        except RegistrationClosed:
+            failure = "stage_owner_closed_failures"
+        except Exception:
+            log.exception("staging block %d of registration %d failed", entry.block_id,
+                          reg.registration_id)
+        finally:
+            if not current:
+                slot.abort()
+        if not current:
+            if failure == "stage_generation_failures":
+                self.index.discard(entry)
+            return failure
+        # False only if an equal block was committed meanwhile: stored either way.
+        return _STAGED if slot.commit() else _STORED
 
     def stats(self) -> dict:
         """``tiers.hbm`` of the daemon's stats: resident blocks indexed, hits and misses, and

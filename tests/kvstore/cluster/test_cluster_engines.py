@@ -3,7 +3,9 @@
 A's store over UCX (usage tier "remote"), the same greedy answer, counted by B's daemon, with the
 UCX transport B reached A by in its stats and its log; a second turn that extends the prompt on A
 comes to B as B's own HBM hit plus the new blocks from A. With A's daemon killed, B recomputes:
-the same answer, a counted remote error, no failed request."""
+the same answer, a counted remote error, no failed request. Blocks only A's engine holds (saved
+on eviction, not yet evicted) reach B too: A's daemon stages them from the arena into its store
+for B's fetch, and withdraws them from the index once they leave the node."""
 
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ SECOND_TURN = PROMPT + rng.integers(10, 1000, 66).tolist()  # 14 full blocks
 OTHER_PROMPT = rng.integers(10, 1000, BLOCK_SIZE * 6 + 3).tolist()  # 6 full blocks
 
 
-def _engine(model_dir, daemon: RunningDaemon) -> KvengineProcess:
+def _engine(model_dir, daemon: RunningDaemon, *flags: str) -> KvengineProcess:
     return KvengineProcess("--model", str(model_dir), "--num-kv-blocks", "128", "--kv-offload",
-                           "--kv-store-socket", str(daemon.socket_path))
+                           "--kv-store-socket", str(daemon.socket_path), *flags)
 
 
 def _complete(engine: KvengineProcess, prompt: list[int]) -> tuple[str, dict[str, int]]:
@@ -56,9 +58,13 @@ def start_engines(tiny_model_dir):
     teardown (those that did start, if another failed)."""
     started: list[KvengineProcess] = []
 
-    def start(*daemons: RunningDaemon) -> list[KvengineProcess]:
+    def start(*daemons: RunningDaemon, flags: tuple[tuple[str, ...], ...] = ()
+              ) -> list[KvengineProcess]:
+        """``flags[i]``: more flags for the engine of ``daemons[i]``."""
+        flags = flags or ((),) * len(daemons)
         with ThreadPoolExecutor(len(daemons)) as pool:
-            futures = [pool.submit(_engine, tiny_model_dir, d) for d in daemons]
+            futures = [pool.submit(_engine, tiny_model_dir, d, *f)
+                       for d, f in zip(daemons, flags, strict=True)]
         started.extend(f.result() for f in futures if f.exception() is None)
         return [f.result() for f in futures]
 
@@ -116,3 +122,37 @@ def test_a_turn_on_node_b_is_served_from_node_a_over_ucx(start_nodes, start_engi
     assert daemon_stats(b)["tiers"]["remote"]["misses"] >= 6
     assert _complete(engine_b, PROMPT)[1]["hbm"] == 10 * BLOCK_SIZE  # B serves on
     assert not [line for line in engine_b.lines if "Traceback" in line or " ERROR " in line]
+
+
+
+def _published(daemon: RunningDaemon) -> int:
+    """Blocks the daemon advertises in Redis now."""
+    return daemon_stats(daemon)["cluster"]["index"]["published_blocks"]
+
+
+def test_blocks_only_in_node_as_engine_reach_node_b(start_nodes, start_engines):
+    # A's store holds 16 blocks of the tiny model (8 KiB each); its engine's arena 128.
+    (a,) = start_nodes("a", flags=("--dram", "128KiB"))
+    (b,) = start_nodes("b")
+    engine_a, engine_b = start_engines(a, b)
+    answer, _ = _complete(engine_a, PROMPT)
+    for seed in (1, 2):  # 20 more blocks: the prompt's leave A's store, not A's arena
+        _complete(engine_a, np.random.default_rng(seed).integers(10, 1000, 165).tolist())
+    assert wait_until(lambda: index_caught_up(a, 30), 20.0)
+    stats_a = daemon_stats(a)
+    assert stats_a["tiers"]["dram"]["blocks"] <= 16 and stats_a["tiers"]["hbm"]["blocks"] >= 30
+    assert _published(a) == 30  # the dropped blocks stay advertised: the arena holds them
+
+    text, tiers = _complete(engine_b, PROMPT)
+    assert text == answer
+    assert tiers["remote"] == 10 * BLOCK_SIZE, tiers
+    stats_a = daemon_stats(a)
+    assert stats_a["tiers"]["hbm"]["counters"]["blocks_staged"] == 10
+    assert stats_a["cluster"]["server"]["blocks_staged"] == 10
+    assert daemon_stats(b)["cluster"]["remote_hit_blocks"] == 10
+
+    # A's engine goes: what only its arena held is withdrawn, what A's store holds stays.
+    engine_a.stop(signal.SIGTERM)
+    assert wait_until(lambda: daemon_stats(a)["tiers"]["hbm"]["blocks"] == 0, 20.0)
+    assert wait_until(lambda: index_caught_up(a, 0)
+                      and _published(a) == daemon_stats(a)["tiers"]["dram"]["blocks"], 20.0)

@@ -2,11 +2,14 @@
 
 The daemon's copy path is driven directly (a real store, registry and shared-memory arenas) so
 the owner's reallocation can land exactly between a block's copy and its second generation
-check: that block must fail and the count stop before it, whatever bytes it copied.
+check: that block must fail and the count stop before it, whatever bytes it copied. The same
+holds where blocks are staged from an arena into the store for a peer node: a block whose
+generation moved is never committed.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -50,7 +53,7 @@ def _setup(parts, num_blocks: int):
     chain = make_chain("hbm-seqlock", num_blocks, seed=12)
     ids = list(range(num_blocks))
     assert tier.publish(owner, chain.namespace, ids, chain.hashes, chain.idents,
-                        owner_arena.allocate(ids)) == num_blocks
+                        owner_arena.allocate(ids)) == chain.hashes
     hit = tier.lookup(chain.namespace, chain.hashes, chain.idents, "conn-reader", 30.0)
     assert hit is not None and hit.num_hit == num_blocks and hit.lease is None
     return owner, reader, owner_arena, reader_arena, chain, hit
@@ -105,3 +108,50 @@ def test_a_stopped_copy_counts_only_what_it_finished(parts) -> None:
         num = tier.load(hit, reader, [0, 1, 2, 3], _no_store, lambda: next(calls, True))
     assert num == 2
     assert tier.stats()["counters"]["copies_stopped"] == 1
+
+
+def _stage(tier: HbmTier, chain, start: int = 0, after_copy=None) -> int:
+    return tier.stage(chain.namespace, chain.hashes, chain.idents, start,
+                      time.monotonic() + 10.0, after_copy)
+
+
+def test_staging_stores_the_arenas_blocks_byte_exact(parts) -> None:
+    store, _, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 6)
+    assert _stage(tier, chain, start=2) == 4
+    got = [store.get(chain.namespace, h, i) for h, i in zip(chain.hashes, chain.idents)]
+    assert got[:2] == [None, None]
+    assert got[2:] == [owner_arena.block(b) for b in range(2, 6)]
+    assert _stage(tier, chain) == 6  # the last four are stored already: staged once
+    counters = tier.stats()["counters"]
+    assert counters["blocks_staged"] == 6 and counters["stages"] == 2
+    store.check_integrity()
+
+
+def test_reallocation_during_staging_commits_nothing_of_that_block(parts) -> None:
+    store, _, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 5)
+    left: list[bytes] = []
+    tier.report_left_to(lambda namespace, hashes: left.extend(hashes))
+
+    def owner_reallocates(i: int) -> None:
+        if i == 2:  # block 2's bytes are in the store's slot; the owner reallocates it now
+            owner_arena.allocate([2])
+
+    assert _stage(tier, chain, after_copy=owner_reallocates) == 2
+    held = store.holding(chain.namespace, chain.hashes)
+    assert held == [True, True, False, False, False]
+    assert tier.stats()["counters"]["stage_generation_failures"] == 1
+    assert left == [chain.hashes[2]]  # its entry was dropped: the cluster may withdraw it
+    store.check_integrity()
+
+
+def test_staging_from_a_closed_owner_stores_nothing(parts) -> None:
+    store, registry, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 3)
+    left: list[bytes] = []
+    tier.report_left_to(lambda namespace, hashes: left.extend(hashes))
+    registry.drop_owner("conn-owner")
+    assert sorted(left) == sorted(chain.hashes)
+    assert _stage(tier, chain) == 0
+    assert store.holding(chain.namespace, chain.hashes) == [False] * 3
