@@ -141,16 +141,20 @@ class ClusterIndex:
     def _enqueue(self, namespace: bytes, block_hashes: Sequence[bytes], held: bool) -> None:
         _check_key(namespace, block_hashes)
         event = (PUBLISH if held else UNPUBLISH, self._entry)
+        num_events = 0
         with self._lock:
             for h in block_hashes:
                 key = namespace + h
                 if held:
+                    if key in self._held:  # advertised already (a save and a resident block)
+                        continue
                     self._held.add(key)
                 else:
                     self._held.discard(key)
                 self._pending.pop(key, None)
                 self._pending[key] = event
-            self._counters["published" if held else "unpublished"] += len(block_hashes)
+                num_events += 1
+            self._counters["published" if held else "unpublished"] += num_events
             self._after_enqueue_locked()
 
     def _after_enqueue_locked(self) -> None:
