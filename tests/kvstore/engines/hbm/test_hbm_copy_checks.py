@@ -115,6 +115,13 @@ def _stage(tier: HbmTier, chain, start: int = 0, after_copy=None) -> int:
                       time.monotonic() + 10.0, after_copy)
 
 
+def _hashes_left(tier: HbmTier) -> list[bytes]:
+    """The hashes ``tier`` reports as gone from its index from now on, as they come."""
+    left: list[bytes] = []
+    tier.report_left_to(lambda namespace, hashes: left.extend(hashes))
+    return left
+
+
 def test_staging_stores_the_arenas_blocks_byte_exact(parts) -> None:
     store, _, tier, _ = parts
     owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 6)
@@ -131,8 +138,7 @@ def test_staging_stores_the_arenas_blocks_byte_exact(parts) -> None:
 def test_reallocation_during_staging_commits_nothing_of_that_block(parts) -> None:
     store, _, tier, _ = parts
     owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 5)
-    left: list[bytes] = []
-    tier.report_left_to(lambda namespace, hashes: left.extend(hashes))
+    left = _hashes_left(tier)
 
     def owner_reallocates(i: int) -> None:
         if i == 2:  # block 2's bytes are in the store's slot; the owner reallocates it now
@@ -149,8 +155,7 @@ def test_reallocation_during_staging_commits_nothing_of_that_block(parts) -> Non
 def test_staging_from_a_closed_owner_stores_nothing(parts) -> None:
     store, registry, tier, _ = parts
     owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 3)
-    left: list[bytes] = []
-    tier.report_left_to(lambda namespace, hashes: left.extend(hashes))
+    left = _hashes_left(tier)
     registry.drop_owner("conn-owner")
     assert sorted(left) == sorted(chain.hashes)
     assert _stage(tier, chain) == 0
