@@ -44,6 +44,12 @@ _LEASE_SLACK_S = 1.0
 Stage = Callable[[bytes, Sequence[bytes], Sequence[bytes], int, float], int]
 
 
+def _stage_nothing(ns: bytes, hashes: Sequence[bytes], idents: Sequence[bytes], start: int,
+                   deadline: float) -> int:
+    """The stage until one is given: the store's prefix is the answer."""
+    return 0
+
+
 class PeerServer:
     """Serves fetches of the local store's blocks to peers on ``host:port`` (0: a free port).
 
@@ -65,7 +71,7 @@ class PeerServer:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._closed = False
-        self._stage: Stage | None = None
+        self._stage: Stage = _stage_nothing
 
     def extend_with(self, stage: Stage) -> None:
         """Where the store's prefix of a request falls short, ask ``stage`` to store the next
@@ -184,7 +190,7 @@ class PeerServer:
         try:
             result = self.store.lookup(ns, hashes, idents, lease_ttl_s=timeout_s + _LEASE_SLACK_S,
                                        owner="peer")
-            if result.num_hit < len(hashes) and self._stage is not None:
+            if result.num_hit < len(hashes):
                 result = self._staged(ns, hashes, idents, result, deadline, timeout_s)
         except StoreError as exc:
             log.warning("peer fetch: store lookup failed: %s", exc)
@@ -206,7 +212,6 @@ class PeerServer:
                 timeout_s: float):
         """``local``, or a longer hit once ``stage`` stored blocks past it (``local``'s lease
         pins its prefix until the new lookup's does)."""
-        assert self._stage is not None
         try:
             num_staged = self._stage(ns, hashes, idents, local.num_hit, deadline)
         except Exception:  # staging never fails the answer: it just stays the store's prefix

@@ -13,8 +13,8 @@ entries than the registered engines have blocks.
 Thread-safe: lookups and publications run on the daemon's event loop, copies and disconnects on
 worker threads.
 
-With ``track_left`` on (a cluster advertises what the node holds), each hash whose last entry
-went is noted, for ``drain_left`` to hand to whoever withdraws it from the cluster's index.
+Each hash whose last entry went is noted, for ``drain_left`` to hand on (a cluster withdraws
+what the node no longer holds); the owner drains after every change, so the notes stay few.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class HbmIndex:
         self._by_hash: dict[bytes, dict[bytes, list[HbmEntry]]] = {}  # namespace -> hash -> ...
         self._by_reg: dict[int, dict[int, HbmEntry]] = {}  # registration id -> block id -> ...
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self.track_left = False
         self._left: deque[tuple[bytes, bytes]] = deque()  # (namespace, hash): no entry left
 
     def publish(self, reg: Registration, namespace: bytes, block_ids: Sequence[int],
@@ -138,8 +137,8 @@ class HbmIndex:
             return [bool(table.get(h)) for h in hashes]
 
     def drain_left(self) -> dict[bytes, list[bytes]]:
-        """The hashes noted (``track_left``) since the last call as having lost their last
-        entry, by namespace; some may have come back since (ask ``holding``)."""
+        """The hashes noted since the last call as having lost their last entry, by namespace;
+        some may have come back since (ask ``holding``)."""
         left: dict[bytes, list[bytes]] = {}
         while self._left:
             try:
@@ -267,7 +266,6 @@ class HbmIndex:
             return
         if not entries:
             del table[entry.block_hash]
-            if self.track_left:
-                self._left.append((entry.namespace, entry.block_hash))
+            self._left.append((entry.namespace, entry.block_hash))
             if not table:
                 del self._by_hash[entry.namespace]

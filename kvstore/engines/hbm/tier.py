@@ -20,6 +20,7 @@ left the index are told to ``on_left`` (the cluster withdraws what the node no l
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -44,13 +45,31 @@ _FAILURES = {hbm_copy.GENERATION: "generation_failures", hbm_copy.CLOSED: "owner
 # Which path each copied block took: shared memory to shared memory (CPU engines), between two
 # engines on one GPU, or device to device between two GPUs (NVLink / PCIe peer access).
 _PATHS = ("blocks_copied_host", "blocks_copied_same_gpu", "blocks_copied_peer_gpu")
+
+
+class StageOutcome(str, enum.Enum):
+    """What became of one block a stage for a peer tried to put into the store."""
+
+    STAGED = "staged"  # copied from the arena and committed
+    STORED = "stored"  # the store held it already (a save landed meanwhile)
+    GENERATION = "generation"  # the owner reallocated it during the copy: nothing committed
+    OWNER_CLOSED = "owner_closed"
+    STORE_REFUSED = "store_refused"  # no room: every byte pinned
+    COPY_ERROR = "copy_error"
+
+
 # Staging for peers: calls, blocks committed to the store, and why a stage stopped short.
-_STAGES = ("stages", "blocks_staged", "stage_generation_failures", "stage_owner_closed_failures",
-           "stage_store_refusals", "stage_copy_errors")
+_STAGE_FAILURES = {StageOutcome.GENERATION: "stage_generation_failures",
+                   StageOutcome.OWNER_CLOSED: "stage_owner_closed_failures",
+                   StageOutcome.STORE_REFUSED: "stage_store_refusals",
+                   StageOutcome.COPY_ERROR: "stage_copy_errors"}
 COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_PATHS,
-            *_FAILURES.values(), *_STAGES)
-_STAGED, _STORED = "staged", "stored"
+            *_FAILURES.values(), "stages", "blocks_staged", *_STAGE_FAILURES.values())
 LeftHook = Callable[[bytes, list[bytes]], None]
+
+
+def _nobody(namespace: bytes, block_hashes: list[bytes]) -> None:
+    """The ``on_left`` hook until one is given: nobody needs to know."""
 
 
 def _path(src: Registration, dst: Registration) -> str:
@@ -84,21 +103,17 @@ class HbmTier:
         registry.on_close = self._registration_closed
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._on_left: LeftHook | None = None
+        self._on_left: LeftHook = _nobody
 
     def report_left_to(self, hook: LeftHook) -> None:
         """From now on, tell ``hook(namespace, hashes)`` (outside every lock) of hashes whose
         last entry left the index; they may be back already, or held by the store."""
         self._on_left = hook
-        self.index.track_left = True
 
     def _report_left(self) -> None:
-        hook = self._on_left
-        if hook is None:
-            return
         for namespace, hashes in self.index.drain_left().items():
             try:
-                hook(namespace, hashes)
+                self._on_left(namespace, hashes)
             except Exception:  # a listener's failure never fails the caller
                 log.exception("on_left hook failed")
 
@@ -243,38 +258,35 @@ class HbmTier:
         self._report_left()
         if found is None:
             return 0
-        outcomes: Counter[str] = Counter()
+        outcomes: Counter[StageOutcome] = Counter()
         for i, entry in enumerate(found):
             if entry is None or time.monotonic() >= deadline:
                 break
             outcome = self._stage_one(entry, namespace, hashes[start + i], idents[start + i],
                                       None if after_copy is None else lambda i=i: after_copy(i))
             outcomes[outcome] += 1
-            if outcome not in (_STAGED, _STORED):
+            if outcome in _STAGE_FAILURES:
                 break
-        if outcomes["stage_generation_failures"]:
+        if outcomes[StageOutcome.GENERATION]:
             self._report_left()  # the stale entry was dropped
         with self._lock:
             self.counters["stages"] += 1
-            self.counters["blocks_staged"] += outcomes[_STAGED]
-            for outcome, n in outcomes.items():
-                if outcome not in (_STAGED, _STORED):
-                    self.counters[outcome] += n
-        return outcomes[_STAGED] + outcomes[_STORED]
+            self.counters["blocks_staged"] += outcomes[StageOutcome.STAGED]
+            for outcome, counter in _STAGE_FAILURES.items():
+                self.counters[counter] += outcomes[outcome]
+        return outcomes[StageOutcome.STAGED] + outcomes[StageOutcome.STORED]
 
     def _stage_one(self, entry: HbmEntry, namespace: bytes, block_hash: bytes, ident: bytes,
-                   after_copy: Callable[[], None] | None) -> str:
-        """One block into the store: ``_STAGED``, ``_STORED`` (it was there already), or the
-        counter of why not."""
+                   after_copy: Callable[[], None] | None) -> StageOutcome:
+        """One block into the store, committed only if its generation held through the copy."""
         reg = entry.reg
         try:
             slot = self.store.begin_write(namespace, block_hash, ident, reg.block_bytes)
         except StoreError:
-            return "stage_store_refusals"
+            return StageOutcome.STORE_REFUSED
         if slot is None:
-            return _STORED  # a save landed meanwhile
-        current = False
-        failure = "stage_copy_errors"
+            return StageOutcome.STORED
+        outcome = StageOutcome.COPY_ERROR
         try:
             with reg.open_for_copy():
                 reg.read_block(entry.block_id, slot.buffer[:reg.block_bytes])
@@ -282,22 +294,21 @@ class HbmTier:
                 after_copy()
             # Seqlock: the generation was the published one when ``find`` picked the entry;
             # unchanged after the copy, nothing can have rewritten the block meanwhile.
-            current = entry.current()
-            failure = "stage_generation_failures"
+            outcome = StageOutcome.STAGED if entry.current() else StageOutcome.GENERATION
         except RegistrationClosed:
-            failure = "stage_owner_closed_failures"
+            outcome = StageOutcome.OWNER_CLOSED
         except Exception:
             log.exception("staging block %d of registration %d failed", entry.block_id,
                           reg.registration_id)
         finally:
-            if not current:
+            if outcome is not StageOutcome.STAGED:
                 slot.abort()
-        if not current:
-            if failure == "stage_generation_failures":
-                self.index.discard(entry)
-            return failure
+        if outcome is StageOutcome.GENERATION:
+            self.index.discard(entry)
+        if outcome is not StageOutcome.STAGED:
+            return outcome
         # False only if an equal block was committed meanwhile: stored either way.
-        return _STAGED if slot.commit() else _STORED
+        return StageOutcome.STAGED if slot.commit() else StageOutcome.STORED
 
     def stats(self) -> dict:
         """``tiers.hbm`` of the daemon's stats: resident blocks indexed, hits and misses, and
