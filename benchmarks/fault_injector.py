@@ -139,9 +139,8 @@ class FaultInjector:
         events = self._stack.engine_offload_events()
         closed = time.monotonic()
         in_flight = self._load.pause(fault.index)
-        self._stack.stop_engine(sig)
+        exit_code = self._stack.stop_engine(sig)
         exit_s = time.monotonic() - closed
-        exit_code = self._stack.engine.proc.returncode if self._stack.engine else None
         listening_s, warm_s = self._stack.start_engine()
         self._load.resume(self._stack.url, self._stack.engine_incarnation)
         return {"in_flight": in_flight, "exit_code": exit_code, "exit_s": round(exit_s, 3),

@@ -130,6 +130,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._llg: object | None = None
+        self._marker_ids: dict[str, int] = {}  # reasoning end markers, encoded once each
 
     def _llg_tokenizer(self) -> object:
         with self._lock:
@@ -187,10 +188,14 @@ class GrammarCompiler:
         return GrammarMatcher(matcher, end_id)
 
     def _one_token(self, marker: str) -> int:
+        found = self._marker_ids.get(marker)
+        if found is not None:
+            return found
         ids = self._tokenizer.encode(marker, add_special_tokens=False)
         if len(ids) != 1:
             raise ValueError(f"structured_outputs.reasoning_end: {marker!r} is not one token of "
                              f"this model's vocabulary (it encodes to {len(ids)} tokens)")
+        self._marker_ids[marker] = int(ids[0])
         return int(ids[0])
 
     def _prompt_ends_reasoning(self, prompt_token_ids: Sequence[int], end_id: int) -> bool:
