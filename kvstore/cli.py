@@ -276,7 +276,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
                       debug_hash_bits=env.debug_hash_bits, version=package_version(),
-                      copy_settings=copy_settings)
+                      copy_settings=copy_settings, debug_corrupt_engine=env.debug_corrupt_engine)
     try:
         limits = limits_from_args(args)
     except ValueError as exc:
@@ -320,8 +320,9 @@ def _serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(switch_interval_before)
         if admin is not None:
             admin.stop()
-    banner.info("kvstore: stopped")
-    return 0
+    banner.info("kvstore: stopped" + (f" (exit status {daemon.exit_code})"
+                                        if daemon.exit_code else ""))
+    return daemon.exit_code
 
 
 def _plugin_command(name: str) -> Any:

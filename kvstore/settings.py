@@ -16,6 +16,9 @@ class EnvSettings:
     # Tests only: SIGUSR2 blocks the daemon's control loop this long (a stand-in for a slow
     # synchronous call on the loop), so the health probes' view of a wedged loop can be tested.
     debug_stall_s: float | None = None
+    # Tests only: the daemon maps this engine's CUDA regions at a wrong address, past the checks
+    # (KVSTORE_DEBUG_CORRUPT_ENGINE), so a real sticky CUDA error can be forced on a GPU.
+    debug_corrupt_engine: str | None = None
 
 
 def default_socket_path(env: dict[str, str] | None = None) -> Path:
@@ -52,4 +55,5 @@ def load_env_settings(env: dict[str, str] | None = None) -> EnvSettings:
             raise ValueError(f"KVSTORE_DEBUG_STALL_ON_SIGUSR2 must be seconds in (0, 600], got "
                              f"{stall_text!r}")
     return EnvSettings(socket_path=default_socket_path(env), debug_hash_bits=debug_hash_bits,
-                       debug_stall_s=debug_stall_s)
+                       debug_stall_s=debug_stall_s,
+                       debug_corrupt_engine=env.get("KVSTORE_DEBUG_CORRUPT_ENGINE") or None)

@@ -6,7 +6,8 @@ answer "ok" then. The loop ticks a ``LoopHeartbeat`` every ``interval_s``; a las
 ``stall_after_s`` is a stalled loop: status ``failing`` (HTTP 503), since clients' requests are not
 being answered. A read-only or failing SSD, or Redis down with ``--cluster``, leaves the daemon
 serving (from DRAM, locally): status ``degraded`` (HTTP 200), each with its reason. A liveness
-probe restarts on 503; a restart fixes a wedged loop, not a disk or Redis.
+probe restarts on 503; a restart fixes a wedged loop, not a disk or Redis. A sticky CUDA error
+(``kvstore.engines.cuda_fault``) is ``failing`` too: the daemon exits on its own soon after.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SSD_ERROR_WINDOW_S = 60.0
 class Status(str, Enum):
     OK = "ok"
     DEGRADED = "degraded"  # serving, with a tier or the cluster index out
-    FAILING = "failing"  # not serving its clients (a stalled control loop)
+    FAILING = "failing"  # not serving its clients (a stalled loop, a poisoned CUDA context)
 
 
 class LoopState(str, Enum):
@@ -46,6 +47,11 @@ class SsdState(str, Enum):
     OK = "ok"
     READ_ONLY = "read_only"  # the filesystem is mounted read-only, or a write met EROFS
     FAILING = "failing"  # IO errors within the last SSD_ERROR_WINDOW_S
+
+
+class CudaState(str, Enum):
+    OK = "ok"  # no GPU, or no sticky error seen
+    POISONED = "poisoned"  # a sticky CUDA error: no copy runs; the daemon exits for a restart
 
 
 class RedisState(str, Enum):
@@ -177,13 +183,16 @@ class DaemonHealth:
         loop, age = self._loop()
         ssd = self._ssd.check(((self.service.store.stats().get("tiers") or {}).get("ssd")) or {})
         redis_check = self._redis()
+        cuda = self._cuda()
         problems = [f"{name}: {check.state}" + (f" ({check.reason})" if check.reason else "")
                     for name, check, fine in (
                         ("control loop", loop, (LoopState.OK.value, LoopState.STARTING.value)),
                         ("ssd", ssd, (SsdState.OK.value, SsdState.OFF.value)),
-                        ("redis", redis_check, (RedisState.UP.value, RedisState.OFF.value)))
+                        ("redis", redis_check, (RedisState.UP.value, RedisState.OFF.value)),
+                        ("cuda", cuda, (CudaState.OK.value,)))
                     if check.state not in fine]
-        if loop.state in (LoopState.STALLED.value, LoopState.STOPPING.value):
+        if loop.state in (LoopState.STALLED.value, LoopState.STOPPING.value) or \
+                cuda.state == CudaState.POISONED.value:
             status = Status.FAILING
         else:
             status = Status.DEGRADED if problems else Status.OK
@@ -192,7 +201,14 @@ class DaemonHealth:
                                  "last_tick_age_s": None if age is None else round(age, 3)},
                 "ssd": {"state": ssd.state, "reason": ssd.reason},
                 "redis": {"state": redis_check.state, "reason": redis_check.reason},
+                "cuda": {"state": cuda.state, "reason": cuda.reason},
                 "problems": problems}
+
+    def _cuda(self) -> Check:
+        reason = self.service.registry.cuda_fault.reason
+        if reason is None:
+            return Check(CudaState.OK.value)
+        return Check(CudaState.POISONED.value, reason)
 
     def ready(self) -> tuple[bool, str]:
         """Serving: the store is open and the control loop ticks."""
@@ -201,4 +217,7 @@ class DaemonHealth:
         state = self.heartbeat.state()
         if state is not LoopState.OK:
             return False, f"control loop {state.value}"
+        cuda = self._cuda()
+        if cuda.state != CudaState.OK.value:
+            return False, f"CUDA context {cuda.state} ({cuda.reason})"
         return True, "serving"

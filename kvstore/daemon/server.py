@@ -36,6 +36,7 @@ from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
 from kvstore.daemon.watch import CLOSE_REASONS, ConnectionWatch
+from kvstore.engines.cuda_fault import EXIT_CUDA_POISONED
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import FdError, FdSocket, FrameFds
 from kvstore.wire.listener import bind_unix_socket, peer_uid, socket_identity, unlink_if_ours
@@ -56,6 +57,8 @@ INLINE_VERBS = frozenset({"hello", "health", "lookup", "locate", "release", "res
                           "evicted"})
 # Frames up to this size are read without asking the buffer budget: requests, not payloads.
 _SMALL_FRAME_BYTES = 64 * 1024
+# A poisoned CUDA context: how long /health answers "failing" before the daemon exits.
+POISONED_EXIT_GRACE_S = 2.0
 _LOG_INTERVAL_S = 10.0  # a repeated warning or error is logged once per this, with a count
 # How a request ends when its client is gone before the reply (counted; no client sees it).
 _CLIENT_GONE = "client_gone"
@@ -103,6 +106,8 @@ class Daemon:
         self._sock_identity: tuple[int, int] | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0  # what ``kvstore serve`` exits with once ``run`` returns
+        service.registry.cuda_fault.add_listener(self._on_cuda_poisoned)
 
     def bind(self) -> None:
         """Create the socket now (SocketSetupError if impossible), before anything is served."""
@@ -114,10 +119,18 @@ class Daemon:
         """Serve until SIGTERM/SIGINT (or ``stop()``), then shut down cleanly."""
         asyncio.run(self.serve(on_ready, install_signal_handlers=True))
 
-    def stop(self) -> None:
-        """Ask a running daemon to stop; safe from any thread."""
+    def stop(self, after_s: float = 0.0) -> None:
+        """Ask a running daemon to stop (in ``after_s``); safe from any thread."""
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            self._loop.call_soon_threadsafe(self._loop.call_later, after_s, self._stop.set)
+
+    def _on_cuda_poisoned(self, reason: str) -> None:
+        """Fail closed: health says failing at once, the daemon exits with a code of its own
+        for its supervisor after ``POISONED_EXIT_GRACE_S`` (long enough for probes to see why)."""
+        self.exit_code = EXIT_CUDA_POISONED
+        log.critical("stopping in %.1f s with exit status %d: restart the daemon (%s)",
+                     POISONED_EXIT_GRACE_S, EXIT_CUDA_POISONED, reason)
+        self.stop(POISONED_EXIT_GRACE_S)
 
     async def serve(self, on_ready: Callable[[], None] | None = None,
                     install_signal_handlers: bool = False) -> None:

@@ -45,10 +45,12 @@ class Service:
     def __init__(self, store: BlockStore, default_lease_ttl_s: float = 30.0,
                  debug_hash_bits: int | None = None, version: str = "",
                  cluster: ClusterNode | None = None,
-                 copy_settings: CopySettings = CopySettings()) -> None:
-        """``copy_settings``: how registered GPU engines' blocks are copied (``--copy-*``)."""
+                 copy_settings: CopySettings = CopySettings(),
+                 debug_corrupt_engine: str | None = None) -> None:
+        """``copy_settings``: how registered GPU engines' blocks are copied (``--copy-*``);
+        ``debug_corrupt_engine``: tests only (``Registry``)."""
         self.store = store
-        self.registry = Registry(copy_settings)
+        self.registry = Registry(copy_settings, debug_corrupt_engine=debug_corrupt_engine)
         self.hbm = HbmTier(store, self.registry)  # takes registry.on_close
         self.default_lease_ttl_s = default_lease_ttl_s
         self.version = version
@@ -159,8 +161,15 @@ class Service:
                 "daemon": f"kvstore-tiered {self.version or 'unknown'}"}
 
     def health(self) -> dict:
-        return {"status": "ok", "uptime_s": round(time.monotonic() - self.started_at, 3),
-                "pid": os.getpid(), "version": self.version}
+        """The ``health`` verb's answer: failing, with the reason, once the CUDA context is
+        poisoned (no copy runs any more)."""
+        cuda_reason = self.registry.cuda_fault.reason
+        report = {"status": "failing" if cuda_reason else "ok",
+                  "uptime_s": round(time.monotonic() - self.started_at, 3),
+                  "pid": os.getpid(), "version": self.version}
+        if cuda_reason:
+            report["reason"] = f"CUDA context poisoned: {cuda_reason}"
+        return report
 
     def stats(self) -> dict:
         """The store's stats plus a ``daemon`` section of counters."""

@@ -39,7 +39,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.engines import cuda_batch
+from kvstore.engines.copy_bounds import check_block_ids
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
+from kvstore.engines.cuda_fault import CudaFault
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
 from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
@@ -67,18 +69,27 @@ def _cupy():
 class CopyHandle:
     """One submitted batch: ``poll()`` never blocks, ``wait()`` blocks on the event.
 
-    Both raise the CUDA error a copy of the batch hit.
+    Both raise the CUDA error a copy of the batch hit (and show a sticky one to ``fault``).
     """
 
-    def __init__(self, event, num_bytes: int) -> None:
+    def __init__(self, event, num_bytes: int, fault: CudaFault) -> None:
         self._event = event
         self.num_bytes = num_bytes
+        self._fault = fault
 
     def poll(self) -> bool:
-        return bool(self._event.done)
+        try:
+            return bool(self._event.done)
+        except Exception as exc:
+            self._fault.observe(exc, "a copy's event")
+            raise
 
     def wait(self) -> None:
-        self._event.synchronize()
+        try:
+            self._event.synchronize()
+        except Exception as exc:
+            self._fault.observe(exc, "a copy's event")
+            raise
 
 
 Runs = Sequence[CopyRun] | RunArrays
@@ -95,12 +106,17 @@ def _aligned(runs: RunArrays) -> bool:
 class CudaCopier:
     """Per-device copy streams (one per direction, one for device to device, each with a side
     stream for the staged method's kernels); a submission enqueues coalesced runs and returns
-    an event handle, by the methods ``settings`` choose. Thread-safe: a lock per direction."""
+    an event handle, by the methods ``settings`` choose. Thread-safe: a lock per direction.
+    Every CUDA call runs with ``device_id`` current, whatever thread submits. Once ``fault``
+    (the process's, shared by every copier) is poisoned, submissions raise ContextPoisoned
+    without calling CUDA."""
 
-    def __init__(self, device_id: int, settings: CopySettings = CopySettings()) -> None:
+    def __init__(self, device_id: int, settings: CopySettings = CopySettings(),
+                 fault: CudaFault | None = None) -> None:
         cp = _cupy()
         self.device_id = device_id
         self.settings = settings
+        self.fault = fault if fault is not None else CudaFault()
         kinds = (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEFAULT)
         with cp.cuda.Device(device_id):
             self._streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
@@ -120,6 +136,7 @@ class CudaCopier:
         the last of them is the handle."""
         cp = _cupy()
         stream = self._streams[kind]
+        self.fault.check()
         with cp.cuda.Device(self.device_id), self._locks[kind]:
             try:
                 if method is CopyMethod.STAGED:
@@ -127,7 +144,7 @@ class CudaCopier:
                     # part's event is after every part's copies.
                     for part in staged_parts(runs, self._staging[kind].max_slot_bytes):
                         event = self._staged(part, kind)
-                    return CopyHandle(event, runs.total_bytes)
+                    return CopyHandle(event, runs.total_bytes, self.fault)
                 kernel = method is CopyMethod.KERNEL
                 slot = self._launch(runs, kind, stream) if kernel else None
                 if not kernel:
@@ -137,10 +154,11 @@ class CudaCopier:
                 event.record(stream)
                 if slot is not None:
                     PinnedTables.retire(slot, event)
-            except BaseException:
+            except BaseException as exc:
+                self.fault.observe(exc, f"submitting copies on device {self.device_id}")
                 self._drain(kind)
                 raise
-        return CopyHandle(event, runs.total_bytes)
+        return CopyHandle(event, runs.total_bytes, self.fault)
 
     def _drain(self, kind: int) -> None:
         """After a failed submission, wait out the copies it enqueued (they have no event): none
@@ -227,6 +245,7 @@ class CudaCopier:
         host = np.asarray(host_addrs, dtype=np.int64)
         if len(ids) != len(host):
             raise ValueError(f"{len(host)} host addresses for {len(ids)} blocks")
+        check_block_ids(ids, table.num_blocks)
         regions = self._packable(table, host, kind)
         if regions is None:
             runs = table.runs(ids, host, to_device=kind == _MEMCPY_HOST_TO_DEVICE)
@@ -277,15 +296,17 @@ class CudaCopier:
         event is after every part's copies (the streams keep them in order)."""
         cp = _cupy()
         per_part = self._staging[kind].max_slot_bytes // table.block_bytes
+        self.fault.check()
         with cp.cuda.Device(self.device_id), self._locks[kind]:
             try:
                 for start in range(0, len(ids), per_part):
                     event = self._packed_part(table, regions, ids[start:start + per_part],
                                               host[start:start + per_part], kind)
-            except BaseException:
+            except BaseException as exc:
+                self.fault.observe(exc, f"submitting copies on device {self.device_id}")
                 self._drain(kind)
                 raise
-        return CopyHandle(event, len(ids) * table.block_bytes)
+        return CopyHandle(event, len(ids) * table.block_bytes, self.fault)
 
     def _packed_part(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
                      kind: int):
@@ -382,13 +403,14 @@ class CudaCopier:
             return False
         return attrs.type == _CUDA_MEMORY_TYPE_HOST and attrs.devicePointer == host_ptr
 
-    def device_to_device(self, runs: Runs) -> CopyHandle:
+    def device_to_device(self, runs: Runs, peer: bool = False) -> CopyHandle:
         """HBM tier: one engine's arena → another's, on this (the destination's) device.
 
         Few runs go as ``cudaMemcpyAsync`` calls; many (shuffled block ids) as one launch of the
         ``copy_runs`` gather kernel, since each call costs ~5 us, more than copying a
-        2 MB block at HBM speed."""
+        2 MB block at HBM speed. ``peer`` (some source on another device): the copy engines
+        take every run, faster over NVLink than the kernel."""
         merged = _merged(runs)
-        gather = len(merged) >= _GATHER_MIN_RUNS and _aligned(merged)
+        gather = not peer and len(merged) >= _GATHER_MIN_RUNS and _aligned(merged)
         return self._submit(merged, _MEMCPY_DEFAULT,
                             CopyMethod.KERNEL if gather else CopyMethod.MEMCPY)

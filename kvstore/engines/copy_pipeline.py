@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.engines.copier import CopyHandle, CudaCopier
+from kvstore.engines.copy_bounds import HostSpans
 from kvstore.engines.registration import host_address
 from kvstore.engines.run_arrays import PieceTable
 from kvstore.store.block_store import BlockStore, Lease, StoreError, WriteSlot
@@ -125,6 +126,13 @@ class CopyPipeline:
             return self.copier.blocks_to_device(self.table, block_ids, host_addrs)
         return self.copier.blocks_to_host(self.table, block_ids, host_addrs)
 
+    def _copy_checked(self, spans: HostSpans, block_ids: Sequence[int],
+                      host_addrs: Sequence[int], to_device: bool) -> CopyHandle:
+        """``copy_blocks`` once every host block lies inside one of the store's spans
+        (CopyOutOfBounds otherwise, nothing submitted)."""
+        spans.check(host_addrs, self.block_bytes)
+        return self.copy_blocks(block_ids, host_addrs, to_device)
+
     def save(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
              hashes: Sequence[bytes], idents: Sequence[bytes],
              stopped: Callable[[], bool]) -> list[str]:
@@ -136,6 +144,7 @@ class CopyPipeline:
         Call inside ``open_for_copy``.
         """
         num_bytes = self.block_bytes
+        spans = HostSpans(store.host_spans())
         outcomes: list[str] = ["failed"] * len(block_ids)
         pending: deque[_Chunk] = deque()  # submitted, not yet published, oldest first
         try:
@@ -165,7 +174,7 @@ class CopyPipeline:
                 pending.append(chunk)
                 if ids:
                     try:
-                        chunk.handle = self.copy_blocks(ids, addrs, to_device=False)
+                        chunk.handle = self._copy_checked(spans, ids, addrs, to_device=False)
                     except Exception as exc:  # the copier has waited out what it had enqueued
                         log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                         return outcomes
@@ -191,6 +200,7 @@ class CopyPipeline:
         returns only once no copy is in flight.
         """
         num_bytes = self.block_bytes
+        spans = HostSpans(store.host_spans())
         pending: deque[_Chunk] = deque()  # submitted, oldest first (counted in this order)
         done = getattr(store, "done", None)  # a store without it keeps every pin until release
         num_loaded, failed = 0, False
@@ -240,7 +250,7 @@ class CopyPipeline:
                     chunk.num_blocks += 1
                 if ids:
                     try:
-                        chunk.handle = self.copy_blocks(ids, addrs, to_device=True)
+                        chunk.handle = self._copy_checked(spans, ids, addrs, to_device=True)
                     except Exception as exc:  # nothing of this chunk is in flight any more
                         log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                         break

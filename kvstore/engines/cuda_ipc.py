@@ -4,7 +4,7 @@ A mapping's size is the driver's, not the engine's word: ``CudaIpcMapping`` asks
 ``cuMemGetAddressRange`` (NVIDIA's ``cuda-bindings``, imported only once a GPU engine registers)
 how large the opened allocation really is, and the registry refuses a layout that claims more.
 ``can_access_peer`` says whether one device reads another's memory directly (the HBM tier's
-device-to-device copies).
+device-to-device copies), and switches that access on.
 """
 
 from __future__ import annotations
@@ -56,15 +56,30 @@ def allocation_range(ptr: int) -> tuple[int, int]:
     return int(base), int(size)
 
 
+_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
 @functools.lru_cache(maxsize=256)
 def can_access_peer(device_id: int, peer_device_id: int) -> bool:
-    """True when ``device_id`` can read ``peer_device_id``'s memory directly (same device too)."""
+    """True when kernels on ``device_id`` may read ``peer_device_id``'s memory in this process
+    (same device too). Peer access is switched on here, once per ordered pair: being able to
+    (``cudaDeviceCanAccessPeer``) is not enough, since a kernel that dereferences a peer's
+    address without it reads an illegal address, and that error is sticky for the whole
+    context (measured on H200s: every later CUDA call of the daemon failed)."""
     if device_id == peer_device_id:
         return True
+    cp = _cupy()
     try:
-        return bool(_cupy().cuda.runtime.deviceCanAccessPeer(device_id, peer_device_id))
+        if not cp.cuda.runtime.deviceCanAccessPeer(device_id, peer_device_id):
+            return False
+        with cp.cuda.Device(device_id):
+            cp.cuda.runtime.deviceEnablePeerAccess(peer_device_id)
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        if exc.status != _PEER_ACCESS_ALREADY_ENABLED:
+            return False
     except Exception:
         return False
+    return True
 
 
 class CudaIpcMapping:

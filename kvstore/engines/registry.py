@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.engines.copier import CudaCopier
 from kvstore.engines.copy_settings import CopySettings
+from kvstore.engines.cuda_fault import CudaFault
 from kvstore.engines.cuda_registration import CudaRegistration, IpcTable
 from kvstore.engines.memory_claims import MemoryClaims, memory_key
 from kvstore.engines.registration import (  # noqa: F401 (the registry's errors, re-exported)
@@ -39,8 +40,12 @@ class Registry:
     """Registrations by id; thread-safe. Owners are connection names, so a disconnect drops all."""
 
     def __init__(self, copy_settings: CopySettings = CopySettings(),
-                 max_mappings_per_owner: int = MAX_MAPPINGS_PER_OWNER) -> None:
+                 max_mappings_per_owner: int = MAX_MAPPINGS_PER_OWNER,
+                 debug_corrupt_engine: str | None = None) -> None:
+        """``debug_corrupt_engine`` (tests only): that engine's CUDA regions are addressed 16 TiB
+        past their mapping, behind every check, so its first copy meets a real sticky error."""
         self.copy_settings = copy_settings
+        self.debug_corrupt_engine = debug_corrupt_engine
         self.max_mappings_per_owner = max_mappings_per_owner
         self._lock = threading.Lock()
         self._by_id: dict[int, Registration] = {}
@@ -48,6 +53,7 @@ class Registry:
         self._ipc = IpcTable()
         self._claims = MemoryClaims()
         self._copiers: dict[int, CudaCopier] = {}
+        self.cuda_fault = CudaFault()  # the process's CUDA context, shared by every copier
         # Told of every registration that leaves (unregistered, its connection closed, shutdown),
         # before its mappings go: the HBM tier forgets its blocks.
         self.on_close: Callable[[Registration], None] | None = None
@@ -71,7 +77,8 @@ class Registry:
         reg: Registration
         if layout.device != "cpu":
             reg = CudaRegistration.open(self._ids, engine_id, layout, owner, self._copier,
-                                        self._ipc)
+                                        self._ipc,
+                                        corrupt=engine_id == self.debug_corrupt_engine)
         else:
             reg = ShmRegistration.open(next(self._ids), engine_id, layout, owner, fds)
         try:
@@ -110,7 +117,8 @@ class Registry:
         with self._lock:
             copier = self._copiers.get(device_id)
             if copier is None:
-                copier = self._copiers[device_id] = CudaCopier(device_id, self.copy_settings)
+                copier = self._copiers[device_id] = CudaCopier(device_id, self.copy_settings,
+                                                                self.cuda_fault)
             return copier
 
     def get(self, registration_id: int, owner: str) -> Registration:

@@ -98,6 +98,7 @@ class PieceTable:
                              f"{len(layout.regions)} regions")
         regions = layout.regions
         self.block_bytes = layout.block_bytes
+        self.num_blocks = layout.num_blocks
         self.piece_bytes = np.array([r.block_bytes for r in regions], dtype=np.int64)
         self.device_base = np.array([int(p) + r.offset for r, p in zip(regions, region_ptrs)],
                                     dtype=np.int64)

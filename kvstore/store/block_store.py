@@ -159,6 +159,11 @@ class BlockStore(ABC):
         """``tiers.{dram,ssd}.{capacity_bytes,used_bytes,blocks}`` plus counted outcomes."""
 
     @abstractmethod
+    def host_spans(self) -> list[tuple[int, int]]:
+        """(start, end) addresses of the host memory that ``read`` and ``begin_write`` buffers
+        lie in, one range per span a single device copy may cover (a pinned registration)."""
+
+    @abstractmethod
     def check_integrity(self) -> None:
         """Raise AssertionError if accounting is off (free + used + in-flight != capacity...)."""
 

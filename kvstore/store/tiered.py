@@ -184,6 +184,9 @@ class TieredStore(BlockStore):
 
     # -- reporting and lifecycle ---------------------------------------------------------------
 
+    def host_spans(self) -> list[tuple[int, int]]:
+        return self._dram.pool.spans()
+
     def stats(self) -> dict:
         with self._guard.cond:
             c = dict(self._counters)

@@ -3,7 +3,14 @@
 The buffer is one anonymous mapping (page aligned, so every aligned allocation is also fit for
 O_DIRECT). When CuPy sees a GPU it is page-locked with ``cudaHostRegister`` in chunks of at most
 64 GiB, so the copy engines can DMA straight from it; otherwise it stays plain memory and the CPU
-path behaves the same. Not thread-safe: the tiered store serialises calls under its lock; only
+path behaves the same.
+
+A copy whose host range spans two chunks fails (``cudaErrorInvalidValue``, every method that
+crosses the bus: measured on an H200 with a 96 GiB pool), and the copier merges runs that
+continue each other in memory. So the last alignment unit before every chunk boundary is a fence
+the allocator never hands out: no allocation crosses a boundary and no two allocations touch
+across one, whether or not the pool is pinned. ``spans()`` are the chunks, the ranges a single
+copy may cover. Not thread-safe: the tiered store serialises calls under its lock; only
 ``view`` results are used outside it (while the block they belong to is pinned).
 """
 
@@ -44,7 +51,7 @@ def _describe_pin_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _register_pinned(address: int, size: int) -> list[int]:
+def _register_pinned(address: int, size: int, chunk_bytes: int) -> list[int]:
     """Page-lock [address, address + size) in chunks; returns the chunk addresses to unregister."""
     import cupy
 
@@ -57,8 +64,8 @@ def _register_pinned(address: int, size: int) -> list[int]:
     flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
     chunks: list[int] = []
     try:
-        for off in range(0, size, PIN_CHUNK_BYTES):
-            cupy.cuda.runtime.hostRegister(address + off, min(PIN_CHUNK_BYTES, size - off), flags)
+        for off in range(0, size, chunk_bytes):
+            cupy.cuda.runtime.hostRegister(address + off, min(chunk_bytes, size - off), flags)
             chunks.append(address + off)
     except Exception:
         _unregister_pinned(chunks)
@@ -88,16 +95,26 @@ class HostPool:
     """
 
     def __init__(self, capacity_bytes: int, alignment: int = 4096, pin: bool | None = None,
-                 populate: bool = True) -> None:
+                 populate: bool = True, chunk_bytes: int = PIN_CHUNK_BYTES) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if alignment > mmap.PAGESIZE and alignment % mmap.PAGESIZE:
             raise ValueError("alignment above the page size must be a multiple of it")
+        if chunk_bytes < 2 * alignment or chunk_bytes % max(alignment, mmap.PAGESIZE):
+            raise ValueError(f"chunk_bytes {chunk_bytes} must be a multiple of the alignment and "
+                             "of the page size, at least two alignment units")
         self._alloc = OffsetAllocator(capacity_bytes, alignment)
         self.capacity_bytes = self._alloc.capacity_bytes
         if self.capacity_bytes == 0:
             raise ValueError(f"capacity_bytes {capacity_bytes} is below one {alignment} B unit")
         self.alignment = alignment
+        self.chunk_bytes = chunk_bytes
+        # One fence before every inner chunk boundary (see the module docstring).
+        self._fences = {}
+        for boundary in range(chunk_bytes, self.capacity_bytes, chunk_bytes):
+            fence = self._alloc.allocate_at(boundary - alignment, 0)
+            assert fence is not None
+            self._fences[fence.offset] = fence
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         if populate:  # fault every page in now, not inside the first copy or O_DIRECT read
             flags |= getattr(mmap, "MAP_POPULATE", 0)
@@ -110,7 +127,8 @@ class HostPool:
         self.pin_error: str | None = None  # why the pool is not page-locked, if it was tried
         if pin is not False:
             try:
-                self._pinned_chunks = _register_pinned(self.base_address, self.capacity_bytes)
+                self._pinned_chunks = _register_pinned(self.base_address, self.capacity_bytes,
+                                                       chunk_bytes)
             except Exception as exc:
                 self.pin_error = _describe_pin_error(exc)
                 if pin:
@@ -124,11 +142,22 @@ class HostPool:
 
     @property
     def used_bytes(self) -> int:
-        return self._alloc.used_bytes
+        """Bytes held by allocations (the fences not counted)."""
+        return self._alloc.used_bytes - self.fence_bytes
+
+    @property
+    def fence_bytes(self) -> int:
+        return len(self._fences) * self.alignment
 
     @property
     def free_bytes(self) -> int:
         return self._alloc.free_bytes
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, end) addresses of each chunk: a copy's host range lies inside one of them."""
+        return [(self.base_address + start,
+                 self.base_address + min(start + self.chunk_bytes, self.capacity_bytes))
+                for start in range(0, self.capacity_bytes, self.chunk_bytes)]
 
     @property
     def largest_free_bytes(self) -> int:
@@ -136,7 +165,7 @@ class HostPool:
 
     @property
     def num_allocations(self) -> int:
-        return self._alloc.num_allocations
+        return self._alloc.num_allocations - len(self._fences)
 
     def reserved_size(self, num_bytes: int) -> int:
         return self._alloc.reserved_size(num_bytes)
@@ -146,6 +175,8 @@ class HostPool:
         return self._alloc.allocate(num_bytes)
 
     def free(self, alloc: Allocation) -> None:
+        if alloc.offset in self._fences:
+            raise ValueError(f"free of an unknown allocation {alloc}")
         self._alloc.free(alloc)
 
     def view(self, alloc: Allocation, padded: bool = False) -> memoryview:
@@ -161,7 +192,8 @@ class HostPool:
         self._alloc.check_integrity()
 
     def allocations(self) -> list[tuple[int, int]]:
-        return self._alloc.allocations()
+        """(offset, reserved bytes) of every allocation handed out (the fences not listed)."""
+        return [a for a in self._alloc.allocations() if a[0] not in self._fences]
 
     def close(self) -> None:
         """Unpin and unmap. Views handed out must not be used afterwards."""

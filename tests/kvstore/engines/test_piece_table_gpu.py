@@ -42,8 +42,14 @@ def _buffers(cp, name: str):
     else:
         block_bytes = 6 * PIECE
         arena = rng.randint(0, 256, NUM_BLOCKS * block_bytes, dtype=cp.uint8)
-        regions = (Region(bytes(64), NUM_BLOCKS * block_bytes, 0, block_bytes, block_bytes),)
-        ptrs = [arena.data.ptr]
+        size = NUM_BLOCKS * block_bytes
+        if name == "split":  # K and V halves of each block-major block as two regions
+            half = block_bytes // 2
+            regions = (Region(bytes(64), size, 0, block_bytes, half),
+                       Region(bytes(64), size, half, block_bytes, half))
+        else:
+            regions = (Region(bytes(64), size, 0, block_bytes, block_bytes),)
+        ptrs = [arena.data.ptr] * len(regions)
 
         def block(b: int) -> np.ndarray:
             return cp.asnumpy(arena[b * block_bytes:(b + 1) * block_bytes])
@@ -145,7 +151,7 @@ def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact() -> None:
         assert not got[:, untouched].any()
 
 
-@pytest.mark.parametrize("name", ["vllm", "block_major"])
+@pytest.mark.parametrize("name", ["vllm", "block_major", "split"])
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool) -> None:
     """``blocks_to_host`` / ``blocks_to_device`` (``copy_pieces`` through staging), shuffled

@@ -166,3 +166,26 @@ def test_two_engines_in_two_processes_share_a_prefix(tmp_path: Path) -> None:
             child.kill()
             child.wait(10)
         daemon.stop()
+
+
+def _two_gpus() -> bool:
+    import cupy as cp
+
+    return cp.cuda.runtime.getDeviceCount() >= 2
+
+
+@pytest.mark.parametrize("reader_device", [0, 1])
+def test_hbm_copy_benchmark_path_lands_every_block(reader_device: int, tmp_path: Path) -> None:
+    """``benchmarks.hbm_copy`` as a test, at the sizes a node moves (64, 256 and 1,024 blocks of
+    2.36 MB, shuffled and consecutive): every load counts all its blocks and the last lands
+    byte-exact. ``reader_device`` 1: the daemon copies across GPUs (on H200s this read an
+    illegal address and broke the daemon's context before the peer mapping was opened on the
+    reading device)."""
+    if reader_device and not _two_gpus():
+        pytest.skip("needs two GPUs")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.hbm_copy", "--reps", "2",
+                           "--reader-device", str(reader_device), "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "byte-exact: True" in done.stdout
+    assert "illegal" not in done.stdout + done.stderr

@@ -119,3 +119,40 @@ def test_random_alloc_free_sequences_keep_the_pool_whole(ops, alignment):
             assert bytes(pool.view(a)) == pattern
     finally:
         pool.close()
+
+
+def test_no_allocation_crosses_or_touches_a_chunk_boundary():
+    """A copy whose host range spans two pinned chunks fails on a GPU, and the copier merges
+    runs that continue each other: a fence before every inner boundary keeps allocations
+    inside one chunk and apart across boundaries. The fences are not counted as used."""
+    chunk = 16 * 4096
+    pool = HostPool(5 * chunk + 3 * 4096, alignment=4096, pin=False, chunk_bytes=chunk)
+    try:
+        assert pool.used_bytes == 0 and pool.num_allocations == 0 and pool.allocations() == []
+        assert pool.fence_bytes == 5 * 4096
+        spans = pool.spans()
+        assert [e - s for s, e in spans] == [chunk] * 5 + [3 * 4096]
+        rng = random.Random(3)
+        allocs = []
+        while (a := pool.allocate(rng.choice([1, 4096, 5000, 3 * 4096]))) is not None:
+            allocs.append(a)
+        pool.check_integrity()
+        assert pool.used_bytes + pool.fence_bytes + pool.free_bytes == pool.capacity_bytes
+        for a in allocs:
+            assert a.offset // chunk == (a.end - 1) // chunk, f"{a} crosses a boundary"
+            assert a.end % chunk or a.end == pool.capacity_bytes, f"{a} ends at a boundary"
+        assert {a.offset // chunk for a in allocs} == set(range(6))
+        assert pool.num_allocations == len(allocs) and len(pool.allocations()) == len(allocs)
+        for a in allocs:
+            pool.free(a)
+        assert pool.used_bytes == 0 and pool.largest_free_bytes < chunk
+        pool.check_integrity()
+    finally:
+        pool.close()
+
+
+def test_chunk_size_is_checked():
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HostPool(1 << 20, alignment=4096, pin=False, chunk_bytes=4096)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HostPool(1 << 20, alignment=4096, pin=False, chunk_bytes=3 * 4096 + 1)
