@@ -59,6 +59,7 @@ class Process:
         self.cmd = cmd
         self.name = name
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
+        self.error_lines: list[str] = []  # every ERROR or CRITICAL log line, kept in full
         self._queue: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
@@ -68,6 +69,8 @@ class Process:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+            if " ERROR " in line or " CRITICAL " in line:
+                self.error_lines.append(line.rstrip("\n"))
             self._queue.put(line)
         self._queue.put(None)
 

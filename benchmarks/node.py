@@ -20,6 +20,10 @@ p50 of later turns (>= 1.5x), (b) against (a) (>= 3x). JSON to ``--out``.
     python -m benchmarks.node --model-dir DIR --device cuda --gpus 2 [--duration-s 60]
     python -m benchmarks.node --model-dir /tmp/tiny --device cpu --gpus 2 --scale 0.02 \\
         --users 4 --qps 8 --duration-s 5 --configs kv,single   # CPU smoke only
+
+Configurations are independent: on a host with more GPUs, run them side by side, each its own
+``--configs`` (``../shared/tools/gpu-jobs``), then join their files into one result and its
+ratios with ``python -m benchmarks.node --merge A.json B.json ... [--tag T] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -128,6 +132,9 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
         for proc in reversed(procs):
             proc.stop(signal.SIGINT)
         shutil.rmtree(workdir, ignore_errors=True)
+        if socket_path is not None and procs:  # the target: zero copy errors in every config
+            point["daemon_error_lines"] = len(procs[0].error_lines)
+            point["daemon_error_sample"] = procs[0].error_lines[:5]
     return point
 
 
@@ -168,8 +175,11 @@ def compare(points: dict[str, dict]) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--device", choices=("cuda", "cpu"))
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="join the points of earlier runs' result files (one configuration "
+                   "each, say) into one result with the ratios, and run nothing")
     p.add_argument("--gpus", type=int, default=2, help="engines of the node (one per device)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length (CPU runs)")
@@ -189,9 +199,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _print_ratios(ratios: dict) -> None:
+    for key, value in ratios.items():
+        target = TARGETS[key]
+        met = None if value is None else (value <= target if key == "kv_later_vs_single"
+                                          else value >= target)
+        print(f"{key}: {value if value is None else round(value, 3)} (target "
+              f"{'<=' if key == 'kv_later_vs_single' else '>='} {target}: "
+              f"{'n/a' if met is None else 'met' if met else 'missed'})")
+
+
+def merge(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """One result from several runs' files: their points side by side, the ratios between."""
+    import json
+
+    runs = [json.loads(path.read_text()) for path in args.merge]
+    points: dict[str, dict] = {}
+    for run in runs:
+        for config, point in run["points"].items():
+            if config in points:
+                raise SystemExit(f"--merge: configuration {config} is in two files")
+            points[config] = point
+    ratios = compare(points)
+    _print_ratios(ratios)
+    first = runs[0]
+    out = {**{k: first.get(k) for k in ("benchmark", "device", "gpus", "sizing",
+                                          "per_engine_users", "machine")},
+           "points": points, "ratios": ratios, "targets": TARGETS,
+           "merged_from": [run.get("command") for run in runs], "date": now_iso(),
+           "command": command("python -m benchmarks.node", argv)}
+    tag = args.tag or f"{first.get('device')}-{first.get('gpus')}x"
+    print(f"wrote {write_result(args.out, f'node-{tag}-{today()}.json', out)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args, argv)
+    if args.model_dir is None or args.device is None:
+        parser.error("--model-dir and --device are required (unless --merge)")
     configs = [c for c in args.configs.split(",") if c]
     if not configs or set(configs) - set(CONFIGS):
         parser.error(f"--configs: some of {', '.join(CONFIGS)}")
@@ -231,15 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             s = point["summary"]
             print(f"  all {s.get('all_ms')} ms, first {s.get('first_ms')} ms, later "
                   f"{s.get('later_ms')} ms (p50 {s.get('later_p50_ms')}); routed "
-                  f"{point.get('router_requests_by_reason', {})}", flush=True)
+                  f"{point.get('router_requests_by_reason', {})}; daemon error lines "
+                  f"{point.get('daemon_error_lines')}", flush=True)
     ratios = compare(points)
-    for key, value in ratios.items():
-        target = TARGETS[key]
-        met = None if value is None else (value <= target if key == "kv_later_vs_single"
-                                          else value >= target)
-        print(f"{key}: {value if value is None else round(value, 3)} (target "
-              f"{'<=' if key == 'kv_later_vs_single' else '>='} {target}: "
-              f"{'n/a' if met is None else 'met' if met else 'missed'})")
+    _print_ratios(ratios)
     tag = args.tag or f"{args.device}-{args.gpus}x"
     out = {"benchmark": "node", "device": args.device, "gpus": args.gpus, "sizing": sizing,
            "per_engine_users": per_engine.num_users, "points": points, "ratios": ratios,

@@ -182,5 +182,6 @@ class RestorePolicy:
         with self._lock:
             return {"bandwidth_bytes_per_s": {t: e.value for t, e in self._bandwidth.items()},
                     "prefill_tokens_per_s": 1.0 / self._seconds_per_token(),
+                    "prefill_measured": bool(self._token_costs),
                     "step_floor_s": self._step_floor.value,
                     "last_declined": self.last_declined}

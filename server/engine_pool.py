@@ -5,7 +5,9 @@ it answers again). A probe that fails, or a request the engine cannot be reached
 DOWN at once, so the next requests skip it. Its load, as the router counts it, is what the
 engine reported at the last probe (engine requests in flight) less the router's own requests
 to it in flight at that moment, plus the router's requests to it in flight now: exact for the
-router's own traffic, as fresh as the last probe for anyone else's.
+router's own traffic, as fresh as the last probe for anyone else's. Its queue, for the cost
+model, is the prompt tokens the router sent it and has not yet seen answered (its first byte),
+and its costs are what its last /load measured (prefill rate, restore bandwidth by tier).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import httpx
 
 from server.load_report import LOAD_PATH
 from server.prompt_chain import KVIdentity
-from server.routing import Candidate
+from server.routing import Candidate, EngineCosts
 
 logger = logging.getLogger("kvengine.router")
 
@@ -45,6 +47,8 @@ class UpstreamEngine:
     reported_load: int = 0  # its requests in flight, at the last probe
     in_flight: int = 0  # the router's requests to it in flight now
     in_flight_at_probe: int = 0
+    queued_tokens: int = 0  # prompt tokens the router sent it and has not seen answered
+    costs: EngineCosts = field(default_factory=EngineCosts)  # as its last /load measured them
     last_error: str = ""
     last_probe: float = 0.0  # time.monotonic() of the last probe's answer (or failure)
     extra: dict[str, Any] = field(default_factory=dict)  # the rest of its last /load
@@ -54,7 +58,7 @@ class UpstreamEngine:
         return self.in_flight + max(0, self.reported_load - self.in_flight_at_probe)
 
     def candidate(self, num_hbm: int = 0) -> Candidate:
-        return Candidate(self.url, self.load, num_hbm)
+        return Candidate(self.url, self.load, num_hbm, self.queued_tokens, self.costs)
 
 
 class EnginePool:
@@ -141,6 +145,7 @@ class EnginePool:
         engine.last_probe = time.monotonic()
         engine.engine_id = str(report["engine_id"])
         engine.identity = identity
+        engine.costs = EngineCosts.from_report(report.get("costs"))
         engine.reported_load, engine.in_flight_at_probe = load, engine.in_flight
         engine.extra = report
         if not alive:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from server.async_engine import AsyncEngine
-from server.engine_protocol import EngineSettingsView, kv_store_state
+from server.engine_protocol import EngineSettingsView, kv_store_state, offload_stats
 
 LOAD_PATH = "/load"
 
@@ -52,12 +52,39 @@ class EngineLoad(BaseModel):
     kv_store: str | None  # "ok", "hung" or "down" with --kv-offload
     block_size: int
     model_identity: dict[str, Any]  # kvstore.keys.ModelIdentity's fields
+    # What the router's cost model prices a prompt with, as the engine measured it (its restore
+    # policy's estimates): prefill_tokens_per_s (prefill_measured: False while it is the
+    # prior), kv_bytes_per_token, restore_bytes_per_s by tier. None without --kv-offload.
+    costs: dict[str, Any] | None = None
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "fp8": 1}
+
+
+def kv_bytes_per_token(identity: dict[str, Any]) -> int:
+    """K and V of one token over every layer, from a ModelIdentity's fields (0 if unknown)."""
+    itemsize = _DTYPE_BYTES.get(str(identity.get("kv_dtype")), 0)
+    return 2 * itemsize * int(identity.get("num_layers", 0)) * \
+        int(identity.get("num_kv_heads", 0)) * int(identity.get("head_dim", 0))
+
+
+def routing_costs(stats: dict[str, Any], bytes_per_token: int) -> dict[str, Any] | None:
+    """``EngineLoad.costs`` from an engine's stats snapshot; None without offload."""
+    offload = offload_stats(stats)
+    policy = offload.get("restore_policy") if offload is not None else None
+    if not isinstance(policy, dict) or bytes_per_token <= 0:
+        return None
+    return {"prefill_tokens_per_s": float(policy.get("prefill_tokens_per_s", 0.0)),
+            "prefill_measured": bool(policy.get("prefill_measured", False)),
+            "kv_bytes_per_token": bytes_per_token,
+            "restore_bytes_per_s": dict(policy.get("bandwidth_bytes_per_s", {}))}
 
 
 def install_load_route(app: FastAPI, async_engine: AsyncEngine, engine: RoutedEngine,
                        model_name: str) -> None:
     """Add GET /load to ``app`` (behind the app's API-key check like every route)."""
     identity = dataclasses.asdict(engine.namespace("").model)
+    bytes_per_token = kv_bytes_per_token(identity)
     fixed = {"engine_id": engine.engine_id, "model": model_name,
              "kv_offload": bool(engine.config.kv_offload),
              "block_size": int(engine.config.block_size), "model_identity": identity}
@@ -75,4 +102,5 @@ def install_load_route(app: FastAPI, async_engine: AsyncEngine, engine: RoutedEn
             "num_loading": int(stats.get("num_loading", 0)),
             "num_requests_finished": int(stats.get("num_requests_finished", 0)),
             "kv_store": kv_store_state(stats),
+            "costs": routing_costs(stats, bytes_per_token),
         })

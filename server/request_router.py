@@ -24,8 +24,9 @@ from server.kv_locator import KVLocator
 from server.prompt_builder import PromptBuilder
 from server.prompt_chain import PromptChain
 from server.protocol import RESERVED_TEMPLATE_NAMES, ChatCompletionRequest, CompletionRequest
+from server.routed_prefixes import RoutedPrefixes
 from server.router_metrics import RouterMetrics
-from server.routing import Candidate, Route, RoutingPolicy
+from server.routing import Placement, Route, RoutingPolicy
 
 CHAT, COMPLETION = "chat", "completion"
 
@@ -42,9 +43,12 @@ class RequestRouter:
         self.metrics = metrics
         self.locator = locator
         self.prompts = prompts
+        self.routed = RoutedPrefixes()
 
-    async def route(self, kind: str, body: bytes, key_salt: str) -> UpstreamEngine | None:
-        """The engine for a generation request (``kind``: CHAT or COMPLETION), counted by
+    async def route(self, kind: str, body: bytes,
+                    key_salt: str) -> tuple[UpstreamEngine, Route] | None:
+        """The engine for a generation request (``kind``: CHAT or COMPLETION) and the route
+        (its ``compute_tokens`` join the engine's queue while the request is sent), counted by
         reason; None when no engine is ready."""
         start = time.perf_counter()
         ready = self.pool.ready()
@@ -54,7 +58,7 @@ class RequestRouter:
         identity = self.pool.identity()
         self.metrics.routed(route, identity.block_size if identity is not None else 0,
                             time.perf_counter() - start)
-        return self.pool.engines[route.name]
+        return self.pool.engines[route.name], route
 
     def least_loaded(self, exclude: Collection[str] = ()) -> UpstreamEngine | None:
         """A ready engine not in ``exclude`` with the fewest requests in flight, or None."""
@@ -66,19 +70,20 @@ class RequestRouter:
     async def _choose(self, ready: list[UpstreamEngine], kind: str, body: bytes,
                       key_salt: str) -> Route:
         if not self.policy.uses_kv:
-            return self.policy.choose([e.candidate() for e in ready])
+            return self.policy.choose([e.candidate() for e in ready], None)
         identity = self.pool.identity()
         if identity is None:  # no engine runs with --kv-offload: there is no store to ask
             return self.policy.choose([e.candidate() for e in ready], None)
         start = time.perf_counter()
         prompt = await self._prompt(kind, body, key_salt)
-        if prompt is None:
-            return self.policy.choose([e.candidate() for e in ready], 0)
+        if prompt is None:  # the engine will refuse it: no prompt to place
+            return self.policy.choose([e.candidate() for e in ready], Placement(0, 1))
         token_ids, salt = prompt
         chain = PromptChain.of(identity, token_ids, salt)
         self.metrics.prompted(time.perf_counter() - start)
         if not len(chain):
-            return self.policy.choose([e.candidate() for e in ready], 0)
+            return self.policy.choose([e.candidate() for e in ready],
+                                      Placement(len(token_ids), identity.block_size))
         assert self.locator is not None
         start = time.perf_counter()
         reply = await self.locator.locate(chain)
@@ -91,8 +96,13 @@ class RequestRouter:
             engine = by_id.get(registration.engine_id)
             if engine is not None and engine.identity == identity:
                 held[engine.url] = max(held.get(engine.url, 0), registration.num_hbm)
-        candidates = [Candidate(e.url, e.load, held.get(e.url, 0)) for e in ready]
-        return self.policy.choose(candidates, reply.num_stored)
+        hashes = chain.hashes
+        candidates = [e.candidate(max(held.get(e.url, 0), self.routed.held(e.url, hashes)))
+                      for e in ready]
+        route = self.policy.choose(candidates, Placement(
+            len(token_ids), identity.block_size, reply.num_dram, reply.num_stored))
+        self.routed.mark(route.name, hashes)  # a burst sees it before the daemon does
+        return route
 
     async def _prompt(self, kind: str, body: bytes, key_salt: str) -> tuple[list[int], str] | None:
         """The first prompt's token ids and its tenant salt, as the engine will see them; None

@@ -71,8 +71,11 @@ def build_router_app(router: RequestRouter, proxy: RouterProxy,
 
     async def generation(request: Request, kind: str) -> Response:
         body = await request.body()
-        engine = await router.route(kind, body, request.scope.get(KEY_SALT_SCOPE, ""))
-        return await proxy.forward(request, body, engine, next_engine)
+        routed = await router.route(kind, body, request.scope.get(KEY_SALT_SCOPE, ""))
+        if routed is None:
+            return await proxy.forward(request, body, None, next_engine)
+        engine, route = routed
+        return await proxy.forward(request, body, engine, next_engine, route.compute_tokens)
 
     async def passed(request: Request) -> Response:
         body = await request.body()

@@ -7,7 +7,6 @@ import argparse
 from urllib.parse import urlsplit
 
 from kvstore.cli_args import (
-    non_negative_int_arg,
     positive_float_arg,
     positive_int_arg,
 )
@@ -40,14 +39,12 @@ def add_router_arguments(router: argparse.ArgumentParser) -> None:
                         help="the socket of the kvstore daemon the engines share (default: "
                         "$KVSTORE_SOCKET, else the per-user default)")
     router.add_argument("--routing", choices=ROUTING_MODES, default="kv",
-                        help="kv: to the engine holding the longest prefix of the prompt in HBM "
-                        "(asking the daemon), ties, misses and DRAM-only prefixes to the least "
-                        "loaded; round-robin: in turn; least-loaded: fewest requests in flight "
-                        "(default: %(default)s)")
-    router.add_argument("--kv-load-slack", type=non_negative_int_arg, default=8, metavar="N",
-                        help="kv: an engine holding the longest prefix is passed over for the "
-                        "least loaded one when it has more than N more requests in flight "
-                        "(default: %(default)s)")
+                        help="kv: to the engine where the first token is expected soonest: "
+                        "the prompt tokens the router has queued there, plus this prompt "
+                        "priced by where its blocks are (its own HBM free, a peer's HBM, DRAM, "
+                        "SSD at the engine's measured restore rates, the rest at its prefill "
+                        "rate), asking the daemon; round-robin: in turn; least-loaded: fewest "
+                        "requests in flight (default: %(default)s)")
     router.add_argument("--kv-locate-timeout-ms", dest="kv_locate_timeout_s",
                         type=_milliseconds, default=0.05, metavar="MS",
                         help="kv: the longest a request waits for the daemon's answer; past it "

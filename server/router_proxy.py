@@ -44,19 +44,22 @@ class PassThroughResponse(EventStreamResponse):
     """The engine's response, bytes as they arrive; the client's disconnect cancels it."""
 
     def __init__(self, upstream: httpx.Response, engine_url: str, on_close: Callable[[], None],
-                 on_broken: Callable[[BaseException], None]) -> None:
-        super().__init__(_raw_body(upstream, on_broken), on_close, upstream.status_code)
+                 on_broken: Callable[[BaseException], None],
+                 on_first_chunk: Callable[[], None]) -> None:
+        super().__init__(_raw_body(upstream, on_broken, on_first_chunk), on_close,
+                         upstream.status_code)
         self.raw_headers = [(name, value) for name, value in upstream.headers.raw
                             if name.lower() not in _NOT_RETURNED]
         self.raw_headers.append((ENGINE_HEADER.encode(),
                                  engine_url.encode("ascii", "backslashreplace")))
 
 
-async def _raw_body(upstream: httpx.Response,
-                    on_broken: Callable[[BaseException], None]) -> AsyncGenerator[bytes, None]:
+async def _raw_body(upstream: httpx.Response, on_broken: Callable[[BaseException], None],
+                    on_first_chunk: Callable[[], None]) -> AsyncGenerator[bytes, None]:
     try:
         async for chunk in upstream.aiter_raw():
             if chunk:
+                on_first_chunk()
                 yield chunk
     except httpx.TransportError as exc:  # the engine died mid-answer: the client's is cut off
         on_broken(exc)
@@ -79,21 +82,28 @@ class RouterProxy:
         self._metrics = metrics
 
     async def forward(self, request: Request, body: bytes, engine: UpstreamEngine | None,
-                      next_engine: Callable[[set[str]], UpstreamEngine | None]) -> Response:
+                      next_engine: Callable[[set[str]], UpstreamEngine | None],
+                      queued_tokens: int = 0) -> Response:
         """Send the request to ``engine``, or on to ``next_engine(tried)`` while engines turn
-        out unreachable; the engine's response, or a 503 when none could take it."""
+        out unreachable; the engine's response, or a 503 when none could take it.
+        ``queued_tokens`` (the prompt tokens the first engine is expected to compute) count in
+        its queue until its answer's first bytes arrive, or it fails."""
         tried: set[str] = set()
         while engine is not None:
             tried.add(engine.url)
             engine.in_flight += 1
+            dequeue = _Queued(engine, queued_tokens)
+            queued_tokens = 0  # an engine tried next takes it unannounced
             try:
                 upstream = await until_disconnect(self._send(engine, request, body),
                                                   request.receive)
             except ClientGone:
                 engine.in_flight -= 1
+                dequeue()
                 return Response(status_code=499)  # nobody reads it: the client is gone
             except _UNREACHABLE as exc:
                 engine.in_flight -= 1
+                dequeue()
                 self._pool.mark_down(engine, f"{type(exc).__name__}: {exc}")
                 self._metrics.upstream_failed(engine.url)
                 engine = next_engine(tried)
@@ -102,14 +112,17 @@ class RouterProxy:
                 continue
             except httpx.TimeoutException as exc:
                 engine.in_flight -= 1
+                dequeue()
                 self._metrics.upstream_failed(engine.url)
                 return error_response(504, f"engine {engine.url} did not answer in time "
                                       f"({type(exc).__name__})", code="upstream_timeout")
             except BaseException:
                 engine.in_flight -= 1
+                dequeue()
                 raise
-            return PassThroughResponse(upstream, engine.url, _closer(engine, upstream.aclose),
-                                       lambda exc, e=engine: self._broken(e, exc))
+            return PassThroughResponse(upstream, engine.url,
+                                       _closer(engine, upstream.aclose, dequeue),
+                                       lambda exc, e=engine: self._broken(e, exc), dequeue)
         self._metrics.unrouted()
         return error_response(503, "no engine is ready to take the request; retry later",
                               code="no_engine_ready")
@@ -131,13 +144,27 @@ class RouterProxy:
         return await self._transport.handle_async_request(upstream)
 
 
-def _closer(engine: UpstreamEngine,
-            aclose: Callable[[], Awaitable[None]]) -> Callable[[], None]:
-    """The response's ``on_close``: the request leaves the engine's count, its connection is
-    closed (or goes back to the pool) whether or not the body was read."""
+class _Queued:
+    """A request's prompt tokens in an engine's queue; calling it takes them out, once."""
+
+    def __init__(self, engine: UpstreamEngine, num_tokens: int) -> None:
+        self._engine = engine
+        self._num_tokens = num_tokens
+        engine.queued_tokens += num_tokens
+
+    def __call__(self) -> None:
+        self._engine.queued_tokens -= self._num_tokens
+        self._num_tokens = 0
+
+
+def _closer(engine: UpstreamEngine, aclose: Callable[[], Awaitable[None]],
+            dequeue: _Queued) -> Callable[[], None]:
+    """The response's ``on_close``: the request leaves the engine's count and queue, its
+    connection is closed (or goes back to the pool) whether or not the body was read."""
 
     def close() -> None:
         engine.in_flight -= 1
+        dequeue()
         asyncio.ensure_future(aclose())
 
     return close

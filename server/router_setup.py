@@ -28,7 +28,7 @@ def build_router(args: argparse.Namespace, model_dir: Path,
     operator_key = metrics_key(args)
     if operator_key is not None and operator_key in keys:
         raise ValueError("the metrics key must differ from every API key")
-    policy = RoutingPolicy(args.routing, args.kv_load_slack)
+    policy = RoutingPolicy(args.routing)
     prompts = _prompt_builder(args, model_dir, tokenizer_dir) if policy.uses_kv else None
     timeout = httpx.Timeout(args.upstream_timeout, connect=args.connect_timeout)
     # One pool of connections for the requests (RouterProxy sends on the transport) and the

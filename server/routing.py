@@ -1,12 +1,22 @@
 """RoutingPolicy: which engine a request goes to, and why.
 
-With ``kv`` (the default) a request goes to the engine holding the longest prefix of its block
-chain in HBM (as the kvstore daemon's ``locate`` reports it); engines holding equally much are
-ties, and a tie, a prefix the node holds only in DRAM/SSD, and a miss all go to the least loaded
-engine. An HBM holder busier than the least loaded engine by more than ``load_slack`` requests
-is passed over for it (a prefix every request shares, such as a system prompt, would otherwise
-send everything to one engine). Without an answer from the daemon, the least loaded engine.
-``round-robin`` and ``least-loaded`` ignore where blocks are.
+With ``kv`` (the default) a request goes where its first token is expected soonest. For each
+ready engine the estimate is, in seconds: the prefill work the router has sent there and not yet
+seen answered (``queued_tokens``) at that engine's prefill rate, plus this request's tokens
+priced by where they sit: the leading blocks in the engine's own HBM are free; each later block
+costs the cheapest of restoring it from where the node holds it (a peer engine's HBM, the
+node's DRAM, its SSD) and computing it, at that engine's measured restore and prefill rates
+(``EngineCosts``, from its ``/load``); the rest is computed. So a conversation stays on the
+engine that holds it until that engine's queue costs more than restoring the prefix elsewhere,
+and a prefix every request shares (a system prompt) is worth only the restore it saves, not a
+whole queue: new conversations spread. Estimates within ``TIE_S`` of the best are ties: the
+engine holding the most in HBM (a conversation stays where it is warm), then the one with the
+fewest requests in flight, equal ones taking turns. A prompt mostly new (no
+engine holds half of it) widens the tie to what the best holder's HBM saves, so a shared head
+never concentrates new conversations on one engine even when they arrive one at a time (llm-d
+dropped its weighted blend for this after it hot-spotted on shared prefixes). Without an
+answer from the daemon, the least loaded engine. ``round-robin`` and ``least-loaded`` ignore
+where blocks are.
 
 Least loaded: fewest requests in flight; equally loaded engines take turns. Plain data in,
 a ``Route`` out: no IO here.
@@ -16,53 +26,149 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 ROUTING_MODES = ("kv", "round-robin", "least-loaded")
+# Estimates closer than this to the best are ties (a cold prompt on idle engines: all equal).
+TIE_S = 0.002
+# Where a restored block comes from, in the order an engine's restore reads the node.
+PEER_HBM, DRAM, SSD = "hbm", "dram", "ssd"
 
 
 class RouteReason(str, enum.Enum):
     """Why a request went where it went (the router's metrics count each)."""
 
-    HBM_HIT = "hbm_hit"  # to the engine holding the longest prefix in HBM
-    HBM_BUSY = "hbm_busy"  # that engine was over the load slack: to the least loaded
-    DRAM_HIT = "dram_hit"  # no engine holds any of it in HBM, the store does: least loaded
-    MISS = "miss"  # held nowhere (or no prompt to look up): least loaded
+    HBM_HIT = "hbm_hit"  # the chosen engine holds the longest prefix in its own HBM
+    HBM_BUSY = "hbm_busy"  # another engine holds more in HBM, but its queue costs more
+    DRAM_HIT = "dram_hit"  # no engine holds any of it in HBM, the store does
+    MISS = "miss"  # held nowhere (or no prompt to look up): spread by queue and load
     FALLBACK = "fallback"  # the daemon did not answer in time: least loaded
     ROUND_ROBIN = "round_robin"  # --routing round-robin
     LEAST_LOADED = "least_loaded"  # --routing least-loaded
 
 
 @dataclass(frozen=True)
+class EngineCosts:
+    """An engine's measured costs: seconds per prompt token it computes, and seconds per token
+    it restores from each source (``PEER_HBM``, ``DRAM``, ``SSD``). The defaults are the
+    engines' own priors for a GPU (20k prompt tokens/s; 200, 20 and 1 GB/s) at Qwen3-4B's
+    147 KiB of KV per token, used until an engine reports its own."""
+
+    prefill_s_per_token: float = 1 / 2e4
+    restore_s_per_token: Mapping[str, float] = field(default_factory=lambda: {
+        PEER_HBM: 147456 / 2e11, DRAM: 147456 / 2e10, SSD: 147456 / 1e9})
+    prefill_measured: bool = False  # False: the prior, until the engine has timed prefills
+
+    @classmethod
+    def from_report(cls, report: Mapping | None) -> EngineCosts:
+        """From ``/load``'s ``costs`` (``prefill_tokens_per_s``, ``kv_bytes_per_token``,
+        ``restore_bytes_per_s`` by tier); the defaults for what is missing or malformed."""
+        default = cls()
+        if not isinstance(report, Mapping):
+            return default
+        try:
+            rate = float(report["prefill_tokens_per_s"])
+            per_token = float(report["kv_bytes_per_token"])
+            bandwidth = {str(k): float(v) for k, v in report["restore_bytes_per_s"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return default
+        if rate <= 0 or per_token <= 0:
+            return default
+        restore = dict(default.restore_s_per_token)
+        restore.update({tier: per_token / bw for tier, bw in bandwidth.items() if bw > 0})
+        return cls(1.0 / rate, restore, bool(report.get("prefill_measured", True)))
+
+
+@dataclass(frozen=True)
 class Candidate:
-    """A ready engine as the policy sees it: its load and the leading blocks it holds in HBM."""
+    """A ready engine as the policy sees it: requests in flight, prefill tokens the router sent
+    it and has not seen answered, the leading blocks it holds in HBM, its costs."""
 
     name: str
     load: int
     num_hbm: int = 0
+    queued_tokens: int = 0
+    costs: EngineCosts = field(default_factory=EngineCosts)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a prompt's blocks are on the node besides the engines' HBM: ``num_tokens`` of
+    prompt, ``block_size`` tokens a block, the leading ``num_dram`` blocks in DRAM and the
+    leading ``num_stored`` in DRAM or SSD."""
+
+    num_tokens: int
+    block_size: int
+    num_dram: int = 0
+    num_stored: int = 0
 
 
 @dataclass(frozen=True)
 class Route:
-    """The chosen engine, why, and how many leading blocks it is expected to find cached
-    anywhere on the node (its HBM, a peer's, DRAM or SSD)."""
+    """The chosen engine, why, how many leading blocks it is expected to find cached anywhere
+    on the node, the prompt tokens it is expected to compute, and its estimate (seconds)."""
 
     name: str
     reason: RouteReason
     expected_hit_blocks: int = 0
+    compute_tokens: int = 0
+    estimate_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate's expected time to first token and what it is made of."""
+
+    seconds: float
+    cached_blocks: int  # own HBM plus the blocks restoring beats computing
+    compute_tokens: int
+
+
+def estimate(candidate: Candidate, peer_hbm: int, placement: Placement) -> Estimate:
+    """``candidate``'s expected time to first token for ``placement``'s prompt, given that some
+    other engine holds its leading ``peer_hbm`` blocks in HBM."""
+    costs = candidate.costs
+    prefill = costs.prefill_s_per_token
+    seconds = candidate.queued_tokens * prefill
+    bs = placement.block_size
+    num_blocks = placement.num_tokens // bs
+    own = min(candidate.num_hbm, num_blocks)
+    sources = ((PEER_HBM, min(peer_hbm, num_blocks)), (DRAM, min(placement.num_dram, num_blocks)),
+               (SSD, min(placement.num_stored, num_blocks)))
+    cached, start = own, own
+    for end in sorted({limit for _, limit in sources if limit > own}):
+        per_token = min((costs.restore_s_per_token.get(tier, prefill)
+                         for tier, limit in sources if limit >= end), default=prefill)
+        if per_token >= prefill:
+            break  # computing is cheaper: the engine would not restore past here either
+        seconds += (end - start) * bs * per_token
+        cached, start = end, end
+    compute = placement.num_tokens - cached * bs
+    return Estimate(seconds + compute * prefill, cached, compute)
+
+
+def _with_node_prefill(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+    """Engines still on their prefill prior take the median of the measured ones: a node's
+    engines run one model on alike devices, and an engine that has not prefilled yet must not
+    look slower (or faster) than one that has for want of a measurement."""
+    measured = sorted(c.costs.prefill_s_per_token for c in candidates
+                      if c.costs.prefill_measured)
+    if not measured or len(measured) == len(candidates):
+        return candidates
+    median = measured[len(measured) // 2]
+    return [c if c.costs.prefill_measured else
+            replace(c, costs=replace(c.costs, prefill_s_per_token=median))
+            for c in candidates]
 
 
 class RoutingPolicy:
     """One router's policy; ``choose`` is called on the event loop (not thread-safe)."""
 
-    def __init__(self, mode: str = "kv", load_slack: int = 8) -> None:
+    def __init__(self, mode: str = "kv") -> None:
         if mode not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {ROUTING_MODES}, got {mode!r}")
-        if load_slack < 0:
-            raise ValueError(f"load_slack must be >= 0, got {load_slack}")
         self.mode = mode
-        self.load_slack = load_slack
         self._turns = itertools.count()
 
     @property
@@ -70,9 +176,9 @@ class RoutingPolicy:
         """Whether ``choose`` wants to know where the blocks are."""
         return self.mode == "kv"
 
-    def choose(self, candidates: Sequence[Candidate], num_stored: int | None = None) -> Route:
-        """The route among ``candidates`` (at least one). ``num_stored``: leading blocks the
-        store holds (DRAM or SSD); None when the daemon gave no answer (kv mode: fallback)."""
+    def choose(self, candidates: Sequence[Candidate], placement: Placement | None) -> Route:
+        """The route among ``candidates`` (at least one). ``placement``: where the prompt's
+        blocks are; None when the daemon gave no answer (kv mode: fallback)."""
         if not candidates:
             raise ValueError("no candidate engine")
         if self.mode == "round-robin":
@@ -80,18 +186,40 @@ class RoutingPolicy:
                          RouteReason.ROUND_ROBIN)
         if self.mode == "least-loaded":
             return Route(self.least_loaded(candidates).name, RouteReason.LEAST_LOADED)
-        if num_stored is None:
+        if placement is None:
             return Route(self.least_loaded(candidates).name, RouteReason.FALLBACK)
-        best = max(c.num_hbm for c in candidates)
-        expected = max(best, num_stored)
-        if best == 0:
-            reason = RouteReason.DRAM_HIT if num_stored else RouteReason.MISS
-            return Route(self.least_loaded(candidates).name, reason, expected)
-        holder = self.least_loaded([c for c in candidates if c.num_hbm == best])
-        lightest = min(c.load for c in candidates)
-        if holder.load - lightest > self.load_slack:
-            return Route(self.least_loaded(candidates).name, RouteReason.HBM_BUSY, expected)
-        return Route(holder.name, RouteReason.HBM_HIT, expected)
+        return self._cheapest(candidates, placement)
+
+    def _cheapest(self, candidates: Sequence[Candidate], placement: Placement) -> Route:
+        candidates = _with_node_prefill(candidates)
+        hbm = sorted((c.num_hbm for c in candidates), reverse=True)
+        estimates = []
+        for c in candidates:
+            # the longest prefix another engine holds: the top one, or the runner-up's for it
+            peer = hbm[1] if len(hbm) > 1 and c.num_hbm == hbm[0] else hbm[0]
+            estimates.append((c, estimate(c, 0 if len(hbm) == 1 else peer, placement)))
+        best = min(e.seconds for _, e in estimates)
+        held_tokens = hbm[0] * placement.block_size
+        if 2 * held_tokens < placement.num_tokens:
+            # Mostly new (what any engine holds is a shared head, such as a system prompt): its
+            # holder's saving is not worth concentrating new conversations (their later turns,
+            # their decode rows) on it; spread them by load among engines that come close.
+            window = max(TIE_S, held_tokens * max(c.costs.prefill_s_per_token
+                                                  for c in candidates))
+            chosen = self.least_loaded([c for c, e in estimates if e.seconds <= best + window])
+        else:  # a conversation: among ties, it stays where it is warm
+            tied = [c for c, e in estimates if e.seconds <= best + TIE_S]
+            warmest = max(c.num_hbm for c in tied)
+            chosen = self.least_loaded([c for c in tied if c.num_hbm == warmest])
+        chosen_estimate = next(e for c, e in estimates if c is chosen)
+        if hbm[0] == 0:
+            reason = RouteReason.DRAM_HIT if placement.num_stored else RouteReason.MISS
+        elif chosen.num_hbm == hbm[0]:
+            reason = RouteReason.HBM_HIT
+        else:
+            reason = RouteReason.HBM_BUSY
+        return Route(chosen.name, reason, chosen_estimate.cached_blocks,
+                     chosen_estimate.compute_tokens, chosen_estimate.seconds)
 
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         """The candidate with the fewest requests in flight; equally loaded ones take turns."""

@@ -13,52 +13,125 @@ from engine import LLM, SamplingParams
 from kvstore.wire.verbs import MAX_LOCATE_BLOCKS
 from offload.idents import sequence_idents
 from server.prompt_chain import MAX_CHAIN_BLOCKS, KVIdentity, PromptChain
-from server.routing import Candidate, RouteReason, RoutingPolicy
+from server.routed_prefixes import RoutedPrefixes
+from server.routing import (
+    Candidate,
+    EngineCosts,
+    Placement,
+    RouteReason,
+    RoutingPolicy,
+    estimate,
+)
+
+PREFILL = 1 / 40_000  # seconds per computed token
+COSTS = EngineCosts(PREFILL, {"hbm": PREFILL / 100, "dram": PREFILL / 10, "ssd": PREFILL / 2})
+BS = 16
 
 
-def _pick(policy: RoutingPolicy, candidates: list[Candidate], num_stored: int | None = 0):
-    route = policy.choose(candidates, num_stored)
+def _c(name: str, load: int = 0, num_hbm: int = 0, queued: int = 0) -> Candidate:
+    return Candidate(name, load, num_hbm, queued, COSTS)
+
+
+def _pick(policy: RoutingPolicy, candidates: list[Candidate], placement: Placement | None):
+    route = policy.choose(candidates, placement)
     return route.name, route.reason, route.expected_hit_blocks
 
 
-def test_the_longest_hbm_prefix_wins_ties_and_misses_go_to_the_least_loaded() -> None:
-    policy = RoutingPolicy("kv", load_slack=4)
-    a, b, c = (Candidate("a", 3, 5), Candidate("b", 0, 2), Candidate("c", 1, 0))
-    assert _pick(policy, [a, b, c], num_stored=7) == ("a", RouteReason.HBM_HIT, 7)
-    # Equal prefixes: the less loaded of the holders, not the least loaded overall.
-    tied = [Candidate("a", 3, 5), Candidate("b", 2, 5), Candidate("c", 0, 0)]
-    assert _pick(policy, tied, 5) == ("b", RouteReason.HBM_HIT, 5)
-    # Only the store holds it (DRAM or SSD), or nobody: the least loaded.
-    cold = [Candidate("a", 3), Candidate("b", 1), Candidate("c", 2)]
-    assert _pick(policy, cold, 9) == ("b", RouteReason.DRAM_HIT, 9)
-    assert _pick(policy, cold, 0) == ("b", RouteReason.MISS, 0)
-    # No answer from the daemon: the least loaded, as a fallback.
-    assert _pick(policy, [a, b, c], None) == ("b", RouteReason.FALLBACK, 0)
+def test_the_estimate_prices_each_block_where_it_is_cheapest() -> None:
+    placement = Placement(num_tokens=100 * BS, block_size=BS, num_dram=60, num_stored=80)
+    # own HBM 10 blocks free; 10..40 from the peer's HBM; 40..60 DRAM; 60..80 SSD; 80.. computed
+    est = estimate(_c("a", num_hbm=10, queued=1000), 40, placement)
+    want = (1000 * PREFILL + 30 * BS * COSTS.restore_s_per_token["hbm"]
+            + 20 * BS * COSTS.restore_s_per_token["dram"]
+            + 20 * BS * COSTS.restore_s_per_token["ssd"] + 20 * BS * PREFILL)
+    assert est.seconds == pytest.approx(want)
+    assert est.cached_blocks == 80 and est.compute_tokens == 20 * BS
+    # an SSD slower than computing is not restored from: the engine would compute it too
+    slow = EngineCosts(PREFILL, {"hbm": PREFILL / 100, "dram": PREFILL / 10, "ssd": PREFILL * 2})
+    est = estimate(Candidate("a", 0, 0, 0, slow), 0, placement)
+    assert est.cached_blocks == 60 and est.compute_tokens == 40 * BS
 
 
-def test_a_holder_over_the_load_slack_is_passed_over() -> None:
-    policy = RoutingPolicy("kv", load_slack=2)
-    assert _pick(policy, [Candidate("a", 3, 8), Candidate("b", 1)], 0)[:2] == \
-        ("a", RouteReason.HBM_HIT)
-    assert _pick(policy, [Candidate("a", 4, 8), Candidate("b", 1)], 0) == \
-        ("b", RouteReason.HBM_BUSY, 8)
+def test_a_warm_engine_keeps_its_conversation_until_its_queue_costs_more_than_a_restore() -> None:
+    policy = RoutingPolicy("kv")
+    placement = Placement(num_tokens=1200 * BS, block_size=BS, num_dram=1100, num_stored=1100)
+    # idle: the engine holding 1,100 blocks in HBM wins outright
+    assert _pick(policy, [_c("a", 0, 1100), _c("b", 0)], placement) == \
+        ("a", RouteReason.HBM_HIT, 1100)
+    # a's queue (8k tokens: 0.2 s) costs more than b restoring 1,100 blocks from a's HBM
+    assert _pick(policy, [_c("a", 1, 1100, queued=8000), _c("b", 0)], placement)[:2] == \
+        ("b", RouteReason.HBM_BUSY)
+    # a short queue does not: the restore would cost more than the wait
+    assert _pick(policy, [_c("a", 1, 1100, queued=20), _c("b", 0)], placement)[0] == "a"
+
+
+def test_a_shared_system_prompt_does_not_pull_every_new_conversation_to_one_engine() -> None:
+    """Every first turn shares 64 blocks of system prompt held by engine a; the router queues
+    each routed prompt on its engine: new conversations alternate, not pile up on a."""
+    policy = RoutingPolicy("kv")
+    placement = Placement(num_tokens=1200 * BS, block_size=BS, num_dram=64, num_stored=64)
+    queued = {"a": 0, "b": 0}
+    chosen = []
+    for _ in range(6):
+        route = policy.choose([_c("a", 0, 64, queued["a"]), _c("b", 0, 0, queued["b"])],
+                              placement)
+        queued[route.name] += route.compute_tokens
+        chosen.append(route.name)
+    assert Counter(chosen) == {"a": 3, "b": 3}, chosen
+
+
+def test_cold_prompts_spread_dram_hits_and_fallbacks_go_by_load() -> None:
+    policy = RoutingPolicy("kv")
+    cold = [_c("a", 3), _c("b", 1), _c("c", 2)]
+    assert _pick(policy, cold, Placement(90, BS, 5, 5)) == ("b", RouteReason.DRAM_HIT, 5)
+    assert _pick(policy, cold, Placement(90, BS)) == ("b", RouteReason.MISS, 0)
+    assert _pick(policy, cold, None) == ("b", RouteReason.FALLBACK, 0)
+    # a queue on an engine weighs more than requests in flight
+    assert _pick(policy, [_c("a", 0, queued=5000), _c("b", 3)], Placement(90, BS))[0] == "b"
 
 
 def test_equal_loads_take_turns_and_round_robin_ignores_load() -> None:
     policy = RoutingPolicy("kv")
-    idle = [Candidate("a", 0), Candidate("b", 0), Candidate("c", 0)]
-    assert Counter(_pick(policy, idle)[0] for _ in range(6)) == {"a": 2, "b": 2, "c": 2}
-    loaded = [Candidate("a", 0, 9), Candidate("b", 5), Candidate("c", 9)]
+    idle = [_c("a"), _c("b"), _c("c")]
+    assert Counter(_pick(policy, idle, Placement(90, BS))[0] for _ in range(6)) == \
+        {"a": 2, "b": 2, "c": 2}
+    loaded = [_c("a", 0, 9), _c("b", 5), _c("c", 9)]
     rr = RoutingPolicy("round-robin")
     assert [_pick(rr, loaded, None)[:2] for _ in range(3)] == [
         ("a", RouteReason.ROUND_ROBIN), ("b", RouteReason.ROUND_ROBIN),
         ("c", RouteReason.ROUND_ROBIN)]
-    assert _pick(RoutingPolicy("least-loaded"), loaded[::-1], 3)[:2] == \
+    assert _pick(RoutingPolicy("least-loaded"), loaded[::-1], None)[:2] == \
         ("a", RouteReason.LEAST_LOADED)
     with pytest.raises(ValueError):
         RoutingPolicy("random")
     with pytest.raises(ValueError):
-        policy.choose([])
+        policy.choose([], None)
+
+
+def test_engine_costs_come_from_the_load_report() -> None:
+    costs = EngineCosts.from_report({"prefill_tokens_per_s": 40_000, "kv_bytes_per_token": 1000,
+                                     "restore_bytes_per_s": {"dram": 2e10, "hbm": 0}})
+    assert costs.prefill_s_per_token == pytest.approx(1 / 40_000)
+    assert costs.restore_s_per_token["dram"] == pytest.approx(1000 / 2e10)
+    assert costs.restore_s_per_token["hbm"] == EngineCosts().restore_s_per_token["hbm"]
+    for bad in (None, {}, {"prefill_tokens_per_s": "x"}, {"prefill_tokens_per_s": 0,
+                                                           "kv_bytes_per_token": 1,
+                                                           "restore_bytes_per_s": {}}):
+        assert EngineCosts.from_report(bad) == EngineCosts()
+
+
+def test_routed_prefixes_mark_at_once_expire_and_stay_bounded() -> None:
+    marks = RoutedPrefixes(ttl_s=10.0, max_blocks=8)
+    chain = [bytes([i]) * 16 for i in range(6)]
+    marks.mark("a", chain[:4], now=0.0)
+    assert marks.held("a", chain, now=1.0) == 4 and marks.held("b", chain, now=1.0) == 0
+    marks.mark("b", chain[:2], now=2.0)  # the shared head sent to b too: a keeps it
+    assert marks.held("a", chain, now=3.0) == 4 and marks.held("b", chain, now=3.0) == 2
+    assert marks.held("a", chain, now=10.5) == 0 and marks.held("b", chain, now=10.5) == 2
+    marks.mark("c", [bytes([9]) * 16 for _ in range(1)] + [bytes([i + 50]) * 16
+                                                            for i in range(7)], now=4.0)
+    assert len(marks) == 8  # the oldest marks went first
+    assert marks.held("a", chain, now=5.0) < 4
 
 
 def test_the_routers_chain_is_the_engines(tiny_model_dir: Path) -> None:
