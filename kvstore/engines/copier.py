@@ -40,8 +40,11 @@ import numpy as np
 
 from kvstore.engines import cuda_batch
 from kvstore.engines.copy_bounds import check_block_ids
+from kvstore.engines.copy_handle import CopyHandle
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.engines.cuda_fault import CudaFault
+
+__all__ = ["CopyHandle", "CudaCopier"]
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
 from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
@@ -64,32 +67,6 @@ def _cupy():
     import cupy  # imported lazily: the CPU daemon never needs it
 
     return cupy
-
-
-class CopyHandle:
-    """One submitted batch: ``poll()`` never blocks, ``wait()`` blocks on the event.
-
-    Both raise the CUDA error a copy of the batch hit (and show a sticky one to ``fault``).
-    """
-
-    def __init__(self, event, num_bytes: int, fault: CudaFault) -> None:
-        self._event = event
-        self.num_bytes = num_bytes
-        self._fault = fault
-
-    def poll(self) -> bool:
-        try:
-            return bool(self._event.done)
-        except Exception as exc:
-            self._fault.observe(exc, "a copy's event")
-            raise
-
-    def wait(self) -> None:
-        try:
-            self._event.synchronize()
-        except Exception as exc:
-            self._fault.observe(exc, "a copy's event")
-            raise
 
 
 Runs = Sequence[CopyRun] | RunArrays
