@@ -24,25 +24,15 @@ import pytest
 from support.arena import CudaArena
 
 from kvstore.engines.copy_bounds import HostSpans
-from kvstore.keys import Namespace, block_hashes, block_ident
 from kvstore.layout import KVLayout, Region
 from kvstore.store.dram.host_memory import available_bytes
 
 pytestmark = pytest.mark.gpu
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_daemon_cuda import BLOCK_BYTES, _start_daemon  # noqa: E402
+from test_daemon_cuda import BLOCK_BYTES, _chain, _start_daemon  # noqa: E402
 
 GiB = 1 << 30
-
-
-def _chain(name: str, num_blocks: int, seed: int = 0) -> tuple[bytes, list[bytes], list[bytes]]:
-    namespace = Namespace(name=name).digest
-    tokens = np.random.default_rng(seed).integers(0, 50_000, num_blocks * 16)
-    hashes = block_hashes(namespace, tokens, 16)
-    parents = [namespace, *hashes[:-1]]
-    idents = [block_ident(parents[i], tokens[i * 16:(i + 1) * 16]) for i in range(num_blocks)]
-    return namespace, hashes, idents
 
 
 @pytest.mark.parametrize("method", ["staged", "kernel", "batch", "memcpy"])
