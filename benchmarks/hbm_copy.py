@@ -14,7 +14,7 @@ daemon's copier alone in this process with the same runs. Ratio = daemon load / 
 then copies between the GPUs (peer access: NVLink or PCIe), as for two engines of a node.
 
     python -m benchmarks.hbm_copy [--blocks 64,256,1024] [--reps 10] [--reader-device N]
-                                  [--out DIR]
+                                  [--out DIR] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import os
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -58,6 +59,7 @@ def _raw_row(cp, n: int, src: int, dst: int, src_ids: list[int], dst_ids: list[i
              reps: int) -> dict:
     """CUDA-event bandwidths (GB/s): one memcpy of n blocks' bytes, and the copier's runs."""
     from kvstore.engines.copier import CudaCopier
+    from kvstore.engines.copy_settings import CopyMethod
     from kvstore.engines.run_arrays import CopyRun
 
     nbytes = n * BLOCK_BYTES
@@ -67,14 +69,22 @@ def _raw_row(cp, n: int, src: int, dst: int, src_ids: list[int], dst_ids: list[i
     copier = CudaCopier(cp.cuda.Device().id)
     runs = [CopyRun(src + s * BLOCK_BYTES, dst + d * BLOCK_BYTES, BLOCK_BYTES)
             for s, d in zip(src_ids, dst_ids, strict=True)]
-    times = []
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        copier.device_to_device(runs).wait()
-        if rep:
-            times.append(time.perf_counter() - t0)
-    return {"raw_d2d_gbps": nbytes / raw_ms / 1e6,
-            "copier_d2d_gbps": nbytes / float(np.median(times)) / 1e9}
+    merged, kind, method = copier.device_to_device_plan(runs)
+    out = {"raw_d2d_gbps": nbytes / raw_ms / 1e6, "copier_method": method.value}
+    methods = {"": None, **{f"_{m.value}": m for m in (CopyMethod.MEMCPY, CopyMethod.BATCH,
+                                                          CopyMethod.KERNEL)}}
+    for suffix, forced in methods.items():
+        times = []
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            if forced is None:
+                copier.device_to_device(runs).wait()
+            else:  # the copier's methods one by one, on the runs the daemon would submit
+                copier._submit(merged, kind, forced).wait()
+            if rep:
+                times.append(time.perf_counter() - t0)
+        out[f"copier{suffix}_d2d_gbps"] = nbytes / float(np.median(times)) / 1e9
+    return out
 
 
 def _daemon_row(owner, reader, reg_owner: int, reg_reader: int, namespace: bytes, owner_arena,
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reader-device", type=int, default=0,
                         help="the GPU of the reader's arena (the owner's is GPU 0)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                        help="write the daemon's sampled stacks here (benchmarks.stack_sampler)")
     args = parser.parse_args(argv)
 
     import cupy as cp
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         cases[(n, "consecutive")] = (list(range(n)), list(range(n)))
     namespace = Namespace(name="hbm-copy").digest
     rows = []
-    proc, socket_path = start_daemon(256 << 20, "default")
+    proc, socket_path = start_daemon(256 << 20, "default", profile=args.profile)
     try:
         with Client(socket_path, timeout_s=120.0) as owner, \
                 Client(socket_path, timeout_s=120.0) as reader:
@@ -151,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["ratio_load"] = row["daemon_load_gbps"] / row["raw_d2d_gbps"]
                 rows.append(row)
                 print(f"{mode:>12} {n:5d} blocks | raw d2d {row['raw_d2d_gbps']:7.1f} GB/s | "
-                      f"copier alone {row['copier_d2d_gbps']:7.1f} | daemon load "
+                      f"copier alone {row['copier_d2d_gbps']:7.1f} ({row['copier_method']}; "
+                      f"memcpy {row['copier_memcpy_d2d_gbps']:.0f}, batch "
+                      f"{row['copier_batch_d2d_gbps']:.0f}, kernel "
+                      f"{row['copier_kernel_d2d_gbps']:.0f}) | daemon load "
                       f"{row['daemon_load_gbps']:7.1f} GB/s ({row['load_ms']:.2f} ms) = "
                       f"{row['ratio_load']:.2f} of raw | lookup {row['lookup_ms']:.2f} ms",
                       flush=True)

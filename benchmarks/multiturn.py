@@ -37,6 +37,7 @@ from benchmarks.common import command, machine_info, now_iso, write_result
 from benchmarks.multiturn_summary import TIERS, fmt_num, format_summary, summarize
 from benchmarks.request_record import RequestRecord
 from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
+from server.router_proxy import ENGINE_HEADER
 
 __all__ = ["TIERS", "RequestRecord", "RunConfig", "fmt_num", "format_summary", "run", "summarize"]
 
@@ -81,9 +82,11 @@ async def _stream_one(client: Any, model: str, messages: list[dict], config: Run
         kwargs["extra_body"] = {"ignore_eos": True}
     sent = time.perf_counter()
     record.sent_s = sent - started
-    stream = await client.chat.completions.create(
+    raw = await client.chat.completions.with_raw_response.create(
         model=model, messages=messages, max_tokens=config.workload.answer_len, temperature=0.0,
         stream=True, stream_options={"include_usage": True}, **kwargs)
+    record.engine = raw.headers.get(ENGINE_HEADER)
+    stream = raw.parse()
     pieces: list[str] = []
     last = None
     async for chunk in stream:

@@ -55,11 +55,13 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 class Process:
     """A subprocess whose merged output is drained by a thread (last lines kept)."""
 
-    def __init__(self, cmd: list[str], name: str) -> None:
+    def __init__(self, cmd: list[str], name: str, keep: str | None = None) -> None:
         self.cmd = cmd
         self.name = name
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
         self.error_lines: list[str] = []  # every ERROR or CRITICAL log line, kept in full
+        self._keep = re.compile(keep) if keep else None
+        self.kept: list[str] = []  # every line matching ``keep``, in full
         self._queue: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
@@ -71,6 +73,8 @@ class Process:
             self.lines.append(line.rstrip("\n"))
             if " ERROR " in line or " CRITICAL " in line:
                 self.error_lines.append(line.rstrip("\n"))
+            if self._keep is not None and self._keep.search(line):
+                self.kept.append(line.rstrip("\n"))
             self._queue.put(line)
         self._queue.put(None)
 

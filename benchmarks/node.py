@@ -4,7 +4,8 @@ The long-context preset's conversations (``benchmarks.multiturn_presets``: ~1k-t
 system prompt, ~18k-token histories, 100-token answers), with N times its users and request
 rate, sent to a ``kvengine router`` in front of N ``kvengine serve`` (one per device:
 ``cuda:0``..``cuda:N-1``, or N CPU engines), each engine's HBM pool a third of its share of the
-users' contexts. Configurations, one after another, each on fresh processes:
+users' contexts (``--hbm pressure``) or all of it (``--hbm fits``). Configurations, one after
+another, each on fresh processes:
 
 - ``rr-no-store`` (a): the router round-robin, engines without a store.
 - ``rr-store`` (b): round-robin, one daemon shared by the engines.
@@ -29,6 +30,7 @@ ratios with ``python -m benchmarks.node --merge A.json B.json ... [--tag T] [--o
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import signal
@@ -43,6 +45,7 @@ from benchmarks import multiturn, multiturn_sweep
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.multiturn_presets import PRESETS, scaled, summarize_point
 from kvstore.cli_args import size_arg
+from server.request_router import ROUTE_LOG_PREFIX
 
 CONFIGS = ("rr-no-store", "rr-store", "kv", "single")
 # kvengine:router_requests_total{reason="hbm_hit",engine="..."} 3.0
@@ -76,12 +79,25 @@ def _router_reasons(url: str) -> dict[str, float]:
     return out
 
 
+def _decisions(lines: list[str]) -> list[dict]:
+    """The router's routing decisions (its ``kvengine.router.routes`` debug lines)."""
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line[line.index(ROUTE_LOG_PREFIX + "{") +
+                                       len(ROUTE_LOG_PREFIX):]))
+        except ValueError:
+            continue
+    return out
+
+
 def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizing: dict,
                block_bytes: int) -> dict:
     """Start the daemon, engines and router of ``config``, run the workload, stop them."""
     single = config == "single"
     num_engines = 1 if single else args.gpus
-    blocks = sizing["fits_blocks"] if single else sizing["pressure_blocks"]
+    blocks = sizing["fits_blocks"] if single or args.hbm == "fits" else \
+        sizing["pressure_blocks"]
     point: dict = {"config": config, "engines": num_engines, "num_kv_blocks": blocks,
                    "qps": qps, "error": None}
     workdir = Path(tempfile.mkdtemp(prefix="kv-node-"))
@@ -110,12 +126,14 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
         if not single:
             routing = "kv" if config == "kv" else "round-robin"
             cmd = [sys.executable, "-m", "server.cli", "router", str(args.model_dir),
-                   "--routing", routing, "--port", "0"]
+                   "--routing", routing, "--port", "0", "--log-level", "debug",
+                   "--uvicorn-log-level", "warning"]
             for engine_url in urls:
                 cmd += ["--engine", engine_url]
             if socket_path is not None:
                 cmd += ["--kv-store-socket", str(socket_path)]
-            router = multiturn_sweep.Process(cmd, "kvengine router")
+            router = multiturn_sweep.Process(cmd, "kvengine router",
+                                             keep=re.escape(ROUTE_LOG_PREFIX) + r"\{")
             procs.append(router)
             url = router.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
         run = multiturn.RunConfig(url=url, workload=workload, qps=qps,
@@ -126,6 +144,7 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
         point["summary"] = _figures(result, block_bytes / args.block_size, args.h2d_gbps)
         if not single:
             point["router_requests_by_reason"] = _router_reasons(url)
+            point["routes"] = _decisions(router.kept)
     except Exception as exc:  # a configuration that cannot run is reported, the rest go on
         point["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
     finally:
@@ -187,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--users", type=int, default=None, help="per engine (default: the preset's)")
     p.add_argument("--qps", type=float, default=None, help="per engine (default: the preset's)")
     p.add_argument("--dram", type=size_arg, default=None)
+    p.add_argument("--hbm", choices=("pressure", "fits"), default="pressure",
+                   help="each node engine's KV pool: pressure, a third of its share of the "
+                   "users' contexts (the node's HBM holds a third: most later turns restore "
+                   "from DRAM whatever the routing); fits, its whole share, as (d)'s (the "
+                   "node's HBM holds everything: a later turn is an own-HBM hit only where "
+                   "its conversation went before)")
     p.add_argument("--h2d-gbps", type=float, default=50.0,
                    help="the restore floor's bandwidth in the summaries")
     p.add_argument("--block-size", type=int, default=16)
@@ -284,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = compare(points)
     _print_ratios(ratios)
     tag = args.tag or f"{args.device}-{args.gpus}x"
-    out = {"benchmark": "node", "device": args.device, "gpus": args.gpus, "sizing": sizing,
+    out = {"benchmark": "node", "device": args.device, "gpus": args.gpus, "hbm": args.hbm,
+           "sizing": sizing,
            "per_engine_users": per_engine.num_users, "points": points, "ratios": ratios,
            "targets": TARGETS, "machine": machine_info(), "date": now_iso(),
            "command": command("python -m benchmarks.node", argv)}

@@ -23,6 +23,7 @@ class RequestRecord:
     e2e_s: float | None = None
     num_chunks: int = 0
     error: str | None = None
+    engine: str | None = None  # the engine that served it, where a router names it
 
     @property
     def ok(self) -> bool:

@@ -57,14 +57,20 @@ _VARIANTS = {"default": [],
 # --trace: the daemon runs with benchmarks/copy_trace.py's hooks installed first.
 _TRACED_SERVE = ("import sys, benchmarks.copy_trace as ct; ct.install({!r}); "
                  "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
+_PROFILED_SERVE = ("import sys, benchmarks.stack_sampler as ss; ss.install({!r}); "
+                   "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def start_daemon(dram_bytes: int, variant: str,
-                 trace: Path | None = None) -> tuple[subprocess.Popen, Path]:
-    """``trace``: a timeline of every save/load into this file (benchmarks/copy_trace.py)."""
+def start_daemon(dram_bytes: int, variant: str, trace: Path | None = None,
+                 profile: Path | None = None) -> tuple[subprocess.Popen, Path]:
+    """``trace``: a timeline of every save/load into this file (benchmarks/copy_trace.py);
+    ``profile``: the daemon's sampled stacks into this file (benchmarks/stack_sampler.py)."""
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
-    head = [sys.executable, "-m", "kvstore.cli"] if trace is None \
-        else [sys.executable, "-c", _TRACED_SERVE.format(str(trace))]
+    head = [sys.executable, "-m", "kvstore.cli"]
+    if trace is not None:
+        head = [sys.executable, "-c", _TRACED_SERVE.format(str(trace))]
+    elif profile is not None:
+        head = [sys.executable, "-c", _PROFILED_SERVE.format(str(profile))]
     proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram",
                              str(dram_bytes), "--http", "off", *_VARIANTS[variant]],
                             stdout=subprocess.PIPE,

@@ -18,6 +18,9 @@ THREADS = 256
 UNROLL = 4
 UNROLLS = (4, 8, 16)  # the values compared
 _MAX_BLOCKS_PER_RUN = 128
+# The most CTAs of a device-to-device copy_runs launch: a few waves on an H200 (132 SMs, 8
+# resident CTAs of 256 threads each).
+DEVICE_GRID_CTAS = 2048
 _MAX_GRID = (1 << 31) - 1
 
 
@@ -43,10 +46,16 @@ def check_table(table: np.ndarray) -> None:
         raise ValueError("every pointer must be 16-byte aligned")
 
 
-def blocks_per_run_for(longest_bytes: int, unroll: int | None = None) -> int:
-    """CTAs per run: enough that each thread of the longest run does about one unrolled pass."""
+def blocks_per_run_for(longest_bytes: int, unroll: int | None = None,
+                       num_runs: int | None = None) -> int:
+    """CTAs per run: enough that each thread of the longest run does about one unrolled pass;
+    with ``num_runs``, no more than ``DEVICE_GRID_CTAS`` in all (a copy between device buffers:
+    there the CTAs loop over their run instead of each moving one pass and retiring)."""
     per_block = THREADS * 16 * (UNROLL if unroll is None else unroll)
-    return min(_MAX_BLOCKS_PER_RUN, max(1, -(-int(longest_bytes) // per_block)))
+    wanted = min(_MAX_BLOCKS_PER_RUN, max(1, -(-int(longest_bytes) // per_block)))
+    if num_runs is None:
+        return wanted
+    return max(1, min(wanted, DEVICE_GRID_CTAS // max(1, num_runs)))
 
 
 def launch_table(table_ptr: int, num_runs: int, stream, blocks_per_run: int,

@@ -11,6 +11,8 @@ it (its 400 passes through unchanged). The router never refuses a request the en
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Collection
 from typing import Any
@@ -29,6 +31,10 @@ from server.router_metrics import RouterMetrics
 from server.routing import Placement, Route, RoutingPolicy
 
 CHAT, COMPLETION = "chat", "completion"
+# One line per kv-routed request at DEBUG: what the policy saw and chose (``ROUTE_LOG_PREFIX``
+# then JSON), for a benchmark or an operator to replay a decision with ``routing.estimate``.
+route_log = logging.getLogger("kvengine.router.routes")
+ROUTE_LOG_PREFIX = "route "
 
 
 class RequestRouter:
@@ -99,9 +105,12 @@ class RequestRouter:
         hashes = chain.hashes
         candidates = [e.candidate(max(held.get(e.url, 0), self.routed.held(e.url, hashes)))
                       for e in ready]
-        route = self.policy.choose(candidates, Placement(
-            len(token_ids), identity.block_size, reply.num_dram, reply.num_stored))
+        placement = Placement(len(token_ids), identity.block_size, reply.num_dram,
+                              reply.num_stored)
+        route = self.policy.choose(candidates, placement)
         self.routed.mark(route.name, hashes)  # a burst sees it before the daemon does
+        if route_log.isEnabledFor(logging.DEBUG):
+            route_log.debug("%s%s", ROUTE_LOG_PREFIX, _decision(candidates, placement, route))
         return route
 
     async def _prompt(self, kind: str, body: bytes, key_salt: str) -> tuple[list[int], str] | None:
@@ -127,3 +136,16 @@ class RequestRouter:
             return token_ids, salt
         except (ValidationError, APIError, ValueError, TypeError, IndexError):
             return None
+
+
+def _decision(candidates: list, placement: Placement, route: Route) -> str:
+    """A routing decision as one JSON line (see ``route_log``)."""
+    return json.dumps({
+        "t": time.time(), "chosen": route.name, "reason": route.reason.value,
+        "estimate_s": route.estimate_s, "compute_tokens": route.compute_tokens,
+        "tokens": placement.num_tokens, "dram": placement.num_dram,
+        "stored": placement.num_stored,
+        "candidates": [{"name": c.name, "load": c.load, "hbm": c.num_hbm,
+                        "queued": c.queued_tokens,
+                        "prefill_s_per_token": c.costs.prefill_s_per_token,
+                        "measured": c.costs.prefill_measured} for c in candidates]})

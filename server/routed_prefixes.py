@@ -5,9 +5,11 @@ An engine publishes a prompt's blocks to the daemon only once it has computed th
 length of a prefill the daemon's ``locate`` says nobody holds what a burst of requests sharing
 a prefix all want. The router marks the chosen engine as holding the request's chain at once;
 a later request's held prefix on an engine is the longer of the daemon's answer and this.
-Marks expire after ``ttl_s`` (by then the daemon knows, and the engine may have evicted them)
-and the table keeps at most ``max_blocks`` hashes (oldest first out). Plain data, no IO; on the
-router's event loop only.
+Marks expire after ``ttl_s``: long enough for a prefill to finish and the engine to publish,
+short enough not to outlive the blocks (on two H200s under HBM pressure a 30 s mark claimed
+conversations the engine had evicted 20 s before: their next turns went by a stale hit,
+restored from DRAM anyway, while the estimate called them free). The table keeps at most
+``max_blocks`` hashes (oldest first out). Plain data, no IO; on the router's event loop only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 class RoutedPrefixes:
     """Which engine was last sent which block hash, and when."""
 
-    def __init__(self, ttl_s: float = 30.0, max_blocks: int = 1 << 20) -> None:
+    def __init__(self, ttl_s: float = 5.0, max_blocks: int = 1 << 20) -> None:
         if ttl_s <= 0 or max_blocks <= 0:
             raise ValueError("ttl_s and max_blocks must be positive")
         self.ttl_s = ttl_s

@@ -149,16 +149,17 @@ def estimate(candidate: Candidate, peer_hbm: int, placement: Placement) -> Estim
 
 
 def _with_node_prefill(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
-    """Engines still on their prefill prior take the median of the measured ones: a node's
-    engines run one model on alike devices, and an engine that has not prefilled yet must not
-    look slower (or faster) than one that has for want of a measurement."""
+    """Every engine priced at the median prefill rate of those that have measured one: a node's
+    engines run one model on alike devices, and one engine's estimate is noisy for its first
+    minute (two H200s measured 12k and 36k tokens/s for the same prefills; the router then sent
+    new conversations behind a queue on the "faster" one, 1.2-2.5 s first tokens). Engines still
+    on their prior keep it only while none has measured."""
     measured = sorted(c.costs.prefill_s_per_token for c in candidates
                       if c.costs.prefill_measured)
-    if not measured or len(measured) == len(candidates):
+    if not measured:
         return candidates
     median = measured[len(measured) // 2]
-    return [c if c.costs.prefill_measured else
-            replace(c, costs=replace(c.costs, prefill_s_per_token=median))
+    return [replace(c, costs=replace(c.costs, prefill_s_per_token=median))
             for c in candidates]
 
 

@@ -352,12 +352,17 @@ class OpenAIServing:
                       chat: bool) -> AsyncGenerator[bytes, None]:
         rid, created, model = job.response_id, job.created, self.model_name
         try:
-            if chat:  # the role first, for every choice, as OpenAI does
-                for choice in sorted(job.choices.values(), key=lambda c: c.index):
-                    yield R.sse(R.chat_chunk(rid, created, model, choice.index,
-                                             {"role": "assistant", "content": ""}, None,
-                                             include_usage))
+            # The role first, for every choice, as OpenAI does, with the first output (as vLLM
+            # sends it): a stream's first bytes mean the prompt has been prefilled, which is
+            # what a router in front counts its queue by.
+            roles_due = chat
             async for out in group:
+                if roles_due:
+                    roles_due = False
+                    for role_choice in sorted(job.choices.values(), key=lambda c: c.index):
+                        yield R.sse(R.chat_chunk(rid, created, model, role_choice.index,
+                                                 {"role": "assistant", "content": ""}, None,
+                                                 include_usage))
                 choice = self._observe(job, out)
                 if chat and job.shape is not None:  # reasoning and tool calls parsed
                     for delta, reason in job.shape.chunks(out.request_id, choice.text,

@@ -59,7 +59,8 @@ def _pump(stream, lines: list[str], out: queue.Queue) -> None:
 def start_daemon(workdir: Path, *extra: str, dram: str = "32MiB", ssd_dir: Path | None = None,
                  ssd_size: str | None = None, http: bool = True,
                  env: dict[str, str] | None = None,
-                 socket_path: Path | None = None) -> RunningDaemon:
+                 socket_path: Path | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S) -> RunningDaemon:
     """Start `python -m kvstore.cli serve` (on a fresh socket unless given); wait until ready."""
     # A short private directory: sun_path holds only 107 bytes, pytest's tmp paths can be long.
     if socket_path is None:
@@ -75,7 +76,7 @@ def start_daemon(workdir: Path, *extra: str, dram: str = "32MiB", ssd_dir: Path 
     lines: list[str] = []
     ready: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines, ready), daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + start_timeout_s
     http_url = None
     while True:
         try:

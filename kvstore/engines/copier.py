@@ -193,7 +193,9 @@ class CudaCopier:
 
         table = run_table(runs.src_ptrs, runs.dst_ptrs, runs.num_bytes)
         unroll = self.settings.kernel_unroll
-        blocks_per_run = blocks_per_run_for(int(table[2].max()), unroll)
+        # Between arenas the grid is capped: short CTAs, one per 16 KiB, left HBM half used.
+        blocks_per_run = blocks_per_run_for(int(table[2].max()), unroll, len(runs) if
+                                            kind == _MEMCPY_DEFAULT else None)
         staged = self._tables[kind].take(table)
         if staged is None:
             with stream:
@@ -383,11 +385,15 @@ class CudaCopier:
     def device_to_device(self, runs: Runs, peer: bool = False) -> CopyHandle:
         """HBM tier: one engine's arena → another's, on this (the destination's) device.
 
-        Few runs go as ``cudaMemcpyAsync`` calls; many (shuffled block ids) as one launch of the
-        ``copy_runs`` gather kernel, since each call costs ~5 us, more than copying a
-        2 MB block at HBM speed. ``peer`` (some source on another device): the copy engines
-        take every run, faster over NVLink than the kernel."""
+        Few runs go as ``cudaMemcpyAsync`` calls; many by one ``copy_runs`` launch (a call costs
+        ~5 us, more than a 2 MB block takes at HBM speed; a driver batch of 256 runs took longer
+        to submit than to copy). ``peer`` (a source on another device): every run on the copy
+        engines, faster over NVLink than the kernel."""
+        return self._submit(*self.device_to_device_plan(runs, peer))
+
+    def device_to_device_plan(self, runs: Runs, peer: bool = False
+                              ) -> tuple[RunArrays, int, CopyMethod]:
+        """The merged runs, the copy kind and the method ``device_to_device`` submits them by."""
         merged = _merged(runs)
         gather = not peer and len(merged) >= _GATHER_MIN_RUNS and _aligned(merged)
-        return self._submit(merged, _MEMCPY_DEFAULT,
-                            CopyMethod.KERNEL if gather else CopyMethod.MEMCPY)
+        return merged, _MEMCPY_DEFAULT, CopyMethod.KERNEL if gather else CopyMethod.MEMCPY

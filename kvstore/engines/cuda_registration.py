@@ -18,6 +18,8 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
+
 from kvstore.engines.copier import CudaCopier
 from kvstore.engines.copy_pipeline import CopyPipeline
 from kvstore.engines.cuda_ipc import CudaIpcMapping, cuda_available
@@ -169,13 +171,15 @@ class CudaRegistration(Registration):
             raise
         return reg
 
-    def piece_ptrs(self, block_id: int, device_id: int | None = None) -> list[int]:
-        """The address of each of block ``block_id``'s region pieces, as a copy on
-        ``device_id`` (None: this registration's own device) reads them."""
+    def device_ptrs(self, block_ids: np.ndarray, device_id: int | None = None) -> np.ndarray:
+        """int64 ``[len(block_ids), regions]``: the address of each block's region pieces, as
+        a copy on ``device_id`` (None: this registration's own device) reads them."""
         bases = self._region_ptrs if device_id in (None, self.device_id) else \
             self._peer_bases(device_id)
-        return [base + region.offset + block_id * region.block_stride
-                for region, base in zip(self.layout.regions, bases)]
+        regions = self.layout.regions
+        base = np.array([b + r.offset for b, r in zip(bases, regions)], dtype=np.int64)
+        stride = np.array([r.block_stride for r in regions], dtype=np.int64)
+        return base + np.asarray(block_ids, dtype=np.int64).reshape(-1, 1) * stride
 
     def _peer_bases(self, device_id: int) -> list[int]:
         """The regions' bases opened from their IPC handles with ``device_id`` current (once,

@@ -41,14 +41,14 @@ def _engine_idle(server: RunningServer) -> bool:
 def test_full_queue_answers_503_and_recovers(small: RunningServer) -> None:
     with httpx.Client(base_url=small.url, timeout=60) as c, contextlib.ExitStack() as stack:
         streams = []
-        for _ in range(2):  # one runs, one waits: the queue is now full
+        for n in range(1, 3):  # one runs, one waits: the queue is now full
             response = stack.enter_context(c.stream("POST", "/v1/chat/completions",
                                                     json=_long_chat()))
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            first = next(line for line in lines if line)  # the role chunk comes at once
-            assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
-            streams.append(lines)
+            assert response.status_code == 200  # the headers come at once
+            assert wait_until(lambda n=n: small.async_engine.num_in_flight == n, timeout_s=10)
+            streams.append(response.iter_lines())
+        first = next(line for line in streams[0] if line)  # the role, with the first token
+        assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
         refused = c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "overloaded"

@@ -108,6 +108,22 @@ def test_equal_loads_take_turns_and_round_robin_ignores_load() -> None:
         policy.choose([], None)
 
 
+def test_engines_are_priced_at_the_nodes_median_prefill_rate() -> None:
+    """Seen on two H200s: one engine's early estimate said 12k tokens/s, the other's 36k, for
+    the same prefills. Priced at their own rates, a new conversation went behind an 18k-token
+    queue on the "fast" one instead of to the idle "slow" one."""
+    policy = RoutingPolicy("kv")
+    slow = EngineCosts(1 / 12_000, COSTS.restore_s_per_token, prefill_measured=True)
+    fast = EngineCosts(1 / 36_000, COSTS.restore_s_per_token, prefill_measured=True)
+    placement = Placement(num_tokens=1188 * BS, block_size=BS, num_dram=64, num_stored=64)
+    candidates = [Candidate("idle", 0, 64, 0, slow), Candidate("busy", 1, 64, 18_000, fast)]
+    assert policy.choose(candidates, placement).name == "idle"
+    # an engine still on its prior takes the node's rate too
+    prior = EngineCosts(1 / 1_000, COSTS.restore_s_per_token, prefill_measured=False)
+    candidates = [Candidate("idle", 0, 64, 0, prior), Candidate("busy", 1, 64, 18_000, fast)]
+    assert policy.choose(candidates, placement).name == "idle"
+
+
 def test_engine_costs_come_from_the_load_report() -> None:
     costs = EngineCosts.from_report({"prefill_tokens_per_s": 40_000, "kv_bytes_per_token": 1000,
                                      "restore_bytes_per_s": {"dram": 2e10, "hbm": 0}})

@@ -10,10 +10,10 @@ is wrong. Blocks after a failed one may have been written into the requester's b
 counted (the requester recomputes them).
 
 CPU: a memcpy between the two shared-memory mappings. GPU: device to device on the destination
-device's copy stream, coalesced runs, chunked so the first chunk copies while the next is built,
-completion by event. Across GPUs the source's regions are read through a mapping opened on the
-destination device (``CudaRegistration.piece_ptrs``) and the copy engines move them (a
-``cudaMemcpyAsync`` a run: 242 GB/s over NVLink on H200s, the gather kernel 157-187).
+device's copy stream, one submission per source registration (addresses and generation checks
+as arrays), completion by event. Across GPUs the source's regions are read through a mapping
+opened on the destination device (``CudaRegistration.device_ptrs``) and the copy engines move
+them (a ``cudaMemcpyAsync`` a run: 242 GB/s over NVLink on H200s, the gather kernel 157-187).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvstore.engines.copier import CopyHandle
 from kvstore.engines.cuda_ipc import can_access_peer
 from kvstore.engines.hbm.index import HbmEntry
 from kvstore.engines.registration import Registration, RegistrationClosed
-from kvstore.engines.run_arrays import CopyRun
+from kvstore.engines.run_arrays import RunArrays
 
 log = logging.getLogger(__name__)
-
-CHUNK_BYTES = 64 << 20  # one device-to-device submission (~40 us of copying on an H100)
 
 # Why a copy stopped short (None: it did not).
 GENERATION = "generation"  # the owner reallocated the block
@@ -127,19 +127,37 @@ def _copy_host(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence
 
 
 @dataclass(eq=False)
-class _Chunk:
-    handle: CopyHandle
-    start: int  # carries blocks start .. end - 1
+class _Group:
+    """Sources ``start .. end - 1``: blocks of one registration, submitted as one copy."""
+
+    start: int
     end: int
+    reg: Registration
+    block_ids: np.ndarray
+    generations: np.ndarray
+    handle: CopyHandle | None = None
+
+
+def _first_stale(group: _Group) -> int | None:
+    """The index (into the sources) of the group's first block whose generation moved since
+    it was published (or all of them once the registration closed); None if none did."""
+    now = group.reg.generations_of(group.block_ids)
+    if now is None:
+        return group.start
+    moved = np.flatnonzero(now != group.generations)
+    return group.start + int(moved[0]) if len(moved) else None
 
 
 def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence[int],
                stopped: Callable[[], bool], check: Callable[[HbmEntry], str | None],
                after_copy: Callable[[int], None] | None) -> CopyOutcome:
+    """One submission per run of sources from one registration, every per-block step (the
+    generation checks, the addresses) as arrays: at HBM speed a block copies in about a
+    microsecond, so Python per block, not the copy, was the load's time."""
     num_blocks = len(sources)
-    per_chunk = max(1, CHUNK_BYTES // max(1, dst.block_bytes))
-    sizes = [r.block_bytes for r in dst.layout.regions]
-    chunks: list[_Chunk] = []
+    dst_ptrs = dst.device_ptrs(np.asarray(dst_ids, dtype=np.int64))
+    sizes = np.array([r.block_bytes for r in dst.layout.regions], dtype=np.int64)
+    groups: list[_Group] = []
     # Submission stops at the first block that may not be copied; what is before it counts.
     early: CopyOutcome | None = None
     try:
@@ -148,51 +166,59 @@ def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence
             if stopped():
                 early = CopyOutcome(i, STOPPED)
                 break
-            start, runs, peer = i, [], False
-            while i < num_blocks and i - start < per_chunk:
-                entry = sources[i]
-                reason = check(entry)
-                if reason is not None:
-                    early = _after_failure(entry, reason, i)
-                    break
-                try:
-                    src_ptrs = entry.reg.piece_ptrs(entry.block_id, dst.device_id)
-                except Exception as exc:  # the source cannot be opened on this device
-                    log.warning("blocks of engine %s cannot be read from device %d: %s",
-                                entry.reg.engine_id, dst.device_id, exc)
-                    early = CopyOutcome(i, INCOMPATIBLE)
-                    break
-                if entry.reg.device_id != dst.device_id:
-                    peer = True
-                for src_ptr, dst_ptr, num_bytes in zip(src_ptrs, dst.piece_ptrs(dst_ids[i]),
-                                                       sizes):
-                    runs.append(CopyRun(src_ptr, dst_ptr, num_bytes))
-                i += 1
-            if not runs:
+            reason = check(sources[i])  # opens the registration, or says why not
+            if reason is not None:
+                early = _after_failure(sources[i], reason, i)
                 break
+            reg, end = sources[i].reg, i + 1
+            while end < num_blocks and sources[end].reg is reg:
+                end += 1
+            group = _Group(i, end, reg,
+                           np.array([e.block_id for e in sources[i:end]], dtype=np.int64),
+                           np.array([e.generation for e in sources[i:end]], dtype=np.int64))
+            stale = _first_stale(group)
+            if stale is not None:  # copy what came before it, then stop there
+                early = _after_failure(sources[stale], CLOSED if reg.closed else GENERATION,
+                                       stale)
+                group = _Group(i, stale, reg, group.block_ids[:stale - i],
+                               group.generations[:stale - i])
+                if stale == i:
+                    break
             try:
-                handle = dst.copier.device_to_device(runs, peer)
+                src_ptrs = reg.device_ptrs(group.block_ids, dst.device_id)
+            except Exception as exc:  # the source cannot be opened on this device
+                log.warning("blocks of engine %s cannot be read from device %d: %s",
+                            reg.engine_id, dst.device_id, exc)
+                early = CopyOutcome(i, INCOMPATIBLE)
+                break
+            runs = RunArrays(src_ptrs.ravel(), dst_ptrs[group.start:group.end].ravel(),
+                             np.broadcast_to(sizes, src_ptrs.shape).ravel())
+            try:
+                group.handle = dst.copier.device_to_device(runs, reg.device_id != dst.device_id)
             except Exception as exc:  # the copier waited out what it had enqueued
                 log.error("submitting %d device-to-device block copies failed: %s",
-                          i - start, exc)
-                early = CopyOutcome(start, COPY_ERROR)
+                          group.end - group.start, exc)
+                early = CopyOutcome(group.start, COPY_ERROR)
                 break
-            chunks.append(_Chunk(handle, start, i))
-        # Count in order: a chunk's blocks are checked again once its event has completed.
-        for chunk in chunks:
+            groups.append(group)
+            i = group.end
+        # Count in order: a group's blocks are checked again once its event has completed.
+        for group in groups:
+            assert group.handle is not None
             try:
-                chunk.handle.wait()
+                group.handle.wait()
             except Exception as exc:  # a CUDA error surfaces at the event
                 log.error("device-to-device block copies failed: %s", exc)
-                return CopyOutcome(chunk.start, COPY_ERROR)
+                return CopyOutcome(group.start, COPY_ERROR)
             if after_copy is not None:
-                after_copy(chunk.start)
-            for j in range(chunk.start, chunk.end):
-                reason = _verify(sources[j])
-                if reason is not None:
-                    return _after_failure(sources[j], reason, j)
+                after_copy(group.start)
+            stale = _first_stale(group)
+            if stale is not None:
+                return _after_failure(sources[stale], CLOSED if group.reg.closed
+                                      else GENERATION, stale)
         return early if early is not None else CopyOutcome(num_blocks)
     finally:
-        for chunk in chunks:  # whatever happened, no copy is in flight once this returns
-            with contextlib.suppress(Exception):
-                chunk.handle.wait()
+        for group in groups:  # whatever happened, no copy is in flight once this returns
+            if group.handle is not None:
+                with contextlib.suppress(Exception):
+                    group.handle.wait()

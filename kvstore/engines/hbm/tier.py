@@ -223,8 +223,8 @@ class HbmTier:
                 with self._lock:
                     self.counters["copies"] += 1
                     self.counters["blocks_copied"] += got
-                    for entry in hit.sources[i:i + got]:
-                        self.counters[_path(entry.reg, dst)] += 1
+                    for src, num in Counter(e.reg for e in hit.sources[i:i + got]).items():
+                        self.counters[_path(src, dst)] += num
                     if out.failure is not None:
                         self.counters[_FAILURES[out.failure]] += 1
             else:

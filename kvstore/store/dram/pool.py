@@ -1,9 +1,10 @@
 """The DRAM tier's memory: one host buffer allocated at start, carved by an offset allocator.
 
 The buffer is one anonymous mapping (page aligned, so every aligned allocation is also fit for
-O_DIRECT). When CuPy sees a GPU it is page-locked with ``cudaHostRegister`` in chunks of at most
-64 GiB, so the copy engines can DMA straight from it; otherwise it stays plain memory and the CPU
-path behaves the same.
+O_DIRECT), faulted in and, when CuPy sees a GPU, page-locked with ``cudaHostRegister`` in chunks
+(the pool split among the start-up threads, at most 64 GiB each: ``page_lock.py``), so the copy
+engines can DMA straight from it; otherwise it stays plain memory and the CPU path behaves the
+same.
 
 A copy whose host range spans two chunks fails (``cudaErrorInvalidValue``, every method that
 crosses the bus: measured on an H200 with a 96 GiB pool), and the copier merges runs that
@@ -22,85 +23,61 @@ import mmap
 
 from kvstore.sizes import format_bytes
 from kvstore.store.allocator import Allocation, OffsetAllocator
+from kvstore.store.dram.page_lock import (
+    PIN_CHUNK_BYTES,
+    NoGpu,
+    default_workers,
+    fault_in,
+    map_anonymous,
+    page_lock,
+    page_unlock,
+    shares,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Allocation", "HostPool", "PinError"]
-
-PIN_CHUNK_BYTES = 64 << 30
-_HOST_REGISTER_PORTABLE = 1
-_HOST_REGISTER_MAPPED = 2
+__all__ = ["PIN_CHUNK_BYTES", "Allocation", "HostPool", "PinError"]
 
 
 class PinError(OSError):
     """Page-locking was required (``pin=True``) but CuPy or a GPU is missing, or it failed."""
 
 
-class NoGpu(PinError):
-    """CuPy or a CUDA device is missing: nothing to pin for."""
-
-
-_NO_GPU_ERRORS = (ImportError, NoGpu)
-
-
 def _describe_pin_error(exc: Exception) -> str:
-    if isinstance(exc, ImportError):
-        return "no CuPy"
     if isinstance(exc, NoGpu):
-        return "no CUDA device"
+        return str(exc) if str(exc) == "no CuPy" else "no CUDA device"
     return f"{type(exc).__name__}: {exc}"
 
 
-def _register_pinned(address: int, size: int, chunk_bytes: int) -> list[int]:
-    """Page-lock [address, address + size) in chunks; returns the chunk addresses to unregister."""
-    import cupy
-
-    try:
-        num_devices = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver: CuPy raises instead of counting 0
-        raise NoGpu(str(exc)) from None
-    if num_devices <= 0:
-        raise NoGpu("no CUDA device")
-    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
-    chunks: list[int] = []
-    try:
-        for off in range(0, size, chunk_bytes):
-            cupy.cuda.runtime.hostRegister(address + off, min(chunk_bytes, size - off), flags)
-            chunks.append(address + off)
-    except Exception:
-        _unregister_pinned(chunks)
-        raise
-    return chunks
-
-
-def _unregister_pinned(chunks: list[int]) -> None:
-    if not chunks:
-        return
-    import cupy
-
-    for addr in chunks:
-        try:
-            cupy.cuda.runtime.hostUnregister(addr)
-        except Exception as exc:  # at interpreter exit the runtime may already be gone
-            log.warning("cudaHostUnregister(%#x) failed: %s", addr, exc)
+def pin_chunk_bytes(capacity_bytes: int, workers: int, unit: int) -> int:
+    """The registration unit: the pool split among ``workers`` threads (each chunk a multiple of
+    ``unit``, at least 1 GiB, at most ``PIN_CHUNK_BYTES``)."""
+    share = shares(capacity_bytes, workers, unit)[0][1]
+    return max(unit, min(share, PIN_CHUNK_BYTES // unit * unit))
 
 
 class HostPool:
     """``capacity_bytes`` of host memory handed out as aligned ``Allocation`` ranges.
 
     ``pin``: True requires page-locking (PinError if impossible), False never pins, None pins when
-    CuPy and a GPU are present. ``populate`` faults the whole buffer in at start (about a second
-    per 8 GiB; a fresh page costs more than its copy: SSD reads into untouched memory ran at 65%
-    of disk speed, 90% into populated memory). ``base_address`` is the buffer's address.
+    CuPy and a GPU are present. ``populate`` faults the whole buffer in at start (a fresh page
+    costs more than its copy: SSD reads into untouched memory ran at 65% of disk speed, 90% into
+    populated memory). ``chunk_bytes``: the page-locking unit (default: the pool split among
+    ``workers`` threads, at least 1 GiB, at most 64 GiB). ``base_address`` is the buffer's address.
     """
 
     def __init__(self, capacity_bytes: int, alignment: int = 4096, pin: bool | None = None,
-                 populate: bool = True, chunk_bytes: int = PIN_CHUNK_BYTES) -> None:
+                 populate: bool = True, chunk_bytes: int | None = None,
+                 workers: int | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if alignment > mmap.PAGESIZE and alignment % mmap.PAGESIZE:
             raise ValueError("alignment above the page size must be a multiple of it")
-        if chunk_bytes < 2 * alignment or chunk_bytes % max(alignment, mmap.PAGESIZE):
+        unit = max(alignment, mmap.PAGESIZE)
+        workers = workers or default_workers()
+        if chunk_bytes is None:
+            chunk_bytes = pin_chunk_bytes(capacity_bytes, workers, unit)
+        if chunk_bytes < 2 * alignment or chunk_bytes % unit:
             raise ValueError(f"chunk_bytes {chunk_bytes} must be a multiple of the alignment and "
                              "of the page size, at least two alignment units")
         self._alloc = OffsetAllocator(capacity_bytes, alignment)
@@ -115,30 +92,35 @@ class HostPool:
             fence = self._alloc.allocate_at(boundary - alignment, 0)
             assert fence is not None
             self._fences[fence.offset] = fence
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if populate:  # fault every page in now, not inside the first copy or O_DIRECT read
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-        self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=flags)
+        self._mmap = map_anonymous(self.capacity_bytes)
         handle = ctypes.c_char.from_buffer(self._mmap)
         self.base_address = ctypes.addressof(handle)
         del handle  # drop the buffer export so close() can unmap
         self._view = memoryview(self._mmap)
         self._pinned_chunks: list[int] = []
         self.pin_error: str | None = None  # why the pool is not page-locked, if it was tried
-        if pin is not False:
-            try:
-                self._pinned_chunks = _register_pinned(self.base_address, self.capacity_bytes,
-                                                       chunk_bytes)
-            except Exception as exc:
-                self.pin_error = _describe_pin_error(exc)
-                if pin:
-                    self._release()
-                    raise PinError(f"cannot page-lock the {format_bytes(capacity_bytes)} host "
-                                   f"pool: {self.pin_error}") from exc
-                # No GPU is the CPU path's normal state; a GPU we could not pin for is not.
-                level = logging.DEBUG if isinstance(exc, _NO_GPU_ERRORS) else logging.WARNING
-                log.log(level, "host pool stays plain (unpinned) memory: %s", self.pin_error)
+        try:
+            if populate:  # every page now, not inside the first copy or O_DIRECT read
+                fault_in(self.base_address, self.capacity_bytes, workers)
+            if pin is not False:
+                self._pin(pin, workers)
+        except BaseException:
+            self._release()
+            raise
         self.pinned = bool(self._pinned_chunks)
+
+    def _pin(self, required: bool | None, workers: int) -> None:
+        try:
+            self._pinned_chunks = page_lock(self.base_address, self.capacity_bytes,
+                                            self.chunk_bytes, workers)
+        except Exception as exc:
+            self.pin_error = _describe_pin_error(exc)
+            if required:
+                raise PinError(f"cannot page-lock the {format_bytes(self.capacity_bytes)} host "
+                               f"pool: {self.pin_error}") from exc
+            # No GPU is the CPU path's normal state; a GPU we could not pin for is not.
+            level = logging.DEBUG if isinstance(exc, NoGpu) else logging.WARNING
+            log.log(level, "host pool stays plain (unpinned) memory: %s", self.pin_error)
 
     @property
     def used_bytes(self) -> int:
@@ -197,7 +179,7 @@ class HostPool:
 
     def close(self) -> None:
         """Unpin and unmap. Views handed out must not be used afterwards."""
-        _unregister_pinned(self._pinned_chunks)
+        page_unlock(self._pinned_chunks)
         self._pinned_chunks = []
         self._release()
 
