@@ -65,6 +65,21 @@ def _engine_cmd(args: argparse.Namespace, device: str, num_kv_blocks: int, sizin
     return cmd
 
 
+# kvengine:kv_offload_events_total{...,event="restores_declined"} 3.0
+_OFFLOAD_EVENT = re.compile(r'kvengine:kv_offload_events_total\{.*event="(\w+)".*\}\s+([0-9.e+]+)')
+
+
+def _offload_events(url: str) -> dict[str, float]:
+    """An engine's --kv-offload event counts (restores by how they ended, lookups answered
+    late, loads...), from its /metrics."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    return {m.group(1): float(m.group(2)) for m in map(_OFFLOAD_EVENT.match, text.splitlines())
+            if m and float(m.group(2))}
+
+
 def _router_reasons(url: str) -> dict[str, float]:
     """Requests routed by reason, from the router's /metrics."""
     try:
@@ -142,6 +157,8 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
         result = multiturn.run(run)
         point["records"] = result["records"]
         point["summary"] = _figures(result, block_bytes / args.block_size, args.h2d_gbps)
+        if socket_path is not None:
+            point["engine_offload_events"] = {u: _offload_events(u) for u in urls}
         if not single:
             point["router_requests_by_reason"] = _router_reasons(url)
             point["routes"] = _decisions(router.kept)

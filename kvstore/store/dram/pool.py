@@ -77,7 +77,7 @@ class HostPool:
         workers = workers or default_workers()
         if chunk_bytes is None:
             chunk_bytes = pin_chunk_bytes(capacity_bytes, workers, unit)
-        if chunk_bytes < 2 * alignment or chunk_bytes % unit:
+        if chunk_bytes < capacity_bytes and (chunk_bytes < 2 * alignment or chunk_bytes % unit):
             raise ValueError(f"chunk_bytes {chunk_bytes} must be a multiple of the alignment and "
                              "of the page size, at least two alignment units")
         self._alloc = OffsetAllocator(capacity_bytes, alignment)
