@@ -13,6 +13,9 @@ from offload.core.restore_job import RestoreJob
 from offload.load_periods import LoadBusyPeriods
 from offload.restore_policy import RestorePolicy
 
+# After this many restores declined in a row, the next goes ahead (see worth_loading).
+PROBE_EVERY = 16
+
 
 class CostDecider(RestoreDecider):
     """``always``: load every hit (benchmarks measure a tier even where it loses)."""
@@ -25,6 +28,7 @@ class CostDecider(RestoreDecider):
         self.counters = counters
         self.always = always
         self.load_bandwidth = LoadBusyPeriods()
+        self._declined_in_a_row = 0
 
     def expected_load_s(self, job: RestoreJob) -> float:
         by_tier = Counter(job.tiers[:job.num_hit])
@@ -36,6 +40,14 @@ class CostDecider(RestoreDecider):
             return True
         load_s, tokens = self.expected_load_s(job), job.num_hit * self.block_size
         if self.policy.restore_wins(load_s, tokens, job.busy):
+            self._declined_in_a_row = 0
+            return True
+        self._declined_in_a_row += 1
+        if self._declined_in_a_row >= PROBE_EVERY:
+            # An estimate only a load can correct (one slow sample under contention would
+            # otherwise decline that tier for good): one restore in PROBE_EVERY goes ahead.
+            self._declined_in_a_row = 0
+            self.counters["restores_probed"] += 1
             return True
         self.policy.note_declined(load_s, tokens, job.busy)
         return False

@@ -81,6 +81,7 @@ class RestorePolicy:
         self._alpha = alpha
         self._fixed_overhead_s = fixed_overhead_s
         self._bandwidth = {tier: _Ema(bw) for tier, bw in prior_bytes_per_s.items()}
+        self._warmed: set[str] = set()  # tiers whose first (warm-up) load was seen
         self._step_floor = _Ema(0.0)  # seconds of a step without prefill
         self._prior_token_cost = 1.0 / prior_prefill_tokens_per_s
         # Seconds per prefill token above the floor of recent prefill steps (their median is
@@ -94,10 +95,15 @@ class RestorePolicy:
 
     def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
         """Loads moved ``num_bytes`` (mostly from ``tier``) in ``seconds`` of busy time (one
-        busy period's sample, see above)."""
+        busy period's sample, see above). A tier's first sample is its warm-up (mappings
+        opened, kernels loaded on first use: 64 blocks from a peer GPU's arena took ~350 ms
+        once, ~2 ms after) and is not taken; the next replaces the prior."""
         if num_bytes <= 0 or seconds <= 0:
             return
         with self._lock:
+            if tier not in self._warmed:
+                self._warmed.add(tier)
+                return
             ema = self._bandwidth.setdefault(tier, _Ema(num_bytes / seconds))
             ema.update(num_bytes / seconds, self._alpha)
 

@@ -29,6 +29,7 @@ from kvstore.engines.registration import (  # noqa: F401 (the registry's errors,
     RegistryError,
 )
 from kvstore.engines.shm_registration import ShmRegistration, fd_of, map_fd
+from kvstore.engines.warm_up import open_peer_mappings, warm_copier
 from kvstore.layout import GENERATION_BYTES, KVLayout
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,14 @@ class Registry:
             raise
         with self._lock:
             self._by_id[reg.registration_id] = reg
+            others = list(self._by_id.values())
+        if reg.is_cuda:  # the first copies pay nothing a registration could have paid
+            try:
+                warm_copier(reg.copier)
+            except Exception as exc:
+                self.cuda_fault.observe(exc, "warming up the copier")
+                log.warning("warm-up of device %d's copier failed: %s", reg.device_id, exc)
+            open_peer_mappings(reg, others)
         return reg
 
     @staticmethod

@@ -198,7 +198,8 @@ def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, mak
     prompt = random_prompt(1000, 16 * 6 + 1, seed=12)
     store_through_an_engine(tiny_model_dir, daemon, [prompt])
     reader = offload_llm(tiny_model_dir, daemon)
-    reader.engine.offload.restore_policy.observe_load("dram", 1, 1.0)  # loading looks hopeless
+    for _ in range(2):  # the first sample is the tier's warm-up, the second its bandwidth
+        reader.engine.offload.restore_policy.observe_load("dram", 1, 1.0)  # looks hopeless
     out = reader.generate([prompt], GREEDY)[0]
     stats = reader.engine.stats()["kv_offload"]
     close_llm(reader)
@@ -208,7 +209,8 @@ def test_cost_model_declines_a_restore_slower_than_recompute(tiny_model_dir, mak
     with daemon.client() as c:
         assert wait_until(lambda: c.stats()["leases"] == 0, timeout_s=5.0)  # lease given back
     forced = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
-    forced.engine.offload.restore_policy.observe_load("dram", 1, 1.0)
+    for _ in range(2):
+        forced.engine.offload.restore_policy.observe_load("dram", 1, 1.0)
     out = forced.generate([prompt], GREEDY)[0]
     close_llm(forced)
     assert out.cached_tokens_by_tier["dram"] == 6 * 16

@@ -190,3 +190,32 @@ def test_a_step_waits_for_lookup_replies_by_the_previous_steps_length() -> None:
     assert lookup_wait_budget_s(0.006, likely_hit=True) == pytest.approx(0.002)
     assert lookup_wait_budget_s(0.1, likely_hit=True) == pytest.approx(0.025)
     assert lookup_wait_budget_s(0.4, likely_hit=True) == pytest.approx(0.05)
+
+
+def test_a_tiers_first_load_is_its_warm_up_not_its_bandwidth() -> None:
+    """Seen on two H200s: the first restore from a peer GPU's arena took ~350 ms for 64 blocks
+    (mappings and kernels on first use); taken as the tier's bandwidth, it made every later
+    restore from the peer look slower than recomputing."""
+    policy = RestorePolicy({"hbm": 200e9}, prior_prefill_tokens_per_s=35e3)
+    policy.observe_load("hbm", 151 << 20, 0.35)  # the warm-up: not taken
+    assert policy.should_restore("hbm", 18_000, 18_000 * 147_456)
+    policy.observe_load("hbm", 2650 << 20, 0.03)  # then measured
+    assert policy.expected_load_s("hbm", 2650 << 20) == pytest.approx(0.0305, rel=0.05)
+
+
+def test_a_declined_tier_is_probed_now_and_then() -> None:
+    """An estimate only a load can correct: after PROBE_EVERY declines in a row, one restore
+    goes ahead (counted), so one slow sample cannot switch a tier off for good."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from offload.cost_decider import PROBE_EVERY, CostDecider
+    from offload.core.restorer import Tier
+
+    policy = RestorePolicy({"dram": 1.0}, prior_prefill_tokens_per_s=1e12)  # hopeless loads
+    counters: Counter[str] = Counter()
+    decider = CostDecider(policy, 1 << 20, 16, counters)
+    job = SimpleNamespace(tiers=[Tier.DRAM] * 4, num_hit=4, busy=False)
+    decisions = [decider.worth_loading(job) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]
+    assert counters["restores_probed"] == 2
