@@ -51,7 +51,9 @@ CONFIGS = ("rr-no-store", "rr-store", "kv", "single")
 # kvengine:router_requests_total{reason="hbm_hit",engine="..."} 3.0
 _ROUTED = re.compile(r'kvengine:router_requests_total\{.*reason="(\w+)".*\}\s+([0-9.e+]+)')
 TARGETS = {"kv_later_vs_single": 1.3, "kv_later_vs_rr_no_store": 4.0,
-           "kv_vs_rr_store_later_p50": 1.5, "rr_store_vs_rr_no_store_later": 3.0}
+           "kv_vs_rr_store_later_p50": 1.5, "rr_store_vs_rr_no_store_later": 3.0,
+           "kv_vs_rr_store_all": 1.0, "kv_vs_rr_store_first": 1.0, "kv_vs_rr_store_p90": 1.0,
+           "kv_vs_rr_store_p99": 1.0}
 
 
 def _engine_cmd(args: argparse.Namespace, device: str, num_kv_blocks: int, sizing: dict,
@@ -206,6 +208,9 @@ def compare(points: dict[str, dict]) -> dict:
                                            get("kv", "later_p50_ms")),
         "rr_store_vs_rr_no_store_later": _ratio(get("rr-no-store", "later_ms"),
                                                 get("rr-store", "later_ms")),
+        # (c) no worse than (b): (b) over (c) of each statistic, at least 1
+        **{f"kv_vs_rr_store_{key[:-3]}": _ratio(get("rr-store", key), get("kv", key))
+           for key in ("all_ms", "first_ms", "p90_ms", "p99_ms")},
     }
 
 
@@ -265,7 +270,7 @@ def merge(args: argparse.Namespace, argv: list[str] | None) -> int:
     ratios = compare(points)
     _print_ratios(ratios)
     first = runs[0]
-    out = {**{k: first.get(k) for k in ("benchmark", "device", "gpus", "sizing",
+    out = {**{k: first.get(k) for k in ("benchmark", "device", "gpus", "hbm", "sizing",
                                           "per_engine_users", "machine")},
            "points": points, "ratios": ratios, "targets": TARGETS,
            "merged_from": [run.get("command") for run in runs], "date": now_iso(),

@@ -266,7 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
         banner.error("kvstore: error: %s", exc)
         return EXIT_FAILURE
     banner.info("kvstore: allocating the %s DRAM pool and faulting it in (about a second per "
-                "few GiB)...", format_bytes(config.dram_bytes))
+                "7 GiB on an H200 host)...", format_bytes(config.dram_bytes))
     started = time.monotonic()
     try:
         store = TieredStore(config)
