@@ -12,7 +12,6 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, check_dtype, cuda_index, resolve_device, use_cuda_device
 from engine.detokenizer import IncrementalDetokenizer
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.kv_cache import KVCache, kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
 from engine.logprobs import TokenLogprobs
@@ -31,6 +30,7 @@ from engine.prefill_order import PrefillOrder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.step_timing import StepTiming
 from engine.tokenizer import Tokenizer
 from engine.weights import weights_identity
 from kernels import make_ops
@@ -38,22 +38,6 @@ from offload.bridge import StoreBridge
 from offload.factory import make_store_bridge
 from offload.null_bridge import NullStore
 from offload.vocab import ModelIdentity, Namespace
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """Where one ``step`` spent its time: the previous step's deferred store work (``flush``),
-    taking in new requests (``add``: lookups sent), scheduling (restores polled, lookup replies
-    awaited), the forward and sampling (``execute``, device time included)."""
-
-    flush_s: float
-    add_s: float
-    schedule_s: float
-    execute_s: float
-    total_s: float
-    num_seqs: int
-    num_tokens: int
-    num_loading: int
 
 
 class LLMEngine:
@@ -131,11 +115,19 @@ class LLMEngine:
         """The block-key namespace of this model for a tenant."""
         return Namespace(model=self.model_identity, tenant_salt=cache_salt)
 
+    def compile_grammar(self, params: SamplingParams,
+                        prompt_token_ids: list[int]) -> GrammarMatcher | None:
+        """``params.structured_outputs`` compiled for this prompt (None without one) for
+        ``add_request``; slow (seconds for a large schema), thread-safe, GIL released: a server
+        calls it off its loop, once for all choices. ValueError if it does not compile."""
+        return self.grammars.matcher(params.structured_outputs, prompt_token_ids)
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        cache_salt: str = "",
+        cache_salt: str = "", grammar: GrammarMatcher | None = None,
     ) -> None:
-        """Queue a request; ValueError for a bad id, an empty or too long prompt, bad params."""
+        """Queue a request; ValueError for a bad id, an empty or too long prompt, bad params.
+        ``grammar``: ``compile_grammar``'s for these params and prompt (else compiled here)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if not isinstance(params, SamplingParams):
@@ -159,7 +151,8 @@ class LLMEngine:
                            params.include_stop_str_in_output),
                        token_bytes=token_bytes, arrival_time=time.perf_counter(),
                        # or ValueError; the prompt may have ended a reasoning already
-                       grammar=self.grammars.matcher(params.structured_outputs, ids))
+                       grammar=self.grammars.request_matcher(params.structured_outputs, ids,
+                                                             grammar))
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")

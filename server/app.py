@@ -116,10 +116,14 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
                        request: Request) -> JSONResponse:
         return JSONResponse(await tokenization.tokenize(body, request))
 
+    # The body is read raw and bounded before it is parsed (TokenizationServing.detokenize);
+    # its schema is still documented.
     @app.post("/detokenize", response_model=DetokenizeResponse,
-              responses=openapi.TOKENIZE_RESPONSES)
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(await tokenization.detokenize(body))
+              responses=openapi.TOKENIZE_RESPONSES, openapi_extra={"requestBody": {
+                  "required": True, "content": {"application/json": {
+                      "schema": DetokenizeRequest.model_json_schema()}}}})
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.detokenize(await request.body()))
 
     @app.get("/version", response_model=VersionResponse, responses=openapi.READ_RESPONSES)
     async def version() -> JSONResponse:

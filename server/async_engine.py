@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.engine_protocol import EngineOutput, EngineStats, ServedEngine
 
@@ -34,6 +34,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str = ""
+    grammar: Any = None  # the engine's compile_grammar result, compiled off the loop
 
 
 class RequestGroup:
@@ -157,7 +158,7 @@ class AsyncEngine:
                 for r in requests:
                     self._groups[r.request_id] = group
                     self.engine.add_request(r.request_id, r.prompt_token_ids, r.params,
-                                            cache_salt=r.cache_salt)
+                                            cache_salt=r.cache_salt, grammar=r.grammar)
                     added.append(r.request_id)
                 self._cond.notify()
         except BaseException:

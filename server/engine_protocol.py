@@ -156,10 +156,17 @@ class ServedEngine(Protocol):
         """Prompt token ids must be below this."""
         ...
 
+    def compile_grammar(self, params: SamplingParams, prompt_token_ids: list[int]) -> Any:
+        """``params``' structured-output constraint compiled for this prompt (None without
+        one), for ``add_request``; slow (up to seconds) and thread-safe: call it off the loop.
+        ValueError for a constraint that does not compile."""
+        ...
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, cache_salt: str = "") -> None:
+                    params: SamplingParams, cache_salt: str = "", grammar: Any = None) -> None:
         """Queue a request (generate/stream: its outputs come from `step`); ValueError for a
-        prompt or params the engine refuses."""
+        prompt or params the engine refuses. ``grammar``: ``compile_grammar``'s result (else
+        the engine compiles it here)."""
         ...
 
     def abort_request(self, request_id: str) -> None:

@@ -23,6 +23,7 @@ from server.async_engine import (
 from server.auth import KEY_SALT_SCOPE, tenant_salt
 from server.chat_output import ChatShape
 from server.chat_tools import ToolSettings, template_messages, tool_request
+from server.constraint_compiler import ConstraintCompiler
 from server.engine_protocol import EngineOutput, ServedEngine
 from server.errors import APIError
 from server.logprobs import LogprobsFormatter
@@ -73,6 +74,7 @@ class OpenAIServing:
                  sampling_params_cls: Callable[..., Any], tools: ToolSettings | None = None,
                  reasoning_parser: str | None = None) -> None:
         self.engine = engine
+        self.constraints = ConstraintCompiler(engine.engine)  # off the loop, once per prompt
         self.tools = tools or ToolSettings()
         self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.metrics = metrics
@@ -109,8 +111,8 @@ class OpenAIServing:
             job.logprobs = "completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(job, self._submit(job), include_usage, chat=False)
-        choices = await self._collect(job, self._submit(job), request)
+            return self._stream(job, await self._submit(job), include_usage, chat=False)
+        choices = await self._collect(job, await self._submit(job), request)
         return JSONResponse(R.completion_body(job.response_id, job.created, self.model_name,
                                               choices))
 
@@ -152,8 +154,8 @@ class OpenAIServing:
             job.logprobs = "chat"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._stream(job, self._submit(job), include_usage, chat=True)
-        choices = await self._collect(job, self._submit(job), request)
+            return self._stream(job, await self._submit(job), include_usage, chat=True)
+        choices = await self._collect(job, await self._submit(job), request)
         return JSONResponse(R.chat_body(job.response_id, job.created, self.model_name, choices))
 
     # ---- preparation -----------------------------------------------------------------------
@@ -254,7 +256,8 @@ class OpenAIServing:
             raise APIError(400, str(exc), param=field if field in type(body).model_fields else None,
                            code="invalid_value") from exc
 
-    def _submit(self, job: _Job) -> RequestGroup:
+    async def _submit(self, job: _Job) -> RequestGroup:
+        await self.constraints.compile(job.requests, job.constraint and job.constraint.param)
         try:
             group = self.engine.submit(job.requests)
         except EngineOverloaded as exc:
@@ -262,9 +265,8 @@ class OpenAIServing:
             raise APIError(503, str(exc), code="overloaded") from exc
         except EngineDead as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
-        except ValueError as exc:  # the engine's prompt and structured-output checks
-            constraint = job.constraint if str(exc).startswith("structured_outputs") else None
-            raise APIError(400, str(exc), param=constraint and constraint.param) from exc
+        except ValueError as exc:  # the engine's prompt checks (constraints compiled above)
+            raise APIError(400, str(exc)) from exc
         for r in job.requests:
             self.metrics.request_admitted(len(r.prompt_token_ids))
         return group
