@@ -6,14 +6,15 @@ so a send can block once the socket buffer is full), health probes, closing. The
 hands requests over through a bounded queue and polls their ``Transfer`` handles.
 
 The state the engine reads (``state``): ``ok`` (registered, the last probe answered in time),
-``hung`` (a probe, the registration or a send has waited on the daemon longer than
-``probe_deadline_s``: it is alive enough to hold the socket but does not answer, as under
-SIGSTOP) or ``down`` (not connected). It is derived from timestamps, so it is right even while
-this thread itself is stuck in a send. A lost connection is made again on demand (a request, or
-the engine asking whether the store is available), at most once per ``reconnect_interval_s``;
-each new connection bumps ``epoch``: the daemon met again may have lost what it held, and a
-request that names registered memory (``Job.epoch``) is sent only on the connection it was
-planned for.
+``hung`` (a probe, the registration or a send has waited on the daemon longer than the
+deadline, and nothing at all came back meanwhile: it is alive enough to hold the socket but
+does not answer, as under SIGSTOP; the deadline is ``probe_deadline_s``, longer where recent
+probes were slow) or ``down`` (not connected). It is derived from timestamps, so it is right
+even while this thread itself is stuck in a send. A lost connection is made again on demand (a
+request, or the engine asking whether the store is available), at most once per
+``reconnect_interval_s``; each new connection bumps ``epoch``: the daemon met again may have
+lost what it held, and a request that names registered memory (``Job.epoch``) is sent only on
+the connection it was planned for.
 
 What is registered: a fixed ``KVLayout`` (kvengine's arena), a callable that makes a fresh one
 on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writes only into
@@ -32,7 +33,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,9 @@ connection_log = logging.getLogger("offload.connection")
 # machine; a request waits on a hung store about their sum at most.
 PROBE_INTERVAL_S = 0.25
 PROBE_DEADLINE_S = 0.75
+# Where probes answered slowly, the deadline grows up to this (``StoreLink.deadline_s``).
+MAX_PROBE_DEADLINE_S = 5.0
+_RTT_WINDOW = 20
 # Requests waiting for the link's thread; past this the store is too far behind: refused.
 MAX_QUEUED = 4096
 # The link's thread wakes at least this often (probes, reconnects, closing).
@@ -109,6 +113,7 @@ class StoreLink:
         self._busy_since: float | None = None  # this thread waits on the daemon since then
         self._probe: Pending | None = None
         self._probe_sent_at: float | None = None
+        self._probe_rtts: deque[float] = deque(maxlen=_RTT_WINDOW)  # answered probes' times
         self._next_probe_at = 0.0
         self._next_attempt = 0.0
         self._connect_wanted = threading.Event()
@@ -123,17 +128,27 @@ class StoreLink:
 
     @property
     def state(self) -> StoreState:
-        """OK, HUNG or DOWN (see the module docstring); never blocks."""
+        """OK, HUNG or DOWN (see the module docstring); never blocks. A wait past the deadline
+        is a hang only while no reply of any kind has arrived for that long either: a daemon
+        that still answers other requests is slow, not stopped."""
         now = time.monotonic()
-        busy, probe_at = self._busy_since, self._probe_sent_at
-        if busy is not None and now - busy > self.probe_deadline_s:
-            return StoreState.HUNG
-        if probe_at is not None and now - probe_at > self.probe_deadline_s:
-            return StoreState.HUNG
         client = self._client
+        heard = client.last_reply_at if client is not None else 0.0
+        deadline = self.deadline_s
+        for since in (self._busy_since, self._probe_sent_at):
+            if since is not None and now - max(since, heard) > deadline:
+                return StoreState.HUNG
         if client is None or client.is_closed or not self._up:
             return StoreState.DOWN
         return StoreState.OK
+
+    @property
+    def deadline_s(self) -> float:
+        """How long a wait on the daemon may last before it counts as hung: ``probe_deadline_s``,
+        or more where recent probes took longer (a loaded machine): four times the slowest of
+        the last ``_RTT_WINDOW``, at most ``MAX_PROBE_DEADLINE_S``."""
+        slowest = max(self._probe_rtts, default=0.0)
+        return min(MAX_PROBE_DEADLINE_S, max(self.probe_deadline_s, 4 * slowest))
 
     def wait_first_attempt(self, timeout_s: float) -> None:
         """Let a caller give the first connect a moment (bounded) before it starts serving."""
@@ -291,6 +306,11 @@ class StoreLink:
                 return  # still out: ``state`` turns hung once it is overdue
             with contextlib.suppress(ClientError, DaemonUnavailable):
                 self.daemon_pid = self._probe.wait(0).get("pid")
+            assert self._probe_sent_at is not None
+            rtt = now - self._probe_sent_at
+            self._probe_rtts.append(rtt)
+            if rtt > self.probe_deadline_s:
+                self.counters["probes_late"] += 1  # slow, yet not taken for hung
             self._probe = self._probe_sent_at = None
             self._next_probe_at = now + self.probe_interval_s
         if now < self._next_probe_at:

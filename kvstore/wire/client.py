@@ -13,6 +13,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,7 @@ from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error t
     lookup_reply,
 )
 
-# How long a failed send waits for the reader to find the daemon's refusal frame (it is in the
-# socket already when the daemon closed after writing it).
+# How long a failed send waits for the reader to find the daemon's refusal frame (in the socket).
 _REFUSAL_WAIT_S = 1.0
 
 
@@ -56,13 +56,12 @@ class Client:
         self._send_lock = threading.Lock()  # one frame at a time on the socket
         self._pending: dict[int, Pending] = {}
         self._closed_error: BaseException | None = None
-        # The daemon's error frame that refused this connection (its connection cap, a uid it
-        # does not serve), set by the reader thread: the reason it closed, whatever comes next.
+        # The daemon's frame refusing this connection (cap, uid), set by the reader: the reason.
         self._refusal: ClientError | None = None
-        # The hello (protocol versions) goes out in front of the first request, unanswered by
-        # nobody: its reply is checked by the reader thread.
+        # The hello (protocol versions) goes out before the first request; the reader checks it.
         self._hello_id: int | None = None
         self.daemon_protocol: str | None = None  # once the hello is answered
+        self.last_reply_at = time.monotonic()  # when the reader last got a frame (any reply)
         self._sock = self._connect()
         self._reader = threading.Thread(target=self._read_loop, name="kvstore-client-reader",
                                         daemon=True)
@@ -154,6 +153,7 @@ class Client:
                                                              self.max_frame_bytes))
                 if body is None:
                     break
+                self.last_reply_at = time.monotonic()  # the daemon answers: slow, not stopped
                 reply = proto.decode_body(body)
                 if not isinstance(reply, dict):
                     raise proto.ProtocolError("bad_reply", "reply is not a map")

@@ -209,8 +209,8 @@ def test_a_declined_tier_is_probed_now_and_then() -> None:
     from collections import Counter
     from types import SimpleNamespace
 
-    from offload.cost_decider import PROBE_EVERY, CostDecider
     from offload.core.restorer import Tier
+    from offload.cost_decider import PROBE_EVERY, CostDecider
 
     policy = RestorePolicy({"dram": 1.0}, prior_prefill_tokens_per_s=1e12)  # hopeless loads
     counters: Counter[str] = Counter()
