@@ -29,6 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.strict_schema import strict_schema
 from engine.structured_outputs import StructuredOutputsParams
 
 # JSON as json.dumps and chat templates' tojson write it (", " and ": ", no other whitespace):
@@ -155,8 +156,9 @@ class GrammarCompiler:
         matcher_cls = llguidance.LLMatcher
         kind = params.kind
         try:
-            if kind == "json":
-                return matcher_cls.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+            if kind == "json":  # objects closed unless they say otherwise, as vLLM's default
+                return matcher_cls.grammar_from_json_schema(
+                    strict_schema(json.loads(params.json)), defaults=JSON_OPTIONS)
             if kind == "json_object":
                 return matcher_cls.grammar_from_json_schema({"type": "object"},
                                                             defaults=JSON_OPTIONS)

@@ -150,8 +150,10 @@ class ToolParser(ABC):
         return None if match is None else json.loads(f'"{match.group(1)}"')
 
     def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
+        from engine.strict_schema import strict_schema  # objects closed, as vLLM's default
+
         function = tool["function"]
-        parameters = function.get("parameters") or {"type": "object"}
+        parameters = strict_schema(function.get("parameters") or {"type": "object"})
         return {"type": "object", "properties": {
             "name": {"const": function["name"]}, self.arguments_keys[0]: parameters},
             "required": ["name", self.arguments_keys[0]], "additionalProperties": False}

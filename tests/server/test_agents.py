@@ -114,6 +114,25 @@ def test_tool_choice_named(oai: openai.OpenAI) -> None:
     assert len(choice.message.tool_calls) == 1 and not choice.message.content
 
 
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_a_schema_without_additional_properties_is_closed(oai: openai.OpenAI,
+                                                          tool_choice: str) -> None:
+    """As vLLM's default backend (xgrammar, strict) and OpenAI's strict mode take it: the call
+    ends after the properties the schema names (it ran on to max_tokens with invented ones)."""
+    open_clock = {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "tz": {"type": "string", "maxLength": 12}}, "required": ["tz"]}}}
+    choice_arg = "required" if tool_choice == "required" else \
+        {"type": "function", "function": {"name": "get_time"}}
+    for seed in (1, 2, 3):
+        answer = oai.chat.completions.create(model="tiny", messages=USER, tools=[open_clock],
+                                             tool_choice=choice_arg, max_tokens=300,
+                                             temperature=1.0, seed=seed)
+        calls = answer.choices[0].message.tool_calls
+        assert calls and answer.choices[0].finish_reason != "length", answer.choices[0]
+        assert set(json.loads(calls[0].function.arguments)) == {"tz"}
+
+
 def test_streamed_tool_calls_reassemble(oai: openai.OpenAI) -> None:
     stream = oai.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
                                          tool_choice="required", max_tokens=800, stream=True,
