@@ -5,6 +5,8 @@ that name the right `--help`, help texts that show every option's default, the v
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -63,9 +65,12 @@ def fraction_arg(text: str) -> float:
 
 def _number(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):  # YAML's .inf: a timeout that never fires is no bound
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def _whole_number(text: str) -> int:
@@ -194,12 +199,31 @@ def _as_tokens(flag: str, action: argparse.Action, value: object, source: str,
     return [flag, *values]
 
 
+def _yaml_loader():
+    """PyYAML's safe loader with YAML 1.2's booleans: only true/false. YAML 1.1 also reads
+    yes/no/on/off as booleans, so ``http: off`` reached ``--http`` as 'False'."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
+                                 re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    return Loader
+
+
 def _read_config(path: str) -> dict:
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
     except OSError as exc:
         raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
@@ -236,6 +260,11 @@ def expand_sources(parser: argparse.ArgumentParser, argv: list[str], env_prefix:
         if name not in options:
             raise ValueError(f"--config {path}: {key!r} is not an option of {parser.prog}")
         from_file[name] = value
+    for variable in sorted(env):
+        if variable.startswith(env_prefix) and not variable.startswith(env_prefix + "DEBUG_") \
+                and variable[len(env_prefix):].lower().replace("_", "-") not in options:
+            logging.getLogger("kvstore").warning(
+                "$%s is not an option of %s: ignored", variable, parser.prog)
     front: list[str] = []
     seen: set[int] = set()
     for name, action in options.items():

@@ -42,8 +42,16 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
 
 def limits_from_args(args: argparse.Namespace) -> Any:
     """The ConnectionLimits of the flags above; ValueError if they make no sense."""
+    import resource
+
     from kvstore.daemon.limits import ConnectionLimits
 
+    fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if args.max_connections is not None and fds != resource.RLIM_INFINITY \
+            and args.max_connections > fds:
+        raise ValueError(f"--max-connections {args.max_connections} is more than the "
+                         f"{fds} open files this process may have (ulimit -n): it would "
+                         "never be reached")
     return ConnectionLimits(
         max_connections=args.max_connections, max_buffered_bytes=args.max_buffered_bytes,
         frame_timeout_s=args.frame_timeout, idle_timeout_s=args.idle_timeout,

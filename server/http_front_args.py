@@ -16,6 +16,7 @@ from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 API_KEY_ENV = "KVENGINE_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own, read after ours
 METRICS_KEY_ENV = "KVENGINE_METRICS_KEY"
 
 
@@ -53,7 +54,8 @@ def add_http_front_args(parser: argparse.ArgumentParser, who: FrontHelp) -> None
     front.add_argument("--port", type=port_arg, default=8000,
                        help="port to listen on; 0 picks a free one")
     front.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help=f"{who.api_key} (default: ${API_KEY_ENV}, else no key)")
+                       help=f"{who.api_key} (default: ${API_KEY_ENV}, else ${VLLM_API_KEY_ENV}, "
+                       "else no key)")
     front.add_argument("--metrics-key", default=None, metavar="KEY",
                        help=f"{who.metrics_key} (default: ${METRICS_KEY_ENV}; with --api-key and "
                        "no metrics key /metrics is refused, without --api-key it is open)")
@@ -80,10 +82,11 @@ def add_http_front_args(parser: argparse.ArgumentParser, who: FrontHelp) -> None
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The --api-key values, else $KVENGINE_API_KEY (one key), else none."""
+    """The --api-key values, else $KVENGINE_API_KEY, else $VLLM_API_KEY (one key: what a
+    migrated vLLM deployment sets), else none."""
     if args.api_key:
         return tuple(args.api_key)
-    from_env = os.environ.get(API_KEY_ENV, "")
+    from_env = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV, "")
     return (from_env,) if from_env else ()
 
 

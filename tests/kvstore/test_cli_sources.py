@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 from support.kvengine import KvengineProcess
 
-from kvstore.cli_args import OneLineParser, add_config_option, expand_sources, size_arg
+from kvstore.cli_args import (
+    OneLineParser,
+    add_config_option,
+    expand_sources,
+    positive_float_arg,
+    size_arg,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,6 +83,45 @@ def test_a_bad_value_is_refused_like_a_typed_one(capsys) -> None:
     with pytest.raises(SystemExit):
         _parse([], {"DEMO_DRAM": "lots"})
     assert "invalid size 'lots'" in capsys.readouterr().err
+
+
+def test_yaml_1_1_booleans_stay_words_and_infinity_is_no_bound(tmp_path: Path, capsys) -> None:
+    """``http: off`` reached --http as 'False' (YAML 1.1 reads yes/no/on/off as booleans);
+    ``.inf`` was taken as a timeout that never fires."""
+    parser = OneLineParser(prog="demo serve")
+    add_config_option(parser, "DEMO_", "DRAM=16Gi")
+    parser.add_argument("--http", default="127.0.0.1:1")
+    parser.add_argument("--pin", choices=("auto", "yes", "no"), default="auto")
+    parser.add_argument("--idle-timeout", type=positive_float_arg, default=1.0)
+    parser.add_argument("--verbose", action="store_true")
+    path = tmp_path / "options.yaml"
+    path.write_text("http: off\npin: no\nverbose: true\n")
+    args = parser.parse_args(expand_sources(parser, ["--config", str(path)], "DEMO_", {}))
+    assert (args.http, args.pin, args.verbose) == ("off", "no", True)
+    path.write_text("idle-timeout: .inf\n")
+    with pytest.raises(SystemExit):
+        parser.parse_args(expand_sources(parser, ["--config", str(path)], "DEMO_", {}))
+    assert "expected a finite number" in capsys.readouterr().err
+
+
+def test_unknown_variables_of_the_prefix_are_named(caplog) -> None:
+    with caplog.at_level("WARNING", logger="kvstore"):
+        _parse([], {"DEMO_DRAM": "1Gi", "DEMO_DRAMM": "2Gi", "DEMO_DEBUG_X": "1"})
+    assert "$DEMO_DRAMM is not an option of demo serve" in caplog.text
+    assert "DEMO_DRAM " not in caplog.text and "DEBUG" not in caplog.text
+
+
+def test_max_connections_past_the_fd_limit_is_refused() -> None:
+    import argparse
+    import resource
+
+    from kvstore.cli_limits import limits_from_args
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    args = argparse.Namespace(max_connections=soft + 1, max_buffered_bytes=1 << 20,
+                              frame_timeout=1.0, idle_timeout=1.0, slow_reader_timeout=1.0)
+    with pytest.raises(ValueError, match="ulimit -n"):
+        limits_from_args(args)
 
 
 def _daemon_banner(argv: list[str], env: dict[str, str]) -> str:

@@ -56,7 +56,13 @@ def test_keys_come_from_the_flags_else_the_environment(monkeypatch) -> None:
     assert (api_keys(unset), metrics_key(unset)) == (("from-env",), "op-env")
     monkeypatch.delenv("KVENGINE_API_KEY")
     monkeypatch.delenv("KVENGINE_METRICS_KEY")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert (api_keys(unset), metrics_key(unset)) == ((), None)
+    # a migrated vLLM deployment's key: read after ours, never served without it
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert api_keys(unset) == ("from-vllm",)
+    monkeypatch.setenv("KVENGINE_API_KEY", "ours")
+    assert api_keys(unset) == ("ours",)
 
 
 @pytest.mark.parametrize(("program", "own"), [
