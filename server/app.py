@@ -31,6 +31,7 @@ from server.tokenization import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.trailing_slash import TrailingSlash
 
 
 def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -73,7 +74,8 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
             serving.prompts.close()
 
     app = FastAPI(title="kvengine", version=package_version(), lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.state.model_name = model_name
@@ -83,6 +85,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
                        on_refused=lambda: metrics.request_rejected("request_too_large"))
     app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys),
                        metrics_key=settings.metrics_key)
+    app.add_middleware(TrailingSlash)  # /path/ answered as /path: no redirect
     openapi.install(app, with_api_keys=bool(settings.api_keys))
     install_load_route(app, async_engine, engine, model_name)  # GET /load, for kvengine router
 

@@ -28,6 +28,7 @@ from server.request_router import CHAT, COMPLETION, RequestRouter
 from server.router_metrics import CONTENT_TYPE
 from server.router_proxy import RouterProxy
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.trailing_slash import TrailingSlash
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,13 @@ def build_router_app(router: RequestRouter, proxy: RouterProxy,
                 await on_shutdown()
 
     app = FastAPI(title="kvengine router", version=package_version(), lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.router = router
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys,
                        metrics_key=settings.metrics_key)
+    app.add_middleware(TrailingSlash)  # /path/ answered as /path: no redirect
 
     def next_engine(tried: set[str]):
         return router.least_loaded(exclude=tried)

@@ -40,6 +40,14 @@ _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolEr
                 httpx.ReadError, httpx.WriteError)
 
 
+def connection_named(raw: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The header names a message's ``Connection`` header lists: hop-by-hop for this message
+    only, never forwarded (RFC 9110 7.6.1)."""
+    return frozenset(token.strip().lower() for name, value in raw
+                     if name.lower() == b"connection" for token in value.split(b",")
+                     if token.strip())
+
+
 class PassThroughResponse(EventStreamResponse):
     """The engine's response, bytes as they arrive; the client's disconnect cancels it."""
 
@@ -48,8 +56,9 @@ class PassThroughResponse(EventStreamResponse):
                  on_first_chunk: Callable[[], None]) -> None:
         super().__init__(_raw_body(upstream, on_broken, on_first_chunk), on_close,
                          upstream.status_code)
+        dropped = _NOT_RETURNED | connection_named(upstream.headers.raw)
         self.raw_headers = [(name, value) for name, value in upstream.headers.raw
-                            if name.lower() not in _NOT_RETURNED]
+                            if name.lower() not in dropped]
         self.raw_headers.append((ENGINE_HEADER.encode(),
                                  engine_url.encode("ascii", "backslashreplace")))
 
@@ -134,8 +143,9 @@ class RouterProxy:
 
     async def _send(self, engine: UpstreamEngine, request: Request,
                     body: bytes) -> httpx.Response:
+        dropped = _NOT_FORWARDED | connection_named(request.headers.raw)
         headers = [(name, value) for name, value in request.headers.raw
-                   if name.lower() not in _NOT_FORWARDED]
+                   if name.lower() not in dropped]
         url = engine.url + request.url.path
         if request.url.query:
             url += "?" + request.url.query

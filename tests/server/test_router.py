@@ -374,6 +374,12 @@ def test_a_killed_engine_costs_no_request_after_the_one_in_flight(node: Node) ->
     assert ready["engines"] == {doomed.url: "down", survivor.url: "ready"}
 
 
+def test_a_trailing_slash_is_answered_not_redirected(node: Node) -> None:
+    r = httpx.get(node.url + "/v1/models/", headers={**AUTH, "Host": "evil.example"},
+                  follow_redirects=False, timeout=10)
+    assert r.status_code == 200 and "location" not in r.headers
+
+
 def test_router_help_documents_every_flag() -> None:
     from server.router_args import add_router_arguments
 

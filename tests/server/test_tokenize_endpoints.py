@@ -71,3 +71,12 @@ def test_version_docs_and_schema(http: httpx.Client, server: RunningServer) -> N
     assert paths["/tokenize"]["post"]["security"] == [{"bearer": []}]
     docs = http.get("/docs")
     assert docs.status_code == 200 and "/openapi.json" in docs.text
+
+
+def test_a_trailing_slash_is_answered_not_redirected_to_a_forged_host(
+        http: httpx.Client) -> None:
+    """Starlette's 307 for ``/v1/models/`` named the client's Host header in ``Location``."""
+    r = http.get("/v1/models/", headers={"Host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 200 and "location" not in r.headers
+    assert r.json()["data"][0]["id"]
+    assert http.post("/detokenize/", json={"tokens": [5]}).status_code == 200
