@@ -13,15 +13,20 @@ from benchmarks import node
 pytestmark = pytest.mark.timeout(240)
 
 
-def _point(later_ms: float, later_p50_ms: float) -> dict:
-    return {"error": None, "summary": {"later_ms": later_ms, "later_p50_ms": later_p50_ms}}
+def _point(later_ms: float, later_p50_ms: float, others_ms: float = 500.0) -> dict:
+    return {"error": None, "summary": {
+        "later_ms": later_ms, "later_p50_ms": later_p50_ms, "all_ms": others_ms,
+        "first_ms": others_ms, "p90_ms": others_ms, "p99_ms": others_ms}}
 
 
 def test_ratios_follow_the_issue() -> None:
-    ratios = node.compare({"rr-no-store": _point(800, 700), "rr-store": _point(200, 300),
-                           "kv": _point(100, 150), "single": _point(80, 70)})
+    ratios = node.compare({"rr-no-store": _point(800, 700), "rr-store": _point(200, 300, 600),
+                           "kv": _point(100, 150, 400), "single": _point(80, 70)})
     assert ratios == {"kv_later_vs_single": 1.25, "kv_later_vs_rr_no_store": 8.0,
-                      "kv_vs_rr_store_later_p50": 2.0, "rr_store_vs_rr_no_store_later": 4.0}
+                      "kv_vs_rr_store_later_p50": 2.0, "rr_store_vs_rr_no_store_later": 4.0,
+                      "kv_vs_rr_store_all": 1.5, "kv_vs_rr_store_first": 1.5,
+                      "kv_vs_rr_store_p90": 1.5, "kv_vs_rr_store_p99": 1.5}
+    assert set(ratios) == set(node.TARGETS)  # every ratio has its target
     failed = node.compare({"kv": {"error": "boom"}, "single": _point(80, 70)})
     assert failed["kv_later_vs_single"] is None
 
