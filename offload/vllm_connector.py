@@ -276,7 +276,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                  "layout %s, tensor-parallel rank %d of %d", len(names), self.facts.block_size,
                  self.facts.layout_signature, mover.meta.get("tensor_layout"), rank,
                  self._num_shards)
-        engine_id = f"vllm-{os.getpid()}-tp{rank}"
+        engine_id = f"vllm-{os.getpid()}-{id(self):x}-tp{rank}"  # one per instance
         self._worker = WorkerSide(self.settings.kv_store_socket, mover, engine_id,
                                   self.settings.load_timeout_s, self.settings.save_timeout_s,
                                   self.settings.register_timeout_s,

@@ -81,11 +81,12 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     app.state.model_name = model_name
     install_error_handlers(app)
     # Added last runs first: keys are checked before a body is read, then the body is bounded.
+    # Innermost: keys are checked on the path as sent, then /path/ is answered as /path.
+    app.add_middleware(TrailingSlash)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes,
                        on_refused=lambda: metrics.request_rejected("request_too_large"))
     app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys),
                        metrics_key=settings.metrics_key)
-    app.add_middleware(TrailingSlash)  # /path/ answered as /path: no redirect
     openapi.install(app, with_api_keys=bool(settings.api_keys))
     install_load_route(app, async_engine, engine, model_name)  # GET /load, for kvengine router
 

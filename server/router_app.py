@@ -63,10 +63,11 @@ def build_router_app(router: RequestRouter, proxy: RouterProxy,
                   docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.router = router
     install_error_handlers(app)
+    # Innermost: keys are checked on the path as sent, then /path/ is answered as /path.
+    app.add_middleware(TrailingSlash)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys,
                        metrics_key=settings.metrics_key)
-    app.add_middleware(TrailingSlash)  # /path/ answered as /path: no redirect
 
     def next_engine(tried: set[str]):
         return router.least_loaded(exclude=tried)

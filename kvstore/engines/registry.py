@@ -72,6 +72,12 @@ class Registry:
         keys = self._memory_keys(layout, fds)  # names are refused here, before any mapping
         with self._lock:
             held = sum(r.num_mappings for r in self._by_id.values() if r.owner == owner)
+            # A router maps engines by engine_id: another connection may not take a live one's.
+            taken = any(r.engine_id == engine_id and r.owner != owner and not r.closed
+                        for r in self._by_id.values())
+        if taken:
+            raise RegistryError("permission_denied", f"engine_id {engine_id!r} is registered "
+                                "by another live connection")
         if held >= self.max_mappings_per_owner:
             raise RegistryError("resource_exhausted", f"this connection keeps {held} mappings "
                                 "of engine memory, the most one may; unregister some first")

@@ -3,6 +3,7 @@ vLLM's CPU backend, saved by one "instance" and loaded by another through the st
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 import time
@@ -68,6 +69,9 @@ class Instance:
         raise AssertionError("load never finished")
 
 
+_INSTANCES = itertools.count()
+
+
 def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
                   flash: bool = False, rank: int = 0, num_ranks: int = 1, loads: bool = True,
                   saves: bool = True) -> Instance:
@@ -85,7 +89,10 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
         layers = list(raw.view(LAYERS, NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM).unbind(0))
     mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, load_blocks + 16,
                        {"engine": "vllm-test"})
-    worker = WorkerSide(socket_path, mover, "vllm-test", LOAD_TIMEOUT_S, LOAD_TIMEOUT_S,
+    # one engine id per instance, as each vLLM process has its own (the daemon refuses a live
+    # engine's id to another connection)
+    worker = WorkerSide(socket_path, mover, f"vllm-test-{next(_INSTANCES)}-tp{rank}",
+                        LOAD_TIMEOUT_S, LOAD_TIMEOUT_S,
                         register_timeout_s=1.0, retry_interval_s=RETRY_S, shard=rank,
                         num_shards=num_ranks)
     assert worker.connect()

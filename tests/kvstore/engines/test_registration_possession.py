@@ -137,8 +137,38 @@ def test_a_connection_keeps_a_bounded_number_of_mappings(arenas: list[ShmArena])
     with pytest.raises(RegistryError) as info:
         registry.register(made[2].layout.to_wire(), "e", "conn-1", made[2].layout.fds)
     assert info.value.code == "resource_exhausted"
-    other = registry.register(made[2].layout.to_wire(), "e", "conn-2", made[2].layout.fds)
+    other = registry.register(made[2].layout.to_wire(), "e2", "conn-2", made[2].layout.fds)
     assert registry.unregister(regs[0].registration_id, "conn-1")
     assert registry.unregister(other.registration_id, "conn-2")
     registry.register(made[2].layout.to_wire(), "e", "conn-1", made[2].layout.fds)
     registry.close_all()
+
+
+def test_a_live_engine_id_is_not_taken_by_another_connection(daemon: RunningDaemon,
+                                                              arenas: list[ShmArena]) -> None:
+    """A router maps engines by the engine_id their registrations carry: a second client of
+    the same uid registering under a live engine's id would take its routes. Refused while
+    the first lives; the same connection may register more under it; free once it is gone."""
+    first, second, third = (ShmArena(NUM_BLOCKS, BLOCK_BYTES, i, generations=True)
+                            for i in range(3))
+    arenas.extend([first, second, third])
+    with daemon.client() as owner, daemon.client() as other:
+        owner.register(first.layout, "engine-a")
+        with pytest.raises(ClientError) as info:
+            other.register(second.layout, "engine-a")
+        assert info.value.code == "permission_denied" and "engine-a" in info.value.message
+        owner.register(third.layout, "engine-a")  # its own connection: allowed
+        other.register(second.layout, "engine-b")
+    with daemon.client() as later:
+        arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES, 4, generations=True)
+        arenas.append(arena)
+        assert wait_until(lambda: _registers_as(later, arena.layout, "engine-a"),
+                          timeout_s=5.0)
+
+
+def _registers_as(client, layout: KVLayout, engine_id: str) -> bool:
+    try:
+        client.register(layout, engine_id)
+    except ClientError:
+        return False
+    return True
