@@ -41,8 +41,8 @@ class ChatOutput:
         """The assistant message of a finished choice."""
         reasoning, content = self._split(text, final=True)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
+        if reasoning is not None:  # vLLM 0.32's field, and the older one clients still read
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if self.tools is not None:
             rest, calls = self.tools.extract(content)
             if calls:
@@ -59,7 +59,8 @@ class ChatOutput:
         out: list[dict[str, Any]] = []
         reasoning, content = self._split(text, final)
         if reasoning is not None and len(reasoning) > self._num_reasoning_sent:
-            out.append({"reasoning_content": reasoning[self._num_reasoning_sent:]})
+            piece = reasoning[self._num_reasoning_sent:]
+            out.append({"reasoning": piece, "reasoning_content": piece})
             self._num_reasoning_sent = len(reasoning)
         shown = len(content) if self.tools is None else self.tools.content_end(content, final)
         malformed = (self.tools is not None and final

@@ -197,8 +197,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # history fields chat templates read (Qwen3: reasoning_content; tool results and calls)
+    # history fields chat templates read (Qwen3: reasoning_content; tool results and calls);
+    # vLLM 0.32's clients send the reasoning back as ``reasoning``
     reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
@@ -208,6 +210,8 @@ class ChatMessage(BaseModel):
         for name in ("name", "reasoning_content", "tool_calls", "tool_call_id"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
+        if self.reasoning is not None and self.reasoning_content is None:
+            fields["reasoning_content"] = self.reasoning
         return fields
 
     def text(self) -> str:

@@ -4,7 +4,8 @@
 after it (all reasoning while the block is open: a thought cut off by max_tokens has no
 content); an output that does not start with ``<think>`` is all content (Qwen3 with
 ``enable_thinking`` false, whose template writes the empty block into the prompt). The reasoning
-goes out as ``reasoning_content``, in the message and in stream deltas, as vLLM sends it.
+goes out as ``reasoning`` (vLLM 0.32's field) and ``reasoning_content`` (the older one), in the
+message and in stream deltas.
 
 A chat's constraint (a forced tool call, structured outputs) starts after the reasoning when the
 parser's end marker is one token of the model's vocabulary (``reasoning_end_token``): the engine

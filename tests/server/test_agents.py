@@ -190,16 +190,19 @@ def test_reasoning_content_in_message_and_stream(oai: openai.OpenAI) -> None:
                                          extra_body={"structured_outputs": think})
     message = answer.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
+    assert message.model_extra["reasoning"] == reasoning  # vLLM 0.32's name for it
     assert reasoning.startswith("\n") and "<think>" not in message.content
     assert message.content.startswith("\n\n") and message.content.strip().isalpha()
     stream = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=60, seed=1,
                                          stream=True, extra_body={"structured_outputs": think})
-    parts = {"reasoning_content": "", "content": ""}
+    parts = {"reasoning": "", "reasoning_content": "", "content": ""}
     for chunk in stream:
         delta = chunk.choices[0].delta
         parts["content"] += delta.content or ""
-        parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
-    assert parts == {"reasoning_content": reasoning, "content": message.content}
+        for name in ("reasoning", "reasoning_content"):
+            parts[name] += (delta.model_extra or {}).get(name) or ""
+    assert parts == {"reasoning": reasoning, "reasoning_content": reasoning,
+                     "content": message.content}
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [

@@ -200,3 +200,8 @@ def test_chat_template_kwargs_reach_the_template(qwen3_template_server) -> None:
         assert off.endswith("<think>\n\n</think>\n\n") and "add them" not in off
         last = history[:2]  # the reasoning of an answer after the last user turn is kept
         assert "<think>\nadd them\n</think>" in template.render(last, add_generation_prompt=False)
+        # vLLM 0.32's clients send the reasoning back as `reasoning`: the same prompt
+        renamed = [history[0], {"role": "assistant", "content": "4", "reasoning": "add them"}]
+        tokens = [http.post("/tokenize", json={"messages": m, "add_generation_prompt": False})
+                  .json()["count"] for m in (last, renamed)]
+        assert tokens[0] == tokens[1]
