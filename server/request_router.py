@@ -60,7 +60,7 @@ class RequestRouter:
         ready = self.pool.ready()
         if not ready:
             return None
-        route = await self._choose(ready, kind, body, key_salt)
+        route = await self._choose(ready, kind, body, key_salt)  # ties: the key's own turns
         identity = self.pool.identity()
         self.metrics.routed(route, identity.block_size if identity is not None else 0,
                             time.perf_counter() - start)
@@ -76,26 +76,26 @@ class RequestRouter:
     async def _choose(self, ready: list[UpstreamEngine], kind: str, body: bytes,
                       key_salt: str) -> Route:
         if not self.policy.uses_kv:
-            return self.policy.choose([e.candidate() for e in ready], None)
+            return self.policy.choose([e.candidate() for e in ready], None, key_salt)
         identity = self.pool.identity()
         if identity is None:  # no engine runs with --kv-offload: there is no store to ask
-            return self.policy.choose([e.candidate() for e in ready], None)
+            return self.policy.choose([e.candidate() for e in ready], None, key_salt)
         start = time.perf_counter()
         prompt = await self._prompt(kind, body, key_salt)
         if prompt is None:  # the engine will refuse it: no prompt to place
-            return self.policy.choose([e.candidate() for e in ready], Placement(0, 1))
+            return self.policy.choose([e.candidate() for e in ready], Placement(0, 1), key_salt)
         token_ids, salt = prompt
         chain = PromptChain.of(identity, token_ids, salt)
         self.metrics.prompted(time.perf_counter() - start)
         if not len(chain):
             return self.policy.choose([e.candidate() for e in ready],
-                                      Placement(len(token_ids), identity.block_size))
+                                      Placement(len(token_ids), identity.block_size), key_salt)
         assert self.locator is not None
         start = time.perf_counter()
         reply = await self.locator.locate(chain)
         self.metrics.located(time.perf_counter() - start)
         if reply is None:
-            return self.policy.choose([e.candidate() for e in ready], None)
+            return self.policy.choose([e.candidate() for e in ready], None, key_salt)
         held: dict[str, int] = {}  # engine URL -> leading blocks in its HBM
         by_id = self.pool.by_engine_id()
         for registration in reply.engines:
@@ -107,7 +107,7 @@ class RequestRouter:
                       for e in ready]
         placement = Placement(len(token_ids), identity.block_size, reply.num_dram,
                               reply.num_stored)
-        route = self.policy.choose(candidates, placement)
+        route = self.policy.choose(candidates, placement, key_salt)
         self.routed.mark(route.name, hashes)  # a burst sees it before the daemon does
         if route_log.isEnabledFor(logging.DEBUG):
             route_log.debug("%s%s", ROUTE_LOG_PREFIX, _decision(candidates, placement, route))

@@ -170,28 +170,39 @@ class RoutingPolicy:
         if mode not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {ROUTING_MODES}, got {mode!r}")
         self.mode = mode
-        self._turns = itertools.count()
+        # Whose turn it is, per tenant: one tenant's alternation must not reveal whether
+        # another's requests went elsewhere (were hits). Tenants are the API keys' salts.
+        self._turns: dict[str, itertools.count] = {}
 
     @property
     def uses_kv(self) -> bool:
         """Whether ``choose`` wants to know where the blocks are."""
         return self.mode == "kv"
 
-    def choose(self, candidates: Sequence[Candidate], placement: Placement | None) -> Route:
+    def choose(self, candidates: Sequence[Candidate], placement: Placement | None,
+               tenant: str = "") -> Route:
         """The route among ``candidates`` (at least one). ``placement``: where the prompt's
-        blocks are; None when the daemon gave no answer (kv mode: fallback)."""
+        blocks are; None when the daemon gave no answer (kv mode: fallback). ``tenant``: whose
+        turns break ties."""
         if not candidates:
             raise ValueError("no candidate engine")
         if self.mode == "round-robin":
-            return Route(candidates[next(self._turns) % len(candidates)].name,
+            return Route(candidates[self._turn(tenant) % len(candidates)].name,
                          RouteReason.ROUND_ROBIN)
         if self.mode == "least-loaded":
-            return Route(self.least_loaded(candidates).name, RouteReason.LEAST_LOADED)
+            return Route(self.least_loaded(candidates, tenant).name, RouteReason.LEAST_LOADED)
         if placement is None:
-            return Route(self.least_loaded(candidates).name, RouteReason.FALLBACK)
-        return self._cheapest(candidates, placement)
+            return Route(self.least_loaded(candidates, tenant).name, RouteReason.FALLBACK)
+        return self._cheapest(candidates, placement, tenant)
 
-    def _cheapest(self, candidates: Sequence[Candidate], placement: Placement) -> Route:
+    def _turn(self, tenant: str) -> int:
+        turns = self._turns.get(tenant)
+        if turns is None:
+            turns = self._turns[tenant] = itertools.count()
+        return next(turns)
+
+    def _cheapest(self, candidates: Sequence[Candidate], placement: Placement,
+                  tenant: str) -> Route:
         candidates = _with_node_prefill(candidates)
         hbm = sorted((c.num_hbm for c in candidates), reverse=True)
         estimates = []
@@ -207,11 +218,12 @@ class RoutingPolicy:
             # their decode rows) on it; spread them by load among engines that come close.
             window = max(TIE_S, held_tokens * max(c.costs.prefill_s_per_token
                                                   for c in candidates))
-            chosen = self.least_loaded([c for c, e in estimates if e.seconds <= best + window])
+            chosen = self.least_loaded([c for c, e in estimates if e.seconds <= best + window],
+                                       tenant)
         else:  # a conversation: among ties, it stays where it is warm
             tied = [c for c, e in estimates if e.seconds <= best + TIE_S]
             warmest = max(c.num_hbm for c in tied)
-            chosen = self.least_loaded([c for c in tied if c.num_hbm == warmest])
+            chosen = self.least_loaded([c for c in tied if c.num_hbm == warmest], tenant)
         chosen_estimate = next(e for c, e in estimates if c is chosen)
         if hbm[0] == 0:
             reason = RouteReason.DRAM_HIT if placement.num_stored else RouteReason.MISS
@@ -222,8 +234,9 @@ class RoutingPolicy:
         return Route(chosen.name, reason, chosen_estimate.cached_blocks,
                      chosen_estimate.compute_tokens, chosen_estimate.seconds)
 
-    def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
-        """The candidate with the fewest requests in flight; equally loaded ones take turns."""
+    def least_loaded(self, candidates: Sequence[Candidate], tenant: str = "") -> Candidate:
+        """The candidate with the fewest requests in flight; equally loaded ones take turns
+        (``tenant``'s turns)."""
         lightest = min(c.load for c in candidates)
         tied = [c for c in candidates if c.load == lightest]
-        return tied[next(self._turns) % len(tied)] if len(tied) > 1 else tied[0]
+        return tied[self._turn(tenant) % len(tied)] if len(tied) > 1 else tied[0]

@@ -108,6 +108,20 @@ def test_equal_loads_take_turns_and_round_robin_ignores_load() -> None:
         policy.choose([], None)
 
 
+def test_each_tenant_takes_its_own_turns() -> None:
+    """One tenant's alternation must not reveal whether another's requests were routed (the
+    shared counter moved only when they were)."""
+    for mode in ("round-robin", "kv"):
+        policy = RoutingPolicy(mode)
+        idle = [_c("a"), _c("b")]
+        placement = None if mode == "round-robin" else Placement(90, BS)
+        mine = [policy.choose(idle, placement, "tenant-1").name for _ in range(2)]
+        for _ in range(3):  # another tenant's requests in between
+            policy.choose(idle, placement, "tenant-2")
+        mine += [policy.choose(idle, placement, "tenant-1").name for _ in range(2)]
+        assert mine == ["a", "b", "a", "b"], (mode, mine)
+
+
 def test_engines_are_priced_at_the_nodes_median_prefill_rate() -> None:
     """Seen on two H200s: one engine's early estimate said 12k tokens/s, the other's 36k, for
     the same prefills. Priced at their own rates, a new conversation went behind an 18k-token
