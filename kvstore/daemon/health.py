@@ -21,6 +21,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.store.ssd.files import data_file_path
+
 if TYPE_CHECKING:
     from kvstore.daemon.service import Service
 
@@ -47,6 +49,7 @@ class SsdState(str, Enum):
     OK = "ok"
     READ_ONLY = "read_only"  # the filesystem is mounted read-only, or a write met EROFS
     FAILING = "failing"  # IO errors within the last SSD_ERROR_WINDOW_S
+    DAMAGED = "damaged"  # a data file is shorter than laid out (truncated, deleted)
 
 
 class CudaState(str, Enum):
@@ -134,6 +137,10 @@ class SsdWatch:
             return Check(SsdState.FAILING.value, f"{self.ssd_dir}: {exc.strerror or exc}")
         if ssd_stats.get("read_only"):
             return Check(SsdState.READ_ONLY.value, f"writes under {self.ssd_dir} met EROFS")
+        damaged = self._short_file(int(ssd_stats.get("files", 0)),
+                                   int(ssd_stats.get("file_bytes", 0)))
+        if damaged is not None:
+            return Check(SsdState.DAMAGED.value, damaged)
         counters = ssd_stats.get("counters") or {}
         errors = sum(int(counters.get(name, 0)) for name in _SSD_ERROR_COUNTERS)
         now = time.monotonic()
@@ -144,6 +151,21 @@ class SsdWatch:
             return Check(SsdState.FAILING.value, f"IO errors within the last "
                          f"{SSD_ERROR_WINDOW_S:.0f} s ({errors} in all)")
         return Check(SsdState.OK.value)
+
+
+    def _short_file(self, num_files: int, file_bytes: int) -> str | None:
+        """Why a data file is not the size the tier laid it out at (blocks in it past its end
+        are gone: their reads miss), or None."""
+        assert self.ssd_dir is not None
+        for i in range(num_files):
+            path = data_file_path(self.ssd_dir, i)
+            try:
+                size = path.stat().st_size
+            except OSError as exc:
+                return f"{path}: {exc.strerror or exc}"
+            if size < file_bytes:
+                return f"{path} holds {size} bytes of its {file_bytes}: truncated"
+        return None
 
 
 class DaemonHealth:

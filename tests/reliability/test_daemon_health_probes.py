@@ -103,6 +103,22 @@ def test_a_read_only_ssd_degrades_health(make_daemon, tmp_path: Path) -> None:
         daemon.stop()
 
 
+def test_a_truncated_ssd_data_file_degrades_health(make_daemon, tmp_path: Path) -> None:
+    """Attacked from outside (2026-11-28): a data file cut short left /health ``ok``; the blocks
+    past its end are gone (their reads miss). Now the ssd component says so."""
+    daemon = make_daemon(http=True, ssd_dir=tmp_path / "ssd", ssd_size="16MiB")
+    assert _health(daemon).json()["ssd"]["state"] == "ok"
+    data = sorted((tmp_path / "ssd").glob("data-*.bin"))[0]
+    os.truncate(data, 4096)
+    took = _seconds_until(daemon, lambda body: body["ssd"]["state"] == "damaged")
+    assert took <= WITHIN_S
+    r = _health(daemon)
+    assert r.status_code == 200 and r.json()["status"] == "degraded"
+    assert "truncated" in r.json()["ssd"]["reason"] and data.name in r.json()["ssd"]["reason"]
+    assert _metric(daemon, 'kvstore_ssd_state{state="damaged"}') == 1.0
+    daemon.stop()
+
+
 @pytest.mark.cluster
 def test_redis_stopped_degrades_health(make_daemon, tmp_path: Path) -> None:
     redis_server = RedisServer(tmp_path)

@@ -59,6 +59,11 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
+def data_file_path(directory: Path, index: int) -> Path:
+    """Where the SSD tier keeps its data file ``index``."""
+    return directory / f"data-{index:03d}.bin"
+
+
 class DataFiles:
     """``num_files`` files of ``file_bytes`` each under ``directory``, named data-NNN.bin.
 
@@ -74,7 +79,7 @@ class DataFiles:
         self._ops = ops
         self._counters = counters
         self._lock = threading.Lock()
-        self.paths = [directory / f"data-{i:03d}.bin" for i in range(num_files)]
+        self.paths = [data_file_path(directory, i) for i in range(num_files)]
         self.valid_bytes: list[int] = []
         self._fds: list[int] = []  # buffered: fdatasync, and all IO in buffered mode
         for path in self.paths:

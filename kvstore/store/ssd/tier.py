@@ -230,6 +230,7 @@ class SSDTier:
                 "used_bytes": self.used_bytes,
                 "blocks": self._catalog.num_blocks,
                 "files": self._catalog.num_files,
+                "file_bytes": self.file_bytes,
                 "io_mode": self.io_mode,
                 "io_mode_reason": self.io_mode_reason,
                 "pinned_blocks": self._catalog.num_pinned,
