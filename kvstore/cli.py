@@ -248,6 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = _store_config(args, env.debug_hash_bits)
     try:
         copy_settings = copy_settings_from_args(args)
+        limits = limits_from_args(args)  # before the pool is faulted in
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     socket_path = args.socket if args.socket is not None else default_socket_path()
@@ -276,12 +277,8 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
                       debug_hash_bits=env.debug_hash_bits, version=package_version(),
-                      copy_settings=copy_settings, debug_corrupt_engine=env.debug_corrupt_engine)
-    try:
-        limits = limits_from_args(args)
-    except ValueError as exc:
-        store.close()
-        raise UsageError(str(exc)) from None
+                      copy_settings=copy_settings, debug_corrupt_engine=env.debug_corrupt_engine,
+                      max_registered_connections=limits.max_registered_connections)
     daemon = Daemon(service, socket_path, limits=limits, debug_stall_s=env.debug_stall_s)
     health = DaemonHealth(service, daemon.heartbeat,
                           config.ssd_dir if config.ssd_bytes > 0 else None)

@@ -67,3 +67,11 @@ class ConnectionLimits:
     @property
     def connection_cap(self) -> int:
         return self.max_connections or default_max_connections()
+
+    @property
+    def max_registered_connections(self) -> int:
+        """Connections that may hold engine registrations at once: half the cap. A connection
+        that holds one is never reclaimed, so without this bound a client of the same uid that
+        registered a small arena on every connection locked new clients out until the idle
+        timeout; with it, half the cap stays reclaimable."""
+        return max(1, self.connection_cap // 2)

@@ -46,11 +46,14 @@ class Service:
                  debug_hash_bits: int | None = None, version: str = "",
                  cluster: ClusterNode | None = None,
                  copy_settings: CopySettings = CopySettings(),
-                 debug_corrupt_engine: str | None = None) -> None:
+                 debug_corrupt_engine: str | None = None,
+                 max_registered_connections: int | None = None) -> None:
         """``copy_settings``: how registered GPU engines' blocks are copied (``--copy-*``);
-        ``debug_corrupt_engine``: tests only (``Registry``)."""
+        ``debug_corrupt_engine``: tests only; ``max_registered_connections``: see
+        ``Registry``."""
         self.store = store
-        self.registry = Registry(copy_settings, debug_corrupt_engine=debug_corrupt_engine)
+        self.registry = Registry(copy_settings, debug_corrupt_engine=debug_corrupt_engine,
+                                 max_owners=max_registered_connections)
         self.hbm = HbmTier(store, self.registry)  # takes registry.on_close
         self.default_lease_ttl_s = default_lease_ttl_s
         self.version = version

@@ -42,12 +42,15 @@ class Registry:
 
     def __init__(self, copy_settings: CopySettings = CopySettings(),
                  max_mappings_per_owner: int = MAX_MAPPINGS_PER_OWNER,
-                 debug_corrupt_engine: str | None = None) -> None:
+                 debug_corrupt_engine: str | None = None,
+                 max_owners: int | None = None) -> None:
         """``debug_corrupt_engine`` (tests only): that engine's CUDA regions are addressed 16 TiB
-        past their mapping, behind every check, so its first copy meets a real sticky error."""
+        past their mapping, behind every check, so its first copy meets a real sticky error.
+        ``max_owners``: how many connections may hold registrations at once (None: any)."""
         self.copy_settings = copy_settings
         self.debug_corrupt_engine = debug_corrupt_engine
         self.max_mappings_per_owner = max_mappings_per_owner
+        self.max_owners = max_owners
         self._lock = threading.Lock()
         self._by_id: dict[int, Registration] = {}
         self._ids = itertools.count(1)
@@ -75,6 +78,12 @@ class Registry:
             # A router maps engines by engine_id: another connection may not take a live one's.
             taken = any(r.engine_id == engine_id and r.owner != owner and not r.closed
                         for r in self._by_id.values())
+            owners = {r.owner for r in self._by_id.values()}
+        if self.max_owners is not None and owner not in owners and \
+                len(owners) >= self.max_owners:
+            raise RegistryError("resource_exhausted", f"{len(owners)} connections hold "
+                                "registrations, the most this daemon keeps (half its "
+                                "connection cap: the rest stay free for new clients)")
         if taken:
             raise RegistryError("permission_denied", f"engine_id {engine_id!r} is registered "
                                 "by another live connection")

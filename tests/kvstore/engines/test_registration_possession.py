@@ -172,3 +172,29 @@ def _registers_as(client, layout: KVLayout, engine_id: str) -> bool:
     except ClientError:
         return False
     return True
+
+
+def test_connections_holding_registrations_are_bounded(arenas: list[ShmArena]) -> None:
+    """A connection that holds a registration is never reclaimed: a same-uid client that
+    registered on every connection locked new clients out until the idle timeout. The daemon
+    keeps half its connection cap for connections without registrations."""
+    from kvstore.daemon.limits import ConnectionLimits
+
+    assert ConnectionLimits(max_connections=10).max_registered_connections == 5
+    registry = Registry(max_owners=2)
+    made = [ShmArena(2, BLOCK_BYTES, i) for i in range(4)]
+    arenas += made
+
+    def register(arena: ShmArena, engine_id: str, owner: str):
+        return registry.register(arena.layout.to_wire(), engine_id, owner, arena.layout.fds)
+
+    first = register(made[0], "e1", "conn-1")
+    register(made[1], "e2", "conn-2")
+    with pytest.raises(RegistryError) as info:
+        register(made[2], "e3", "conn-3")
+    assert info.value.code == "resource_exhausted" and "new clients" in str(info.value)
+    register(made[3], "e1", "conn-1")  # a connection that holds some may hold more
+    assert registry.drop_owner("conn-2") == 1  # its connection closed: room again
+    register(made[2], "e3", "conn-3")
+    assert registry.unregister(first.registration_id, "conn-1")
+    registry.close_all()
