@@ -80,8 +80,8 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     app.state.metrics = metrics
     app.state.model_name = model_name
     install_error_handlers(app)
-    # Added last runs first: keys are checked before a body is read, then the body is bounded.
-    # Innermost: keys are checked on the path as sent, then /path/ is answered as /path.
+    # Added last runs first: keys are checked (on the path as sent) before a body is read, then
+    # the body is bounded, then /path/ is answered as /path.
     app.add_middleware(TrailingSlash)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes,
                        on_refused=lambda: metrics.request_rejected("request_too_large"))
