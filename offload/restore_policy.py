@@ -96,8 +96,7 @@ class RestorePolicy:
     def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
         """Loads moved ``num_bytes`` (mostly from ``tier``) in ``seconds`` of busy time (one
         busy period's sample, see above). A tier's first sample is its warm-up (mappings
-        opened, kernels loaded on first use: 64 blocks from a peer GPU's arena took ~350 ms
-        once, ~2 ms after) and is not taken; the next replaces the prior."""
+        opened, kernels loaded on first use) and is not taken; the next replaces the prior."""
         if num_bytes <= 0 or seconds <= 0:
             return
         with self._lock:

@@ -1,11 +1,11 @@
 """Warm-up at registration: what a newly registered engine's first copies would build on the way.
 
-Measured on two H200s (2026-11-28, the node benchmark): the first restore from the other
-engine's arena took ~350 ms for 64 blocks (opening the source's IPC handle on the reading
-device, switching on peer access, loading the copy kernel on that device), and the engine's
-restore policy took that first load as its bandwidth for the HBM tier: every later restore from
-the peer was declined as slower than recomputing (18k-token turns recomputed in 480 ms instead
-of restored in ~30). So when a CUDA engine registers, the daemon loads the copy kernels on its
+Seen on two H200s (2026-11-28, the node benchmark): the first restore from the other engine's
+arena ran cold (opening the source's IPC handle on the reading device, switching on peer access,
+loading the copy kernel on that device), and the engine's restore policy took that first load
+as its bandwidth for the HBM tier: every later restore from the peer was declined as slower
+than recomputing (18k-token turns recomputed in 480-580 ms; with the warm-up they restored in
+75-160). So when a CUDA engine registers, the daemon loads the copy kernels on its
 device (a copy of eight 16-byte runs on its copy stream) and opens, both ways, the mappings
 between its arena and every other registered arena on a device that can reach it. A failure
 here is logged and costs only the warm-up: the copy path opens what it needs itself.
