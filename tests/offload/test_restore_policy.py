@@ -193,9 +193,9 @@ def test_a_step_waits_for_lookup_replies_by_the_previous_steps_length() -> None:
 
 
 def test_a_tiers_first_load_is_its_warm_up_not_its_bandwidth() -> None:
-    """Seen on two H200s: the first restore from a peer GPU's arena ran cold (mappings, kernels)
-    (mappings and kernels on first use); taken as the tier's bandwidth, it made every later
-    restore from the peer look slower than recomputing."""
+    """Seen on two H200s: the first restore from a peer GPU's arena ran cold (mappings and
+    kernels on first use); taken as the tier's bandwidth, it made every later restore from the
+    peer look slower than recomputing."""
     policy = RestorePolicy({"hbm": 200e9}, prior_prefill_tokens_per_s=35e3)
     policy.observe_load("hbm", 151 << 20, 0.35)  # the warm-up: not taken
     assert policy.should_restore("hbm", 18_000, 18_000 * 147_456)
