@@ -3,9 +3,11 @@ its /health while they run."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from support.kvengine import KvengineProcess
@@ -63,3 +65,30 @@ class HealthWatch:
     @property
     def worst_s(self) -> float:
         return max(self.waits_s, default=0.0)
+
+
+def post_all_while_watching(url: str, path: str, bodies: list[dict[str, Any]]
+                            ) -> tuple[list[httpx.Response], float, HealthWatch]:
+    """POST every body to ``url + path`` at once while /health is polled every 20 ms:
+    (responses, seconds, the watch), the watch asserted free of failures. Bodies are encoded
+    first: the watch's thread must not wait for this process's GIL."""
+    responses: list[httpx.Response] = []
+    encoded = [json.dumps(body).encode() for body in bodies]
+
+    def send(content: bytes) -> None:
+        responses.append(httpx.post(url + path, content=content, timeout=60,
+                                    headers={"Content-Type": "application/json"}))
+
+    senders = [threading.Thread(target=send, args=(content,)) for content in encoded]
+    with HealthWatch(url, interval_s=0.02) as watch:
+        time.sleep(0.1)  # the watch is polling before the attack starts
+        start = time.perf_counter()
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+        took_s = time.perf_counter() - start
+        time.sleep(0.1)
+    assert len(responses) == len(bodies)
+    assert not watch.failures, watch.failures[:3]
+    return responses, took_s, watch

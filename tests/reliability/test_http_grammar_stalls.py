@@ -15,15 +15,12 @@ connections throughout and must never wait 0.25 s.
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-from engine_process import EngineProcess, HealthWatch, tiny_model
+from engine_process import EngineProcess, post_all_while_watching, tiny_model
 
 from engine import LLM, SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
@@ -50,33 +47,12 @@ def engine(model_dir) -> Iterator[EngineProcess]:
     running.stop()
 
 
-def _attack(engine: EngineProcess, path: str, bodies: list[dict[str, Any]]
-            ) -> tuple[list[httpx.Response], HealthWatch]:
-    responses: list[httpx.Response] = []
-    encoded = [json.dumps(body).encode() for body in bodies]
-
-    def send(content: bytes) -> None:
-        responses.append(httpx.post(engine.url + path, content=content, timeout=60,
-                                    headers={"Content-Type": "application/json"}))
-
-    senders = [threading.Thread(target=send, args=(content,)) for content in encoded]
-    with HealthWatch(engine.url, interval_s=0.02) as watch:
-        time.sleep(0.1)
-        for sender in senders:
-            sender.start()
-        for sender in senders:
-            sender.join()
-        time.sleep(0.1)
-    assert not watch.failures, watch.failures[:3]
-    return responses, watch
-
-
 def test_a_2000_property_schema_with_n_16_leaves_health_alone(engine: EngineProcess) -> None:
     body = {"model": "tiny", "n": 16, "max_tokens": 3, "temperature": 1.0,
             "messages": [{"role": "user", "content": "fill the form"}],
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "form", "schema": SCHEMA}}}
-    responses, watch = _attack(engine, "/v1/chat/completions", [body, body])
+    responses, _, watch = post_all_while_watching(engine.url, "/v1/chat/completions", [body, body])
     print(f"\nn=16 x2, 2,000-property schema: {[r.status_code for r in responses]}, "
           f"/health worst {watch.worst_s * 1000:.0f} ms")
     assert [r.status_code for r in responses] == [200, 200], responses[0].text[:300]
@@ -127,7 +103,7 @@ def test_a_compile_past_its_time_bound_answers_400(model_dir) -> None:
 
 def test_detokenize_of_a_million_ids_is_refused_before_parsing(engine: EngineProcess) -> None:
     body = {"tokens": [7] * 1_200_000}
-    responses, watch = _attack(engine, "/detokenize", [body, body])
+    responses, _, watch = post_all_while_watching(engine.url, "/detokenize", [body, body])
     print(f"\n/detokenize x2 of 1.2M ids: {[r.status_code for r in responses]}, "
           f"/health worst {watch.worst_s * 1000:.0f} ms")
     assert [r.status_code for r in responses] == [400, 400]

@@ -15,15 +15,11 @@ A real `kvengine serve` on the tiny CPU model (2,048-token context); another cli
 
 from __future__ import annotations
 
-import json
-import threading
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-from engine_process import EngineProcess, HealthWatch, tiny_model
+from engine_process import EngineProcess, post_all_while_watching, tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,32 +35,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     running.stop()
 
 
-def _attack(engine: EngineProcess, path: str, bodies: list[dict[str, Any]]
-            ) -> tuple[list[httpx.Response], float, HealthWatch]:
-    """POST every body at once while /health is polled; (responses, seconds, the watch).
-    Bodies are encoded first: the watch's thread must not wait for this process's GIL."""
-    responses: list[httpx.Response] = []
-    encoded = [json.dumps(body).encode() for body in bodies]
-
-    def send(content: bytes) -> None:
-        responses.append(httpx.post(engine.url + path, content=content, timeout=60,
-                                    headers={"Content-Type": "application/json"}))
-
-    senders = [threading.Thread(target=send, args=(content,)) for content in encoded]
-    with HealthWatch(engine.url, interval_s=0.02) as watch:
-        time.sleep(0.1)  # the watch is polling before the attack starts
-        start = time.perf_counter()
-        for sender in senders:
-            sender.start()
-        for sender in senders:
-            sender.join()
-        took_s = time.perf_counter() - start
-        time.sleep(0.1)
-    assert len(responses) == len(bodies)
-    assert not watch.failures, watch.failures[:3]
-    return responses, took_s, watch
-
-
 def test_a_4_mb_prompt_to_tokenize_is_refused_early(engine: EngineProcess) -> None:
     """Item 1: the three ways in that skipped the check, at once."""
     bodies = [
@@ -73,7 +43,7 @@ def test_a_4_mb_prompt_to_tokenize_is_refused_early(engine: EngineProcess) -> No
         {"messages": [{"role": "user", "content": BIG_PROMPT}], "add_special_tokens": True},
     ]
     rss_before = engine.rss_bytes()
-    responses, took_s, watch = _attack(engine, "/tokenize", bodies)
+    responses, took_s, watch = post_all_while_watching(engine.url, "/tokenize", bodies)
     grown = engine.rss_bytes() - rss_before
     print(f"\n/tokenize x3 of 3.9 MB: {[r.status_code for r in responses]} in {took_s:.2f} s, "
           f"/health worst {watch.worst_s * 1000:.0f} ms, RSS +{grown >> 20} MiB")
@@ -107,11 +77,12 @@ def test_a_batch_of_short_prompts_is_bounded_and_tokenized_off_the_loop(
     big = [{"prompt": [f"{k} {i} {text}" for i in range(480)], "max_tokens": 2000}
            for k in range(2)]
     rss_before = engine.rss_bytes()
-    big_responses, big_s, big_watch = _attack(engine, "/v1/completions", big)
+    big_responses, big_s, big_watch = post_all_while_watching(engine.url, "/v1/completions", big)
     grown = engine.rss_bytes() - rss_before
     under = [{"prompt": [f"under {k} {i} {text}" for i in range(200)], "max_tokens": 2000}
              for k in range(4)]
-    under_responses, under_s, under_watch = _attack(engine, "/v1/completions", under)
+    under_responses, under_s, under_watch = post_all_while_watching(
+        engine.url, "/v1/completions", under)
     print(f"\n2 x 480 prompts: {[r.status_code for r in big_responses]} in {big_s:.2f} s, "
           f"/health worst {big_watch.worst_s * 1000:.0f} ms, RSS +{grown >> 20} MiB; "
           f"4 x 200 prompts: {under_s:.2f} s, /health worst {under_watch.worst_s * 1000:.0f} ms")
