@@ -37,7 +37,8 @@ from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error t
     lookup_reply,
 )
 
-# How long a failed send waits for the reader to find the daemon's refusal frame (in the socket).
+# How long a failed send waits for the reader to find the daemon's refusal frame (it is in the
+# socket already when the daemon closed after writing it).
 _REFUSAL_WAIT_S = 1.0
 
 
@@ -56,9 +57,11 @@ class Client:
         self._send_lock = threading.Lock()  # one frame at a time on the socket
         self._pending: dict[int, Pending] = {}
         self._closed_error: BaseException | None = None
-        # The daemon's frame refusing this connection (cap, uid), set by the reader: the reason.
+        # The daemon's error frame that refused this connection (its connection cap, a uid it
+        # does not serve), set by the reader thread: the reason it closed, whatever comes next.
         self._refusal: ClientError | None = None
-        # The hello (protocol versions) goes out before the first request; the reader checks it.
+        # The hello (protocol versions) goes out in front of the first request, unanswered by
+        # nobody: its reply is checked by the reader thread.
         self._hello_id: int | None = None
         self.daemon_protocol: str | None = None  # once the hello is answered
         self.last_reply_at = time.monotonic()  # when the reader last got a frame (any reply)
