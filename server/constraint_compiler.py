@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,8 +34,7 @@ def constraint_bytes(spec: Any) -> int:
         return 0
     if spec.choice is not None:
         return sum(len(c.encode()) for c in spec.choice)
-    text = spec.json or spec.grammar or spec.regex or ""
-    return len(text.encode()) if isinstance(text, str) else len(json.dumps(text))
+    return len((spec.json or spec.grammar or spec.regex or "").encode())  # json: kept as text
 
 
 class ConstraintCompiler:

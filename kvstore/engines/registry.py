@@ -109,11 +109,6 @@ class Registry:
             self._by_id[reg.registration_id] = reg
             others = list(self._by_id.values())
         if reg.is_cuda:  # the first copies pay nothing a registration could have paid
-            try:
-                warm_copier(reg.copier)
-            except Exception as exc:
-                self.cuda_fault.observe(exc, "warming up the copier")
-                log.warning("warm-up of device %d's copier failed: %s", reg.device_id, exc)
             open_peer_mappings(reg, others)
         return reg
 
@@ -143,6 +138,11 @@ class Registry:
             if copier is None:
                 copier = self._copiers[device_id] = CudaCopier(device_id, self.copy_settings,
                                                                 self.cuda_fault)
+                try:  # once per device: its kernels loaded before the first copy needs them
+                    warm_copier(copier)
+                except Exception as exc:
+                    self.cuda_fault.observe(exc, "warming up the copier")
+                    log.warning("warm-up of device %d's copier failed: %s", device_id, exc)
             return copier
 
     def get(self, registration_id: int, owner: str) -> Registration:

@@ -5,9 +5,10 @@ arena ran cold (opening the source's IPC handle on the reading device, switching
 loading the copy kernel on that device), and the engine's restore policy took that first load
 as its bandwidth for the HBM tier: every later restore from the peer was declined as slower
 than recomputing (18k-token turns recomputed in 480-580 ms; with the warm-up they restored in
-75-160). So when a CUDA engine registers, the daemon loads the copy kernels on its
-device (a copy of eight 16-byte runs on its copy stream) and opens, both ways, the mappings
-between its arena and every other registered arena on a device that can reach it. A failure
+75-160). So the daemon loads the copy kernels on a device once, when its copier is made
+(a copy of eight 16-byte runs on its copy stream), and when a CUDA engine registers it opens,
+both ways, the mappings between its arena and every other registered arena on a device that
+can reach it. A failure
 here is logged and costs only the warm-up: the copy path opens what it needs itself.
 """
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemon_helpers import REPO_ROOT, start_daemon, wait_until
+from support.gpus import num_cuda_devices
 
 from engine import LLM, SamplingParams
 from engine.make_model import write_checkpoint
@@ -46,15 +47,6 @@ _OWNER = textwrap.dedent("""
 """)
 
 
-def _two_gpus() -> bool:
-    try:
-        import cupy as cp
-
-        return cp.cuda.runtime.getDeviceCount() >= 2
-    except Exception:
-        return False
-
-
 def _blocks(llm: LLM, prompt: list[int]) -> np.ndarray:
     import cupy as cp
 
@@ -80,7 +72,7 @@ def _restore_on_cuda1(model: Path, socket_path: Path, prompt: list[int], tokens:
         llm.close()
 
 
-@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+@pytest.mark.skipif(num_cuda_devices() < 2, reason="needs two GPUs")
 def test_a_prefix_from_cuda0_reaches_cuda1_by_peer_copy_and_from_dram(tmp_path: Path) -> None:
     model = tmp_path / "model"
     write_checkpoint(model, "tiny", seed=0)

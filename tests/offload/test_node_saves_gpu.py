@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import REPO_ROOT, start_daemon
+from support.gpus import num_cuda_devices
 
 from engine.make_model import write_checkpoint
 from kvstore.store.dram.host_memory import available_bytes
@@ -98,21 +99,12 @@ _ENGINE = textwrap.dedent("""
 """)
 
 
-def _two_gpus() -> bool:
-    try:
-        import cupy as cp
-
-        return cp.cuda.runtime.getDeviceCount() >= 2
-    except Exception:
-        return False
-
-
 def _pool_fits() -> bool:
     available = available_bytes()
     return available is not None and available[0] > POOL_BYTES + 24 * GiB
 
 
-@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+@pytest.mark.skipif(num_cuda_devices() < 2, reason="needs two GPUs")
 @pytest.mark.skipif(not _pool_fits(), reason="needs 104 GiB of free host memory")
 def test_two_engines_save_19k_prompts_for_a_minute_then_load_each_others(tmp_path: Path) -> None:
     seconds = float(os.environ.get("KVSTORE_NODE_SOAK_S", "60"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -137,6 +138,7 @@ def _run_all(fn, items: list, workers: int | None = None) -> None:
         future.result()
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from daemon_helpers import REPO_ROOT, make_chain, start_daemon, wait_until
 from support.arena import CudaArena
+from support.gpus import num_cuda_devices
 
 from engine import LLM, SamplingParams
 from engine.make_model import write_checkpoint
@@ -168,12 +169,6 @@ def test_two_engines_in_two_processes_share_a_prefix(tmp_path: Path) -> None:
         daemon.stop()
 
 
-def _two_gpus() -> bool:
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceCount() >= 2
-
-
 @pytest.mark.parametrize("reader_device", [0, 1])
 def test_hbm_copy_benchmark_path_lands_every_block(reader_device: int, tmp_path: Path) -> None:
     """``benchmarks.hbm_copy`` as a test, at the sizes a node moves (64, 256 and 1,024 blocks of
@@ -181,7 +176,7 @@ def test_hbm_copy_benchmark_path_lands_every_block(reader_device: int, tmp_path:
     byte-exact. ``reader_device`` 1: the daemon copies across GPUs (on H200s this read an
     illegal address and broke the daemon's context before the peer mapping was opened on the
     reading device)."""
-    if reader_device and not _two_gpus():
+    if reader_device and num_cuda_devices() < 2:
         pytest.skip("needs two GPUs")
     done = subprocess.run([sys.executable, "-m", "benchmarks.hbm_copy", "--reps", "2",
                            "--reader-device", str(reader_device), "--out", str(tmp_path)],
