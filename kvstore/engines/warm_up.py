@@ -8,8 +8,8 @@ than recomputing (18k-token turns recomputed in 480-580 ms; with the warm-up the
 75-160). So the daemon loads the copy kernels on a device once, when its copier is made
 (a copy of eight 16-byte runs on its copy stream), and when a CUDA engine registers it opens,
 both ways, the mappings between its arena and every other registered arena on a device that
-can reach it. A failure
-here is logged and costs only the warm-up: the copy path opens what it needs itself.
+can reach it. A failure here is logged and costs only the warm-up: the copy path opens what it
+needs itself.
 """
 
 from __future__ import annotations
