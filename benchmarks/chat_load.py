@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
+from benchmarks.answer_scoring import token_ids_of
 from benchmarks.workload import Conversation, WorkloadConfig, system_prompt
 
 
@@ -30,7 +31,9 @@ from benchmarks.workload import Conversation, WorkloadConfig, system_prompt
 class ChatRecord:
     """One request: ``*_s`` seconds from the start of the load; ``engine`` the incarnation it
     was sent to; ``in_flight_at_fault`` the engine stop it was in flight at, if any;
-    ``reference`` the reference engine's answer to the same messages (filled in afterwards)."""
+    ``reference`` the reference engine's answer to the same messages (filled in afterwards);
+    ``numerics`` how the reference scores an answer that differs from it
+    (``benchmarks.answer_scoring``)."""
 
     index: int
     user: int
@@ -43,10 +46,12 @@ class ChatRecord:
     completion_tokens: int | None = None
     cached_tokens_by_tier: dict[str, int] | None = None
     answer: str | None = None
+    answer_token_ids: list[int] | None = None
     error: str | None = None
     in_flight_at_fault: int | None = None
     reference: str | None = None
     reference_error: str | None = None
+    numerics: dict | None = None
     messages: list[dict[str, str]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
@@ -57,11 +62,14 @@ class ChatRecord:
 
 
 def ask(client: httpx.Client, url: str, model: str, messages: list[dict[str, str]],
-        max_tokens: int) -> dict:
-    """One greedy chat completion: its body (HTTPStatusError on an error status)."""
-    response = client.post(url + "/v1/chat/completions", json={
-        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True})
+        max_tokens: int, token_ids: bool = False) -> dict:
+    """One greedy chat completion: its body (HTTPStatusError on an error status); with
+    ``token_ids`` its ``logprobs`` name the answer's tokens by id."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
+    if token_ids:
+        body.update(logprobs=True, return_tokens_as_token_ids=True)
+    response = client.post(url + "/v1/chat/completions", json=body)
     response.raise_for_status()
     return response.json()
 
@@ -166,9 +174,11 @@ class ChatLoad:
         started = time.monotonic()
         try:
             body = ask(self._client, url, self._model, record.messages,
-                       self.workload.answer_len)
+                       self.workload.answer_len, token_ids=True)
             usage = body.get("usage") or {}
-            record.answer = body["choices"][0]["message"]["content"]
+            choice = body["choices"][0]
+            record.answer = choice["message"]["content"]
+            record.answer_token_ids = token_ids_of(choice["logprobs"]["content"])
             record.prompt_tokens = usage.get("prompt_tokens")
             record.completion_tokens = usage.get("completion_tokens")
             details = usage.get("prompt_tokens_details") or {}

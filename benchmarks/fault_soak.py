@@ -39,6 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks import multiturn_sweep
+from benchmarks.answer_scoring import score_differences
 from benchmarks.chat_load import ChatLoad, answer_again
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.fault_injector import FaultInjector
@@ -84,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=positive_float_arg, default=300.0)
     p.add_argument("--start-timeout", type=positive_float_arg, default=600.0)
     p.add_argument("--reference-concurrency", type=positive_int_arg, default=4)
+    p.add_argument("--numerics-margin", type=positive_float_arg, default=0.25,
+                   help="an answer that differs from the reference's passes when, scored by "
+                        "the reference token by token, each token's distance from the "
+                        "reference's best is within this share of the spread of its top "
+                        "--numerics-top-n (bf16 near-ties; default 0.25)")
+    p.add_argument("--numerics-top-n", type=positive_int_arg, default=20,
+                   help="alternatives the reference reports per position (a token outside "
+                        "them fails the answer)")
     p.add_argument("--memory-tolerance", type=float, default=0.05,
                    help="heap or GPU memory may grow by this share of its baseline ...")
     p.add_argument("--memory-slack", type=size_arg, default=64 * 2**20,
@@ -198,7 +207,8 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
         listening_s, warm_s = stack.start_engine()
         out["engine_start_s"] = {"listening": listening_s, "warm": warm_s}
         time.sleep(1.0)
-        out["memory_before"] = snapshot(stack.pids(), gpu)
+        ordinals = (int(args.device.partition(":")[2] or 0),) if gpu else ()
+        out["memory_before"] = snapshot(stack.pids(), gpu, ordinals)
         t0 = time.monotonic()
         load = ChatLoad(workload, qps, MODEL_NAME, stack.url, args.request_timeout, t0)
         injector = FaultInjector(stack, load, faults, t0,
@@ -208,7 +218,7 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
         out["outcomes"], out["error"] = injector.outcomes, injector.error
         time.sleep(args.settle_s)
         _wait_for_rest(stack, 30.0)
-        out["memory_after"] = snapshot(stack.pids(), gpu)
+        out["memory_after"] = snapshot(stack.pids(), gpu, ordinals)
         stats = stack.daemon_stats() or {}
         out["daemon_final"] = {k: stats.get(k) for k in ("tiers", "counters", "daemon")}
         out["engine_final_offload_events"] = stack.engine_offload_events()
@@ -229,6 +239,8 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
     try:
         answer_again(records, url, MODEL_NAME, workload.answer_len, args.reference_concurrency,
                      args.request_timeout)
+        score_differences(records, url, MODEL_NAME, args.numerics_top_n, args.numerics_margin,
+                          args.reference_concurrency, args.request_timeout)
     finally:
         reference.stop()
     out["reference"] = {"command": " ".join(reference.cmd[1:]), "num_kv_blocks": blocks,
@@ -241,7 +253,10 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
 def _print_report(result: dict) -> None:
     v = result["verdict"]
     print(f"\nfault soak: {v['requests']} requests, {v['answers']['answered']} answered, "
-          f"{len(v['answers']['differences'])} differences, {v['failures']['failed']} failed "
+          f"{len(v['answers']['differences'])} differences "
+          f"({len(v['answers']['unexplained'])} beyond the numerics margin, largest share "
+          f"{v['answers']['largest_share']}, median spread {v['answers']['median_spread']}), "
+          f"{v['failures']['failed']} failed "
           f"({len(v['failures']['allowed'])} in flight at an engine stop)")
     for f in v["fault_windows"]["faults"]:
         d = f["during"]
@@ -281,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                    "minutes": args.minutes, "qps": qps, "seed": args.seed,
                    "fault_every_s": args.fault_every, "stop_s": args.stop_s,
                    "memory_tolerance": args.memory_tolerance,
+                   "numerics_margin": args.numerics_margin,
+                   "numerics_top_n": args.numerics_top_n,
                    "memory_slack_bytes": args.memory_slack,
                    "model_dir": str(args.model_dir)},
         "workload": asdict(workload), "sizing": sizing, "schedule": schedule,

@@ -3,9 +3,10 @@ same batch free (DESIGN.md: at most 1.1x), and with every row constrained, for s
 
 One engine (``benchmarks.engine``'s checkpoints: make-model presets, ``--fast-weights`` for the
 qwen3-4b shape in seconds); ``--batch`` requests of ``--context`` prompt tokens each, generating
-with ``ignore_eos``. The constrained rows follow a schema whose answer is one long string (a
-random model stays inside it for the whole run, and a string is where llguidance's mask is the
-most expensive: nearly every token is allowed), so every timed step computes and applies masks.
+with ``ignore_eos``. The constrained rows follow a schema whose answer is one long string (of at
+least 4,096 characters, so no row can finish inside the run, and a string is where llguidance's
+mask is the most expensive: nearly every token is allowed), so every timed step computes and
+applies masks.
 Per configuration the batch is prefilled, warmed for a few steps, then ``--steps`` decode steps
 are timed one by one (``LLMEngine.step`` wall time: forward, masks, sampling, bookkeeping), the
 configurations alternating ``--reps`` times.
@@ -28,7 +29,9 @@ import numpy as np
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.engine import model_dir_for
 
-LONG_STRING = {"type": "object", "properties": {"answer": {"type": "string",
+# The string cannot close before 4,096 characters: no constrained row finishes inside the run
+# (a token is far shorter than 4,096 / (the timed steps and warm-up) characters).
+LONG_STRING = {"type": "object", "properties": {"answer": {"type": "string", "minLength": 4096,
                                                            "maxLength": 100000}},
                "required": ["answer"], "additionalProperties": False}
 CONFIGS = {"free": 0, "one_json": 1, "all_json": None}  # constrained rows (None: every row)
@@ -39,11 +42,15 @@ def _time_config(engine, num_constrained: int, args: argparse.Namespace, rep: in
 
     rng = np.random.default_rng(rep)
     vocab = engine.tokenizer.vocab_size
+    # Chunked prefill lets the first requests decode while later ones still prefill: each may
+    # run ahead by one token per prefill step, so none may finish before the timed steps end.
+    prefill_steps = -(-args.batch * args.context // engine.config.max_num_batched_tokens) + 1
+    max_tokens = args.steps + args.warmup + prefill_steps + 2
     for i in range(args.batch):
         prompt = rng.integers(0, vocab, args.context).tolist()
         constrained = i < num_constrained
         params = SamplingParams(
-            temperature=1.0, seed=i, ignore_eos=True, max_tokens=args.steps + args.warmup + 2,
+            temperature=1.0, seed=i, ignore_eos=True, max_tokens=max_tokens,
             structured_outputs={"json": LONG_STRING} if constrained else None)
         engine.add_request(f"r{rep}-{num_constrained}-{i}", prompt, params)
     while True:  # prefill (chunked) until every request decodes
@@ -61,6 +68,8 @@ def _time_config(engine, num_constrained: int, args: argparse.Namespace, rep: in
         if engine.last_step.num_seqs != args.batch:
             raise RuntimeError(f"a timed step ran {engine.last_step.num_seqs} sequences, "
                                f"not {args.batch}")
+    for i in range(args.batch):
+        engine.abort_request(f"r{rep}-{num_constrained}-{i}")
     while engine.has_unfinished_requests():
         engine.step()
     return times

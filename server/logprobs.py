@@ -5,7 +5,9 @@ Completions (legacy shape): `{"tokens", "token_logprobs", "top_logprobs", "text_
 to N+1 entries, as OpenAI documents). Chat: `{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}`. A token's text is its own decode with
 special tokens kept; a token that is only part of a UTF-8 character reads as U+FFFD (its `bytes`
-are those of that text, not the raw byte piece).
+are those of that text, not the raw byte piece). With ``as_ids`` (vLLM's
+``return_tokens_as_token_ids``) every token is named ``token_id:{id}`` instead, so a client can
+tell apart tokens that decode alike; completions' ``text_offset`` still counts the decoded text.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ class TokenLogprobsView(Protocol):
 class LogprobsFormatter:
     """Builds the objects; token texts are decoded once and kept (a bounded cache)."""
 
-    def __init__(self, decode: Callable[..., str]) -> None:
+    def __init__(self, decode: Callable[..., str], as_ids: bool = False) -> None:
         self._decode = decode
         self._texts: dict[int, str] = {}
+        self.as_ids = as_ids
+
+    def label(self, token_id: int) -> str:
+        """How the token is named in the response: its text, or ``token_id:{id}``."""
+        return f"token_id:{token_id}" if self.as_ids else self.token_text(token_id)
 
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -47,11 +54,11 @@ class LogprobsFormatter:
         the offset after the last token (where a stream's next chunk continues)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for entry in entries:
-            text = self.token_text(entry.token_id)
-            tokens.append(text)
+            text, label = self.token_text(entry.token_id), self.label(entry.token_id)
+            tokens.append(label)
             token_logprobs.append(_floor(entry.logprob))
-            top = {self.token_text(i): _floor(lp) for i, lp in entry.top}
-            top.setdefault(text, _floor(entry.logprob))
+            top = {self.label(i): _floor(lp) for i, lp in entry.top}
+            top.setdefault(label, _floor(entry.logprob))
             tops.append(top)
             offsets.append(text_offset)
             text_offset += len(text)
@@ -69,7 +76,7 @@ class LogprobsFormatter:
         return {"content": content}
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
+        text = self.label(token_id)
         return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
 
 

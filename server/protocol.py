@@ -105,6 +105,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     cache_salt: str | None = None
+    return_tokens_as_token_ids: StrictBool | None = None  # vLLM: logprobs name "token_id:{id}"
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     best_of: StrictInt | None = None

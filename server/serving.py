@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -38,19 +37,10 @@ from server.protocol import (
     SamplingFields,
 )
 from server.reasoning_parsers import REASONING_PARSERS, reasoning_end_token
+from server.sampling_builder import SamplingBuilder
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 from server.structured_outputs import Constraint, constraint_of
 from server.tokenize_pool import TokenizePool
-
-
-def derive_seed(seed: int, sample_index: int) -> int:
-    """Sample i of a seeded request with n > 1: sample 0 keeps `seed` (so n=1 and n>1 agree on
-    it), the others get distinct seeds hashed from (seed, i). Negative seeds (allowed by the
-    OpenAI API) are taken modulo 2**64, as the engine wants a non-negative one."""
-    if sample_index == 0:
-        return seed % 2**64
-    digest = hashlib.sha256(f"kvengine-seed:{seed}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # non-negative int64
 
 
 @dataclass
@@ -63,6 +53,7 @@ class _Job:
     requests: list[EngineRequest]
     choices: dict[str, R.ChoiceState]
     logprobs: str | None = None  # "completion" or "chat": the shape of the `logprobs` asked for
+    formatter: LogprobsFormatter | None = None  # tokens as text, or as ids
     constraint: Constraint | None = None  # structured outputs, and the field they came from
     shape: ChatShape | None = None  # chat with tools or a reasoning parser: message parsing
 
@@ -79,7 +70,6 @@ class OpenAIServing:
         self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.metrics = metrics
         self.model_name = model_name
-        self._params_cls = sampling_params_cls
         core: ServedEngine = engine.engine
         self.max_model_len = int(core.max_model_len)
         pool = TokenizePool()
@@ -90,7 +80,9 @@ class OpenAIServing:
             core.tokenizer, prompt_tokenizer, self.max_model_len, pool,
             on_overloaded=lambda: metrics.request_rejected("overloaded"))
         self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
+        self.sampling = SamplingBuilder(sampling_params_cls, self.vocab_size, self.max_model_len)
         self.logprobs = LogprobsFormatter(core.tokenizer.decode)
+        self.logprobs_as_ids = LogprobsFormatter(core.tokenizer.decode, as_ids=True)
         # Under --reasoning-parser a chat's constraint starts after the reasoning's end token
         self.reasoning_end = reasoning_end_token(self.reasoning, core.tokenizer.encode)
 
@@ -209,52 +201,13 @@ class OpenAIServing:
             for sample in range(body.n):
                 index = prompt_index * body.n + sample
                 request_id = f"{response_id}-{index}"
-                params = self._sampling_params(body, sample, max_tokens, len(token_ids),
-                                               num_logprobs, constraint)
+                params = self.sampling.build(body, sample, max_tokens, len(token_ids),
+                                             num_logprobs, constraint)
                 requests.append(EngineRequest(request_id, token_ids, params, salt))
                 choices[request_id] = R.ChoiceState(index, prompt_index, len(token_ids))
+        formatter = self.logprobs_as_ids if body.return_tokens_as_token_ids else self.logprobs
         return _Job(response_id, int(time.time()), arrival, requests, choices,
-                    constraint=constraint)
-
-    def _sampling_params(self, body: SamplingFields, sample: int, max_tokens: int | None,
-                         num_prompt_tokens: int, num_logprobs: int | None,
-                         constraint: Constraint | None = None) -> Any:
-        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
-        bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
-        if bias and self.vocab_size is not None and max(bias) >= self.vocab_size:
-            raise APIError(400, f"logit_bias names token id {max(bias)}, out of range: the "
-                           f"vocabulary has {self.vocab_size} tokens", param="logit_bias")
-        stop_ids = body.stop_token_ids
-        if stop_ids and self.vocab_size is not None and max(stop_ids) >= self.vocab_size:
-            raise APIError(400, f"stop_token_ids names token id {max(stop_ids)}, out of range: "
-                           f"the vocabulary has {self.vocab_size} tokens",
-                           param="stop_token_ids")
-        try:
-            return self._params_cls(
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=top_k,
-                max_tokens=max_tokens or self.max_model_len - num_prompt_tokens,
-                seed=None if body.seed is None else derive_seed(body.seed, sample),
-                stop=body.stop,
-                ignore_eos=body.ignore_eos,
-                min_p=body.min_p or 0.0,
-                repetition_penalty=(1.0 if body.repetition_penalty is None
-                                    else body.repetition_penalty),
-                presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                logit_bias=bias,
-                min_tokens=body.min_tokens,
-                stop_token_ids=stop_ids,
-                logprobs=num_logprobs,
-                include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens,
-                structured_outputs=None if constraint is None else constraint.spec,
-            )
-        except ValueError as exc:  # the engine's checks name the field first
-            field = str(exc).split(" ", 1)[0]
-            raise APIError(400, str(exc), param=field if field in type(body).model_fields else None,
-                           code="invalid_value") from exc
+                    formatter=formatter, constraint=constraint)
 
     async def _submit(self, job: _Job) -> RequestGroup:
         await self.constraints.compile(job.requests, job.constraint and job.constraint.param)
@@ -328,9 +281,9 @@ class OpenAIServing:
                 choice.message, choice.finish_reason = job.shape.message(
                     request_id, choice.text, choice.finish_reason)
             if job.logprobs == "chat":
-                choice.logprobs_body = self.logprobs.chat(choice.logprobs or [])
+                choice.logprobs_body = job.formatter.chat(choice.logprobs or [])
             elif job.logprobs == "completion":
-                choice.logprobs_body, _ = self.logprobs.completion(choice.logprobs or [], 0)
+                choice.logprobs_body, _ = job.formatter.completion(choice.logprobs or [], 0)
         return list(job.choices.values())
 
     def _chunk_logprobs(self, job: _Job, choice: R.ChoiceState) -> dict[str, Any] | None:
@@ -340,8 +293,8 @@ class OpenAIServing:
             return None
         entries = choice.take_logprobs()
         if job.logprobs == "chat":
-            return self.logprobs.chat(entries)
-        body, choice.logprobs_text_offset = self.logprobs.completion(
+            return job.formatter.chat(entries)
+        body, choice.logprobs_text_offset = job.formatter.completion(
             entries, choice.logprobs_text_offset)
         return body
 

@@ -64,8 +64,13 @@ def test_a_different_answer_fails_the_verdict(soak) -> None:
     record = next(r for r in changed["records"] if r["error"] is None)
     record["answer"] += " and one more word"
     v = judge(changed)
-    assert not v["passed"] and not v["checks"]["no_differences"]
-    assert v["answers"]["differences"] == [record["index"]]
+    assert not v["passed"] and not v["checks"]["differences_only_numerics"]
+    assert v["answers"]["differences"] == v["answers"]["unexplained"] == [record["index"]]
+    # scored by the reference: within its margin it is numerics, beyond it wrong
+    record["numerics"] = {"within": True, "largest_margin": 0.01, "median_spread": 3.0}
+    assert judge(changed)["passed"]
+    record["numerics"] = {"within": False, "largest_margin": 7.5, "median_spread": 3.0}
+    assert not judge(changed)["checks"]["differences_only_numerics"]
     record["reference"] = None  # the reference did not answer it: not compared, not passed
     assert not judge(changed)["checks"]["every_answer_compared"]
 

@@ -15,7 +15,7 @@ from server.auth import key_salt, tenant_salt
 from server.cli import SERVE_SWITCH_INTERVAL_S, main
 from server.protocol import RESERVED_TEMPLATE_NAMES
 from server.responses import ChoiceState, usage
-from server.serving import derive_seed
+from server.sampling_builder import derive_seed
 from server.settings import ServerSettings
 
 salts = st.one_of(st.none(), st.text(max_size=12))
