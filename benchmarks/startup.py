@@ -36,28 +36,41 @@ from kvstore.testing.processes import stop_process
 TARGET_READY_S = 5.0
 
 
-def _drain(stream, lines: list[str]) -> None:
+def _drain(stream, lines: list[str], timeline: list, start: float) -> None:
     for line in stream:
         lines.append(line)
+        timeline.append((round(time.perf_counter() - start, 3), line.strip()[:160]))
 
 
-def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float) -> dict:
-    """Spawn the server on a free port, time readiness and a first token, stop it."""
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--device",
-           device, "--port", "0", *extra]
+# ``--profile``: the server under benchmarks.stack_sampler, its counts written at exit
+_SAMPLED = ("import runpy, sys; import benchmarks.stack_sampler as s; s.install(sys.argv.pop(1), "
+            "0.002); sys.argv[0] = 'server.cli'; runpy.run_module('server.cli', "
+            "run_name='__main__')")
+
+
+def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float,
+              profile: Path | None = None) -> dict:
+    """Spawn the server on a free port, time readiness and a first token, stop it. Every
+    stderr line is kept with its time from the spawn (``timeline``): the phases of a start."""
+    head = [sys.executable, "-m", "server.cli"] if profile is None else \
+        [sys.executable, "-c", _SAMPLED, str(profile)]
+    cmd = [*head, "serve", "--model", str(model_dir), "--device", device, "--port", "0", *extra]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
+    timeline: list[tuple[float, str]] = []
     url = None
     try:
         for line in proc.stderr:
             lines.append(line)
+            timeline.append((round(time.perf_counter() - start, 3), line.strip()[:160]))
             if "listening on " in line:
                 url = line.rsplit("listening on ", 1)[1].strip()
                 break
             if time.perf_counter() - start > timeout_s:
                 break
-        threading.Thread(target=_drain, args=(proc.stderr, lines), daemon=True).start()
+        threading.Thread(target=_drain, args=(proc.stderr, lines, timeline, start),
+                         daemon=True).start()
         if url is None:
             raise RuntimeError("the server did not start:\n" + "".join(lines[-20:]))
         with httpx.Client(timeout=timeout_s) as client:
@@ -79,7 +92,7 @@ def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float) 
         stop_process(proc, timeout_s=60)
     load_line = next((ln.strip() for ln in lines if "model loaded in" in ln), None)
     return {"ready_s": round(ready_s, 3), "first_token_s": round(first_token_s, 3),
-            "idle_rss_bytes": rss, "engine_log": load_line}
+            "idle_rss_bytes": rss, "engine_log": load_line, "timeline": timeline}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="starts; the first one warms up")
     parser.add_argument("--engine-args", default="", help="extra `kvengine serve` arguments")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                        help="one more start, under benchmarks.stack_sampler (counts to FILE; "
+                             "not among the timed runs)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.model:
@@ -104,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [one_start(model_dir, args.device, args.engine_args.split(), args.timeout)
             for _ in range(max(args.reps, 2))]
     warm = runs[1:]
+    if args.profile is not None:
+        one_start(model_dir, args.device, args.engine_args.split(), args.timeout, args.profile)
     ready = statistics.median(r["ready_s"] for r in warm)
     report = {
         "benchmark": "startup", "model": str(model_dir), "device": args.device,
