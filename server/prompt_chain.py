@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore import MAX_LOCATE_BLOCKS
 from offload.vocab import (
     ModelIdentity,
     Namespace,
@@ -21,10 +22,6 @@ from offload.vocab import (
     encode_tokens,
     servable_blocks,
 )
-
-# The longest chain the daemon's `locate` takes (kvstore.wire.verbs.MAX_LOCATE_BLOCKS; a test
-# keeps them equal): a million tokens at 16 per block.
-MAX_CHAIN_BLOCKS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -65,9 +62,9 @@ class PromptChain:
     def of(cls, identity: KVIdentity, token_ids: Sequence[int], tenant_salt: str) -> PromptChain:
         """The chain the engine would look up for this prompt: its full blocks, leaving at
         least one token to compute (as the engine's prefix cache does), at most
-        MAX_CHAIN_BLOCKS of them."""
+        MAX_LOCATE_BLOCKS of them (the longest chain the daemon's ``locate`` takes)."""
         block_size = identity.block_size
-        blocks = range(min(servable_blocks(len(token_ids), block_size), MAX_CHAIN_BLOCKS))
+        blocks = range(min(servable_blocks(len(token_ids), block_size), MAX_LOCATE_BLOCKS))
         namespace = identity.namespace(tenant_salt)
         token_bytes = encode_tokens(token_ids[:len(blocks) * block_size])
         hashes = chain_hashes(namespace, token_bytes, block_size, blocks)
