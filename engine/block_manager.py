@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from engine.sequence import Sequence
 from offload.engine_view import Generations
-from offload.vocab import chain_hashes
+from offload.vocab import TOKEN_ID_BYTES, block_token_bytes, chain_hashes, servable_blocks
 
 
 class CachedBlock(NamedTuple):
@@ -37,7 +37,7 @@ class CachedBlock(NamedTuple):
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return struct.unpack(f"<{len(self.token_bytes) // 4}i", self.token_bytes)
+        return struct.unpack(f"<{len(self.token_bytes) // TOKEN_ID_BYTES}i", self.token_bytes)
 
 
 _CHECK = operator.itemgetter(CachedBlock._fields.index("check"))
@@ -115,15 +115,15 @@ class BlockManager:
         start, end = len(seq.block_hashes), seq.num_tokens // bs
         if end <= start:
             return
-        step = 4 * bs
-        tokens = seq.encoded_tokens(end * bs)[start * step : end * step]
-        keys = chain_hashes(seq.block_hashes[-1] if start else seq.namespace_digest, tokens, bs,
-                            self.debug_hash_bits)
+        blocks, namespace = range(start, end), seq.namespace_digest
+        tokens = seq.encoded_tokens(end * bs)
+        keys = chain_hashes(namespace, tokens, bs, blocks,
+                            seq.block_hashes[-1] if start else None, self.debug_hash_bits)
         if self.debug_hash_bits is None:
             checks = keys
         else:
-            checks = chain_hashes(seq.block_checks[-1] if start else seq.namespace_digest,
-                                  tokens, bs)
+            checks = chain_hashes(namespace, tokens, bs, blocks,
+                                  seq.block_checks[-1] if start else None)
         seq.block_hashes.extend(keys)
         seq.block_checks.extend(checks)
 
@@ -133,21 +133,21 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         self.update_hashes(seq)
-        num_blocks = (seq.num_tokens - 1) // self.block_size
-        step = 4 * self.block_size
+        num_blocks = servable_blocks(seq.num_tokens, self.block_size)
         # The candidates are the leading blocks whose keys are cached; they are verified all at
         # once (C-level compares), and block by block only when that fails.
         hits = list(map(self._by_key.get, seq.block_hashes[:num_blocks]))
         if None in hits:
             hits = hits[: hits.index(None)]
         cached = list(map(self._cached.__getitem__, hits))
-        tokens = seq.encoded_tokens(len(hits) * self.block_size)
+        tokens = block_token_bytes(seq.encoded_tokens(len(hits) * self.block_size),
+                                   self.block_size, range(len(hits)))
         checks = seq.block_checks
         if (list(map(_CHECK, cached)) == checks[: len(hits)]
-                and b"".join(map(_TOKEN_BYTES, cached)) == tokens[: len(hits) * step]):
+                and list(map(_TOKEN_BYTES, cached)) == tokens):
             return hits
         for j, block in enumerate(cached):
-            if block.check != checks[j] or block.token_bytes != tokens[j * step : (j + 1) * step]:
+            if block.check != checks[j] or block.token_bytes != tokens[j]:
                 self.num_collisions += 1
                 return hits[:j]
         return hits  # every block passed on its own (the joined compare cannot fail then)
@@ -277,8 +277,7 @@ class BlockManager:
         if num_full <= start:
             return
         self.update_hashes(seq)
-        step = 4 * bs
-        tokens = seq.encoded_tokens(num_full * bs)
+        tokens = block_token_bytes(seq.encoded_tokens(num_full * bs), bs, range(start, num_full))
         by_key, cached_blocks = self._by_key, self._cached
         hashes, checks, namespace = seq.block_hashes, seq.block_checks, seq.namespace_digest
         registered = self._registered if self._track_resident else None
@@ -288,8 +287,7 @@ class BlockManager:
             if key not in by_key:
                 block = seq.block_ids[j]
                 parent = checks[j - 1] if j else namespace
-                cached = CachedBlock(key, checks[j], tokens[j * step : (j + 1) * step],
-                                     namespace, parent)
+                cached = CachedBlock(key, checks[j], tokens[j - start], namespace, parent)
                 cached_blocks[block] = cached
                 by_key[key] = block
                 if registered is not None:

@@ -106,6 +106,11 @@ def _with_reasoning_aliases(message: Mapping[str, Any]) -> dict[str, Any]:
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
+# The template variables ``ChatTemplate.render`` fills from its own parameters: its ``kwargs`` may
+# not name them (the server answers a request whose chat_template_kwargs do with a 400).
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 class ChatTemplate:
     """One compiled template; ``render`` is safe from several threads (Jinja templates are)."""
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload.engine_store import OffloadPolicy
+from offload.offload_policy import OffloadPolicy
 
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N": one GPU by index, as torch and vLLM name them
 _CUDA_INDEX = re.compile(r"cuda:(0|[1-9][0-9]{0,3})")

@@ -11,7 +11,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarMatcher
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from offload.vocab import encode_tokens
+from offload.vocab import TOKEN_ID_BYTES, encode_tokens
 
 
 class SequenceStatus(enum.Enum):
@@ -65,7 +65,7 @@ class Sequence:
     abort_requested: bool = False  # aborted while a load was in flight
     num_saved_blocks: int = 0  # leading full blocks handed to the store (or known there)
     restored_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    # token_ids[:len(token_bytes) // 4] as int32-LE; the engine passes the prompt's, else lazy.
+    # A prefix of token_ids as int32-LE (encode_tokens); the engine passes the prompt's, else lazy.
     token_bytes: bytes = field(default=b"", repr=False)
     # time.perf_counter() stamps for the request-phase histograms (queue, prefill, decode)
     arrival_time: float = 0.0
@@ -77,12 +77,13 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         # Fixed here: outputs share ``prompt_token_ids`` with callers, who may mutate it.
         self._num_prompt_tokens = len(self.prompt_token_ids)
-        if len(self.token_bytes) % 4 or len(self.token_bytes) > 4 * len(self.token_ids):
+        num_encoded, rest = divmod(len(self.token_bytes), TOKEN_ID_BYTES)
+        if rest or num_encoded > len(self.token_ids):
             raise ValueError("token_bytes must encode a prefix of token_ids")
 
     def encoded_tokens(self, num_tokens: int) -> bytes:
-        """Bytes whose first ``4 * num_tokens`` are ``token_ids[:num_tokens]`` as int32-LE."""
-        done = len(self.token_bytes) // 4
+        """Bytes that begin with ``token_ids[:num_tokens]`` as int32-LE (``encode_tokens``)."""
+        done = len(self.token_bytes) // TOKEN_ID_BYTES
         if done < num_tokens:
             self.token_bytes += encode_tokens(self.token_ids[done:])
         return self.token_bytes

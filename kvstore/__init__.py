@@ -16,6 +16,7 @@ __all__ = [
     "ClientError",
     "DaemonUnavailable",
     "LocateReply",
+    "MAX_LOCATE_BLOCKS",
     "Pending",
     "Tier",
 ]
@@ -30,4 +31,8 @@ def __getattr__(name: str) -> Any:
         from kvstore.wire import client
 
         return getattr(client, name)
+    if name == "MAX_LOCATE_BLOCKS":  # the longest chain a client's ``locate`` may send
+        from kvstore.wire.verbs import MAX_LOCATE_BLOCKS
+
+        return MAX_LOCATE_BLOCKS
     raise AttributeError(name)

@@ -18,6 +18,10 @@ import xxhash
 HASH_SCHEME_VERSION = 1
 KV_LAYOUT_VERSION = 1
 HASH_BYTES = 16
+TOKEN_ID_BYTES = 4  # every key and ident holds a token id as int32-LE
+
+# A prompt's tokens, as ids or as the int32-LE bytes ``encode_tokens`` makes of them.
+Tokens = Sequence[int] | np.ndarray | bytes
 
 # Field tags of the namespace encoding; never reuse or renumber one.
 _TAG_SCHEME = 1
@@ -141,6 +145,19 @@ def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(token_ids, dtype="<i4").tobytes()
 
 
+def servable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a prompt of ``num_tokens`` a cache may serve: its last
+    token is always computed (the step samples from its logits), so a prompt of exactly n
+    blocks is served at most n - 1. Every engine, connector and router asks this, not itself."""
+    return max(0, (num_tokens - 1) // block_size)
+
+
+def block_token_bytes(token_bytes: bytes, block_size: int, blocks: Iterable[int]) -> list[bytes]:
+    """The int32-LE bytes of each block in ``blocks`` of ``token_bytes`` (token 0 first)."""
+    step = TOKEN_ID_BYTES * block_size
+    return [token_bytes[j * step:(j + 1) * step] for j in blocks]
+
+
 def block_hash(
     parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"",
     debug_hash_bits: int | None = None,
@@ -153,25 +170,68 @@ def block_hash(
     return truncate_hash(xxhash.xxh3_128_digest(parent + tokens + tail), debug_hash_bits)
 
 
+def _as_token_bytes(tokens: Tokens, num_tokens: int) -> bytes:
+    """``tokens`` as int32-LE bytes covering at least its first ``num_tokens`` tokens."""
+    if not isinstance(tokens, bytes):
+        tokens = encode_tokens(tokens[:num_tokens])
+    if len(tokens) < TOKEN_ID_BYTES * num_tokens:
+        raise ValueError(f"{len(tokens) // TOKEN_ID_BYTES} tokens do not cover {num_tokens}")
+    return tokens
+
+
 def chain_hashes(
-    parent: bytes, token_bytes: bytes, block_size: int, debug_hash_bits: int | None = None,
+    namespace: bytes, tokens: Tokens, block_size: int, blocks: range | None = None,
+    parent: bytes | None = None, debug_hash_bits: int | None = None,
 ) -> list[bytes]:
-    """The chain continued from ``parent`` over every full block of ``token_bytes`` (as
-    ``encode_tokens`` makes them, no extra keys): link for link what ``block_hash`` gives,
-    without a conversion per block. A trailing partial block gets none."""
+    """The chain keys of blocks ``blocks`` (default: every full block) of a prompt's tokens (ids,
+    or int32-LE bytes from token 0 on, as ``encode_tokens`` makes them): block j's key is
+    ``XXH3-128(key of block j-1 || its tokens)``, block 0's parent the namespace digest. This is
+    the one derivation of block keys: the engine's prefix cache, the store links, the vLLM
+    connector and the router all call it. ``parent`` is the key of block ``blocks.start - 1``
+    when the caller has it (extending a chain); without it that key is computed first. With
+    ``debug_hash_bits`` every link is truncated, parents included (a debug weakening)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    step = 4 * block_size
-    if len(token_bytes) >= step and len(parent) != HASH_BYTES:
+    if blocks is None:
+        num_tokens = len(tokens) // TOKEN_ID_BYTES if isinstance(tokens, bytes) else len(tokens)
+        blocks = range(num_tokens // block_size)
+    if blocks.step != 1:
+        raise ValueError(f"a chain is computed over consecutive blocks, not {blocks}")
+    if not blocks:
+        return []
+    token_bytes = _as_token_bytes(tokens, blocks.stop * block_size)
+    if parent is None:
+        parent = namespace
+        if blocks.start > 0:
+            parent = chain_hashes(namespace, token_bytes, block_size, range(blocks.start),
+                                  debug_hash_bits=debug_hash_bits)[-1]
+    if len(parent) != HASH_BYTES:
         raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    step = TOKEN_ID_BYTES * block_size
     digest = xxhash.xxh3_128_digest
     out: list[bytes] = []
-    for start in range(0, len(token_bytes) - step + 1, step):
+    for start in range(blocks.start * step, blocks.stop * step, step):
         parent = digest(parent + token_bytes[start:start + step])
         if debug_hash_bits is not None:
             parent = truncate_hash(parent, debug_hash_bits)
         out.append(parent)
     return out
+
+
+def chain_idents(
+    namespace: bytes, tokens: Tokens, block_size: int, blocks: Sequence[int],
+    checks: Sequence[bytes],
+) -> list[bytes]:
+    """The idents of blocks ``blocks`` (ascending) of a prompt's tokens, as ``chain_hashes``
+    takes them: each block's parent is the full-strength key of the block before it
+    (``checks``, the chain from block 0 on; the namespace for block 0), so an ident verifies the
+    whole prefix even when keys are truncated."""
+    if not blocks:
+        return []
+    token_bytes = _as_token_bytes(tokens, (blocks[-1] + 1) * block_size)
+    pieces = block_token_bytes(token_bytes, block_size, blocks)
+    return [ident_from_bytes(checks[j - 1] if j else namespace, piece)
+            for j, piece in zip(blocks, pieces, strict=True)]
 
 
 def block_hashes(
@@ -183,7 +243,7 @@ def block_hashes(
         raise ValueError("block_size must be positive")
     if extras is None:
         return chain_hashes(namespace_digest, encode_tokens(token_ids), block_size,
-                            debug_hash_bits)
+                            debug_hash_bits=debug_hash_bits)
     tokens = np.asarray(token_ids, dtype="<i4")
     num_full = len(tokens) // block_size
     out: list[bytes] = []

@@ -8,7 +8,6 @@ the store.
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 
 from offload.block_generations import BlockGenerations
@@ -16,21 +15,12 @@ from offload.bridge import StoreBridge
 from offload.connector import OffloadConnector
 from offload.engine_view import BlockLedger, OffloadSequence
 from offload.ledger_site import LedgerSite
+from offload.offload_policy import OffloadPolicy
 from offload.resident import ResidentPublisher
 from offload.restore import EngineRestores
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
 from offload.saves import EngineSaves
-
-
-class OffloadPolicy(str, enum.Enum):
-    """When kvengine saves a block (``--kv-offload-policy``)."""
-
-    WRITE_THROUGH = "write-through"  # after the step that computed it
-    EVICT = "evict"  # when the engine lets go of it (not reused until the store holds it)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class EngineStore(StoreBridge):

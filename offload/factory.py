@@ -7,8 +7,9 @@ import logging
 from offload.block_generations import BlockGenerations
 from offload.bridge import StoreBridge
 from offload.connector import OffloadConnector
-from offload.engine_store import EngineStore, OffloadPolicy
+from offload.engine_store import EngineStore
 from offload.engine_view import BlockLedger
+from offload.offload_policy import OffloadPolicy
 from offload.restore_policy import RestorePolicy
 from offload.vocab import KVLayout
 

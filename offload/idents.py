@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from offload.engine_view import OffloadSequence
-from offload.vocab import ident_from_bytes
+from offload.vocab import chain_idents
 
 
-def sequence_idents(seq: OffloadSequence, blocks: range | list[int],
+def sequence_idents(seq: OffloadSequence, blocks: Sequence[int],
                     block_size: int) -> list[bytes]:
     """Idents of the sequence's full blocks ``blocks`` (ascending), from the bytes its hashes
     were made of. The full-strength chain hash is the parent: it verifies the whole prefix, even
     with truncated keys."""
     if not blocks:
         return []
-    step = 4 * block_size
     tokens = seq.encoded_tokens((blocks[-1] + 1) * block_size)
-    checks, namespace = seq.block_checks, seq.namespace_digest
-    return [ident_from_bytes(checks[j - 1] if j else namespace, tokens[j * step:(j + 1) * step])
-            for j in blocks]
+    return chain_idents(seq.namespace_digest, tokens, block_size, blocks, seq.block_checks)

@@ -27,6 +27,7 @@ from offload.idents import sequence_idents
 from offload.ledger_site import LedgerSite
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
+from offload.vocab import servable_blocks
 
 # A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
 # long (well inside the lease's TTL), then gives up and recomputes.
@@ -148,7 +149,7 @@ class EngineRestores(RestoreBridge):
                  busy: bool) -> RestoreJob[OffloadSequence] | None:
         """Send the lookup of blocks ``first..`` (None: not worth asking, or no store)."""
         bs = self.block_size
-        last = (seq.num_tokens - 1) // bs  # leave at least one token to compute
+        last = servable_blocks(seq.num_tokens, bs)
         if first >= last or not self.link.available:
             return None
         # Not worth a round trip when even an instant load of every block asked for would lose

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from engine.sampling_params import SamplingParams
 from kvstore.cli_args import package_version
 from server import openapi
 from server.async_engine import AsyncEngine
@@ -41,8 +42,6 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
 
     `app.state.async_engine`, `.metrics` and `.model_name` are there for the CLI and tests.
     """
-    from engine import SamplingParams  # the engine package is heavy; import on use
-
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or str(engine.model_name)
     max_num_seqs = int(engine.config.max_num_seqs)

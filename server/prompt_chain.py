@@ -13,11 +13,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from offload.vocab import ModelIdentity, Namespace, chain_hashes, encode_tokens, ident_from_bytes
-
-# The longest chain the daemon's `locate` takes (kvstore.wire.verbs.MAX_LOCATE_BLOCKS; a test
-# keeps them equal): a million tokens at 16 per block.
-MAX_CHAIN_BLOCKS = 1 << 16
+from kvstore import MAX_LOCATE_BLOCKS
+from offload.vocab import (
+    ModelIdentity,
+    Namespace,
+    chain_hashes,
+    chain_idents,
+    encode_tokens,
+    servable_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -58,19 +62,14 @@ class PromptChain:
     def of(cls, identity: KVIdentity, token_ids: Sequence[int], tenant_salt: str) -> PromptChain:
         """The chain the engine would look up for this prompt: its full blocks, leaving at
         least one token to compute (as the engine's prefix cache does), at most
-        MAX_CHAIN_BLOCKS of them."""
+        MAX_LOCATE_BLOCKS of them (the longest chain the daemon's ``locate`` takes)."""
         block_size = identity.block_size
-        num_blocks = min((len(token_ids) - 1) // block_size, MAX_CHAIN_BLOCKS)
+        blocks = range(min(servable_blocks(len(token_ids), block_size), MAX_LOCATE_BLOCKS))
         namespace = identity.namespace(tenant_salt)
-        if num_blocks <= 0:
-            return cls(namespace, [], [], block_size)
-        token_bytes = encode_tokens(token_ids[:num_blocks * block_size])
-        hashes = chain_hashes(namespace, token_bytes, block_size)
-        step = 4 * block_size
-        parents = [namespace, *hashes[:-1]]
-        idents = [ident_from_bytes(parents[j], token_bytes[j * step:(j + 1) * step])
-                  for j in range(num_blocks)]
-        return cls(namespace, hashes, idents, block_size)
+        token_bytes = encode_tokens(token_ids[:len(blocks) * block_size])
+        hashes = chain_hashes(namespace, token_bytes, block_size, blocks)
+        return cls(namespace, hashes, chain_idents(namespace, token_bytes, block_size, blocks,
+                                                   hashes), block_size)
 
     def __len__(self) -> int:
         return len(self.hashes)

@@ -22,13 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-MAX_N = 128
-MAX_LOGPROBS = 20  # as engine.sampling_params (the server does not import the engine eagerly)
+from engine.sampling_params import MAX_LOGPROBS
 
-# Variables the chat template gets from the request itself (ChatTemplate.render's parameters, a
-# test keeps them equal; the engine package is heavy to import): chat_template_kwargs may not
-# set them.
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+MAX_N = 128
 
 # Accepted and ignored: OpenAI bookkeeping that changes nothing in the generated output.
 PASSTHROUGH_FIELDS = frozenset({

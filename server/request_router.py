@@ -19,13 +19,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.chat_template import RESERVED_TEMPLATE_NAMES
 from server.auth import tenant_salt
 from server.engine_pool import EnginePool, UpstreamEngine
 from server.errors import APIError
 from server.kv_locator import KVLocator
 from server.prompt_builder import PromptBuilder
 from server.prompt_chain import PromptChain
-from server.protocol import RESERVED_TEMPLATE_NAMES, ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.routed_prefixes import RoutedPrefixes
 from server.router_metrics import RouterMetrics
 from server.routing import Placement, Route, RoutingPolicy

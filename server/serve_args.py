@@ -10,22 +10,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from engine.config import DTYPES, OFFLOAD_POLICIES, PREFILL_ORDERS, check_device
 from kvstore.cli_args import (
     fraction_arg,
     non_negative_int_arg,
     positive_int_arg,
 )
+from offload.offload_policy import OffloadPolicy
 from server.http_front_args import ENGINE_FRONT, add_http_front_args
 from server.model_args import ENGINE_MODEL, add_model_args
-
-# vLLM's spellings; engine.config.DTYPES maps them (not imported here: the engine is heavy).
-DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
-# engine.config.PREFILL_ORDERS (a test keeps them equal).
-PREFILL_ORDERS = ("shortest-first", "fcfs")
-# server.tool_parsers.TOOL_PARSERS and server.reasoning_parsers.REASONING_PARSERS (a test keeps
-# them equal).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
-REASONING_PARSERS = ("qwen3",)
+from server.reasoning_parsers import REASONING_PARSERS
+from server.tool_parsers import TOOL_PARSERS
 
 
 def _tensor_parallel_size(text: str) -> int:
@@ -37,8 +32,6 @@ def _tensor_parallel_size(text: str) -> int:
 
 
 def _device(text: str) -> str:
-    from engine.config import check_device  # the engine's rule; imported only when given
-
     try:
         return check_device(text)
     except ValueError as exc:
@@ -60,7 +53,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="where the model runs; auto takes the GPU when CuPy sees one, "
                        "cuda:N the N-th GPU CUDA_VISIBLE_DEVICES leaves visible (one engine per "
                        "GPU beside one kvstore daemon)")
-    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+    serve.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
                        help="weights and activations dtype; auto is the backend's own (float32 "
                        "on CPU, bfloat16 on GPU), any other must be that one or start fails")
     serve.add_argument("--seed", type=non_negative_int_arg, default=None,
@@ -70,8 +63,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="load cached prefixes from the kvstore daemon and save new blocks")
     serve.add_argument("--kv-store-socket", default=None, help="the daemon's socket "
                        "(default: $KVSTORE_SOCKET, else the per-user default)")
-    serve.add_argument("--kv-offload-policy", choices=("write-through", "evict"),
-                       default="write-through",
+    serve.add_argument("--kv-offload-policy", choices=OFFLOAD_POLICIES,
+                       default=OffloadPolicy.WRITE_THROUGH.value,
                        help="save full blocks after the step that computed them "
                        "(write-through), or only when the engine evicts them (evict)")
     serve.add_argument("--no-kv-offload-share-hbm", dest="kv_offload_share_hbm",
@@ -126,11 +119,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide when to call tools (tool_choice auto, the "
                        "default with tools); needs --tool-call-parser")
-    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+    serve.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes: "
                        "<tool_call> blocks) or llama3_json (Llama 3.1-3.3); also the format "
                        "tool_choice required / a named function is forced into (default: hermes)")
-    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+    serve.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
                        help="split a thinking model's <think> block off its chat answers as "
                        "reasoning_content: qwen3 (default: off)")
     serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",

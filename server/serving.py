@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.chat_template import RESERVED_TEMPLATE_NAMES
 from server import responses as R
 from server.async_engine import (
     AsyncEngine,
@@ -31,7 +32,6 @@ from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
 from server.protocol import (
     PASSTHROUGH_FIELDS,
-    RESERVED_TEMPLATE_NAMES,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,

@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured_outputs import KINDS
 from server.errors import APIError
 from server.protocol import SamplingFields
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
-_VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,11 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
 
 def _structured_outputs(value: dict[str, Any]) -> dict[str, Any]:
     given = {k: v for k, v in value.items() if v is not None and v is not False}
-    unknown = sorted(set(given) - set(_VLLM_KINDS))
+    unknown = sorted(set(given) - set(KINDS))
     if unknown:
         raise APIError(400, f"structured_outputs has unsupported fields {unknown}; kvengine "
-                       f"takes one of {', '.join(_VLLM_KINDS)}", param="structured_outputs")
+                       f"takes one of {', '.join(KINDS)}", param="structured_outputs")
     if len(given) != 1:
         raise APIError(400, f"structured_outputs must set exactly one of "
-                       f"{', '.join(_VLLM_KINDS)}", param="structured_outputs")
+                       f"{', '.join(KINDS)}", param="structured_outputs")
     return given

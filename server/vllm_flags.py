@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from server.protocol import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGPROBS
 
 # A switch vLLM has, and why it changes nothing here.
 NO_OP_SWITCHES: dict[str, str] = {

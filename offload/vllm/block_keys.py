@@ -19,8 +19,8 @@ from kvstore.keys import (
     ModelIdentity,
     Namespace,
     chain_hashes,
+    chain_idents,
     encode_tokens,
-    ident_from_bytes,
 )
 
 # The architecture field of a vLLM namespace starts with this: kvengine's never do.
@@ -110,9 +110,8 @@ class KeyMaker:
         bs = self.block_size
         full = len(token_ids) // bs if num_blocks is None else min(num_blocks,
                                                                     len(token_ids) // bs)
+        blocks = range(full)
         token_bytes = encode_tokens(list(token_ids[:full * bs]))
-        hashes = chain_hashes(namespace, token_bytes, bs)
-        step = 4 * bs
-        idents = [ident_from_bytes(hashes[j - 1] if j else namespace,
-                                   token_bytes[j * step:(j + 1) * step]) for j in range(full)]
-        return RequestKeys(namespace, hashes, idents)
+        hashes = chain_hashes(namespace, token_bytes, bs, blocks)
+        return RequestKeys(namespace, hashes,
+                           chain_idents(namespace, token_bytes, bs, blocks, hashes))

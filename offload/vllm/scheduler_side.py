@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.keys import shard_namespace
+from kvstore.keys import servable_blocks, shard_namespace
 from offload.connector import OffloadConnector
 from offload.transfer import Transfer
 from offload.vllm.block_events import BlockEvents, BlockInfo
@@ -118,7 +118,7 @@ class SchedulerSide:
         if not self.loads:
             return 0  # a producer: its prompts are computed here and saved
         first = num_computed_tokens // bs
-        last = (len(token_ids) - 1) // bs  # vLLM computes at least the last token itself
+        last = servable_blocks(len(token_ids), bs)  # vLLM computes the last token itself
         room = min(self.max_load_blocks, self.max_load_blocks - self._load_blocks_in_flight)
         if first >= last:
             return 0

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from kvstore.wire.verbs import MAX_LOCATE_BLOCKS
 from offload.idents import sequence_idents
-from server.prompt_chain import MAX_CHAIN_BLOCKS, KVIdentity, PromptChain
+from server.prompt_chain import KVIdentity, PromptChain
 from server.routed_prefixes import RoutedPrefixes
 from server.routing import (
     Candidate,
@@ -181,4 +180,3 @@ def test_the_routers_chain_is_the_engines(tiny_model_dir: Path) -> None:
         # A prompt of exactly four blocks leaves its last token to compute: three blocks.
         assert len(PromptChain.of(identity, prompt[:64], "tenant-x")) == 3
         assert PromptChain.of(identity, prompt, "other").namespace != chain.namespace
-    assert MAX_CHAIN_BLOCKS == MAX_LOCATE_BLOCKS  # no chain the daemon would refuse

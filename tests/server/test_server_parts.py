@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.chat_template import ChatTemplate
+from engine.chat_template import RESERVED_TEMPLATE_NAMES, ChatTemplate
 from server.auth import key_salt, tenant_salt
 from server.cli import SERVE_SWITCH_INTERVAL_S, main
-from server.protocol import RESERVED_TEMPLATE_NAMES
 from server.responses import ChoiceState, usage
 from server.sampling_builder import derive_seed
 from server.settings import ServerSettings

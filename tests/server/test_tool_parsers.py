@@ -129,12 +129,3 @@ def test_finish_reasons() -> None:
                                            ("12, 3", 2), ('{"a": ', None), ("tru", None)])
 def test_json_value_end(text: str, end: int | None) -> None:
     assert json_value_end(text, 0) == end
-
-
-def test_the_serve_flags_name_every_parser() -> None:
-    from server import serve_args
-    from server.reasoning_parsers import REASONING_PARSERS
-    from server.tool_parsers import TOOL_PARSERS
-
-    assert tuple(TOOL_PARSERS) == serve_args.TOOL_CALL_PARSERS
-    assert tuple(REASONING_PARSERS) == serve_args.REASONING_PARSERS
