@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 from kvstore.keys import HASH_BYTES
 from kvstore.store.block_store import Lease, LookupResult, StoreError, Tier
-from kvstore.store.dram.blocks import ABSENT, BAD_SIZES, Block, verified_len
+from kvstore.store.dram.blocks import ABSENT, Block, verified_len
 from kvstore.store.dram.tier import DramTier
 from kvstore.store.drop_reports import DropReports
 from kvstore.store.guard import StoreGuard
-from kvstore.store.index_keys import IndexKeys
+from kvstore.store.index_keys import BAD_SIZES, IndexKeys
 from kvstore.store.lease_pins import LeasePins
 from kvstore.store.promoter import Promoter
 from kvstore.store.ssd.tier import SSDEntry, SSDTier

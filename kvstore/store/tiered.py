@@ -1,6 +1,6 @@
 """The daemon's block store: a pinned DRAM pool in front of an optional SSD tier.
 
-Every block lives in DRAM, on SSD, or both. Writes land in DRAM (``dram/writes.py``); the
+Every block lives in DRAM, on SSD, or both. Writes land in DRAM (``write_path.py``); the
 demoter (``demoter.py``) moves least recently used unpinned blocks to SSD, or evicts them without
 one; lookups, reads and ``done`` are the read path (``read_path.py``), which promotes leased SSD
 blocks into DRAM (``promoter.py``). This module ties the parts together and keeps removal,
@@ -27,7 +27,6 @@ from kvstore.store.demoter import DEMOTE_BATCH_BYTES, Demoter
 from kvstore.store.dram.blocks import BlockState
 from kvstore.store.dram.pool import HostPool
 from kvstore.store.dram.tier import DramTier
-from kvstore.store.dram.writes import WritePath
 from kvstore.store.drop_reports import DropHook, DropReports
 from kvstore.store.eviction import make_policy
 from kvstore.store.guard import StoreGuard
@@ -38,6 +37,7 @@ from kvstore.store.promoter import Promoter
 from kvstore.store.read_path import ReadPath
 from kvstore.store.ssd.files import OS_FILE_OPS, FileOps
 from kvstore.store.ssd.tier import SSDTier
+from kvstore.store.write_path import WritePath
 
 __all__ = ["DEMOTE_BATCH_BYTES", "StoreConfig", "TieredStore"]
 

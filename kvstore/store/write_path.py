@@ -1,4 +1,4 @@
-"""The DRAM tier's write path: write slots, admission, commit and abort."""
+"""The tiered store's write path: write slots, admission into DRAM, commit, abort, replace."""
 
 from __future__ import annotations
 
