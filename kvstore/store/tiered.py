@@ -2,15 +2,16 @@
 
 The tiers keep one contract (``store_tier.py``) and stand in one order, DRAM first; without an
 SSD the backing tier is the null tier (``null_tier.py``), which holds nothing. Every block lives
-in DRAM, on SSD, or both. Writes land in DRAM (``write_path.py``); the
-demoter (``demoter.py``) moves least recently used unpinned blocks to SSD, or evicts them without
-one; lookups, reads and ``done`` are the read path (``read_path.py``), which promotes leased SSD
-blocks into DRAM (``promoter.py``). This module ties the parts together and keeps removal,
-leases, stats and the lifecycle.
+in DRAM, on SSD, or both. Writes land in DRAM (``write_path.py``); the demoter (``demoter.py``)
+moves least recently used unpinned blocks to SSD, or evicts them without one; lookups, reads and
+``done`` are the read path (``read_path.py``), which promotes leased SSD blocks into DRAM
+(``promoter.py``). The parts share one ``StoreParts`` (``parts.py``). This module ties them
+together and keeps removal, leases, stats and the lifecycle.
 
 Blocks that leave every tier (evicted without SSD, evicted or dropped as damaged on SSD, removed)
-are reported to ``on_dropped`` in batches, outside the lock, by the thread that dropped them: the
-cluster withdraws them from its index. A DRAM → SSD demotion is no drop.
+are reported to the drop listeners (``add_drop_listener``) in batches, outside the lock, by the
+thread that dropped them: the cluster withdraws them from its index. A DRAM → SSD demotion is no
+drop.
 
 Locking: one lock (``StoreGuard``) guards the DRAM tier, leases and counters. SSD IO runs outside
 it on blocks marked ``demoting`` or freshly reserved (IN_FLIGHT, invisible). Lock order: this
@@ -23,13 +24,20 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-from kvstore.store.block_store import BlockStore, Lease, LookupResult, Tier, WriteSlot
+from kvstore.store.block_store import (
+    BlockStore,
+    DropListener,
+    Lease,
+    LookupResult,
+    Tier,
+    WriteSlot,
+)
 from kvstore.store.config import StoreConfig
 from kvstore.store.demoter import DEMOTE_BATCH_BYTES, Demoter
 from kvstore.store.dram.blocks import BlockState
 from kvstore.store.dram.pool import HostPool
 from kvstore.store.dram.tier import DramTier
-from kvstore.store.drop_reports import DropHook, DropReports
+from kvstore.store.drop_reports import DropReports
 from kvstore.store.eviction import make_policy
 from kvstore.store.guard import StoreGuard
 from kvstore.store.index_keys import IndexKeys
@@ -95,15 +103,6 @@ class TieredStore(BlockStore):
         self._promoter = Promoter(parts, self._leases, self._demoter)
         self._reads = ReadPath(parts, keys, self._leases, self._promoter)
         self._writes = WritePath(parts, keys, self._demoter)
-
-    @property
-    def on_dropped(self) -> DropHook | None:
-        """Told (namespace, block hashes) of blocks no tier holds any more, outside the lock."""
-        return self._drops.hook
-
-    @on_dropped.setter
-    def on_dropped(self, hook: DropHook | None) -> None:
-        self._drops.hook = hook
 
     # -- the BlockStore verbs ------------------------------------------------------------------
 
@@ -174,16 +173,18 @@ class TieredStore(BlockStore):
             return self._leases.expire(time.monotonic() if now is None else now)
 
     def flush_to_ssd(self) -> int:
-        """Write every DRAM block that the SSD lacks to SSD, keeping DRAM copies; returns #written.
-
-        For tests, tools and graceful shutdown: afterwards a restart from ``ssd_dir`` serves every
-        block that was ready when this was called (and that fit on SSD). 0 without an SSD.
-        """
+        """See ``BlockStore``; only the blocks that fit on SSD are kept there."""
         with self._guard.cond:
             num_written = self._demoter.flush_locked()
         if self._drops.pending:  # the SSD evicted older blocks to take these
             self._drops.report()
         return num_written
+
+    def add_drop_listener(self, listener: DropListener) -> None:
+        self._drops.listeners.add(listener)
+
+    def remove_drop_listener(self, listener: DropListener) -> None:
+        self._drops.listeners.remove(listener)
 
     # -- reporting and lifecycle ---------------------------------------------------------------
 

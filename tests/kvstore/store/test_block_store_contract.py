@@ -1,10 +1,11 @@
 """The ``BlockStore`` contract, run against every arrangement of the tiered store's tiers.
 
 What the daemon's verbs rely on, whatever the tiers are: byte-exact round trips, verified
-prefixes, leases that pin, writes invisible until commit, counted outcomes that add up and the
-``/stats`` keys. One test per promise, each run against DRAM alone (the SSD tier switched off)
-and DRAM over SSD, the way cachetools runs one test class against every cache. Only the
-``BlockStore`` verbs are used here; what one arrangement does apart lives in its own tests.
+prefixes, leases that pin, writes invisible until commit, counted outcomes that add up, the
+``/stats`` keys, drop listeners and the flush. One test per promise, each run against DRAM alone
+(the SSD tier switched off) and DRAM over SSD, the way cachetools runs one test class against
+every cache. Only the ``BlockStore`` verbs are used here; what one arrangement does apart lives
+in its own tests.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from kvstore.store.block_store import BlockStore, StoreError, Tier
 
 BLOCK = 16 * 1024
 DRAM_BLOCKS = 8
+pytestmark = pytest.mark.timeout(60)  # a listener called under the store's lock would hang
+
 ARRANGEMENTS = {
     "dram": {},
     "dram+ssd": {"ssd_bytes": 64 * BLOCK},
@@ -179,6 +182,53 @@ def test_more_than_dram_holds_is_the_bytes_put_or_nothing(store) -> None:
         assert got is None or got == block_bytes(i, BLOCK), i
     assert store.get(NS, *block_key(num_blocks - 1)) is not None  # the newest stays
     store.check_integrity()
+
+
+class Drops:
+    """A drop listener: records what it is told, and that the store's lock was not held."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.hashes: list[bytes] = []
+
+    def __call__(self, namespace: bytes, block_hashes: list[bytes]) -> None:
+        assert namespace == NS
+        # Outside the store's lock: the listener may call the store.
+        assert self.store.holding(namespace, block_hashes) == [False] * len(block_hashes)
+        self.hashes += block_hashes
+
+
+def test_every_drop_listener_hears_of_blocks_that_left_every_tier(store) -> None:
+    first, second = Drops(store), Drops(store)
+    store.add_drop_listener(first)
+
+    def broken(namespace: bytes, block_hashes: list[bytes]) -> None:
+        raise RuntimeError("listener bug")
+
+    store.add_drop_listener(broken)  # its failure fails neither the store nor the others
+    store.add_drop_listener(second)
+    for i in range(3):
+        put(store, i)
+    hashes, _ = chain(range(3))
+    assert store.remove(NS, hashes[0]) is True
+    assert first.hashes == second.hashes == [hashes[0]]
+    store.remove_drop_listener(first)
+    store.remove_drop_listener(first)  # harmless when not listening
+    assert store.remove(NS, hashes[1]) is True
+    assert first.hashes == [hashes[0]] and second.hashes == hashes[:2]
+    assert store.remove(NS, hashes[1]) is False  # nothing left: nothing told
+    assert second.hashes == hashes[:2]
+
+
+def test_flush_to_ssd_writes_what_only_dram_holds(store) -> None:
+    for i in range(3):
+        put(store, i)
+    has_ssd = store.stats()["tiers"]["ssd"]["capacity_bytes"] > 0
+    assert store.flush_to_ssd() == (3 if has_ssd else 0)
+    assert store.flush_to_ssd() == 0  # the SSD holds them now (or there is none)
+    assert store.stats()["tiers"]["ssd"]["blocks"] == (3 if has_ssd else 0)
+    for i in range(3):
+        assert store.get(NS, *block_key(i)) == block_bytes(i, BLOCK)
 
 
 def test_a_closed_store_refuses_and_closing_again_is_harmless(store) -> None:
