@@ -93,7 +93,7 @@ class TieredStore(BlockStore):
         parts = StoreParts(StoreGuard(), dram, backing,
                            Counter(dict.fromkeys(COUNTERS, 0)), drops)
         self._guard, self._counters, self._drops = parts.guard, parts.counters, drops
-        self._lock = self._guard.lock  # tests check that hooks run without it
+        self._lock = self._guard.lock  # tests check that listeners are told without it
         self._dram, self._backing = dram, backing
         self._tiers = parts.tiers
         self._keys = keys = IndexKeys(config.debug_hash_bits)
