@@ -40,9 +40,8 @@ class ClusterLink:
         holds, withdraw what leaves both."""
         self._counters.declare(REMOTE_EVENTS)
         self.node = node
-        if hasattr(self._store, "on_dropped"):  # TieredStore: blocks that left every tier
-            self._store.on_dropped = self._left_store
-        self._hbm.report_left_to(self._left_arenas)
+        self._store.add_drop_listener(self._left_store)
+        self._hbm.add_left_listener(self._left_arenas)
         node.server.extend_with(self._hbm.stage)
 
     def _left_store(self, namespace: bytes, block_hashes: list[bytes]) -> None:
@@ -111,8 +110,7 @@ class ClusterLink:
         """Stop the node (peers stop reading the store) before the store closes."""
         if self.node is None:
             return
-        if hasattr(self._store, "on_dropped"):
-            self._store.on_dropped = None
+        self._store.remove_drop_listener(self._left_store)
         try:
             self.node.stop()
         except Exception:  # the leases and the store's close must still happen

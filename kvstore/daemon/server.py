@@ -180,11 +180,10 @@ class Daemon:
 
     def _close_store(self) -> None:
         store = self.service.store
-        flush = getattr(store, "flush_to_ssd", None)
-        if self.flush_on_exit and flush is not None:
+        if self.flush_on_exit:
             # A graceful stop keeps DRAM-only blocks too: a restart from the same SSD dir has them.
             try:
-                num_written = flush()
+                num_written = store.flush_to_ssd()
                 log.info("flushed %d block(s) to SSD before exit", num_written)
             except Exception:
                 log.exception("flush to SSD at exit failed")

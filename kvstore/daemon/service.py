@@ -54,7 +54,7 @@ class Service:
         self.store = store
         self.registry = Registry(copy_settings, debug_corrupt_engine=debug_corrupt_engine,
                                  max_owners=max_registered_connections)
-        self.hbm = HbmTier(store, self.registry)  # takes registry.on_close
+        self.hbm = HbmTier(store, self.registry)  # listens for closed registrations
         self.default_lease_ttl_s = default_lease_ttl_s
         self.version = version
         self.started_at = time.monotonic()

@@ -202,7 +202,6 @@ class CopyPipeline:
         num_bytes = self.block_bytes
         spans = HostSpans(store.host_spans())
         pending: deque[_Chunk] = deque()  # submitted, oldest first (counted in this order)
-        done = getattr(store, "done", None)  # a store without it keeps every pin until release
         num_loaded, failed = 0, False
 
         def retire(block: bool) -> bool:
@@ -216,9 +215,8 @@ class CopyPipeline:
                     failed = True  # this chunk and the ones after it count for nothing
                     break
                 chunk = pending.popleft()
-                if done is not None:
-                    for i in range(chunk.start, chunk.start + chunk.num_blocks):
-                        done(lease, first_index + i)
+                for i in range(chunk.start, chunk.start + chunk.num_blocks):
+                    store.done(lease, first_index + i)
                 num_loaded += chunk.num_blocks
             return not failed
 

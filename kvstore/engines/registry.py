@@ -31,10 +31,13 @@ from kvstore.engines.registration import (  # noqa: F401 (the registry's errors,
 from kvstore.engines.shm_registration import ShmRegistration, fd_of, map_fd
 from kvstore.engines.warm_up import open_peer_mappings, warm_copier
 from kvstore.layout import GENERATION_BYTES, KVLayout
+from kvstore.listeners import Listeners
 
 log = logging.getLogger(__name__)
 
 MAX_MAPPINGS_PER_OWNER = 64
+
+CloseListener = Callable[[Registration], None]
 
 
 class Registry:
@@ -43,10 +46,12 @@ class Registry:
     def __init__(self, copy_settings: CopySettings = CopySettings(),
                  max_mappings_per_owner: int = MAX_MAPPINGS_PER_OWNER,
                  debug_corrupt_engine: str | None = None,
-                 max_owners: int | None = None) -> None:
+                 max_owners: int | None = None,
+                 close_listeners: Sequence[CloseListener] = ()) -> None:
         """``debug_corrupt_engine`` (tests only): that engine's CUDA regions are addressed 16 TiB
         past their mapping, behind every check, so its first copy meets a real sticky error.
-        ``max_owners``: how many connections may hold registrations at once (None: any)."""
+        ``max_owners``: how many connections may hold registrations at once (None: any).
+        ``close_listeners``: see ``add_close_listener``."""
         self.copy_settings = copy_settings
         self.debug_corrupt_engine = debug_corrupt_engine
         self.max_mappings_per_owner = max_mappings_per_owner
@@ -58,9 +63,8 @@ class Registry:
         self._claims = MemoryClaims()
         self._copiers: dict[int, CudaCopier] = {}
         self.cuda_fault = CudaFault()  # the process's CUDA context, shared by every copier
-        # Told of every registration that leaves (unregistered, its connection closed, shutdown),
-        # before its mappings go: the HBM tier forgets its blocks.
-        self.on_close: Callable[[Registration], None] | None = None
+        self._close_listeners: Listeners[CloseListener] = Listeners(
+            "closed registrations", close_listeners)
 
     def register(self, layout_wire: dict, engine_id: str, owner: str,
                  fds: Sequence[int] = ()) -> Registration:
@@ -184,14 +188,16 @@ class Registry:
         for reg in regs:
             self._close(reg)
 
+    def add_close_listener(self, listener: CloseListener) -> None:
+        """From now on tell ``listener(registration)`` of every registration that leaves
+        (unregistered, its connection closed, shutdown), after it closed: the HBM tier forgets
+        its blocks. A listener's failure is logged; the registration is gone either way."""
+        self._close_listeners.add(listener)
+
     def _close(self, reg: Registration) -> None:
         reg.close()  # first: a copy that checks ``closed`` after this fails its block
         self._claims.release(reg.registration_id)
-        if self.on_close is not None:
-            try:
-                self.on_close(reg)
-            except Exception:  # the registration is gone either way
-                log.exception("on_close of registration %d failed", reg.registration_id)
+        self._close_listeners.tell(reg)
 
     def __len__(self) -> int:
         with self._lock:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.tiers import Tier
+
+# Told (namespace, block hashes) of blocks that no tier holds any more.
+DropListener = Callable[[bytes, list[bytes]], None]
 
 
 class StoreError(Exception):
@@ -153,6 +156,23 @@ class BlockStore(ABC):
     @abstractmethod
     def expire_leases(self, now: float | None = None) -> int:
         """Release every lease past its deadline; returns how many."""
+
+    @abstractmethod
+    def flush_to_ssd(self) -> int:
+        """Write every DRAM block that the SSD lacks to SSD, keeping the DRAM copies; returns
+        how many were written (0 without an SSD). For graceful shutdown, tests and tools:
+        afterwards a restart from the same SSD directory serves every block that was ready."""
+
+    @abstractmethod
+    def add_drop_listener(self, listener: DropListener) -> None:
+        """From now on tell ``listener(namespace, block_hashes)`` of blocks that left every
+        tier (evicted, dropped as damaged, removed; a demotion is no drop), in batches, on the
+        thread that dropped them, never with the store's lock held. A block stored again by
+        then is not reported. A listener's failure is logged, never raised."""
+
+    @abstractmethod
+    def remove_drop_listener(self, listener: DropListener) -> None:
+        """Stop telling ``listener`` (harmless if it was not listening)."""
 
     @abstractmethod
     def stats(self) -> dict:

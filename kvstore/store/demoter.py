@@ -2,9 +2,10 @@
 
 When DRAM use passes the high watermark a background thread writes LRU unpinned blocks to SSD
 and frees their DRAM once the SSD copy is durable, down to the low watermark; a block being
-demoted stays readable. Without an SSD tier there is no thread: eviction costs no IO, so room is
-made on demand (``allocate``). SSD IO runs with the store's lock released, on blocks marked
-``demoting`` (their DRAM bytes cannot be freed or reused meanwhile).
+demoted stays readable. Without an SSD tier (the backing tier is the null tier: not
+``enabled``) there is no thread: eviction costs no IO, so room is made on demand
+(``allocate``). SSD IO runs with the store's lock released, on blocks marked ``demoting``
+(their DRAM bytes cannot be freed or reused meanwhile).
 """
 
 from __future__ import annotations
@@ -12,17 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 
 from kvstore.store.allocator import Allocation
 from kvstore.store.block_store import StoreError
 from kvstore.store.dram.blocks import Block
-from kvstore.store.dram.tier import DramTier
-from kvstore.store.drop_reports import DropReports
-from kvstore.store.guard import StoreGuard
 from kvstore.store.lease_pins import LeasePins
-from kvstore.store.ssd.tier import SSDTier
-from kvstore.store.ssd.writer import SSDWrite
+from kvstore.store.parts import StoreParts
+from kvstore.store.store_tier import BlockWrite
 
 log = logging.getLogger("kvstore.store.tiered")  # the store's logger, as before the split
 
@@ -36,21 +33,22 @@ class Demoter:
     Methods ending in ``_locked`` run under the store's lock and may release and retake it.
     """
 
-    def __init__(self, guard: StoreGuard, dram: DramTier, ssd: SSDTier | None,
-                 leases: LeasePins, drops: DropReports, counters: Counter[str],
-                 high_watermark: float, low_watermark: float) -> None:
-        self._guard = guard
-        self._dram = dram
-        self._pool = dram.pool
-        self._ssd = ssd
+    def __init__(self, parts: StoreParts, leases: LeasePins, high_watermark: float,
+                 low_watermark: float) -> None:
+        self._guard = parts.guard
+        self._dram = parts.dram
+        self._pool = parts.dram.pool
+        self._backing = parts.backing
+        # Blocks DRAM cannot keep go to the backing tier; with it switched off they are evicted.
+        self._demotes = parts.backing.enabled
         self._leases = leases
-        self._drops = drops
-        self._counters = counters
+        self._drops = parts.drops
+        self._counters = parts.counters
         self._high_bytes = int(self._pool.capacity_bytes * high_watermark)
         self._low_bytes = int(self._pool.capacity_bytes * low_watermark)
         self.num_demoting = 0  # blocks being written to SSD right now
         self._thread: threading.Thread | None = None
-        if ssd is not None:
+        if self._demotes:
             self._thread = threading.Thread(target=self._demote_loop, name="kvstore-demote",
                                             daemon=True)
             self._thread.start()
@@ -96,7 +94,7 @@ class Demoter:
         freed = dirty_bytes = 0
         for block in self._dram.victims():
             size = block.alloc.reserved_bytes
-            if self._ssd is None or self._ssd.contains(block.key, block.ident):
+            if not self._demotes or self._backing.contains(block.key, block.ident):
                 clean.append(block)
                 freed += size
             elif dirty_bytes < batch_bytes:
@@ -106,11 +104,11 @@ class Demoter:
                 break
         for block in clean:
             self._dram.drop(block)
-            if self._ssd is None:
+            if self._demotes:
+                self._counters["dram_releases"] += 1  # the SSD holds it
+            else:
                 self._counters["evictions"] += 1
                 self._drops.note(block.key)
-            else:
-                self._counters["dram_releases"] += 1  # the SSD holds it
         return len(clean), ([] if freed >= need else dirty)
 
     def _demote_locked(self, batch: list[Block], keep: bool) -> int:
@@ -120,13 +118,13 @@ class Demoter:
         for block in batch:
             block.demoting = True
         self.num_demoting += len(batch)
-        items = [SSDWrite(b.key, b.ident, self._dram.view(b, padded=True), b.alloc.num_bytes)
+        items = [BlockWrite(b.key, b.ident, self._dram.view(b, padded=True), b.alloc.num_bytes)
                  for b in batch]
         results = [False] * len(batch)
         cond = self._guard.cond
         cond.release()
         try:
-            results = self._ssd.write_many(items)
+            results = self._backing.write_many(items)
         except Exception as exc:
             log.error("demotion of %d block(s) failed: %s", len(batch), exc)
         finally:
@@ -173,7 +171,7 @@ class Demoter:
 
     def flush_locked(self) -> int:
         """Write every DRAM block that the SSD lacks to SSD, keeping DRAM copies; #written."""
-        if self._ssd is None:
+        if not self._demotes:
             return 0
         num_written = 0
         self._guard.check_open()
@@ -184,7 +182,7 @@ class Demoter:
             while todo and batch_bytes < DEMOTE_BATCH_BYTES:
                 block = todo.pop()
                 if (self._dram.holds(block) and not block.demoting
-                        and not self._ssd.contains(block.key, block.ident)):
+                        and not self._backing.contains(block.key, block.ident)):
                     batch.append(block)
                     batch_bytes += block.alloc.reserved_bytes
             if batch:

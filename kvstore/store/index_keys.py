@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from kvstore.keys import HASH_BYTES, truncate_hash
 from kvstore.store.block_store import StoreError
-from kvstore.store.dram.blocks import BAD_SIZES
+
+BAD_SIZES = f"namespace and block hashes must be {HASH_BYTES} bytes each"
 
 
 class IndexKeys:

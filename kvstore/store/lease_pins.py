@@ -6,26 +6,22 @@ entries are pinned by the caller before the grant (a pin can fail there) and unp
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from kvstore.store.block_store import Lease, Tier
-from kvstore.store.dram.tier import DramTier
-from kvstore.store.guard import StoreGuard
 from kvstore.store.leases import HeldLease, LeaseTable
-from kvstore.store.ssd.tier import SSDTier
+from kvstore.store.parts import StoreParts
 
 
 class LeasePins:
     """The store's live leases, what each pins, and the letting go of it."""
 
-    def __init__(self, guard: StoreGuard, dram: DramTier, ssd: SSDTier | None,
-                 table: LeaseTable, counters: Counter[str]) -> None:
-        self._guard = guard
-        self._dram = dram
-        self._ssd = ssd
+    def __init__(self, parts: StoreParts, table: LeaseTable) -> None:
+        self._guard = parts.guard
+        self._dram = parts.dram
+        self._backing = parts.backing
         self._table = table
-        self._counters = counters
+        self._counters = parts.counters
 
     def grant(self, namespace: bytes, block_hashes: Sequence[bytes], tiers: list[Tier],
               dram: list, ssd: list, ttl_s: float, owner: str, has_dram: bool) -> Lease:
@@ -54,10 +50,10 @@ class LeasePins:
         if held is None:
             return
         self._dram.let_go(held)
-        if self._ssd is not None and any(held.ssd):
+        if any(held.ssd):
             for entry in held.ssd:
                 if entry is not None:
-                    self._ssd.unpin(entry)
+                    self._backing.unpin(entry)
         self._guard.cond.notify_all()
 
     def expire(self, now: float) -> int:

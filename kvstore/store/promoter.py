@@ -8,29 +8,24 @@ private to the lease.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from kvstore.store.block_store import BlockUnavailable, StoreError
 from kvstore.store.demoter import Demoter
 from kvstore.store.dram.blocks import Block, BlockState
-from kvstore.store.dram.tier import DramTier
-from kvstore.store.guard import StoreGuard
 from kvstore.store.lease_pins import LeasePins
 from kvstore.store.leases import HeldLease
-from kvstore.store.ssd.tier import SSDTier
+from kvstore.store.parts import StoreParts
 
 
 class Promoter:
     """Promotes leased SSD blocks into DRAM; ``promote_locked`` runs under the store's lock."""
 
-    def __init__(self, guard: StoreGuard, dram: DramTier, ssd: SSDTier | None,
-                 leases: LeasePins, demoter: Demoter, counters: Counter[str]) -> None:
-        self._guard = guard
-        self._dram = dram
-        self._ssd = ssd
+    def __init__(self, parts: StoreParts, leases: LeasePins, demoter: Demoter) -> None:
+        self._guard = parts.guard
+        self._dram = parts.dram
+        self._backing = parts.backing
         self._leases = leases
         self._demoter = demoter
-        self._counters = counters
+        self._counters = parts.counters
         self._promoting: dict[bytes, Block] = {}  # by key: the blocks being read from SSD
 
     @property
@@ -51,9 +46,9 @@ class Promoter:
             if held.ssd[index] is not entry:
                 raise StoreError(f"block {index} of lease {held.lease.lease_id} was done "
                                  "while it was read")
-            cur = self._dram.get(key)
+            cur = self._dram.lookup(key)
             if cur is not None and cur.state is BlockState.READY and cur.ident == entry.ident:
-                self._dram.pin(cur)  # someone promoted or re-put it meanwhile
+                self._dram.pin_many([cur])  # someone promoted or re-put it meanwhile
                 held.dram[index] = cur
                 self._dram.touch(key)
                 return self._dram.view(cur)
@@ -71,7 +66,7 @@ class Promoter:
             except StoreError:
                 self._dram.pool.free(alloc)
                 raise
-            cur = self._dram.get(key)
+            cur = self._dram.lookup(key)
             if held.ssd[index] is not entry or key in self._promoting or (
                     cur is not None and cur.state is BlockState.READY
                     and cur.ident == entry.ident):
@@ -82,7 +77,7 @@ class Promoter:
         self._promoting[key] = block
         cond.release()
         try:
-            ok = self._ssd.read_into(entry, self._dram.view(block, padded=True))
+            ok = self._backing.read_into(entry, self._dram.view(block, padded=True))
         except BaseException:
             ok = False
             raise

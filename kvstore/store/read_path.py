@@ -9,35 +9,33 @@ has copied it, so a lease may cover more SSD blocks than DRAM holds.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 from kvstore.keys import HASH_BYTES
 from kvstore.store.block_store import Lease, LookupResult, StoreError, Tier
-from kvstore.store.dram.blocks import ABSENT, BAD_SIZES, Block, verified_len
-from kvstore.store.dram.tier import DramTier
-from kvstore.store.drop_reports import DropReports
-from kvstore.store.guard import StoreGuard
-from kvstore.store.index_keys import IndexKeys
+from kvstore.store.dram.blocks import ABSENT, Block, verified_len
+from kvstore.store.index_keys import BAD_SIZES, IndexKeys
 from kvstore.store.lease_pins import LeasePins
+from kvstore.store.parts import StoreParts
 from kvstore.store.promoter import Promoter
-from kvstore.store.ssd.tier import SSDEntry, SSDTier
 
 
 class ReadPath:
     """``lookup``, ``read`` and ``done`` of the tiered store."""
 
-    def __init__(self, guard: StoreGuard, keys: IndexKeys, dram: DramTier, ssd: SSDTier | None,
-                 leases: LeasePins, promoter: Promoter, drops: DropReports,
-                 counters: Counter[str]) -> None:
-        self._guard = guard
+    def __init__(self, parts: StoreParts, keys: IndexKeys, leases: LeasePins,
+                 promoter: Promoter) -> None:
+        self._guard = parts.guard
         self._keys = keys
-        self._dram = dram
-        self._ssd = ssd
+        self._dram = parts.dram
+        self._backing = parts.backing
+        # Whether a miss in DRAM may still be a hit further down: then a lookup looks up every
+        # hash in DRAM, not only the first few past its first miss.
+        self._probe_all = parts.backing.enabled
         self._leases = leases
         self._promoter = promoter
-        self._drops = drops
-        self._counters = counters
+        self._drops = parts.drops
+        self._counters = parts.counters
 
     def lookup(self, namespace: bytes, block_hashes: Sequence[bytes], idents: Sequence[bytes],
                lease_ttl_s: float | None, owner: str) -> LookupResult:
@@ -52,10 +50,10 @@ class ReadPath:
         if type(idents) is not list:
             idents = list(idents)
         want_lease = lease_ttl_s is not None
-        ssd_tier = self._ssd
+        backing = self._backing
         with self._guard.cond:
             self._guard.check_open()
-            found, hashes = self._dram.find_ready(namespace, hashes, ssd_tier is not None)
+            found, hashes = self._dram.find_ready(namespace, hashes, self._probe_all)
             # The common case stays in C: every block is in DRAM and every ident matches.
             stored_idents = [block.ident for block in found]
             if stored_idents == idents:
@@ -67,22 +65,22 @@ class ReadPath:
                 if not {HASH_BYTES}.issuperset(map(len, block_hashes[num_dram:])):
                     raise StoreError(BAD_SIZES)
             dram: list[Block | None] = found if num_dram == num_blocks else found[:num_dram]
-            ssd: list[SSDEntry | None] = [None] * num_dram
+            ssd: list = [None] * num_dram  # the backing tier's entries, by block
             collided = num_dram < len(found) and found[num_dram] is not ABSENT
-            if num_dram < num_blocks and not collided and ssd_tier is not None:
+            if num_dram < num_blocks and not collided:
                 collided = self._extend_from_ssd_locked(namespace, hashes, idents, found, dram,
                                                         ssd)
             entries = [e for e in ssd if e is not None] if len(dram) > num_dram else []
             if want_lease and entries:
                 # Entries the SSD dropped since lookup_prefix (another thread's write evicted
                 # them) cannot be pinned: the hit ends before the first of them.
-                num_pinned = ssd_tier.pin_many(entries)
+                num_pinned = backing.pin_many(entries)
                 if num_pinned < len(entries):
                     cut = ssd.index(entries[num_pinned])
                     del dram[cut:], ssd[cut:], entries[num_pinned:]
             num_hit, num_ssd = len(dram), len(entries)
             if entries:
-                ssd_tier.touch_many(entries)
+                backing.touch_many(entries)
                 tiers = [Tier.SSD if b is None else Tier.DRAM for b in dram]
             else:
                 tiers = [Tier.DRAM] * num_hit
@@ -94,7 +92,7 @@ class ReadPath:
             c["hit_blocks_dram"] += num_hit - num_ssd
             c["hit_blocks_ssd"] += num_ssd
             if not want_lease or num_hit == 0:
-                self._dram.touch_all(dram)
+                self._dram.touch_many(dram)
                 return LookupResult(num_hit, tiers, None)
             # The lease's DRAM blocks are pinned by the lease itself, counted into their ``pins``
             # only when something asks; their access is recorded when the lease lets go of them.
@@ -118,11 +116,11 @@ class ReadPath:
         idents = list(idents)
         with self._guard.cond:
             self._guard.check_open()
-            found, hashes = self._dram.find_ready(namespace, hashes, self._ssd is not None)
+            found, hashes = self._dram.find_ready(namespace, hashes, self._probe_all)
             num_dram = verified_len(found, [block.ident for block in found], idents)
             dram: list[Block | None] = found[:num_dram]
-            ssd: list[SSDEntry | None] = [None] * num_dram
-            if num_dram < len(found) and found[num_dram] is ABSENT and self._ssd is not None:
+            ssd: list = [None] * num_dram
+            if num_dram < len(found) and found[num_dram] is ABSENT:
                 self._extend_from_ssd_locked(namespace, hashes, idents, found, dram, ssd)
         return [Tier.DRAM if entry is None else Tier.SSD for entry in ssd]
 
@@ -134,7 +132,7 @@ class ReadPath:
         start = len(dram)
         # SSD entries of the keys DRAM lacks, in order. lookup_prefix iterates the keys once and
         # stops at the first it lacks, so they are made as it goes (a miss makes one).
-        below = iter(self._ssd.lookup_prefix(
+        below = iter(self._backing.lookup_prefix(
             namespace + hashes[i] for i in range(start, len(found)) if found[i] is ABSENT))
         for i in range(start, len(found)):
             block = found[i]
@@ -183,4 +181,4 @@ class ReadPath:
             if block is not None:
                 self._dram.unpin(block)
             if entry is not None:
-                self._ssd.unpin(entry)
+                self._backing.unpin(entry)

@@ -1,14 +1,17 @@
-"""The daemon's block store: a pinned DRAM pool in front of an optional SSD tier.
+"""The daemon's block store: a pinned DRAM pool in front of a backing tier (SSD, or none).
 
-Every block lives in DRAM, on SSD, or both. Writes land in DRAM (``dram/writes.py``); the
-demoter (``demoter.py``) moves least recently used unpinned blocks to SSD, or evicts them without
-one; lookups, reads and ``done`` are the read path (``read_path.py``), which promotes leased SSD
-blocks into DRAM (``promoter.py``). This module ties the parts together and keeps removal,
-leases, stats and the lifecycle.
+The tiers keep one contract (``store_tier.py``) and stand in one order, DRAM first; without an
+SSD the backing tier is the null tier (``null_tier.py``), which holds nothing. Every block lives
+in DRAM, on SSD, or both. Writes land in DRAM (``write_path.py``); the demoter (``demoter.py``)
+moves least recently used unpinned blocks to SSD, or evicts them without one; lookups, reads and
+``done`` are the read path (``read_path.py``), which promotes leased SSD blocks into DRAM
+(``promoter.py``). The parts share one ``StoreParts`` (``parts.py``). This module ties them
+together and keeps removal, leases, stats and the lifecycle.
 
 Blocks that leave every tier (evicted without SSD, evicted or dropped as damaged on SSD, removed)
-are reported to ``on_dropped`` in batches, outside the lock, by the thread that dropped them: the
-cluster withdraws them from its index. A DRAM → SSD demotion is no drop.
+are reported to the drop listeners (``add_drop_listener``) in batches, outside the lock, by the
+thread that dropped them: the cluster withdraws them from its index. A DRAM → SSD demotion is no
+drop.
 
 Locking: one lock (``StoreGuard``) guards the DRAM tier, leases and counters. SSD IO runs outside
 it on blocks marked ``demoting`` or freshly reserved (IN_FLIGHT, invisible). Lock order: this
@@ -19,25 +22,35 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from kvstore.store.block_store import BlockStore, Lease, LookupResult, Tier, WriteSlot
+from kvstore.store.block_store import (
+    BlockStore,
+    DropListener,
+    Lease,
+    LookupResult,
+    Tier,
+    WriteSlot,
+)
 from kvstore.store.config import StoreConfig
 from kvstore.store.demoter import DEMOTE_BATCH_BYTES, Demoter
 from kvstore.store.dram.blocks import BlockState
 from kvstore.store.dram.pool import HostPool
 from kvstore.store.dram.tier import DramTier
-from kvstore.store.dram.writes import WritePath
-from kvstore.store.drop_reports import DropHook, DropReports
+from kvstore.store.drop_reports import DropReports
 from kvstore.store.eviction import make_policy
 from kvstore.store.guard import StoreGuard
 from kvstore.store.index_keys import IndexKeys
 from kvstore.store.lease_pins import LeasePins
 from kvstore.store.leases import LeaseTable
+from kvstore.store.null_tier import NullTier
+from kvstore.store.parts import StoreParts
 from kvstore.store.promoter import Promoter
 from kvstore.store.read_path import ReadPath
 from kvstore.store.ssd.files import OS_FILE_OPS, FileOps
 from kvstore.store.ssd.tier import SSDTier
+from kvstore.store.store_tier import BackingTier
+from kvstore.store.write_path import WritePath
 
 __all__ = ["DEMOTE_BATCH_BYTES", "StoreConfig", "TieredStore"]
 
@@ -53,6 +66,15 @@ COUNTERS = (
 )
 
 
+def _backing_tier(config: StoreConfig, file_ops: FileOps,
+                  on_drop: Callable[[bytes], None]) -> BackingTier:
+    """The tier behind DRAM that ``config`` asks for: the SSD tier, or the null tier."""
+    if not config.ssd_enabled:
+        return NullTier()
+    return SSDTier(config.ssd_dir, config.ssd_bytes, config.eviction, config.ssd_io_mode,
+                   config.ssd_max_file_bytes, file_ops=file_ops, on_drop=on_drop)
+
+
 class TieredStore(BlockStore):
     """DRAM + optional SSD block store with verified hits, leases and background demotion."""
 
@@ -60,45 +82,27 @@ class TieredStore(BlockStore):
         """``ssd_file_ops``: the SSD data files' IO calls (the default is ``os``; tests pass
         one that injects faults)."""
         self.config = config
+        drops = DropReports(self._still_gone)
         pool = HostPool(config.dram_bytes, config.alignment, config.pin_memory)
-        self._ssd: SSDTier | None = None
-        if config.ssd_enabled:
-            try:
-                self._ssd = SSDTier(config.ssd_dir, config.ssd_bytes, config.eviction,
-                                    config.ssd_io_mode, config.ssd_max_file_bytes,
-                                    file_ops=ssd_file_ops)
-            except BaseException:
-                pool.close()
-                raise
-        self._guard = StoreGuard()
-        self._lock = self._guard.lock  # tests check that hooks run without it
-        self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._drops = DropReports(self._still_gone)
-        if self._ssd is not None:
-            self._ssd.on_drop = self._drops.note
-        self._dram = DramTier(pool, make_policy(config.eviction))
-        keys = IndexKeys(config.debug_hash_bits)
-        self._keys = keys
-        self._leases = LeasePins(self._guard, self._dram, self._ssd,
-                                 LeaseTable(self, config.lease_ttl_s), self._counters)
-        self._demoter = Demoter(self._guard, self._dram, self._ssd, self._leases, self._drops,
-                                self._counters, config.demote_high_watermark,
+        try:
+            backing = _backing_tier(config, ssd_file_ops, drops.note)
+        except BaseException:
+            pool.close()
+            raise
+        dram = DramTier(pool, make_policy(config.eviction))
+        parts = StoreParts(StoreGuard(), dram, backing,
+                           Counter(dict.fromkeys(COUNTERS, 0)), drops)
+        self._guard, self._counters, self._drops = parts.guard, parts.counters, drops
+        self._lock = self._guard.lock  # tests check that listeners are told without it
+        self._dram, self._backing = dram, backing
+        self._tiers = parts.tiers
+        self._keys = keys = IndexKeys(config.debug_hash_bits)
+        self._leases = LeasePins(parts, LeaseTable(self, config.lease_ttl_s))
+        self._demoter = Demoter(parts, self._leases, config.demote_high_watermark,
                                 config.demote_low_watermark)
-        self._promoter = Promoter(self._guard, self._dram, self._ssd, self._leases,
-                                  self._demoter, self._counters)
-        self._reads = ReadPath(self._guard, keys, self._dram, self._ssd, self._leases,
-                               self._promoter, self._drops, self._counters)
-        self._writes = WritePath(self._guard, keys, self._dram, self._ssd, self._demoter,
-                                 self._drops, self._counters)
-
-    @property
-    def on_dropped(self) -> DropHook | None:
-        """Told (namespace, block hashes) of blocks no tier holds any more, outside the lock."""
-        return self._drops.hook
-
-    @on_dropped.setter
-    def on_dropped(self, hook: DropHook | None) -> None:
-        self._drops.hook = hook
+        self._promoter = Promoter(parts, self._leases, self._demoter)
+        self._reads = ReadPath(parts, keys, self._leases, self._promoter)
+        self._writes = WritePath(parts, keys, self._demoter)
 
     # -- the BlockStore verbs ------------------------------------------------------------------
 
@@ -138,11 +142,11 @@ class TieredStore(BlockStore):
         key = self._keys.key(namespace, block_hash)
         with self._guard.cond:
             self._guard.check_open()
-            block = self._dram.get(key)
+            block = self._dram.lookup(key)
             if block is not None and (self._dram.is_pinned(block) or block.demoting
                                       or block.state is not BlockState.READY):
                 return False
-            entry = self._ssd.lookup(key) if self._ssd is not None else None
+            entry = self._backing.lookup(key)
             if entry is not None and entry.pins:
                 return False
             if block is not None:
@@ -152,7 +156,7 @@ class TieredStore(BlockStore):
         # the SSD copy in between wins (the entry stays).
         removed = block is not None
         if entry is not None:
-            removed = self._ssd.remove(entry) or removed
+            removed = self._backing.remove(entry) or removed
         if removed:
             with self._guard.cond:
                 self._counters["removes"] += 1
@@ -169,18 +173,18 @@ class TieredStore(BlockStore):
             return self._leases.expire(time.monotonic() if now is None else now)
 
     def flush_to_ssd(self) -> int:
-        """Write every DRAM block that the SSD lacks to SSD, keeping DRAM copies; returns #written.
-
-        For tests, tools and graceful shutdown: afterwards a restart from ``ssd_dir`` serves every
-        block that was ready when this was called (and that fit on SSD).
-        """
-        if self._ssd is None:
-            return 0
+        """See ``BlockStore``; only the blocks that fit on SSD are kept there."""
         with self._guard.cond:
             num_written = self._demoter.flush_locked()
         if self._drops.pending:  # the SSD evicted older blocks to take these
             self._drops.report()
         return num_written
+
+    def add_drop_listener(self, listener: DropListener) -> None:
+        self._drops.listeners.add(listener)
+
+    def remove_drop_listener(self, listener: DropListener) -> None:
+        self._drops.listeners.remove(listener)
 
     # -- reporting and lifecycle ---------------------------------------------------------------
 
@@ -190,23 +194,17 @@ class TieredStore(BlockStore):
     def stats(self) -> dict:
         with self._guard.cond:
             c = dict(self._counters)
-            dram = self._dram.stats()
+            tiers = {tier.tier.value: tier.stats() for tier in self._tiers}
             pool = self._dram.pool
-            dram.update({
+            tiers[self._dram.tier.value].update({
                 "demoting_blocks": self._demoter.num_demoting,
                 "promoting_blocks": len(self._promoter.blocks()),
                 "pinned": pool.pinned,  # page-locked host memory
                 "pin_error": pool.pin_error,  # why not, where pinning was tried
-                "hits": c.get("hit_blocks_dram", 0),
             })
-            if self._ssd is not None:
-                ssd = self._ssd.stats()
-                ssd["enabled"] = True
-            else:
-                ssd = {"enabled": False, "capacity_bytes": 0, "used_bytes": 0, "blocks": 0}
-            ssd["hits"] = c.get("hit_blocks_ssd", 0)
-            return {"tiers": {"dram": dram, "ssd": ssd}, "counters": c,
-                    "leases": len(self._leases)}
+            for name, stats in tiers.items():
+                stats["hits"] = c.get(f"hit_blocks_{name}", 0)
+            return {"tiers": tiers, "counters": c, "leases": len(self._leases)}
 
     def check_integrity(self) -> None:
         with self._guard.cond:
@@ -214,10 +212,10 @@ class TieredStore(BlockStore):
             for held in held_leases:
                 assert not held.lease.released, "a released lease is still held"
                 assert len(held.lease.block_hashes) == len(held.dram) == len(held.ssd)
-            self._dram.check_integrity(held_leases, self._promoter.blocks(),
-                                       self._demoter.num_demoting)
-            if self._ssd is not None:
-                self._ssd.check_integrity()
+            for tier in self._tiers:
+                tier.check_integrity()
+            self._dram.check_pins(held_leases, self._promoter.blocks(),
+                                  self._demoter.num_demoting)
 
     def close(self) -> None:
         with self._guard.cond:
@@ -228,14 +226,14 @@ class TieredStore(BlockStore):
             while self._demoter.num_demoting or self._promoter.busy:
                 self._guard.cond.wait(0.1)
         self._demoter.join()
-        if self._ssd is not None:
-            self._ssd.close()
-        self._dram.pool.close()
+        for tier in reversed(self._tiers):  # the slowest first: SSD files, then the pool
+            tier.close()
 
     @property
-    def ssd_tier(self) -> SSDTier | None:
-        """The SSD tier, for stats and tools (``locate``); None when SSD is off."""
-        return self._ssd
+    def ssd_tier(self) -> BackingTier:
+        """The tier behind DRAM, for tools and tests (``SSDTier.locate``): the null tier
+        when SSD is off."""
+        return self._backing
 
     def __enter__(self) -> TieredStore:
         return self
@@ -250,6 +248,6 @@ class TieredStore(BlockStore):
 
     def _still_held(self, keys: Iterable[bytes]) -> list[bytes]:
         """The keys of ``keys`` a tier holds now, being written included (takes the lock)."""
+        tiers = self._tiers
         with self._guard.cond:
-            return [k for k in keys if k in self._dram
-                    or (self._ssd is not None and self._ssd.lookup(k) is not None)]
+            return [k for k in keys if any(k in tier for tier in tiers)]

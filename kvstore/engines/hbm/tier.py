@@ -15,7 +15,8 @@ lookup returns None and the caller's plain store path runs, untouched.
 For a peer node (``stage``): blocks only an engine's arena holds are copied into the store, each
 into a slot that is committed only if the block's generation is still the published one after
 the copy (the same check as an HBM copy), so the peer server serves them from DRAM. Hashes that
-left the index are told to ``on_left`` (the cluster withdraws what the node no longer holds).
+left the index are told to the left listeners (the cluster withdraws what the node no longer
+holds).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvstore.engines.hbm import copy as hbm_copy
 from kvstore.engines.hbm.index import HbmEntry, HbmIndex
 from kvstore.engines.registration import RegistrationClosed
 from kvstore.engines.registry import Registration, Registry
+from kvstore.listeners import Listeners
 from kvstore.store.block_store import BlockStore, Lease, StoreError, Tier
 
 log = logging.getLogger(__name__)
@@ -65,11 +67,7 @@ _STAGE_FAILURES = {StageOutcome.GENERATION: "stage_generation_failures",
                    StageOutcome.COPY_ERROR: "stage_copy_errors"}
 COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_PATHS,
             *_FAILURES.values(), "stages", "blocks_staged", *_STAGE_FAILURES.values())
-LeftHook = Callable[[bytes, list[bytes]], None]
-
-
-def _nobody(namespace: bytes, block_hashes: list[bytes]) -> None:
-    """The ``on_left`` hook until one is given: nobody needs to know."""
+LeftListener = Callable[[bytes, list[bytes]], None]
 
 
 def _path(src: Registration, dst: Registration) -> str:
@@ -100,22 +98,19 @@ class HbmTier:
         self.store = store
         self.registry = registry
         self.index = HbmIndex()
-        registry.on_close = self._registration_closed
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._on_left: LeftHook = _nobody
+        self._left_listeners: Listeners[LeftListener] = Listeners("hashes that left the arenas")
+        registry.add_close_listener(self._registration_closed)
 
-    def report_left_to(self, hook: LeftHook) -> None:
-        """From now on, tell ``hook(namespace, hashes)`` (outside every lock) of hashes whose
-        last entry left the index; they may be back already, or held by the store."""
-        self._on_left = hook
+    def add_left_listener(self, listener: LeftListener) -> None:
+        """From now on, tell ``listener(namespace, hashes)`` (outside every lock) of hashes
+        whose last entry left the index; they may be back already, or held by the store."""
+        self._left_listeners.add(listener)
 
     def _report_left(self) -> None:
         for namespace, hashes in self.index.drain_left().items():
-            try:
-                self._on_left(namespace, hashes)
-            except Exception:  # a listener's failure never fails the caller
-                log.exception("on_left hook failed")
+            self._left_listeners.tell(namespace, hashes)  # a failure never fails the caller
 
     def _registration_closed(self, reg: Registration) -> None:
         self.index.drop_registration(reg)

@@ -1,1 +1,1 @@
-"""The DRAM tier: pinned host pool, block index, eviction policy, pins and the write path."""
+"""The DRAM tier: pinned host pool, block index, eviction policy and pins."""

@@ -6,7 +6,6 @@ import enum
 import operator
 from dataclasses import dataclass
 
-from kvstore.keys import HASH_BYTES
 from kvstore.store.allocator import Allocation
 
 
@@ -29,7 +28,6 @@ class Block:
 # Stands in for a block DRAM lacks in a lookup: its ident equals no ident, and it is never
 # indexed (a Block, so that the lookup's attribute reads see one type).
 ABSENT = Block(b"", object(), None, BlockState.IN_FLIGHT)  # type: ignore[arg-type]
-BAD_SIZES = f"namespace and block hashes must be {HASH_BYTES} bytes each"
 
 
 def verified_len(found: list[Block], stored_idents: list, idents: list) -> int:

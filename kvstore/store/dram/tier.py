@@ -18,13 +18,17 @@ from kvstore.store.dram.blocks import ABSENT, Block, BlockState
 from kvstore.store.dram.pool import HostPool
 from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.leases import HeldLease
+from kvstore.store.store_tier import StoreTier
+from kvstore.tiers import Tier
 
 _NO_BLOCKS: dict[bytes, Block] = {}  # never written: the READY index of an unknown namespace
 _PROBE_BLOCKS = 32  # a lookup finds this many blocks before it looks any further
 
 
-class DramTier:
+class DramTier(StoreTier[Block]):
     """Blocks in the host pool, indexed by key and (READY ones) by namespace then hash."""
+
+    tier = Tier.DRAM
 
     def __init__(self, pool: HostPool, policy: EvictionPolicy) -> None:
         self.pool = pool
@@ -54,7 +58,8 @@ class DramTier:
             return self.find_ready(namespace, [bytes(memoryview(h)) for h in hashes], probe_all)
         return found, hashes
 
-    def get(self, key: bytes) -> Block | None:
+    def lookup(self, key: bytes) -> Block | None:
+        """The block indexed under ``key``, READY or being written (IN_FLIGHT)."""
         return self._blocks.get(key)
 
     def holds(self, block: Block) -> bool:
@@ -117,7 +122,7 @@ class DramTier:
     def touch(self, key: bytes) -> None:
         self._policy.touch(key)
 
-    def touch_all(self, blocks: Iterable[Block | None]) -> None:
+    def touch_many(self, blocks: Iterable[Block | None]) -> None:
         touch = self._policy.touch
         for block in blocks:
             if block is not None:
@@ -140,8 +145,14 @@ class DramTier:
             if not block.pins and not block.demoting:
                 yield block
 
-    def pin(self, block: Block) -> None:
-        block.pins += 1
+    def pin_many(self, blocks: Sequence[Block]) -> int:
+        """Pin blocks in order up to the first one no longer indexed (a lease's private
+        copy stays pinnable); returns how many."""
+        for n, block in enumerate(blocks):
+            if block.indexed and self._blocks.get(block.key) is not block:
+                return n
+            block.pins += 1
+        return len(blocks)
 
     def hold_lazily(self, held: HeldLease) -> None:
         """``held``'s DRAM blocks are pinned by the lease; count them into ``pins`` later."""
@@ -168,7 +179,7 @@ class DramTier:
         """A released lease's DRAM blocks are no longer pinned by it."""
         if not held.counted:  # its DRAM blocks never left the index: record the access only
             del self._uncounted[held.lease.lease_id]
-            self.touch_all(held.dram)
+            self.touch_many(held.dram)
             return
         for block in held.dram:
             if block is not None:
@@ -200,10 +211,20 @@ class DramTier:
             "pinned_blocks": sum(1 for b in blocks if b.pins) + len(self._private),
         }
 
-    def check_integrity(self, held_leases: Iterable[HeldLease], promoting: Iterable[Block],
-                        num_demoting: int) -> None:
-        """Assert pool, index, policy and pins agree; ``held_leases``: every live lease."""
+    def check_integrity(self) -> None:
+        """Assert pool, index and policy agree (``check_pins``: pins and allocations)."""
         self.pool.check_integrity()
+        ready = {k: b for k, b in self._blocks.items() if b.state is BlockState.READY}
+        assert set(self._policy.victims()) == set(ready), "policy tracks other keys than READY"
+        assert {ns + h: b for ns, blocks in self._ready.items() for h, b in blocks.items()} \
+            == ready and all(self._ready.values()), "READY index differs from the blocks"
+        assert all(b.key == k and b.indexed for k, b in self._blocks.items())
+
+    def check_pins(self, held_leases: Iterable[HeldLease], promoting: Iterable[Block],
+                   num_demoting: int) -> None:
+        """Assert allocations, pins and demotions agree with the store's parts that hold
+        blocks: ``held_leases`` (every live lease), the blocks being promoted, and how many
+        blocks the demoter is writing."""
         held_leases = list(held_leases)
         held_ids = {id(h) for h in held_leases}
         assert all(not h.counted and id(h) in held_ids
@@ -214,11 +235,6 @@ class DramTier:
         live = list(self._blocks.values()) + list(self._private) + promoting
         assert sorted((b.alloc.offset, b.alloc.reserved_bytes) for b in live) == \
             self.pool.allocations(), "DRAM allocations differ from the blocks that own them"
-        ready = {k: b for k, b in self._blocks.items() if b.state is BlockState.READY}
-        assert set(self._policy.victims()) == set(ready), "policy tracks other keys than READY"
-        assert {ns + h: b for ns, blocks in self._ready.items() for h, b in blocks.items()} \
-            == ready and all(self._ready.values()), "READY index differs from the blocks"
-        assert all(b.key == k and b.indexed for k, b in self._blocks.items())
         pins: Counter[int] = Counter()
         for held in held_leases:
             for block in held.dram:  # a slot pinning nothing is one the reader is done with
@@ -229,3 +245,7 @@ class DramTier:
         for block in live:
             assert block.pins == pins[id(block)], f"block {block.key.hex()} pin count"
         assert num_demoting == sum(b.demoting for b in live), "demoting count"
+
+    def close(self) -> None:
+        """Unpin and unmap the pool (views handed out must not be used afterwards)."""
+        self.pool.close()

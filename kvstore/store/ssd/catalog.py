@@ -9,7 +9,7 @@ any later commit carries it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.store.allocator import Allocation, OffsetAllocator, align_up
 from kvstore.store.eviction import EvictionPolicy
@@ -23,7 +23,7 @@ class SSDCatalog:
     """Entries, policy and slot allocators of the SSD tier; every method needs the tier's lock."""
 
     def __init__(self, num_files: int, file_bytes: int, policy: EvictionPolicy, db: SSDIndex,
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], on_drop: Callable[[bytes], None] | None = None) -> None:
         self._index: dict[bytes, SSDEntry] = {}
         self._policy = policy
         self._allocators = [OffsetAllocator(file_bytes, ALIGNMENT) for _ in range(num_files)]
@@ -32,14 +32,14 @@ class SSDCatalog:
         self._counters = counters
         # Told the key of every entry dropped for good (not one rewritten in place): it must
         # only take note (TieredStore reports drops outside its locks).
-        self.on_drop: Callable[[bytes], None] | None = None
+        self._on_drop = on_drop
 
     # -- finding ------------------------------------------------------------------------------
 
     def get(self, key: bytes) -> SSDEntry | None:
         return self._index.get(key)
 
-    def prefix(self, keys: Sequence[bytes]) -> list[SSDEntry]:
+    def prefix(self, keys: Iterable[bytes]) -> list[SSDEntry]:
         """Live entries of ``keys`` in order, up to the first key not held."""
         out: list[SSDEntry] = []
         index = self._index
@@ -71,9 +71,9 @@ class SSDCatalog:
             self._zombies.discard(entry)
             self.free(entry.file_idx, entry.alloc)
 
-    def touch_many(self, entries: Sequence[SSDEntry]) -> None:
+    def touch_many(self, entries: Iterable[SSDEntry | None]) -> None:
         for entry in entries:
-            if entry.live:
+            if entry is not None and entry.live:
                 self._policy.touch(entry.key)
 
     # -- slots and entries --------------------------------------------------------------------
@@ -130,8 +130,8 @@ class SSDCatalog:
         self._counters[counter] += 1
         dropped.append(entry)
         self._db.note_delete(entry)  # any commit from now on carries it; see SSDIndex
-        if self.on_drop is not None and counter != "replaced":
-            self.on_drop(entry.key)
+        if self._on_drop is not None and counter != "replaced":
+            self._on_drop(entry.key)
         if entry.pins == 0:
             self.free(entry.file_idx, entry.alloc)
         else:

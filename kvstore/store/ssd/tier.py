@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from kvstore.store.eviction import make_policy
@@ -28,12 +28,13 @@ from kvstore.store.ssd.dir_lock import DirLock
 from kvstore.store.ssd.files import ALIGNMENT, IO_MODES, OS_FILE_OPS, DataFiles, FileOps, ShortIO
 from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum, layout_key
 from kvstore.store.ssd.room import index_reserve_bytes, tier_layout
-from kvstore.store.ssd.writer import SSDWrite, SSDWriter
+from kvstore.store.ssd.writer import SSDWriter
+from kvstore.store.store_tier import BackingTier, BlockWrite
+from kvstore.tiers import Tier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_FILE_BYTES", "IO_MODES", "SSDEntry", "SSDTier", "SSDWrite",
-           "block_checksum"]
+__all__ = ["DEFAULT_MAX_FILE_BYTES", "IO_MODES", "SSDEntry", "SSDTier", "block_checksum"]
 
 DEFAULT_MAX_FILE_BYTES = 4 << 30
 # Every outcome the tier counts, present from the start so exported series never appear late.
@@ -46,19 +47,25 @@ COUNTERS = (
 )
 
 
-class SSDTier:
+class SSDTier(BackingTier[SSDEntry]):
     """Blocks on local disk under ``ssd_dir``, at most ``capacity_bytes`` of data files.
 
     ``io_mode``: "auto" (O_DIRECT when the filesystem takes it), "direct" (required: OSError if
     refused) or "buffered". Raises OSError (EBUSY) if another process holds ``ssd_dir``. A
     capacity beyond the free space is taken (sparse files, ENOSPC later, counted): the daemon
     refuses that at start (``room.check_room``); tests of a full disk rely on it here.
-    ``file_ops`` makes the data files' IO calls (tests inject faults through it).
+    ``file_ops`` makes the data files' IO calls (tests inject faults through it). ``on_drop``
+    is told the key of every entry dropped for good (evicted, damaged, removed; not one
+    rewritten in place), under this tier's lock: it must only take note (TieredStore reports
+    drops outside its locks).
     """
+
+    tier = Tier.SSD
 
     def __init__(self, ssd_dir: Path | str, capacity_bytes: int, eviction: str = "lru",
                  io_mode: str = "auto", max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                 durable: bool = True, file_ops: FileOps = OS_FILE_OPS) -> None:
+                 durable: bool = True, file_ops: FileOps = OS_FILE_OPS,
+                 on_drop: Callable[[bytes], None] | None = None) -> None:
         num_files, file_bytes = tier_layout(capacity_bytes, max_file_bytes)
         if file_bytes <= 0:
             raise ValueError(f"SSD capacity {capacity_bytes} is below one {ALIGNMENT} B unit")
@@ -87,7 +94,7 @@ class SSDTier:
             raise
         self._db = db
         self._catalog = SSDCatalog(num_files, file_bytes, make_policy(eviction), db,
-                                   self._counters)
+                                   self._counters, on_drop)
         next_seq = self._load_index()
         self._writer = SSDWriter(self._lock, self._catalog, self._files, db, self._counters,
                                  file_bytes, durable, self._check_open, next_seq)
@@ -96,14 +103,8 @@ class SSDTier:
                  self.io_mode_reason)
 
     @property
-    def on_drop(self) -> Callable[[bytes], None] | None:
-        """Told the key of every entry dropped for good (not one rewritten in place), under
-        this tier's lock: it must only take note (TieredStore reports drops outside its locks)."""
-        return self._catalog.on_drop
-
-    @on_drop.setter
-    def on_drop(self, hook: Callable[[bytes], None] | None) -> None:
-        self._catalog.on_drop = hook
+    def enabled(self) -> bool:
+        return True
 
     @property
     def io_mode(self) -> str:
@@ -120,7 +121,10 @@ class SSDTier:
         with self._lock:
             return self._catalog.get(key)
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> list[SSDEntry]:
+    def __contains__(self, key: bytes) -> bool:
+        return self.lookup(key) is not None
+
+    def lookup_prefix(self, keys: Iterable[bytes]) -> list[SSDEntry]:
         """Live entries of ``keys`` in order, up to the first key not held; not pinned."""
         with self._lock:
             return self._catalog.prefix(keys)
@@ -129,10 +133,6 @@ class SSDTier:
         with self._lock:
             entry = self._catalog.get(key)
             return entry is not None and entry.ident == ident
-
-    def pin(self, entry: SSDEntry) -> bool:
-        """Pin a looked-up entry against eviction; False if it was dropped meanwhile."""
-        return self.pin_many([entry]) == 1
 
     def pin_many(self, entries: Sequence[SSDEntry]) -> int:
         """Pin entries in order up to the first one dropped meanwhile; returns how many."""
@@ -143,14 +143,14 @@ class SSDTier:
         with self._lock:
             self._catalog.unpin(entry)
 
-    def touch_many(self, entries: Sequence[SSDEntry]) -> None:
+    def touch_many(self, entries: Iterable[SSDEntry | None]) -> None:
         """Record accesses (for the eviction order) of the live ones among ``entries``."""
         with self._lock:
             self._catalog.touch_many(entries)
 
     # -- write path ----------------------------------------------------------------------------
 
-    def write_many(self, items: Sequence[SSDWrite]) -> list[bool]:
+    def write_many(self, items: Sequence[BlockWrite]) -> list[bool]:
         """Make each block durable, evicting the oldest unpinned blocks for room (see
         ``SSDWriter.write_many``)."""
         return self._writer.write_many(items)
@@ -236,6 +236,7 @@ class SSDTier:
                 "pinned_blocks": self._catalog.num_pinned,
                 "read_only": self._writer.read_only_reason is not None,
                 "counters": dict(self._counters),
+                "enabled": True,
             }
 
     def check_integrity(self) -> None:

@@ -13,25 +13,16 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from kvstore.store.allocator import Allocation
 from kvstore.store.ssd.catalog import SSDCatalog
 from kvstore.store.ssd.files import DataFiles
 from kvstore.store.ssd.index import SSDEntry, SSDIndex, block_checksum
+from kvstore.store.store_tier import BlockWrite
 
 log = logging.getLogger("kvstore.store.ssd.tier")  # the tier's logger, as before the split
 
 MAX_KEY_BYTES = 511  # LMDB's key limit
-
-
-class SSDWrite(NamedTuple):
-    """One block to write: ``data`` holds its ``num_bytes``, optionally followed by padding."""
-
-    key: bytes
-    ident: bytes
-    data: memoryview
-    num_bytes: int
 
 
 class SSDWriter:
@@ -59,7 +50,7 @@ class SSDWriter:
         """No write between placement and publication (call with the tier's lock held)."""
         return not (self._commits_in_flight or self._pending)
 
-    def write_many(self, items: Sequence[SSDWrite]) -> list[bool]:
+    def write_many(self, items: Sequence[BlockWrite]) -> list[bool]:
         """Make each block durable, evicting the oldest unpinned blocks for room.
 
         Per item True when the block is on SSD afterwards (written now or already there). False
@@ -67,7 +58,7 @@ class SSDWriter:
         full); never raises for those.
         """
         results = [False] * len(items)
-        plans: list[tuple[int, SSDWrite, int, Allocation]] = []
+        plans: list[tuple[int, BlockWrite, int, Allocation]] = []
         dropped: list[SSDEntry] = []
         with self._lock:
             self._check_open()

@@ -1,4 +1,4 @@
-"""TieredStore.on_dropped: the cluster hears of a block exactly when no tier holds it any more.
+"""TieredStore's drop listeners: the cluster hears of a block exactly when no tier holds it.
 
 Real stores (DRAM, and DRAM + SSD files), no Redis or UCX: not marked `cluster`.
 """
@@ -16,7 +16,7 @@ BLOCK = 64 << 10
 
 
 class Drops:
-    """Records what the hook is told; checks that it is never called under the store's lock."""
+    """Records what the listener is told; checks that it is never called under the store's lock."""
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
@@ -42,7 +42,7 @@ def _held(store: TieredStore, blocks, i: int) -> bool:
 def test_dram_only_evictions_and_removes_are_reported(tmp_path):
     store = TieredStore(StoreConfig(dram_bytes=8 * BLOCK))
     drops = Drops(store)
-    store.on_dropped = drops
+    store.add_drop_listener(drops)
     blocks = make_blocks(14, block_bytes=BLOCK)
     try:
         blocks.put_all(store, count=8)
@@ -70,7 +70,7 @@ def test_demotion_is_no_drop_but_ssd_eviction_and_damage_are(tmp_path):
     store = TieredStore(StoreConfig(dram_bytes=8 * BLOCK, ssd_dir=tmp_path / "ssd",
                                     ssd_bytes=16 * BLOCK))
     drops = Drops(store)
-    store.on_dropped = drops
+    store.add_drop_listener(drops)
     blocks = make_blocks(40, block_bytes=BLOCK)
     try:
         blocks.put_all(store)

@@ -118,7 +118,7 @@ def _stage(tier: HbmTier, chain, start: int = 0, after_copy=None) -> int:
 def _hashes_left(tier: HbmTier) -> list[bytes]:
     """The hashes ``tier`` reports as gone from its index from now on, as they come."""
     left: list[bytes] = []
-    tier.report_left_to(lambda namespace, hashes: left.extend(hashes))
+    tier.add_left_listener(lambda namespace, hashes: left.extend(hashes))
     return left
 
 

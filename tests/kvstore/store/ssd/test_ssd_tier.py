@@ -11,7 +11,8 @@ import pytest
 from store_helpers import NS, block_bytes, block_key
 
 from kvstore.store.block_store import Tier
-from kvstore.store.ssd.tier import SSDTier, SSDWrite
+from kvstore.store.ssd.tier import SSDTier
+from kvstore.store.store_tier import BlockWrite
 
 BLOCK = 16 * 1024
 
@@ -20,7 +21,7 @@ def _write(tier: SSDTier, indices, size=BLOCK) -> list[bool]:
     items = []
     for i in indices:
         h, ident = block_key(i)
-        items.append(SSDWrite(NS + h, ident, memoryview(block_bytes(i, size)), size))
+        items.append(BlockWrite(NS + h, ident, memoryview(block_bytes(i, size)), size))
     return tier.write_many(items)
 
 

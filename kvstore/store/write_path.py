@@ -1,19 +1,15 @@
-"""The DRAM tier's write path: write slots, admission, commit and abort."""
+"""The tiered store's write path: write slots, admission into DRAM, commit, abort, replace."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 
 from kvstore.store.block_store import StoreError, WriteSlot
 from kvstore.store.demoter import Demoter
 from kvstore.store.dram.blocks import Block, BlockState
-from kvstore.store.dram.tier import DramTier
-from kvstore.store.drop_reports import DropReports
-from kvstore.store.guard import StoreGuard
 from kvstore.store.index_keys import IndexKeys
-from kvstore.store.ssd.tier import SSDTier
+from kvstore.store.parts import StoreParts
 
 
 class _Slot(WriteSlot):
@@ -39,16 +35,15 @@ class _Slot(WriteSlot):
 class WritePath:
     """``begin_write`` and what a slot's commit or abort does to the DRAM tier."""
 
-    def __init__(self, guard: StoreGuard, keys: IndexKeys, dram: DramTier, ssd: SSDTier | None,
-                 demoter: Demoter, drops: DropReports, counters: Counter[str]) -> None:
-        self._guard = guard
+    def __init__(self, parts: StoreParts, keys: IndexKeys, demoter: Demoter) -> None:
+        self._guard = parts.guard
         self._keys = keys
-        self._dram = dram
-        self._pool = dram.pool
-        self._ssd = ssd
+        self._dram = parts.dram
+        self._pool = parts.dram.pool
+        self._backing = parts.backing
         self._demoter = demoter
-        self._drops = drops
-        self._counters = counters
+        self._drops = parts.drops
+        self._counters = parts.counters
 
     def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
                     num_bytes: int) -> WriteSlot | None:
@@ -86,7 +81,7 @@ class WritePath:
 
     def _admit_locked(self, key: bytes, ident: bytes) -> str | None:
         """None when a new block may be written under ``key``; else the counter saying why not."""
-        cur = self._dram.get(key)
+        cur = self._dram.lookup(key)
         if cur is not None:
             if cur.ident == ident:
                 self._dram.touch(key)
@@ -96,14 +91,13 @@ class WritePath:
             self._dram.drop(cur)  # an unpinned block with another ident: newest wins
             self._drops.note(key)  # a drop only if the new block never arrives
             self._counters["collisions_replaced"] += 1
-        if self._ssd is not None:
-            entry = self._ssd.lookup(key)
-            if entry is not None:
-                if entry.ident == ident:
-                    self._ssd.touch_many([entry])
-                    return "duplicate_puts"
-                if self._ssd.remove(entry):
-                    self._counters["collisions_replaced"] += 1
+        entry = self._backing.lookup(key)
+        if entry is not None:
+            if entry.ident == ident:
+                self._backing.touch_many([entry])
+                return "duplicate_puts"
+            if self._backing.remove(entry):
+                self._counters["collisions_replaced"] += 1
         return None
 
     def replace(self, namespace: bytes, block_hash: bytes, ident: bytes, data: memoryview,
@@ -155,22 +149,22 @@ class WritePath:
                     self._pool.free(alloc)
 
     def _may_replace_locked(self, key: bytes) -> bool:
-        cur = self._dram.get(key)
+        cur = self._dram.lookup(key)
         if cur is not None and (cur.state is not BlockState.READY or self._dram.is_pinned(cur)
                                 or cur.demoting):
             return False
-        entry = self._ssd.lookup(key) if self._ssd is not None else None
+        entry = self._backing.lookup(key)
         return entry is None or not entry.pins
 
     def _drop_for_replace_locked(self, key: bytes) -> bool:
         """Drop the key's block from DRAM and SSD (checked unpinned); no drop is reported: the
         key stays held, by the block that replaces it."""
-        cur = self._dram.get(key)
+        cur = self._dram.lookup(key)
         if cur is not None:
             self._dram.drop(cur)
-        entry = self._ssd.lookup(key) if self._ssd is not None else None
+        entry = self._backing.lookup(key)
         # New lookups and pins need the store's lock, held here: the entry stays unpinned.
-        removed = entry is not None and self._ssd.remove(entry)
+        removed = entry is not None and self._backing.remove(entry)
         if entry is not None and not removed:
             raise StoreError("the SSD copy of the value could not be removed")
         return cur is not None or removed
