@@ -17,7 +17,6 @@ from collections import Counter
 
 from kvstore import Tier
 from offload.bridge import RestoreBridge
-from offload.connector import OffloadConnector
 from offload.core.restore_job import RestoreJob
 from offload.core.restorer import Restorer, RestoreSettings
 from offload.core.states import RestoreEnd, RestoreState
@@ -27,6 +26,7 @@ from offload.idents import sequence_idents
 from offload.ledger_site import LedgerSite
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
+from offload.store_client import StoreClient
 
 # A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
 # long (well inside the lease's TTL), then gives up and recomputes.
@@ -59,10 +59,10 @@ def lookup_wait_budget_s(last_step_s: float, likely_hit: bool = False) -> float:
 class EngineRestores(RestoreBridge):
     """kvengine's ``RestoreBridge`` over the shared restorer (step thread only)."""
 
-    def __init__(self, link: OffloadConnector, site: LedgerSite, block_bytes: int,
+    def __init__(self, client: StoreClient, site: LedgerSite, block_bytes: int,
                  policy: RestorePolicy, saved_keys: SavedKeys, counters: Counter[str],
                  always_restore: bool = False) -> None:
-        self.link = link
+        self.client = client
         self.ledger = site.ledger
         self.block_size = site.block_size
         self.policy = policy
@@ -72,7 +72,7 @@ class EngineRestores(RestoreBridge):
         self.decider = CostDecider(policy, block_bytes, self.block_size, counters,
                                    always_restore)
         self.restorer: Restorer[OffloadSequence] = Restorer(
-            link, site, self.decider, counters,
+            client, site, self.decider, counters,
             RestoreSettings(max_lookup_wait_s=MAX_LOOKUP_WAIT_S,
                             max_slot_wait_s=MAX_BLOCK_WAIT_S))
         self._hit_tokens_by_tier: Counter[str] = Counter()
@@ -149,7 +149,7 @@ class EngineRestores(RestoreBridge):
         """Send the lookup of blocks ``first..`` (None: not worth asking, or no store)."""
         bs = self.block_size
         last = (seq.num_tokens - 1) // bs  # leave at least one token to compute
-        if first >= last or not self.link.available:
+        if first >= last or not self.client.available:
             return None
         # Not worth a round trip when even an instant load of every block asked for would lose
         # to recomputing them (a lookup reply may also cost a bounded wait in the step).
