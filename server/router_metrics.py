@@ -75,7 +75,7 @@ class RouterMetrics:
             self._upstream_errors.labels(url)
 
     def routed(self, route: Route, block_size: int, seconds: float) -> None:
-        self._routed.labels(route.reason.value, route.name).inc()
+        self._routed.labels(route.reason.value, route.url).inc()
         self._expected.labels(route.reason.value).observe(route.expected_hit_blocks * block_size)
         self._route.observe(seconds)
 
