@@ -6,12 +6,13 @@ so a send can block once the socket buffer is full), health probes, closing. The
 hands requests over through a bounded queue (``Outgoing``: a request and its ``Transfer``
 handle) and polls the handles.
 
-The state the engine reads (``state``): ``ok`` (registered, the last probe answered in time),
-``hung`` (a probe, the registration or a send has waited on the daemon longer than the
-deadline, and nothing at all came back meanwhile: it is alive enough to hold the socket but
-does not answer, as under SIGSTOP; the deadline is ``probe_deadline_s``, longer where recent
-probes were slow) or ``down`` (not connected). It is derived from timestamps, so it is right
-even while this thread itself is stuck in a send. A lost connection is made again on demand (a
+The state the engine reads (``state``, a ``StoreState`` told by ``kvstore.wire.store_state``'s
+``judge``): ``ok`` (registered, the last probe answered in time), ``hung`` (a probe, the
+registration or a send has waited on the daemon longer than the deadline, and nothing at all
+came back meanwhile: it is alive enough to hold the socket but does not answer, as under
+SIGSTOP; the deadline is ``probe_deadline_s``, longer where recent probes were slow) or
+``down`` (not connected). It is derived from timestamps, so it is right even while this thread
+itself is stuck in a send. A lost connection is made again on demand (a
 request, or the engine asking whether the store is available), at most once per
 ``reconnect_interval_s``; each new connection bumps ``epoch``: the daemon met again may have
 lost what it held, and a request that names registered memory (``Outgoing.epoch``) is sent only
@@ -28,7 +29,6 @@ fresh duplicates, so a daemon met again maps the same memory from descriptors of
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import queue
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import Client, ClientError, DaemonUnavailable, Pending
+from kvstore.wire.store_state import StoreState, judge
 from offload.link_requests import LinkRequest
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
@@ -60,17 +61,6 @@ _RTT_WINDOW = 20
 MAX_QUEUED = 4096
 # The link's thread wakes at least this often (probes, reconnects, closing).
 _TICK_S = 0.05
-
-
-class StoreState(str, enum.Enum):
-    """The store as the link sees it now (see the module docstring)."""
-
-    OK = "ok"
-    HUNG = "hung"
-    DOWN = "down"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -132,16 +122,8 @@ class LinkThread:
         """OK, HUNG or DOWN (see the module docstring); never blocks. A wait past the deadline
         is a hang only while no reply of any kind has arrived for that long either: a daemon
         that still answers other requests is slow, not stopped."""
-        now = time.monotonic()
-        client = self._client
-        heard = client.last_reply_at if client is not None else 0.0
-        deadline = self.deadline_s
-        for since in (self._busy_since, self._probe_sent_at):
-            if since is not None and now - max(since, heard) > deadline:
-                return StoreState.HUNG
-        if client is None or client.is_closed or not self._up:
-            return StoreState.DOWN
-        return StoreState.OK
+        return judge(self._client, (self._busy_since, self._probe_sent_at), self.deadline_s,
+                     connected=self._up)
 
     @property
     def deadline_s(self) -> float:

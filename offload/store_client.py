@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore.wire.store_state import StoreState
 from offload.link_requests import (
     EvictedRequest,
     LinkRequest,
@@ -28,7 +29,7 @@ from offload.link_requests import (
     ResidentRequest,
     SaveRequest,
 )
-from offload.link_thread import LinkThread, Outgoing, StoreState
+from offload.link_thread import LinkThread, Outgoing
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
 
@@ -38,7 +39,7 @@ log = logging.getLogger("offload")
 # longer before it calls a request lost, so a late "failed" reply is still seen as a reply.
 _DEADLINE_MARGIN_S = 2.0
 
-__all__ = ["StoreClient", "StoreState", "Transfer"]
+__all__ = ["StoreClient", "Transfer"]
 
 
 class StoreClient:

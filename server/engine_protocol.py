@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
-from offload.link_thread import StoreState
+from kvstore.wire.store_state import StoreState
 
 if TYPE_CHECKING:
     from engine import SamplingParams
@@ -196,13 +196,17 @@ def offload_stats(snapshot: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return offload if isinstance(offload, Mapping) else None
 
 
-def kv_store_state(snapshot: Mapping[str, Any]) -> str | None:
-    """The store's state ("ok", "hung", "down") as the offload layer reports it; None without
-    offload or when the offload layer does not report a state."""
+def kv_store_state(snapshot: Mapping[str, Any]) -> StoreState | None:
+    """The store's state (ok, hung or down) as the offload layer reports it; None without
+    offload or when the offload layer does not report a state (or one this server does not
+    know)."""
     offload = offload_stats(snapshot)
     if offload is None:
         return None
     state = offload.get("store_state")
     if state is None and isinstance(offload.get("connector"), Mapping):
         state = offload["connector"].get("store_state")
-    return state if isinstance(state, str) else None
+    try:
+        return StoreState(state)
+    except ValueError:
+        return None

@@ -11,8 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvstore.wire.store_state import StoreState
 from server.engine_pool import EnginePool, EngineState
-from server.kv_locator import StoreState
 from server.routing import Route, RouteReason
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

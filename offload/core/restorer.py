@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Generic
 
 from kvstore import Tier
+from kvstore.wire.store_state import StoreState
 from offload.core.block_site import BlockSite
 from offload.core.decider import RestoreDecider
 from offload.core.quarantine import Quarantine
 from offload.core.restore_job import Owner, RestoreJob
 from offload.core.slots import Reservation
 from offload.core.states import RestoreEnd, RestoreState
-from offload.link_thread import StoreState
 from offload.store_client import StoreClient
 
 State, End = RestoreState, RestoreEnd

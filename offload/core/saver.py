@@ -14,10 +14,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from kvstore.wire.store_state import StoreState
 from offload.core.block_site import BlockSite
 from offload.core.save_job import SaveJob
 from offload.core.states import SaveOutcome, SaveState
-from offload.link_thread import StoreState
 from offload.store_client import StoreClient
 
 _COUNTER = {SaveOutcome.SAVED: "blocks_saved", SaveOutcome.DUPLICATE: "blocks_save_duplicate",

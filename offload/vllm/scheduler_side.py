@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import shard_namespace
+from kvstore.wire.store_state import StoreState
 from offload.store_client import StoreClient
 from offload.transfer import Transfer
 from offload.vllm.block_events import BlockEvents, BlockInfo
@@ -152,7 +153,7 @@ class SchedulerSide:
         deadline = time.monotonic() + self.lookup_timeout_s
         for lookup in lookups:
             while not lookup.wait(min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline or self.client.live_state == "hung":
+                if time.monotonic() >= deadline or self.client.live_state is StoreState.HUNG:
                     self.counters["lookups_unanswered"] += 1
                     return False
         return True

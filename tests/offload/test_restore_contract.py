@@ -22,6 +22,7 @@ from support.arena import ShmArena
 
 from engine.block_manager import BlockManager
 from kvstore import Client
+from kvstore.wire.store_state import StoreState
 from offload.core.decider import Always
 from offload.core.restore_job import RestoreJob
 from offload.core.restorer import Restorer, RestoreSettings
@@ -368,7 +369,7 @@ def test_waiting_for_slots_to_given_up_when_the_store_hangs(side, daemon) -> Non
         assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
         daemon.proc.send_signal(signal.SIGSTOP)
     try:
-        assert wait_until(lambda: side.client.live_state == "hung", 5.0)
+        assert wait_until(lambda: side.client.live_state is StoreState.HUNG, 5.0)
         started = time.monotonic()
         run_polled(r, job)
         assert (job.state, job.end) == (RestoreState.GIVEN_UP, RestoreEnd.STORE_HUNG)
@@ -471,7 +472,7 @@ def test_pinned_to_dropped_when_the_store_is_gone_before_sending(side, daemon) -
     job = saver.pin(namespace, ids, hashes, idents)
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
-        assert wait_until(lambda: side.client.live_state == "hung", 5.0)
+        assert wait_until(lambda: side.client.live_state is StoreState.HUNG, 5.0)
         saver.send_pinned()
     finally:
         daemon.proc.send_signal(signal.SIGCONT)

@@ -13,6 +13,7 @@ import pytest
 from daemon_helpers import start_daemon, wait_until
 
 from kvstore.keys import shard_namespace
+from kvstore.wire.store_state import StoreState
 from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
@@ -344,7 +345,7 @@ def test_a_stopped_daemon_costs_a_bounded_wait_then_the_store_is_used_again(daem
         assert time.monotonic() - start < LOOKUP_TIMEOUT_S + 0.5
         # The link's health probe finds the daemon hung within a second (kvengine's link):
         # from then on a lookup is a miss at once.
-        assert wait_until(lambda: b.scheduler.client.live_state == "hung", 2.0)
+        assert wait_until(lambda: b.scheduler.client.live_state is StoreState.HUNG, 2.0)
         start = time.monotonic()
         assert b.scheduler.match("r3", prompt(5), 0, None, None) == 0
         assert time.monotonic() - start < 0.1
