@@ -15,8 +15,6 @@ from kvstore.wire.store_state import StoreState
 if TYPE_CHECKING:
     from engine import SamplingParams
 
-KV_STORE_STATES = tuple(s.value for s in StoreState)  # the offload layer's `store_state`
-
 
 class PromptCodec(Protocol):
     """The engine's tokenizer as the server uses it: text in, token ids out."""
@@ -116,7 +114,7 @@ class EngineOutput(Protocol):
 
 
 class OffloadStats(TypedDict, total=False):
-    """The engine's `--kv-offload` counters; `store_state` is one of KV_STORE_STATES where the
+    """The engine's `--kv-offload` counters; `store_state` is a `StoreState` value where the
     offload layer reports it. Other keys are counters (ints) or nested dicts of them."""
 
     store_state: str
