@@ -30,11 +30,16 @@ State, End = RestoreState, RestoreEnd
 
 @dataclass(frozen=True)
 class RestoreSettings:
-    """How long a restore may wait on each thing, and the lease it asks for."""
+    """How long a restore may wait on each thing, and the lease it asks for (the defaults are
+    kvengine's; vLLM's worker bounds them all by its load timeout)."""
 
     lease_ttl_s: float = 30.0  # a lease lives this long without its load
-    max_lookup_wait_s: float = 1.5  # an unanswered lookup is given up after this
-    max_slot_wait_s: float = 5.0  # a leased hit waits this long for slots (well inside the TTL)
+    # An unanswered lookup is given up after this and the blocks recomputed (the store answers
+    # in well under a millisecond; a hung one is given up sooner, once its probe is overdue).
+    max_lookup_wait_s: float = 1.5
+    # A leased hit whose slots cannot be reserved yet retries every step for this long (well
+    # inside the TTL), then gives up and recomputes.
+    max_slot_wait_s: float = 5.0
     load_deadline_s: float | None = None  # the daemon's deadline for a load (None: the client's)
 
     def __post_init__(self) -> None:

@@ -34,8 +34,6 @@ from offload.store_client import StoreClient
 from offload.vllm.block_mover import BlockMover
 from offload.vllm.plan import BlockTransfer, StepPlan
 
-# A lease lives at least this long without its load (the load follows within a step or two).
-LEASE_TTL_S = 30.0
 MAX_STORED_REPORTS = 1 << 16
 
 
@@ -61,8 +59,10 @@ class WorkerSide:
                                   retry_interval_s, connect_wait_s=0.0,
                                   register_timeout_s=register_timeout_s,
                                   on_registered=mover.registered)
-        # A load's whole life (lookup, room, copy) is bounded by load_timeout_s.
-        settings = RestoreSettings(lease_ttl_s=max(LEASE_TTL_S, 2 * load_timeout_s),
+        # A load's whole life (lookup, room, copy) is bounded by load_timeout_s; its lease
+        # lives at least the default TTL (the load follows within a step or two).
+        settings = RestoreSettings(lease_ttl_s=max(RestoreSettings().lease_ttl_s,
+                                                   2 * load_timeout_s),
                                    max_lookup_wait_s=load_timeout_s,
                                    max_slot_wait_s=load_timeout_s,
                                    load_deadline_s=load_timeout_s)
