@@ -17,6 +17,7 @@ __all__ = [
     "DaemonUnavailable",
     "LocateReply",
     "Pending",
+    "StoreState",
     "Tier",
 ]
 
@@ -30,4 +31,8 @@ def __getattr__(name: str) -> Any:
         from kvstore.wire import client
 
         return getattr(client, name)
+    if name == "StoreState":  # the daemon's health as a client sees it
+        from kvstore.wire import store_state
+
+        return store_state.StoreState
     raise AttributeError(name)

@@ -6,17 +6,16 @@ so a send can block once the socket buffer is full), health probes, closing. The
 hands requests over through a bounded queue (``Outgoing``: a request and its ``Transfer``
 handle) and polls the handles.
 
-The state the engine reads (``state``, a ``StoreState`` told by ``kvstore.wire.store_state``'s
-``judge``): ``ok`` (registered, the last probe answered in time), ``hung`` (a probe, the
-registration or a send has waited on the daemon longer than the deadline, and nothing at all
-came back meanwhile: it is alive enough to hold the socket but does not answer, as under
-SIGSTOP; the deadline is ``probe_deadline_s``, longer where recent probes were slow) or
-``down`` (not connected). It is derived from timestamps, so it is right even while this thread
-itself is stuck in a send. A lost connection is made again on demand (a
-request, or the engine asking whether the store is available), at most once per
-``reconnect_interval_s``; each new connection bumps ``epoch``: the daemon met again may have
-lost what it held, and a request that names registered memory (``Outgoing.epoch``) is sent only
-on the connection it was planned for.
+The state the engine reads (``state``, a ``StoreState`` told by its rule ``while_waiting``):
+``ok`` (registered, the last probe answered in time), ``hung`` (a probe, the registration or a
+send has waited on the daemon longer than the deadline, and nothing at all came back meanwhile:
+it is alive enough to hold the socket but does not answer, as under SIGSTOP; the deadline is
+``probe_deadline_s``, longer where recent probes were slow) or ``down`` (not connected). It is
+derived from timestamps, so it is right even while this thread itself is stuck in a send. A
+lost connection is made again on demand (a request, or the engine asking whether the store is
+available), at most once per ``reconnect_interval_s``; each new connection bumps ``epoch``: the
+daemon met again may have lost what it held, and a request that names registered memory
+(``Outgoing.epoch``) is sent only on the connection it was planned for.
 
 What is registered: a fixed ``KVLayout`` (kvengine's arena), a callable that makes a fresh one
 on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writes only into
@@ -39,8 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore import Client, ClientError, DaemonUnavailable, Pending
-from kvstore.wire.store_state import StoreState, judge
+from kvstore import Client, ClientError, DaemonUnavailable, Pending, StoreState
 from offload.link_requests import LinkRequest
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
@@ -122,8 +120,8 @@ class LinkThread:
         """OK, HUNG or DOWN (see the module docstring); never blocks. A wait past the deadline
         is a hang only while no reply of any kind has arrived for that long either: a daemon
         that still answers other requests is slow, not stopped."""
-        return judge(self._client, (self._busy_since, self._probe_sent_at), self.deadline_s,
-                     connected=self._up)
+        return StoreState.while_waiting(self._client, (self._busy_since, self._probe_sent_at),
+                                        self.deadline_s, connected=self._up)
 
     @property
     def deadline_s(self) -> float:

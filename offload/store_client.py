@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState
 from offload.link_requests import (
     EvictedRequest,
     LinkRequest,

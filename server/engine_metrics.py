@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState
 from server.engine_protocol import ServedEngine, kv_store_state, offload_stats
 
 P = "kvengine:"  # series vLLM has no name for

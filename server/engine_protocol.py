@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState
 
 if TYPE_CHECKING:
     from engine import SamplingParams

@@ -2,7 +2,7 @@
 
 A daemon that is down, hung (SIGSTOP) or slow costs a request at most ``timeout_s`` and routing
 by load instead, never an error: ``locate`` returns None, the state (a ``StoreState``, told from
-how the request ended by ``kvstore.wire.store_state.failed_state``: no answer within the bound
+how the request ended by ``StoreState.after_failure``: no answer within the bound
 is hung) says why, and the daemon is left alone for ``retry_after_s`` (requests in between do
 not wait at all) before it is asked again. The blocking client connects and sends on a few
 threads of its own; its reader thread hands the reply to the event loop, which only awaits.
@@ -19,8 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvstore import Client, ClientError, DaemonUnavailable, LocateReply, Pending
-from kvstore.wire.store_state import StoreState, failed_state
+from kvstore import Client, ClientError, DaemonUnavailable, LocateReply, Pending, StoreState
 from server.prompt_chain import PromptChain
 
 logger = logging.getLogger("kvengine.router")
@@ -83,7 +82,7 @@ class KVLocator:
                 raise outcome
             reply = outcome.wait(0)
         except (ClientError, DaemonUnavailable, OSError) as exc:  # TimeoutError among them
-            state = failed_state(exc)
+            state = StoreState.after_failure(exc)
             if state is StoreState.REFUSED:  # answered, quickly: no reason to stop asking
                 if self.state is not state:
                     logger.warning("kvstore daemon refused locate (%s); routing by load", exc)

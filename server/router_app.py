@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvstore import StoreState
 from kvstore.cli_args import package_version
-from kvstore.wire.store_state import StoreState
 from server.auth import KEY_SALT_SCOPE, APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.engine_pool import EnginePool

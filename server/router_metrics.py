@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState
 from server.engine_pool import EnginePool, EngineState
 from server.routing import Route, RouteReason
 

@@ -15,8 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Generic
 
-from kvstore import Tier
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState, Tier
 from offload.core.block_site import BlockSite
 from offload.core.decider import RestoreDecider
 from offload.core.quarantine import Quarantine

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState
 from offload.core.block_site import BlockSite
 from offload.core.save_job import SaveJob
 from offload.core.states import SaveOutcome, SaveState

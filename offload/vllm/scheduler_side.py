@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore import StoreState
 from kvstore.keys import shard_namespace
-from kvstore.wire.store_state import StoreState
 from offload.store_client import StoreClient
 from offload.transfer import Transfer
 from offload.vllm.block_events import BlockEvents, BlockInfo

@@ -42,7 +42,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
     from fastapi.testclient import TestClient
 
     from engine import EngineConfig, LLMEngine
-    from kvstore.wire.store_state import StoreState
+    from kvstore import StoreState
     from server.app import build_app
     from server.engine_pool import EnginePool
     from server.router_metrics import RouterMetrics

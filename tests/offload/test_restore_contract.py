@@ -21,8 +21,7 @@ from daemon_helpers import wait_until
 from support.arena import ShmArena
 
 from engine.block_manager import BlockManager
-from kvstore import Client
-from kvstore.wire.store_state import StoreState
+from kvstore import Client, StoreState
 from offload.core.decider import Always
 from offload.core.restore_job import RestoreJob
 from offload.core.restorer import Restorer, RestoreSettings

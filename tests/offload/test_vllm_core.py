@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 from daemon_helpers import start_daemon, wait_until
 
+from kvstore import StoreState
 from kvstore.keys import shard_namespace
-from kvstore.wire.store_state import StoreState
 from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import pytest
 from daemon_helpers import wait_until
 
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState
 from offload.link_thread import MAX_PROBE_DEADLINE_S, LinkThread
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # ~18 s

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, start_daemon
 
-from kvstore.wire.store_state import StoreState
+from kvstore import StoreState
 from server.kv_locator import KVLocator
 from server.prompt_chain import PromptChain
 
