@@ -13,8 +13,8 @@ serve`` sets ``server.cli.SERVE_SWITCH_INTERVAL_S``).
 replies while worker threads run a save's bookkeeping in Python. A child process saves
 ``--save-blocks`` blocks at a time (fresh hashes, shared-memory engine memory) as fast as the
 daemon takes them, and this quiet process times lookups; a fresh ``kvstore serve`` per switch
-interval (``kvstore.cli.SERVE_SWITCH_INTERVAL_S``, set before it starts). Also the child's saves
-per second: a shorter interval must not slow the work that keeps the daemon busy.
+interval (``kvstore.cli.main``'s ``switch_interval_s``). Also the child's saves per second: a
+shorter interval must not slow the work that keeps the daemon busy.
 
     python -m benchmarks.lookup_gil [--busy engine,daemon] [--intervals-ms 5,0.5] [--rounds 2]
                                     [--seconds 4] [--blocks 1200] [--save-blocks 256] [--out DIR]
@@ -53,11 +53,9 @@ def _chain(num_blocks: int, name: str = "lookup-gil", seed: int = 0,
 
 
 def _start_daemon(switch_interval_s: float | None) -> tuple[subprocess.Popen, Path]:
-    """A ``kvstore serve`` on a fresh socket (with the switch interval it sets, if given)."""
-    if switch_interval_s is None:
-        return start_store("256MiB")
-    return start_store("256MiB", preamble="import kvstore.cli as k; "
-                                          f"k.SERVE_SWITCH_INTERVAL_S = {switch_interval_s!r}")
+    """A ``kvstore serve`` on a fresh socket (serving under the switch interval given, else
+    its own)."""
+    return start_store("256MiB", switch_interval_s=switch_interval_s)
 
 
 def _round_trips_ms(socket_path: Path, chain, seconds: float) -> np.ndarray:

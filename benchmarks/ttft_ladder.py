@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     daemon.wait(120)
     daemon, _ = start_embedded_daemon(workdir, args.dram, args.ssd)
     deadline = time.monotonic() + 30
-    while not engine.offload.link.available and time.monotonic() < deadline:
+    while not engine.offload.client.available and time.monotonic() < deadline:
         time.sleep(0.2)
     for n in lengths:
         engine.reset_prefix_cache()

@@ -15,19 +15,24 @@ from kvstore.testing.processes import stop_process
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_store(dram: str = "1GiB", preamble: str = "",
-                flags: Sequence[str] = ()) -> tuple[subprocess.Popen, Path]:
+def start_store(dram: str = "1GiB", preamble: str = "", flags: Sequence[str] = (),
+                switch_interval_s: float | None = None) -> tuple[subprocess.Popen, Path]:
     """A ``kvstore serve`` on a fresh socket for a benchmark; returns once it is ready.
 
     ``flags``: more ``kvstore serve`` options (a benchmark variant's ``--copy-*`` tuning).
     ``preamble``: Python run in the daemon before it starts (instrumentation, e.g.
-    ``benchmarks.copy_trace``'s hooks)."""
+    ``benchmarks.copy_trace``'s hooks). ``switch_interval_s``: the GIL switch interval the
+    daemon serves under (None: its own, ``kvstore.cli.SERVE_SWITCH_INTERVAL_S``)."""
     import tempfile
 
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "kvstore.sock"
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"}
-    head = [sys.executable, "-c", f"import sys; {preamble}; from kvstore.cli import main; "
-            "sys.exit(main(sys.argv[1:]))"] if preamble else [sys.executable, "-m", "kvstore.cli"]
+    head = [sys.executable, "-m", "kvstore.cli"]
+    if preamble or switch_interval_s is not None:
+        tuning = "" if switch_interval_s is None else f", switch_interval_s={switch_interval_s!r}"
+        code = ["import sys", preamble, "from kvstore.cli import main",
+                f"sys.exit(main(sys.argv[1:]{tuning}))"]
+        head = [sys.executable, "-c", "; ".join(line for line in code if line)]
     proc = subprocess.Popen([*head, "serve", "--socket",
                              str(socket_path), "--dram", dram, "--http", "off", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

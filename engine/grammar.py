@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.strict_schema import strict_schema
-from engine.structured_outputs import StructuredOutputsParams
+from engine.structured_outputs import GrammarKind, StructuredOutputsParams
 
 # JSON as json.dumps and chat templates' tojson write it (", " and ": ", no other whitespace):
 # a weak model cannot wander into endless whitespace, and a tool call generated under a grammar
@@ -105,6 +105,23 @@ class GrammarMatcher:
         """Why the matcher is broken ("" while it is not)."""
         return str(self._matcher.get_error())
 
+    def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
+        """Row ``row`` of ``bitmask`` := the tokens the grammar allows next (``MaskFiller``'s
+        layout). The GIL is released while llguidance computes."""
+        import llguidance.numpy as lln
+
+        lln.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    @staticmethod
+    def fill_masks(matchers: Sequence[GrammarMatcher], bitmask: np.ndarray,
+                   executor: object) -> None:
+        """Row ``i`` of ``bitmask`` := the allowed tokens of ``matchers[i]``, the rows computed
+        at once on ``executor``'s threads (an ``llguidance.LLExecutor``)."""
+        import llguidance.numpy as lln
+
+        lln.fill_next_token_bitmask_par(
+            executor, [(m._matcher, i) for i, m in enumerate(matchers)], bitmask)
+
 
 class ModelTokenizer(Protocol):
     """What the compiler reads of the engine's tokenizer (engine.tokenizer.Tokenizer)."""
@@ -156,17 +173,17 @@ class GrammarCompiler:
         matcher_cls = llguidance.LLMatcher
         kind = params.kind
         try:
-            if kind == "json":  # objects closed unless they say otherwise, as vLLM's default
+            if kind is GrammarKind.JSON:  # objects closed unless they say otherwise (vLLM's way)
                 return matcher_cls.grammar_from_json_schema(
                     strict_schema(json.loads(params.json)), defaults=JSON_OPTIONS)
-            if kind == "json_object":
+            if kind is GrammarKind.JSON_OBJECT:
                 return matcher_cls.grammar_from_json_schema({"type": "object"},
                                                             defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise ValueError(f"structured_outputs.json: not a JSON schema: {exc}") from None
-        if kind == "regex":
+        if kind is GrammarKind.REGEX:
             return matcher_cls.grammar_from_regex(params.regex)
-        if kind == "choice":
+        if kind is GrammarKind.CHOICE:
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return matcher_cls.grammar_from_lark(f"start: {alternatives}\n")
         return matcher_cls.grammar_from_lark(params.grammar)
@@ -191,7 +208,8 @@ class GrammarCompiler:
                 grammar = _after_separator(grammar)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {_first_lines(matcher)}")
+            raise ValueError(f"structured_outputs.{params.kind.value}: "
+                             f"{_first_lines(matcher)}")
         return GrammarMatcher(matcher, end_id)
 
     def request_matcher(self, params: StructuredOutputsParams | None,
@@ -232,16 +250,14 @@ class MaskFiller:
     def fill(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
         """Row ``i`` of ``bitmask`` (C-contiguous int32) := the allowed tokens of
         ``matchers[i]``. The GIL is released while llguidance computes."""
-        import llguidance
-        import llguidance.numpy as lln
-
         if len(matchers) == 1:
-            lln.fill_next_token_bitmask(matchers[0]._matcher, bitmask, 0)
+            matchers[0].fill_mask(bitmask, 0)
             return
         if self._executor is None:
+            import llguidance
+
             self._executor = llguidance.LLExecutor()
-        lln.fill_next_token_bitmask_par(
-            self._executor, [(m._matcher, i) for i, m in enumerate(matchers)], bitmask)
+        GrammarMatcher.fill_masks(matchers, bitmask, self._executor)
 
 
 def _after_separator(grammar: str) -> str:

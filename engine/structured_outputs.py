@@ -13,12 +13,27 @@ reasoning); the server sets it for chats under ``--reasoning-parser`` (docs/agen
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+class GrammarKind(str, enum.Enum):
+    """Which constraint the params set: each is the name of its field."""
+
+    JSON = "json"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KINDS = tuple(kind.value for kind in GrammarKind)  # the constraints' field names
 OPTIONS = ("reasoning_end",)  # fields beside the one constraint
 
 
@@ -60,9 +75,9 @@ class StructuredOutputsParams:
                              f"{', '.join(KINDS)}; got {', '.join(given) or 'none'}")
 
     @property
-    def kind(self) -> str:
-        """Which constraint this is (one of ``KINDS``)."""
-        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+    def kind(self) -> GrammarKind:
+        """Which constraint this is."""
+        return next(kind for kind in GrammarKind if getattr(self, kind.value) not in (None, False))
 
     @classmethod
     def from_value(cls, value: object) -> StructuredOutputsParams | None:

@@ -103,12 +103,6 @@ def copy_runs_varlen(src_ptrs: Sequence[int] | np.ndarray, dst_ptrs: Sequence[in
         launch_table(dev_table.data.ptr, table.shape[1], stream, blocks_per_run)
 
 
-def copy_runs_reference(src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:
-    """NumPy reference: ``dst[r][:] = src[r]`` for every run (byte views of equal size)."""
-    for s, d in zip(src, dst, strict=True):
-        d.view(np.uint8)[:] = s.view(np.uint8)
-
-
 def region_table(device_base: np.ndarray, device_stride: np.ndarray, piece_bytes: np.ndarray,
                  packed_offset: np.ndarray) -> np.ndarray:
     """The int64 ``[4, R]`` table of ``copy_pieces``: per region, block 0's piece address, the

@@ -18,6 +18,7 @@ __all__ = [
     "LocateReply",
     "MAX_LOCATE_BLOCKS",
     "Pending",
+    "StoreState",
     "Tier",
 ]
 
@@ -35,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from kvstore.wire.verbs import MAX_LOCATE_BLOCKS
 
         return MAX_LOCATE_BLOCKS
+    if name == "StoreState":  # the daemon's health as a client sees it
+        from kvstore.wire import store_state
+
+        return store_state.StoreState
     raise AttributeError(name)

@@ -229,7 +229,7 @@ def _admin_server(factory: Any, service: Any, addr: tuple[str, int], explicit: b
         return admin
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, switch_interval_s: float) -> int:
     cluster_config = _cluster_config(args)
     from kvstore.settings import default_socket_path, load_env_settings
 
@@ -310,7 +310,7 @@ def _serve(args: argparse.Namespace) -> int:
         banner.info("kvstore: ready (pid %d)", os.getpid())
 
     switch_interval_before = sys.getswitchinterval()
-    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(switch_interval_s)
     try:
         daemon.run(on_ready=ready)
     finally:
@@ -343,8 +343,10 @@ def _demo(argv: list[str]) -> int:
     return int(main_of_demo(argv) or 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvstore`` console script."""
+def main(argv: list[str] | None = None,
+         switch_interval_s: float = SERVE_SWITCH_INTERVAL_S) -> int:
+    """Entry point of the ``kvstore`` console script. ``switch_interval_s``: the GIL switch
+    interval ``serve`` runs under (benchmarks compare others)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # its flags belong to the demo program
         return _demo(argv[1:])
@@ -358,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
-            return _serve(args)
+            return _serve(args, switch_interval_s)
         if args.command == "stats":
             return stats_command(args)
         return _demo([])

@@ -1,7 +1,7 @@
-"""kvengine's ``StoreBridge``: one link to the store and the parts that use it, once per step.
+"""kvengine's ``StoreBridge``: one store client and the parts that use it, once per step.
 
 ``EngineRestores`` (the scheduler's side), ``EngineSaves`` and ``ResidentPublisher`` share the
-link, one ``LedgerSite`` (the block ledger as the core sees it), one ``SavedKeys`` and one
+client, one ``LedgerSite`` (the block ledger as the core sees it), one ``SavedKeys`` and one
 counter table; ``after_step`` runs the step's store work in order. The step loop never waits on
 the store.
 """
@@ -12,7 +12,6 @@ from collections import Counter
 
 from offload.block_generations import BlockGenerations
 from offload.bridge import StoreBridge
-from offload.connector import OffloadConnector
 from offload.engine_view import BlockLedger, OffloadSequence
 from offload.ledger_site import LedgerSite
 from offload.offload_policy import OffloadPolicy
@@ -21,15 +20,16 @@ from offload.restore import EngineRestores
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
 from offload.saves import EngineSaves
+from offload.store_client import StoreClient
 
 
 class EngineStore(StoreBridge):
     """Owns every in-flight store request of one engine; called by the engine's step loop."""
 
-    def __init__(self, link: OffloadConnector, ledger: BlockLedger, block_bytes: int,
+    def __init__(self, client: StoreClient, ledger: BlockLedger, block_bytes: int,
                  policy: OffloadPolicy, restore_policy: RestorePolicy, always_restore: bool = False,
                  generations: BlockGenerations | None = None) -> None:
-        self.link = link
+        self.client = client
         self.policy = OffloadPolicy(policy)
         self.restore_policy = restore_policy
         self.generations = generations
@@ -37,13 +37,13 @@ class EngineStore(StoreBridge):
         # Bounded: a key dropped from here is at worst saved again ("duplicate").
         self.saved_keys = SavedKeys(4 * ledger.num_blocks)
         site = LedgerSite(ledger, self.counters)
-        self._restores = EngineRestores(link, site, block_bytes, restore_policy,
+        self._restores = EngineRestores(client, site, block_bytes, restore_policy,
                                         self.saved_keys, self.counters, always_restore)
-        self.saves = EngineSaves(link, site, self.saved_keys, self.counters)
-        self.publisher = ResidentPublisher(link, ledger, generations, self.counters)
+        self.saves = EngineSaves(client, site, self.saved_keys, self.counters)
+        self.publisher = ResidentPublisher(client, ledger, generations, self.counters)
         ledger.enable_offload(track_released=self.policy is OffloadPolicy.EVICT,
                               generations=generations)
-        self._store_epoch = link.registration_epoch  # the registration saved_keys is about
+        self._store_epoch = client.registration_epoch  # the registration saved_keys is about
         self._closed = False
 
     @property
@@ -52,7 +52,7 @@ class EngineStore(StoreBridge):
 
     @property
     def store_state(self) -> str:
-        return self.link.live_state.value
+        return self.client.live_state.value
 
     def save_computed(self, seqs: list[OffloadSequence]) -> None:
         self._check_store_epoch()
@@ -68,7 +68,7 @@ class EngineStore(StoreBridge):
         blocks (``evict``), publish evictions and resident blocks. The engine runs this after
         the step's outputs went out (at the latest before the next step is scheduled), so none
         of it delays a token."""
-        self.link.keep_connected()
+        self.client.keep_connected()
         self._check_store_epoch()
         if self.policy is OffloadPolicy.EVICT:
             self.saves.hand_over_released()
@@ -80,7 +80,7 @@ class EngineStore(StoreBridge):
         """A new registration may be a restarted daemon that holds nothing we saved: forget
         what we believed it holds, so that every block is saved again (a "duplicate" reply
         costs little if it did keep them)."""
-        epoch = self.link.registration_epoch
+        epoch = self.client.registration_epoch
         if epoch != self._store_epoch:
             if self._store_epoch:  # not the first registration: a reconnect
                 self.saved_keys.clear()
@@ -96,16 +96,16 @@ class EngineStore(StoreBridge):
             return
         self._closed = True
         self.wait_idle()
-        self.link.close()  # the daemon forgets this arena's resident blocks
+        self.client.close()  # the daemon forgets this arena's resident blocks
         if self.generations is not None:
             self.generations.close()
 
     def stats(self) -> dict:
         # The state first: reading it counts a transition (store_hung...), which the copy of
-        # the link's counters below must include.
-        state = self.link.state
+        # the client's counters below must include.
+        state = self.client.state
         out = dict(self.counters)
-        out["connector"] = dict(self.link.counters)
+        out["connector"] = dict(self.client.counters)
         out["restored_tokens_by_tier"] = dict(self._restores.hit_tokens_by_tier)
         out["restore_policy"] = self.restore_policy.snapshot()
         out["num_loading"] = self._restores.num_loading

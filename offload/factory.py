@@ -6,11 +6,11 @@ import logging
 
 from offload.block_generations import BlockGenerations
 from offload.bridge import StoreBridge
-from offload.connector import OffloadConnector
 from offload.engine_store import EngineStore
 from offload.engine_view import BlockLedger
 from offload.offload_policy import OffloadPolicy
 from offload.restore_policy import RestorePolicy
+from offload.store_client import StoreClient
 from offload.vocab import KVLayout
 
 log = logging.getLogger("offload")
@@ -44,10 +44,10 @@ def make_store_bridge(socket_path: str | None, layout: KVLayout, engine_id: str,
     if generations is not None:
         layout = layout.with_generations(generations.fd)
     try:
-        link = OffloadConnector(socket_path, layout, engine_id)
+        client = StoreClient(socket_path, layout, engine_id)
     except BaseException:
         if generations is not None:
             generations.close()
         raise
-    return EngineStore(link, ledger, block_bytes, save_policy,
+    return EngineStore(client, ledger, block_bytes, save_policy,
                        RestorePolicy(dict(bandwidth), prefill), always_restore, generations)

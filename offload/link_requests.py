@@ -1,7 +1,7 @@
 """What an engine asks of the store, as values: one frozen class per verb.
 
 The step thread builds a request and hands it, with its ``Transfer`` handle, to the link's
-thread (``offload.store_link``), which puts it on the wire with ``send``: the request stays
+thread (``offload.link_thread``), which puts it on the wire with ``send``: the request stays
 readable on both sides of the thread hop, and each verb goes through ``kvstore.Client``'s own
 method for it (nothing sends a verb by name).
 """

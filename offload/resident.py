@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from offload.connector import OffloadConnector
 from offload.engine_view import BlockLedger, Generations
+from offload.store_client import StoreClient
 from offload.vocab import ident_from_bytes
 
 # Resident publications are index updates only: larger batches than saves.
@@ -21,9 +21,9 @@ RESIDENT_BATCH = 1024
 class ResidentPublisher:
     """Tells the store what this engine's arena holds (step thread only)."""
 
-    def __init__(self, connector: OffloadConnector, ledger: BlockLedger,
+    def __init__(self, client: StoreClient, ledger: BlockLedger,
                  generations: Generations | None, counters: Counter[str]) -> None:
-        self.connector = connector
+        self.client = client
         self.ledger = ledger
         self.generations = generations
         self.counters = counters
@@ -32,18 +32,18 @@ class ResidentPublisher:
     def publish(self) -> None:
         """Evictions first, then resident blocks (the daemon keeps the order)."""
         for namespace, keys in self.ledger.drain_evicted_keys().items():
-            self.connector.evicted(namespace, keys)
+            self.client.evicted(namespace, keys)
             self.counters["evictions_published"] += len(keys)
         if self.generations is not None:
             self._publish_resident(self.generations)
 
     def _publish_resident(self, generations: Generations) -> None:
         items = self.ledger.drain_resident()
-        if self._published_epoch != self.connector.registration_epoch:
-            if not self.connector.available:
+        if self._published_epoch != self.client.registration_epoch:
+            if not self.client.available:
                 return  # republished in full once connected again
             items = self.ledger.cached_items()
-            self._published_epoch = self.connector.registration_epoch
+            self._published_epoch = self.client.registration_epoch
         if not items:
             return
         by_namespace: dict[bytes, list[tuple[int, bytes, bytes, int]]] = {}
@@ -55,5 +55,5 @@ class ResidentPublisher:
         for namespace, rows in by_namespace.items():
             for i in range(0, len(rows), RESIDENT_BATCH):
                 ids, keys, idents, gens = zip(*rows[i:i + RESIDENT_BATCH])
-                self.connector.resident(namespace, ids, keys, idents, gens)
+                self.client.resident(namespace, ids, keys, idents, gens)
         self.counters["resident_published"] += len(items)

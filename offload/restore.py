@@ -17,9 +17,8 @@ from collections import Counter
 
 from kvstore import Tier
 from offload.bridge import RestoreBridge
-from offload.connector import OffloadConnector
 from offload.core.restore_job import RestoreJob
-from offload.core.restorer import Restorer, RestoreSettings
+from offload.core.restorer import Restorer
 from offload.core.states import RestoreEnd, RestoreState
 from offload.cost_decider import CostDecider
 from offload.engine_view import OffloadSequence, RestoreOutcome
@@ -27,11 +26,9 @@ from offload.idents import sequence_idents
 from offload.ledger_site import LedgerSite
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
+from offload.store_client import StoreClient
 from offload.vocab import servable_blocks
 
-# A restore whose blocks cannot be reserved yet keeps its lease and retries every step for this
-# long (well inside the lease's TTL), then gives up and recomputes.
-MAX_BLOCK_WAIT_S = 5.0
 # How long one step may wait in all for lookup replies of requests it admits: a share of the
 # previous step's time (the next one's likely length), at least LOOKUP_WAIT_PER_STEP_S and at
 # most the cap; a larger share for a likely hit (its first block is one this engine saved or
@@ -41,9 +38,6 @@ LOOKUP_WAIT_STEP_SHARE = 0.05
 MAX_LOOKUP_WAIT_PER_STEP_S = 0.02
 LIKELY_HIT_WAIT_STEP_SHARE = 0.25
 MAX_LIKELY_HIT_WAIT_PER_STEP_S = 0.05
-# A request waits for a lookup reply at most this long (the store answers in well under a
-# millisecond; a hung store is given up sooner, as soon as its probe is overdue), then recomputes.
-MAX_LOOKUP_WAIT_S = 1.5
 # The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
 # when recomputing its blocks is expected to take longer (and longer than a step, when busy).
 MIN_RESTORE_S = 0.002
@@ -60,10 +54,10 @@ def lookup_wait_budget_s(last_step_s: float, likely_hit: bool = False) -> float:
 class EngineRestores(RestoreBridge):
     """kvengine's ``RestoreBridge`` over the shared restorer (step thread only)."""
 
-    def __init__(self, link: OffloadConnector, site: LedgerSite, block_bytes: int,
+    def __init__(self, client: StoreClient, site: LedgerSite, block_bytes: int,
                  policy: RestorePolicy, saved_keys: SavedKeys, counters: Counter[str],
                  always_restore: bool = False) -> None:
-        self.link = link
+        self.client = client
         self.ledger = site.ledger
         self.block_size = site.block_size
         self.policy = policy
@@ -73,9 +67,7 @@ class EngineRestores(RestoreBridge):
         self.decider = CostDecider(policy, block_bytes, self.block_size, counters,
                                    always_restore)
         self.restorer: Restorer[OffloadSequence] = Restorer(
-            link, site, self.decider, counters,
-            RestoreSettings(max_lookup_wait_s=MAX_LOOKUP_WAIT_S,
-                            max_slot_wait_s=MAX_BLOCK_WAIT_S))
+            client, site, self.decider, counters)  # RestoreSettings's defaults are kvengine's
         self._hit_tokens_by_tier: Counter[str] = Counter()
         self.restores: dict[str, RestoreJob[OffloadSequence]] = {}  # tracked, by request id
         self.prefetched: dict[str, RestoreJob[OffloadSequence]] = {}  # sent on arrival
@@ -150,7 +142,7 @@ class EngineRestores(RestoreBridge):
         """Send the lookup of blocks ``first..`` (None: not worth asking, or no store)."""
         bs = self.block_size
         last = servable_blocks(seq.num_tokens, bs)
-        if first >= last or not self.link.available:
+        if first >= last or not self.client.available:
             return None
         # Not worth a round trip when even an instant load of every block asked for would lose
         # to recomputing them (a lookup reply may also cost a bounded wait in the step).

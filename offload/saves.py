@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from offload.connector import OffloadConnector
 from offload.core.save_job import SaveJob
 from offload.core.saver import Saver
 from offload.engine_view import OffloadSequence
 from offload.idents import sequence_idents
 from offload.ledger_site import LedgerSite
 from offload.saved_keys import SavedKeys
+from offload.store_client import StoreClient
 from offload.vocab import ident_from_bytes
 
 # Saves of at most this many blocks per request keep each round trip short.
@@ -27,12 +27,12 @@ SAVE_BATCH = 64
 class EngineSaves:
     """Picks kvengine's blocks to save and remembers what the store holds (step thread)."""
 
-    def __init__(self, link: OffloadConnector, site: LedgerSite, saved_keys: SavedKeys,
+    def __init__(self, client: StoreClient, site: LedgerSite, saved_keys: SavedKeys,
                  counters: Counter[str]) -> None:
         self.ledger = site.ledger
         self.block_size = site.block_size
         self.saved_keys = saved_keys
-        self.saver = Saver(link, site, counters)
+        self.saver = Saver(client, site, counters)
 
     def save_new_blocks(self, seq: OffloadSequence) -> None:
         """Write-through: pin the sequence's full blocks computed since its last save."""

@@ -1,6 +1,6 @@
 """One store request as the step loop sees it: a handle that is polled, never waited on long.
 
-A request is queued for the store link's thread, which sends it (``attach``) or gives it up
+A request is queued for the link thread (``LinkThread``), which sends it (``attach``) or gives it up
 (``abandon``: not connected, queue closed). Either way the handle completes exactly once:
 with the daemon's reply (``ok``), with an error reply, or with the caller's fallback when the
 daemon is gone or the deadline passed. ``answered`` says whether the daemon replied at all: after

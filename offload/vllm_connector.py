@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from offload.connector import OffloadConnector
+from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
 from offload.vllm.block_mover import BlockMover
 from offload.vllm.kv_tensors import make_mover
@@ -147,14 +147,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._reported: Counter[str] = Counter()
         if role == KVConnectorRole.SCHEDULER:
             self._recompute_failed_loads()
-            # The scheduler side only looks up: a link without a registration. The worker's
-            # link (with vLLM's KV memory) is made in register_kv_caches.
-            store = OffloadConnector(self.settings.kv_store_socket, None,
-                                     f"vllm-scheduler-{os.getpid()}",
-                                     self.settings.load_timeout_s,
-                                     self.settings.retry_interval_s)
+            # The scheduler side only looks up: a store client without a registration. The
+            # worker's (with vLLM's KV memory) is made in register_kv_caches.
+            client = StoreClient(self.settings.kv_store_socket, None,
+                                 f"vllm-scheduler-{os.getpid()}",
+                                 self.settings.load_timeout_s,
+                                 self.settings.retry_interval_s)
             config = self._kv_transfer_config
-            self._scheduler = SchedulerSide(self.keys, store, self.settings.load_blocks,
+            self._scheduler = SchedulerSide(self.keys, client, self.settings.load_blocks,
                                             self.settings.lookup_timeout_s, self._num_shards,
                                             loads=config.is_kv_consumer,
                                             saves=config.is_kv_producer)
@@ -365,16 +365,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreConnectorStats(data=delta) if delta else None
 
     def _counters(self) -> Counter[str]:
-        """The worker's counters, or the scheduler's under ``scheduler_``; their links'
+        """The worker's counters, or the scheduler's under ``scheduler_``; their store clients'
         (requests, connects, probes, store_hung...) under ``link_`` / ``scheduler_link_``."""
         out: Counter[str] = Counter()
         if self._worker is not None:
             out.update(self._worker.counters)
-            out.update({f"link_{k}": v for k, v in self._worker.store.counters.items()})
+            out.update({f"link_{k}": v for k, v in self._worker.client.counters.items()})
         if self._scheduler is not None:
             out.update({f"scheduler_{k}": v for k, v in self._scheduler.counters.items()})
             out.update({f"scheduler_link_{k}": v
-                        for k, v in self._scheduler.store.counters.items()})
+                        for k, v in self._scheduler.client.counters.items()})
         return out
 
     @classmethod
@@ -395,4 +395,4 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._worker.drain(2.0)
             self._worker.close()
         if self._scheduler is not None:
-            self._scheduler.store.close()
+            self._scheduler.client.close()

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):
     """Counters for one interval: the workers' (blocks loaded, saved, failed..., summed over
-    workers) and the scheduler's (``scheduler_*``), each with its store link's."""
+    workers) and the scheduler's (``scheduler_*``), each with its store client's."""
 
     def reset(self) -> None:
         self.data = {}

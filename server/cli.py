@@ -32,9 +32,9 @@ from server.serve_args import add_serve_arguments, tool_settings
 from server.vllm_flags import add_vllm_flags
 from server.vllm_flags import notes as vllm_flag_notes
 
-# The GIL switch interval (Python's: 5 ms): the store link's threads wait for the GIL up to this
-# long beside the busy step thread, and a late lookup reply costs a restore whole steps
-# (docs/measurements.md).
+# The GIL switch interval (Python's: 5 ms): the link thread and the client's reader wait for the
+# GIL up to this long beside the busy step thread, and a late lookup reply costs a restore whole
+# steps (docs/measurements.md).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 ENV_PREFIX = "KVENGINE_"  # KVENGINE_MAX_MODEL_LEN=4096 is --max-model-len 4096
 _BANNER = logging.getLogger(BANNER_LOGGER)  # the start-up lines: configure_logging sets it up

@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvstore import StoreState
 from server.engine_protocol import ServedEngine, kv_store_state, offload_stats
 
 P = "kvengine:"  # series vLLM has no name for
@@ -170,7 +171,7 @@ class EngineCollector:
         if state is not None:
             yield from self._gauge(P + "kv_store_up", "1 while the kvstore daemon answers, 0 while "
                                    "it is hung or down (the engine then recomputes).",
-                                   1.0 if state == "ok" else 0.0)
+                                   1.0 if state is StoreState.OK else 0.0)
 
     def _restore_estimates(self, policy: Any) -> Iterator[Metric]:
         """The cost-aware restore policy's estimates now, and those of the last restore it

@@ -16,10 +16,8 @@ import asyncio
 import contextlib
 import enum
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
@@ -49,9 +47,6 @@ class UpstreamEngine:
     in_flight_at_probe: int = 0
     queued_tokens: int = 0  # prompt tokens the router sent it and has not seen answered
     costs: EngineCosts = field(default_factory=EngineCosts)  # as its last /load measured them
-    last_error: str = ""
-    last_probe: float = 0.0  # time.monotonic() of the last probe's answer (or failure)
-    extra: dict[str, Any] = field(default_factory=dict)  # the rest of its last /load
 
     @property
     def load(self) -> int:
@@ -100,7 +95,6 @@ class EnginePool:
             logger.warning("engine %s is down (%s); skipped until it answers a probe",
                            engine.url, reason)
         engine.state = EngineState.DOWN
-        engine.last_error = reason
 
     # ---- probing ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,19 +133,15 @@ class EnginePool:
             alive = bool(report["alive"])
             load = int(report["num_in_flight"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            engine.last_probe = time.monotonic()
             self.mark_down(engine, f"probe failed: {type(exc).__name__}: {exc}")
             return
-        engine.last_probe = time.monotonic()
         engine.engine_id = str(report["engine_id"])
         engine.identity = identity
         engine.costs = EngineCosts.from_report(report.get("costs"))
         engine.reported_load, engine.in_flight_at_probe = load, engine.in_flight
-        engine.extra = report
         if not alive:
             self.mark_down(engine, "its step loop is not running")
             return
         if engine.state is not EngineState.READY:
             logger.info("engine %s is ready (engine_id %s)", engine.url, engine.engine_id)
         engine.state = EngineState.READY
-        engine.last_error = ""

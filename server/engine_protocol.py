@@ -10,12 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
-from offload.store_link import StoreState
+from kvstore import StoreState
 
 if TYPE_CHECKING:
     from engine import SamplingParams
-
-KV_STORE_STATES = tuple(s.value for s in StoreState)  # the offload layer's `store_state`
 
 
 class PromptCodec(Protocol):
@@ -116,7 +114,7 @@ class EngineOutput(Protocol):
 
 
 class OffloadStats(TypedDict, total=False):
-    """The engine's `--kv-offload` counters; `store_state` is one of KV_STORE_STATES where the
+    """The engine's `--kv-offload` counters; `store_state` is a `StoreState` value where the
     offload layer reports it. Other keys are counters (ints) or nested dicts of them."""
 
     store_state: str
@@ -196,13 +194,17 @@ def offload_stats(snapshot: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return offload if isinstance(offload, Mapping) else None
 
 
-def kv_store_state(snapshot: Mapping[str, Any]) -> str | None:
-    """The store's state ("ok", "hung", "down") as the offload layer reports it; None without
-    offload or when the offload layer does not report a state."""
+def kv_store_state(snapshot: Mapping[str, Any]) -> StoreState | None:
+    """The store's state (ok, hung or down) as the offload layer reports it; None without
+    offload or when the offload layer does not report a state (or one this server does not
+    know)."""
     offload = offload_stats(snapshot)
     if offload is None:
         return None
     state = offload.get("store_state")
     if state is None and isinstance(offload.get("connector"), Mapping):
         state = offload["connector"].get("store_state")
-    return state if isinstance(state, str) else None
+    try:
+        return StoreState(state)
+    except ValueError:
+        return None

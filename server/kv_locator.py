@@ -1,17 +1,17 @@
 """KVLocator: the router's one connection to the kvstore daemon, asked ``locate`` with a bound.
 
 A daemon that is down, hung (SIGSTOP) or slow costs a request at most ``timeout_s`` and routing
-by load instead, never an error: ``locate`` returns None, the state says why, and the daemon is
-left alone for ``retry_after_s`` (requests in between do not wait at all) before it is asked
-again. The blocking client connects and sends on a few threads of its own; its reader thread
-hands the reply to the event loop, which only awaits.
+by load instead, never an error: ``locate`` returns None, the state (a ``StoreState``, told from
+how the request ended by ``StoreState.after_failure``: no answer within the bound
+is hung) says why, and the daemon is left alone for ``retry_after_s`` (requests in between do
+not wait at all) before it is asked again. The blocking client connects and sends on a few
+threads of its own; its reader thread hands the reply to the event loop, which only awaits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import threading
 import time
@@ -19,18 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvstore import Client, ClientError, DaemonUnavailable, LocateReply, Pending
+from kvstore import Client, ClientError, DaemonUnavailable, LocateReply, Pending, StoreState
 from server.prompt_chain import PromptChain
 
 logger = logging.getLogger("kvengine.router")
-
-
-class StoreState(str, enum.Enum):
-    UNKNOWN = "unknown"  # not asked yet
-    OK = "ok"
-    DOWN = "down"  # not reachable, or it closed the connection
-    HUNG = "hung"  # no answer within the bound
-    REFUSED = "refused"  # it answered an error (a daemon without `locate`): asked again anyway
 
 
 class KVLocator:
@@ -69,8 +61,7 @@ class KVLocator:
         try:
             outcome = await asyncio.wait_for(answer, self.timeout_s)
         except asyncio.TimeoutError:
-            self._failed(StoreState.HUNG, None)
-            return None
+            outcome = TimeoutError("no answer in time")
         return self._read(outcome)
 
     def _send(self, chain: PromptChain,
@@ -90,16 +81,14 @@ class KVLocator:
             if isinstance(outcome, BaseException):
                 raise outcome
             reply = outcome.wait(0)
-        except TimeoutError as exc:  # RequestTimeout: the daemon did not answer in time
-            self._failed(StoreState.HUNG, exc)
-            return None
-        except (DaemonUnavailable, OSError) as exc:
-            self._failed(StoreState.DOWN, exc)
-            return None
-        except ClientError as exc:  # answered, quickly: no reason to stop asking
-            if self.state is not StoreState.REFUSED:
-                logger.warning("kvstore daemon refused locate (%s); routing by load", exc)
-            self.state = StoreState.REFUSED
+        except (ClientError, DaemonUnavailable, OSError) as exc:  # TimeoutError among them
+            state = StoreState.after_failure(exc)
+            if state is StoreState.REFUSED:  # answered, quickly: no reason to stop asking
+                if self.state is not state:
+                    logger.warning("kvstore daemon refused locate (%s); routing by load", exc)
+                self.state = state
+            else:
+                self._failed(state, exc)
             return None
         self.state = StoreState.OK
         return reply
@@ -111,14 +100,14 @@ class KVLocator:
                 client = self._client = Client(self.socket_path, timeout_s=self.timeout_s)
             return client
 
-    def _failed(self, state: StoreState, exc: BaseException | None) -> None:
+    def _failed(self, state: StoreState, exc: BaseException) -> None:
         """Skip the daemon for a while; a hung or broken connection is dropped (its waiters
         fail at once) and made anew on the next try."""
         with self._lock:
             if self.state is not state:
                 logger.warning("kvstore daemon at %s: %s (%s); routing by load for %.1f s",
-                               self.socket_path or "the default socket", state.value,
-                               exc or "no answer in time", self.retry_after_s)
+                               self.socket_path or "the default socket", state.value, exc,
+                               self.retry_after_s)
             self.state = state
             self._skip_until = time.monotonic() + self.retry_after_s
             client, self._client = self._client, None

@@ -65,14 +65,14 @@ class RequestRouter:
         identity = self.pool.identity()
         self.metrics.routed(route, identity.block_size if identity is not None else 0,
                             time.perf_counter() - start)
-        return self.pool.engines[route.name], route
+        return self.pool.engines[route.url], route
 
     def least_loaded(self, exclude: Collection[str] = ()) -> UpstreamEngine | None:
         """A ready engine not in ``exclude`` with the fewest requests in flight, or None."""
         ready = [e for e in self.pool.ready() if e.url not in exclude]
         if not ready:
             return None
-        return self.pool.engines[self.policy.least_loaded([e.candidate() for e in ready]).name]
+        return self.pool.engines[self.policy.least_loaded([e.candidate() for e in ready]).url]
 
     async def _choose(self, ready: list[UpstreamEngine], kind: str, body: bytes,
                       key_salt: str) -> Route:
@@ -109,7 +109,7 @@ class RequestRouter:
         placement = Placement(len(token_ids), identity.block_size, reply.num_dram,
                               reply.num_stored)
         route = self.policy.choose(candidates, placement, key_salt)
-        self.routed.mark(route.name, hashes)  # a burst sees it before the daemon does
+        self.routed.mark(route.url, hashes)  # a burst sees it before the daemon does
         if route_log.isEnabledFor(logging.DEBUG):
             route_log.debug("%s%s", ROUTE_LOG_PREFIX, _decision(candidates, placement, route))
         return route
@@ -142,11 +142,11 @@ class RequestRouter:
 def _decision(candidates: list, placement: Placement, route: Route) -> str:
     """A routing decision as one JSON line (see ``route_log``)."""
     return json.dumps({
-        "t": time.time(), "chosen": route.name, "reason": route.reason.value,
+        "t": time.time(), "chosen": route.url, "reason": route.reason.value,
         "estimate_s": route.estimate_s, "compute_tokens": route.compute_tokens,
         "tokens": placement.num_tokens, "dram": placement.num_dram,
         "stored": placement.num_stored,
-        "candidates": [{"name": c.name, "load": c.load, "hbm": c.num_hbm,
+        "candidates": [{"name": c.url, "load": c.load, "hbm": c.num_hbm,
                         "queued": c.queued_tokens,
                         "prefill_s_per_token": c.costs.prefill_s_per_token,
                         "measured": c.costs.prefill_measured} for c in candidates]})

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvstore import StoreState
 from kvstore.cli_args import package_version
 from server.auth import KEY_SALT_SCOPE, APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.engine_pool import EnginePool
 from server.errors import error_response, install_error_handlers
-from server.kv_locator import KVLocator, StoreState
+from server.kv_locator import KVLocator
 from server.request_router import CHAT, COMPLETION, RequestRouter
 from server.router_metrics import CONTENT_TYPE
 from server.router_proxy import RouterProxy

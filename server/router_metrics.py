@@ -11,8 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvstore import StoreState
 from server.engine_pool import EnginePool, EngineState
-from server.kv_locator import StoreState
 from server.routing import Route, RouteReason
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -75,7 +75,7 @@ class RouterMetrics:
             self._upstream_errors.labels(url)
 
     def routed(self, route: Route, block_size: int, seconds: float) -> None:
-        self._routed.labels(route.reason.value, route.name).inc()
+        self._routed.labels(route.reason.value, route.url).inc()
         self._expected.labels(route.reason.value).observe(route.expected_hit_blocks * block_size)
         self._route.observe(seconds)
 

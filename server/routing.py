@@ -82,10 +82,11 @@ class EngineCosts:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A ready engine as the policy sees it: requests in flight, prefill tokens the router sent
-    it and has not seen answered, the leading blocks it holds in HBM, its costs."""
+    """A ready engine as the policy sees it: its base URL, requests in flight, prefill tokens
+    the router sent it and has not seen answered, the leading blocks it holds in HBM, its
+    costs."""
 
-    name: str
+    url: str
     load: int
     num_hbm: int = 0
     queued_tokens: int = 0
@@ -106,10 +107,11 @@ class Placement:
 
 @dataclass(frozen=True)
 class Route:
-    """The chosen engine, why, how many leading blocks it is expected to find cached anywhere
-    on the node, the prompt tokens it is expected to compute, and its estimate (seconds)."""
+    """The chosen engine's URL, why, how many leading blocks it is expected to find cached
+    anywhere on the node, the prompt tokens it is expected to compute, and its estimate
+    (seconds)."""
 
-    name: str
+    url: str
     reason: RouteReason
     expected_hit_blocks: int = 0
     compute_tokens: int = 0
@@ -187,12 +189,12 @@ class RoutingPolicy:
         if not candidates:
             raise ValueError("no candidate engine")
         if self.mode == "round-robin":
-            return Route(candidates[self._turn(tenant) % len(candidates)].name,
+            return Route(candidates[self._turn(tenant) % len(candidates)].url,
                          RouteReason.ROUND_ROBIN)
         if self.mode == "least-loaded":
-            return Route(self.least_loaded(candidates, tenant).name, RouteReason.LEAST_LOADED)
+            return Route(self.least_loaded(candidates, tenant).url, RouteReason.LEAST_LOADED)
         if placement is None:
-            return Route(self.least_loaded(candidates, tenant).name, RouteReason.FALLBACK)
+            return Route(self.least_loaded(candidates, tenant).url, RouteReason.FALLBACK)
         return self._cheapest(candidates, placement, tenant)
 
     def _turn(self, tenant: str) -> int:
@@ -231,7 +233,7 @@ class RoutingPolicy:
             reason = RouteReason.HBM_HIT
         else:
             reason = RouteReason.HBM_BUSY
-        return Route(chosen.name, reason, chosen_estimate.cached_blocks,
+        return Route(chosen.url, reason, chosen_estimate.cached_blocks,
                      chosen_estimate.compute_tokens, chosen_estimate.seconds)
 
     def least_loaded(self, candidates: Sequence[Candidate], tenant: str = "") -> Candidate:

@@ -15,27 +15,31 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Generic
 
-from kvstore import Tier
-from offload.connector import OffloadConnector
+from kvstore import StoreState, Tier
 from offload.core.block_site import BlockSite
 from offload.core.decider import RestoreDecider
 from offload.core.quarantine import Quarantine
 from offload.core.restore_job import Owner, RestoreJob
 from offload.core.slots import Reservation
 from offload.core.states import RestoreEnd, RestoreState
-from offload.store_link import StoreState
+from offload.store_client import StoreClient
 
 State, End = RestoreState, RestoreEnd
 
 
 @dataclass(frozen=True)
 class RestoreSettings:
-    """How long a restore may wait on each thing, and the lease it asks for."""
+    """How long a restore may wait on each thing, and the lease it asks for (the defaults are
+    kvengine's; vLLM's worker bounds them all by its load timeout)."""
 
     lease_ttl_s: float = 30.0  # a lease lives this long without its load
-    max_lookup_wait_s: float = 1.5  # an unanswered lookup is given up after this
-    max_slot_wait_s: float = 5.0  # a leased hit waits this long for slots (well inside the TTL)
-    load_deadline_s: float | None = None  # the daemon's deadline for a load (None: the link's)
+    # An unanswered lookup is given up after this and the blocks recomputed (the store answers
+    # in well under a millisecond; a hung one is given up sooner, once its probe is overdue).
+    max_lookup_wait_s: float = 1.5
+    # A leased hit whose slots cannot be reserved yet retries every step for this long (well
+    # inside the TTL), then gives up and recomputes.
+    max_slot_wait_s: float = 5.0
+    load_deadline_s: float | None = None  # the daemon's deadline for a load (None: the client's)
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_s", "max_lookup_wait_s", "max_slot_wait_s"):
@@ -58,11 +62,11 @@ def known_tiers(names: list[str]) -> list[Tier]:
 
 
 class Restorer(Generic[Owner]):
-    """Owns the restores of one engine's link (step thread only)."""
+    """Owns the restores of one engine's store client (step thread only)."""
 
-    def __init__(self, link: OffloadConnector, site: BlockSite[Owner], decider: RestoreDecider,
+    def __init__(self, client: StoreClient, site: BlockSite[Owner], decider: RestoreDecider,
                  counters: Counter[str], settings: RestoreSettings | None = None) -> None:
-        self.link = link
+        self.client = client
         self.site = site
         self.decider = decider
         self.counters = counters
@@ -76,7 +80,7 @@ class Restorer(Generic[Owner]):
                 first_block: int = 0, busy: bool = True) -> RestoreJob[Owner]:
         """Send the lookup of a chain; the job is LOOKING_UP and not started yet (``start``
         it, or ``drop`` it if nobody will use its reply)."""
-        lookup = self.link.lookup(namespace, hashes, idents, self.settings.lease_ttl_s)
+        lookup = self.client.lookup(namespace, hashes, idents, self.settings.lease_ttl_s)
         self.counters["lookups"] += 1
         return RestoreJob(owner, namespace, list(hashes), list(idents), lookup, first_block,
                           busy)
@@ -86,7 +90,7 @@ class Restorer(Generic[Owner]):
         ``poll`` advances it until it ends."""
         if job.over or job in self._jobs:
             raise ValueError(f"restore already {'ended' if job.over else 'started'}")
-        if self.advance(job, self.link.state is StoreState.HUNG):
+        if self.advance(job, self.client.state is StoreState.HUNG):
             return True
         self._jobs.append(job)
         return False
@@ -96,7 +100,7 @@ class Restorer(Generic[Owner]):
         comes (not counted as a restore)."""
         if job.state is not State.LOOKING_UP or job in self._jobs:
             raise ValueError("only an untracked lookup can be dropped")
-        self.link.disown(job.lookup)
+        self.client.disown(job.lookup)
 
     def abort(self, job: RestoreJob[Owner]) -> bool:
         """The owner is gone. True if a load into its slots is still in flight: the job ends
@@ -108,7 +112,7 @@ class Restorer(Generic[Owner]):
             job.aborted = True
             return True
         if job.state is State.LOOKING_UP:
-            self.link.disown(job.lookup)
+            self.client.disown(job.lookup)
         else:
             self._release_lease(job)
         self._end(job, State.GIVEN_UP, End.ABORTED)
@@ -120,11 +124,11 @@ class Restorer(Generic[Owner]):
 
     def poll(self) -> list[RestoreJob[Owner]]:
         """Advance every tracked job once, without waiting; the jobs that ended."""
-        self.link.release_disowned()
+        self.client.release_disowned()
         self.quarantine.poll()
         if not self._jobs:
             return []
-        hung = self.link.state is StoreState.HUNG
+        hung = self.client.state is StoreState.HUNG
         ended = [job for job in self._jobs if self.advance(job, hung)]
         if ended:
             self._jobs = [job for job in self._jobs if not job.over]
@@ -150,10 +154,10 @@ class Restorer(Generic[Owner]):
         lookup = job.lookup
         if not lookup.poll():
             if hung:
-                self.link.disown(lookup)
+                self.client.disown(lookup)
                 self._end(job, State.GIVEN_UP, End.STORE_HUNG)
             elif now - lookup.started_at > self.settings.max_lookup_wait_s:
-                self.link.disown(lookup)
+                self.client.disown(lookup)
                 self._end(job, State.GIVEN_UP, End.LOOKUP_TIMEOUT)
             return
         reply = lookup.result if lookup.ok else None
@@ -163,7 +167,7 @@ class Restorer(Generic[Owner]):
         tiers = known_tiers(list(reply.tiers)[:min(int(reply.num_hit), job.num_asked)])
         if not tiers or not reply.lease_id:
             if reply.lease_id:
-                self.link.release(reply.lease_id)
+                self.client.release(reply.lease_id)
             self._end(job, State.GIVEN_UP, End.MISS)
             return
         job.lease_id, job.tiers, job.num_hit = reply.lease_id, tiers, len(tiers)
@@ -174,11 +178,11 @@ class Restorer(Generic[Owner]):
 
     def _reserve_and_load(self, job: RestoreJob[Owner], now: float) -> None:
         """LEASED/WAITING_FOR_SLOTS -> LOADING, WAITING_FOR_SLOTS, or GIVEN_UP."""
-        if job.lease_epoch != self.link.registration_epoch:
+        if job.lease_epoch != self.client.registration_epoch:
             self._end(job, State.GIVEN_UP, End.RECONNECTED)  # the lease died with its connection
             return
         # Not registered right now (a probe or a reconnect on its way): wait like for slots.
-        got = self.site.reserve(job) if self.link.available else Reservation.WAIT
+        got = self.site.reserve(job) if self.client.available else Reservation.WAIT
         if got is Reservation.REFUSE:
             self._release_lease(job)
             self._end(job, State.GIVEN_UP, End.REFUSED)
@@ -195,7 +199,7 @@ class Restorer(Generic[Owner]):
             return
         job.slots = got
         assert job.lease_id is not None
-        job.load = self.link.load(job.lease_id, got.block_ids, self.settings.load_deadline_s,
+        job.load = self.client.load(job.lease_id, got.block_ids, self.settings.load_deadline_s,
                                   epoch=job.lease_epoch)
         self.decider.load_started(job)
         self.counters["loads"] += 1
@@ -233,15 +237,15 @@ class Restorer(Generic[Owner]):
         self._end(job, State.GIVEN_UP, end)
 
     def _release_lease(self, job: RestoreJob[Owner]) -> None:
-        """Give the lease back, if it still belongs to the link's connection."""
-        if job.lease_id is not None and job.lease_epoch == self.link.registration_epoch:
-            self.link.release(job.lease_id)
+        """Give the lease back, if it still belongs to the client's connection."""
+        if job.lease_id is not None and job.lease_epoch == self.client.registration_epoch:
+            self.client.release(job.lease_id)
 
     def _release_lease_later(self, job: RestoreJob[Owner]) -> None:
         """Give the lease back once the store answers again (a release sent to a hung store
         would be dropped, and the lease would pin its blocks until its TTL)."""
-        if job.lease_id is not None and job.lease_epoch == self.link.registration_epoch:
-            self.link.disown(job.lookup)
+        if job.lease_id is not None and job.lease_epoch == self.client.registration_epoch:
+            self.client.disown(job.lookup)
 
     def _end(self, job: RestoreJob[Owner], state: RestoreState, end: RestoreEnd) -> None:
         job.to(state, end)

@@ -14,25 +14,25 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from offload.connector import OffloadConnector
+from kvstore import StoreState
 from offload.core.block_site import BlockSite
 from offload.core.save_job import SaveJob
 from offload.core.states import SaveOutcome, SaveState
-from offload.store_link import StoreState
+from offload.store_client import StoreClient
 
 _COUNTER = {SaveOutcome.SAVED: "blocks_saved", SaveOutcome.DUPLICATE: "blocks_save_duplicate",
             SaveOutcome.FAILED: "blocks_save_failed"}
 
 
 class Saver:
-    """Owns the saves of one engine's link, pinned or in flight (step thread only)."""
+    """Owns the saves of one engine's store client, pinned or in flight (step thread only)."""
 
-    def __init__(self, link: OffloadConnector, site: BlockSite, counters: Counter[str],
+    def __init__(self, client: StoreClient, site: BlockSite, counters: Counter[str],
                  deadline_s: float | None = None) -> None:
-        self.link = link
+        self.client = client
         self.site = site
         self.counters = counters
-        self.deadline_s = deadline_s  # the daemon's deadline for a save (None: the link's)
+        self.deadline_s = deadline_s  # the daemon's deadline for a save (None: the client's)
         self.pinned: list[SaveJob] = []
         self.in_flight: list[SaveJob] = []
 
@@ -44,10 +44,10 @@ class Saver:
         if not len(block_ids) == len(hashes) == len(idents):
             raise ValueError(f"{len(block_ids)} block ids, {len(hashes)} hashes, "
                              f"{len(idents)} idents")
-        if not self.link.available:
+        if not self.client.available:
             self.counters["blocks_save_skipped_unavailable"] += len(block_ids)
             return None
-        epoch = self.link.registration_epoch  # before the slots: they belong to this one
+        epoch = self.client.registration_epoch  # before the slots: they belong to this one
         slots = self.site.pin_for_save(list(block_ids))
         if slots is None:
             self.counters["blocks_save_skipped_no_room"] += len(block_ids)
@@ -64,10 +64,10 @@ class Saver:
             if job.ready is not None and not job.ready():
                 self.pinned.append(job)
                 continue
-            if not self.link.available:  # gone since: nothing would land
+            if not self.client.available:  # gone since: nothing would land
                 self._drop(job)
                 continue
-            job.call = self.link.save(job.namespace, job.slots.block_ids, job.hashes,
+            job.call = self.client.save(job.namespace, job.slots.block_ids, job.hashes,
                                       job.idents, self.deadline_s, epoch=job.epoch)
             job.to(SaveState.SENT)
             self.counters["saves"] += 1
@@ -108,7 +108,7 @@ class Saver:
         deadline = time.monotonic() + timeout_s
         ended = self.poll()
         for job in jobs:
-            while (not job.over and self.link.state is not StoreState.HUNG
+            while (not job.over and self.client.state is not StoreState.HUNG
                    and time.monotonic() < deadline):
                 if job.state is SaveState.PINNED:
                     self.send_pinned()

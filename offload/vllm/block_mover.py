@@ -32,10 +32,6 @@ class BlockMover(BlockSite[BlockTransfer]):
 
     meta: dict  # what the registration's meta says (num_layers, tensor_layout...)
 
-    #: True when the daemon reads vLLM's own blocks: a save must finish before vLLM may reuse
-    #: them, so the worker waits for it (bounded) in ``wait_for_save``.
-    saves_read_engine_blocks: bool = False
-
     #: The most blocks one save request carries. Staged movers copy into a bounded buffer per
     #: save: short requests. A direct mover's save is the daemon's batched copy of vLLM's own
     #: blocks: one request per step and vLLM request, up to this bound (many short requests in
@@ -91,7 +87,6 @@ class BlockMover(BlockSite[BlockTransfer]):
 class DirectMover(BlockMover):
     """The daemon copies vLLM's blocks itself (CUDA IPC regions built by the caller)."""
 
-    saves_read_engine_blocks = True
     max_save_blocks = 1024
 
     def __init__(self, layout: KVLayout) -> None:

@@ -1,7 +1,7 @@
 """The scheduler half of the connector: ask the store, plan loads, plan write-through saves.
 
-``match`` asks the daemon (a lookup without a lease, through ``OffloadConnector``: bounded by
-``lookup_timeout_s``, and given up at once while the link finds the daemon hung) how many of a
+``match`` asks the daemon (a lookup without a lease, through ``StoreClient``: bounded by
+``lookup_timeout_s``, and given up at once while the client finds the daemon hung) how many of a
 request's blocks past vLLM's own prefix hit the store holds; the worker takes the lease when it
 loads (a lease belongs to the connection that took it). ``after_alloc`` turns a hit into a load of
 the blocks vLLM reserved; ``plan_step`` adds the full blocks each scheduled request completes this
@@ -26,8 +26,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore import StoreState
 from kvstore.keys import servable_blocks, shard_namespace
-from offload.connector import OffloadConnector
+from offload.store_client import StoreClient
 from offload.transfer import Transfer
 from offload.vllm.block_events import BlockEvents, BlockInfo
 from offload.vllm.block_keys import KeyMaker, RequestKeys
@@ -72,10 +73,10 @@ class ScheduledRequest:
 class SchedulerSide:
     """Owns the scheduler's requests, its lookups and the load budget."""
 
-    def __init__(self, keys: KeyMaker, store: OffloadConnector, max_load_blocks: int,
+    def __init__(self, keys: KeyMaker, client: StoreClient, max_load_blocks: int,
                  lookup_timeout_s: float, num_shards: int = 1, loads: bool = True,
                  saves: bool = True) -> None:
-        """``store``: a connector without a layout (this side only looks up); ``num_shards``:
+        """``client``: a store client without a layout (this side only looks up); ``num_shards``:
         the engine's tensor-parallel ranks, each storing its own shard of every block;
         ``loads``/``saves``: whether this instance takes hits / stores what it computes."""
         if max_load_blocks <= 0:
@@ -87,7 +88,7 @@ class SchedulerSide:
         self.num_shards = num_shards
         self.loads, self.saves = loads, saves
         self.keys = keys
-        self.store = store
+        self.client = client
         self.block_size = keys.block_size
         self.max_load_blocks = max_load_blocks
         self.lookup_timeout_s = lookup_timeout_s
@@ -128,7 +129,7 @@ class SchedulerSide:
         keys = self.keys.keys(token_ids, cache_salt, lora_id, num_blocks=last)
         hashes, idents = keys.hashes[first:last], keys.idents[first:last]
         self.counters["lookups"] += 1
-        lookups = [self.store.lookup(shard_namespace(keys.namespace, shard, self.num_shards),
+        lookups = [self.client.lookup(shard_namespace(keys.namespace, shard, self.num_shards),
                                      hashes, idents, lease_ttl_s=0)
                    for shard in range(self.num_shards)]
         if not self._wait(lookups) or any(lookup.result is None for lookup in lookups):
@@ -147,12 +148,12 @@ class SchedulerSide:
 
     def _wait(self, lookups: list[Transfer]) -> bool:
         """Wait for the replies (the request waits in the scheduler meanwhile) at most
-        ``lookup_timeout_s`` together, and not at all once the link finds the daemon hung, as
+        ``lookup_timeout_s`` together, and not at all once the client finds the daemon hung, as
         kvengine's restores do; an unanswered lookup is a miss (it holds no lease)."""
         deadline = time.monotonic() + self.lookup_timeout_s
         for lookup in lookups:
             while not lookup.wait(min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline or self.store.live_state == "hung":
+                if time.monotonic() >= deadline or self.client.live_state is StoreState.HUNG:
                     self.counters["lookups_unanswered"] += 1
                     return False
         return True

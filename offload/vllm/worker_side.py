@@ -1,6 +1,6 @@
 """The worker half of the connector: vLLM's step plan turned into the core's restores and saves.
 
-The daemon is reached through ``OffloadConnector`` (a thread owns the connection; registration,
+The daemon is reached through ``StoreClient`` (a thread owns the connection; registration,
 reconnects and the health probes that find a hung daemon happen there, never in a vLLM step).
 Loads are restores of the shared core (``offload.core.Restorer``) into the block mover (this
 engine's ``BlockSite``), advanced by ``poll``, which vLLM calls every step, even steps without a
@@ -25,22 +25,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvstore.keys import shard_namespace
-from offload.connector import OffloadConnector
 from offload.core.decider import Always
 from offload.core.restore_job import RestoreJob
 from offload.core.restorer import Restorer, RestoreSettings
 from offload.core.save_job import SaveJob
 from offload.core.saver import Saver
+from offload.store_client import StoreClient
 from offload.vllm.block_mover import BlockMover
 from offload.vllm.plan import BlockTransfer, StepPlan
 
-# A lease lives at least this long without its load (the load follows within a step or two).
-LEASE_TTL_S = 30.0
 MAX_STORED_REPORTS = 1 << 16
 
 
 class WorkerSide:
-    """Owns the store link of vLLM's KV memory, its restorer and saver, and the worker's
+    """Owns the store client of vLLM's KV memory, its restorer and saver, and the worker's
     counters."""
 
     def __init__(self, socket_path: str | Path | None, mover: BlockMover, engine_id: str,
@@ -57,18 +55,20 @@ class WorkerSide:
         self.counters: Counter[str] = Counter()
         # The mover makes the layout on every (re)connect (a fresh staging buffer on CPU) and
         # lets go of its name once the daemon has answered the registration.
-        self.store = OffloadConnector(socket_path, mover.open, engine_id, load_timeout_s,
-                                      retry_interval_s, connect_wait_s=0.0,
-                                      register_timeout_s=register_timeout_s,
-                                      on_registered=mover.registered)
-        # A load's whole life (lookup, room, copy) is bounded by load_timeout_s.
-        settings = RestoreSettings(lease_ttl_s=max(LEASE_TTL_S, 2 * load_timeout_s),
+        self.client = StoreClient(socket_path, mover.open, engine_id, load_timeout_s,
+                                  retry_interval_s, connect_wait_s=0.0,
+                                  register_timeout_s=register_timeout_s,
+                                  on_registered=mover.registered)
+        # A load's whole life (lookup, room, copy) is bounded by load_timeout_s; its lease
+        # lives at least the default TTL (the load follows within a step or two).
+        settings = RestoreSettings(lease_ttl_s=max(RestoreSettings().lease_ttl_s,
+                                                   2 * load_timeout_s),
                                    max_lookup_wait_s=load_timeout_s,
                                    max_slot_wait_s=load_timeout_s,
                                    load_deadline_s=load_timeout_s)
-        self.restorer: Restorer[BlockTransfer] = Restorer(self.store, mover, Always(),
+        self.restorer: Restorer[BlockTransfer] = Restorer(self.client, mover, Always(),
                                                           self.counters, settings)
-        self.saver = Saver(self.store, mover, self.counters, save_timeout_s)
+        self.saver = Saver(self.client, mover, self.counters, save_timeout_s)
         self._finished: set[str] = set()
         self._failed_block_ids: set[int] = set()
         self._save_jobs: dict[str, list[SaveJob]] = {}  # by request: pinned or in flight
@@ -81,12 +81,12 @@ class WorkerSide:
     def ready(self) -> bool:
         """Registered and answering (not connected: a reconnect is asked for, off this
         thread)."""
-        return self.store.available
+        return self.client.available
 
     def connect(self, wait_s: float = 5.0) -> bool:
         """Wait (at startup, at most ``wait_s``) until registered; a registration still in
         flight then finishes on the link's thread."""
-        return self.store.wait_available(wait_s)
+        return self.client.wait_available(wait_s)
 
     def _namespace(self, namespace: bytes) -> bytes:
         """This rank's namespace for a plan's (the plan's own with one rank)."""
@@ -106,7 +106,7 @@ class WorkerSide:
         failed to load) since the last call."""
         # Every step (vLLM calls this even in steps without a forward) asks for a reconnect
         # after an outage, so the store is back before the next save needs it.
-        self.store.keep_connected()
+        self.client.keep_connected()
         for job in self.restorer.poll():
             self._report(job)
         self.pump_saves()
@@ -191,5 +191,5 @@ class WorkerSide:
             self.poll()
 
     def close(self) -> None:
-        self.store.close()
+        self.client.close()
         self.mover.close()

@@ -42,9 +42,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
     from fastapi.testclient import TestClient
 
     from engine import EngineConfig, LLMEngine
+    from kvstore import StoreState
     from server.app import build_app
     from server.engine_pool import EnginePool
-    from server.kv_locator import StoreState
     from server.router_metrics import RouterMetrics
 
     work = tmp_path_factory.mktemp("grafana")

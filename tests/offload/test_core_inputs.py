@@ -9,11 +9,11 @@ import pytest
 
 from engine.block_manager import BlockManager
 from kvstore import Tier
-from offload.connector import OffloadConnector
 from offload.core.restorer import RestoreSettings, known_tiers
 from offload.core.saver import Saver
 from offload.core.states import SaveOutcome
 from offload.ledger_site import LedgerSite
+from offload.store_client import StoreClient
 
 
 def test_settings_are_checked_once() -> None:
@@ -40,10 +40,10 @@ def test_an_unknown_save_outcome_counts_as_failed() -> None:
 
 def test_a_save_whose_lists_disagree_is_refused_before_pinning(tmp_path) -> None:
     ledger = BlockManager(8, 16)
-    link = OffloadConnector(tmp_path / "no-daemon.sock", None, "core-inputs", 1.0, 1.0,
-                            connect_wait_s=0.0)
+    client = StoreClient(tmp_path / "no-daemon.sock", None, "core-inputs", 1.0, 1.0,
+                         connect_wait_s=0.0)
     try:
-        saver = Saver(link, LedgerSite(ledger, Counter()), Counter())
+        saver = Saver(client, LedgerSite(ledger, Counter()), Counter())
         with pytest.raises(ValueError, match="2 block ids, 1 hashes"):
             saver.pin(b"n" * 16, [0, 1], [b"h" * 16], [b"i", b"j"])
         assert ledger.num_free_blocks == 8 and not saver.pinned  # nothing was pinned
@@ -52,4 +52,4 @@ def test_a_save_whose_lists_disagree_is_refused_before_pinning(tmp_path) -> None
         assert saver.counters["blocks_save_skipped_unavailable"] == 1
         assert ledger.num_free_blocks == 8
     finally:
-        link.close()
+        client.close()

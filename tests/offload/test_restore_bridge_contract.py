@@ -23,7 +23,7 @@ from support.arena import ShmArena
 from engine.block_manager import BlockManager
 from kvstore import Client
 from offload.bridge import RestoreBridge, StoreBridge
-from offload.connector import OffloadConnector
+from offload.store_client import StoreClient
 from offload.engine_store import EngineStore, OffloadPolicy
 from offload.engine_view import RestoreOutcome
 from offload.idents import sequence_idents
@@ -66,12 +66,12 @@ class Bridge:
     """One bridge as the scheduler holds it, with what the tests ask of its world."""
 
     def __init__(self, bridge: StoreBridge, socket_path=None, arena: ShmArena | None = None,
-                 link: OffloadConnector | None = None) -> None:
+                 client: StoreClient | None = None) -> None:
         self.bridge = bridge
         self.restores: RestoreBridge = bridge.restores
         self.socket_path = socket_path
         self._arena = arena
-        self._link = link
+        self._client = client
 
     @property
     def has_store(self) -> bool:
@@ -111,12 +111,12 @@ def side(request, make_daemon) -> Iterator[Bridge]:
     else:
         daemon = make_daemon(dram="16MiB")
         arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
-        link = OffloadConnector(daemon.socket_path, arena.layout, "bridge-contract", 3.0, 0.5)
-        assert link.wait_available(5.0)
-        bridge = EngineStore(link, BlockManager(NUM_BLOCKS, BLOCK_SIZE), BLOCK_BYTES,
+        client = StoreClient(daemon.socket_path, arena.layout, "bridge-contract", 3.0, 0.5)
+        assert client.wait_available(5.0)
+        bridge = EngineStore(client, BlockManager(NUM_BLOCKS, BLOCK_SIZE), BLOCK_BYTES,
                              OffloadPolicy.WRITE_THROUGH, RestorePolicy({"dram": 1e9}, 1e3),
                              always_restore=True)
-        made = Bridge(bridge, daemon.socket_path, arena, link)
+        made = Bridge(bridge, daemon.socket_path, arena, client)
     yield made
     made.close()
 

@@ -21,8 +21,7 @@ from daemon_helpers import wait_until
 from support.arena import ShmArena
 
 from engine.block_manager import BlockManager
-from kvstore import Client
-from offload.connector import OffloadConnector
+from kvstore import Client, StoreState
 from offload.core.decider import Always
 from offload.core.restore_job import RestoreJob
 from offload.core.restorer import Restorer, RestoreSettings
@@ -32,6 +31,7 @@ from offload.cost_decider import CostDecider
 from offload.idents import sequence_idents
 from offload.ledger_site import LedgerSite
 from offload.restore_policy import RestorePolicy
+from offload.store_client import StoreClient
 from offload.vllm.block_mover import StagedMover
 from offload.vllm.plan import BlockTransfer
 from offload.vllm.tensor_layout import Piece
@@ -52,10 +52,10 @@ def chain_of(name: str, seed: int) -> tuple:
 
 
 class Side:
-    """One engine's site, link and memory, as the contract tests drive them."""
+    """One engine's site, store client and memory, as the contract tests drive them."""
 
     name: str
-    link: OffloadConnector
+    client: StoreClient
     site: object
     counters: Counter
 
@@ -83,7 +83,7 @@ class Side:
         raise NotImplementedError
 
     def close(self) -> None:
-        self.link.close()
+        self.client.close()
 
 
 class KvengineSide(Side):
@@ -91,8 +91,8 @@ class KvengineSide(Side):
 
     def __init__(self, socket_path) -> None:
         self.arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
-        self.link = OffloadConnector(socket_path, self.arena.layout, "contract-kvengine",
-                                     TIMEOUT_S, 0.5)
+        self.client = StoreClient(socket_path, self.arena.layout, "contract-kvengine",
+                                  TIMEOUT_S, 0.5)
         self.ledger = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
         self.counters = Counter()
         self.site = LedgerSite(self.ledger, self.counters)
@@ -134,8 +134,8 @@ class VllmSide(Side):
         self.memory = np.zeros(NUM_BLOCKS * BLOCK_BYTES, np.uint8)  # one layer, one piece
         self.mover = StagedMover([self.memory], [[Piece(0, BLOCK_BYTES, BLOCK_BYTES)]],
                                  NUM_BLOCKS, CHAIN + 2, "uint8", {"engine": "contract"})
-        self.link = OffloadConnector(socket_path, self.mover.open, "contract-vllm", TIMEOUT_S,
-                                     0.5, on_registered=self.mover.registered)
+        self.client = StoreClient(socket_path, self.mover.open, "contract-vllm", TIMEOUT_S,
+                                  0.5, on_registered=self.mover.registered)
         self.counters = Counter()
         self.site = self.mover
 
@@ -207,13 +207,13 @@ def daemon(make_daemon):
 @pytest.fixture(params=["kvengine", "vllm"])
 def side(request, daemon) -> Iterator[Side]:
     made = (KvengineSide if request.param == "kvengine" else VllmSide)(daemon.socket_path)
-    assert made.link.wait_available(5.0)
+    assert made.client.wait_available(5.0)
     yield made
     made.close()
 
 
 def restorer(side: Side, decider=None, **settings) -> Restorer:
-    return Restorer(side.link, side.site, decider or Always(), side.counters,
+    return Restorer(side.client, side.site, decider or Always(), side.counters,
                     RestoreSettings(**settings) if settings else None)
 
 
@@ -368,7 +368,7 @@ def test_waiting_for_slots_to_given_up_when_the_store_hangs(side, daemon) -> Non
         assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
         daemon.proc.send_signal(signal.SIGSTOP)
     try:
-        assert wait_until(lambda: side.link.live_state == "hung", 5.0)
+        assert wait_until(lambda: side.client.live_state is StoreState.HUNG, 5.0)
         started = time.monotonic()
         run_polled(r, job)
         assert (job.state, job.end) == (RestoreState.GIVEN_UP, RestoreEnd.STORE_HUNG)
@@ -386,9 +386,9 @@ def test_leased_to_given_up_when_the_lease_was_another_connections(side, daemon)
     with side.full():
         r.start(job)
         assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
-        epoch = side.link.registration_epoch
-        side.link._link.want_drop()  # the connection is lost (and made again)
-        assert wait_until(lambda: side.link.registration_epoch > epoch and side.link.available)
+        epoch = side.client.registration_epoch
+        side.client._thread.want_drop()  # the connection is lost (and made again)
+        assert wait_until(lambda: side.client.registration_epoch > epoch and side.client.available)
     run_polled(r, job)
     assert (job.state, job.end) == (RestoreState.GIVEN_UP, RestoreEnd.RECONNECTED)
 
@@ -420,7 +420,7 @@ def test_a_refused_reservation_gives_up_and_releases_the_lease(daemon) -> None:
     """Only kvengine's site refuses: its HBM prefix changed since the lookup was sent."""
     side = KvengineSide(daemon.socket_path)
     try:
-        assert side.link.wait_available(5.0)
+        assert side.client.wait_available(5.0)
         store_chain(daemon.socket_path, 13)
         r = restorer(side)
         owner, namespace, hashes, idents = side.request("a", 13)
@@ -444,7 +444,7 @@ def test_illegal_transitions_are_refused(side, daemon) -> None:
 
 
 def test_pinned_sent_ended_saved_then_duplicate(side, daemon) -> None:
-    saver = Saver(side.link, side.site, side.counters)
+    saver = Saver(side.client, side.site, side.counters)
     ids, hashes, idents, namespace = side.save_blocks(20)
     free = side.num_free()
     job = saver.pin(namespace, ids, hashes, idents)
@@ -465,13 +465,13 @@ def test_pinned_sent_ended_saved_then_duplicate(side, daemon) -> None:
 
 
 def test_pinned_to_dropped_when_the_store_is_gone_before_sending(side, daemon) -> None:
-    saver = Saver(side.link, side.site, side.counters)
+    saver = Saver(side.client, side.site, side.counters)
     ids, hashes, idents, namespace = side.save_blocks(21)
     free = side.num_free()
     job = saver.pin(namespace, ids, hashes, idents)
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
-        assert wait_until(lambda: side.link.live_state == "hung", 5.0)
+        assert wait_until(lambda: side.client.live_state is StoreState.HUNG, 5.0)
         saver.send_pinned()
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
@@ -480,13 +480,13 @@ def test_pinned_to_dropped_when_the_store_is_gone_before_sending(side, daemon) -
 
 
 def test_a_save_is_skipped_when_the_site_has_no_room_or_the_store_is_away(side, daemon) -> None:
-    saver = Saver(side.link, side.site, side.counters)
+    saver = Saver(side.client, side.site, side.counters)
     ids, hashes, idents, namespace = side.save_blocks(22)
     if side.name == "vllm":  # staged: a save needs free staging slots
         with side.full():
             assert saver.pin(namespace, ids, hashes, idents) is None
         assert side.counters["blocks_save_skipped_no_room"] == CHAIN
     daemon.stop()
-    assert wait_until(lambda: not side.link.available, 5.0)
+    assert wait_until(lambda: not side.client.available, 5.0)
     assert saver.pin(namespace, ids, hashes, idents) is None
     assert side.counters["blocks_save_skipped_unavailable"] == CHAIN

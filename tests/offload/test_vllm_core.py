@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import pytest
 from daemon_helpers import start_daemon, wait_until
 
+from kvstore import StoreState
 from kvstore.keys import shard_namespace
-from offload.connector import OffloadConnector
+from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
@@ -96,8 +97,8 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
                         register_timeout_s=1.0, retry_interval_s=RETRY_S, shard=rank,
                         num_shards=num_ranks)
     assert worker.connect()
-    store = OffloadConnector(socket_path, None, "vllm-test-scheduler", LOAD_TIMEOUT_S, RETRY_S)
-    scheduler = SchedulerSide(KeyMaker(FACTS), store, load_blocks, LOOKUP_TIMEOUT_S, num_ranks,
+    client = StoreClient(socket_path, None, "vllm-test-scheduler", LOAD_TIMEOUT_S, RETRY_S)
+    scheduler = SchedulerSide(KeyMaker(FACTS), client, load_blocks, LOOKUP_TIMEOUT_S, num_ranks,
                               loads=loads, saves=saves)
     return Instance(layers, scheduler, worker)
 
@@ -144,7 +145,7 @@ def test_a_producer_only_saves_and_a_consumer_only_loads(daemon) -> None:
     assert producer.scheduler.match("r3", tokens, 0, None, None) == 0
     assert producer.scheduler.counters["lookups"] == 0
     with pytest.raises(ValueError, match="neither loads nor saves"):
-        SchedulerSide(KeyMaker(FACTS), producer.scheduler.store, 16, 1.0, loads=False,
+        SchedulerSide(KeyMaker(FACTS), producer.scheduler.client, 16, 1.0, loads=False,
                       saves=False)
 
 
@@ -344,7 +345,7 @@ def test_a_stopped_daemon_costs_a_bounded_wait_then_the_store_is_used_again(daem
         assert time.monotonic() - start < LOOKUP_TIMEOUT_S + 0.5
         # The link's health probe finds the daemon hung within a second (kvengine's link):
         # from then on a lookup is a miss at once.
-        assert wait_until(lambda: b.scheduler.store.live_state == "hung", 2.0)
+        assert wait_until(lambda: b.scheduler.client.live_state is StoreState.HUNG, 2.0)
         start = time.monotonic()
         assert b.scheduler.match("r3", prompt(5), 0, None, None) == 0
         assert time.monotonic() - start < 0.1
@@ -389,7 +390,7 @@ def test_a_killed_daemon_means_recompute_until_a_new_one_is_up(daemon, tmp_path)
         assert a.worker.counters["blocks_save_skipped_unavailable"] >= 10
         assert wait_until(a.worker.ready, 5.0)
         a.save("r3b", tokens, ids)  # the same tokens again (a skipped save is not retried)
-        assert a.worker.store.counters["connects"] == 2
+        assert a.worker.client.counters["connects"] == 2
         assert a.worker.counters["blocks_saved"] == 20
         time.sleep(RETRY_S + 0.1)
         n, failed, _ = b.load("r4", tokens, ids)

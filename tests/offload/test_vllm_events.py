@@ -65,7 +65,7 @@ def test_saved_blocks_are_announced_and_removed_blocks_too(make_daemon) -> None:
     assert b.scheduler.match("r5", tokens, 0, None, None, block_hashes=names) > 0  # not reset
     for inst in (a, b):
         inst.worker.close()
-        inst.scheduler.store.close()
+        inst.scheduler.client.close()
 
 
 def test_a_block_demoted_to_ssd_is_announced_there(make_daemon, tmp_path) -> None:
@@ -90,7 +90,7 @@ def test_a_block_demoted_to_ssd_is_announced_there(make_daemon, tmp_path) -> Non
     assert all(e.medium == "CPU" for e in removed)
     assert [h for e in stored if e.medium == "STORAGE" for h in e.block_hashes] == moved
     a.worker.close()
-    a.scheduler.store.close()
+    a.scheduler.client.close()
 
 
 def _info(i: int) -> BlockInfo:

@@ -15,7 +15,7 @@ import time
 import pytest
 from daemon_helpers import start_daemon
 
-from offload.connector import OffloadConnector
+from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
@@ -53,7 +53,7 @@ def _instance(socket_path, layers):
     worker = WorkerSide(socket_path, mover, "vllm-gpu-test", 30.0, 30.0, retry_interval_s=1.0)
     # The daemon's first CUDA registration sets up its copier: allow it time.
     assert worker.connect(wait_s=60.0), "could not register the CUDA tensors with the daemon"
-    scheduler = SchedulerSide(KeyMaker(FACTS), OffloadConnector(socket_path, None, "sched", 30.0),
+    scheduler = SchedulerSide(KeyMaker(FACTS), StoreClient(socket_path, None, "sched", 30.0),
                               256, 5.0)
     return scheduler, worker
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvstore.keys import ModelIdentity, Namespace
-from offload.connector import OffloadConnector
+from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.plan import BlockTransfer
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
@@ -118,9 +118,9 @@ def test_keys_chain_over_vllms_block_size() -> None:
 
 
 def test_plan_saves_each_full_block_once_past_vllms_own_hit(tmp_path) -> None:
-    store = OffloadConnector(tmp_path / "nobody.sock", None, "sched", timeout_s=0.2,
-                             reconnect_interval_s=60)
-    side = SchedulerSide(KeyMaker(_facts()), store, max_load_blocks=8, lookup_timeout_s=0.2)
+    client = StoreClient(tmp_path / "nobody.sock", None, "sched", timeout_s=0.2,
+                         reconnect_interval_s=60)
+    side = SchedulerSide(KeyMaker(_facts()), client, max_load_blocks=8, lookup_timeout_s=0.2)
     tokens = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens
     assert side.match("r", tokens, 4, None, None) == 0  # no daemon: a miss, not an error
     side.after_alloc("r", [7, 8, 9, 10], 0)

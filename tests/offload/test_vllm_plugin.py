@@ -70,11 +70,11 @@ def test_the_installed_packages_win_over_folders_of_the_same_name(shadowed_dir) 
         "import kvstore_tiered_vllm\n"
         "kvstore_tiered_vllm.bind_packages()\n"
         "from kvstore import Client\n"
-        "import offload.connector, kvstore\n"
-        "print(kvstore.__file__); print(offload.connector.__file__)\n"))
+        "import offload.store_client, kvstore\n"
+        "print(kvstore.__file__); print(offload.store_client.__file__)\n"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(REPO_ROOT / "kvstore" / "__init__.py"),
-                                   str(REPO_ROOT / "offload" / "connector.py")]
+                                   str(REPO_ROOT / "offload" / "store_client.py")]
 
 
 def test_a_foreign_module_imported_first_is_named_in_the_error(shadowed_dir) -> None:

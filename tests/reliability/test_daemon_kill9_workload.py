@@ -1,11 +1,11 @@
 """`kill -9` of a real `kvstore serve` at random points of a put/demote/evict workload.
 
 Small DRAM and a small SSD: puts demote to SSD in the background, the SSD evicts, a client
-removes keys, and an engine (an ``OffloadConnector`` over a shared-memory arena) saves blocks,
+removes keys, and an engine (an ``StoreClient`` over a shared-memory arena) saves blocks,
 all while the daemon is killed with SIGKILL at a random moment. After each kill: the SSD tier
 opens with its LMDB index intact and in agreement (``check_integrity``), every block served
 afterwards is byte-exact (a get is the bytes put or None), the restarted daemon is healthy, and
-the engine's connector reconnects, re-registers and restores byte-exact blocks.
+the engine's store client reconnects, re-registers and restores byte-exact blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from daemon_helpers import make_chain, random_bytes
 from kvstore.keys import Namespace
 from kvstore.store.tiered import StoreConfig, TieredStore
 from kvstore.wire.client import DaemonUnavailable
-from offload.connector import OffloadConnector
+from offload.store_client import StoreClient
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -80,17 +80,17 @@ def _writer(daemon, work: Workload, seed: int, stop: threading.Event) -> None:
         work.errors.append(repr(exc))
 
 
-def _engine(connector: OffloadConnector, work: Workload, stop: threading.Event) -> None:
+def _engine(client: StoreClient, work: Workload, stop: threading.Event) -> None:
     try:
         while not stop.is_set():
             k = work.next_chain
             work.next_chain += 1
             chain = _chain(k)
-            transfer = connector.save(chain.namespace, _src_ids(k), chain.hashes, chain.idents)
+            transfer = client.save(chain.namespace, _src_ids(k), chain.hashes, chain.idents)
             transfer.wait()
             if not transfer.ok:
                 stop.wait(0.05)  # the store is gone: the engine would recompute meanwhile
-    except Exception as exc:  # the connector must turn every store failure into a result
+    except Exception as exc:  # the store client must turn every store failure into a result
         work.errors.append(repr(exc))
 
 
@@ -135,19 +135,19 @@ def _check_daemon(daemon, work: Workload) -> int:
     return served
 
 
-def _check_engine(connector: OffloadConnector, work: Workload, arena) -> int:
-    """The connector reconnects by itself; its restores are byte-exact."""
+def _check_engine(client: StoreClient, work: Workload, arena) -> int:
+    """The client reconnects by itself; its restores are byte-exact."""
     dst_ids = list(range(32, 32 + CHAIN_BLOCKS))
     num_loaded = 0
     for k in range(work.next_chain):
         chain = _chain(k)
-        lookup = connector.lookup(chain.namespace, chain.hashes, chain.idents)
+        lookup = client.lookup(chain.namespace, chain.hashes, chain.idents)
         assert lookup.wait() and lookup.ok
         hit = lookup.result
         if not hit.num_hit:
             continue
         arena.array[arena.block_offset(32):arena.block_offset(64)] = 0
-        load = connector.load(hit.lease_id, dst_ids[:hit.num_hit])
+        load = client.load(hit.lease_id, dst_ids[:hit.num_hit])
         assert load.wait() and load.ok
         for b in range(load.result):
             assert arena.block(dst_ids[b]) == arena.block(_src_ids(k)[b]), f"chain {k}/{b}"
@@ -162,14 +162,14 @@ def test_kill9_at_random_points_then_restart(make_daemon, arenas, tmp_path):
     arena.array[arena.block_offset(32):arena.block_offset(64)] = 0
     daemon = make_daemon(dram=DRAM, ssd_dir=ssd_dir, ssd_size=SSD)
     socket_path = daemon.socket_path
-    connector = OffloadConnector(socket_path, arena.layout, "kill9-engine", timeout_s=10.0,
-                                 reconnect_interval_s=0.05)
+    client = StoreClient(socket_path, arena.layout, "kill9-engine", timeout_s=10.0,
+                         reconnect_interval_s=0.05)
     work = Workload()
     served_offline = served_after = loaded = 0
     for round_ in range(ROUNDS):
         stop = threading.Event()
         threads = [threading.Thread(target=_writer, args=(daemon, work, rng.random(), stop)),
-                   threading.Thread(target=_engine, args=(connector, work, stop))]
+                   threading.Thread(target=_engine, args=(client, work, stop))]
         for t in threads:
             t.start()
         stop.wait(rng.uniform(0.4, 1.2))
@@ -182,12 +182,12 @@ def test_kill9_at_random_points_then_restart(make_daemon, arenas, tmp_path):
             served_offline += _check_offline(ssd_dir, work, arena)
         daemon = make_daemon(dram=DRAM, ssd_dir=ssd_dir, ssd_size=SSD, socket_path=socket_path)
         served_after += _check_daemon(daemon, work)
-        connects = connector.counters["connects"]
-        loaded += _check_engine(connector, work, arena)
-        assert connector.counters["connects"] == connects + 1  # reconnected and re-registered
+        connects = client.counters["connects"]
+        loaded += _check_engine(client, work, arena)
+        assert client.counters["connects"] == connects + 1  # reconnected and re-registered
     assert daemon.stop() == 0
     served_offline += _check_offline(ssd_dir, work, arena)
-    connector.close()
+    client.close()
     # Not vacuous: the workload reached the SSD, and blocks came back after the kills.
     assert work.next_key > 50 and work.next_chain > 5
     assert served_after > 0 and loaded > 0 and served_offline > 0

@@ -5,7 +5,7 @@ for hung, and vLLM's scheduler side then skipped the store for a whole request. 
 counts a wait as a hang only while nothing at all comes back from the daemon for the deadline,
 and the deadline grows with the probe times it has seen (four times the slowest of the recent
 ones, at most 5 s). Here a real daemon is made slow (stopped 2 s, run 0.3 s, over and over)
-and then stopped outright, while two processes keep both cores busy: a real ``StoreLink`` may
+and then stopped outright, while two processes keep both cores busy: a real ``LinkThread`` may
 take the first long pause for a hang (it has seen no slow probe yet), no later one, and it
 reports the stop within the longest deadline.
 """
@@ -23,7 +23,8 @@ from contextlib import contextmanager
 import pytest
 from daemon_helpers import wait_until
 
-from offload.store_link import MAX_PROBE_DEADLINE_S, StoreLink, StoreState
+from kvstore import StoreState
+from offload.link_thread import MAX_PROBE_DEADLINE_S, LinkThread
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # ~18 s
 
@@ -48,7 +49,7 @@ def _cores_kept_busy(seconds: float) -> Iterator[None]:
             p.join(5)
 
 
-def _hung_spells(link: StoreLink, seconds: float, pid: int | None = None,
+def _hung_spells(link: LinkThread, seconds: float, pid: int | None = None,
                  stopped_s: float = 0.0, running_s: float = 0.0
                  ) -> tuple[int, float | None, float]:
     """Sample ``link.state`` every 20 ms for ``seconds`` (cycling SIGSTOP/SIGCONT on ``pid``):
@@ -80,7 +81,7 @@ def _hung_spells(link: StoreLink, seconds: float, pid: int | None = None,
 def test_a_slow_daemon_is_slow_and_a_stopped_one_hung_on_a_busy_machine(make_daemon) -> None:
     daemon = make_daemon(dram="32MiB")
     counters: Counter[str] = Counter()
-    link = StoreLink(daemon.socket_path, None, "slow-or-stopped", timeout_s=30.0,
+    link = LinkThread(daemon.socket_path, None, "slow-or-stopped", timeout_s=30.0,
                      reconnect_interval_s=0.5, counters=counters)
     try:
         assert wait_until(lambda: link.state is StoreState.OK, timeout_s=10.0)

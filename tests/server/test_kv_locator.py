@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from daemon_helpers import RunningDaemon, make_chain, start_daemon
 
-from server.kv_locator import KVLocator, StoreState
+from kvstore import StoreState
+from server.kv_locator import KVLocator
 from server.prompt_chain import PromptChain
 
 pytestmark = pytest.mark.timeout(60)

@@ -27,13 +27,13 @@ COSTS = EngineCosts(PREFILL, {"hbm": PREFILL / 100, "dram": PREFILL / 10, "ssd":
 BS = 16
 
 
-def _c(name: str, load: int = 0, num_hbm: int = 0, queued: int = 0) -> Candidate:
-    return Candidate(name, load, num_hbm, queued, COSTS)
+def _c(url: str, load: int = 0, num_hbm: int = 0, queued: int = 0) -> Candidate:
+    return Candidate(url, load, num_hbm, queued, COSTS)
 
 
 def _pick(policy: RoutingPolicy, candidates: list[Candidate], placement: Placement | None):
     route = policy.choose(candidates, placement)
-    return route.name, route.reason, route.expected_hit_blocks
+    return route.url, route.reason, route.expected_hit_blocks
 
 
 def test_the_estimate_prices_each_block_where_it_is_cheapest() -> None:
@@ -74,8 +74,8 @@ def test_a_shared_system_prompt_does_not_pull_every_new_conversation_to_one_engi
     for _ in range(6):
         route = policy.choose([_c("a", 0, 64, queued["a"]), _c("b", 0, 0, queued["b"])],
                               placement)
-        queued[route.name] += route.compute_tokens
-        chosen.append(route.name)
+        queued[route.url] += route.compute_tokens
+        chosen.append(route.url)
     assert Counter(chosen) == {"a": 3, "b": 3}, chosen
 
 
@@ -114,10 +114,10 @@ def test_each_tenant_takes_its_own_turns() -> None:
         policy = RoutingPolicy(mode)
         idle = [_c("a"), _c("b")]
         placement = None if mode == "round-robin" else Placement(90, BS)
-        mine = [policy.choose(idle, placement, "tenant-1").name for _ in range(2)]
+        mine = [policy.choose(idle, placement, "tenant-1").url for _ in range(2)]
         for _ in range(3):  # another tenant's requests in between
             policy.choose(idle, placement, "tenant-2")
-        mine += [policy.choose(idle, placement, "tenant-1").name for _ in range(2)]
+        mine += [policy.choose(idle, placement, "tenant-1").url for _ in range(2)]
         assert mine == ["a", "b", "a", "b"], (mode, mine)
 
 
@@ -130,11 +130,11 @@ def test_engines_are_priced_at_the_nodes_median_prefill_rate() -> None:
     fast = EngineCosts(1 / 36_000, COSTS.restore_s_per_token, prefill_measured=True)
     placement = Placement(num_tokens=1188 * BS, block_size=BS, num_dram=64, num_stored=64)
     candidates = [Candidate("idle", 0, 64, 0, slow), Candidate("busy", 1, 64, 18_000, fast)]
-    assert policy.choose(candidates, placement).name == "idle"
+    assert policy.choose(candidates, placement).url == "idle"
     # an engine still on its prior takes the node's rate too
     prior = EngineCosts(1 / 1_000, COSTS.restore_s_per_token, prefill_measured=False)
     candidates = [Candidate("idle", 0, 64, 0, prior), Candidate("busy", 1, 64, 18_000, fast)]
-    assert policy.choose(candidates, placement).name == "idle"
+    assert policy.choose(candidates, placement).url == "idle"
 
 
 def test_engine_costs_come_from_the_load_report() -> None:

@@ -79,7 +79,7 @@ def test_settings_validate_once() -> None:
 
 def test_kvengine_serve_switches_threads_within_half_a_millisecond(tmp_path) -> None:
     """``kvengine serve`` sets the interval before it loads the engine (here: a folder with no
-    model, so it stops there), so the store link's and the client's threads get the GIL back
+    model, so it stops there), so the link thread and the client's reader get the GIL back
     from a busy step thread within it (benchmarks/lookup_gil.py: 10.7 ms lookups at Python's
     default 5 ms)."""
     before = sys.getswitchinterval()

@@ -28,26 +28,20 @@ import numpy as np
 from kvstore.engines.copier import CopyHandle
 from kvstore.engines.cuda_ipc import can_access_peer
 from kvstore.engines.hbm.index import HbmEntry
+from kvstore.engines.hbm.outcome import BlockOutcome
 from kvstore.engines.registration import Registration, RegistrationClosed
 from kvstore.engines.run_arrays import RunArrays
 
 log = logging.getLogger(__name__)
 
-# Why a copy stopped short (None: it did not).
-GENERATION = "generation"  # the owner reallocated the block
-CLOSED = "closed"  # the owner unregistered or its connection closed
-INCOMPATIBLE = "incompatible"  # other block shape, other device kind, no peer access
-COPY_ERROR = "copy_error"  # CUDA reported an error
-STOPPED = "stopped"  # deadline or disconnect of the requester
-
-
 @dataclass
 class CopyOutcome:
-    """``num_copied`` leading blocks arrived intact; ``failure`` says why the rest did not;
-    ``stale`` is the entry whose generation check failed (to be dropped from the index)."""
+    """``num_copied`` leading blocks arrived intact; ``failure`` says why the rest did not
+    (None: nothing failed); ``stale`` is the entry whose generation check failed (to be
+    dropped from the index)."""
 
     num_copied: int
-    failure: str | None = None
+    failure: BlockOutcome | None = None
     stale: HbmEntry | None = None
 
 
@@ -75,19 +69,19 @@ def copy_blocks(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequenc
     with contextlib.ExitStack() as stack:
         opened: set[int] = set()
 
-        def check(entry: HbmEntry) -> str | None:
+        def check(entry: HbmEntry) -> BlockOutcome | None:
             """Whether block copying may start: None, or why not."""
             reg = entry.reg
             if reg.registration_id not in opened:
                 if not compatible(reg, dst):
-                    return INCOMPATIBLE
+                    return BlockOutcome.INCOMPATIBLE
                 try:
                     stack.enter_context(reg.open_for_copy())
                 except RegistrationClosed:
-                    return CLOSED
+                    return BlockOutcome.OWNER_CLOSED
                 opened.add(reg.registration_id)
             if not entry.current():
-                return CLOSED if reg.closed else GENERATION
+                return _stale_reason(reg)
             return None
 
         if dst.is_cuda:
@@ -95,23 +89,29 @@ def copy_blocks(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequenc
         return _copy_host(sources, dst, dst_ids, stopped, check, after_copy)
 
 
-def _after_failure(entry: HbmEntry, reason: str, num_copied: int) -> CopyOutcome:
-    return CopyOutcome(num_copied, reason, entry if reason == GENERATION else None)
+def _stale_reason(reg: Registration) -> BlockOutcome:
+    """Why a block's generation check failed: its owner closed, or it reallocated the block."""
+    return BlockOutcome.OWNER_CLOSED if reg.closed else BlockOutcome.GENERATION
 
 
-def _verify(entry: HbmEntry) -> str | None:
+def _after_failure(entry: HbmEntry, reason: BlockOutcome, num_copied: int) -> CopyOutcome:
+    return CopyOutcome(num_copied, reason,
+                       entry if reason is BlockOutcome.GENERATION else None)
+
+
+def _verify(entry: HbmEntry) -> BlockOutcome | None:
     """After the copy landed: None if the block was the published one throughout."""
     if entry.current():
         return None
-    return CLOSED if entry.reg.closed else GENERATION
+    return _stale_reason(entry.reg)
 
 
 def _copy_host(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence[int],
-               stopped: Callable[[], bool], check: Callable[[HbmEntry], str | None],
+               stopped: Callable[[], bool], check: Callable[[HbmEntry], BlockOutcome | None],
                after_copy: Callable[[int], None] | None) -> CopyOutcome:
     for i, (entry, dst_id) in enumerate(zip(sources, dst_ids)):
         if stopped():
-            return CopyOutcome(i, STOPPED)
+            return CopyOutcome(i, BlockOutcome.STOPPED)
         reason = check(entry)
         if reason is not None:
             return _after_failure(entry, reason, i)
@@ -149,7 +149,7 @@ def _first_stale(group: _Group) -> int | None:
 
 
 def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence[int],
-               stopped: Callable[[], bool], check: Callable[[HbmEntry], str | None],
+               stopped: Callable[[], bool], check: Callable[[HbmEntry], BlockOutcome | None],
                after_copy: Callable[[int], None] | None) -> CopyOutcome:
     """One submission per run of sources from one registration, every per-block step (the
     generation checks, the addresses) as arrays: at HBM speed a block copies in about a
@@ -164,7 +164,7 @@ def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence
         i = 0
         while i < num_blocks and early is None:
             if stopped():
-                early = CopyOutcome(i, STOPPED)
+                early = CopyOutcome(i, BlockOutcome.STOPPED)
                 break
             reason = check(sources[i])  # opens the registration, or says why not
             if reason is not None:
@@ -178,8 +178,7 @@ def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence
                            np.array([e.generation for e in sources[i:end]], dtype=np.int64))
             stale = _first_stale(group)
             if stale is not None:  # copy what came before it, then stop there
-                early = _after_failure(sources[stale], CLOSED if reg.closed else GENERATION,
-                                       stale)
+                early = _after_failure(sources[stale], _stale_reason(reg), stale)
                 group = _Group(i, stale, reg, group.block_ids[:stale - i],
                                group.generations[:stale - i])
                 if stale == i:
@@ -189,7 +188,7 @@ def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence
             except Exception as exc:  # the source cannot be opened on this device
                 log.warning("blocks of engine %s cannot be read from device %d: %s",
                             reg.engine_id, dst.device_id, exc)
-                early = CopyOutcome(i, INCOMPATIBLE)
+                early = CopyOutcome(i, BlockOutcome.INCOMPATIBLE)
                 break
             runs = RunArrays(src_ptrs.ravel(), dst_ptrs[group.start:group.end].ravel(),
                              np.broadcast_to(sizes, src_ptrs.shape).ravel())
@@ -198,7 +197,7 @@ def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence
             except Exception as exc:  # the copier waited out what it had enqueued
                 log.error("submitting %d device-to-device block copies failed: %s",
                           group.end - group.start, exc)
-                early = CopyOutcome(group.start, COPY_ERROR)
+                early = CopyOutcome(group.start, BlockOutcome.COPY_ERROR)
                 break
             groups.append(group)
             i = group.end
@@ -209,13 +208,12 @@ def _copy_cuda(sources: Sequence[HbmEntry], dst: Registration, dst_ids: Sequence
                 group.handle.wait()
             except Exception as exc:  # a CUDA error surfaces at the event
                 log.error("device-to-device block copies failed: %s", exc)
-                return CopyOutcome(group.start, COPY_ERROR)
+                return CopyOutcome(group.start, BlockOutcome.COPY_ERROR)
             if after_copy is not None:
                 after_copy(group.start)
             stale = _first_stale(group)
             if stale is not None:
-                return _after_failure(sources[stale], CLOSED if group.reg.closed
-                                      else GENERATION, stale)
+                return _after_failure(sources[stale], _stale_reason(group.reg), stale)
         return early if early is not None else CopyOutcome(num_blocks)
     finally:
         for group in groups:  # whatever happened, no copy is in flight once this returns

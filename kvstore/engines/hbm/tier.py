@@ -12,61 +12,42 @@ registration that publishes generations, with the same block pieces, on the host
 requester, on the same or a peer-accessible device for a CUDA one. Without any usable entry the
 lookup returns None and the caller's plain store path runs, untouched.
 
-For a peer node (``stage``): blocks only an engine's arena holds are copied into the store, each
-into a slot that is committed only if the block's generation is still the published one after
-the copy (the same check as an HBM copy), so the peer server serves them from DRAM. Hashes that
-left the index are told to the left listeners (the cluster withdraws what the node no longer
-holds).
+For a peer node (``stage``): blocks only an engine's arena holds are copied into the store by
+``PeerStaging`` (``staging.py``). Hashes that left the index are told to the left listeners
+(the cluster withdraws what the node no longer holds).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.engines.hbm import copy as hbm_copy
 from kvstore.engines.hbm.index import HbmEntry, HbmIndex
-from kvstore.engines.registration import RegistrationClosed
+from kvstore.engines.hbm.outcome import BlockOutcome
+from kvstore.engines.hbm.staging import PeerStaging
 from kvstore.engines.registry import Registration, Registry
 from kvstore.listeners import Listeners
-from kvstore.store.block_store import BlockStore, Lease, StoreError, Tier
+from kvstore.store.block_store import BlockStore, Lease, Tier
 
 log = logging.getLogger(__name__)
 
 # Counted outcomes, present from the start: hits and misses are blocks of lookups that found
 # HBM candidates (a miss: a block of such a lookup the HBM tier did not serve); copies are
 # submitted runs; the failures are the reasons a copy stopped short.
-_FAILURES = {hbm_copy.GENERATION: "generation_failures", hbm_copy.CLOSED: "owner_closed_failures",
-             hbm_copy.INCOMPATIBLE: "incompatible_failures", hbm_copy.COPY_ERROR: "copy_errors",
-             hbm_copy.STOPPED: "copies_stopped"}
+_FAILURES = {BlockOutcome.GENERATION: "generation_failures",
+             BlockOutcome.OWNER_CLOSED: "owner_closed_failures",
+             BlockOutcome.INCOMPATIBLE: "incompatible_failures",
+             BlockOutcome.COPY_ERROR: "copy_errors", BlockOutcome.STOPPED: "copies_stopped"}
 # Which path each copied block took: shared memory to shared memory (CPU engines), between two
 # engines on one GPU, or device to device between two GPUs (NVLink / PCIe peer access).
 _PATHS = ("blocks_copied_host", "blocks_copied_same_gpu", "blocks_copied_peer_gpu")
 
-
-class StageOutcome(str, enum.Enum):
-    """What became of one block a stage for a peer tried to put into the store."""
-
-    STAGED = "staged"  # copied from the arena and committed
-    STORED = "stored"  # the store held it already (a save landed meanwhile)
-    GENERATION = "generation"  # the owner reallocated it during the copy: nothing committed
-    OWNER_CLOSED = "owner_closed"
-    STORE_REFUSED = "store_refused"  # no room: every byte pinned
-    COPY_ERROR = "copy_error"
-
-
-# Staging for peers: calls, blocks committed to the store, and why a stage stopped short.
-_STAGE_FAILURES = {StageOutcome.GENERATION: "stage_generation_failures",
-                   StageOutcome.OWNER_CLOSED: "stage_owner_closed_failures",
-                   StageOutcome.STORE_REFUSED: "stage_store_refusals",
-                   StageOutcome.COPY_ERROR: "stage_copy_errors"}
 COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_PATHS,
-            *_FAILURES.values(), "stages", "blocks_staged", *_STAGE_FAILURES.values())
+            *_FAILURES.values())  # then the staging's (``staging.COUNTERS``)
 LeftListener = Callable[[bytes, list[bytes]], None]
 
 
@@ -92,7 +73,8 @@ class HbmHit:
 
 
 class HbmTier:
-    """The index plus lookups and loads across it and the store; thread-safe."""
+    """The index plus lookups and loads across it and the store, and the staging for peers;
+    thread-safe."""
 
     def __init__(self, store: BlockStore, registry: Registry) -> None:
         self.store = store
@@ -102,6 +84,7 @@ class HbmTier:
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._left_listeners: Listeners[LeftListener] = Listeners("hashes that left the arenas")
         registry.add_close_listener(self._registration_closed)
+        self.staging = PeerStaging(store, self.index, self._report_left)
 
     def add_left_listener(self, listener: LeftListener) -> None:
         """From now on, tell ``listener(namespace, hashes)`` (outside every lock) of hashes
@@ -235,75 +218,9 @@ class HbmTier:
     def stage(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
               start: int, deadline: float,
               after_copy: Callable[[int], None] | None = None) -> int:
-        """Copy blocks ``start, start + 1, ...`` of the chain that an engine's arena holds (any
-        registration's current, verified entry) into the store, in order, until the first one
-        no arena holds, whose copy fails its generation check, or the store refuses, or
-        ``deadline`` (monotonic) passes. Returns how many of them the store holds now (staged
-        here, or stored meanwhile by someone else). For a peer's fetch: it then reads the store.
-        ``after_copy(i)`` (tests) runs once block ``start + i``'s bytes are in its store slot,
-        before its generation is checked again.
-        """
-        if start >= len(hashes) or not self.index.holds(namespace):
-            return 0
-
-        def usable(src: Registration) -> bool:
-            return src.has_generations and not src.closed
-
-        found = self.index.find(namespace, hashes[start:], idents[start:], usable)
-        self._report_left()
-        if found is None:
-            return 0
-        outcomes: Counter[StageOutcome] = Counter()
-        for i, entry in enumerate(found):
-            if entry is None or time.monotonic() >= deadline:
-                break
-            outcome = self._stage_one(entry, namespace, hashes[start + i], idents[start + i],
-                                      None if after_copy is None else lambda i=i: after_copy(i))
-            outcomes[outcome] += 1
-            if outcome in _STAGE_FAILURES:
-                break
-        if outcomes[StageOutcome.GENERATION]:
-            self._report_left()  # the stale entry was dropped
-        with self._lock:
-            self.counters["stages"] += 1
-            self.counters["blocks_staged"] += outcomes[StageOutcome.STAGED]
-            for outcome, counter in _STAGE_FAILURES.items():
-                self.counters[counter] += outcomes[outcome]
-        return outcomes[StageOutcome.STAGED] + outcomes[StageOutcome.STORED]
-
-    def _stage_one(self, entry: HbmEntry, namespace: bytes, block_hash: bytes, ident: bytes,
-                   after_copy: Callable[[], None] | None) -> StageOutcome:
-        """One block into the store, committed only if its generation held through the copy."""
-        reg = entry.reg
-        try:
-            slot = self.store.begin_write(namespace, block_hash, ident, reg.block_bytes)
-        except StoreError:
-            return StageOutcome.STORE_REFUSED
-        if slot is None:
-            return StageOutcome.STORED
-        outcome = StageOutcome.COPY_ERROR
-        try:
-            with reg.open_for_copy():
-                reg.read_block(entry.block_id, slot.buffer[:reg.block_bytes])
-            if after_copy is not None:
-                after_copy()
-            # Seqlock: the generation was the published one when ``find`` picked the entry;
-            # unchanged after the copy, nothing can have rewritten the block meanwhile.
-            outcome = StageOutcome.STAGED if entry.current() else StageOutcome.GENERATION
-        except RegistrationClosed:
-            outcome = StageOutcome.OWNER_CLOSED
-        except Exception:
-            log.exception("staging block %d of registration %d failed", entry.block_id,
-                          reg.registration_id)
-        finally:
-            if outcome is not StageOutcome.STAGED:
-                slot.abort()
-        if outcome is StageOutcome.GENERATION:
-            self.index.discard(entry)
-        if outcome is not StageOutcome.STAGED:
-            return outcome
-        # False only if an equal block was committed meanwhile: stored either way.
-        return StageOutcome.STAGED if slot.commit() else StageOutcome.STORED
+        """Blocks ``start..`` of the chain that only arenas hold, into the store for a peer's
+        fetch: ``PeerStaging.stage``."""
+        return self.staging.stage(namespace, hashes, idents, start, deadline, after_copy)
 
     def stats(self) -> dict:
         """``tiers.hbm`` of the daemon's stats: resident blocks indexed, hits and misses, and
@@ -311,6 +228,7 @@ class HbmTier:
         index = self.index.stats()
         with self._lock:
             counters = dict(self.counters)
+        counters.update(self.staging.stats())
         counters.update({f"index_{k}": v for k, v in index["index"].items()})
         return {"blocks": index["blocks"], "registrations": index["registrations"],
                 "hits": counters.pop("hits"), "misses": counters.pop("misses"),

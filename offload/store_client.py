@@ -1,13 +1,14 @@
-"""An engine's link to the store: register its KV memory, look up, load, save, publish evictions.
+"""StoreClient: an engine's one client of the store: register its KV memory, look up, load, save,
+publish evictions.
 
-kvengine (``offload.manager``) and vLLM's connector (``offload.vllm``) both talk to the daemon
-through this class, so a stopped, dead or slow daemon is handled the same way for both.
+kvengine (``offload.engine_store``) and vLLM's connector (``offload.vllm``) both talk to the
+daemon through this class, so a stopped, dead or slow daemon is handled the same way for both.
 
-Everything here is asynchronous: each call queues a request for the ``StoreLink`` thread and
-returns a ``Transfer`` handle the step loop polls; no call waits on the daemon. A store that is
-down, hung, slow or answering errors turns into misses, failed transfers and counted errors,
-never into an exception or a stall in the step loop: the engine keeps serving by recompute, the
-link probes the daemon and reconnects (and re-registers) when it is back.
+Everything here is asynchronous: each call queues a request for the ``LinkThread`` and returns a
+``Transfer`` handle the step loop polls; no call waits on the daemon. A store that is down,
+hung, slow or answering errors turns into misses, failed transfers and counted errors, never
+into an exception or a stall in the step loop: the engine keeps serving by recompute, the link's
+thread probes the daemon and reconnects (and re-registers) when it is back.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore import StoreState
 from offload.link_requests import (
     EvictedRequest,
     LinkRequest,
@@ -27,7 +29,7 @@ from offload.link_requests import (
     ResidentRequest,
     SaveRequest,
 )
-from offload.store_link import Job, StoreLink, StoreState
+from offload.link_thread import LinkThread, Outgoing
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
 
@@ -37,33 +39,33 @@ log = logging.getLogger("offload")
 # longer before it calls a request lost, so a late "failed" reply is still seen as a reply.
 _DEADLINE_MARGIN_S = 2.0
 
-__all__ = ["OffloadConnector", "StoreState", "Transfer"]
+__all__ = ["StoreClient", "Transfer"]
 
 
-class OffloadConnector:
-    """Owns the link to the store and the registration of one engine's KV arena."""
+class StoreClient:
+    """Owns the link's thread to the store and the registration of one engine's KV arena."""
 
     def __init__(self, socket_path: str | Path | None,
                  layout: KVLayout | Callable[[], KVLayout] | None, engine_id: str,
                  timeout_s: float = 10.0, reconnect_interval_s: float = 1.0,
                  connect_wait_s: float | None = None, register_timeout_s: float | None = None,
                  on_registered: Callable[[], None] | None = None) -> None:
-        """``layout``: what to register on every connect (see ``StoreLink``); None for a
+        """``layout``: what to register on every connect (see ``LinkThread``); None for a
         client that only looks up."""
         self.socket_path = socket_path
         self.layout = layout
         self.engine_id = engine_id
         self.timeout_s = timeout_s
         self.counters: Counter[str] = Counter()
-        self._link = StoreLink(socket_path, layout, engine_id, timeout_s, reconnect_interval_s,
+        self._thread = LinkThread(socket_path, layout, engine_id, timeout_s, reconnect_interval_s,
                                self.counters, register_timeout_s=register_timeout_s,
                                on_registered=on_registered)
         self._last_state = StoreState.DOWN
         self._disowned: list[Transfer] = []  # lookups whose lease (if any) nobody will use
         # A healthy daemon registers us in milliseconds: serve with the store from the first
         # request. A hung one costs the caller at most the probe deadline.
-        self._link.wait_first_attempt(
-            self._link.probe_deadline_s if connect_wait_s is None else connect_wait_s)
+        self._thread.wait_first_attempt(
+            self._thread.probe_deadline_s if connect_wait_s is None else connect_wait_s)
 
     # ------------------------------------------------------------------------- connection
 
@@ -71,7 +73,7 @@ class OffloadConnector:
     def state(self) -> StoreState:
         """OK, HUNG or DOWN; changes are counted (``store_hung``, ``store_down``) and logged
         once each. Never blocks."""
-        state = self._link.state
+        state = self._thread.state
         if state is not self._last_state:
             if state is not StoreState.OK:
                 self.counters[f"store_{state.value}"] += 1
@@ -85,7 +87,7 @@ class OffloadConnector:
     @property
     def live_state(self) -> StoreState:
         """``state`` for any thread (nothing counted)."""
-        return self._link.state
+        return self._thread.state
 
     @property
     def available(self) -> bool:
@@ -93,48 +95,48 @@ class OffloadConnector:
         reconnect is asked for (made off this thread)."""
         state = self.state
         if state is StoreState.DOWN:
-            self._link.want_connect()
+            self._thread.want_connect()
         return state is StoreState.OK
 
     def wait_available(self, timeout_s: float) -> bool:
         """Give the first connect (and registration) up to ``timeout_s``, then say whether the
         store is available: startup only. A registration still running goes on meanwhile."""
-        self._link.wait_first_attempt(timeout_s)
+        self._thread.wait_first_attempt(timeout_s)
         return self.available
 
     def keep_connected(self) -> None:
-        """Not connected: have the link reconnect (off this thread, rate-limited). The engine
-        calls this every step; a bare connector reconnects only when a request needs it."""
+        """Not connected: have the link's thread reconnect (off this thread, rate-limited). The
+        engine calls this every step; a bare client reconnects only when a request needs it."""
         if self.state is StoreState.DOWN:
-            self._link.want_connect()
+            self._thread.want_connect()
 
     @property
     def registration_epoch(self) -> int:
         """Counts connections made (one registration each): a new one starts with nothing
         published and may be a daemon that lost what it held. Read it before taking block ids
         for a request and pass it as the request's ``epoch``."""
-        return self._link.epoch
+        return self._thread.epoch
 
     @property
     def daemon_pid(self) -> int | None:
-        return self._link.daemon_pid
+        return self._thread.daemon_pid
 
     def _lost(self, code: str) -> None:
         self.counters[f"errors_{code}"] += 1
         if code == "deadline":  # no reply at all: start over on a fresh connection
-            self._link.want_drop()
+            self._thread.want_drop()
 
     def _request(self, request: LinkRequest, fallback: Any, deadline_s: float | None = None,
                  epoch: int | None = None) -> Transfer:
         """Queue a request; a hung store or a full queue completes it at once with
-        ``fallback``. Not connected: the link tries to connect first (rate-limited). With
+        ``fallback``. Not connected: the link's thread connects first (rate-limited). With
         ``epoch``, it goes out only on that connection (else it fails, never sent)."""
         deadline_s = self.timeout_s if deadline_s is None else deadline_s
         if self.state is StoreState.HUNG:
             self.counters["skipped_hung"] += 1
             return Transfer(0.0, fallback, self._lost, queued=False)
         transfer = Transfer(deadline_s + _DEADLINE_MARGIN_S, fallback, self._lost)
-        if not self._link.submit(Job(request, transfer, epoch)):
+        if not self._thread.submit(Outgoing(request, transfer, epoch)):
             self.counters["skipped_queue_full"] += 1
             return Transfer(0.0, fallback, self._lost, queued=False)
         return transfer
@@ -177,7 +179,7 @@ class OffloadConnector:
     def release_disowned(self) -> None:
         """Release the leases of disowned lookups that have replied (call it every step); not
         while the store is hung (a release would be dropped): they wait until it answers."""
-        if not self._disowned or self._link.state is StoreState.HUNG:
+        if not self._disowned or self._thread.state is StoreState.HUNG:
             return
         still = []
         for lookup in self._disowned:
@@ -206,4 +208,4 @@ class OffloadConnector:
 
     def close(self) -> None:
         """Unregister (the daemon forgets this arena's resident blocks) and close; bounded."""
-        self._link.close()
+        self._thread.close()

@@ -1,20 +1,21 @@
-"""An engine's connection to the daemon, owned by a background thread (kvengine's and vLLM's).
+"""LinkThread: an engine's connection to the daemon, owned by a thread (kvengine's and vLLM's).
 
 Everything that can block on the daemon happens here, never on the engine's step thread: the
 connect and the registration of the KV memory, sending requests (a stopped daemon stops reading,
 so a send can block once the socket buffer is full), health probes, closing. The step thread
-hands requests over through a bounded queue and polls their ``Transfer`` handles.
+hands requests over through a bounded queue (``Outgoing``: a request and its ``Transfer``
+handle) and polls the handles.
 
-The state the engine reads (``state``): ``ok`` (registered, the last probe answered in time),
-``hung`` (a probe, the registration or a send has waited on the daemon longer than the
-deadline, and nothing at all came back meanwhile: it is alive enough to hold the socket but
-does not answer, as under SIGSTOP; the deadline is ``probe_deadline_s``, longer where recent
-probes were slow) or ``down`` (not connected). It is derived from timestamps, so it is right
-even while this thread itself is stuck in a send. A lost connection is made again on demand (a
-request, or the engine asking whether the store is available), at most once per
-``reconnect_interval_s``; each new connection bumps ``epoch``: the daemon met again may have
-lost what it held, and a request that names registered memory (``Job.epoch``) is sent only on
-the connection it was planned for.
+The state the engine reads (``state``, a ``StoreState`` told by its rule ``while_waiting``):
+``ok`` (registered, the last probe answered in time), ``hung`` (a probe, the registration or a
+send has waited on the daemon longer than the deadline, and nothing at all came back meanwhile:
+it is alive enough to hold the socket but does not answer, as under SIGSTOP; the deadline is
+``probe_deadline_s``, longer where recent probes were slow) or ``down`` (not connected). It is
+derived from timestamps, so it is right even while this thread itself is stuck in a send. A
+lost connection is made again on demand (a request, or the engine asking whether the store is
+available), at most once per ``reconnect_interval_s``; each new connection bumps ``epoch``: the
+daemon met again may have lost what it held, and a request that names registered memory
+(``Outgoing.epoch``) is sent only on the connection it was planned for.
 
 What is registered: a fixed ``KVLayout`` (kvengine's arena), a callable that makes a fresh one
 on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writes only into
@@ -27,7 +28,6 @@ fresh duplicates, so a daemon met again maps the same memory from descriptors of
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import queue
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore import Client, ClientError, DaemonUnavailable, Pending
+from kvstore import Client, ClientError, DaemonUnavailable, Pending, StoreState
 from offload.link_requests import LinkRequest
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
@@ -52,7 +52,7 @@ connection_log = logging.getLogger("offload.connection")
 # machine; a request waits on a hung store about their sum at most.
 PROBE_INTERVAL_S = 0.25
 PROBE_DEADLINE_S = 0.75
-# Where probes answered slowly, the deadline grows up to this (``StoreLink.deadline_s``).
+# Where probes answered slowly, the deadline grows up to this (``LinkThread.deadline_s``).
 MAX_PROBE_DEADLINE_S = 5.0
 _RTT_WINDOW = 20
 # Requests waiting for the link's thread; past this the store is too far behind: refused.
@@ -61,28 +61,17 @@ MAX_QUEUED = 4096
 _TICK_S = 0.05
 
 
-class StoreState(str, enum.Enum):
-    """The store as the link sees it now (see the module docstring)."""
-
-    OK = "ok"
-    HUNG = "hung"
-    DOWN = "down"
-
-    def __str__(self) -> str:
-        return self.value
-
-
 @dataclass(frozen=True)
-class Job:
-    """One request for the link's thread and the handle it completes. With ``epoch``, it goes
-    out only on that connection (its block ids belong to that registration)."""
+class Outgoing:
+    """One request queued for the link's thread and the handle it completes. With ``epoch``,
+    it goes out only on that connection (its block ids belong to that registration)."""
 
     request: LinkRequest
     transfer: Transfer
     epoch: int | None = None
 
 
-class StoreLink:
+class LinkThread:
     """A thread that owns the client, the registration and the health of one engine's store."""
 
     def __init__(self, socket_path: str | Path | None,
@@ -106,7 +95,7 @@ class StoreLink:
             counters[key] += 0
         self.epoch = 0  # connections made; a new one starts with nothing published
         self.daemon_pid: int | None = None  # from the last health answer
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queued)
+        self._queue: queue.Queue[Outgoing | None] = queue.Queue(maxsize=max_queued)
         self._client: Client | None = None
         self._registration_id: int | None = None
         self._up = False  # connected (and registered, if there is a layout)
@@ -131,16 +120,8 @@ class StoreLink:
         """OK, HUNG or DOWN (see the module docstring); never blocks. A wait past the deadline
         is a hang only while no reply of any kind has arrived for that long either: a daemon
         that still answers other requests is slow, not stopped."""
-        now = time.monotonic()
-        client = self._client
-        heard = client.last_reply_at if client is not None else 0.0
-        deadline = self.deadline_s
-        for since in (self._busy_since, self._probe_sent_at):
-            if since is not None and now - max(since, heard) > deadline:
-                return StoreState.HUNG
-        if client is None or client.is_closed or not self._up:
-            return StoreState.DOWN
-        return StoreState.OK
+        return StoreState.while_waiting(self._client, (self._busy_since, self._probe_sent_at),
+                                        self.deadline_s, connected=self._up)
 
     @property
     def deadline_s(self) -> float:
@@ -162,12 +143,12 @@ class StoreLink:
         """Close the connection (a request got no reply by its deadline); reconnect on demand."""
         self._drop_wanted.set()
 
-    def submit(self, job: Job) -> bool:
-        """Queue a request; False (the job untouched) if the queue is full or closing."""
+    def submit(self, outgoing: Outgoing) -> bool:
+        """Queue a request; False (``outgoing`` untouched) if the queue is full or closing."""
         if self._closing.is_set():
             return False
         try:
-            self._jobs.put_nowait(job)
+            self._queue.put_nowait(outgoing)
         except queue.Full:
             return False
         self._connect_wanted.set()
@@ -177,7 +158,7 @@ class StoreLink:
         """Unregister (bounded), close the connection and stop the thread. Idempotent."""
         self._closing.set()
         with contextlib.suppress(queue.Full):
-            self._jobs.put_nowait(None)  # wake the thread
+            self._queue.put_nowait(None)  # wake the thread
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # stuck in a send to a stopped daemon: cut the socket
             client = self._client
@@ -192,11 +173,11 @@ class StoreLink:
             while not self._closing.is_set():
                 self._maintain()
                 try:
-                    job = self._jobs.get(timeout=_TICK_S)
+                    outgoing = self._queue.get(timeout=_TICK_S)
                 except queue.Empty:
-                    job = None
-                if job is not None:
-                    self._send(job)
+                    outgoing = None
+                if outgoing is not None:
+                    self._send(outgoing)
         finally:
             self._shutdown()
 
@@ -209,21 +190,21 @@ class StoreLink:
         if self._client is not None:
             self._probe_step()
 
-    def _send(self, job: Job) -> None:
+    def _send(self, outgoing: Outgoing) -> None:
         if self._client is None:
             self._connect()
         client, registration_id = self._client, self._registration_id
-        if client is None or not self._up or (job.epoch is not None and job.epoch != self.epoch):
-            job.transfer.abandon()
+        if client is None or not self._up or outgoing.epoch not in (None, self.epoch):
+            outgoing.transfer.abandon()
             return
         self._busy_since = time.monotonic()
         try:
-            job.transfer.attach(job.request.send(client, registration_id), self.epoch)
+            outgoing.transfer.attach(outgoing.request.send(client, registration_id), self.epoch)
         except (DaemonUnavailable, ClientError, OSError):
-            job.transfer.abandon()
+            outgoing.transfer.abandon()
             self._drop()
         except ValueError:  # a request this link cannot carry (no registration): refused
-            job.transfer.abandon()
+            outgoing.transfer.abandon()
         finally:
             self._busy_since = None
 
@@ -249,7 +230,7 @@ class StoreLink:
         finally:
             self._busy_since = None
             self._first_attempt_done.set()
-        self.epoch += 1  # before ``_up``: a job planned on the old connection never goes out
+        self.epoch += 1  # before ``_up``: a request planned on the old connection never goes out
         self._client, self._registration_id = client, registration_id
         self._up = True
         self.counters["connects"] += 1
@@ -337,11 +318,11 @@ class StoreLink:
         """Give back what is queued, unregister (bounded) and close."""
         while True:
             try:
-                job = self._jobs.get_nowait()
+                outgoing = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.transfer.abandon()
+            if outgoing is not None:
+                outgoing.transfer.abandon()
         client, registration_id = self._client, self._registration_id
         if client is None:
             return
