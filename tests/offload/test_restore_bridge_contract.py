@@ -23,12 +23,12 @@ from support.arena import ShmArena
 from engine.block_manager import BlockManager
 from kvstore import Client
 from offload.bridge import RestoreBridge, StoreBridge
-from offload.store_client import StoreClient
 from offload.engine_store import EngineStore, OffloadPolicy
 from offload.engine_view import RestoreOutcome
 from offload.idents import sequence_idents
 from offload.null_bridge import NullStore
 from offload.restore_policy import RestorePolicy
+from offload.store_client import StoreClient
 
 pytestmark = pytest.mark.timeout(60)
 
