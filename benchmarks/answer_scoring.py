@@ -80,7 +80,8 @@ def score(client: httpx.Client, url: str, model: str, prompt: list[int], answer:
             "largest_share": max(shares, default=0.0),
             "first_nonzero": next((i for i, m in enumerate(margins) if m is None or m > 0), None),
             "median_spread": statistics.median([s for _, s in results]) if results else None,
-            "within": len(shares) == len(margins) and all(x <= max_margin for x in shares)}
+            "within": len(shares) == len(margins) and all(x <= max_margin for x in shares),
+            "margins": [None if m is None else round(m, 4) for m in margins]}
 
 
 def score_differences(records: list, url: str, model: str, top_n: int, max_margin: float,

@@ -11,6 +11,7 @@ middleware, so a refusal reads the same), then passed on with the request.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -39,6 +40,18 @@ class RouterSettings:
     api_keys: tuple[str, ...] = ()
     metrics_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+
+
+def streams(body: bytes) -> bool:
+    """Whether a generation request asks for a stream (``"stream": true``); the body is parsed
+    only when it names ``stream`` at all."""
+    if b'"stream"' not in body:
+        return False
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("stream") is True
 
 
 def build_router_app(router: RequestRouter, proxy: RouterProxy,
@@ -77,9 +90,10 @@ def build_router_app(router: RequestRouter, proxy: RouterProxy,
         body = await request.body()
         routed = await router.route(kind, body, request.scope.get(KEY_SALT_SCOPE, ""))
         if routed is None:
-            return await proxy.forward(request, body, None, next_engine)
+            return await proxy.forward(request, body, None, next_engine, streaming=streams(body))
         engine, route = routed
-        return await proxy.forward(request, body, engine, next_engine, route.compute_tokens)
+        return await proxy.forward(request, body, engine, next_engine, route.compute_tokens,
+                                   streaming=streams(body))
 
     async def passed(request: Request) -> Response:
         body = await request.body()

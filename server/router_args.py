@@ -69,6 +69,12 @@ def add_router_arguments(router: argparse.ArgumentParser) -> None:
                         help="the longest an engine may stay silent during a request (before "
                         "its answer, between streamed bytes); past it the client gets a 504 "
                         "(default: %(default)s)")
+    router.add_argument("--first-byte-timeout", type=positive_float_arg, default=30.0,
+                        metavar="SECONDS",
+                        help="the longest an engine may take to start a streamed answer (it "
+                        "sends its response head when it admits the request); past it the "
+                        "client gets a 504, so a hung engine does not hold requests for "
+                        "--upstream-timeout (default: %(default)s)")
     router.add_argument("--max-upstream-connections", type=positive_int_arg, default=1024,
                         metavar="N", help="HTTP connections to the engines, all together "
                         "(default: %(default)s)")

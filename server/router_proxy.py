@@ -84,19 +84,25 @@ class RouterProxy:
     """
 
     def __init__(self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout,
-                 pool: EnginePool, metrics: RouterMetrics) -> None:
+                 pool: EnginePool, metrics: RouterMetrics,
+                 first_byte_timeout_s: float | None = None) -> None:
         self._transport = transport
         self._timeout = timeout.as_dict()
+        # A stream's response head leaves the engine when it admits the request, so an engine
+        # silent longer than this is hung, not busy; a whole answer (no stream) has no such bound
+        # beyond ``timeout`` (its head comes with its last token).
+        self._first_byte_timeout_s = first_byte_timeout_s
         self._pool = pool
         self._metrics = metrics
 
     async def forward(self, request: Request, body: bytes, engine: UpstreamEngine | None,
                       next_engine: Callable[[set[str]], UpstreamEngine | None],
-                      queued_tokens: int = 0) -> Response:
+                      queued_tokens: int = 0, streaming: bool = False) -> Response:
         """Send the request to ``engine``, or on to ``next_engine(tried)`` while engines turn
         out unreachable; the engine's response, or a 503 when none could take it.
         ``queued_tokens`` (the prompt tokens the first engine is expected to compute) count in
-        its queue until its answer's first bytes arrive, or it fails."""
+        its queue until its answer's first bytes arrive, or it fails. A ``streaming`` request
+        whose engine sends no response head within the first-byte bound gets a 504."""
         tried: set[str] = set()
         while engine is not None:
             tried.add(engine.url)
@@ -104,8 +110,10 @@ class RouterProxy:
             dequeue = _Queued(engine, queued_tokens)
             queued_tokens = 0  # an engine tried next takes it unannounced
             try:
-                upstream = await until_disconnect(self._send(engine, request, body),
-                                                  request.receive)
+                send = self._send(engine, request, body)
+                if streaming and self._first_byte_timeout_s is not None:
+                    send = asyncio.wait_for(send, self._first_byte_timeout_s)
+                upstream = await until_disconnect(send, request.receive)
             except ClientGone:
                 engine.in_flight -= 1
                 dequeue()
@@ -125,6 +133,13 @@ class RouterProxy:
                 self._metrics.upstream_failed(engine.url)
                 return error_response(504, f"engine {engine.url} did not answer in time "
                                       f"({type(exc).__name__})", code="upstream_timeout")
+            except TimeoutError:  # the first-byte bound (asyncio.wait_for)
+                engine.in_flight -= 1
+                dequeue()
+                self._metrics.upstream_failed(engine.url)
+                return error_response(504, f"engine {engine.url} did not start its answer "
+                                      f"within {self._first_byte_timeout_s:g} s",
+                                      code="upstream_first_byte_timeout")
             except BaseException:
                 engine.in_flight -= 1
                 dequeue()

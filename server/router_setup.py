@@ -56,7 +56,7 @@ def build_router(args: argparse.Namespace, model_dir: Path,
 
     settings = RouterSettings(api_keys=keys, metrics_key=operator_key,
                               max_request_body_bytes=args.max_request_body_bytes)
-    proxy = RouterProxy(transport, timeout, pool, metrics)
+    proxy = RouterProxy(transport, timeout, pool, metrics, args.first_byte_timeout)
     return build_router_app(router, proxy, settings, shutdown)
 
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,8 @@ import httpx
 import pytest
 from daemon_helpers import RunningDaemon, start_daemon, wait_until
 from server_helpers import API_KEYS, METRICS_KEY, metric_value
-from support.kvengine import CLI, REPO_ROOT, KvengineProcess, run_kvengine
+from support.kvengine import KvengineProcess, run_kvengine
+from support.router import start_router, stop_router
 
 from engine import LLM, SamplingParams
 from server.auth import key_salt, tenant_salt
@@ -36,7 +35,6 @@ OTHER_TENANT = {"Authorization": f"Bearer {API_KEYS[1]}"}
 METRICS = {"Authorization": f"Bearer {METRICS_KEY}"}
 BODY_LIMIT = 64 * 1024
 LOCATE_TIMEOUT_MS = 200  # not 50 (the default): a loaded 2-core CI box must not fall back
-_LISTENING = re.compile(r"listening on (http://\S+)")
 
 
 @dataclass
@@ -53,33 +51,15 @@ class Node:
 
 def _start_router(model_dir: Path, daemon: RunningDaemon, engine_urls: list[str],
                   lines: list[str]) -> tuple[subprocess.Popen, str]:
-    args = [*CLI, "router", str(model_dir), "--kv-store-socket", str(daemon.socket_path),
-            "--port", "0", "--probe-interval", "0.2", "--kv-retry-interval", "0.5",
-            "--kv-locate-timeout-ms", str(LOCATE_TIMEOUT_MS), "--metrics-key", METRICS_KEY,
-            "--max-request-body-bytes", str(BODY_LIMIT), "--log-level", "info"]
+    args = ["--kv-store-socket", str(daemon.socket_path), "--probe-interval", "0.2",
+            "--kv-retry-interval", "0.5", "--kv-locate-timeout-ms", str(LOCATE_TIMEOUT_MS),
+            "--metrics-key", METRICS_KEY, "--max-request-body-bytes", str(BODY_LIMIT),
+            "--log-level", "info"]
     for url in engine_urls:
         args += ["--engine", url]
     for key in API_KEYS:
         args += ["--api-key", key]
-    proc = subprocess.Popen(args, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "KVENGINE_API_KEY"})
-    found = threading.Event()
-    url: list[str] = []
-
-    def pump() -> None:
-        for line in proc.stderr:
-            lines.append(line)
-            match = _LISTENING.search(line)
-            if match and not url:
-                url.append(match.group(1))
-                found.set()
-        found.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not found.wait(60) or not url:
-        proc.kill()
-        raise RuntimeError("kvengine router did not start:\n" + "".join(lines[-30:]))
-    return proc, url[0]
+    return start_router(model_dir, args, lines)
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +82,8 @@ def node(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                           30)
         yield Node(daemon, engines, router, url, lines)
     finally:
-        if router is not None and router.poll() is None:
-            router.send_signal(signal.SIGINT)
-            try:
-                router.wait(20)
-            except subprocess.TimeoutExpired:
-                router.kill()
+        if router is not None:
+            stop_router(router)
         for engine in engines:
             engine.stop()
         daemon.stop()
