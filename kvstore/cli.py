@@ -30,6 +30,7 @@ from kvstore.cli_copies import add_copy_flags, copy_settings_from_args
 from kvstore.cli_limits import add_limit_flags, limits_from_args
 from kvstore.cli_stats import stats_command
 from kvstore.log_lines import LOG_FORMATS, configure
+from kvstore.process_guard import forbid_inspection
 from kvstore.sizes import format_bytes, parse_size
 
 DEFAULT_DRAM = "1GiB"
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="text: 'time level logger: message' (the start-up lines: the "
                             "message alone); json: one JSON object per line (time, level, "
                             "logger, message), the start-up lines included")
+    serve.add_argument("--dumpable", action="store_true",
+                       help="keep core dumps and debuggers (gdb, py-spy); by default the daemon "
+                            "is not dumpable, so no other process of its user can open the "
+                            "engines' arenas it maps through /proc/PID/fd or read its memory")
     add_limit_flags(serve)
     add_copy_flags(serve)
     serve.add_argument("--cluster", default=None, metavar="redis://HOST:PORT/DB",
@@ -235,6 +240,8 @@ def _serve(args: argparse.Namespace, switch_interval_s: float) -> int:
 
     banner = configure(args.log_format, "kvstore.banner", banner_stream=sys.stdout)
     logging.getLogger().setLevel(args.log_level.upper())
+    if not args.dumpable:  # before any engine's arena is mapped here
+        forbid_inspection()
     try:
         env = load_env_settings()
     except ValueError as exc:

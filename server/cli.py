@@ -23,6 +23,7 @@ from kvstore.cli_args import (
     expand_sources,
     subcommand,
 )
+from kvstore.process_guard import forbid_inspection
 from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
 from server.http_front_args import api_keys, metrics_key
@@ -269,6 +270,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         listener.close()
         banner.error("kvengine: error: cannot start the engine on %s: %s", model_dir, exc)
         return 1
+    if config.kv_offload and engine.device == "cpu" and not args.dumpable:
+        forbid_inspection()  # its KV arena is a memfd, openable through /proc by its uid
     try:
         app = build_app(engine, settings)
         model_name = app.state.model_name

@@ -113,6 +113,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                        help="GPU: skip capturing the short prefill and decode graphs (and the "
                        "cuDNN graphs they use) before listening; the first requests pay for it")
+    serve.add_argument("--dumpable", action="store_true",
+                       help="CPU with --kv-offload: keep core dumps and debuggers (gdb, py-spy); "
+                       "by default the engine is then not dumpable, so no other process of its "
+                       "user can open its KV arena (a memfd) through /proc/PID/fd")
     serve.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM command lines; it changes nothing: kvengine "
                        "never runs code from a model folder (it reads JSON and safetensors)")
