@@ -29,6 +29,7 @@ from kernels.cublas_gemm import CublasGemm
 from kernels.cuda_module import BF16, contiguous
 from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 from kernels.ops import CapturedGraph, Ops
+from kernels.pinned_upload import PinnedUpload
 
 
 class CupyOps(Ops):
@@ -44,6 +45,7 @@ class CupyOps(Ops):
         self.xp = cp
         self.device_id = cp.cuda.Device().id
         self._capturer = None  # created on the first capture: most CPU-free tests never need it
+        self._upload: PinnedUpload | None = None  # weights in flight to the device
         self._gemm = CublasGemm()
         self.attention_backends = wanted_backends()
         self.attention_note = ""  # why cuDNN is not used, when it is not
@@ -86,7 +88,14 @@ class CupyOps(Ops):
             host = np.asarray(raw).astype(BF16)  # round to nearest even, as torch does
         else:
             raise ValueError(f"unsupported weight dtype {dtype!r}")
-        return cp.asarray(host)
+        if self._upload is None:  # the first weight of a load: staging buffers until finish
+            self._upload = PinnedUpload()
+        return self._upload.upload(host)
+
+    def weights_loaded(self) -> None:
+        if self._upload is not None:
+            self._upload.finish()
+            self._upload = None
 
     def to_device(self, host: np.ndarray) -> cp.ndarray:
         return cp.asarray(host)

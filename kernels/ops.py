@@ -77,7 +77,14 @@ class Ops(ABC):
 
         ``raw`` holds the file's values: float32/float16 arrays as such, bfloat16 as the uint16 bit
         patterns (NumPy has no bf16), ``dtype`` says which ("float32", "float16", "bfloat16").
+        The copy may still be in flight on the current stream (device work after it sees it)
+        until ``weights_loaded``.
         """
+
+    def weights_loaded(self) -> None:
+        """The last ``weight_from_host`` of a load was made: wait for its copies and release
+        what staged them (a backend that copies synchronously has nothing to do)."""
+        return None
 
     @abstractmethod
     def to_device(self, host: np.ndarray) -> Array:

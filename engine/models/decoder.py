@@ -78,6 +78,15 @@ class DecoderModel:
         cls, config: ModelConfig, reader: CheckpointReader, ops: Ops, cos_sin_cache: Array
     ) -> DecoderModel:
         """Read HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight``...) to the device."""
+        try:
+            return cls._load(config, reader, ops, cos_sin_cache)
+        finally:
+            ops.weights_loaded()  # the copies landed (or the load failed): staging released
+
+    @classmethod
+    def _load(
+        cls, config: ModelConfig, reader: CheckpointReader, ops: Ops, cos_sin_cache: Array
+    ) -> DecoderModel:
         xp = ops.xp
 
         def get(name: str) -> Array:
