@@ -48,7 +48,7 @@ from benchmarks.common import write_result  # noqa: E402
 from benchmarks.process_memory import host_memory  # noqa: E402
 from benchmarks.soak_verdict import verdict  # noqa: E402
 from kvstore import Client, ClientError, DaemonUnavailable  # noqa: E402
-from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
+from kvstore.keys import Namespace, chain_hashes, chain_idents  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import parse_size  # noqa: E402
 from kvstore.testing.processes import stop_process  # noqa: E402
@@ -63,10 +63,8 @@ def _chains(name: str, num_chains: int, seed: int) -> tuple[bytes, list[tuple[li
     chains = []
     for _ in range(num_chains):
         tokens = rng.integers(0, 50_000, CHAIN_BLOCKS * 16)
-        hashes = block_hashes(ns, tokens, 16)
-        parents = [ns, *hashes[:-1]]
-        idents = [block_ident(parents[i], tokens[i * 16:(i + 1) * 16])
-                  for i in range(CHAIN_BLOCKS)]
+        hashes = chain_hashes(ns, tokens, 16)
+        idents = chain_idents(ns, tokens, 16, range(CHAIN_BLOCKS), hashes)
         chains.append((hashes, idents))
     return ns, chains
 
