@@ -38,7 +38,6 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks import multiturn_sweep
 from benchmarks.answer_scoring import score_differences
 from benchmarks.chat_load import ChatLoad, answer_again
 from benchmarks.common import command, machine_info, now_iso, today, write_result
@@ -47,6 +46,8 @@ from benchmarks.fault_schedule import FaultKind, describe, make_schedule, parse_
 from benchmarks.fault_soak_verdict import verdict
 from benchmarks.multiturn_presets import PRESETS, scaled
 from benchmarks.process_memory import snapshot
+from benchmarks.servers import warm_up
+from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from benchmarks.soak_stack import MODEL_NAME, SoakStack, StackConfig
 from kvstore.cli_args import positive_float_arg, positive_int_arg, size_arg
 
@@ -117,19 +118,17 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple:
     if args.memory_tolerance < 0:
         parser.error("--memory-tolerance must not be negative")
     preset = PRESETS[args.preset]
-    block_bytes, max_positions = multiturn_sweep.model_shape(args.model_dir, args.block_size)
-    tokens_per_word = multiturn_sweep.tokens_per_word_of(args.model_dir, 0) or 1.3
+    block_bytes, max_positions = model_shape(args.model_dir, args.block_size)
+    tokens_per_word = tokens_per_word_of(args.model_dir, 0) or 1.3
     workload = replace(scaled(preset["workload"], args.scale), tokens_per_word=tokens_per_word)
     workload = replace(workload, num_users=args.users or workload.num_users)
     longest = workload.last_prompt_len() + workload.answer_len
     if longest > (args.max_model_len or max_positions):
         parser.error(f"the preset's longest conversation (~{longest} tokens) is longer than "
                      f"{args.max_model_len or max_positions} tokens: lower --scale")
-    sizing_args = argparse.Namespace(
-        block_size=args.block_size, max_model_len=args.max_model_len, fits_kv_blocks=None,
-        pressure_kv_blocks=args.num_kv_blocks, pressure_factor=preset["pressure_factor"],
-        dram=None)
-    plan = multiturn_sweep.plan_sizing(sizing_args, workload, block_bytes, max_positions)
+    plan = plan_sizing(workload, block_bytes, max_positions, block_size=args.block_size,
+                       pressure_factor=preset["pressure_factor"],
+                       max_model_len=args.max_model_len, pressure_kv_blocks=args.num_kv_blocks)
     ws_bytes = plan["working_set_bytes_est"]
     work_root = args.work_dir or Path(tempfile.gettempdir())
     free = shutil.disk_usage(work_root).free
@@ -197,7 +196,7 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
     warm_len = min(workload.last_prompt_len(), sizing["max_model_len"] - workload.answer_len - 64)
 
     def warm(url: str) -> None:
-        multiturn_sweep.warm_up(url, workload.answer_len, workload.tokens_per_word, warm_len)
+        warm_up(url, workload.answer_len, workload.tokens_per_word, warm_len)
 
     stack = SoakStack(config, warm)
     out: dict = {"error": None}

@@ -36,7 +36,6 @@ import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks import multiturn_sweep
 from benchmarks.common import (
     command,
     machine_info,
@@ -47,6 +46,8 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.multiturn import fmt_num
+from benchmarks.multiturn_sweep import PointSetup, run_point
+from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from benchmarks.workload import WorkloadConfig
 from kvstore.cli_args import positive_float_arg, size_arg
 
@@ -243,17 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sweep_args(args: argparse.Namespace, pressure_factor: float) -> argparse.Namespace:
-    """The fields ``multiturn_sweep.plan_sizing`` and ``run_point`` read."""
-    return argparse.Namespace(
-        model_dir=args.model_dir, device=args.device, block_size=args.block_size,
-        max_model_len=args.max_model_len, fits_kv_blocks=None, pressure_kv_blocks=None,
-        pressure_factor=pressure_factor, dram=args.dram, max_num_seqs=args.max_num_seqs,
-        kv_offload_policy=args.kv_offload_policy, engine_args=args.engine_args,
-        start_timeout=args.start_timeout, request_timeout=args.request_timeout,
-        duration_s=args.duration_s, no_progress=args.no_progress)
-
-
 def print_report(result: dict) -> None:
     """One line per configuration, then on against off per regime."""
     f = fmt_num
@@ -301,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--regimes: pressure, fits or both")
     if not (args.model_dir / "config.json").exists():
         parser.error(f"--model-dir {args.model_dir}: no config.json")
-    block_bytes, max_positions = multiturn_sweep.model_shape(args.model_dir, args.block_size)
-    tokens_per_word = (args.tokens_per_word
-                       or multiturn_sweep.tokens_per_word_of(args.model_dir, 0) or 1.3)
+    block_bytes, max_positions = model_shape(args.model_dir, args.block_size)
+    tokens_per_word = args.tokens_per_word or tokens_per_word_of(args.model_dir, 0) or 1.3
     try:
         workload = scaled(preset["workload"], args.scale)
         workload = replace(workload, tokens_per_word=tokens_per_word,
@@ -315,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     pressure_factor = args.pressure_factor or preset["pressure_factor"]
     if not qps > 0 or not pressure_factor > 1:
         parser.error("--qps must be > 0 and --pressure-factor > 1")
-    sweep_args = _sweep_args(args, pressure_factor)
-    sizing = multiturn_sweep.plan_sizing(sweep_args, workload, block_bytes, max_positions)
+    sizing = plan_sizing(workload, block_bytes, max_positions, block_size=args.block_size,
+                         pressure_factor=pressure_factor, max_model_len=args.max_model_len,
+                         dram_bytes=args.dram)
     # The sweep's fits pool (1.5x the working set) outgrows an 80 GB card at these lengths: the
     # working set plus a tenth is enough for "fits in HBM".
     ws_blocks = sizing["working_set_blocks_est"]
@@ -334,12 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     if h2d_gbps is None:
         h2d_gbps, h2d_source = DEFAULT_H2D_GBPS, "assumed (H100 figure; no CUDA here)"
     print(f"raw pinned H2D: {h2d_gbps:.1f} GB/s ({h2d_source})", flush=True)
+    setup = PointSetup.from_args(args)
     points = []
     for regime in regimes:
         for offload in (True, False):
             print(f"\n== {args.preset}: {regime} regime, offload {'on' if offload else 'off'} "
                   f"({sizing['regimes'][regime]['num_kv_blocks']} KV blocks)", flush=True)
-            point = multiturn_sweep.run_point(sweep_args, workload, sizing, regime, offload, qps)
+            point = run_point(setup, workload, sizing, regime, offload, qps)
             if point["error"]:
                 print(f"failed: {point['error']}", flush=True)
             else:
