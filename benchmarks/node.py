@@ -1,6 +1,6 @@
 """A node of N GPUs behind ``kvengine router``: the long-context workload over N engines (issue 28).
 
-The long-context preset's conversations (``benchmarks.multiturn_presets``: ~1k-token shared
+The long-context preset's conversations (``benchmarks.multiturn.presets``: ~1k-token shared
 system prompt, ~18k-token histories, 100-token answers), with N times its users and request
 rate, sent to a ``kvengine router`` in front of N ``kvengine serve`` (one per device:
 ``cuda:0``..``cuda:N-1``, or N CPU engines), each engine's HBM pool a third of its share of the
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import multiturn
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.multiturn_presets import PRESETS, scaled, summarize_point
+from benchmarks.multiturn import load
+from benchmarks.multiturn.presets import PRESETS, scaled, summarize_point
 from benchmarks.servers import ServerProcess, warm_up
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from kvstore.cli_args import size_arg
@@ -155,10 +155,10 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
                                    keep=re.escape(ROUTE_LOG_PREFIX) + r"\{")
             procs.append(router)
             url = router.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
-        run = multiturn.RunConfig(url=url, workload=workload, qps=qps,
-                                  request_timeout_s=args.request_timeout,
-                                  duration_s=args.duration_s, progress=not args.no_progress)
-        result = multiturn.run(run)
+        run = load.RunConfig(url=url, workload=workload, qps=qps,
+                             request_timeout_s=args.request_timeout,
+                             duration_s=args.duration_s, progress=not args.no_progress)
+        result = load.run(run)
         point["records"] = result["records"]
         point["summary"] = _figures(result, block_bytes / args.block_size, args.h2d_gbps)
         if socket_path is not None:

@@ -6,10 +6,17 @@ import random
 
 import pytest
 
-from benchmarks.multiturn import RequestRecord, summarize
+from benchmarks.multiturn.request_record import RequestRecord
+from benchmarks.multiturn.summary import summarize
+from benchmarks.multiturn.sweep_report import evaluate_targets
+from benchmarks.multiturn.workload import (
+    WORDS,
+    Conversation,
+    WorkloadConfig,
+    make_conversations,
+    words_text,
+)
 from benchmarks.sizing import plan_sizing
-from benchmarks.sweep_report import evaluate_targets
-from benchmarks.workload import WORDS, Conversation, WorkloadConfig, make_conversations, words_text
 
 
 def _config(**kwargs) -> WorkloadConfig:

@@ -13,9 +13,9 @@ p50/p99 against QPS per configuration; hit rate by tier per round) when matplotl
 Targets (DESIGN.md): pressure regime mean TTFT with offload >= 3x better than without, at every
 QPS; fits regime offload costs <= 5% mean TTFT.
 
-    python -m benchmarks.multiturn_sweep --model-dir DIR --device cuda --qps 0.5,1,2,4 \\
+    python -m benchmarks.multiturn.sweep --model-dir DIR --device cuda --qps 0.5,1,2,4 \\
         --regimes fits,pressure --users 32 --rounds 6 --system-prompt-len 2048 --history-len 4096
-    python -m benchmarks.multiturn_sweep --model-dir /tmp/tiny --device cpu --qps 2,8 \\
+    python -m benchmarks.multiturn.sweep --model-dir /tmp/tiny --device cpu --qps 2,8 \\
         --users 8 --rounds 3 --system-prompt-len 200 --history-len 300 --answer-len 8   # smoke
 """
 
@@ -34,19 +34,20 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import multiturn
 from benchmarks.common import command, machine_info, now_iso, today, write_result
+from benchmarks.multiturn import load
+from benchmarks.multiturn.summary import format_summary
+from benchmarks.multiturn.sweep_report import evaluate_targets, plot, point_label, print_report
+from benchmarks.multiturn.workload import WorkloadConfig
 from benchmarks.servers import ServerProcess, warm_up
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
-from benchmarks.sweep_report import evaluate_targets, plot, point_label, print_report
-from benchmarks.workload import WorkloadConfig
 from kvstore.cli_args import size_arg
 
 
 @dataclass(frozen=True)
 class PointSetup:
     """How a point's daemon and engine start and its load runs: the flags that the sweep and the
-    presets (``benchmarks.multiturn_presets``) share."""
+    presets (``benchmarks.multiturn.presets``) share."""
 
     model_dir: Path
     device: str
@@ -125,10 +126,10 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
         url = engine.wait_for(r"listening on (http://\S+)", setup.start_timeout_s).group(1)
         warm_up(url, workload.answer_len, workload.tokens_per_word,
                 min(1024, sizing["max_model_len"] // 2))
-        config = multiturn.RunConfig(url=url, workload=workload, qps=qps,
-                                     request_timeout_s=setup.request_timeout_s,
-                                     duration_s=setup.duration_s, progress=setup.progress)
-        result = multiturn.run(config)
+        config = load.RunConfig(url=url, workload=workload, qps=qps,
+                                request_timeout_s=setup.request_timeout_s,
+                                duration_s=setup.duration_s, progress=setup.progress)
+        result = load.run(config)
         point["summary"], point["records"] = result["summary"], result["records"]
         point["working_set_over_hbm_measured"] = _measured_pressure(
             result["records"], workload, point["num_kv_blocks"], setup.block_size)
@@ -162,14 +163,14 @@ def _measured_pressure(records: list[dict], workload: WorkloadConfig, num_kv_blo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `python -m benchmarks.multiturn_sweep`."""
+    """The argument parser of `python -m benchmarks.multiturn.sweep`."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     p.add_argument("--qps", default="0.5,1,2,4", help="comma-separated arrival rates")
     p.add_argument("--regimes", default="fits,pressure")
     p.add_argument("--offload", default="on,off", help="which configurations: on, off or both")
-    w = p.add_argument_group("workload (see benchmarks.multiturn)")
+    w = p.add_argument_group("workload (see benchmarks.multiturn.load)")
     w.add_argument("--users", type=int, default=16)
     w.add_argument("--rounds", type=int, default=4)
     w.add_argument("--system-prompt-len", type=int, default=1024)
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 if point["error"]:
                     print(f"point failed: {point['error']}", flush=True)
                 else:
-                    print(multiturn.format_summary(point["summary"]), flush=True)
+                    print(format_summary(point["summary"]), flush=True)
                 points.append(point)
 
     smoke = args.device == "cpu"
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "regimes": regimes, "offload": offloads, "workload": asdict(workload), "sizing": sizing,
         "targets": evaluate_targets(points, qps_list),
         "machine": machine_info(), "date": now_iso(),
-        "command": command("python -m benchmarks.multiturn_sweep", argv),
+        "command": command("python -m benchmarks.multiturn.sweep", argv),
         "points": points,
     }
     print_report(result)

@@ -14,7 +14,7 @@
   reuse of the agent loop; ``benchmarks.structured_step`` measures the grammar's cost.
 
 Each configuration runs on a fresh ``kvstore serve`` (offload on) and ``kvengine serve``
-(``benchmarks.multiturn_sweep.run_point``). Reported per configuration: mean TTFT over all turns,
+(``benchmarks.multiturn.sweep.run_point``). Reported per configuration: mean TTFT over all turns,
 first turns (cold either way) and later turns; TTFT p50/p90/p99; inter-token latency p50/p99;
 hit rate by tier; for restored turns the load floor (restored KV bytes / ``--h2d-gbps``) and how
 far above it each restore's TTFT sits. Against the issue's targets: later turns >= 6x, all turns
@@ -23,8 +23,8 @@ fits-in-HBM overhead (<= 3%). JSON and a TTFT-over-time PNG (on against off) go 
 
 ``--scale`` shrinks every length (not the user count) for CPU runs with a tiny model:
 
-    python -m benchmarks.multiturn_presets --preset long-context --model-dir DIR --device cuda
-    python -m benchmarks.multiturn_presets --preset agentic --model-dir /tmp/tiny --device cpu \\
+    python -m benchmarks.multiturn.presets --preset long-context --model-dir DIR --device cuda
+    python -m benchmarks.multiturn.presets --preset agentic --model-dir /tmp/tiny --device cpu \\
         --scale 0.05 --users 4 --rounds 3 --qps 20       # CPU smoke: says nothing about H100
 """
 
@@ -45,10 +45,10 @@ from benchmarks.common import (
     today,
     write_result,
 )
-from benchmarks.multiturn import fmt_num
-from benchmarks.multiturn_sweep import PointSetup, run_point
+from benchmarks.multiturn.summary import fmt_num
+from benchmarks.multiturn.sweep import PointSetup, run_point
+from benchmarks.multiturn.workload import WorkloadConfig
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
-from benchmarks.workload import WorkloadConfig
 from kvstore.cli_args import positive_float_arg, size_arg
 
 PRESETS: dict[str, dict] = {
@@ -209,7 +209,7 @@ def plot_ttft_over_time(result: dict, path: Path) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m benchmarks.multiturn_presets``."""
+    """The argument parser of ``python -m benchmarks.multiturn.presets``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--model-dir", type=Path, required=True)
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS, "comparison": comparison,
         "fits_overhead": None if fits is None else 1 / fits - 1,
         "machine": machine_info(), "date": now_iso(),
-        "command": command("python -m benchmarks.multiturn_presets", argv), "points": points,
+        "command": command("python -m benchmarks.multiturn.presets", argv), "points": points,
     }
     print_report(result)
     out_dir = Path(args.out)

@@ -111,7 +111,7 @@ class SoakStack:
         """Start the engine under test and warm it up: (seconds to listening, to warm)."""
         started = time.monotonic()
         self.engine = ServerProcess(self._engine_cmd(True, self.config.num_kv_blocks),
-                              "kvengine serve --kv-offload")
+                                    "kvengine serve --kv-offload")
         url = self.engine.wait_for(r"listening on (http://\S+)", self.config.start_timeout_s)
         listening_s = time.monotonic() - started
         self._warm_up(url.group(1))
