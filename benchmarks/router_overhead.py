@@ -39,10 +39,10 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import command, machine_info, now_iso, percentile, today, write_result
-from benchmarks.multiturn.workload import words_text
 from benchmarks.router_metrics import metrics_delta, router_metrics
 from benchmarks.servers import ServerProcess
 from benchmarks.sizing import model_shape, tokens_per_word_of
+from benchmarks.workload import words_text
 from server.router_proxy import ENGINE_HEADER
 
 TARGET_ADDED_P50_MS = 2.0

@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from benchmarks.multiturn.workload import words_text
+from benchmarks.workload import words_text
 from kvstore.testing.processes import stop_process
 
 

@@ -15,7 +15,7 @@ import os
 import random
 from pathlib import Path
 
-from benchmarks.multiturn.workload import WorkloadConfig, words_text
+from benchmarks.workload import WorkloadConfig, words_text
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

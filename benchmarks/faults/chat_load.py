@@ -1,11 +1,11 @@
 """The load of a fault soak: multi-turn chats sent to one engine, with a gate for its restarts.
 
-Users hold conversations (``benchmarks.multiturn.workload``) and send their rounds in a closed
-loop: an arrival (Poisson at ``qps``) goes to the user idle longest, a user's next round leaves
-only after its answer came back, and a user whose conversation ended starts a new one (its own
-text, the same shared system prompt), so the load lasts as long as the soak. Every request is
-greedy (temperature 0, ``ignore_eos``, ``max_tokens`` = the answer length) and non-streaming; a
-failure is recorded, never raised, and its round gets a stand-in answer.
+Users hold conversations (``benchmarks.workload``) and send their rounds in a closed loop: an
+arrival (Poisson at ``qps``) goes to the user idle longest, a user's next round leaves only after
+its answer came back, and a user whose conversation ended starts a new one (its own text, the
+same shared system prompt), so the load lasts as long as the soak. Every request is greedy
+(temperature 0, ``ignore_eos``, ``max_tokens`` = the answer length) and non-streaming; a failure
+is recorded, never raised, and its round gets a stand-in answer.
 
 The gate is how a fault soak restarts the engine without counting the restart against it:
 ``pause(fault)`` closes the gate and marks every request in flight at that moment (those may fail:
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 
 from benchmarks.faults.answer_scoring import token_ids_of
-from benchmarks.multiturn.workload import Conversation, WorkloadConfig, system_prompt
+from benchmarks.workload import Conversation, WorkloadConfig, system_prompt
 
 
 @dataclass

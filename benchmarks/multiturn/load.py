@@ -36,7 +36,7 @@ from typing import Any
 from benchmarks.common import command, machine_info, now_iso, write_result
 from benchmarks.multiturn.request_record import RequestRecord
 from benchmarks.multiturn.summary import format_summary, summarize
-from benchmarks.multiturn.workload import Conversation, WorkloadConfig, make_conversations
+from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
 from server.router_proxy import ENGINE_HEADER
 
 

@@ -38,9 +38,9 @@ from benchmarks.common import command, machine_info, now_iso, today, write_resul
 from benchmarks.multiturn import load
 from benchmarks.multiturn.summary import format_summary
 from benchmarks.multiturn.sweep_report import evaluate_targets, plot, point_label, print_report
-from benchmarks.multiturn.workload import WorkloadConfig
 from benchmarks.servers import ServerProcess, warm_up
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
+from benchmarks.workload import WorkloadConfig
 from kvstore.cli_args import size_arg
 
 

@@ -9,14 +9,14 @@ import pytest
 from benchmarks.multiturn.request_record import RequestRecord
 from benchmarks.multiturn.summary import summarize
 from benchmarks.multiturn.sweep_report import evaluate_targets
-from benchmarks.multiturn.workload import (
+from benchmarks.sizing import plan_sizing
+from benchmarks.workload import (
     WORDS,
     Conversation,
     WorkloadConfig,
     make_conversations,
     words_text,
 )
-from benchmarks.sizing import plan_sizing
 
 
 def _config(**kwargs) -> WorkloadConfig:
