@@ -55,13 +55,12 @@ NODE_TIMINGS = {"heartbeat_interval_s": 0.5, "node_ttl_s": 5.0, "remote_timeout_
 
 
 def _chain(num_blocks: int, seed: int) -> tuple[bytes, list[bytes], list[bytes]]:
-    from kvstore.keys import Namespace, block_hashes, block_ident
+    from kvstore.keys import Namespace, chain_hashes, chain_idents
 
     ns = Namespace(tenant_salt="bench", name=f"cluster-{seed}").digest
     tokens = np.random.default_rng(seed).integers(0, 150_000, size=num_blocks * 16)
-    hashes = block_hashes(ns, tokens, 16)
-    parents = [ns, *hashes[:-1]]
-    idents = [block_ident(parents[i], tokens[i * 16:(i + 1) * 16]) for i in range(num_blocks)]
+    hashes = chain_hashes(ns, tokens, 16)
+    idents = chain_idents(ns, tokens, 16, range(num_blocks), hashes)
     return ns, hashes, idents
 
 

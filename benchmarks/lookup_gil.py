@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.vllm_process import REPO_ROOT, start_store, stop_store
-from kvstore.keys import Namespace, block_hashes, block_ident
+from benchmarks.vllm.store_process import REPO_ROOT, start_store, stop_store
+from kvstore.keys import Namespace, chain_hashes, chain_idents
 from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client
 from offload.anon_memory import AnonymousMemory
@@ -45,10 +45,8 @@ def _chain(num_blocks: int, name: str = "lookup-gil", seed: int = 0,
            block_size: int = 16) -> tuple[bytes, list[bytes], list[bytes]]:
     namespace = Namespace(name=name).digest
     tokens = np.random.default_rng(seed).integers(0, 50_000, num_blocks * block_size)
-    hashes = block_hashes(namespace, tokens, block_size)
-    parents = [namespace, *hashes[:-1]]
-    idents = [block_ident(parents[i], tokens[i * block_size:(i + 1) * block_size])
-              for i in range(num_blocks)]
+    hashes = chain_hashes(namespace, tokens, block_size)
+    idents = chain_idents(namespace, tokens, block_size, range(num_blocks), hashes)
     return namespace, hashes, idents
 
 

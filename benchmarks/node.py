@@ -1,6 +1,6 @@
 """A node of N GPUs behind ``kvengine router``: the long-context workload over N engines (issue 28).
 
-The long-context preset's conversations (``benchmarks.multiturn_presets``: ~1k-token shared
+The long-context preset's conversations (``benchmarks.multiturn.presets``: ~1k-token shared
 system prompt, ~18k-token histories, 100-token answers), with N times its users and request
 rate, sent to a ``kvengine router`` in front of N ``kvengine serve`` (one per device:
 ``cuda:0``..``cuda:N-1``, or N CPU engines), each engine's HBM pool a third of its share of the
@@ -41,9 +41,11 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import multiturn, multiturn_sweep
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.multiturn_presets import PRESETS, scaled, summarize_point
+from benchmarks.multiturn import load
+from benchmarks.multiturn.presets import PRESETS, scaled, summarize_point
+from benchmarks.servers import ServerProcess, warm_up
+from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from kvstore.cli_args import size_arg
 from server.request_router import ROUTE_LOG_PREFIX
 
@@ -119,10 +121,10 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
                    "qps": qps, "error": None}
     workdir = Path(tempfile.mkdtemp(prefix="kv-node-"))
     socket_path = workdir / "kv.sock" if config != "rr-no-store" else None
-    procs: list[multiturn_sweep.Process] = []
+    procs: list[ServerProcess] = []
     try:
         if socket_path is not None:
-            daemon = multiturn_sweep.Process(
+            daemon = ServerProcess(
                 [sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(socket_path),
                  "--dram", str(sizing["dram_bytes"]), "--http", "off"], "kvstore serve")
             procs.append(daemon)
@@ -130,15 +132,15 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
         urls = []
         for i in range(num_engines):
             device = f"cuda:{i}" if args.device == "cuda" else "cpu"
-            engine = multiturn_sweep.Process(
+            engine = ServerProcess(
                 _engine_cmd(args, device, blocks, sizing, workload.num_users, socket_path),
                 f"kvengine serve ({device})")
             procs.append(engine)
             urls.append(engine.wait_for(r"listening on (http://\S+)", args.start_timeout)
                         .group(1))
         for url in urls:
-            multiturn_sweep.warm_up(url, workload.answer_len, workload.tokens_per_word,
-                                    min(1024, sizing["max_model_len"] // 2))
+            warm_up(url, workload.answer_len, workload.tokens_per_word,
+                    min(1024, sizing["max_model_len"] // 2))
         url = urls[0]
         if not single:
             routing = "kv" if config == "kv" else "round-robin"
@@ -149,14 +151,14 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
                 cmd += ["--engine", engine_url]
             if socket_path is not None:
                 cmd += ["--kv-store-socket", str(socket_path)]
-            router = multiturn_sweep.Process(cmd, "kvengine router",
-                                             keep=re.escape(ROUTE_LOG_PREFIX) + r"\{")
+            router = ServerProcess(cmd, "kvengine router",
+                                   keep=re.escape(ROUTE_LOG_PREFIX) + r"\{")
             procs.append(router)
             url = router.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
-        run = multiturn.RunConfig(url=url, workload=workload, qps=qps,
-                                  request_timeout_s=args.request_timeout,
-                                  duration_s=args.duration_s, progress=not args.no_progress)
-        result = multiturn.run(run)
+        run = load.RunConfig(url=url, workload=workload, qps=qps,
+                             request_timeout_s=args.request_timeout,
+                             duration_s=args.duration_s, progress=not args.no_progress)
+        result = load.run(run)
         point["records"] = result["records"]
         point["summary"] = _figures(result, block_bytes / args.block_size, args.h2d_gbps)
         if socket_path is not None:
@@ -295,16 +297,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model_dir / "config.json").exists():
         parser.error(f"--model-dir {args.model_dir}: no config.json")
     preset = PRESETS["long-context"]
-    block_bytes, max_positions = multiturn_sweep.model_shape(args.model_dir, args.block_size)
+    block_bytes, max_positions = model_shape(args.model_dir, args.block_size)
     per_engine = scaled(preset["workload"], args.scale)
-    per_engine = replace(per_engine, tokens_per_word=multiturn_sweep.tokens_per_word_of(
-        args.model_dir, 0) or 1.3, num_users=args.users or per_engine.num_users)
+    per_engine = replace(per_engine,
+                         tokens_per_word=tokens_per_word_of(args.model_dir, 0) or 1.3,
+                         num_users=args.users or per_engine.num_users)
     engine_qps = args.qps or preset["qps"]
     node = replace(per_engine, num_users=per_engine.num_users * args.gpus)
-    sizing_args = argparse.Namespace(
-        block_size=args.block_size, max_model_len=args.max_model_len, fits_kv_blocks=None,
-        pressure_kv_blocks=None, pressure_factor=preset["pressure_factor"], dram=args.dram)
-    plan = multiturn_sweep.plan_sizing(sizing_args, per_engine, block_bytes, max_positions)
+    plan = plan_sizing(per_engine, block_bytes, max_positions, block_size=args.block_size,
+                       pressure_factor=preset["pressure_factor"],
+                       max_model_len=args.max_model_len, dram_bytes=args.dram)
     ws = plan["working_set_blocks_est"]
     sizing = {"max_model_len": plan["max_model_len"],
               "pressure_blocks": plan["regimes"]["pressure"]["num_kv_blocks"],

@@ -6,7 +6,7 @@ configuration with the same seeded Poisson arrivals (one conversation per user, 
 only after its last answer). No HTTP and no tokenizer: what differs between the configurations is
 the engine and the store alone. Configurations: `off`, `write-through`, `evict`, `private`
 (write-through, the arena not shared as the HBM tier); each with offload gets a fresh
-`kvstore serve`. Regimes as in benchmarks.multiturn_sweep: `fits` sizes the HBM pool for the
+`kvstore serve`. Regimes as in benchmarks.multiturn.sweep: `fits` sizes the HBM pool for the
 whole working set, `pressure` for 1/--pressure-factor of it.
 
 Per request: TTFT from its scheduled arrival (a request waits for the next step boundary like an

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import sys
@@ -40,15 +39,15 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import command, machine_info, now_iso, percentile, today, write_result
-from benchmarks.multiturn_sweep import Process, model_shape, tokens_per_word_of
+from benchmarks.router_metrics import metrics_delta, router_metrics
+from benchmarks.servers import ServerProcess
+from benchmarks.sizing import model_shape, tokens_per_word_of
 from benchmarks.workload import words_text
 from server.router_proxy import ENGINE_HEADER
 
 TARGET_ADDED_P50_MS = 2.0
 KINDS = ("completion", "chat")
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
-_SAMPLE = re.compile(r'^(kvengine:router_\w+?)(?:_total)?(\{[^}]*\})?\s+([0-9.e+-]+|NaN)$')
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass
@@ -111,38 +110,6 @@ def send(client: httpx.Client, url: str, prompt: Prompt) -> dict:
     return out
 
 
-def router_metrics(url: str) -> dict[str, float]:
-    """The router's samples by name and labels (``name{a="b"}`` -> value)."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        match = _SAMPLE.match(line)
-        if match:
-            out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return out
-
-
-def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Mean ms of each router timing and requests by reason, between two scrapes."""
-    def diff(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    means: dict = {}
-    for stage in ("route", "prompt", "kv_locate"):
-        name = f"kvengine:router_{stage}_seconds"
-        count = diff(name + "_count")
-        means[f"{stage}_mean_ms"] = diff(name + "_sum") / count * 1e3 if count else None
-        means[f"{stage}_count"] = count
-        buckets = sorted((float(dict(_LABEL.findall(key))["le"]), diff(key)) for key in after
-                         if key.startswith(name + "_bucket{"))
-        for q in (0.5, 0.9):
-            means[f"{stage}_p{round(q * 100)}_ms"] = _bucket_quantile(buckets, q)
-    reasons: dict[str, float] = {}
-    for key in (k for k in after if k.startswith("kvengine:router_requests{") and diff(k)):
-        reason = dict(_LABEL.findall(key))["reason"]
-        reasons[reason] = reasons.get(reason, 0.0) + diff(key)
-    return {**means, "requests_by_reason": reasons}
-
-
 def cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system, all threads) a process has used; None off Linux."""
     try:
@@ -150,21 +117,6 @@ def cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
-    """The q-quantile in ms of a histogram's cumulative (upper bound, count) buckets, linear
-    within the bucket it falls in (Prometheus' histogram_quantile)."""
-    if not buckets or not buckets[-1][1]:
-        return None
-    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
-    for upper, count in buckets:
-        if count >= rank:
-            if upper == float("inf"):
-                return lower * 1e3
-            return (lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)) * 1e3
-        lower, below = upper, count
-    return None
 
 
 def _stats(values: list[float]) -> dict:
@@ -276,11 +228,12 @@ def _ms(value: float | None) -> str:
 
 
 def _start(args: argparse.Namespace, prompts: list[Prompt], workdir: Path,
-           procs: list[Process]) -> tuple[str, list[str], int]:
+           procs: list[ServerProcess]) -> tuple[str, list[str], int]:
     """The daemon, the engines and the router; the router's URL, the engines', its pid."""
     socket_path = workdir / "kv.sock"
-    daemon = Process([sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(socket_path),
-                      "--dram", args.dram, "--http", "off"], "kvstore serve")
+    daemon = ServerProcess([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
+                            str(socket_path), "--dram", args.dram, "--http", "off"],
+                           "kvstore serve")
     procs.append(daemon)
     daemon.wait_for(r"kvstore: ready", args.start_timeout)
     _, max_positions = model_shape(args.model_dir, args.block_size)
@@ -295,12 +248,13 @@ def _start(args: argparse.Namespace, prompts: list[Prompt], workdir: Path,
                "--device", device, "--port", "0", "--kv-offload", "--kv-store-socket",
                str(socket_path), "--max-model-len", str(max_model_len), "--block-size",
                str(args.block_size), "--max-num-seqs", "8", "--num-kv-blocks", str(num_blocks)]
-        engine = Process(cmd, f"kvengine serve ({device})")
+        engine = ServerProcess(cmd, f"kvengine serve ({device})")
         procs.append(engine)
         urls.append(engine.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1))
     cmd = [sys.executable, "-m", "server.cli", "router", str(args.model_dir), "--routing", "kv",
            "--port", "0", "--kv-store-socket", str(socket_path)]
-    router = Process(cmd + [arg for url in urls for arg in ("--engine", url)], "kvengine router")
+    cmd += [arg for url in urls for arg in ("--engine", url)]
+    router = ServerProcess(cmd, "kvengine router")
     procs.append(router)
     router_url = router.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
     deadline = time.monotonic() + args.start_timeout
@@ -351,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model-dir {args.model_dir}: no config.json")
     prompts = _prompts(args, tokens_per_word_of(args.model_dir, args.seed) or 1.3)
     workdir = Path(tempfile.mkdtemp(prefix="kv-router-overhead-"))
-    procs: list[Process] = []
+    procs: list[ServerProcess] = []
     rng = random.Random(args.seed)
     by_size: dict[str, dict] = {}
     try:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import write_result  # noqa: E402
 from kvstore import Client  # noqa: E402
-from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
+from kvstore.keys import Namespace, chain_hashes, chain_idents  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import format_bytes, parse_size  # noqa: E402
 from kvstore.store.tiered import StoreConfig, TieredStore  # noqa: E402
@@ -57,9 +57,8 @@ def pct(samples: list[float], q: float) -> float:
 def chain(name: str, num_blocks: int) -> tuple[bytes, list[bytes], list[bytes]]:
     ns = Namespace(name=name).digest
     tokens = np.arange(num_blocks * 16, dtype=np.int64) % 50_000
-    hashes = block_hashes(ns, tokens, 16)
-    parents = [ns, *hashes[:-1]]
-    idents = [block_ident(parents[i], tokens[i * 16:(i + 1) * 16]) for i in range(num_blocks)]
+    hashes = chain_hashes(ns, tokens, 16)
+    idents = chain_idents(ns, tokens, 16, range(num_blocks), hashes)
     return ns, hashes, idents
 
 

@@ -1,4 +1,4 @@
-"""The agent preset (benchmarks.multiturn_presets --preset agent-tools) scaled down end to end on
+"""The agent preset (benchmarks.multiturn.presets --preset agent-tools) scaled down end to end on
 CPU (a real daemon, real `kvengine serve`), and benchmarks.structured_step on the tiny model."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import multiturn_presets as presets
 from benchmarks import structured_step
+from benchmarks.multiturn import presets
 
 pytestmark = pytest.mark.timeout(180)
 

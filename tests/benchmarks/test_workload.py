@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import pytest
 
-from benchmarks.multiturn import RequestRecord, summarize
-from benchmarks.multiturn_sweep import plan_sizing
-from benchmarks.sweep_report import evaluate_targets
-from benchmarks.workload import WORDS, Conversation, WorkloadConfig, make_conversations, words_text
+from benchmarks.multiturn.request_record import RequestRecord
+from benchmarks.multiturn.summary import summarize
+from benchmarks.multiturn.sweep_report import evaluate_targets
+from benchmarks.sizing import plan_sizing
+from benchmarks.workload import (
+    WORDS,
+    Conversation,
+    WorkloadConfig,
+    make_conversations,
+    words_text,
+)
 
 
 def _config(**kwargs) -> WorkloadConfig:
@@ -128,9 +134,8 @@ def test_summary_counts_hits_by_tier_per_round() -> None:
 
 def test_sizing_puts_the_working_set_in_and_out_of_hbm() -> None:
     workload = _config(num_users=16, history_len=400)
-    args = argparse.Namespace(block_size=16, max_model_len=None, fits_kv_blocks=None,
-                              pressure_kv_blocks=None, pressure_factor=4.0, dram=None)
-    sizing = plan_sizing(args, workload, block_bytes=8192, max_positions=4096)
+    sizing = plan_sizing(workload, block_bytes=8192, max_positions=4096, block_size=16,
+                         pressure_factor=4.0)
     ws_blocks = sizing["working_set_blocks_est"]
     fits, pressure = sizing["regimes"]["fits"], sizing["regimes"]["pressure"]
     assert fits["num_kv_blocks"] >= ws_blocks

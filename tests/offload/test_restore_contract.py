@@ -357,7 +357,7 @@ def test_loading_to_given_up_when_the_store_hangs_keeps_the_slots_until_it_answe
 
 def test_waiting_for_slots_to_given_up_when_the_store_hangs(side, daemon) -> None:
     """A leased hit waiting for slots when the store hangs is given up at the next poll, not
-    after the slot wait (found by benchmarks.fault_soak: requests waited out a whole SIGSTOP,
+    after the slot wait (found by benchmarks.faults.soak: requests waited out a whole SIGSTOP,
     then restored); its lease goes back once the store answers again."""
     store_chain(daemon.socket_path, 15)
     r = restorer(side)  # the default slot wait (5 s), far longer than this test allows

@@ -1,5 +1,5 @@
 """Tokens named by id (vLLM's ``return_tokens_as_token_ids``) and the fault soak's teacher
-forcing (``benchmarks.answer_scoring``) against a real server: the engine's own greedy answer
+forcing (``benchmarks.faults.answer_scoring``) against a real server: the engine's own greedy answer
 scores within any margin, and an answer with foreign tokens does not."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from benchmarks.answer_scoring import prompt_ids, score, token_ids_of
+from benchmarks.faults.answer_scoring import prompt_ids, score, token_ids_of
 
 MESSAGES = [{"role": "user", "content": "Count the apples in the basket, slowly."}]
 

@@ -16,7 +16,7 @@ summary also gives TPOT, time per output token after the first), end-to-end time
 stops after U x R requests (or --max-requests, or --duration-s) and prints a summary; --output
 writes JSON with machine, date, command, config, summary and every record.
 
-    python -m benchmarks.multiturn --url http://127.0.0.1:8000 --users 16 --rounds 8 --qps 2 \\
+    python -m benchmarks.multiturn.load --url http://127.0.0.1:8000 --users 16 --rounds 8 --qps 2 \\
         --system-prompt-len 1024 --history-len 2048 --answer-len 128 --output run.json
 """
 
@@ -34,12 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import command, machine_info, now_iso, write_result
-from benchmarks.multiturn_summary import TIERS, fmt_num, format_summary, summarize
-from benchmarks.request_record import RequestRecord
+from benchmarks.multiturn.request_record import RequestRecord
+from benchmarks.multiturn.summary import format_summary, summarize
 from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
 from server.router_proxy import ENGINE_HEADER
-
-__all__ = ["TIERS", "RequestRecord", "RunConfig", "fmt_num", "format_summary", "run", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -234,7 +232,7 @@ def run(config: RunConfig) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `python -m benchmarks.multiturn`."""
+    """The argument parser of `python -m benchmarks.multiturn.load`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="server URL, with or without /v1")
     parser.add_argument("--model", default=None, help="model name (default: the first listed)")
@@ -289,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multiturn: error: {exc}", file=sys.stderr)
         return 2
     result = {**result, "machine": machine_info(), "date": now_iso(),
-              "command": command("python -m benchmarks.multiturn", argv)}
+              "command": command("python -m benchmarks.multiturn.load", argv)}
     if args.output:  # written before anything is printed: the records outlive a closed stdout
         write_result(Path(args.output).parent, Path(args.output).name, result)
     print(format_summary(result["summary"]))

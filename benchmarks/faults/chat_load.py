@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
-from benchmarks.answer_scoring import token_ids_of
+from benchmarks.faults.answer_scoring import token_ids_of
 from benchmarks.workload import Conversation, WorkloadConfig, system_prompt
 
 
@@ -33,7 +33,7 @@ class ChatRecord:
     was sent to; ``in_flight_at_fault`` the engine stop it was in flight at, if any;
     ``reference`` the reference engine's answer to the same messages (filled in afterwards);
     ``numerics`` how the reference scores an answer that differs from it
-    (``benchmarks.answer_scoring``)."""
+    (``benchmarks.faults.answer_scoring``)."""
 
     index: int
     user: int

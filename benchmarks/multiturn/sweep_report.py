@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import multiturn
+from benchmarks.multiturn.summary import fmt_num
 
 PRESSURE_TARGET_SPEEDUP = 3.0
 FITS_TARGET_OVERHEAD = 0.05
@@ -68,7 +68,7 @@ def print_report(result: dict) -> None:
         s = p["summary"]
         t, hits = s["ttft_ms"], s["hits"]
         by_tier = hits["hit_rate_by_tier"]
-        f = multiturn.fmt_num
+        f = fmt_num
         print(f"{head} {s['num_ok']:>3}/{s['num_requests']:<3} {f(t['mean'], '10.1f')} "
               f"{f(t['p50'])} {f(t['p99'])} {f(s['itl_ms']['p50'], '8.2f')} "
               f"{f(s['throughput']['requests_per_s'], '6.2f')} {f(hits['hit_rate'], '6.3f')} "

@@ -15,7 +15,7 @@ blocks, leases, connections, registrations) are recorded. The verdict fits the R
 the samples after warm-up and compares pool use between the first and second half of them;
 after the churn stops it checks that leases, registrations and connections return to baseline.
 
-Usage: python -m benchmarks.soak [--minutes 30] [--machine NAME]
+Usage: python -m benchmarks.soak.daemon [--minutes 30] [--machine NAME]
 Writes benchmarks/results/soak-<machine>-<date>.json.
 """
 
@@ -41,14 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import write_result  # noqa: E402
 from benchmarks.process_memory import host_memory  # noqa: E402
-from benchmarks.soak_verdict import verdict  # noqa: E402
+from benchmarks.soak.verdict import verdict  # noqa: E402
 from kvstore import Client, ClientError, DaemonUnavailable  # noqa: E402
-from kvstore.keys import Namespace, block_hashes, block_ident  # noqa: E402
+from kvstore.keys import Namespace, chain_hashes, chain_idents  # noqa: E402
 from kvstore.layout import KVLayout, Region  # noqa: E402
 from kvstore.sizes import parse_size  # noqa: E402
 from kvstore.testing.processes import stop_process  # noqa: E402
@@ -63,10 +63,8 @@ def _chains(name: str, num_chains: int, seed: int) -> tuple[bytes, list[tuple[li
     chains = []
     for _ in range(num_chains):
         tokens = rng.integers(0, 50_000, CHAIN_BLOCKS * 16)
-        hashes = block_hashes(ns, tokens, 16)
-        parents = [ns, *hashes[:-1]]
-        idents = [block_ident(parents[i], tokens[i * 16:(i + 1) * 16])
-                  for i in range(CHAIN_BLOCKS)]
+        hashes = chain_hashes(ns, tokens, 16)
+        idents = chain_idents(ns, tokens, 16, range(CHAIN_BLOCKS), hashes)
         chains.append((hashes, idents))
     return ns, chains
 
@@ -187,7 +185,7 @@ def doomed_client_loop(sock: Path, stop: threading.Event, tally: Tally, block_by
     memory = AnonymousMemory(CHAIN_BLOCKS * block_bytes, "soak-doomed")
     try:
         while not stop.is_set():  # the child registers our memory by the descriptor it inherits
-            child = subprocess.Popen([sys.executable, "-m", "benchmarks.soak", "--child",
+            child = subprocess.Popen([sys.executable, "-m", "benchmarks.soak.daemon", "--child",
                                       str(sock), str(memory.fd), str(block_bytes),
                                       str(rng.randrange(1 << 30))], cwd=REPO,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -343,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--progress", action="store_true", help="print every sample")
     args = parser.parse_args(argv)
-    command = "python -m benchmarks.soak " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m benchmarks.soak.daemon " + " ".join(shlex.quote(a) for a in argv)
     result = run(args, command)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.machine)
     path = write_result(args.out, f"soak-{slug}-{result['date']}.json", result)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvstore.testing.processes import stop_process
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_store(dram: str = "1GiB", preamble: str = "", flags: Sequence[str] = (),

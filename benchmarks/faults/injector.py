@@ -26,9 +26,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from benchmarks.chat_load import ChatLoad
-from benchmarks.fault_schedule import Fault, FaultKind
-from benchmarks.soak_stack import SoakStack
+from benchmarks.faults.chat_load import ChatLoad
+from benchmarks.faults.schedule import Fault, FaultKind
+from benchmarks.faults.stack import SoakStack
 
 POLL_S = 0.2
 RECOVERY_TIMEOUT_S = 120.0

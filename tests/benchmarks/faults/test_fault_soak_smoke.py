@@ -1,4 +1,4 @@
-"""benchmarks.fault_soak for about 20 s on CPU: a real `kvstore serve` and `kvengine serve
+"""benchmarks.faults.soak for about 20 s on CPU: a real `kvstore serve` and `kvengine serve
 --kv-offload` (tiny model) under the long-context preset, scaled down, while each kind of fault
 strikes once; every answer checked against a reference engine without offload. Then the verdict
 of that real run, judged again with one thing changed (an answer, a failure, memory left
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import fault_soak
-from benchmarks.fault_soak_verdict import verdict
+from benchmarks.faults import soak as fault_soak
+from benchmarks.faults.verdict import verdict
 
 pytestmark = pytest.mark.timeout(150)
 

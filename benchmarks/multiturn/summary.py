@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from benchmarks.common import percentile
-from benchmarks.request_record import RequestRecord
+from benchmarks.multiturn.request_record import RequestRecord
 
 TIERS = ("hbm", "dram", "ssd", "remote")
 

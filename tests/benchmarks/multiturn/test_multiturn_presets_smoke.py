@@ -1,4 +1,4 @@
-"""benchmarks.multiturn_presets: the presets' shapes, the on-against-off figures computed from
+"""benchmarks.multiturn.presets: the presets' shapes, the on-against-off figures computed from
 records, and one scaled-down run end to end on CPU (a real daemon, real `kvengine serve`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import multiturn_presets as presets
+from benchmarks.multiturn import presets
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,9 +3,9 @@ and `kvstore serve` for ``--minutes`` while a seeded schedule stops, kills and r
 
 The stack: one daemon (DRAM pool about half the preset's working set, an SSD tier that survives
 its restarts) and one engine whose KV pool holds a third of the users' contexts (the preset's
-pressure regime), so turns restore from DRAM and SSD. The load (``benchmarks.chat_load``):
+pressure regime), so turns restore from DRAM and SSD. The load (``benchmarks.faults.chat_load``):
 the preset's users in a closed loop at ``--qps``, each request greedy with a fixed answer length.
-The faults (``benchmarks.fault_schedule``, applied by ``benchmarks.fault_injector``): daemon
+The faults (``benchmarks.faults.schedule``, applied by ``benchmarks.faults.injector``): daemon
 SIGSTOP then SIGCONT, daemon SIGKILL and restart on the same socket, engine SIGTERM or SIGKILL
 and restart (new requests wait at a gate while the engine is down).
 
@@ -17,11 +17,11 @@ request is judged on its own messages, whatever answers came before.
 
 Memory (host from /proc, GPU from nvidia-smi) of the daemon and the engine is read after start
 and warm-up (the baseline) and after the load (``benchmarks.process_memory``); the verdict
-(``benchmarks.fault_soak_verdict``) judges answers, failures, faults and memory. JSON to
+(``benchmarks.faults.verdict``) judges answers, failures, faults and memory. JSON to
 ``--out``/fault-soak-<machine>-<date>.json; exit status 0 when the verdict passes, 1 when not.
 
-    python -m benchmarks.fault_soak --model-dir DIR --device cuda            # 10 min on a GPU
-    python -m benchmarks.fault_soak --model-dir /tmp/tiny --device cpu --scale 0.1 \\
+    python -m benchmarks.faults.soak --model-dir DIR --device cuda           # 10 min on a GPU
+    python -m benchmarks.faults.soak --model-dir /tmp/tiny --device cpu --scale 0.1 \\
         --qps 1 --machine vm-2cpu                                             # CPU, tiny model
 """
 
@@ -38,16 +38,17 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks import multiturn_sweep
-from benchmarks.answer_scoring import score_differences
-from benchmarks.chat_load import ChatLoad, answer_again
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.fault_injector import FaultInjector
-from benchmarks.fault_schedule import FaultKind, describe, make_schedule, parse_kinds
-from benchmarks.fault_soak_verdict import verdict
-from benchmarks.multiturn_presets import PRESETS, scaled
+from benchmarks.faults.answer_scoring import score_differences
+from benchmarks.faults.chat_load import ChatLoad, answer_again
+from benchmarks.faults.injector import FaultInjector
+from benchmarks.faults.schedule import FaultKind, describe, make_schedule, parse_kinds
+from benchmarks.faults.stack import MODEL_NAME, SoakStack, StackConfig
+from benchmarks.faults.verdict import verdict
+from benchmarks.multiturn.presets import PRESETS, scaled
 from benchmarks.process_memory import snapshot
-from benchmarks.soak_stack import MODEL_NAME, SoakStack, StackConfig
+from benchmarks.servers import warm_up
+from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from kvstore.cli_args import positive_float_arg, positive_int_arg, size_arg
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -117,19 +118,17 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple:
     if args.memory_tolerance < 0:
         parser.error("--memory-tolerance must not be negative")
     preset = PRESETS[args.preset]
-    block_bytes, max_positions = multiturn_sweep.model_shape(args.model_dir, args.block_size)
-    tokens_per_word = multiturn_sweep.tokens_per_word_of(args.model_dir, 0) or 1.3
+    block_bytes, max_positions = model_shape(args.model_dir, args.block_size)
+    tokens_per_word = tokens_per_word_of(args.model_dir, 0) or 1.3
     workload = replace(scaled(preset["workload"], args.scale), tokens_per_word=tokens_per_word)
     workload = replace(workload, num_users=args.users or workload.num_users)
     longest = workload.last_prompt_len() + workload.answer_len
     if longest > (args.max_model_len or max_positions):
         parser.error(f"the preset's longest conversation (~{longest} tokens) is longer than "
                      f"{args.max_model_len or max_positions} tokens: lower --scale")
-    sizing_args = argparse.Namespace(
-        block_size=args.block_size, max_model_len=args.max_model_len, fits_kv_blocks=None,
-        pressure_kv_blocks=args.num_kv_blocks, pressure_factor=preset["pressure_factor"],
-        dram=None)
-    plan = multiturn_sweep.plan_sizing(sizing_args, workload, block_bytes, max_positions)
+    plan = plan_sizing(workload, block_bytes, max_positions, block_size=args.block_size,
+                       pressure_factor=preset["pressure_factor"],
+                       max_model_len=args.max_model_len, pressure_kv_blocks=args.num_kv_blocks)
     ws_bytes = plan["working_set_bytes_est"]
     work_root = args.work_dir or Path(tempfile.gettempdir())
     free = shutil.disk_usage(work_root).free
@@ -197,7 +196,7 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
     warm_len = min(workload.last_prompt_len(), sizing["max_model_len"] - workload.answer_len - 64)
 
     def warm(url: str) -> None:
-        multiturn_sweep.warm_up(url, workload.answer_len, workload.tokens_per_word, warm_len)
+        warm_up(url, workload.answer_len, workload.tokens_per_word, warm_len)
 
     stack = SoakStack(config, warm)
     out: dict = {"error": None}
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "fault_soak", "machine": machine_info(), "machine_name": args.machine,
         "date": today(), "time": now_iso(),
-        "command": command("python -m benchmarks.fault_soak", argv),
+        "command": command("python -m benchmarks.faults.soak", argv),
         "config": {"preset": args.preset, "scale": args.scale, "device": args.device,
                    "minutes": args.minutes, "qps": qps, "seed": args.seed,
                    "fault_every_s": args.fault_every, "stop_s": args.stop_s,

@@ -1,5 +1,5 @@
-"""One multi-turn benchmark request's record (``benchmarks.multiturn`` fills it,
-``benchmarks.multiturn_summary`` reads it)."""
+"""One multi-turn benchmark request's record (``benchmarks.multiturn.load`` fills it,
+``benchmarks.multiturn.summary`` reads it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fault schedule of ``benchmarks.fault_soak``: which fault, when, seeded and printable.
+"""The fault schedule of ``benchmarks.faults.soak``: which fault, when, seeded and printable.
 
 Four kinds of fault, each on the stack of one ``kvstore serve`` daemon and one ``kvengine serve
 --kv-offload`` engine:

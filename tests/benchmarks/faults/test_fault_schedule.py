@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.fault_schedule import ALL_KINDS, FaultKind, describe, make_schedule, parse_kinds
+from benchmarks.faults.schedule import ALL_KINDS, FaultKind, describe, make_schedule, parse_kinds
 
 
 def test_ten_minutes_hold_every_kind_twice_in_order_and_inside_the_window() -> None:

@@ -14,7 +14,7 @@
   reuse of the agent loop; ``benchmarks.structured_step`` measures the grammar's cost.
 
 Each configuration runs on a fresh ``kvstore serve`` (offload on) and ``kvengine serve``
-(``benchmarks.multiturn_sweep.run_point``). Reported per configuration: mean TTFT over all turns,
+(``benchmarks.multiturn.sweep.run_point``). Reported per configuration: mean TTFT over all turns,
 first turns (cold either way) and later turns; TTFT p50/p90/p99; inter-token latency p50/p99;
 hit rate by tier; for restored turns the load floor (restored KV bytes / ``--h2d-gbps``) and how
 far above it each restore's TTFT sits. Against the issue's targets: later turns >= 6x, all turns
@@ -23,8 +23,8 @@ fits-in-HBM overhead (<= 3%). JSON and a TTFT-over-time PNG (on against off) go 
 
 ``--scale`` shrinks every length (not the user count) for CPU runs with a tiny model:
 
-    python -m benchmarks.multiturn_presets --preset long-context --model-dir DIR --device cuda
-    python -m benchmarks.multiturn_presets --preset agentic --model-dir /tmp/tiny --device cpu \\
+    python -m benchmarks.multiturn.presets --preset long-context --model-dir DIR --device cuda
+    python -m benchmarks.multiturn.presets --preset agentic --model-dir /tmp/tiny --device cpu \\
         --scale 0.05 --users 4 --rounds 3 --qps 20       # CPU smoke: says nothing about H100
 """
 
@@ -36,7 +36,6 @@ import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks import multiturn_sweep
 from benchmarks.common import (
     command,
     machine_info,
@@ -46,7 +45,9 @@ from benchmarks.common import (
     today,
     write_result,
 )
-from benchmarks.multiturn import fmt_num
+from benchmarks.multiturn.summary import fmt_num
+from benchmarks.multiturn.sweep import PointSetup, run_point
+from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from benchmarks.workload import WorkloadConfig
 from kvstore.cli_args import positive_float_arg, size_arg
 
@@ -208,7 +209,7 @@ def plot_ttft_over_time(result: dict, path: Path) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m benchmarks.multiturn_presets``."""
+    """The argument parser of ``python -m benchmarks.multiturn.presets``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--model-dir", type=Path, required=True)
@@ -241,17 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name part of the files (default: DEVICE-MODEL)")
     return p
-
-
-def _sweep_args(args: argparse.Namespace, pressure_factor: float) -> argparse.Namespace:
-    """The fields ``multiturn_sweep.plan_sizing`` and ``run_point`` read."""
-    return argparse.Namespace(
-        model_dir=args.model_dir, device=args.device, block_size=args.block_size,
-        max_model_len=args.max_model_len, fits_kv_blocks=None, pressure_kv_blocks=None,
-        pressure_factor=pressure_factor, dram=args.dram, max_num_seqs=args.max_num_seqs,
-        kv_offload_policy=args.kv_offload_policy, engine_args=args.engine_args,
-        start_timeout=args.start_timeout, request_timeout=args.request_timeout,
-        duration_s=args.duration_s, no_progress=args.no_progress)
 
 
 def print_report(result: dict) -> None:
@@ -301,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--regimes: pressure, fits or both")
     if not (args.model_dir / "config.json").exists():
         parser.error(f"--model-dir {args.model_dir}: no config.json")
-    block_bytes, max_positions = multiturn_sweep.model_shape(args.model_dir, args.block_size)
-    tokens_per_word = (args.tokens_per_word
-                       or multiturn_sweep.tokens_per_word_of(args.model_dir, 0) or 1.3)
+    block_bytes, max_positions = model_shape(args.model_dir, args.block_size)
+    tokens_per_word = args.tokens_per_word or tokens_per_word_of(args.model_dir, 0) or 1.3
     try:
         workload = scaled(preset["workload"], args.scale)
         workload = replace(workload, tokens_per_word=tokens_per_word,
@@ -315,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     pressure_factor = args.pressure_factor or preset["pressure_factor"]
     if not qps > 0 or not pressure_factor > 1:
         parser.error("--qps must be > 0 and --pressure-factor > 1")
-    sweep_args = _sweep_args(args, pressure_factor)
-    sizing = multiturn_sweep.plan_sizing(sweep_args, workload, block_bytes, max_positions)
+    sizing = plan_sizing(workload, block_bytes, max_positions, block_size=args.block_size,
+                         pressure_factor=pressure_factor, max_model_len=args.max_model_len,
+                         dram_bytes=args.dram)
     # The sweep's fits pool (1.5x the working set) outgrows an 80 GB card at these lengths: the
     # working set plus a tenth is enough for "fits in HBM".
     ws_blocks = sizing["working_set_blocks_est"]
@@ -334,12 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     if h2d_gbps is None:
         h2d_gbps, h2d_source = DEFAULT_H2D_GBPS, "assumed (H100 figure; no CUDA here)"
     print(f"raw pinned H2D: {h2d_gbps:.1f} GB/s ({h2d_source})", flush=True)
+    setup = PointSetup.from_args(args)
     points = []
     for regime in regimes:
         for offload in (True, False):
             print(f"\n== {args.preset}: {regime} regime, offload {'on' if offload else 'off'} "
                   f"({sizing['regimes'][regime]['num_kv_blocks']} KV blocks)", flush=True)
-            point = multiturn_sweep.run_point(sweep_args, workload, sizing, regime, offload, qps)
+            point = run_point(setup, workload, sizing, regime, offload, qps)
             if point["error"]:
                 print(f"failed: {point['error']}", flush=True)
             else:
@@ -365,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS, "comparison": comparison,
         "fits_overhead": None if fits is None else 1 / fits - 1,
         "machine": machine_info(), "date": now_iso(),
-        "command": command("python -m benchmarks.multiturn_presets", argv), "points": points,
+        "command": command("python -m benchmarks.multiturn.presets", argv), "points": points,
     }
     print_report(result)
     out_dir = Path(args.out)

@@ -1,5 +1,5 @@
-"""benchmarks.multiturn end to end on CPU: real `kvengine serve` (and `kvstore serve`) processes,
-2 users x 3 rounds through the OpenAI client, the JSON it writes."""
+"""benchmarks.multiturn.load end to end on CPU: real `kvengine serve` (and `kvstore serve`)
+processes, 2 users x 3 rounds through the OpenAI client, the JSON it writes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from daemon_helpers import start_daemon
 
-from benchmarks import multiturn
+from benchmarks.multiturn import load
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,7 +19,7 @@ WORKLOAD = ["--users", "2", "--rounds", "3", "--qps", "50", "--system-prompt-len
 
 
 def _run(url: str, out: Path, *extra: str) -> dict:
-    assert multiturn.main(["--url", url, *WORKLOAD, *extra, "--output", str(out)]) == 0
+    assert load.main(["--url", url, *WORKLOAD, *extra, "--output", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -73,9 +73,9 @@ def test_multiturn_with_kv_offload(tiny_model_dir: Path, make_engine, tmp_path: 
 
 def test_a_dead_endpoint_is_recorded_not_raised(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    code = multiturn.main(["--url", "http://127.0.0.1:9", "--model", "m", "--users", "1",
-                           "--rounds", "2", "--qps", "100", "--request-timeout", "5",
-                           "--no-progress", "--output", str(out)])
+    code = load.main(["--url", "http://127.0.0.1:9", "--model", "m", "--users", "1",
+                     "--rounds", "2", "--qps", "100", "--request-timeout", "5",
+                     "--no-progress", "--output", str(out)])
     assert code == 1  # nothing succeeded
     records = json.loads(out.read_text())["records"]
     assert len(records) == 2 and all(r["error"] for r in records)

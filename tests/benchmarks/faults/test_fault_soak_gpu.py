@@ -1,4 +1,4 @@
-"""GPU: the soak under faults (issue 32 item 7). `benchmarks.fault_soak` runs the long-context
+"""GPU: the soak under faults (issue 32 item 7). `benchmarks.faults.soak` runs the long-context
 preset on cuda for KVSTORE_SOAK_MINUTES minutes (default 10) against `kvstore serve` and
 `kvengine serve --kv-offload` while the daemon is stopped and continued, killed and restarted,
 and the engine is restarted (SIGTERM and SIGKILL). The verdict must pass: every answer equal to
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import fault_soak
+from benchmarks.faults import soak as fault_soak
 from engine.make_model import write_checkpoint
 
 MINUTES = float(os.environ.get("KVSTORE_SOAK_MINUTES", "10"))
@@ -34,7 +34,7 @@ def test_the_soak_under_faults_passes_on_the_gpu(tmp_path: Path) -> None:
         write_checkpoint(Path(model), "qwen3-0.6b", seed=0)
     out = Path(os.environ.get("KVSTORE_SOAK_OUT", str(tmp_path / "results")))
     rc = fault_soak.main(["--model-dir", model, "--device", "cuda", "--minutes", str(MINUTES),
-                          "--out", str(out)])
+                         "--out", str(out)])
     path = max(out.glob("fault-soak-*.json"), key=lambda p: p.stat().st_mtime)
     result = json.loads(path.read_text())
     v = result["verdict"]

@@ -1,4 +1,4 @@
-"""benchmarks.soak for a few seconds: the churn runs against a real daemon (block and bytes
+"""benchmarks.soak.daemon for a few seconds: the churn runs against a real daemon (block and bytes
 workers, a client killed mid-work), the samples are taken, and the JSON has its verdict."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import soak
+from benchmarks.soak import daemon
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def test_soak_smoke(tmp_path: Path) -> None:
-    rc = soak.main(["--minutes", "0.08", "--sample-s", "1", "--kill-every", "1",
-                    "--lease-ttl", "1", "--dram", "4MiB", "--ssd-size", "6MiB",
-                    "--machine", "smoke", "--out", str(tmp_path)])
+    rc = daemon.main(["--minutes", "0.08", "--sample-s", "1", "--kill-every", "1",
+                     "--lease-ttl", "1", "--dram", "4MiB", "--ssd-size", "6MiB",
+                     "--machine", "smoke", "--out", str(tmp_path)])
     [path] = tmp_path.glob("soak-smoke-*.json")
     result = json.loads(path.read_text())
     assert {"machine", "date", "command", "config", "samples", "final", "verdict"} <= set(result)

@@ -8,7 +8,7 @@ Checks (all must hold):
 
 - ``differences_only_numerics``: every answered request got the reference engine's answer to
   the same messages, character for character, or one the reference scores, token by token on
-  its own prefix, within the stated margin of its best (``benchmarks.answer_scoring``: a
+  its own prefix, within the stated margin of its best (``benchmarks.faults.answer_scoring``: a
   near-tie that bf16 rounding tipped the other way, not wrong KV); an unscored difference
   counts against the run;
 - ``every_answer_compared``: the reference answered every one of them (at least one);
@@ -24,7 +24,7 @@ Checks (all must hold):
 from __future__ import annotations
 
 from benchmarks.common import percentile
-from benchmarks.fault_schedule import FaultKind
+from benchmarks.faults.schedule import FaultKind
 
 STORE_TIERS = ("dram", "ssd")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.multiturn_sweep import Process
+from benchmarks.servers import ServerProcess
 
 # kvengine:kv_offload_events_total{event="blocks_saved",model_name="m"} 12.0
 _EVENTS = "kvengine:kv_offload_events_total{"
@@ -53,8 +53,8 @@ class SoakStack:
     def __init__(self, config: StackConfig, warm_up: Callable[[str], None]) -> None:
         self.config = config
         self._warm_up = warm_up
-        self.daemon: Process | None = None
-        self.engine: Process | None = None
+        self.daemon: ServerProcess | None = None
+        self.engine: ServerProcess | None = None
         self.url = ""
         self.daemon_incarnation = 0
         self.engine_incarnation = 0
@@ -68,7 +68,7 @@ class SoakStack:
         if c.ssd_bytes:
             cmd += ["--ssd-dir", str(c.workdir / "ssd"), "--ssd-size", str(c.ssd_bytes)]
         started = time.monotonic()
-        self.daemon = Process(cmd, "kvstore serve")
+        self.daemon = ServerProcess(cmd, "kvstore serve")
         self.daemon.wait_for(r"kvstore: ready", c.start_timeout_s)
         self.daemon_incarnation += 1
         return time.monotonic() - started
@@ -110,8 +110,8 @@ class SoakStack:
     def start_engine(self) -> tuple[float, float]:
         """Start the engine under test and warm it up: (seconds to listening, to warm)."""
         started = time.monotonic()
-        self.engine = Process(self._engine_cmd(True, self.config.num_kv_blocks),
-                              "kvengine serve --kv-offload")
+        self.engine = ServerProcess(self._engine_cmd(True, self.config.num_kv_blocks),
+                                    "kvengine serve --kv-offload")
         url = self.engine.wait_for(r"listening on (http://\S+)", self.config.start_timeout_s)
         listening_s = time.monotonic() - started
         self._warm_up(url.group(1))
@@ -153,9 +153,9 @@ class SoakStack:
                 out[role] = proc.proc.pid
         return out
 
-    def reference_engine(self, num_kv_blocks: int) -> tuple[Process, str]:
+    def reference_engine(self, num_kv_blocks: int) -> tuple[ServerProcess, str]:
         """Start the reference engine (no offload, no prefix cache): (process, URL)."""
-        proc = Process(self._engine_cmd(False, num_kv_blocks), "kvengine serve (reference)")
+        proc = ServerProcess(self._engine_cmd(False, num_kv_blocks), "kvengine serve (reference)")
         url = proc.wait_for(r"listening on (http://\S+)", self.config.start_timeout_s).group(1)
         return proc, url
 
