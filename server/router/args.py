@@ -12,7 +12,7 @@ from kvstore.cli_args import (
 )
 from server.http_front_args import ROUTER_FRONT, add_http_front_args
 from server.model_args import ROUTER_MODEL, add_model_args
-from server.routing import ROUTING_MODES
+from server.router.policy import ROUTING_MODES
 
 
 def _engine_url(text: str) -> str:
