@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from kvstore.cli_args import (
+from kvstore.cli.args import (
     OneLineParser,
     add_config_option,
     add_version,

@@ -93,10 +93,10 @@ def test_engine_and_offload_use_only_kvstores_shared_vocabulary_and_client() -> 
 
 
 def test_the_server_takes_no_part_of_the_daemons_command_line() -> None:
-    """`kvengine`'s CLI shares argparse pieces with `kvstore`'s through `kvstore.cli_args` (and
+    """`kvengine`'s CLI shares argparse pieces with `kvstore`'s through `kvstore.cli.args` (and
     the log line formats through `kvstore.log_lines`), never by importing the daemon's CLI
     modules."""
-    shared = {"kvstore", "kvstore.keys", "kvstore.layout", "kvstore.sizes", "kvstore.cli_args",
+    shared = {"kvstore", "kvstore.keys", "kvstore.layout", "kvstore.sizes", "kvstore.cli.args",
               "kvstore.log_lines", "kvstore.process_guard"}
     bad = [f"{name} imports {module}" for name, path in MODULES.items()
            if name.split(".")[0] == "server"

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvstore import StoreState
-from kvstore.cli_args import package_version
+from kvstore.cli.args import package_version
 from server.auth import KEY_SALT_SCOPE, APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.errors import error_response, install_error_handlers

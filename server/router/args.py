@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from urllib.parse import urlsplit
 
-from kvstore.cli_args import (
+from kvstore.cli.args import (
     positive_float_arg,
     positive_int_arg,
 )
