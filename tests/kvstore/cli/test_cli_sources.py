@@ -20,7 +20,7 @@ from kvstore.cli.args import (
     size_arg,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _parser() -> OneLineParser:
