@@ -29,8 +29,6 @@ LARGER_FILES = {
     "kvstore/daemon/server.py": "the daemon's event loop, one noun: frames in, verbs out to "
                                 "workers, replies back; the parts with state of their own "
                                 "(acceptor, watch, limits, connection) already live apart",
-    "kvstore/wire/client.py": "the daemon's Python client, one noun: one connection (reader "
-                              "thread, pending table) and one method per verb of the protocol",
 }
 
 
