@@ -8,36 +8,24 @@ moves the inbox into the scheduler, so the scheduler, block manager and runner a
 from __future__ import annotations
 
 import operator
-import os
 import struct
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, check_dtype, cuda_index, resolve_device, use_cuda_device
+from engine.config import EngineConfig, use_cuda_device
 from engine.detokenizer import IncrementalDetokenizer
-from engine.grammar import GrammarCompiler, GrammarMatcher
-from engine.kv_cache import KVCache, kv_block_bytes
-from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
+from engine.engine_parts import EngineParts
+from engine.engine_stats import EngineCounters
+from engine.grammar import GrammarMatcher
+from engine.kv_cache import KVCache
 from engine.logprobs import TokenLogprobs
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, empty_tier_counts
-from engine.prefill_order import PrefillOrder
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_timing import StepTiming
-from engine.tokenizer import Tokenizer
-from engine.weights import weights_identity
-from kernels import make_ops
-from offload.bridge import StoreBridge
-from offload.factory import make_store_bridge
-from offload.null_bridge import NullStore
-from offload.vocab import ModelIdentity, Namespace
+from offload.vocab import Namespace
 
 
 class LLMEngine:
@@ -45,54 +33,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_dir = Path(config.model_dir)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model folder {config.model_dir!r} does not exist")
-        self.device = resolve_device(config.device)
-        self._cuda_index = cuda_index(config.device)  # cuda:N: made current by each step too
-        self.model_config = mc = ModelConfig.load(model_dir)
-        self.tokenizer = Tokenizer(config.tokenizer_dir or model_dir, mc.eos_token_ids)
-        if config.chat_template is not None:  # --chat-template: replaces the folder's template
-            self.tokenizer.chat_template = config.chat_template
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)  # structured outputs
-        ops = make_ops(self.device)
-        check_dtype(config.dtype, ops.kv_dtype, self.device)
+        parts = EngineParts.build(config)
+        self.device, self._cuda_index = parts.device, parts.cuda_index
+        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
+        self.grammars = parts.grammars
+        self.model_identity, self.model_name = parts.model_identity, parts.model_name
+        self.engine_id = parts.engine_id
+        self.runner, self.max_model_len = parts.runner, parts.max_model_len
+        self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
+        self.offload = parts.offload
         # Requests without a seed draw theirs from here: --seed makes a whole run repeatable.
         self._seeds = np.random.default_rng(config.seed)
-        limit = max_len_limit(config, mc.max_position_embeddings)
-        self.model_identity = ModelIdentity(
-            architecture=mc.architecture, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, kv_dtype=ops.kv_dtype, block_size=config.block_size,
-            weights_id=weights_identity(model_dir),
-        )
-        self.model_name = config.served_model_name or model_dir.resolve().name
-        # What the store knows this engine by (its registration's engine_id; a router maps it).
-        self.engine_id = f"{self.model_name}-{os.getpid()}-{id(self):x}"
-        self.runner = ModelRunner(mc, str(model_dir), ops, config.block_size, limit,
-                                  self.tokenizer.eos_token_ids)
-        block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
-                                     mc.head_dim, np.dtype(ops.kv_dtype).itemsize)
-        budget = kv_budget_bytes(config, self.device) if config.num_kv_blocks is None else 0
-        num_kv_blocks, self.max_model_len = plan_capacity(config, limit, block_bytes, budget)
-        self.runner.allocate_kv_cache(self.device, num_kv_blocks)
-        if ops.supports_graphs and not config.enforce_eager:
-            self.runner.enable_decode_graphs(config.max_num_seqs,
-                                             -(-self.max_model_len // config.block_size))
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.debug_hash_bits)
-        # The store (--kv-offload), or a null bridge: the scheduler and the step loop call one
-        # interface either way.
-        self.offload: StoreBridge = NullStore()
-        if config.kv_offload:
-            self.offload = make_store_bridge(
-                config.kv_store_socket, self.kv_cache.layout(), self.engine_id, self.block_manager,
-                block_bytes, config.kv_offload_policy, self.device,
-                always_restore=config.kv_offload_restore == "always",
-                share_hbm=config.kv_offload_share_hbm)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            PrefillOrder(config.prefill_order, config.max_prefill_wait_steps,
-                         config.latency_chunk_tokens), self.offload.restores)
         self._offload_pending = False  # the last step's store work is still to do
         # A mid-prefill chunk samples nothing, so its step returns before the device finished it
         # and the next step's time includes the rest: only steps between syncs are timed.
@@ -102,10 +53,7 @@ class LLMEngine:
         self._inbox: list[Sequence] = []
         self._abort_ids: list[str] = []
         self._live_ids: set[str] = set()
-        self._num_generation_tokens = 0
-        self._num_finished = 0
-        self._num_steps = 0
-        self._stats = self._collect_stats()
+        self._counters = EngineCounters(self.block_manager, self.scheduler, self.offload)
         self.last_step: StepTiming | None = None  # where the last step's time went (step thread)
         self._closed = False
 
@@ -204,11 +152,7 @@ class LLMEngine:
     def stats(self) -> dict:
         """Counters as of the last step (queued requests included in ``num_waiting``)."""
         with self._lock:
-            stats = dict(self._stats)
-            stats["num_waiting"] += len(self._inbox)
-        if stats["kv_offload"] is not None:  # the store's health now, not as of the last step
-            stats["kv_offload"] = {**stats["kv_offload"], "store_state": self.offload.store_state}
-        return stats
+            return self._counters.latest(num_queued=len(self._inbox))
 
     # -- the step loop (one thread) ---------------------------------------------------------
 
@@ -263,13 +207,10 @@ class LLMEngine:
             schedule_s=t_scheduled - t_added, execute_s=elapsed,
             total_s=time.perf_counter() - t_start, num_seqs=len(batch.seqs),
             num_tokens=batch.num_tokens, num_loading=self.scheduler.num_loading)
+        finished_ids = [out.request_id for out in outputs if out.finished]
         with self._lock:
-            for out in outputs:
-                if out.finished:
-                    self._live_ids.discard(out.request_id)
-                    self._num_finished += 1
-            self._num_steps += 1
-            self._stats = self._collect_stats()
+            self._live_ids.difference_update(finished_ids)
+            self._counters.end_step(len(finished_ids))
         return outputs
 
     def _append_token(self, seq: Sequence, token_id: int,
@@ -277,7 +218,7 @@ class LLMEngine:
         seq.token_ids.append(token_id)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
-        self._num_generation_tokens += 1
+        self._counters.count_token()
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         params = seq.params
@@ -326,32 +267,6 @@ class LLMEngine:
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
             output_time=time.perf_counter(),
         )
-
-    def _collect_stats(self) -> dict:
-        bm, sched = self.block_manager, self.scheduler
-        hit_tokens = empty_tier_counts()
-        hit_tokens.update(self.offload.restores.hit_tokens_by_tier)
-        hit_tokens["hbm"] += sched.num_prefix_hit_tokens  # own prefix cache (peers': hbm_peer)
-        return {
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting) - sched.num_loading,
-            "num_loading": sched.num_loading,
-            "num_kv_blocks": bm.num_blocks,
-            "num_blocks_in_use": bm.num_used_blocks,
-            "num_blocks_cached": bm.num_cached_blocks,
-            "block_size": bm.block_size,
-            "prefix_cache_queries": sched.num_prefix_query_tokens,
-            "prefix_cache_hit_tokens": hit_tokens,
-            "prefix_cache_evictions": bm.num_evictions,
-            "prefix_cache_collisions": bm.num_collisions,
-            "prompt_tokens_total": sched.num_prompt_tokens,
-            "generation_tokens_total": self._num_generation_tokens,
-            "num_preemptions": sched.num_preemptions,
-            "prefix_cache_hits": sched.num_prefix_hit_tokens,  # this engine's own cache only
-            "num_requests_finished": self._num_finished,
-            "num_steps": self._num_steps,
-            "kv_offload": self.offload.stats(),
-        }
 
     def warm_up(self) -> int:
         """Capture the CUDA graphs one request's short prefill and decode steps replay (the

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.sampling_params import SamplingParams
-from kvstore.cli_args import package_version
+from kvstore.cli.args import package_version
 from server import openapi
 from server.async_engine import AsyncEngine
 from server.auth import APIKeyMiddleware

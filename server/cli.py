@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from kvstore.cli_args import (
+from kvstore.cli.args import (
     OneLineParser,
     add_config_option,
     add_version,
@@ -28,7 +28,7 @@ from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_op
 from server.engine_protocol import ServedEngine
 from server.http_front_args import api_keys, metrics_key
 from server.log_setup import BANNER_LOGGER, add_log_format_option
-from server.router_args import add_router_arguments
+from server.router.args import add_router_arguments
 from server.serve_args import add_serve_arguments, tool_settings
 from server.vllm_flags import add_vllm_flags
 from server.vllm_flags import notes as vllm_flag_notes
@@ -317,7 +317,7 @@ def router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`kvengine router`: serve the OpenAI API in front of ``--engine`` URLs until
     interrupted."""
     from server.log_setup import configure_logging
-    from server.router_setup import build_router
+    from server.router.setup import build_router
 
     banner = configure_logging(args.log_level, args.log_format)
     tune_interpreter()

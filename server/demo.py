@@ -26,7 +26,7 @@ import engine as engine_package
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import resolve_device
 from engine.make_model import write_checkpoint
-from kvstore.cli_args import OneLineParser, positive_int_arg
+from kvstore.cli.args import OneLineParser, positive_int_arg
 
 _DATA = Path(engine_package.__file__).resolve().parent / "data"  # text the package ships
 

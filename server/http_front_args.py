@@ -11,7 +11,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from kvstore.cli_args import port_arg, positive_float_arg, positive_int_arg
+from kvstore.cli.args import port_arg, positive_float_arg, positive_int_arg
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

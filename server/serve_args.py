@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from engine.config import DTYPES, OFFLOAD_POLICIES, PREFILL_ORDERS, check_device
-from kvstore.cli_args import (
+from kvstore.cli.args import (
     fraction_arg,
     non_negative_int_arg,
     positive_int_arg,

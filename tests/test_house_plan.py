@@ -29,8 +29,6 @@ LARGER_FILES = {
     "kvstore/daemon/server.py": "the daemon's event loop, one noun: frames in, verbs out to "
                                 "workers, replies back; the parts with state of their own "
                                 "(acceptor, watch, limits, connection) already live apart",
-    "kvstore/wire/client.py": "the daemon's Python client, one noun: one connection (reader "
-                              "thread, pending table) and one method per verb of the protocol",
 }
 
 
@@ -93,10 +91,10 @@ def test_engine_and_offload_use_only_kvstores_shared_vocabulary_and_client() -> 
 
 
 def test_the_server_takes_no_part_of_the_daemons_command_line() -> None:
-    """`kvengine`'s CLI shares argparse pieces with `kvstore`'s through `kvstore.cli_args` (and
+    """`kvengine`'s CLI shares argparse pieces with `kvstore`'s through `kvstore.cli.args` (and
     the log line formats through `kvstore.log_lines`), never by importing the daemon's CLI
     modules."""
-    shared = {"kvstore", "kvstore.keys", "kvstore.layout", "kvstore.sizes", "kvstore.cli_args",
+    shared = {"kvstore", "kvstore.keys", "kvstore.layout", "kvstore.sizes", "kvstore.cli.args",
               "kvstore.log_lines", "kvstore.process_guard"}
     bad = [f"{name} imports {module}" for name, path in MODULES.items()
            if name.split(".")[0] == "server"

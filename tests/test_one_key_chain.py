@@ -21,7 +21,7 @@ from engine.block_manager import BlockManager
 from offload.idents import sequence_idents
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vocab import ident_from_bytes
-from server.prompt_chain import KVIdentity, PromptChain
+from server.router.prompt_chain import KVIdentity, PromptChain
 
 SALT = "tenant-a"
 

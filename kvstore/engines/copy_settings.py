@@ -1,6 +1,6 @@
 """How the daemon's GPU copies go: one frozen value, validated once, handed to every copier.
 
-``kvstore serve --copy-*`` sets it (``kvstore/cli_copies.py``); the defaults are the methods that
+``kvstore serve --copy-*`` sets it (``kvstore/cli/copies.py``); the defaults are the methods that
 measured fastest on an H100 (figures in README, "The daemon"; ``benchmarks/copy_paths.py``).
 Benchmarks compare the other choices by starting daemons with other flags.
 """

@@ -23,6 +23,7 @@ from kvstore.settings import default_socket_path
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import send_with_fds
 from kvstore.wire.handshake import hello_args, read_hello
+from kvstore.wire.pending_table import PendingTable
 from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error types, re-exported)
     ClientError,
     DaemonUnavailable,
@@ -33,6 +34,7 @@ from kvstore.wire.replies import (  # noqa: F401 (the client's reply and error t
     ProtocolMismatch,
     RequestTimeout,
     SaveReply,
+    error_of,
     locate_reply,
     lookup_reply,
 )
@@ -51,12 +53,10 @@ class Client:
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self._ids = itertools.count(1)
-        # Two locks: the reader thread takes only _lock (the table), never _send_lock, so replies
+        # Two locks: the reader thread takes only the table's, never _send_lock, so replies
         # keep draining while a large request is being written (else both sides could block).
-        self._lock = threading.Lock()  # guards _pending and _closed_error
+        self._in_flight = PendingTable()
         self._send_lock = threading.Lock()  # one frame at a time on the socket
-        self._pending: dict[int, Pending] = {}
-        self._closed_error: BaseException | None = None
         # The daemon's error frame that refused this connection (its connection cap, a uid it
         # does not serve), set by the reader thread: the reason it closed, whatever comes next.
         self._refusal: ClientError | None = None
@@ -105,11 +105,8 @@ class Client:
         message = {"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
                    "args": args or {}}
         frame = proto.encode_frame(message, self.max_frame_bytes)
-        pending = Pending(self._forget, request_id, verb, timeout_s, convert)
-        with self._lock:
-            if self._closed_error is not None:
-                raise self._closed_error
-            self._pending[request_id] = pending
+        pending = Pending(self._in_flight.forget, request_id, verb, timeout_s, convert)
+        self._in_flight.add(pending)
         try:
             with self._send_lock:
                 send_with_fds(self._sock, frame, fds)
@@ -118,7 +115,7 @@ class Client:
             # refused the connection wrote why before it closed: say that, not "Broken pipe".
             error = self._refusal_or(DaemonUnavailable(
                 f"kvstore daemon at {self.socket_path} closed the connection ({exc})"))
-            self._fail_all(error)
+            self._in_flight.fail_all(error)
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             raise error from None
@@ -128,10 +125,6 @@ class Client:
              timeout_s: float | None = None) -> Any:
         """Send a request and wait for its result."""
         return self.request(verb, args, timeout_s).wait()
-
-    def _forget(self, request_id: int) -> None:
-        with self._lock:
-            self._pending.pop(request_id, None)
 
     def _recv_exactly(self, num_bytes: int) -> bytearray | None:
         buf = bytearray(num_bytes)
@@ -163,17 +156,15 @@ class Client:
                 self._dispatch(reply)
                 if reply.get("id") is None and not reply.get("ok"):
                     # A connection-level refusal (permission, malformed frame): it closes next.
-                    err = reply.get("error") or {}
-                    error = ClientError(str(err.get("code")), str(err.get("message")))
-                    self._refusal = error
+                    error = self._refusal = error_of(reply)
         except proto.ProtocolError as exc:
             error = DaemonUnavailable(f"unreadable reply from the daemon: {exc.message}")
         except OSError as exc:
             # A daemon that closes with our request unread resets the connection after its
             # refusal frame: the refusal is the reason.
-            if self._closed_error is None and self._refusal is None:
+            if self._in_flight.closed_error is None and self._refusal is None:
                 error = DaemonUnavailable(f"connection to kvstore daemon lost: {exc}")
-        self._fail_all(error)
+        self._in_flight.fail_all(error)
 
     def _refusal_or(self, error: DaemonUnavailable) -> BaseException:
         """After a failed send: the daemon's refusal if it sent one (the reader thread reads it
@@ -185,42 +176,24 @@ class Client:
     def _dispatch(self, reply: dict) -> None:
         if reply.get("id") == self._hello_id is not None:
             self._check_hello(reply)
-        with self._lock:
-            pending = self._pending.pop(reply.get("id"), None)
-        if pending is None:
-            return  # nobody waits any more (timed out and forgotten), or a connection-level error
-        if reply.get("ok"):
-            pending.finish(reply.get("result"))
-        else:
-            err = reply.get("error") or {}
-            pending.finish(error=ClientError(str(err.get("code")), str(err.get("message"))))
+        self._in_flight.finish(reply)
 
     def _check_hello(self, reply: dict) -> None:
         """The hello's answer: another major fails every request with one error naming both."""
         self.daemon_protocol, mismatch = read_hello(reply, self.socket_path)
         if mismatch is not None:
-            self._fail_all(mismatch)
+            self._in_flight.fail_all(mismatch)
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            if self._closed_error is None:
-                self._closed_error = error
-            pending, self._pending = list(self._pending.values()), {}
-        for p in pending:
-            p.finish(error=error)
 
     @property
     def is_closed(self) -> bool:
         """True once the connection is gone (closed here, or the daemon went away)."""
-        return self._closed_error is not None
+        return self._in_flight.closed_error is not None
 
     def close(self) -> None:
         """Close the connection; requests still in flight fail with DaemonUnavailable."""
-        with self._lock:
-            if self._closed_error is None:
-                self._closed_error = DaemonUnavailable("client closed")
+        self._in_flight.close(DaemonUnavailable("client closed"))
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         if threading.current_thread() is not self._reader:

@@ -45,6 +45,12 @@ class DaemonUnavailable(ConnectionError):
     """The daemon is not running, refused us, or the connection broke."""
 
 
+def error_of(reply: dict) -> ClientError:
+    """The ClientError an error reply carries."""
+    err = reply.get("error") or {}
+    return ClientError(str(err.get("code")), str(err.get("message")))
+
+
 @dataclass(frozen=True)
 class LookupReply:
     num_hit: int

@@ -2,7 +2,7 @@
 
 Every part that must never wait on the daemon names its state with this one enum: the engine's
 link thread (``offload/link_thread.py``: OK, HUNG or DOWN, read by kvengine, vLLM's connector
-and the engine's ``store_state`` stats) and the router's locator (``server/kv_locator.py``,
+and the engine's ``store_state`` stats) and the router's locator (``server/router/kv_locator.py``,
 which also says UNKNOWN before its first ask and REFUSED for a daemon that answers ``locate``
 with an error). What makes the daemon hung rather than down is decided here, once:
 

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from daemon_helpers import start_daemon
 
-from kvstore.cli import build_parser as kvstore_parser
-from kvstore.cli_args import expand_sources, subcommand
+from kvstore.cli.args import expand_sources, subcommand
+from kvstore.cli.command import build_parser as kvstore_parser
 from server.cli import build_parser as kvengine_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "docs" / "deploy"

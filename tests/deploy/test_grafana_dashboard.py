@@ -44,8 +44,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
     from engine import EngineConfig, LLMEngine
     from kvstore import StoreState
     from server.app import build_app
-    from server.engine_pool import EnginePool
-    from server.router_metrics import RouterMetrics
+    from server.router.engine_pool import EnginePool
+    from server.router.metrics import RouterMetrics
 
     work = tmp_path_factory.mktemp("grafana")
     daemon = start_daemon(work, dram="32MiB", ssd_dir=work / "ssd", ssd_size="16MiB")

@@ -95,7 +95,8 @@ class Lines:
 
 
 def test_daemon_admin_http_listens_on_loopback_by_default() -> None:
-    from kvstore.cli import DEFAULT_HTTP, build_parser
+    from kvstore.cli.command import build_parser
+    from kvstore.cli.serve import DEFAULT_HTTP
 
     assert build_parser().parse_args(["serve"]).http is None  # None: DEFAULT_HTTP, or a free port
     assert DEFAULT_HTTP.startswith("127.0.0.1:")

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvstore.cli_args import DefaultsHelpFormatter, package_version
+from kvstore.cli.args import DefaultsHelpFormatter, package_version
 from server.cli import build_parser
 
 CLI = [sys.executable, "-m", "server.cli"]

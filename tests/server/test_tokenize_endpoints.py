@@ -57,7 +57,7 @@ def test_bad_tokenization_requests(http: httpx.Client, server: RunningServer) ->
 
 def test_version_docs_and_schema(http: httpx.Client, server: RunningServer) -> None:
     """As vLLM's, but behind the API key like every route but /health (vLLM leaves them open)."""
-    from kvstore.cli_args import package_version
+    from kvstore.cli.args import package_version
 
     r = http.get("/version")
     assert r.status_code == 200 and r.json() == {"version": package_version()}

@@ -184,7 +184,7 @@ def test_cluster_flags_are_checked_and_nothing_is_imported_without_them(tmp_path
                               cwd=Path(__file__).resolve().parents[3])
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    code = ("import sys, kvstore.cli, kvstore.daemon.server, kvstore.daemon.service, "
+    code = ("import sys, kvstore.cli.command, kvstore.daemon.server, kvstore.daemon.service, "
             "kvstore.daemon.admin; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'ucxx') "
             "or m.startswith(('kvstore.cluster.node', 'kvstore.cluster.peers'))))")

@@ -172,7 +172,7 @@ CLI_ERRORS = [
 @pytest.mark.parametrize(("args", "code", "needle"), CLI_ERRORS)
 def test_cli_errors(args: list[str], code: int, needle: str,
                     capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstore.cli import main
+    from kvstore.cli.command import main
 
     try:
         returned = main(args)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import build_parser
-from kvstore.cli_copies import copy_settings_from_args
+from kvstore.cli.command import build_parser
+from kvstore.cli.copies import copy_settings_from_args
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

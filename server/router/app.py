@@ -1,6 +1,6 @@
 """build_router_app: the OpenAI-compatible front of `kvengine router`, over several engines.
 
-The engines' endpoints, passed through (``router_proxy.py``): /v1/completions and
+The engines' endpoints, passed through (``proxy.py``): /v1/completions and
 /v1/chat/completions go where ``RequestRouter`` says (by KV, round-robin or load), /tokenize,
 /detokenize, /version and /v1/models to the least loaded ready engine. The router's own:
 /health (200 while it runs), /ready (200 while an engine is ready), /metrics (its counters;
@@ -20,15 +20,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvstore import StoreState
-from kvstore.cli_args import package_version
+from kvstore.cli.args import package_version
 from server.auth import KEY_SALT_SCOPE, APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
-from server.engine_pool import EnginePool
 from server.errors import error_response, install_error_handlers
-from server.kv_locator import KVLocator
-from server.request_router import CHAT, COMPLETION, RequestRouter
-from server.router_metrics import CONTENT_TYPE
-from server.router_proxy import RouterProxy
+from server.router.engine_pool import EnginePool
+from server.router.kv_locator import KVLocator
+from server.router.metrics import CONTENT_TYPE
+from server.router.proxy import RouterProxy
+from server.router.request_router import CHAT, COMPLETION, RequestRouter
 from server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.trailing_slash import TrailingSlash
 

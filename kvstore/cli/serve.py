@@ -1,4 +1,4 @@
-"""The ``kvstore`` command: ``serve`` (the daemon), ``stats`` (read a running one), ``demo``.
+"""``kvstore serve``: the daemon's flags, and the daemon started from them.
 
 User errors (a bad flag, an unparsable SIZE, an unusable --ssd-dir, a busy socket or port) end
 with one line on stderr and a non-zero exit status, never a traceback.
@@ -15,20 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli_args import (
-    OneLineParser,
+from kvstore.cli.args import (
+    EXIT_FAILURE,
     add_config_option,
-    add_version,
-    expand_sources,
     package_version,
     positive_float_arg,
     size_arg,
-    subcommand,
 )
-from kvstore.cli_banner import describe_cluster, describe_start
-from kvstore.cli_copies import add_copy_flags, copy_settings_from_args
-from kvstore.cli_limits import add_limit_flags, limits_from_args
-from kvstore.cli_stats import stats_command
+from kvstore.cli.banner import describe_cluster, describe_start
+from kvstore.cli.copies import add_copy_flags, copy_settings_from_args
+from kvstore.cli.limits import add_limit_flags, limits_from_args
 from kvstore.log_lines import LOG_FORMATS, configure
 from kvstore.process_guard import forbid_inspection
 from kvstore.sizes import format_bytes, parse_size
@@ -42,8 +38,6 @@ DEFAULT_HTTP = "127.0.0.1:8791"
 # quicker lookups are worth a few percent of save rate (docs/measurements.md).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
 ENV_PREFIX = "KVSTORE_"  # KVSTORE_DRAM=16Gi is --dram 16Gi (kvstore serve)
 
 
@@ -51,13 +45,8 @@ class UsageError(Exception):
     """A user mistake: printed as one line, exit status 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="kvstore", description="Tiered KV-cache block store daemon.")
-    add_version(parser)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    sub.required = True
-
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+def add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """``kvstore serve``'s options (a config file and ``KVSTORE_*`` variables may set them)."""
     add_config_option(serve, ENV_PREFIX, "DRAM=16Gi")
     serve.add_argument("--socket", type=Path, default=None,
                        help="control socket path (default: $KVSTORE_SOCKET, else "
@@ -107,22 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--advertise", default=None, metavar="HOST:PORT",
                        help="address peers dial, if not --listen's (needed with a wildcard "
                             "--listen host or behind NAT; default: --listen's address)")
-
-    stats = sub.add_parser("stats", help="print a running daemon's stats")
-    stats.add_argument("--http", default=None, metavar="URL",
-                       help="read /stats from the admin HTTP app, e.g. http://127.0.0.1:8791 "
-                            "(default: read over the control socket)")
-    stats.add_argument("--socket", type=Path, default=None,
-                       help="read stats over this control socket (default: the daemon's default "
-                            "socket, when --http is not given)")
-    stats.add_argument("--json", action="store_true", help="print the raw JSON")
-
-    sub.add_parser("demo", add_help=False,
-                   help="daemon + engine + multi-turn chat, TTFT per tier (demo --help)")
-    return parser
-
-
-# ------------------------------------------------------------------------------------- serve
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -234,7 +207,9 @@ def _admin_server(factory: Any, service: Any, addr: tuple[str, int], explicit: b
         return admin
 
 
-def _serve(args: argparse.Namespace, switch_interval_s: float) -> int:
+def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
+    """``kvstore serve``: set up the store, bind the socket (and the admin HTTP app, the cluster
+    node), serve until stopped; the exit status. UsageError for options that do not fit."""
     cluster_config = _cluster_config(args)
     from kvstore.settings import default_socket_path, load_env_settings
 
@@ -327,59 +302,3 @@ def _serve(args: argparse.Namespace, switch_interval_s: float) -> int:
     banner.info("kvstore: stopped" + (f" (exit status {daemon.exit_code})"
                                         if daemon.exit_code else ""))
     return daemon.exit_code
-
-
-def _plugin_command(name: str) -> Any:
-    """The ``main(argv) -> int`` that a package registers as ``kvstore NAME`` (entry point group
-    ``kvstore.commands``), or None. The demo joins every part (daemon, engine, server); kvstore
-    never imports the engine, so the server package registers it."""
-    from importlib.metadata import entry_points
-
-    for entry in entry_points(group="kvstore.commands"):
-        if entry.name == name:
-            return entry.load()
-    return None
-
-
-def _demo(argv: list[str]) -> int:
-    main_of_demo = _plugin_command("demo")
-    if main_of_demo is None:
-        print("kvstore demo: error: no package registers the demo (entry point group "
-              "kvstore.commands); install the project with `pip install -e .`", file=sys.stderr)
-        return EXIT_FAILURE
-    return int(main_of_demo(argv) or 0)
-
-
-def main(argv: list[str] | None = None,
-         switch_interval_s: float = SERVE_SWITCH_INTERVAL_S) -> int:
-    """Entry point of the ``kvstore`` console script. ``switch_interval_s``: the GIL switch
-    interval ``serve`` runs under (benchmarks compare others)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:  # its flags belong to the demo program
-        return _demo(argv[1:])
-    parser = build_parser()
-    if argv[:1] == ["serve"]:
-        try:
-            argv = ["serve", *expand_sources(subcommand(parser, "serve"), argv[1:], ENV_PREFIX)]
-        except ValueError as exc:
-            print(f"kvstore serve: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "serve":
-            return _serve(args, switch_interval_s)
-        if args.command == "stats":
-            return stats_command(args)
-        return _demo([])
-    except UsageError as exc:
-        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `kvstore stats --json | head`: the reader left, nothing to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

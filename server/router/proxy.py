@@ -20,9 +20,9 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.engine_pool import EnginePool, UpstreamEngine
 from server.errors import error_response
-from server.router_metrics import RouterMetrics
+from server.router.engine_pool import EnginePool, UpstreamEngine
+from server.router.metrics import RouterMetrics
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 
 logger = logging.getLogger("kvengine.router")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kernels.block_copy import UNROLLS
-from kvstore.cli_args import positive_int_arg, size_arg
+from kvstore.cli.args import positive_int_arg, size_arg
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.sizes import format_bytes
 

@@ -8,16 +8,16 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from server.engine_pool import EnginePool
 from server.http_front_args import api_keys, metrics_key
-from server.kv_locator import KVLocator
 from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
-from server.request_router import RequestRouter
-from server.router_app import RouterSettings, build_router_app
-from server.router_metrics import RouterMetrics
-from server.router_proxy import RouterProxy
-from server.routing import RoutingPolicy
+from server.router.app import RouterSettings, build_router_app
+from server.router.engine_pool import EnginePool
+from server.router.kv_locator import KVLocator
+from server.router.metrics import RouterMetrics
+from server.router.policy import RoutingPolicy
+from server.router.proxy import RouterProxy
+from server.router.request_router import RequestRouter
 from server.tokenize_pool import TokenizePool
 
 

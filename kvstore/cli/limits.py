@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstore.cli_args import positive_float_arg, positive_int_arg, size_arg
+from kvstore.cli.args import positive_float_arg, positive_int_arg, size_arg
 from kvstore.sizes import parse_size
 
 DEFAULT_MAX_BUFFERED = "1GiB"

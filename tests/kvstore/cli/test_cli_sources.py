@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.kvengine import KvengineProcess
 
-from kvstore.cli_args import (
+from kvstore.cli.args import (
     OneLineParser,
     add_config_option,
     expand_sources,
@@ -20,7 +20,7 @@ from kvstore.cli_args import (
     size_arg,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _parser() -> OneLineParser:
@@ -115,7 +115,7 @@ def test_max_connections_past_the_fd_limit_is_refused() -> None:
     import argparse
     import resource
 
-    from kvstore.cli_limits import limits_from_args
+    from kvstore.cli.limits import limits_from_args
 
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     args = argparse.Namespace(max_connections=soft + 1, max_buffered_bytes=1 << 20,
@@ -175,7 +175,7 @@ def test_kvengine_serve_reads_a_config_file_and_the_environment(tiny_model_dir: 
 
 
 def test_kvengine_router_takes_a_config_file_and_the_environment(tmp_path: Path) -> None:
-    from kvstore.cli_args import subcommand
+    from kvstore.cli.args import subcommand
     from server.cli import build_parser
 
     config = tmp_path / "router.yaml"

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvstore.cli_args import (
+from kvstore.cli.args import (
     fraction_arg,
     non_negative_int_arg,
     port_arg,

@@ -26,7 +26,7 @@ from support.router import start_router, stop_router
 
 from engine import LLM, SamplingParams
 from server.auth import key_salt, tenant_salt
-from server.routing import RouteReason
+from server.router.policy import RouteReason
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -357,7 +357,7 @@ def test_a_trailing_slash_is_answered_not_redirected(node: Node) -> None:
 
 
 def test_router_help_documents_every_flag() -> None:
-    from server.router_args import add_router_arguments
+    from server.router.args import add_router_arguments
 
     parser = argparse.ArgumentParser()
     add_router_arguments(parser)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 from urllib.parse import urlsplit
 
-from kvstore.cli_args import (
+from kvstore.cli.args import (
     positive_float_arg,
     positive_int_arg,
 )
 from server.http_front_args import ROUTER_FRONT, add_http_front_args
 from server.model_args import ROUTER_MODEL, add_model_args
-from server.routing import ROUTING_MODES
+from server.router.policy import ROUTING_MODES
 
 
 def _engine_url(text: str) -> str:

@@ -1,5 +1,5 @@
-"""The router's policy (server/routing.py) on plain data, and a prompt's block chain as the router
-builds it against the one the engine keys its blocks by."""
+"""The router's policy (server/router/policy.py) on plain data, and a prompt's block chain as
+the router builds it against the one the engine keys its blocks by."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from offload.idents import sequence_idents
-from server.prompt_chain import KVIdentity, PromptChain
-from server.routed_prefixes import RoutedPrefixes
-from server.routing import (
+from server.router.policy import (
     Candidate,
     EngineCosts,
     Placement,
@@ -21,6 +19,8 @@ from server.routing import (
     RoutingPolicy,
     estimate,
 )
+from server.router.prompt_chain import KVIdentity, PromptChain
+from server.router.routed_prefixes import RoutedPrefixes
 
 PREFILL = 1 / 40_000  # seconds per computed token
 COSTS = EngineCosts(PREFILL, {"hbm": PREFILL / 100, "dram": PREFILL / 10, "ssd": PREFILL / 2})

@@ -16,7 +16,7 @@ from daemon_helpers import wait_until
 from support.kvengine import KvengineProcess
 from support.router import start_router, stop_router
 
-from server.router_app import streams
+from server.router.app import streams
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,8 +14,8 @@ import pytest
 from daemon_helpers import RunningDaemon, make_chain, start_daemon
 
 from kvstore import StoreState
-from server.kv_locator import KVLocator
-from server.prompt_chain import PromptChain
+from server.router.kv_locator import KVLocator
+from server.router.prompt_chain import PromptChain
 
 pytestmark = pytest.mark.timeout(60)
 

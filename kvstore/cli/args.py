@@ -9,7 +9,8 @@ import logging
 import math
 from typing import NoReturn
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # a user mistake, told in one line
+EXIT_FAILURE = 1  # the command could not do its work
 DISTRIBUTION = "kvstore-tiered"  # "kvstore" on PyPI is an unrelated project
 
 

@@ -3,7 +3,7 @@
 For ``--routing kv`` the prompt is rendered and tokenized exactly as the engines do it (the same
 PromptBuilder over the same tokenizer and chat template, the tenant salt from the API key and
 ``cache_salt`` as ``server.auth.tenant_salt`` makes it), its block chain built as the engine
-keys it (``server/prompt_chain.py``), and the kvstore daemon asked in one ``locate`` where its
+keys it (``prompt_chain.py``), and the kvstore daemon asked in one ``locate`` where its
 leading blocks are; the daemon's registrations map to engines by the engine_id each engine
 reports on /load. A body the router cannot read is routed by load: the engine it goes to answers
 it (its 400 passes through unchanged). The router never refuses a request the engines would take.
@@ -21,19 +21,19 @@ from pydantic import ValidationError
 
 from engine.chat_template import RESERVED_TEMPLATE_NAMES
 from server.auth import tenant_salt
-from server.engine_pool import EnginePool, UpstreamEngine
 from server.errors import APIError
-from server.kv_locator import KVLocator
 from server.prompt_builder import PromptBuilder
-from server.prompt_chain import PromptChain
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.routed_prefixes import RoutedPrefixes
-from server.router_metrics import RouterMetrics
-from server.routing import Placement, Route, RoutingPolicy
+from server.router.engine_pool import EnginePool, UpstreamEngine
+from server.router.kv_locator import KVLocator
+from server.router.metrics import RouterMetrics
+from server.router.policy import Placement, Route, RoutingPolicy
+from server.router.prompt_chain import PromptChain
+from server.router.routed_prefixes import RoutedPrefixes
 
 CHAT, COMPLETION = "chat", "completion"
 # One line per kv-routed request at DEBUG: what the policy saw and chose (``ROUTE_LOG_PREFIX``
-# then JSON), for a benchmark or an operator to replay a decision with ``routing.estimate``.
+# then JSON), for a benchmark or an operator to replay a decision with ``policy.estimate``.
 route_log = logging.getLogger("kvengine.router.routes")
 ROUTE_LOG_PREFIX = "route "
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvstore import Client, ClientError, DaemonUnavailable, LocateReply, Pending, StoreState
-from server.prompt_chain import PromptChain
+from server.router.prompt_chain import PromptChain
 
 logger = logging.getLogger("kvengine.router")
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import httpx
 from starlette.requests import Request
 
-from server.router_proxy import PassThroughResponse, RouterProxy, connection_named
+from server.router.proxy import PassThroughResponse, RouterProxy, connection_named
 
 
 def test_the_names_a_connection_header_lists() -> None:

@@ -6,11 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
+from kvstore.cli.args import EXIT_FAILURE
 from kvstore.sizes import format_bytes
 
-EXIT_FAILURE = 1
+
+def add_stats_flags(stats: argparse.ArgumentParser) -> None:
+    """``kvstore stats``'s options: where to read from, and how to print."""
+    stats.add_argument("--http", default=None, metavar="URL",
+                       help="read /stats from the admin HTTP app, e.g. http://127.0.0.1:8791 "
+                            "(default: read over the control socket)")
+    stats.add_argument("--socket", type=Path, default=None,
+                       help="read stats over this control socket (default: the daemon's default "
+                            "socket, when --http is not given)")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON")
 
 
 def _fetch_stats(args: argparse.Namespace) -> dict:

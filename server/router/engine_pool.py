@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from server.load_report import LOAD_PATH
-from server.prompt_chain import KVIdentity
-from server.routing import Candidate, EngineCosts
+from server.router.policy import Candidate, EngineCosts
+from server.router.prompt_chain import KVIdentity
 
 logger = logging.getLogger("kvengine.router")
 

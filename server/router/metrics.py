@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvstore import StoreState
-from server.engine_pool import EnginePool, EngineState
-from server.routing import Route, RouteReason
+from server.router.engine_pool import EnginePool, EngineState
+from server.router.policy import Route, RouteReason
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

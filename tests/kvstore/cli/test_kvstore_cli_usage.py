@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import DEFAULT_HTTP, build_parser, parse_host_port
-from kvstore.cli_args import DefaultsHelpFormatter, package_version
+from kvstore.cli.args import DefaultsHelpFormatter, package_version
+from kvstore.cli.command import build_parser
+from kvstore.cli.serve import DEFAULT_HTTP, parse_host_port
 
 CLI = [sys.executable, "-m", "kvstore.cli"]
 
