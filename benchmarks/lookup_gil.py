@@ -13,8 +13,8 @@ serve`` sets ``server.cli.SERVE_SWITCH_INTERVAL_S``).
 replies while worker threads run a save's bookkeeping in Python. A child process saves
 ``--save-blocks`` blocks at a time (fresh hashes, shared-memory engine memory) as fast as the
 daemon takes them, and this quiet process times lookups; a fresh ``kvstore serve`` per switch
-interval (``kvstore.cli.main``'s ``switch_interval_s``). Also the child's saves per second: a
-shorter interval must not slow the work that keeps the daemon busy.
+interval (``kvstore.cli.command.main``'s ``switch_interval_s``). Also the child's saves per
+second: a shorter interval must not slow the work that keeps the daemon busy.
 
     python -m benchmarks.lookup_gil [--busy engine,daemon] [--intervals-ms 5,0.5] [--rounds 2]
                                     [--seconds 4] [--blocks 1200] [--save-blocks 256] [--out DIR]

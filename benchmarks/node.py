@@ -46,8 +46,8 @@ from benchmarks.multiturn import load
 from benchmarks.multiturn.presets import PRESETS, scaled, summarize_point
 from benchmarks.servers import ServerProcess, warm_up
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
-from kvstore.cli_args import size_arg
-from server.request_router import ROUTE_LOG_PREFIX
+from kvstore.cli.args import size_arg
+from server.router.request_router import ROUTE_LOG_PREFIX
 
 CONFIGS = ("rr-no-store", "rr-store", "kv", "single")
 # kvengine:router_requests_total{reason="hbm_hit",engine="..."} 3.0

@@ -43,7 +43,7 @@ from benchmarks.router_metrics import metrics_delta, router_metrics
 from benchmarks.servers import ServerProcess
 from benchmarks.sizing import model_shape, tokens_per_word_of
 from benchmarks.workload import words_text
-from server.router_proxy import ENGINE_HEADER
+from server.router.proxy import ENGINE_HEADER
 
 TARGET_ADDED_P50_MS = 2.0
 KINDS = ("completion", "chat")

@@ -49,7 +49,7 @@ from benchmarks.multiturn.presets import PRESETS, scaled
 from benchmarks.process_memory import snapshot
 from benchmarks.servers import warm_up
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
-from kvstore.cli_args import positive_float_arg, positive_int_arg, size_arg
+from kvstore.cli.args import positive_float_arg, positive_int_arg, size_arg
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 

@@ -37,7 +37,7 @@ from benchmarks.common import command, machine_info, now_iso, write_result
 from benchmarks.multiturn.request_record import RequestRecord
 from benchmarks.multiturn.summary import format_summary, summarize
 from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
-from server.router_proxy import ENGINE_HEADER
+from server.router.proxy import ENGINE_HEADER
 
 
 @dataclass(frozen=True)

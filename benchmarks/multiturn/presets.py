@@ -49,7 +49,7 @@ from benchmarks.multiturn.summary import fmt_num
 from benchmarks.multiturn.sweep import PointSetup, run_point
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from benchmarks.workload import WorkloadConfig
-from kvstore.cli_args import positive_float_arg, size_arg
+from kvstore.cli.args import positive_float_arg, size_arg
 
 PRESETS: dict[str, dict] = {
     "long-context": dict(

@@ -41,7 +41,7 @@ from benchmarks.multiturn.sweep_report import evaluate_targets, plot, point_labe
 from benchmarks.servers import ServerProcess, warm_up
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from benchmarks.workload import WorkloadConfig
-from kvstore.cli_args import size_arg
+from kvstore.cli.args import size_arg
 
 
 @dataclass(frozen=True)

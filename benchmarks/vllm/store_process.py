@@ -22,7 +22,7 @@ def start_store(dram: str = "1GiB", preamble: str = "", flags: Sequence[str] = (
     ``flags``: more ``kvstore serve`` options (a benchmark variant's ``--copy-*`` tuning).
     ``preamble``: Python run in the daemon before it starts (instrumentation, e.g.
     ``benchmarks.copy_trace``'s hooks). ``switch_interval_s``: the GIL switch interval the
-    daemon serves under (None: its own, ``kvstore.cli.SERVE_SWITCH_INTERVAL_S``)."""
+    daemon serves under (None: its own, ``kvstore.cli.serve.SERVE_SWITCH_INTERVAL_S``)."""
     import tempfile
 
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-vllm-")) / "kvstore.sock"

@@ -35,7 +35,7 @@ import numpy as np
 from benchmarks.common import command, names_arg
 from benchmarks.vllm.store_process import start_store, stop_store
 from kvstore import Client
-from kvstore.cli_args import positive_int_arg
+from kvstore.cli.args import positive_int_arg
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
 from offload.vllm.kv_tensors import make_mover
 from offload.vllm.plan import BlockTransfer, StepPlan
