@@ -321,6 +321,32 @@ def test_a_preempted_request_restores_what_it_saved_into_its_new_blocks(daemon) 
     assert [t.block_ids for t in plan.saves] == [[99]]
 
 
+def test_a_hit_becomes_one_load_whose_budget_comes_back(daemon) -> None:
+    """A hit is loaded once (vLLM reserving blocks again plans nothing more); its blocks hold
+    the load budget until the workers report the load finished, or the request finishes."""
+    a = make_instance(daemon.socket_path, 44)
+    b = make_instance(daemon.socket_path, None, load_blocks=10)
+    tokens, ids = prompt(44), list(range(11))
+    a.save("r", tokens, ids)
+    sched = b.scheduler
+    n = sched.match("r", tokens, 0, None, None)
+    assert n == 10 * BLOCK_SIZE
+    sched.after_alloc("r", ids, n)
+    sched.after_alloc("r", ids, n)
+    assert [t.block_ids for t in sched.plan_step([]).loads] == [ids[:10]]
+    assert sched.match("r2", tokens, 0, None, None) == 0  # r's load holds the whole budget
+    assert sched.counters["lookups_skipped_budget"] == 1
+    sched.loads_finished({"r"})
+    assert sched.match("r2", tokens, 0, None, None) == n
+    sched.after_alloc("r2", ids, n)
+    assert [t.request_id for t in sched.plan_step([]).loads] == ["r2"]
+    assert sched.finished("r2") is False  # no saves planned; its load's budget is free again
+    assert sched.match("r3", tokens, 0, None, None) == n
+    sched.match("r3", tokens, 0, None, None)  # asked again before vLLM reserved its blocks
+    sched.after_alloc("r3", ids, 0)  # vLLM took none of the hit: nothing to load
+    assert sched.plan_step([]).loads == []
+
+
 def test_load_budget_caps_a_hit(daemon) -> None:
     a = make_instance(daemon.socket_path, 4)
     b = make_instance(daemon.socket_path, None, load_blocks=4)

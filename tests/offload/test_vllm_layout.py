@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -104,6 +106,19 @@ def test_namespaces_separate_salts_loras_layouts_and_kvengine() -> None:
                                              f.head_dim, f.kv_dtype, f.block_size,
                                              f.weights_id)).digest
     assert kvengine != base
+
+
+def test_a_vllm_namespace_is_kvengines_identity_with_the_kv_format_in_its_architecture(
+        ) -> None:
+    """What every block a vLLM instance stored is found by: a changed derivation would make
+    every block already in a store a miss."""
+    identity = ModelIdentity("vllm:Qwen3ForCausalLM|cpu:LBHNC", 2, 2, 32, "bfloat16", 4, "w")
+    keys = KeyMaker(_facts())
+    assert keys.namespace("alice", "l:1") == Namespace(model=identity, tenant_salt="alice",
+                                                        lora_id="l:1").digest
+    keys.reset()  # vLLM's cache reset: the weights are named anew
+    assert keys.namespace(None, None) == Namespace(
+        model=replace(identity, weights_id="w#reset1")).digest
 
 
 def test_keys_chain_over_vllms_block_size() -> None:
