@@ -39,14 +39,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from offload.external.block_mover import BlockMover
+from offload.external.kv_tensors import make_mover
+from offload.external.plan import StepPlan
+from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
-from offload.vllm.block_mover import BlockMover
-from offload.vllm.kv_tensors import make_mover
-from offload.vllm.plan import StepPlan
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings
-from offload.vllm.worker_side import WorkerSide
 from offload.vllm_reports import (
     KVStoreConnectorStats,
     KVStorePromMetrics,

@@ -1,5 +1,7 @@
-"""The vLLM-independent core of the vLLM v1 KV connector (``offload.vllm_connector``).
+"""The vLLM adapter of our connector: what imports or mirrors vLLM's API.
 
-Nothing here imports vllm or torch: tensors arrive as ``TensorSpec`` (shape, strides, address),
-requests as plain token lists, so every part is tested without vLLM.
+The engine-agnostic parts (keys, plans, tensors, the block mover, the worker side) live in
+``offload/external/``; here are vLLM's scheduler side (its requests, load budget and KV events),
+its settings (``kv_connector_extra_config``, LMCache's names) and, in plain values, what vLLM's
+config says about the model. Only the connector class imports vllm itself.
 """

@@ -14,11 +14,11 @@ from daemon_helpers import start_daemon, wait_until
 
 from kvstore import StoreState
 from kvstore.keys import shard_namespace
+from offload.external.kv_tensors import make_mover
+from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.kv_tensors import make_mover
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
-from offload.vllm.worker_side import WorkerSide
 
 torch = pytest.importorskip("torch")
 

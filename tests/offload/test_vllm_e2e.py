@@ -77,10 +77,10 @@ def test_loaded_blocks_are_really_used(engines, store, small_model_dir) -> None:
     """Random bytes stored under exactly the keys vLLM asks for: vLLM takes the hit and its
     answer changes, so a hit's KV is what attention reads (the daemon cannot tell garbage)."""
     torch = pytest.importorskip("torch")
+    from offload.external.kv_tensors import make_mover
+    from offload.external.plan import BlockTransfer, StepPlan
+    from offload.external.worker_side import WorkerSide
     from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
-    from offload.vllm.kv_tensors import make_mover
-    from offload.vllm.plan import BlockTransfer, StepPlan
-    from offload.vllm.worker_side import WorkerSide
 
     # What the connector reads from vLLM for this model on CPU (see its log line).
     facts = VllmModelFacts("Qwen3ForCausalLM", 2, 2, 32, "bfloat16", BLOCK_SIZE,

@@ -15,11 +15,11 @@ import time
 import pytest
 from daemon_helpers import start_daemon
 
+from offload.external.kv_tensors import make_mover
+from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.kv_tensors import make_mover
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
-from offload.vllm.worker_side import WorkerSide
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from kvstore.keys import ModelIdentity, Namespace
+from offload.external.plan import BlockTransfer
+from offload.external.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
 from offload.store_client import StoreClient
 from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.plan import BlockTransfer
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings
-from offload.vllm.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
 
 
 def _spec_of(arr: np.ndarray, block_dim: int, name: str = "layer") -> TensorSpec:
