@@ -39,12 +39,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from offload.external.block_keys import KeyMaker
 from offload.external.block_mover import BlockMover
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import StepPlan
 from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
+from offload.vllm.model_identity import identity_from_config, kv_format
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings
 from offload.vllm_reports import (
@@ -70,32 +71,6 @@ _TIER_SOURCES = {"hbm": CacheHitSource.DEVICE, "dram": CacheHitSource.HOST,
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
-
-
-def _model_facts(vllm_config: VllmConfig, kv_cache_config: Any) -> VllmModelFacts:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"KVStoreConnector supports models with one KV cache group (full "
-                         f"attention in every layer); this one has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    if getattr(spec, "sliding_window", None) or type(spec).__name__ != "FullAttentionSpec":
-        raise ValueError(f"KVStoreConnector supports full attention only, not "
-                         f"{type(spec).__name__}")
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or cc.kv_cache_layout or "default"
-    from vllm.platforms import current_platform
-
-    # What a block's bytes mean: the platform's attention KV format and vLLM's resolved layout;
-    # the worker's tensors add their own signature to the registration's meta.
-    signature = (f"{current_platform.device_type}:{layout}:kvheads{spec.num_kv_heads}:"
-                 f"head{spec.head_size}/{getattr(spec, 'head_size_v', spec.head_size)}")
-    arch = (getattr(mc.hf_config, "architectures", None) or [mc.architecture])[0]
-    return VllmModelFacts(
-        architecture=str(arch), num_layers=len(groups[0].layer_names),
-        num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
-        kv_dtype=str(spec.dtype).removeprefix("torch."), block_size=int(spec.block_size),
-        weights_id=weights_identity(str(mc.model), getattr(mc, "revision", None)),
-        layout_signature=signature)
 
 
 def _tensor_parallel_rank(num_shards: int) -> int:
@@ -137,8 +112,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._num_shards = int(pc.tensor_parallel_size)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra_config(extra)
-        self.facts = _model_facts(vllm_config, kv_cache_config)
-        self.keys = KeyMaker(self.facts)
+        self.identity = identity_from_config(vllm_config, kv_cache_config)
+        self.keys = KeyMaker(self.identity)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._scheduler: SchedulerSide | None = None
@@ -190,7 +165,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return {}
         tiers = self._scheduler.hit_tiers(request.request_id)
-        bs = self.facts.block_size
+        bs = self.identity.block_size
         out: Counter = Counter()
         for tier in tiers[:num_external_tokens // bs]:
             out[_TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)] += bs
@@ -273,8 +248,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         mover = self._make_mover(names, tensors)
         rank = _tensor_parallel_rank(self._num_shards)
         log.info("kvstore connector: %d layers, block size %d, namespace layout %s, tensor "
-                 "layout %s, tensor-parallel rank %d of %d", len(names), self.facts.block_size,
-                 self.facts.layout_signature, mover.meta.get("tensor_layout"), rank,
+                 "layout %s, tensor-parallel rank %d of %d", len(names), self.identity.block_size,
+                 kv_format(self.identity), mover.meta.get("tensor_layout"), rank,
                  self._num_shards)
         engine_id = f"vllm-{os.getpid()}-{id(self):x}-tp{rank}"  # one per instance
         self._worker = WorkerSide(self.settings.kv_store_socket, mover, engine_id,
@@ -286,8 +261,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.warning("kvstore connector: no store at start; vLLM recomputes until it is up")
 
     def _make_mover(self, names: list[str], tensors: list[torch.Tensor]) -> BlockMover:
-        meta = {"engine": "vllm", "block_size": self.facts.block_size,
-                "namespace_layout": self.facts.layout_signature}
+        meta = {"engine": "vllm", "block_size": self.identity.block_size,
+                "namespace_layout": kv_format(self.identity)}
         # Staging room (CPU) for the directions this instance's kv_role uses.
         config = self._kv_transfer_config
         num_slots = (self.settings.load_blocks * config.is_kv_consumer

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 from kvstore import StoreState
 from kvstore.keys import servable_blocks, shard_namespace
+from offload.external.block_keys import KeyMaker, RequestKeys
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.store_client import StoreClient
 from offload.transfer import Transfer
 from offload.vllm.block_events import BlockEvents, BlockInfo
-from offload.vllm.block_keys import KeyMaker, RequestKeys
 
 # A lookup is waited for in slices this long, so a daemon found hung ends the wait early.
 _WAIT_SLICE_S = 0.05

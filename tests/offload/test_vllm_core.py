@@ -14,17 +14,18 @@ from daemon_helpers import start_daemon, wait_until
 
 from kvstore import StoreState
 from kvstore.keys import shard_namespace
+from offload.external.block_keys import KeyMaker
 from offload.external.kv_tensors import make_mover
 from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts
+from offload.vllm.model_identity import vllm_identity
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 
 torch = pytest.importorskip("torch")
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 24, 16, 2, 32, 2
-FACTS = VllmModelFacts("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
-                       "test-weights", "cpu:LBHNC")
+MODEL = vllm_identity("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
+                      "test-weights", "cpu:LBHNC")
 LOOKUP_TIMEOUT_S, LOAD_TIMEOUT_S, RETRY_S = 0.3, 1.5, 0.5
 
 
@@ -98,7 +99,7 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
                         num_shards=num_ranks)
     assert worker.connect()
     client = StoreClient(socket_path, None, "vllm-test-scheduler", LOAD_TIMEOUT_S, RETRY_S)
-    scheduler = SchedulerSide(KeyMaker(FACTS), client, load_blocks, LOOKUP_TIMEOUT_S, num_ranks,
+    scheduler = SchedulerSide(KeyMaker(MODEL), client, load_blocks, LOOKUP_TIMEOUT_S, num_ranks,
                               loads=loads, saves=saves)
     return Instance(layers, scheduler, worker)
 
@@ -145,7 +146,7 @@ def test_a_producer_only_saves_and_a_consumer_only_loads(daemon) -> None:
     assert producer.scheduler.match("r3", tokens, 0, None, None) == 0
     assert producer.scheduler.counters["lookups"] == 0
     with pytest.raises(ValueError, match="neither loads nor saves"):
-        SchedulerSide(KeyMaker(FACTS), producer.scheduler.client, 16, 1.0, loads=False,
+        SchedulerSide(KeyMaker(MODEL), producer.scheduler.client, 16, 1.0, loads=False,
                       saves=False)
 
 
@@ -153,7 +154,7 @@ def test_bad_tensor_parallel_ranks_are_refused() -> None:
     with pytest.raises(ValueError, match="rank 2 of 2"):
         WorkerSide(None, None, "bad-rank", 1.0, 1.0, shard=2, num_shards=2)
     with pytest.raises(ValueError, match="num_shards must be at least 1"):
-        SchedulerSide(KeyMaker(FACTS), None, 16, 1.0, num_shards=0)
+        SchedulerSide(KeyMaker(MODEL), None, 16, 1.0, num_shards=0)
 
 
 def test_cache_salts_never_share(daemon) -> None:
@@ -215,7 +216,7 @@ def test_the_hit_is_the_shortest_shard_and_a_shard_lost_before_its_load_is_recom
     tokens, ids = prompt(41), list(range(11))
     a[0].save("r", tokens, ids)
     a[1].save("r", tokens[:8 * BLOCK_SIZE + 1], ids[:9])  # rank 1 stored only 8 blocks
-    keys = KeyMaker(FACTS).keys(tokens)
+    keys = KeyMaker(MODEL).keys(tokens)
 
     def evict_some_of_rank_1() -> None:  # between the scheduler's lookup and the loads
         with daemon.client() as c:
@@ -251,7 +252,7 @@ def test_a_short_hit_reports_the_missing_blocks_for_recompute(daemon) -> None:
     a.save("r", tokens, ids)
     n = b.scheduler.match("r", tokens, 0, None, None)
     assert n == 10 * BLOCK_SIZE
-    keys = KeyMaker(FACTS).keys(tokens)
+    keys = KeyMaker(MODEL).keys(tokens)
     with daemon.client() as c:  # evicted between the scheduler's lookup and the worker's load
         assert c.remove(keys.namespace, keys.hashes[6:]) == 4
     b.scheduler.after_alloc("r", ids, n)
