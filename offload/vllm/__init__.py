@@ -1,8 +1,10 @@
 """The vLLM adapter of our connector: what imports or mirrors vLLM's API.
 
-The engine-agnostic parts (keys, plans, tensors, the block mover, the worker side) live in
-``offload/external/``; here are vLLM's scheduler side (its requests, load budget and KV events),
-its settings (``kv_connector_extra_config``, LMCache's names) and the model's ``ModelIdentity``
-read from vLLM's config (``model_identity``, which imports vllm only inside that reader). The
-connector class itself is ``offload/vllm_connector.py``.
+``connector.py`` is the class vLLM loads (``KVStoreConnector``; ``offload/vllm_connector.py``
+hands it on under the module path the docs name) and ``reports.py`` what it reports to vLLM:
+the two modules that import vllm at their top. Beside them, in plain values tested without
+vLLM: the scheduler side (vLLM's requests, the load budget, its KV events), the settings
+(``kv_connector_extra_config``, LMCache's names) and the model's ``ModelIdentity`` read from
+vLLM's config. The engine-agnostic parts (keys, plans, tensors, the block mover, the worker
+side) live in ``offload/external/``.
 """
