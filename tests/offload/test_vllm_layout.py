@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore.keys import ModelIdentity, Namespace
+from offload.core.states import IllegalTransition
 from offload.external.block_keys import KeyMaker
 from offload.external.plan import BlockTransfer
 from offload.external.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
@@ -15,6 +16,7 @@ from offload.store_client import StoreClient
 from offload.vllm.model_identity import kv_format, vllm_identity
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings
+from offload.vllm.tracked_request import LoadState, TrackedRequest
 
 
 def _spec_of(arr: np.ndarray, block_dim: int, name: str = "layer") -> TensorSpec:
@@ -146,6 +148,22 @@ def test_plan_saves_each_full_block_once_past_vllms_own_hit(tmp_path) -> None:
     assert side.plan_step([ScheduledRequest("r", 14, 1, None)]).saves == []
     side.finished("r")
     assert side.num_tracked == 0
+
+
+def test_a_request_loads_only_what_a_lookup_hit_and_only_once() -> None:
+    """The load states' table: no load without a hit, no second hit while a load is in
+    flight (vLLM never asks about such a request), and a finished load lets it be asked
+    again (a preempted request)."""
+    tracked = TrackedRequest([1, 2, 3], None, None)
+    with pytest.raises(IllegalTransition):
+        tracked.to(LoadState.LOADING)
+    for state in (LoadState.HIT, LoadState.LOADING):
+        tracked.to(state)
+    with pytest.raises(IllegalTransition):
+        tracked.to(LoadState.HIT)
+    tracked.to(LoadState.IDLE)
+    tracked.to(LoadState.HIT)
+    assert str(tracked.state) == "hit" and tracked.num_loading_blocks == 0
 
 
 def test_transfers_check_lengths_and_chunk() -> None:
