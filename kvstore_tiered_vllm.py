@@ -110,6 +110,6 @@ def __getattr__(name: str) -> Any:
     if name != CONNECTOR_NAME:
         raise AttributeError(name)
     bind_packages()
-    from offload.vllm_connector import KVStoreConnector
+    from offload.vllm.connector import KVStoreConnector
 
     return KVStoreConnector

@@ -18,18 +18,20 @@ import xxhash
 from block_simulation import make_seq
 
 from engine.block_manager import BlockManager
+from kvstore.keys import ModelIdentity
+from offload.external.block_keys import KeyMaker
 from offload.idents import sequence_idents
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts
+from offload.vllm.model_identity import vllm_identity
 from offload.vocab import ident_from_bytes
 from server.router.prompt_chain import KVIdentity, PromptChain
 
 SALT = "tenant-a"
 
 
-def _facts(block_size: int) -> VllmModelFacts:
-    return VllmModelFacts(architecture="Qwen3ForCausalLM", num_layers=4, num_kv_heads=2,
-                          head_dim=8, kv_dtype="bfloat16", block_size=block_size,
-                          weights_id="w", layout_signature="cpu:LBHNC")
+def _identity(block_size: int) -> ModelIdentity:
+    return vllm_identity(architecture="Qwen3ForCausalLM", num_layers=4, num_kv_heads=2,
+                         head_dim=8, kv_dtype="bfloat16", block_size=block_size,
+                         weights_id="w", kv_format="cpu:LBHNC")
 
 
 def _reference(namespace: bytes, token_ids: list[int], block_size: int,
@@ -78,11 +80,11 @@ def test_engine_vllm_connector_and_router_key_a_prompt_alike(
     num_tokens = 4 * block_size + extra_tokens
     token_ids = np.random.default_rng(num_tokens).integers(0, 150_000, num_tokens).tolist()
     num_served = _served(num_tokens, block_size)
-    facts = _facts(block_size)
+    identity = _identity(block_size)
 
-    vllm_keys = KeyMaker(facts)
+    vllm_keys = KeyMaker(identity)
     namespace = vllm_keys.namespace(SALT, None)
-    router = PromptChain.of(KVIdentity(facts.identity(), block_size), token_ids, SALT)
+    router = PromptChain.of(KVIdentity(identity, block_size), token_ids, SALT)
     assert router.namespace == namespace  # one namespace, or nothing below could agree
     vllm = vllm_keys.keys(token_ids, SALT, num_blocks=num_served)
     engine_hashes, engine_idents, cached_idents, num_hit = _engine(
@@ -102,8 +104,8 @@ def test_a_chain_grown_token_by_token_is_the_whole_prompts(debug_hash_bits: int 
     links as the prompt keyed at once by the router."""
     block_size, num_tokens = 4, 23
     token_ids = list(range(500, 500 + num_tokens))
-    facts = _facts(block_size)
-    namespace = KeyMaker(facts).namespace(SALT, None)
+    identity = _identity(block_size)
+    namespace = KeyMaker(identity).namespace(SALT, None)
     bm = BlockManager(num_blocks=16, block_size=block_size, debug_hash_bits=debug_hash_bits)
     seq = make_seq("grown", token_ids[:1], namespace)
     for token in token_ids[1:]:
@@ -113,5 +115,5 @@ def test_a_chain_grown_token_by_token_is_the_whole_prompts(debug_hash_bits: int 
     assert seq.block_checks == hashes
     assert (seq.block_hashes == hashes) == (debug_hash_bits is None)
     # One token more and the router, like the engine, may serve every full block.
-    router = PromptChain.of(KVIdentity(facts.identity(), block_size), token_ids + [1], SALT)
+    router = PromptChain.of(KVIdentity(identity, block_size), token_ids + [1], SALT)
     assert router.hashes == hashes

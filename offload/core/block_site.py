@@ -1,10 +1,10 @@
 """Where an engine's blocks land and how they are held: the one thing the engines do apart.
 
 kvengine's site is its block ledger (``offload.ledger_site``): a load lands in blocks reserved
-for the request, and a save pins the request's blocks. vLLM's is its block mover
-(``offload.vllm.block_mover``): a load lands in staging slots (CPU) or vLLM's own blocks (GPU),
-and a save copies into staging slots or reads vLLM's blocks in place. The ``Restorer`` and the
-``Saver`` call nothing else of an engine.
+for the request, and a save pins the request's blocks. vLLM's (any hosting engine's) is its
+block mover (``offload.external.block_mover``): a load lands in staging slots (CPU) or the
+engine's own blocks (GPU), and a save copies into staging slots or reads its blocks in place.
+The ``Restorer`` and the ``Saver`` call nothing else of an engine.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
-"""The vLLM-independent core of the vLLM v1 KV connector (``offload.vllm_connector``).
+"""The vLLM adapter of our connector: what imports or mirrors vLLM's API.
 
-Nothing here imports vllm or torch: tensors arrive as ``TensorSpec`` (shape, strides, address),
-requests as plain token lists, so every part is tested without vLLM.
+``connector.py`` is the class vLLM loads (``KVStoreConnector``; ``offload/vllm_connector.py``
+hands it on under the module path the docs name) and ``reports.py`` what it reports to vLLM:
+the two modules that import vllm at their top. Beside them, in plain values tested without
+vLLM: the scheduler side (vLLM's requests, the load budget, its KV events), the settings
+(``kv_connector_extra_config``, LMCache's names) and the model's ``ModelIdentity`` read from
+vLLM's config. The engine-agnostic parts (keys, plans, tensors, the block mover, the worker
+side) live in ``offload/external/``.
 """

@@ -9,7 +9,8 @@ step as saves; the worker sends them without waiting, so a request with saves pl
 blocks after it finished (``finished`` says so, and the worker reports it in
 ``finished_sending`` once its saves ended), and a preempted one has them flushed before the
 next forward (``StepPlan.flush``). Loads in flight are budgeted (``max_load_blocks``, the
-worker's staging room).
+worker's staging room). Each request's load moves ``IDLE -> HIT -> LOADING -> IDLE``
+(``tracked_request.py`` holds the states and their table).
 Under tensor parallelism each rank keeps its shard of a block under its own namespace
 (``shard_namespace``); this side asks about every shard at once (one deadline) and reports the
 shortest hit, so every shard is touched (kept from eviction alike) and, in a cluster, fetched
@@ -24,39 +25,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore import StoreState
 from kvstore.keys import servable_blocks, shard_namespace
+from offload.external.block_keys import KeyMaker, RequestKeys
+from offload.external.plan import BlockTransfer, StepPlan
 from offload.store_client import StoreClient
 from offload.transfer import Transfer
 from offload.vllm.block_events import BlockEvents, BlockInfo
-from offload.vllm.block_keys import KeyMaker, RequestKeys
-from offload.vllm.plan import BlockTransfer, StepPlan
+from offload.vllm.tracked_request import LoadState, TrackedRequest
 
 # A lookup is waited for in slices this long, so a daemon found hung ends the wait early.
 _WAIT_SLICE_S = 0.05
-
-
-@dataclass
-class _Tracked:
-    """One request the scheduler side follows: its tokens, its blocks, what is stored."""
-
-    token_ids: Sequence[int]  # vLLM's live list: it grows as tokens are sampled
-    cache_salt: str | None
-    lora_id: str | None
-    block_ids: list[int] = field(default_factory=list)
-    num_stored_blocks: int = 0  # blocks [0, this) are in the store (hit, loaded or saved)
-    hit: tuple[int, int] | None = None  # (first block, num blocks) to load, until allocated
-    hit_tiers: list[str] = field(default_factory=list)  # each hit block's tier (last match)
-    load_blocks: int = 0  # blocks of the load in flight (budgeted)
-    load_first: int = 0  # the load's first block index in the request
-    load_ids: list[int] = field(default_factory=list)  # its vLLM block ids
-    load_ok_blocks: int = 0  # the load's blocks before the first one a worker reported failed
-    # vLLM's own hashes of the request's blocks (its live list), for the KV events; None or
-    # short: the store's hashes name the blocks instead.
-    block_hashes: Sequence[bytes] | None = None
-    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +74,7 @@ class SchedulerSide:
         self.max_load_blocks = max_load_blocks
         self.lookup_timeout_s = lookup_timeout_s
         self.counters: Counter[str] = Counter()
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, TrackedRequest] = {}
         self._loads_to_send: list[BlockTransfer] = []
         self._load_blocks_in_flight = 0
         # Requests with saves planned: the worker holds their blocks until the saves ended.
@@ -112,10 +93,11 @@ class SchedulerSide:
         bs = self.block_size
         tracked = self._requests.get(request_id)
         if tracked is None:
-            tracked = self._requests[request_id] = _Tracked(token_ids, cache_salt, lora_id,
-                                                            block_hashes=block_hashes,
-                                                            lora_name=lora_name)
-        tracked.hit, tracked.hit_tiers = None, []
+            tracked = self._requests[request_id] = TrackedRequest(
+                token_ids, cache_salt, lora_id, block_hashes=block_hashes, lora_name=lora_name)
+        if tracked.state is LoadState.HIT:
+            tracked.to(LoadState.IDLE)  # asked again: the hit is decided afresh
+        tracked.hit_tiers = []
         if not self.loads:
             return 0  # a producer: its prompts are computed here and saved
         first = num_computed_tokens // bs
@@ -143,7 +125,9 @@ class SchedulerSide:
             self.counters["lookup_misses"] += 1
             return 0
         self.counters["lookup_hits"] += 1
-        tracked.hit, tracked.hit_tiers = (first, num_hit), list(reply.tiers[:num_hit])
+        tracked.to(LoadState.HIT)
+        tracked.first_block, tracked.num_hit_blocks = first, num_hit
+        tracked.hit_tiers = list(reply.tiers[:num_hit])
         return num_hit * bs
 
     def _wait(self, lookups: list[Transfer]) -> bool:
@@ -173,11 +157,10 @@ class SchedulerSide:
         if tracked is None:
             return
         tracked.block_ids = list(block_ids)
-        if num_external_tokens <= 0 or tracked.hit is None:
+        if num_external_tokens <= 0 or tracked.state is not LoadState.HIT:
             return
-        first, num_hit = tracked.hit
-        tracked.hit = None
-        num_blocks = min(num_hit, num_external_tokens // self.block_size)
+        first = tracked.first_block
+        num_blocks = min(tracked.num_hit_blocks, num_external_tokens // self.block_size)
         ids = tracked.block_ids[first:first + num_blocks]
         if len(ids) < num_blocks:
             raise ValueError(f"request {request_id}: {len(ids)} blocks reserved for a load of "
@@ -186,8 +169,8 @@ class SchedulerSide:
         self._loads_to_send.append(BlockTransfer(
             request_id, ids, keys.namespace, keys.hashes[first:first + num_blocks],
             keys.idents[first:first + num_blocks]))
-        tracked.load_blocks, tracked.load_first, tracked.load_ids = num_blocks, first, ids
-        tracked.load_ok_blocks = num_blocks
+        tracked.to(LoadState.LOADING)
+        tracked.load_ids, tracked.load_ok_blocks = ids, num_blocks
         self._load_blocks_in_flight += num_blocks
         tracked.num_stored_blocks = first + num_blocks  # already in the store: never saved back
         self.counters["loads_planned"] += 1
@@ -212,7 +195,7 @@ class SchedulerSide:
                 tracked.block_ids = list(s.new_block_ids or [])
             elif s.new_block_ids:
                 tracked.block_ids.extend(s.new_block_ids)
-            if tracked.num_stored_blocks == 0 and tracked.load_blocks == 0:
+            if tracked.num_stored_blocks == 0 and tracked.state is not LoadState.LOADING:
                 # vLLM's own prefix hit was computed (and saved) before: start past it.
                 tracked.num_stored_blocks = s.num_computed_tokens // bs
             if not self.saves:
@@ -238,11 +221,10 @@ class SchedulerSide:
         """The worker reported these loads done (loaded or failed): their budget is free."""
         for rid in request_ids:
             tracked = self._requests.get(rid)
-            if tracked is not None and tracked.load_blocks:
-                self._load_blocks_in_flight -= tracked.load_blocks
-                tracked.load_blocks = 0
-            if tracked is not None:
+            if tracked is not None and tracked.state is LoadState.LOADING:
+                self._load_blocks_in_flight -= tracked.num_loading_blocks
                 tracked.load_ids = []
+                tracked.to(LoadState.IDLE)
 
     def loads_failed(self, block_ids: set[int]) -> None:
         """Blocks the workers could not load: vLLM recomputes them, so they are saved again.
@@ -251,10 +233,12 @@ class SchedulerSide:
         if not block_ids:
             return
         for tracked in self._requests.values():
+            if tracked.state is not LoadState.LOADING:
+                continue
             for i, block_id in enumerate(tracked.load_ids[:tracked.load_ok_blocks]):
                 if block_id in block_ids:
                     tracked.num_stored_blocks = min(tracked.num_stored_blocks,
-                                                    tracked.load_first + i)
+                                                    tracked.first_block + i)
                     self.counters["blocks_load_failed"] += tracked.load_ok_blocks - i
                     tracked.load_ok_blocks = i
                     break
@@ -265,8 +249,8 @@ class SchedulerSide:
         in ``finished_sending`` (the worker follows the same plans, so it reports exactly
         these)."""
         tracked = self._requests.pop(request_id, None)
-        if tracked is not None and tracked.load_blocks:
-            self._load_blocks_in_flight -= tracked.load_blocks
+        if tracked is not None:
+            self._load_blocks_in_flight -= tracked.num_loading_blocks
         if request_id in self._saving:
             self._saving.discard(request_id)
             self.counters["requests_held_for_saves"] += 1
@@ -288,14 +272,16 @@ class SchedulerSide:
         self.keys.reset()
         self.events.clear()
         for tracked in self._requests.values():
-            tracked.hit, tracked.hit_tiers = None, []
+            if tracked.state is LoadState.HIT:
+                tracked.to(LoadState.IDLE)
+            tracked.hit_tiers = []
         self.counters["resets"] += 1
 
     @property
     def num_tracked(self) -> int:
         return len(self._requests)
 
-    def _block_info(self, tracked: _Tracked, keys: RequestKeys, index: int) -> BlockInfo:
+    def _block_info(self, tracked: TrackedRequest, keys: RequestKeys, index: int) -> BlockInfo:
         """Block ``index`` of a request as the KV events name it: vLLM's hash where vLLM has
         one, else the store's (``keys`` covers the block)."""
         names = tracked.block_hashes
@@ -306,6 +292,6 @@ class SchedulerSide:
                          tuple(tracked.token_ids[index * bs:(index + 1) * bs]),
                          tracked.lora_name)
 
-    def _keys(self, tracked: _Tracked, num_blocks: int) -> RequestKeys:
+    def _keys(self, tracked: TrackedRequest, num_blocks: int) -> RequestKeys:
         return self.keys.keys(tracked.token_ids, tracked.cache_salt, tracked.lora_id,
                               num_blocks=num_blocks)

@@ -66,8 +66,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
         daemon.stop()
     pool = EnginePool(["http://127.0.0.1:9"], httpx.AsyncClient())
     names |= _names(RouterMetrics(pool).render(StoreState.OK).decode())
-    # The connector's family, as vllm_reports.py declares it to vLLM (a counter).
-    declared = re.findall(r'name="(vllm:[a-z_]+)"', (ROOT / "offload" / "vllm_reports.py")
+    # The connector's family, as offload/vllm/reports.py declares it to vLLM (a counter).
+    declared = re.findall(r'name="(vllm:[a-z_]+)"', (ROOT / "offload" / "vllm" / "reports.py")
                           .read_text())
     assert declared == ["vllm:kvstore_events"]
     return names | {f"{name}_total" for name in declared}

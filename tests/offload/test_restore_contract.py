@@ -28,13 +28,13 @@ from offload.core.restorer import Restorer, RestoreSettings
 from offload.core.saver import Saver
 from offload.core.states import RestoreEnd, RestoreState, SaveOutcome, SaveState
 from offload.cost_decider import CostDecider
+from offload.external.block_mover import StagedMover
+from offload.external.plan import BlockTransfer
+from offload.external.tensor_layout import Piece
 from offload.idents import sequence_idents
 from offload.ledger_site import LedgerSite
 from offload.restore_policy import RestorePolicy
 from offload.store_client import StoreClient
-from offload.vllm.block_mover import StagedMover
-from offload.vllm.plan import BlockTransfer
-from offload.vllm.tensor_layout import Piece
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -127,14 +127,17 @@ class KvengineSide(Side):
         self.arena.close()
 
 
-class VllmSide(Side):
-    name = "vllm"
+class ExternalSide(Side):
+    """A hosted engine's (vLLM's) block mover, staged: the param is not named "vllm", which
+    would skip it where vLLM is not installed (it needs none)."""
+
+    name = "external"
 
     def __init__(self, socket_path) -> None:
         self.memory = np.zeros(NUM_BLOCKS * BLOCK_BYTES, np.uint8)  # one layer, one piece
         self.mover = StagedMover([self.memory], [[Piece(0, BLOCK_BYTES, BLOCK_BYTES)]],
                                  NUM_BLOCKS, CHAIN + 2, "uint8", {"engine": "contract"})
-        self.client = StoreClient(socket_path, self.mover.open, "contract-vllm", TIMEOUT_S,
+        self.client = StoreClient(socket_path, self.mover.open, "contract-external", TIMEOUT_S,
                                   0.5, on_registered=self.mover.registered)
         self.counters = Counter()
         self.site = self.mover
@@ -204,9 +207,9 @@ def daemon(make_daemon):
     return make_daemon(dram="16MiB")
 
 
-@pytest.fixture(params=["kvengine", "vllm"])
+@pytest.fixture(params=["kvengine", "external"])
 def side(request, daemon) -> Iterator[Side]:
-    made = (KvengineSide if request.param == "kvengine" else VllmSide)(daemon.socket_path)
+    made = (KvengineSide if request.param == "kvengine" else ExternalSide)(daemon.socket_path)
     assert made.client.wait_available(5.0)
     yield made
     made.close()
@@ -482,7 +485,7 @@ def test_pinned_to_dropped_when_the_store_is_gone_before_sending(side, daemon) -
 def test_a_save_is_skipped_when_the_site_has_no_room_or_the_store_is_away(side, daemon) -> None:
     saver = Saver(side.client, side.site, side.counters)
     ids, hashes, idents, namespace = side.save_blocks(22)
-    if side.name == "vllm":  # staged: a save needs free staging slots
+    if side.name == "external":  # staged: a save needs free staging slots
         with side.full():
             assert saver.pin(namespace, ids, hashes, idents) is None
         assert side.counters["blocks_save_skipped_no_room"] == CHAIN

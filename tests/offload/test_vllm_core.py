@@ -14,17 +14,18 @@ from daemon_helpers import start_daemon, wait_until
 
 from kvstore import StoreState
 from kvstore.keys import shard_namespace
+from offload.external.block_keys import KeyMaker
+from offload.external.kv_tensors import make_mover
+from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.kv_tensors import make_mover
+from offload.vllm.model_identity import vllm_identity
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
-from offload.vllm.worker_side import WorkerSide
 
 torch = pytest.importorskip("torch")
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 24, 16, 2, 32, 2
-FACTS = VllmModelFacts("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
-                       "test-weights", "cpu:LBHNC")
+MODEL = vllm_identity("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
+                      "test-weights", "cpu:LBHNC")
 LOOKUP_TIMEOUT_S, LOAD_TIMEOUT_S, RETRY_S = 0.3, 1.5, 0.5
 
 
@@ -98,7 +99,7 @@ def make_instance(socket_path, seed: int | None, load_blocks: int = 16,
                         num_shards=num_ranks)
     assert worker.connect()
     client = StoreClient(socket_path, None, "vllm-test-scheduler", LOAD_TIMEOUT_S, RETRY_S)
-    scheduler = SchedulerSide(KeyMaker(FACTS), client, load_blocks, LOOKUP_TIMEOUT_S, num_ranks,
+    scheduler = SchedulerSide(KeyMaker(MODEL), client, load_blocks, LOOKUP_TIMEOUT_S, num_ranks,
                               loads=loads, saves=saves)
     return Instance(layers, scheduler, worker)
 
@@ -145,7 +146,7 @@ def test_a_producer_only_saves_and_a_consumer_only_loads(daemon) -> None:
     assert producer.scheduler.match("r3", tokens, 0, None, None) == 0
     assert producer.scheduler.counters["lookups"] == 0
     with pytest.raises(ValueError, match="neither loads nor saves"):
-        SchedulerSide(KeyMaker(FACTS), producer.scheduler.client, 16, 1.0, loads=False,
+        SchedulerSide(KeyMaker(MODEL), producer.scheduler.client, 16, 1.0, loads=False,
                       saves=False)
 
 
@@ -153,7 +154,7 @@ def test_bad_tensor_parallel_ranks_are_refused() -> None:
     with pytest.raises(ValueError, match="rank 2 of 2"):
         WorkerSide(None, None, "bad-rank", 1.0, 1.0, shard=2, num_shards=2)
     with pytest.raises(ValueError, match="num_shards must be at least 1"):
-        SchedulerSide(KeyMaker(FACTS), None, 16, 1.0, num_shards=0)
+        SchedulerSide(KeyMaker(MODEL), None, 16, 1.0, num_shards=0)
 
 
 def test_cache_salts_never_share(daemon) -> None:
@@ -215,7 +216,7 @@ def test_the_hit_is_the_shortest_shard_and_a_shard_lost_before_its_load_is_recom
     tokens, ids = prompt(41), list(range(11))
     a[0].save("r", tokens, ids)
     a[1].save("r", tokens[:8 * BLOCK_SIZE + 1], ids[:9])  # rank 1 stored only 8 blocks
-    keys = KeyMaker(FACTS).keys(tokens)
+    keys = KeyMaker(MODEL).keys(tokens)
 
     def evict_some_of_rank_1() -> None:  # between the scheduler's lookup and the loads
         with daemon.client() as c:
@@ -251,7 +252,7 @@ def test_a_short_hit_reports_the_missing_blocks_for_recompute(daemon) -> None:
     a.save("r", tokens, ids)
     n = b.scheduler.match("r", tokens, 0, None, None)
     assert n == 10 * BLOCK_SIZE
-    keys = KeyMaker(FACTS).keys(tokens)
+    keys = KeyMaker(MODEL).keys(tokens)
     with daemon.client() as c:  # evicted between the scheduler's lookup and the worker's load
         assert c.remove(keys.namespace, keys.hashes[6:]) == 4
     b.scheduler.after_alloc("r", ids, n)
@@ -319,6 +320,32 @@ def test_a_preempted_request_restores_what_it_saved_into_its_new_blocks(daemon) 
     tokens.extend(range(BLOCK_SIZE))
     plan = sched.plan_step([ScheduledRequest("r", 11 * BLOCK_SIZE, BLOCK_SIZE, [99])])
     assert [t.block_ids for t in plan.saves] == [[99]]
+
+
+def test_a_hit_becomes_one_load_whose_budget_comes_back(daemon) -> None:
+    """A hit is loaded once (vLLM reserving blocks again plans nothing more); its blocks hold
+    the load budget until the workers report the load finished, or the request finishes."""
+    a = make_instance(daemon.socket_path, 44)
+    b = make_instance(daemon.socket_path, None, load_blocks=10)
+    tokens, ids = prompt(44), list(range(11))
+    a.save("r", tokens, ids)
+    sched = b.scheduler
+    n = sched.match("r", tokens, 0, None, None)
+    assert n == 10 * BLOCK_SIZE
+    sched.after_alloc("r", ids, n)
+    sched.after_alloc("r", ids, n)
+    assert [t.block_ids for t in sched.plan_step([]).loads] == [ids[:10]]
+    assert sched.match("r2", tokens, 0, None, None) == 0  # r's load holds the whole budget
+    assert sched.counters["lookups_skipped_budget"] == 1
+    sched.loads_finished({"r"})
+    assert sched.match("r2", tokens, 0, None, None) == n
+    sched.after_alloc("r2", ids, n)
+    assert [t.request_id for t in sched.plan_step([]).loads] == ["r2"]
+    assert sched.finished("r2") is False  # no saves planned; its load's budget is free again
+    assert sched.match("r3", tokens, 0, None, None) == n
+    sched.match("r3", tokens, 0, None, None)  # asked again before vLLM reserved its blocks
+    sched.after_alloc("r3", ids, 0)  # vLLM took none of the hit: nothing to load
+    assert sched.plan_step([]).loads == []
 
 
 def test_load_budget_caps_a_hit(daemon) -> None:

@@ -77,16 +77,17 @@ def test_loaded_blocks_are_really_used(engines, store, small_model_dir) -> None:
     """Random bytes stored under exactly the keys vLLM asks for: vLLM takes the hit and its
     answer changes, so a hit's KV is what attention reads (the daemon cannot tell garbage)."""
     torch = pytest.importorskip("torch")
-    from offload.vllm.block_keys import KeyMaker, VllmModelFacts, weights_identity
-    from offload.vllm.kv_tensors import make_mover
-    from offload.vllm.plan import BlockTransfer, StepPlan
-    from offload.vllm.worker_side import WorkerSide
+    from offload.external.block_keys import KeyMaker, weights_identity
+    from offload.external.kv_tensors import make_mover
+    from offload.external.plan import BlockTransfer, StepPlan
+    from offload.external.worker_side import WorkerSide
+    from offload.vllm.model_identity import vllm_identity
 
     # What the connector reads from vLLM for this model on CPU (see its log line).
-    facts = VllmModelFacts("Qwen3ForCausalLM", 2, 2, 32, "bfloat16", BLOCK_SIZE,
-                           weights_identity(str(small_model_dir)), "cpu:LBHNC:kvheads2:head32/32")
+    model = vllm_identity("Qwen3ForCausalLM", 2, 2, 32, "bfloat16", BLOCK_SIZE,
+                          weights_identity(str(small_model_dir)), "cpu:LBHNC:kvheads2:head32/32")
     p = prompt(11)
-    keys = KeyMaker(facts).keys(p)
+    keys = KeyMaker(model).keys(p)
     num_blocks = keys.num_blocks
     raw = torch.randn(2 * num_blocks * 2 * BLOCK_SIZE * 64, generator=torch.Generator()
                       .manual_seed(0)).to(torch.bfloat16)

@@ -15,11 +15,12 @@ import time
 import pytest
 from daemon_helpers import start_daemon
 
+from offload.external.block_keys import KeyMaker
+from offload.external.kv_tensors import make_mover
+from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.kv_tensors import make_mover
+from offload.vllm.model_identity import vllm_identity
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
-from offload.vllm.worker_side import WorkerSide
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -27,8 +28,8 @@ if not torch.cuda.is_available():
     pytest.skip("torch has no CUDA here", allow_module_level=True)
 
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 96, 16, 8, 128
-FACTS = VllmModelFacts("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
-                       "gpu-test", "cuda:LBNHC:kvheads8:head128/128")
+MODEL = vllm_identity("Qwen3ForCausalLM", LAYERS, HEADS, HEAD_DIM, "bfloat16", BLOCK_SIZE,
+                      "gpu-test", "cuda:LBNHC:kvheads8:head128/128")
 
 
 def _layers(seed: int | None, heads_major: bool = False) -> list:
@@ -53,7 +54,7 @@ def _instance(socket_path, layers):
     worker = WorkerSide(socket_path, mover, "vllm-gpu-test", 30.0, 30.0, retry_interval_s=1.0)
     # The daemon's first CUDA registration sets up its copier: allow it time.
     assert worker.connect(wait_s=60.0), "could not register the CUDA tensors with the daemon"
-    scheduler = SchedulerSide(KeyMaker(FACTS), StoreClient(socket_path, None, "sched", 30.0),
+    scheduler = SchedulerSide(KeyMaker(MODEL), StoreClient(socket_path, None, "sched", 30.0),
                               256, 5.0)
     return scheduler, worker
 

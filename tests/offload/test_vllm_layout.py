@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from kvstore.keys import ModelIdentity, Namespace
+from offload.core.states import IllegalTransition
+from offload.external.block_keys import KeyMaker
+from offload.external.plan import BlockTransfer
+from offload.external.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
 from offload.store_client import StoreClient
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.plan import BlockTransfer
+from offload.vllm.model_identity import kv_format, vllm_identity
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings
-from offload.vllm.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
+from offload.vllm.tracked_request import LoadState, TrackedRequest
 
 
 def _spec_of(arr: np.ndarray, block_dim: int, name: str = "layer") -> TensorSpec:
@@ -85,29 +90,39 @@ def test_block_dim_is_found_or_the_ambiguity_reported() -> None:
         name_dims((8, 32), (32, 1), 16)
 
 
-def _facts(**overrides) -> VllmModelFacts:
+def _identity(**overrides) -> ModelIdentity:
     base = dict(architecture="Qwen3ForCausalLM", num_layers=2, num_kv_heads=2, head_dim=32,
-                kv_dtype="bfloat16", block_size=4, weights_id="w",
-                layout_signature="cpu:LBHNC")
-    return VllmModelFacts(**{**base, **overrides})
+                kv_dtype="bfloat16", block_size=4, weights_id="w", kv_format="cpu:LBHNC")
+    return vllm_identity(**{**base, **overrides})
 
 
 def test_namespaces_separate_salts_loras_layouts_and_kvengine() -> None:
-    keys = KeyMaker(_facts())
+    keys = KeyMaker(_identity())
     base = keys.namespace(None, None)
     assert keys.namespace("alice", None) not in (base, keys.namespace("bob", None))
     assert keys.namespace(None, "alice") != keys.namespace("alice", None)
-    assert KeyMaker(_facts(layout_signature="cuda:LBNHC")).namespace(None, None) != base
-    assert KeyMaker(_facts(block_size=8)).namespace(None, None) != base
-    f = _facts()
-    kvengine = Namespace(model=ModelIdentity(f.architecture, f.num_layers, f.num_kv_heads,
-                                             f.head_dim, f.kv_dtype, f.block_size,
-                                             f.weights_id)).digest
-    assert kvengine != base
+    assert KeyMaker(_identity(kv_format="cuda:LBNHC")).namespace(None, None) != base
+    assert KeyMaker(_identity(block_size=8)).namespace(None, None) != base
+    kvengine = Namespace(model=replace(_identity(), architecture="Qwen3ForCausalLM")).digest
+    assert kvengine != base  # the same model's blocks in kvengine
+
+
+def test_a_vllm_namespace_is_kvengines_identity_with_the_kv_format_in_its_architecture(
+        ) -> None:
+    """What every block a vLLM instance stored is found by: a changed derivation would make
+    every block already in a store a miss."""
+    identity = ModelIdentity("vllm:Qwen3ForCausalLM|cpu:LBHNC", 2, 2, 32, "bfloat16", 4, "w")
+    assert _identity() == identity and kv_format(identity) == "cpu:LBHNC"
+    keys = KeyMaker(_identity())
+    assert keys.namespace("alice", "l:1") == Namespace(model=identity, tenant_salt="alice",
+                                                        lora_id="l:1").digest
+    keys.reset()  # vLLM's cache reset: the weights are named anew
+    assert keys.namespace(None, None) == Namespace(
+        model=replace(identity, weights_id="w#reset1")).digest
 
 
 def test_keys_chain_over_vllms_block_size() -> None:
-    keys = KeyMaker(_facts())
+    keys = KeyMaker(_identity())
     a = keys.keys(list(range(10)))
     assert a.num_blocks == 2  # 10 tokens, blocks of 4
     b = keys.keys(list(range(10)) + [99, 98])
@@ -120,7 +135,7 @@ def test_keys_chain_over_vllms_block_size() -> None:
 def test_plan_saves_each_full_block_once_past_vllms_own_hit(tmp_path) -> None:
     client = StoreClient(tmp_path / "nobody.sock", None, "sched", timeout_s=0.2,
                          reconnect_interval_s=60)
-    side = SchedulerSide(KeyMaker(_facts()), client, max_load_blocks=8, lookup_timeout_s=0.2)
+    side = SchedulerSide(KeyMaker(_identity()), client, max_load_blocks=8, lookup_timeout_s=0.2)
     tokens = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens
     assert side.match("r", tokens, 4, None, None) == 0  # no daemon: a miss, not an error
     side.after_alloc("r", [7, 8, 9, 10], 0)
@@ -133,6 +148,22 @@ def test_plan_saves_each_full_block_once_past_vllms_own_hit(tmp_path) -> None:
     assert side.plan_step([ScheduledRequest("r", 14, 1, None)]).saves == []
     side.finished("r")
     assert side.num_tracked == 0
+
+
+def test_a_request_loads_only_what_a_lookup_hit_and_only_once() -> None:
+    """The load states' table: no load without a hit, no second hit while a load is in
+    flight (vLLM never asks about such a request), and a finished load lets it be asked
+    again (a preempted request)."""
+    tracked = TrackedRequest([1, 2, 3], None, None)
+    with pytest.raises(IllegalTransition):
+        tracked.to(LoadState.LOADING)
+    for state in (LoadState.HIT, LoadState.LOADING):
+        tracked.to(state)
+    with pytest.raises(IllegalTransition):
+        tracked.to(LoadState.HIT)
+    tracked.to(LoadState.IDLE)
+    tracked.to(LoadState.HIT)
+    assert str(tracked.state) == "hit" and tracked.num_loading_blocks == 0
 
 
 def test_transfers_check_lengths_and_chunk() -> None:

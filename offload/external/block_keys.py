@@ -1,9 +1,10 @@
-"""Block keys for vLLM's requests: the namespace and the chained hashes over vLLM's block size.
+"""Block keys for a hosted engine's requests: namespaces and chained hashes over its block size.
 
-The namespace carries everything that makes two vLLM instances' blocks interchangeable: the
-model (architecture, layers, KV heads, head dim, weights), the KV dtype, vLLM's block size, the
-layout signature of its KV tensors (so vLLM's blocks never mix with kvengine's, nor a CPU
-backend's with a flash-attention one's), and per request the ``cache_salt`` (tenant) and LoRA.
+The namespace is kvstore's ``ModelIdentity`` of the engine's model, built by the engine's
+adapter from its config (vLLM's: ``offload.vllm.model_identity``; it names the engine and the
+layout of its KV tensors in the architecture, so a hosted engine's blocks never mix with
+kvengine's, nor a CPU backend's with a flash-attention one's), and per request the
+``cache_salt`` (tenant) and LoRA.
 """
 
 from __future__ import annotations
@@ -14,38 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvstore.keys import (
-    KV_LAYOUT_VERSION,
-    ModelIdentity,
-    Namespace,
-    chain_hashes,
-    chain_idents,
-    encode_tokens,
-)
-
-# The architecture field of a vLLM namespace starts with this: kvengine's never do.
-VLLM_ARCH_PREFIX = "vllm:"
-
-
-@dataclass(frozen=True)
-class VllmModelFacts:
-    """What the connector reads from vLLM's config, as plain values."""
-
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype: str
-    block_size: int
-    weights_id: str
-    layout_signature: str
-
-    def identity(self) -> ModelIdentity:
-        arch = f"{VLLM_ARCH_PREFIX}{self.architecture}|{self.layout_signature}"
-        return ModelIdentity(architecture=arch, num_layers=self.num_layers,
-                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             kv_dtype=self.kv_dtype, block_size=self.block_size,
-                             weights_id=self.weights_id, kv_layout_version=KV_LAYOUT_VERSION)
+from kvstore.keys import ModelIdentity, Namespace, chain_hashes, chain_idents, encode_tokens
 
 
 def weights_identity(model: str, revision: str | None = None) -> str:
@@ -79,27 +49,27 @@ class RequestKeys:
 class KeyMaker:
     """Namespaces per (cache_salt, LoRA) and the chained keys of a token list."""
 
-    def __init__(self, facts: VllmModelFacts) -> None:
-        self.facts = facts
-        self.block_size = facts.block_size
-        self._identity = facts.identity()
+    def __init__(self, identity: ModelIdentity) -> None:
+        self.identity = identity
+        self.block_size = identity.block_size
+        self._current = identity  # with the resets so far in its weights_id
         self._digests: dict[tuple[str, str], bytes] = {}
         self.num_resets = 0
 
     def reset(self) -> None:
-        """Forget every block stored so far (vLLM's cache reset): later keys carry the number
-        of resets, so blocks stored before are never found again. Instances that reset as
-        often share again (a fleet resets together after a weight update)."""
+        """Forget every block stored so far (the engine's cache reset): later keys carry the
+        number of resets, so blocks stored before are never found again. Instances that reset
+        as often share again (a fleet resets together after a weight update)."""
         self.num_resets += 1
-        self._identity = replace(self.facts.identity(),
-                                 weights_id=f"{self.facts.weights_id}#reset{self.num_resets}")
+        self._current = replace(self.identity,
+                                weights_id=f"{self.identity.weights_id}#reset{self.num_resets}")
         self._digests.clear()
 
     def namespace(self, cache_salt: str | None, lora_id: str | None) -> bytes:
         key = (cache_salt or "", lora_id or "")
         digest = self._digests.get(key)
         if digest is None:
-            digest = Namespace(model=self._identity, tenant_salt=key[0], lora_id=key[1]).digest
+            digest = Namespace(model=self._current, tenant_salt=key[0], lora_id=key[1]).digest
             self._digests[key] = digest
         return digest
 

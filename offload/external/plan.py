@@ -1,7 +1,8 @@
-"""What the scheduler side tells the worker side each step: blocks to load and blocks to save.
+"""What a connector's scheduler side tells its worker side each step: blocks to load and save.
 
-Plain data (it crosses from vLLM's scheduler to its workers, pickled when they are separate
-processes): vLLM block ids plus the store keys of the blocks that go in or out.
+Plain data (it crosses from the engine's scheduler to its workers, pickled when they are
+separate processes, as vLLM's are): the engine's block ids plus the store keys of the blocks
+that go in or out.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class BlockTransfer:
-    """Blocks of one request: vLLM block ids and, index for index, their store keys."""
+    """Blocks of one request: the engine's block ids and, index for index, their store
+    keys."""
 
     request_id: str
     block_ids: list[int]
@@ -43,7 +45,7 @@ class BlockTransfer:
 @dataclass
 class StepPlan:
     """One step's work for the worker: async loads to start, computed blocks to save, and
-    requests whose saves must end before the step's forward (``flush``: preempted, so vLLM may
+    requests whose saves must end before the step's forward (``flush``: preempted, so the engine may
     hand their blocks to another request in this very step)."""
 
     loads: list[BlockTransfer] = field(default_factory=list)

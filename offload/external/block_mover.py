@@ -1,9 +1,10 @@
-"""How block bytes get between vLLM's KV tensors and the blocks the daemon copies.
+"""How block bytes get between a hosting engine's KV tensors and the blocks the daemon copies.
 
 ``DirectMover`` (GPU): the daemon maps each layer's tensor through CUDA IPC and copies whole
-blocks itself, with vLLM's own block ids. ``StagedMover`` (CPU): vLLM's tensors are ordinary
-process memory, so blocks go through a registered ``StagingBuffer`` (see there for why).
-Both describe vLLM's tensors with the same ``Piece`` list per layer (``tensor_layout``).
+blocks itself, with the engine's own block ids. ``StagedMover`` (CPU): the engine's tensors are
+ordinary process memory, so blocks go through a registered ``StagingBuffer`` (see there for
+why). Both describe the engine's tensors with the same ``Piece`` list per layer
+(``tensor_layout``).
 """
 
 from __future__ import annotations
@@ -16,25 +17,26 @@ from kvstore.layout import KVLayout, Region
 from offload.core.block_site import BlockSite
 from offload.core.restore_job import RestoreJob
 from offload.core.slots import Reservation, Slots
-from offload.vllm.plan import BlockTransfer
-from offload.vllm.staging import StagingBuffer
-from offload.vllm.tensor_layout import Piece
+from offload.external.plan import BlockTransfer
+from offload.external.staging import StagingBuffer
+from offload.external.tensor_layout import Piece
 
 
 class BlockMover(BlockSite[BlockTransfer]):
-    """vLLM's blocks as the core's ``BlockSite``, built from four primitives: ``open()``
-    makes the layout to register (called on every (re)connect); ``slots_for(ids, copy_out)``
-    returns daemon block ids for vLLM blocks ``ids`` (with ``copy_out``, holding their bytes
-    for a save), or None when there is no room; ``copy_in(slots, ids, n)`` makes the first
-    ``n`` loaded blocks visible in vLLM blocks ``ids``; ``give_back(slots)`` returns ids once
+    """The engine's blocks as the core's ``BlockSite``, built from four primitives:
+    ``open()`` makes the layout to register (called on every (re)connect);
+    ``slots_for(ids, copy_out)`` returns daemon block ids for the engine's blocks ``ids`` (with
+    ``copy_out``, holding their bytes for a save), or None when there is no room;
+    ``copy_in(slots, ids, n)`` makes the first ``n`` loaded blocks visible in the engine's
+    blocks ``ids``; ``give_back(slots)`` returns ids once
     the daemon is done with them. A ``Slots`` of a lost connection is never given back (its
     memory is abandoned instead)."""
 
     meta: dict  # what the registration's meta says (num_layers, tensor_layout...)
 
     #: The most blocks one save request carries. Staged movers copy into a bounded buffer per
-    #: save: short requests. A direct mover's save is the daemon's batched copy of vLLM's own
-    #: blocks: one request per step and vLLM request, up to this bound (many short requests in
+    #: save: short requests. A direct mover's save is the daemon's batched copy of the engine's
+    #: own blocks: one request per step and engine request, up to this bound (many short requests in
     #: flight at once move far less than one long one: docs/measurements.md).
     max_save_blocks: int = 64
 
@@ -85,7 +87,7 @@ class BlockMover(BlockSite[BlockTransfer]):
 
 
 class DirectMover(BlockMover):
-    """The daemon copies vLLM's blocks itself (CUDA IPC regions built by the caller)."""
+    """The daemon copies the engine's blocks itself (CUDA IPC regions built by the caller)."""
 
     max_save_blocks = 1024
 
@@ -104,17 +106,18 @@ class DirectMover(BlockMover):
         return Slots(list(block_ids))
 
     def copy_in(self, slots: Slots, block_ids: list[int], num_loaded: int) -> None:
-        pass  # the daemon wrote into vLLM's blocks
+        pass  # the daemon wrote into the engine's blocks
 
     def give_back(self, slots: Slots) -> None:
         pass
 
     def close(self) -> None:
-        pass  # the memory is vLLM's
+        pass  # the memory is the engine's
 
 
 class StagedMover(BlockMover):
-    """Copies between vLLM's host tensors (byte views, one per layer) and staging slots."""
+    """Copies between the engine's host tensors (byte views, one per layer) and staging
+    slots."""
 
     def __init__(self, layer_bytes: list[np.ndarray], layer_pieces: list[list[Piece]],
                  num_blocks: int, num_slots: int, dtype: str, meta: dict) -> None:
@@ -124,7 +127,7 @@ class StagedMover(BlockMover):
         self.num_slots = num_slots
         self.dtype = dtype
         self.meta = meta
-        # Per piece: a [num_blocks, piece_bytes] strided view of vLLM's memory and its columns
+        # Per piece: a [num_blocks, piece_bytes] strided view of the engine's memory and its columns
         # in a staged block.
         self._views: list[tuple[np.ndarray, int, int]] = []
         col = 0
@@ -192,7 +195,7 @@ class StagedMover(BlockMover):
 
 def direct_layout(handles: list[bytes], buffer_bytes: list[int], layer_pieces: list[list[Piece]],
                   num_blocks: int, device: str, dtype: str, meta: dict) -> KVLayout:
-    """The registration of vLLM's device tensors: one region per piece of each layer, naming
+    """The registration of the engine's device tensors: one region per piece of each layer, naming
     that layer's CUDA IPC handle (offsets are within the IPC allocation)."""
     regions = []
     for handle, size, pieces in zip(handles, buffer_bytes, layer_pieces):

@@ -1,12 +1,12 @@
-"""How one of vLLM's per-layer KV tensors maps onto the store's block regions.
+"""How one of an engine's per-layer KV tensors maps onto the store's block regions.
 
-vLLM hands the connector one tensor per attention layer, in its attention backend's shape: the
-flash-attention layout ``[2, num_blocks, block_size, kv_heads, head_dim]`` on GPU, the CPU
-backend's own shape on CPU, possibly with a permuted stride order. A block of the store is the
-concatenation, over layers and over every index of the dims laid out *outside* the block dim
-(the K/V dim of the flash layout), of one contiguous piece: the dims laid out *inside* the block
-dim. ``regions_of`` derives those pieces from shape and strides alone, never from a guessed
-layout, and refuses a tensor whose per-block piece is not one dense run of bytes.
+The engine hands the connector one tensor per attention layer, in its attention backend's shape
+(vLLM's: the flash-attention layout ``[2, num_blocks, block_size, kv_heads, head_dim]`` on GPU,
+the CPU backend's own shape on CPU), possibly with a permuted stride order. A block of the store
+is the concatenation, over layers and over every index of the dims laid out *outside* the block
+dim (the K/V dim of the flash layout), of one contiguous piece: the dims laid out *inside* the
+block dim. ``regions_of`` derives those pieces from shape and strides alone, never from a
+guessed layout, and refuses a tensor whose per-block piece is not one dense run of bytes.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def name_dims(shape: tuple[int, ...], strides: tuple[int, ...],
               num_blocks: int) -> tuple[str, ...]:
     """Label the block dim of a KV tensor (the others ``d0``, ``d1``...): the dim of size
     ``num_blocks``; when several dims have that size (16 blocks of 16 tokens), the one laid out
-    outermost, since no vLLM layout stores a block's tokens outside its blocks (its layouts
+    outermost, since no paged layout stores a block's tokens outside its blocks (vLLM's
     permute [layers, blocks, heads, tokens, content] with tokens and content always inside
     blocks). Equal strides too: an error, never a guess."""
     candidates = [i for i, s in enumerate(shape) if s == num_blocks]

@@ -1,8 +1,8 @@
-"""vLLM's per-layer KV tensors -> a ``BlockMover``: CUDA IPC regions on GPU, staging on CPU.
+"""An engine's per-layer KV tensors -> a ``BlockMover``: CUDA IPC regions on GPU, staging on CPU.
 
 Duck-typed over torch tensors (``shape``, ``stride()``, ``element_size()``, ``data_ptr()``,
-``untyped_storage()``, ``is_cuda``), so it imports no torch: the connector calls it with vLLM's
-tensors, the tests with their own torch tensors shaped like vLLM's.
+``untyped_storage()``, ``is_cuda``), so it imports no torch: a connector calls it with its
+engine's tensors (vLLM's), the tests with their own torch tensors shaped like them.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from offload.vllm.block_mover import BlockMover, DirectMover, StagedMover, direct_layout
-from offload.vllm.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
+from offload.external.block_mover import BlockMover, DirectMover, StagedMover, direct_layout
+from offload.external.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
 
 
 def _spec(name: str, t: Any, num_blocks: int, offset_bytes: int,
@@ -25,8 +25,9 @@ def _spec(name: str, t: Any, num_blocks: int, offset_bytes: int,
 
 
 def _group_kernel_blocks(t: Any, num_blocks: int) -> Any:
-    """vLLM may split each of its blocks into kernel blocks (dim 0 of ``num_blocks * k``);
-    view them as ``[num_blocks, k, ...]`` so a store block is still vLLM's whole block."""
+    """An engine may split each of its blocks into kernel blocks (vLLM does: dim 0 of
+    ``num_blocks * k``); view them as ``[num_blocks, k, ...]`` so a store block is still the
+    engine's whole block."""
     shape = tuple(t.shape)
     if num_blocks in shape or not shape or shape[0] % num_blocks:
         return t
@@ -40,8 +41,8 @@ def host_bytes(t: Any, num_bytes: int) -> np.ndarray:
 
 
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-_EXPANDABLE_SEGMENTS_FIX = ("vLLM's KV tensors live in torch expandable segments, which the store "
-                            "cannot map by CUDA IPC: run vLLM with "
+_EXPANDABLE_SEGMENTS_FIX = ("the engine's KV tensors live in torch expandable segments, which the "
+                            "store cannot map by CUDA IPC: run the engine (vLLM) with "
                             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
 
 

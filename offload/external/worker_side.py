@@ -1,20 +1,22 @@
-"""The worker half of the connector: vLLM's step plan turned into the core's restores and saves.
+"""The worker half of a hosted connector: the engine's step plan turned into the core's
+restores and saves.
 
 The daemon is reached through ``StoreClient`` (a thread owns the connection; registration,
-reconnects and the health probes that find a hung daemon happen there, never in a vLLM step).
-Loads are restores of the shared core (``offload.core.Restorer``) into the block mover (this
-engine's ``BlockSite``), advanced by ``poll``, which vLLM calls every step, even steps without a
-forward. vLLM's scheduler decided each load when it planned it, so every hit is loaded
-(``Always``). Whatever does not arrive (a shorter hit, a short load, an error, a deadline, a hung
-or lost daemon) is reported as failed vLLM block ids, and vLLM recomputes them; the request is
-reported finished either way. Saves go through the core's ``Saver`` and never hold up a step:
-staged ones are copied out at once and sent; direct ones (the daemon reads vLLM's blocks) are
-sent once the step's compute wrote the blocks (``ready``, an event). A request with saves keeps
-its blocks (the scheduler side's ``finished`` returned True) until ``finished_saving`` reports it,
-once its saves ended; a preempted one's saves are flushed (waited for, bounded) before the next
-forward may reuse its blocks. Under tensor parallelism every rank has its own
-worker side, registration and shard namespace (``shard_namespace`` of the plan's): a rank loads
-only its own shard, and what it misses is reported failed like any short load.
+reconnects and the health probes that find a hung daemon happen there, never in an engine
+step). Loads are restores of the shared core (``offload.core.Restorer``) into the block mover
+(this engine's ``BlockSite``), advanced by ``poll``, which the engine calls every step (vLLM:
+even steps without a forward). The engine's scheduler decided each load when it planned it, so
+every hit is loaded (``Always``). Whatever does not arrive (a shorter hit, a short load, an
+error, a deadline, a hung or lost daemon) is reported as failed block ids of the engine, which
+recomputes them; the request is reported finished either way. Saves go through the core's
+``Saver`` and never hold up a step: staged ones are copied out at once and sent; direct ones
+(the daemon reads the engine's blocks) are sent once the step's compute wrote the blocks
+(``ready``, an event). A request with saves keeps its blocks (the scheduler side said so when
+it finished) until ``finished_saving`` reports it, once its saves ended; a preempted one's
+saves are flushed (waited for, bounded) before the next forward may reuse its blocks. Under
+tensor parallelism every rank has its own worker side, registration and shard namespace
+(``shard_namespace`` of the plan's): a rank loads only its own shard, and what it misses is
+reported failed like any short load.
 """
 
 from __future__ import annotations
@@ -30,16 +32,16 @@ from offload.core.restore_job import RestoreJob
 from offload.core.restorer import Restorer, RestoreSettings
 from offload.core.save_job import SaveJob
 from offload.core.saver import Saver
+from offload.external.block_mover import BlockMover
+from offload.external.plan import BlockTransfer, StepPlan
 from offload.store_client import StoreClient
-from offload.vllm.block_mover import BlockMover
-from offload.vllm.plan import BlockTransfer, StepPlan
 
 MAX_STORED_REPORTS = 1 << 16
 
 
 class WorkerSide:
-    """Owns the store client of vLLM's KV memory, its restorer and saver, and the worker's
-    counters."""
+    """Owns the store client of the engine's KV memory, its restorer and saver, and the
+    worker's counters."""
 
     def __init__(self, socket_path: str | Path | None, mover: BlockMover, engine_id: str,
                  load_timeout_s: float, save_timeout_s: float,
@@ -102,8 +104,8 @@ class WorkerSide:
                 self._report(job)
 
     def poll(self) -> tuple[set[str], set[int]]:
-        """Advance loads and saves; (request ids whose load finished, vLLM block ids that
-        failed to load) since the last call."""
+        """Advance loads and saves; (request ids whose load finished, the engine's block ids
+        that failed to load) since the last call."""
         # Every step (vLLM calls this even in steps without a forward) asks for a reconnect
         # after an outage, so the store is back before the next save needs it.
         self.client.keep_connected()
@@ -115,7 +117,8 @@ class WorkerSide:
         return finished, failed
 
     def _report(self, job: RestoreJob[BlockTransfer]) -> None:
-        """A restore ended: the blocks past what landed failed (vLLM recomputes them)."""
+        """A restore ended: the blocks past what landed failed (the engine recomputes
+        them)."""
         t = job.owner
         if job.num_loaded < t.num_blocks:
             self._failed_block_ids.update(t.block_ids[job.num_loaded:])
@@ -140,8 +143,8 @@ class WorkerSide:
         self.pump_saves()
 
     def flush(self, request_ids: Iterable[str]) -> None:
-        """Wait (bounded by the save deadline) until these requests' saves ended: vLLM is
-        about to hand their blocks to others."""
+        """Wait (bounded by the save deadline) until these requests' saves ended: the engine
+        is about to hand their blocks to others."""
         jobs = [job for rid in request_ids for job in self._save_jobs.get(rid, ())]
         if jobs:
             self.counters["save_flushes"] += 1
@@ -149,8 +152,8 @@ class WorkerSide:
             self.pump_saves()
 
     def finished_saving(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Of the requests that finished (now or before), those whose saves all ended: vLLM
-        may free their blocks (``finished_sending``)."""
+        """Of the requests that finished (now or before), those whose saves all ended: the
+        engine may free their blocks (vLLM's ``finished_sending``)."""
         self._finishing.update(rid for rid in finished_req_ids if rid in self._saving)
         self.pump_saves()
         done = {rid for rid in self._finishing if rid not in self._save_jobs}
@@ -160,7 +163,7 @@ class WorkerSide:
 
     def pump_saves(self) -> None:
         """Send the saves that became ready (the last step's, once its compute is done),
-        account the ended ones, forget them. vLLM's worker calls this before each forward
+        account the ended ones, forget them. The engine's worker calls this before each forward
         too, so the daemon copies the last step's blocks beside it."""
         self.saver.send_pinned()
         self.saver.poll()

@@ -1,8 +1,8 @@
 """What the vLLM connector reports to vLLM: its counters (``KVConnectorStats``, summed over the
 workers), their Prometheus series on vLLM's ``/metrics``, and the KV events (the workers' report
 of stored blocks through vLLM's KV-event channel, and the scheduler side's events as vLLM's
-``BlockStored`` / ``BlockRemoved``). With ``vllm_connector.py``, the only modules that import
-vLLM.
+``BlockStored`` / ``BlockRemoved``). With ``connector.py``, the only modules that import vLLM
+at their top.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""A shared-memory staging buffer: the CPU path's way into vLLM's KV tensors.
+"""A shared-memory staging buffer: the CPU path's way into a hosting engine's KV tensors.
 
-The daemon's CPU path maps memory an engine sends it by file descriptor; vLLM allocates its CPU
-KV tensors in ordinary process memory, which no other process can map. So the worker registers
-a buffer of ``num_slots`` whole blocks (block-major, one region) in anonymous shared memory (a
-memfd: nothing in /dev/shm) and copies between it and vLLM's tensors: saves copy vLLM -> slots
-before the daemon reads them, loads copy slots -> vLLM after the daemon wrote them. Slots are
+The daemon's CPU path maps memory an engine sends it by file descriptor; an engine like vLLM
+allocates its CPU KV tensors in ordinary process memory, which no other process can map. So the
+worker registers a buffer of ``num_slots`` whole blocks (block-major, one region) in anonymous
+shared memory (a memfd: nothing in /dev/shm) and copies between it and the engine's tensors:
+saves copy engine -> slots before the daemon reads them, loads copy slots -> engine after the
+daemon wrote them. Slots are
 handed out and given back explicitly; a buffer whose connection was lost is abandoned whole
 (freed once no job holds it) and the next connection registers a fresh one, so a daemon that
 wakes up late can only ever write into memory nobody reads. The buffer's descriptor is dropped
@@ -22,7 +23,7 @@ from offload.anon_memory import AnonymousMemory
 class StagingBuffer:
     """``num_slots`` blocks of ``block_bytes`` in fresh anonymous shared memory."""
 
-    def __init__(self, num_slots: int, block_bytes: int, name: str = "kvs-vllm-staging") -> None:
+    def __init__(self, num_slots: int, block_bytes: int, name: str = "kvs-staging") -> None:
         if num_slots <= 0 or block_bytes <= 0:
             raise ValueError("a staging buffer needs positive num_slots and block_bytes")
         self.num_slots = num_slots
