@@ -31,10 +31,11 @@ import numpy as np
 
 from benchmarks.common import command, now_iso, today, write_result
 from benchmarks.vllm.store_process import start_store, stop_store
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.kv_tensors import make_mover
-from offload.vllm.plan import BlockTransfer, StepPlan
-from offload.vllm.worker_side import WorkerSide
+from offload.external.block_keys import KeyMaker
+from offload.external.kv_tensors import make_mover
+from offload.external.plan import BlockTransfer, StepPlan
+from offload.external.worker_side import WorkerSide
+from offload.vllm.model_identity import vllm_identity
 
 HIDDEN, INTERMEDIATE, Q_DIM, KV_DIM = 2560, 9728, 4096, 1024  # Qwen3-4B
 
@@ -149,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     step = Step(torch, args.tokens, args.layers, kv, bs)
     torch.cuda.synchronize()
     block_bytes = args.layers * 2 * bs * heads * head_dim * 2
-    facts = VllmModelFacts("Qwen3ForCausalLM", args.layers, heads, head_dim, "bfloat16", bs,
-                           "bench-step", "cuda:bench")
-    keys = KeyMaker(facts)
+    model = vllm_identity("Qwen3ForCausalLM", args.layers, heads, head_dim, "bfloat16", bs,
+                          "bench-step", "cuda:bench")
+    keys = KeyMaker(model)
 
     def pick(i: int) -> list[int]:
         base = (i % 4) * per_step

@@ -4,7 +4,7 @@ vLLM's side is this process: ``--layers`` torch CUDA tensors in vLLM's flash-att
 ``[2, num_blocks, block_size, kv_heads, head_dim]`` (Qwen3-4B shape by default: 36 layers,
 8 KV heads, head_dim 128, bf16, vLLM's GPU block size 16: 2.36 MB a block, 72 regions of 32 KiB),
 registered with a real ``kvstore serve`` through CUDA IPC by the connector's own core
-(``offload.vllm.kv_tensors.make_mover``). For 64..1024 shuffled block ids it times, by wall
+(``offload.external.kv_tensors.make_mover``). For 64..1024 shuffled block ids it times, by wall
 clock, what vLLM's worker waits for: a write-through save (``WorkerSide.save``, waited as the
 connector waits for it) and a load (``WorkerSide.start`` + ``poll`` until the request finished:
 the lease lookup and the copy). Raw: one ``copy_`` of the same number of bytes between a
@@ -36,10 +36,11 @@ from benchmarks.common import command, names_arg
 from benchmarks.vllm.store_process import start_store, stop_store
 from kvstore import Client
 from kvstore.cli.args import positive_int_arg
-from offload.vllm.block_keys import KeyMaker, VllmModelFacts
-from offload.vllm.kv_tensors import make_mover
-from offload.vllm.plan import BlockTransfer, StepPlan
-from offload.vllm.worker_side import WorkerSide
+from offload.external.block_keys import KeyMaker
+from offload.external.kv_tensors import make_mover
+from offload.external.plan import BlockTransfer, StepPlan
+from offload.external.worker_side import WorkerSide
+from offload.vllm.model_identity import vllm_identity
 
 # Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
 _NEVER_PACKED = ["--copy-packed-min-pieces", str(1 << 30)]  # more pieces than any layout has
@@ -196,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.synchronize()
     block_bytes = args.layers * 2 * args.block_size * args.kv_heads * args.head_dim * 2
-    facts = VllmModelFacts("Qwen3ForCausalLM", args.layers, args.kv_heads, args.head_dim,
-                           "bfloat16", args.block_size, "bench", "cuda:bench")
-    keys = KeyMaker(facts)
+    model = vllm_identity("Qwen3ForCausalLM", args.layers, args.kv_heads, args.head_dim,
+                          "bfloat16", args.block_size, "bench", "cuda:bench")
+    keys = KeyMaker(model)
     dram = int(block_bytes * num_blocks * 1.25) + (256 << 20)
     rows, raws = [], {}
     for variant in args.variants:
