@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.vllm.store_process import REPO_ROOT, start_store, stop_store
+from benchmarks.vllm_store.store_process import REPO_ROOT, start_store, stop_store
 from kvstore.keys import Namespace, chain_hashes, chain_idents
 from kvstore.layout import KVLayout, Region
 from kvstore.wire.client import Client

@@ -1,4 +1,4 @@
-"""benchmarks.vllm.transfer on CPU tensors (the staged path) for a few blocks: every save and
+"""benchmarks.vllm_store.transfer on CPU tensors (the staged path) for a few blocks: every save and
 load goes through a real daemon and the JSON has a row per block count."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm import transfer
+from benchmarks.vllm_store import transfer
 
 pytestmark = pytest.mark.timeout(120)
 pytest.importorskip("torch")
@@ -22,7 +22,7 @@ def test_vllm_transfer_smoke(tmp_path: Path) -> None:
     assert [r["blocks"] for r in result["rows"]] == [4, 16]
     assert all(r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in result["rows"])
     assert result["path"] == "staged through shared memory"
-    assert result["command"].startswith("python -m benchmarks.vllm.transfer --device cpu")
+    assert result["command"].startswith("python -m benchmarks.vllm_store.transfer --device cpu")
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])

@@ -16,7 +16,7 @@ no bookkeeping: the copy alone). Reported: step time p50 and mean per mode again
 measured before and after, to see drift), how many blocks the store saved, and the engine-side
 copy's bandwidth.
 
-    python -m benchmarks.vllm.step [--steps 30] [--warmup 5] [--tokens 2048] [--out DIR]
+    python -m benchmarks.vllm_store.step [--steps 30] [--warmup 5] [--tokens 2048] [--out DIR]
                                    [--modes daemon,engine]
 """
 
@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from benchmarks.common import command, now_iso, today, write_result
-from benchmarks.vllm.store_process import start_store, stop_store
+from benchmarks.vllm_store.store_process import start_store, stop_store
 from offload.external.block_keys import KeyMaker
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
               "off_after": stats(off_after), "blocks_saved": saved,
               "blocks_expected": per_step * total if "daemon" in modes else 0,
               "blocks_failed": failed, "engine_copy_gbps": engine_gbps,
-              "command": command("python -m benchmarks.vllm.step", argv)}
+              "command": command("python -m benchmarks.vllm_store.step", argv)}
     print(f"step p50 off {result['off']['p50_ms']:.2f} ms (before "
           f"{result['off_before']['p50_ms']:.2f}, after {result['off_after']['p50_ms']:.2f})",
           flush=True)

@@ -9,7 +9,7 @@ recomputes it. TTFT is the wall time of a ``max_tokens=1`` generate in the proce
 a new prompt; the restore and the recompute alternate which runs first. Writes JSON and a PNG
 into ``--out``.
 
-    python -m benchmarks.vllm.ttft [--model DIR] [--tokens 4096] [--reps 5] [--out DIR]
+    python -m benchmarks.vllm_store.ttft [--model DIR] [--tokens 4096] [--reps 5] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.vllm.store_process import start_store, stop_store
+from benchmarks.vllm_store.store_process import start_store, stop_store
 from kvstore import Client
 from kvstore.testing.vllm_process import VllmProcess
 

@@ -10,7 +10,7 @@ connector waits for it) and a load (``WorkerSide.start`` + ``poll`` until the re
 the lease lookup and the copy). Raw: one ``copy_`` of the same number of bytes between a
 contiguous CUDA tensor and pinned host memory (CUDA events). Ratios are connector over raw.
 
-    python -m benchmarks.vllm.transfer [--blocks 64,128,256,512,1024] [--reps 5] [--out DIR]
+    python -m benchmarks.vllm_store.transfer [--blocks 64,128,256,512,1024] [--reps 5] [--out DIR]
                                        [--variants default,kernel]
 
 Variants, each a daemon started with other ``kvstore serve --copy-*`` options: ``default`` (as
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import command, names_arg
-from benchmarks.vllm.store_process import start_store, stop_store
+from benchmarks.vllm_store.store_process import start_store, stop_store
 from kvstore import Client
 from kvstore.cli.args import positive_int_arg
 from offload.external.block_keys import KeyMaker
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
            "path": "CUDA IPC, daemon copies" if cuda else "staged through shared memory",
            "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
            "block_size": args.block_size, "block_bytes": block_bytes, "reps": args.reps,
-           "rows": rows, "command": command("python -m benchmarks.vllm.transfer", argv)}
+           "rows": rows, "command": command("python -m benchmarks.vllm_store.transfer", argv)}
     path = Path(args.out) / f"vllm_transfer-{tag}-{out['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
