@@ -84,6 +84,7 @@ def run_config(args: argparse.Namespace, name: str, num_kv_blocks: int, dram_byt
                                     num_kv_blocks=num_kv_blocks, max_model_len=args.max_model_len,
                                     max_num_seqs=args.users, **overrides))
     try:
+        engine.warm_up()  # as `kvengine serve` does before it listens
         vocab = engine.vocab_size
         warm = np.random.default_rng(12345)
         params = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
