@@ -18,6 +18,10 @@ NO_OP_SWITCHES: dict[str, str] = {
     "--disable-log-requests": "kvengine logs no request unless --uvicorn-log-level is info",
     "--disable-log-stats": "kvengine logs no periodic stats (GET /metrics has them)",
     "--enable-chunked-prefill": "kvengine always splits long prefills into chunks",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details (cached "
+                                      "tokens, and by tier)",
+    "--disable-uvicorn-access-log": "kvengine's access log is off unless --uvicorn-log-level "
+                                    "is info",
 }
 
 
@@ -42,6 +46,16 @@ def _max_logprobs(text: str) -> int:
     return value
 
 
+def _any(text: str) -> str:
+    return text
+
+
+def _log_requests(text: str) -> str:
+    raise argparse.ArgumentTypeError("kvengine does not log requests' prompts or parameters "
+                                     "(its access log, --uvicorn-log-level info, names the "
+                                     "requests); drop the flag")
+
+
 def _download_dir(text: str) -> str:
     raise argparse.ArgumentTypeError("kvengine downloads into the Hugging Face cache: set "
                                      "HF_HUB_CACHE to the folder instead")
@@ -56,7 +70,28 @@ VALUED: dict[str, tuple[Callable[[str], object], str]] = {
                          "chat replies carry the role assistant"),
     "--max-logprobs": (_max_logprobs, f"kvengine's limit is {MAX_LOGPROBS}"),
     "--download-dir": (_download_dir, ""),
+    "--pipeline-parallel-size": (_only("--pipeline-parallel-size", ("1",),
+                                       "kvengine runs a model on one device"),
+                                 "kvengine runs a model on one device"),
+    "--kv-cache-dtype": (_only("--kv-cache-dtype", ("auto",),
+                               "the KV cache keeps the model's dtype (bf16 on a GPU)"),
+                         "the KV cache keeps the model's dtype"),
+    "--distributed-executor-backend": (_only("--distributed-executor-backend", ("mp", "uni"),
+                                             "kvengine runs in one process, without Ray"),
+                                       "kvengine runs in one process"),
+    "--structured-outputs-config.backend": (
+        _only("--structured-outputs-config.backend", ("auto", "guidance"),
+              "kvengine's grammars are llguidance (vLLM's `guidance`), with xgrammar's "
+              "defaults where they differ (a schema without additionalProperties is closed)"),
+        "kvengine's grammars are llguidance"),
+    "--swap-space": (_any, "kvengine never swaps a preempted request's KV to host memory: it "
+                           "recomputes it, or with --kv-offload restores it from the store"),
+    "--max-log-len": (_any, "kvengine logs no prompts"),
 }
+# Short spellings vLLM has for the flags above.
+ALIASES = {"--pipeline-parallel-size": ("-pp",)}
+# A flag whose effect kvengine lacks and that a moved command line may carry: refused with why.
+REFUSED = {"--enable-log-requests": _log_requests}
 
 
 def _dest(flag: str) -> str:
@@ -74,8 +109,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"accepted from vLLM command lines, no effect: {why}")
     for flag, (check, why) in VALUED.items():
         note = f"accepted only with that value ({why})" if why else "refused"
-        parser.add_argument(flag, dest=_dest(flag), type=check, default=None,
-                            help=f"vLLM's flag: {note} (default: not given)")
+        if check is _any:
+            note = f"accepted, no effect: {why}"
+        parser.add_argument(flag, *ALIASES.get(flag, ()), dest=_dest(flag), type=check,
+                            default=None, help=f"vLLM's flag: {note} (default: not given)")
+    for flag, refuse in REFUSED.items():
+        parser.add_argument(flag, dest=_dest(flag), nargs=0, action=_Refuse, refuse=refuse,
+                            help="vLLM's flag: refused, with the reason")
 
 
 def notes(args: argparse.Namespace) -> list[str]:
@@ -84,8 +124,26 @@ def notes(args: argparse.Namespace) -> list[str]:
     for flag, why in NO_OP_SWITCHES.items():
         if getattr(args, _dest(flag), False):
             out.append(f"kvengine: {flag} has no effect here: {why}")
-    for flag, (_, why) in VALUED.items():
-        if getattr(args, _dest(flag), None) is not None:
+    for flag, (check, why) in VALUED.items():
+        if getattr(args, _dest(flag), None) is None:
+            continue
+        if check is _any:
+            out.append(f"kvengine: {flag} has no effect here: {why}")
+        else:
             out.append(f"kvengine: {flag} {getattr(args, _dest(flag))} is what kvengine does "
                        f"anyway ({why})")
     return out
+
+
+class _Refuse(argparse.Action):
+    """A switch refused with its reason, in argparse's one line."""
+
+    def __init__(self, *args, refuse: Callable[[str], str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._refuse = refuse
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            self._refuse(option_string or "")
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"argument {option_string}: {exc}")

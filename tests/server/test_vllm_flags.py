@@ -14,12 +14,21 @@ from support.kvengine import KvengineProcess, run_kvengine
 def test_harmless_flags_start_with_a_note_each(tiny_model_dir: Path) -> None:
     args = [str(tiny_model_dir), "--disable-log-requests", "--disable-log-stats",
             "--enable-chunked-prefill", "--load-format", "safetensors", "--response-role",
-            "assistant", "--max-logprobs", "20", "--root-path", "/api"]
+            "assistant", "--max-logprobs", "20", "--root-path", "/api",
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "-pp", "1",
+            "--kv-cache-dtype", "auto", "--distributed-executor-backend", "mp",
+            "--structured-outputs-config.backend", "guidance", "--swap-space", "4",
+            "--max-log-len", "100"]
     with KvengineProcess(*args) as served:
         text = "".join(served.lines)
         for flag in ("--disable-log-requests", "--disable-log-stats",
                      "--enable-chunked-prefill", "--load-format safetensors",
-                     "--response-role assistant", "--max-logprobs 20"):
+                     "--response-role assistant", "--max-logprobs 20",
+                     "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+                     "--pipeline-parallel-size 1", "--kv-cache-dtype auto",
+                     "--distributed-executor-backend mp",
+                     "--structured-outputs-config.backend guidance", "--swap-space",
+                     "--max-log-len"):
             assert f"kvengine: {flag} " in text, (flag, text)
         schema = httpx.get(served.url + "/openapi.json", timeout=10).json()
         assert schema["servers"] == [{"url": "/api"}]  # the proxy's prefix, as uvicorn's
@@ -33,6 +42,11 @@ def test_harmless_flags_start_with_a_note_each(tiny_model_dir: Path) -> None:
     (["--response-role", "bot"], "role assistant"),
     (["--load-format", "pt"], "safetensors only"),
     (["--download-dir", "/models"], "HF_HUB_CACHE"),
+    (["-pp", "2"], "one device"),
+    (["--kv-cache-dtype", "fp8"], "model's dtype"),
+    (["--distributed-executor-backend", "ray"], "without Ray"),
+    (["--structured-outputs-config.backend", "xgrammar"], "llguidance"),
+    (["--enable-log-requests"], "does not log requests"),
     (["--no-enable-chunked-prefill"], "unrecognized arguments"),
     (["--speculative-config", "{}"], "unrecognized arguments"),
 ])
