@@ -48,14 +48,16 @@ class PromptBuilder:
         self.max_request_tokens = max_request_tokens or REQUEST_CONTEXTS * max_model_len
         self._pool = pool
 
-    async def completion(self, prompt: Any, tenant: str) -> list[list[int]]:
-        """The prompts of a /v1/completions body: a string, strings, token ids or lists of them."""
+    async def completion(self, prompt: Any, tenant: str,
+                         add_special_tokens: bool = True) -> list[list[int]]:
+        """The prompts of a /v1/completions body: a string, strings, token ids or lists of them
+        (``add_special_tokens``: the tokenizer's BOS and the like around a text prompt)."""
         if isinstance(prompt, str):
-            return [await self.text(prompt, tenant)]
+            return [await self.text(prompt, tenant, add_special_tokens)]
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return await self._texts(prompt, tenant)
+            return await self._texts(prompt, tenant, add_special_tokens)
         return [list(p) for p in prompt]
 
     async def text(self, text: str, tenant: str, add_special_tokens: bool = True,
@@ -88,18 +90,20 @@ class PromptBuilder:
         self._pool.close()
 
     # ---- the work ------------------------------------------------------------------------
-    async def _texts(self, texts: list[str], tenant: str) -> list[list[int]]:
+    async def _texts(self, texts: list[str], tenant: str,
+                     add_special_tokens: bool = True) -> list[list[int]]:
         num_chars = 0
         for text in texts:
             self._check_chars(len(text), "prompt")
             num_chars += len(text)
         self._check_request_chars(num_chars, len(texts))
         if num_chars <= INLINE_UNCACHED_CHARS:
-            return self._texts_job(texts, tenant)
-        return await self._run(self._texts_job, texts, tenant)
+            return self._texts_job(texts, tenant, add_special_tokens)
+        return await self._run(self._texts_job, texts, tenant, add_special_tokens)
 
-    def _texts_job(self, texts: list[str], tenant: str) -> list[list[int]]:
-        return [self.prompt_tokenizer.encode(text, True, tenant) for text in texts]
+    def _texts_job(self, texts: list[str], tenant: str,
+                   add_special_tokens: bool) -> list[list[int]]:
+        return [self.prompt_tokenizer.encode(text, add_special_tokens, tenant) for text in texts]
 
     async def _encode(self, text: str, add_special_tokens: bool, tenant: str) -> list[int]:
         if self.prompt_tokenizer.num_uncached_chars(text, tenant) <= INLINE_UNCACHED_CHARS:

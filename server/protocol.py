@@ -102,6 +102,11 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     cache_salt: str | None = None
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM: logprobs name "token_id:{id}"
+    # vLLM's request extras: priority (0 only: first come, first served), the client's id for
+    # the response, and the prompt cut to its last N tokens (-1: to the context length)
+    priority: StrictInt = 0
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, strict=True)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     best_of: StrictInt | None = None
@@ -146,6 +151,14 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops or None
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1, or -1 (the context "
+                             "length)")
+        return value
+
     @field_validator("cache_salt")
     @classmethod
     def _salt(cls, value: str | None) -> str | None:
@@ -161,6 +174,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = 16
     echo: StrictBool = False
     logprobs: NumLogprobs | None = None  # N alternatives per token (0: the token's own only)
+    add_special_tokens: StrictBool = True  # vLLM: the tokenizer's BOS and the like
     suffix: str | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -232,4 +246,5 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None  # None: True, as OpenAI's default
     add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False  # vLLM: the template writes them already
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}

@@ -96,7 +96,7 @@ class OpenAIServing:
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         salt = self._tenant(body, request)
-        prompts = await self.prompts.completion(body.prompt, salt)
+        prompts = await self.prompts.completion(body.prompt, salt, body.add_special_tokens)
         job = self._prepare(body, salt, prompts, body.max_tokens, "prompt", "cmpl", arrival,
                             body.logprobs, constraint_of(body))
         if body.logprobs is not None:
@@ -134,7 +134,8 @@ class OpenAIServing:
             template_kwargs = {**template_kwargs, "tools": tools.tools}
         salt = self._tenant(body, request)
         prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt,
-                                           template_kwargs)]
+                                           template_kwargs,
+                                           add_special_tokens=body.add_special_tokens)]
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = self._prepare(body, salt, prompts, max_tokens, "messages", "chatcmpl", arrival,
@@ -167,6 +168,9 @@ class OpenAIServing:
                 code="unsupported_parameter")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of is not supported", param="best_of")
+        if body.priority != 0:
+            raise APIError(400, "priority scheduling is not enabled: kvengine serves requests "
+                           "first come, first served (priority 0)", param="priority")
 
     @staticmethod
     def _tenant(body: SamplingFields, request: Request) -> str:
@@ -177,6 +181,10 @@ class OpenAIServing:
                  max_tokens: int | None, prompt_param: str, id_prefix: str,
                  arrival: float, num_logprobs: int | None = None,
                  constraint: Constraint | None = None) -> _Job:
+        if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
+            keep = self.max_model_len if body.truncate_prompt_tokens == -1 \
+                else body.truncate_prompt_tokens
+            prompts = [token_ids[-keep:] for token_ids in prompts]
         for token_ids in prompts:
             if not token_ids:
                 raise APIError(400, "the prompt is empty after tokenization", param=prompt_param)
@@ -194,13 +202,14 @@ class OpenAIServing:
                     f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in "
                     f"the prompt, {max_tokens} to generate)", param="max_tokens",
                     code="context_length_exceeded")
-        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        internal_id = uuid.uuid4().hex  # the engine's ids: unique whatever the client names
+        response_id = f"{id_prefix}-{body.request_id or internal_id}"
         requests: list[EngineRequest] = []
         choices: dict[str, R.ChoiceState] = {}
         for prompt_index, token_ids in enumerate(prompts):
             for sample in range(body.n):
                 index = prompt_index * body.n + sample
-                request_id = f"{response_id}-{index}"
+                request_id = f"{id_prefix}-{internal_id}-{index}"
                 params = self.sampling.build(body, sample, max_tokens, len(token_ids),
                                              num_logprobs, constraint)
                 requests.append(EngineRequest(request_id, token_ids, params, salt))

@@ -115,6 +115,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                             default=None, help=f"vLLM's flag: {note} (default: not given)")
     for flag, refuse in REFUSED.items():
         parser.add_argument(flag, dest=_dest(flag), nargs=0, action=_Refuse, refuse=refuse,
+                            default=argparse.SUPPRESS,
                             help="vLLM's flag: refused, with the reason")
 
 
