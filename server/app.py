@@ -18,6 +18,7 @@ from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.engine_protocol import ServedEngine, kv_store_state
 from server.errors import error_response, install_error_handlers
+from server.http_metrics import HttpMetrics
 from server.load_report import install_load_route
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -86,6 +87,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
                        on_refused=lambda: metrics.request_rejected("request_too_large"))
     app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys),
                        metrics_key=settings.metrics_key)
+    app.add_middleware(HttpMetrics, registry=metrics.registry)  # outermost: every request
     openapi.install(app, with_api_keys=bool(settings.api_keys))
     install_load_route(app, async_engine, engine, model_name)  # GET /load, for kvengine router
 
