@@ -9,7 +9,8 @@ unknown to the parser (argparse refuses them in one line).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 
 from engine.sampling_params import MAX_LOGPROBS
 
@@ -119,9 +120,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                             help="vLLM's flag: refused, with the reason")
 
 
-def notes(args: argparse.Namespace) -> list[str]:
-    """One line per such flag given: that it changes nothing here, and why."""
+def notes(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[str]:
+    """One line per such flag given: that it changes nothing here, and why; and one naming the
+    ``VLLM_*`` variables of ``env`` (default: this process's) that kvengine does not read."""
     out = []
+    environment = environment_note(os.environ if env is None else env)
+    if environment is not None:
+        out.append(environment)
     for flag, why in NO_OP_SWITCHES.items():
         if getattr(args, _dest(flag), False):
             out.append(f"kvengine: {flag} has no effect here: {why}")
@@ -148,3 +153,18 @@ class _Refuse(argparse.Action):
             self._refuse(option_string or "")
         except argparse.ArgumentTypeError as exc:
             parser.error(f"argument {option_string}: {exc}")
+
+
+# vLLM's variables kvengine reads as vLLM does (server/http_front_args.py).
+HONOURED_VLLM_VARIABLES = frozenset({"VLLM_API_KEY"})
+
+
+def environment_note(env: Mapping[str, str]) -> str | None:
+    """One line naming the ``VLLM_*`` variables set here that kvengine does not read (a moved
+    deployment's environment), or None."""
+    ignored = sorted(v for v in env if v.startswith("VLLM_") and v not in HONOURED_VLLM_VARIABLES)
+    if not ignored:
+        return None
+    return (f"kvengine: {', '.join('$' + v for v in ignored)} "
+            f"{'is a vLLM setting' if len(ignored) == 1 else 'are vLLM settings'} that kvengine "
+            "does not read (it reads $VLLM_API_KEY); kvengine's own are $KVENGINE_*")

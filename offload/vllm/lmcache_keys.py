@@ -2,13 +2,16 @@
 bare name, as LMCache's connector takes them), and where each one's job is done here.
 
 A setting with a direct equivalent is taken (``lookup_timeout_ms``), and one whose value is what
-kvstore always does is accepted as it is (``save_decode_cache: true``); any other is refused with
-the equivalent named, never ignored. ``docs/migrating-from-lmcache.md`` is the long form.
+kvstore always does is accepted as it is (``save_decode_cache: true``); so is one left at a value
+that asks for nothing (off, empty, or LMCache's own default: ``enable_p2p: false``,
+``remote_url: null``, ``cache_policy: LRU``), as a moved configuration often lists every key.
+Any other is refused with the equivalent named, never ignored.
+``docs/migrating-from-lmcache.md`` is the long form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +127,27 @@ SETTINGS: dict[str, LmcacheKey] = {
 }
 
 
+# LMCache's defaults that ask for nothing kvstore does not do anyway (the daemon evicts LRU by
+# default; keys are not LMCache's hash; one engine instance each).
+DEFAULTS: dict[str, Any] = {
+    "cache_policy": "lru", "remote_serde": "naive", "blend_special_str": " # # ",
+    "lmcache_instance_id": "lmcache_default_instance", "chunk_size": 256,
+    "pre_caching_hash_algorithm": "builtin", "min_retrieve_tokens": 0,
+}
+
+
+def asks_nothing(name: str, value: Any) -> bool:
+    """Whether ``value`` leaves LMCache setting ``name`` off or at its default."""
+    if value is None or value is False or value == "" or value == {} or value == []:
+        return True
+    if not isinstance(value, bool) and isinstance(value, int | float) and value == 0:
+        return True
+    default = DEFAULTS.get(name)
+    if isinstance(default, str) and isinstance(value, str):
+        return value.strip().lower() == default.strip().lower() or value == default
+    return default is not None and value == default and not isinstance(value, bool)
+
+
 def lmcache_name(key: str) -> str | None:
     """The LMCache setting ``key`` names (``lmcache.chunk_size`` or ``chunk_size``), if any."""
     name = key[len(PREFIX):] if key.startswith(PREFIX) else key
@@ -140,8 +164,22 @@ def take_lmcache(key: str, value: Any) -> tuple[str, Any] | None:
     if found is None:
         raise ValueError(f"{where} this connector does not know (docs/migrating-from-lmcache.md)")
     if found.take is None:
+        if asks_nothing(name, value):
+            return None  # accepted: nothing asked for
         raise ValueError(f"{where}; here: {found.equivalent} (docs/migrating-from-lmcache.md)")
     try:
         return found.take(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}; here: {found.equivalent}") from None
+
+
+def lmcache_variables_note(env: Mapping[str, str]) -> str | None:
+    """One line naming the ``LMCACHE_*`` variables set in ``env`` (this connector reads none of
+    them: the daemon's ``KVSTORE_*`` do that job), or None."""
+    found = sorted(v for v in env if v.startswith("LMCACHE_"))
+    if not found:
+        return None
+    return (f"kvstore connector: {', '.join('$' + v for v in found)} "
+            f"{'is an LMCache variable' if len(found) == 1 else 'are LMCache variables'} that "
+            "kvstore does not read: the daemon's settings are kvstore serve's flags or "
+            "$KVSTORE_* (docs/migrating-from-lmcache.md)")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from offload.vllm.lmcache_keys import lmcache_name, take_lmcache
+from offload.vllm.lmcache_keys import lmcache_name, lmcache_variables_note, take_lmcache
 
 log = logging.getLogger("offload.vllm")
 
@@ -34,15 +36,24 @@ class ConnectorSettings:
                 raise ValueError(f"kv_connector_extra_config.{f} must be a positive integer")
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+    def from_extra_config(cls, extra: dict[str, Any] | None,
+                          env: Mapping[str, str] | None = None) -> ConnectorSettings:
         """Known keys only: a typo is an error, not a silently ignored setting. LMCache's
         (``lmcache.<name>`` or the bare name) are taken where they have a direct equivalent
-        and refused with the equivalent named otherwise (``lmcache_keys.py``)."""
+        and refused with the equivalent named otherwise (``lmcache_keys.py``); ``LMCACHE_*``
+        variables of ``env`` (default: this process's) are named in one warning."""
+        note = lmcache_variables_note(os.environ if env is None else env)
+        if note is not None:
+            log.warning("%s", note)
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
         for key in [k for k in extra if k not in known and lmcache_name(k) is not None]:
-            taken = take_lmcache(key, extra.pop(key))
-            if taken is not None:
+            value = extra.pop(key)
+            taken = take_lmcache(key, value)
+            if taken is None:
+                log.info("kvstore connector: LMCache's %s = %r asks for nothing kvstore does "
+                         "not do: accepted", key, value)
+            else:
                 if taken[0] in extra:
                     raise ValueError(f"kv_connector_extra_config: {key} and {taken[0]} are one "
                                      "setting: give one")

@@ -27,11 +27,22 @@ def test_values_kvstore_always_has_are_accepted() -> None:
     assert settings == ConnectorSettings(kv_store_socket="/tmp/x.sock")
 
 
+def test_settings_left_off_or_at_lmcache_defaults_are_accepted() -> None:
+    """A moved configuration often lists every key at its default: those ask for nothing."""
+    settings = ConnectorSettings.from_extra_config({
+        "lmcache.enable_p2p": False, "lmcache.remote_url": None, "lmcache.cache_policy": "LRU",
+        "lmcache.use_layerwise": False, "lmcache.local_disk": None,
+        "lmcache.max_local_disk_size": 0, "lmcache.chunk_size": 256,
+        "lmcache.enable_blending": False, "lmcache.blend_special_str": " # # ",
+        "lmcache.remote_serde": "naive", "lmcache.enable_controller": False})
+    assert settings == ConnectorSettings()
+
+
 @pytest.mark.parametrize(("extra", "needle"), [
     ({"lmcache.max_local_cpu_size": 5.0}, "kvstore serve --dram"),
     ({"lmcache.local_disk": "file:///mnt/nvme/"}, "kvstore serve --ssd-dir"),
     ({"lmcache.remote_url": "lm://host:65432"}, "--cluster redis://"),
-    ({"lmcache.chunk_size": 256}, "vLLM's --block-size"),
+    ({"lmcache.chunk_size": 512}, "vLLM's --block-size"),
     ({"lmcache.enable_blending": True}, "CacheBlend"),
     ({"lmcache.cache_policy": "LFU"}, "--eviction lru|fifo"),
     ({"lmcache.save_decode_cache": False}, "decode's included"),
@@ -56,3 +67,13 @@ def test_the_migration_guide_names_every_lmcache_setting() -> None:
     text = DOC.read_text()
     missing = [name for name in SETTINGS if f"`{name}`" not in text]
     assert not missing, missing
+
+
+def test_lmcache_variables_are_named_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "KVSTORE_DRAM": "1Gi"}
+    with caplog.at_level("WARNING", logger="offload.vllm"):
+        ConnectorSettings.from_extra_config({}, env=env)
+        ConnectorSettings.from_extra_config({}, env={"PATH": "/bin"})
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "$LMCACHE_CHUNK_SIZE, $LMCACHE_LOCAL_CPU are LMCache variables" in warnings[0]

@@ -56,3 +56,12 @@ def test_flags_without_their_effect_are_refused_in_one_line(tiny_model_dir: Path
     assert out.returncode == 2, out.stderr
     errors = [line for line in out.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and needle in errors[0], out.stderr
+
+
+def test_vllm_variables_kvengine_does_not_read_are_named_once(tiny_model_dir: Path) -> None:
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_LOGGING_LEVEL": "DEBUG",
+           "VLLM_API_KEY": None}
+    with KvengineProcess(str(tiny_model_dir), env=env) as served:
+        lines = [ln for ln in served.lines if "VLLM_" in ln]
+    assert len(lines) == 1, lines
+    assert "$VLLM_LOGGING_LEVEL, $VLLM_WORKER_MULTIPROC_METHOD are vLLM settings" in lines[0]
