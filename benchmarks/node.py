@@ -146,7 +146,7 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
             routing = "kv" if config == "kv" else "round-robin"
             cmd = [sys.executable, "-m", "server.cli", "router", str(args.model_dir),
                    "--routing", routing, "--port", "0", "--log-level", "debug",
-                   "--uvicorn-log-level", "warning"]
+                   "--uvicorn-log-level", "warning", "--engine-header", "url"]
             for engine_url in urls:
                 cmd += ["--engine", engine_url]
             if socket_path is not None:

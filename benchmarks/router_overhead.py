@@ -252,7 +252,7 @@ def _start(args: argparse.Namespace, prompts: list[Prompt], workdir: Path,
         procs.append(engine)
         urls.append(engine.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1))
     cmd = [sys.executable, "-m", "server.cli", "router", str(args.model_dir), "--routing", "kv",
-           "--port", "0", "--kv-store-socket", str(socket_path)]
+           "--port", "0", "--kv-store-socket", str(socket_path), "--engine-header", "url"]
     cmd += [arg for url in urls for arg in ("--engine", url)]
     router = ServerProcess(cmd, "kvengine router")
     procs.append(router)

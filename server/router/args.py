@@ -4,6 +4,8 @@ with `kvengine serve` (``server/http_front_args.py``)."""
 from __future__ import annotations
 
 import argparse
+import re
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvstore.cli.args import (
@@ -14,14 +16,44 @@ from server.http_front_args import ROUTER_FRONT, add_http_front_args
 from server.model_args import ROUTER_MODEL, add_model_args
 from server.router.policy import ROUTING_MODES
 
+_ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENGINE_HEADER_MODES = ("name", "url", "off")
 
-def _engine_url(text: str) -> str:
-    parts = urlsplit(text)
+
+@dataclass(frozen=True)
+class EngineAddress:
+    """An ``--engine``: its base URL and the name clients see (None: its position)."""
+
+    url: str
+    name: str | None = None
+
+
+def _engine_url(text: str) -> EngineAddress:
+    name, sep, url = text.partition("=")
+    if not sep or "://" in name:
+        name, url = "", text
+    elif not _ENGINE_NAME.match(name):
+        raise argparse.ArgumentTypeError(f"an engine's name is 1-64 letters, digits, '.', '_' "
+                                         f"or '-', got {name!r}")
+    parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or \
             parts.fragment or parts.path not in ("", "/"):
         raise argparse.ArgumentTypeError(f"expected an engine's base URL such as "
-                                         f"http://127.0.0.1:8001, got {text!r}")
-    return text.rstrip("/")
+                                         f"http://127.0.0.1:8001 (or NAME=URL), got {text!r}")
+    return EngineAddress(url.rstrip("/"), name or None)
+
+
+def engine_names(engines: list[EngineAddress]) -> dict[str, str]:
+    """Each engine's URL to the name clients see (its own, else its position from 0);
+    ValueError for a URL or a name given twice."""
+    names: dict[str, str] = {}
+    for index, engine in enumerate(engines):
+        if engine.url in names:
+            raise ValueError(f"--engine {engine.url} is given twice")
+        names[engine.url] = engine.name or str(index)
+    if len(set(names.values())) != len(names):
+        raise ValueError("two --engine share a name")
+    return names
 
 
 def _milliseconds(text: str) -> float:
@@ -32,9 +64,14 @@ def add_router_arguments(router: argparse.ArgumentParser) -> None:
     """Every option of `kvengine router`."""
     add_model_args(router, ROUTER_MODEL)
     router.add_argument("--engine", dest="engines", action="append", type=_engine_url,
-                        required=True, metavar="URL",
+                        required=True, metavar="[NAME=]URL",
                         help="an engine's base URL (`kvengine serve ... --kv-offload`, one per "
-                        "GPU); repeat for each engine")
+                        "GPU), with the name clients see in front (default: its position, "
+                        "from 0); repeat for each engine")
+    router.add_argument("--engine-header", choices=ENGINE_HEADER_MODES, default="name",
+                        help="what the x-kvengine-engine response header says about the engine "
+                        "that answered: its name, its URL (internal addresses: for benchmarks "
+                        "and debugging), or nothing (default: %(default)s)")
     router.add_argument("--kv-store-socket", default=None, metavar="PATH",
                         help="the socket of the kvstore daemon the engines share (default: "
                         "$KVSTORE_SOCKET, else the per-user default)")

@@ -6,8 +6,9 @@ are not re-framed, errors not rewritten), less the hop-by-hop headers. An engine
 reached before it answered (refused, reset, gone) is marked down and the request goes to the
 next least loaded engine; once an engine has answered, its answer is the answer. A client that
 disconnects, while waiting or while reading, cancels the upstream request (the engine aborts it).
-Every answer an engine gave carries ``x-kvengine-engine``: that engine's base URL (as in the
-router's /metrics and /health), so a client or a benchmark can tell which engine served it.
+Every answer an engine gave carries ``x-kvengine-engine``, naming the engine that served it:
+by its name (``--engine NAME=URL``, else its position), or by its base URL where asked
+(``--engine-header url``: internal addresses, for benchmarks), or not at all (``off``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def connection_named(raw: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
 class PassThroughResponse(EventStreamResponse):
     """The engine's response, bytes as they arrive; the client's disconnect cancels it."""
 
-    def __init__(self, upstream: httpx.Response, engine_url: str, on_close: Callable[[], None],
+    def __init__(self, upstream: httpx.Response, engine: str | None, on_close: Callable[[], None],
                  on_broken: Callable[[BaseException], None],
                  on_first_chunk: Callable[[], None]) -> None:
         super().__init__(_raw_body(upstream, on_broken, on_first_chunk), on_close,
@@ -59,8 +60,9 @@ class PassThroughResponse(EventStreamResponse):
         dropped = _NOT_RETURNED | connection_named(upstream.headers.raw)
         self.raw_headers = [(name, value) for name, value in upstream.headers.raw
                             if name.lower() not in dropped]
-        self.raw_headers.append((ENGINE_HEADER.encode(),
-                                 engine_url.encode("ascii", "backslashreplace")))
+        if engine is not None:
+            self.raw_headers.append((ENGINE_HEADER.encode(),
+                                     engine.encode("ascii", "backslashreplace")))
 
 
 async def _raw_body(upstream: httpx.Response, on_broken: Callable[[BaseException], None],
@@ -85,13 +87,15 @@ class RouterProxy:
 
     def __init__(self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout,
                  pool: EnginePool, metrics: RouterMetrics,
-                 first_byte_timeout_s: float | None = None) -> None:
+                 first_byte_timeout_s: float | None = None,
+                 engine_header: Callable[[str], str | None] = str) -> None:
         self._transport = transport
         self._timeout = timeout.as_dict()
         # A stream's response head leaves the engine when it admits the request, so an engine
         # silent longer than this is hung, not busy; a whole answer (no stream) has no such bound
         # beyond ``timeout`` (its head comes with its last token).
         self._first_byte_timeout_s = first_byte_timeout_s
+        self._engine_header = engine_header  # an engine's URL to what x-kvengine-engine says
         self._pool = pool
         self._metrics = metrics
 
@@ -144,7 +148,7 @@ class RouterProxy:
                 engine.in_flight -= 1
                 dequeue()
                 raise
-            return PassThroughResponse(upstream, engine.url,
+            return PassThroughResponse(upstream, self._engine_header(engine.url),
                                        _closer(engine, upstream.aclose, dequeue),
                                        lambda exc, e=engine: self._broken(e, exc), dequeue)
         self._metrics.unrouted()

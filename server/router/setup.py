@@ -12,6 +12,7 @@ from server.http_front_args import api_keys, metrics_key
 from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
 from server.router.app import RouterSettings, build_router_app
+from server.router.args import engine_names
 from server.router.engine_pool import EnginePool
 from server.router.kv_locator import KVLocator
 from server.router.metrics import RouterMetrics
@@ -38,7 +39,8 @@ def build_router(args: argparse.Namespace, model_dir: Path,
         max_keepalive_connections=args.max_upstream_connections), trust_env=False)
     client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
     probe_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else None
-    pool = EnginePool(args.engines, client, probe_headers, args.probe_interval,
+    names = engine_names(args.engines)
+    pool = EnginePool(list(names), client, probe_headers, args.probe_interval,
                       args.probe_timeout)
     metrics = RouterMetrics(pool)
     locator = None
@@ -56,7 +58,8 @@ def build_router(args: argparse.Namespace, model_dir: Path,
 
     settings = RouterSettings(api_keys=keys, metrics_key=operator_key,
                               max_request_body_bytes=args.max_request_body_bytes)
-    proxy = RouterProxy(transport, timeout, pool, metrics, args.first_byte_timeout)
+    header = {"name": names.get, "url": str, "off": lambda url: None}[args.engine_header]
+    proxy = RouterProxy(transport, timeout, pool, metrics, args.first_byte_timeout, header)
     return build_router_app(router, proxy, settings, shutdown)
 
 

@@ -54,7 +54,7 @@ def _start_router(model_dir: Path, daemon: RunningDaemon, engine_urls: list[str]
     args = ["--kv-store-socket", str(daemon.socket_path), "--probe-interval", "0.2",
             "--kv-retry-interval", "0.5", "--kv-locate-timeout-ms", str(LOCATE_TIMEOUT_MS),
             "--metrics-key", METRICS_KEY, "--max-request-body-bytes", str(BODY_LIMIT),
-            "--log-level", "info"]
+            "--log-level", "info", "--engine-header", "url"]
     for url in engine_urls:
         args += ["--engine", url]
     for key in API_KEYS:
@@ -365,4 +365,4 @@ def test_router_help_documents_every_flag() -> None:
     out = run_kvengine(["router", "--help"]).stdout
     missing = sorted(flag for flag in flags if flag not in out)
     assert not missing, missing
-    assert "--engine URL" in out and "MODEL" in out
+    assert "--engine [NAME=]URL" in out and "MODEL" in out

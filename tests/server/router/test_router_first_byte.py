@@ -39,9 +39,12 @@ def hung(tiny_model_dir: Path) -> Iterator[tuple[str, KvengineProcess]]:
     router = None
     try:
         router, url = start_router(tiny_model_dir, [
-            "--engine", engine.url, "--probe-interval", "60", "--first-byte-timeout",
+            "--engine", f"gpu0={engine.url}", "--probe-interval", "60", "--first-byte-timeout",
             str(FIRST_BYTE_S), "--upstream-timeout", str(UPSTREAM_S)], lines)
         assert wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 30)
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                            timeout=30)
+        assert answer.headers["x-kvengine-engine"] == "gpu0"  # its name, not its address
         engine.proc.send_signal(signal.SIGSTOP)
         yield url, engine
     finally:
