@@ -22,6 +22,8 @@ from server.http_metrics import HttpMetrics
 from server.load_report import install_load_route
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses_protocol import ResponsesRequest
+from server.responses_serving import ResponsesServing
 from server.serving import OpenAIServing
 from server.settings import ServerSettings
 from server.tokenization import (
@@ -102,6 +104,12 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
         200: {**openapi.GENERATION_RESPONSES[200], "model": openapi.ChatCompletionResponse}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(prepared(body), request)
+
+    responses_api = ResponsesServing(serving, prepared)
+
+    @app.post("/v1/responses", response_model=None, responses=openapi.GENERATION_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await responses_api.create(body, request)
 
     @app.get("/v1/models", response_model=openapi.ModelList, responses=openapi.READ_RESPONSES)
     async def models() -> JSONResponse:

@@ -65,6 +65,12 @@ class EventStreamResponse(Response):
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
+    def mapped(self, transform: Callable[[AsyncGenerator[bytes, None]],
+                                         AsyncGenerator[bytes, None]]) -> EventStreamResponse:
+        """The same stream, its chunks rewritten by ``transform`` (which closes them when it
+        ends); the same ``on_close``."""
+        return EventStreamResponse(transform(self._chunks), self._on_close, self.status_code)
+
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})

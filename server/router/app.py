@@ -107,6 +107,13 @@ def build_router_app(router: RequestRouter, proxy: RouterProxy,
     async def chat_completions(request: Request) -> Response:
         return await generation(request, CHAT)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        # by load, not by where its prefix is: the router renders no Responses input
+        body = await request.body()
+        return await proxy.forward(request, body, router.least_loaded(), next_engine,
+                                   streaming=streams(body))
+
     for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"),
                          ("/detokenize", "POST")):
         app.add_api_route(path, passed, methods=[method], include_in_schema=False)

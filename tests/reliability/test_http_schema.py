@@ -98,8 +98,9 @@ def test_engine_schema_is_honest(engine_server) -> None:
     the OpenAI shape."""
     schema = engine_server.app.openapi()
     paths = schema["paths"]
-    assert set(paths) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                          "/ready", "/ping", "/metrics", "/tokenize", "/detokenize", "/version"}
+    assert set(paths) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                          "/v1/models", "/health", "/ready", "/ping", "/metrics", "/tokenize",
+                          "/detokenize", "/version"}
     for path, operations in paths.items():
         for method, op in operations.items():
             assert "422" not in op["responses"], f"{method} {path}"
@@ -109,7 +110,7 @@ def test_engine_schema_is_honest(engine_server) -> None:
         op = paths[path]["post"]
         assert op["requestBody"]["required"] is True
         assert set(op["responses"]) >= {"200", "400", "401", "404"}
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         op = paths[path]["post"]
         assert op["requestBody"]["required"] is True
         assert set(op["responses"]) >= {"200", "400", "401", "404", "503"}

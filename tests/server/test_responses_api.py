@@ -1,0 +1,127 @@
+"""POST /v1/responses (OpenAI's Responses API, vLLM 0.32 serves it; the OpenAI Agents SDK's
+default) against a real server, through the stock OpenAI client, which parses every body and
+event into its own types: text, a tool call and its result, a forced call, a JSON schema,
+streaming, an answer cut by max_output_tokens, and what is refused."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from support.kvengine import KvengineProcess
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+               "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def agent_server(tiny_model_dir: Path) -> Iterator[KvengineProcess]:
+    """An engine as an agent runs it: tool calls parsed, reasoning split off."""
+    with KvengineProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny",
+                         "--max-model-len", "2048", "--num-kv-blocks", "512", "--seed", "0",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--reasoning-parser", "qwen3") as server:
+        yield server
+
+
+@pytest.fixture()
+def client(agent_server: KvengineProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=agent_server.url + "/v1", api_key="none", max_retries=0,
+                       timeout=120) as oai:
+        yield oai
+
+
+@pytest.fixture()
+def http(agent_server: KvengineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=agent_server.url, timeout=60) as plain:
+        yield plain
+
+
+def test_text_in_text_out(client: openai.OpenAI) -> None:
+    reply = client.responses.create(model="tiny", input="Say hello.", max_output_tokens=12,
+                                    instructions="Be brief.", temperature=0.0)
+    assert reply.object == "response" and reply.id.startswith("resp_")
+    assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.output[0].type == "message" and reply.output_text
+    assert reply.usage.output_tokens == 12 and reply.usage.input_tokens > 0
+    assert reply.store is False
+
+
+def test_a_forced_tool_call_and_its_result_in_the_next_turn(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER],
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=300, temperature=0.0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    second = client.responses.create(model="tiny", max_output_tokens=8, temperature=0.0,
+                                     tools=[WEATHER], input=[
+                                         {"role": "user", "content": "Weather in Paris?"},
+                                         calls[0].model_dump(exclude_none=True),
+                                         {"type": "function_call_output",
+                                          "call_id": calls[0].call_id, "output": "sunny"}])
+    assert second.output and second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_a_json_schema_answer(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}},
+              "required": ["n"], "additionalProperties": False}
+    reply = client.responses.create(model="tiny", input="A number.", max_output_tokens=400,
+                                    text={"format": {"type": "json_schema", "name": "n",
+                                                     "schema": schema, "strict": True}})
+    assert reply.status == "completed", reply.output
+    assert json.loads(reply.output_text)["n"] in (1, 2, 3)
+
+
+def test_a_stream_of_events(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model="tiny", input="Count.", max_output_tokens=10,
+                                          temperature=0.0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert text and done.text == text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 10
+
+
+def test_what_is_refused_says_why(http: httpx.Client) -> None:
+    for body, needle in (({"previous_response_id": "resp_1"}, "stores no responses"),
+                         ({"tools": [{"type": "web_search"}]}, "only function tools"),
+                         ({"input": [{"type": "image_generation_call"}]}, "not supported"),
+                         ({"frobnicate": 1}, "frobnicate")):
+        response = http.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
+        assert response.status_code == 400, response.text
+        assert needle in response.json()["error"]["message"]
+    assert http.post("/v1/responses", json={"model": "other", "input": "hi"}).status_code == 404
+
+
+@pytest.mark.parametrize("field", ["max_output_tokens", "temperature"])
+def test_bad_numbers_are_400(http: httpx.Client, field: str) -> None:
+    assert http.post("/v1/responses", json={"model": "tiny", "input": "hi",
+                                            field: "many"}).status_code == 400
+
+
+def test_a_streamed_tool_call(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(
+        model="tiny", input="Weather in Tokyo?", tools=[WEATHER], temperature=0.0,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=300,
+        stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed", kinds
+    final = events[-1].response
+    [call] = [item for item in final.output if item.type == "function_call"]
+    streamed = "".join(e.delta for e in events
+                       if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert streamed == done.arguments == call.arguments
+    assert json.loads(call.arguments)["city"] in ("Paris", "Tokyo")
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == [i.type for i in final.output]
