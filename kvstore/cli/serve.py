@@ -51,6 +51,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--socket", type=Path, default=None,
                        help="control socket path (default: $KVSTORE_SOCKET, else "
                             "$XDG_RUNTIME_DIR/kvstore/kvstore.sock, else /tmp/kvstore-$UID/...)")
+    serve.add_argument("--socket-group", default=None, metavar="GROUP",
+                       help="let this group's processes use the socket too (vLLM run as another "
+                            "user): the socket 0660 and its folder 0710, the group's; every "
+                            "peer's credentials are checked (default: the daemon's user only)")
     serve.add_argument("--dram", type=size_arg, default=parse_size(DEFAULT_DRAM), metavar="SIZE",
                        help=f"host DRAM pool, allocated at start (default {DEFAULT_DRAM})")
     serve.add_argument("--pin", choices=("auto", "yes", "no"), default="auto",
@@ -242,10 +246,12 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
     from kvstore.store.dram.pool import PinError
     from kvstore.store.tiered import TieredStore
     from kvstore.wire.listener import SocketSetupError, check_socket_path
+    from kvstore.wire.socket_access import SocketAccess
 
     try:  # before the pool is faulted in: a wrong folder costs a second, not the fault-in
-        check_socket_path(socket_path)
-    except SocketSetupError as exc:
+        access = SocketAccess.of(args.socket_group)
+        check_socket_path(socket_path, access)
+    except (SocketSetupError, ValueError) as exc:
         banner.error("kvstore: error: %s", exc)
         return EXIT_FAILURE
     banner.info("kvstore: allocating the %s DRAM pool and faulting it in (about a second per "
@@ -261,7 +267,8 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
                       debug_hash_bits=env.debug_hash_bits, version=package_version(),
                       copy_settings=copy_settings, debug_corrupt_engine=env.debug_corrupt_engine,
                       max_registered_connections=limits.max_registered_connections)
-    daemon = Daemon(service, socket_path, limits=limits, debug_stall_s=env.debug_stall_s)
+    daemon = Daemon(service, socket_path, limits=limits, debug_stall_s=env.debug_stall_s,
+                    access=access)
     health = DaemonHealth(service, daemon.heartbeat,
                           config.ssd_dir if config.ssd_bytes > 0 else None)
     admin = None

@@ -40,6 +40,7 @@ from kvstore.engines.cuda_fault import EXIT_CUDA_POISONED
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import FdError, FdSocket, FrameFds
 from kvstore.wire.listener import bind_unix_socket, peer_uid, socket_identity, unlink_if_ours
+from kvstore.wire.socket_access import SocketAccess
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -76,7 +77,8 @@ class Daemon:
                  inline_verbs: frozenset[str] = INLINE_VERBS,
                  flush_on_exit: bool = True,
                  limits: ConnectionLimits | None = None,
-                 debug_stall_s: float | None = None) -> None:
+                 debug_stall_s: float | None = None,
+                 access: SocketAccess | None = None) -> None:
         """``debug_stall_s`` (tests only, ``KVSTORE_DEBUG_STALL_ON_SIGUSR2``): SIGUSR2 blocks
         the loop this long, as a slow synchronous call on it would."""
         self.service = service
@@ -90,6 +92,7 @@ class Daemon:
         self.inline_verbs = inline_verbs
         self.flush_on_exit = flush_on_exit
         self.allowed_uids = allowed_uids if allowed_uids is not None else frozenset({os.getuid()})
+        self.access = access or SocketAccess.of()  # with a group, its processes are let in too
         self.executor = ThreadPoolExecutor(max_workers or max(8, 2 * (os.cpu_count() or 1)),
                                            thread_name_prefix="kvstore-worker")
         self.limits = limits if limits is not None else ConnectionLimits()
@@ -112,7 +115,7 @@ class Daemon:
     def bind(self) -> None:
         """Create the socket now (SocketSetupError if impossible), before anything is served."""
         if self._sock is None:
-            self._sock = bind_unix_socket(self.socket_path)
+            self._sock = bind_unix_socket(self.socket_path, access=self.access)
             self._sock_identity = socket_identity(self.socket_path)
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -254,8 +257,9 @@ class Daemon:
                                 writer: asyncio.StreamWriter,
                                 fd_socket: FdSocket | None = None) -> None:
         conn = Connection(next(self._conn_ids), reader, writer, self.max_inflight, fd_socket)
-        uid = peer_uid(writer.get_extra_info("socket"))
-        if uid not in self.allowed_uids:
+        sock = writer.get_extra_info("socket")
+        uid = peer_uid(sock)
+        if uid not in self.allowed_uids and not self.access.admits_group(sock):
             self.service.count("connect", proto.PERMISSION_DENIED)
             await conn.send(proto.error_reply(None, proto.PERMISSION_DENIED,
                                               f"peer uid {uid} may not use this daemon"),

@@ -1,7 +1,8 @@
 """The daemon's listening Unix socket: a private 0700 directory, a 0600 socket, the peer's uid.
 
-Only the daemon's own user may talk to it: the directory must be ours and closed to group and
-others, the socket file is 0600, and every accepted peer's uid is checked with SO_PEERCRED. A
+Only the daemon's own user may talk to it (and, with ``--socket-group``, that group's processes:
+``SocketAccess``): the directory must be ours and closed to others, the socket file is 0600 (0660),
+and every accepted peer's credentials are checked. A
 socket file left by a dead daemon is replaced; one a live daemon answers on is not.
 """
 
@@ -14,6 +15,8 @@ import stat
 import struct
 from pathlib import Path
 
+from kvstore.wire.socket_access import SocketAccess
+
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
@@ -23,8 +26,10 @@ class SocketSetupError(Exception):
     """The socket cannot be placed where asked; the message says why and what to do."""
 
 
-def prepare_socket_dir(directory: Path) -> None:
-    """Create ``directory`` 0700, or check an existing one is ours and not open to others."""
+def prepare_socket_dir(directory: Path, access: SocketAccess | None = None) -> None:
+    """Create ``directory`` 0700, or check an existing one is ours and not open to others;
+    with a group in ``access``, the folder is the group's and 0710 (set on ours if it is not)."""
+    access = access or SocketAccess.of()
     if not directory.exists() and not directory.is_symlink():
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
@@ -46,20 +51,28 @@ def prepare_socket_dir(directory: Path) -> None:
     if st.st_uid != os.getuid():
         raise SocketSetupError(f"socket directory {directory} is owned by uid {st.st_uid}, not "
                                f"by this user (uid {os.getuid()}); refusing to use it")
+    if access.group_id is not None:
+        try:  # ours: made the group's, reachable (not listable) by it, closed to others
+            os.chown(directory, -1, access.group_id)
+            os.chmod(directory, access.dir_mode)
+        except OSError as exc:
+            raise SocketSetupError(f"cannot give socket directory {directory} to group "
+                                   f"{access.group_id}: {exc.strerror}") from None
+        return
     if st.st_mode & 0o077:
         raise SocketSetupError(f"socket directory {directory} has mode "
                                f"{stat.S_IMODE(st.st_mode):04o}; it must not be accessible to "
                                f"group or others (chmod 700 it or pick another --socket)")
 
 
-def check_socket_path(path: Path) -> None:
+def check_socket_path(path: Path, access: SocketAccess | None = None) -> None:
     """What ``bind_unix_socket`` will refuse, checked before anything costly is done (the
     daemon's DRAM pool is faulted in after this): the path's length, its directory (created
     0700 when missing) and a live daemon on it. SocketSetupError says why."""
     path = Path(os.path.abspath(path))
     if len(os.fsencode(str(path))) > MAX_SOCKET_PATH_BYTES:
         raise SocketSetupError(f"socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
-    prepare_socket_dir(path.parent)
+    prepare_socket_dir(path.parent, access)
     _remove_stale_socket(path, remove=False)
 
 
@@ -85,12 +98,15 @@ def _remove_stale_socket(path: Path, remove: bool = True) -> None:
     raise SocketSetupError(f"another daemon is already listening on {path}")
 
 
-def bind_unix_socket(path: Path, backlog: int = 128) -> socket.socket:
-    """A listening socket at ``path`` (0600, in a checked 0700 directory)."""
+def bind_unix_socket(path: Path, backlog: int = 128,
+                     access: SocketAccess | None = None) -> socket.socket:
+    """A listening socket at ``path`` (0600, in a checked 0700 directory; with a group in
+    ``access``, 0660 and the group's, in a 0710 one)."""
+    access = access or SocketAccess.of()
     path = Path(os.path.abspath(path))
     if len(os.fsencode(str(path))) > MAX_SOCKET_PATH_BYTES:
         raise SocketSetupError(f"socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
-    prepare_socket_dir(path.parent)
+    prepare_socket_dir(path.parent, access)
     _remove_stale_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)  # no window in which the socket exists with looser permissions
@@ -101,7 +117,9 @@ def bind_unix_socket(path: Path, backlog: int = 128) -> socket.socket:
         raise SocketSetupError(f"cannot bind {path}: {exc.strerror}") from None
     finally:
         os.umask(old_umask)
-    os.chmod(path, 0o600)
+    if access.group_id is not None:
+        os.chown(path, -1, access.group_id)
+    os.chmod(path, access.socket_mode)
     sock.listen(backlog)
     sock.setblocking(False)
     return sock

@@ -220,6 +220,7 @@ def test_api_key_covers_every_route_but_the_probes(keyed_server) -> None:
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
                                        "max_tokens": 1},
+              "/v1/responses": {"input": "hi", "max_output_tokens": 1},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}}
     wrong = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {API_KEY}"},
              {"Authorization": API_KEY}, {"Authorization": f"Bearer {API_KEY}x"}]

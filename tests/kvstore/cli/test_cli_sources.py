@@ -185,5 +185,5 @@ def test_kvengine_router_takes_a_config_file_and_the_environment(tmp_path: Path)
     argv = expand_sources(subcommand(parser, "router"), ["--config", str(config)], "KVENGINE_",
                           {"KVENGINE_ROUTING": "least-loaded", "KVENGINE_LOG_FORMAT": "json"})
     args = parser.parse_args(["router", *argv])
-    assert args.engines == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    assert [e.url for e in args.engines] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     assert args.routing == "least-loaded" and args.log_format == "json"
