@@ -111,3 +111,21 @@ def test_a_socket_folder_under_an_open_emptydir_is_accepted(tmp_path: Path) -> N
     finally:
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_units_user_comes_from_sysusers(tmp_path: Path) -> None:
+    """kvstore.sysusers.conf creates the unit's User= and Group= and the clients' group."""
+    conf = UNIT.parent / "kvstore.sysusers.conf"
+    lines = [ln.split() for ln in conf.read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines[0][:2] == ["u", "kvstore"] and ["g", "kvstore-clients", "-"] in lines
+    text = UNIT.read_text()
+    assert "User=kvstore" in text and "Group=kvstore" in text
+    if shutil.which("systemd-sysusers") is None:
+        pytest.skip("systemd-sysusers is not installed")
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    out = subprocess.run(["systemd-sysusers", f"--root={root}", str(conf)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "kvstore:" in (root / "etc" / "passwd").read_text()
+    assert "kvstore-clients:" in (root / "etc" / "group").read_text()
