@@ -32,15 +32,6 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-class _Below(logging.Filter):
-    def __init__(self, level: int) -> None:
-        super().__init__()
-        self.level = level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < self.level
-
-
 def _formatter(log_format: str, text_format: str) -> logging.Formatter:
     if log_format not in LOG_FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got "
@@ -48,12 +39,13 @@ def _formatter(log_format: str, text_format: str) -> logging.Formatter:
     return JsonFormatter() if log_format == "json" else logging.Formatter(text_format)
 
 
-def configure(log_format: str, banner_name: str, banner_stream: TextIO | None = None,
+def configure(log_format: str, banner_name: str,
               root_stream: TextIO | None = None) -> logging.Logger:
     """One handler on the root logger (``root_stream``, default stderr) in ``log_format``, and
-    the banner logger ``banner_name``: info and up always written, below warning to
-    ``banner_stream`` (default stderr), warnings and errors to stderr. Replaces what an earlier
-    call installed. Returns the banner logger."""
+    the banner logger ``banner_name``: info and up always written to stderr, as every other line
+    (the daemon, the engine and the router write their start-up lines, ``listening on`` among
+    them, where they write their logs). Replaces what an earlier call installed. Returns the
+    banner logger."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, "_kvstore_lines", False)]:
         root.removeHandler(handler)
@@ -67,11 +59,7 @@ def configure(log_format: str, banner_name: str, banner_stream: TextIO | None = 
         banner.removeHandler(old)
     banner.setLevel(logging.INFO)
     banner.propagate = False  # written here only, whatever the root's level
-    low = logging.StreamHandler(banner_stream or sys.stderr)
-    low.addFilter(_Below(logging.WARNING))
-    high = logging.StreamHandler(sys.stderr)
-    high.setLevel(logging.WARNING)
-    for h in (low, high):
-        h.setFormatter(_formatter(log_format, "%(message)s"))
-        banner.addHandler(h)
+    lines = logging.StreamHandler(sys.stderr)
+    lines.setFormatter(_formatter(log_format, "%(message)s"))
+    banner.addHandler(lines)
     return banner

@@ -37,7 +37,7 @@ def describe_start(config: Any, stats: dict, socket_path: Path, http_url: str | 
                      f"IO mode {io_mode}, {ssd.get('blocks', 0)} blocks recovered")
     else:
         lines.append("kvstore: SSD tier off")
-    lines.append(f"kvstore: control socket {socket_path}")
+    lines.append(f"kvstore: listening on {socket_path} (control socket)")
     lines.append(f"kvstore: admin HTTP {http_url or 'off'}")
     return "\n".join(lines)
 

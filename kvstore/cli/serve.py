@@ -217,7 +217,7 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
     cluster_config = _cluster_config(args)
     from kvstore.settings import default_socket_path, load_env_settings
 
-    banner = configure(args.log_format, "kvstore.banner", banner_stream=sys.stdout)
+    banner = configure(args.log_format, "kvstore.banner")
     logging.getLogger().setLevel(args.log_level.upper())
     if not args.dumpable:  # before any engine's arena is mapped here
         forbid_inspection()

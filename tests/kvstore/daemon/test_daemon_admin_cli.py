@@ -116,7 +116,7 @@ def test_startup_banner(daemon: RunningDaemon) -> None:
     banner = "\n".join(daemon.lines)
     assert "DRAM pool 64.0 MiB (67108864 bytes), pinned: no" in banner
     assert "SSD tier off" in banner
-    assert f"control socket {daemon.socket_path}" in banner
+    assert f"listening on {daemon.socket_path} (control socket)" in banner
     assert f"admin HTTP {daemon.http_url}" in banner
 
 
