@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 _PR_SET_DUMPABLE = 4
 _PR_GET_DUMPABLE = 3
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def _prctl(option: int, arg: int = 0) -> int:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    result = libc.prctl(option, arg, 0, 0, 0)
+    result = _libc().prctl(option, arg, 0, 0, 0)
     if result < 0:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
     return result

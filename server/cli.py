@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import resource
-import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import uvicorn
 
 from kvstore.cli.args import (
     OneLineParser,
@@ -24,8 +18,8 @@ from kvstore.cli.args import (
     subcommand,
 )
 from kvstore.process_guard import forbid_inspection
-from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
 from server.engine_protocol import ServedEngine
+from server.http_front import bind_listener, connection_limits, run_app
 from server.http_front_args import api_keys, metrics_key
 from server.log_setup import BANNER_LOGGER, add_log_format_option
 from server.router.args import add_router_arguments
@@ -125,29 +119,6 @@ def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
     return engine
 
 
-def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
-    """The connection bounds; the open-file limit is raised as far as the hard limit allows (up
-    to 64k), and what it still lacks lowers --max-connections and the accept backlog."""
-    wanted = ConnectionLimits(max_connections=args.max_connections,
-                              timeout_keep_alive_s=args.timeout_keep_alive,
-                              request_read_timeout_s=args.request_read_timeout)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    target = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
-    if soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    limits = fit_to_open_files(wanted, soft)
-    if limits.max_connections < wanted.max_connections:
-        _BANNER.info("kvengine: the open-file limit is %d: at most %d HTTP connections",
-                       soft, limits.max_connections)
-    return limits
-
-
 def _startup_line(engine: ServedEngine, model_name: str, host: str, port: int) -> str:
     num_blocks = engine.stats().get("num_kv_blocks", "?")
     device, block_size = engine.device, engine.config.block_size
@@ -155,35 +126,6 @@ def _startup_line(engine: ServedEngine, model_name: str, host: str, port: int) -
     return (f"kvengine: serving {model_name} on {device}: {num_blocks} KV blocks of {block_size} "
             f"tokens, max_model_len {engine.max_model_len}; listening on "
             f"http://{shown_host}:{port}")
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class _Stopped(Exception):
-    """A stop signal arrived after uvicorn's graceful shutdown."""
-
-
-def _raise_stop(signum: int, _frame: Any) -> None:
-    raise _Stopped(signum)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, printing our startup line once the socket is bound."""
-
-    def __init__(self, config: uvicorn.Config, line: Any, guard: ConnectionGuard) -> None:
-        super().__init__(config)
-        self._line = line
-        self._guard = guard
-
-    async def startup(self, sockets: list | None = None) -> None:
-        self._guard.install(asyncio.get_running_loop())
-        await super().startup(sockets)
-        if self.started:
-            port = self.config.port
-            if self.servers and self.servers[0].sockets:
-                port = self.servers[0].sockets[0].getsockname()[1]
-            _BANNER.info("%s", self._line(port))
 
 
 def _model_folders(args: argparse.Namespace,
@@ -248,11 +190,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                   metrics_key=metrics_key(args),
                                   sampling_defaults=_sampling_defaults(args, model_dir),
                                   tools=tool_settings(args), reasoning_parser=args.reasoning_parser)
-        limits = _connection_limits(args)
+        limits = connection_limits(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     try:  # bound before the model loads: a busy port costs a second, not a model load
-        listener = _bind(args.host, args.port)
+        listener = bind_listener(args.host, args.port)
     except OSError as exc:
         banner.error("kvengine: error: cannot listen on %s:%d: %s", args.host, args.port,
                      exc.strerror or exc)
@@ -275,42 +217,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         app = build_app(engine, settings)
         model_name = app.state.model_name
-        return _run_app(app, args, limits, listener,
+        return run_app(app, args, limits, listener,
                         lambda port: _startup_line(engine, model_name, args.host, port))
     finally:
         listener.close()
         engine.close()
-
-
-def _run_app(app: Any, args: argparse.Namespace, limits: ConnectionLimits,
-             listener: socket.socket, line: Any) -> int:
-    """Serve ``app`` on ``listener`` until a stop signal; ``line(port)`` is printed once it
-    listens. 0 if it served, 1 if it did not start."""
-    guard = ConnectionGuard(limits)
-    uv_level = args.uvicorn_log_level or args.log_level
-    # log_config None: uvicorn's loggers propagate to the handler configure_logging set up.
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,
-                               log_config=None, root_path=getattr(args, "root_path", ""),
-                               access_log=uv_level in ("info", "debug", "trace"),
-                               timeout_graceful_shutdown=5, http=guard.protocol_factory,
-                               # asyncio's loop, also where uvloop is installed: the
-                               # connection guard's refusals and bounds are built and tested
-                               # on it (on uvloop no connection past the cap got its 503)
-                               loop="asyncio",
-                               timeout_keep_alive=max(1, round(limits.timeout_keep_alive_s)),
-                               backlog=limits.accept_backlog)
-    server = _Server(uv_config, line, guard)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our handler
-    # turns that into an exception so the caller's cleanup runs (the engine's KV arena freed).
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}
-    try:
-        server.run(sockets=[listener])
-    except _Stopped:
-        pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0 if server.started else 1
 
 
 def router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -324,11 +235,11 @@ def router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model_dir, tokenizer_dir = _model_folders(args, parser)
     try:
         app = build_router(args, model_dir, tokenizer_dir)
-        limits = _connection_limits(args)
+        limits = connection_limits(args)
     except (ValueError, TypeError, OSError) as exc:
         parser.error(str(exc))
     try:
-        listener = _bind(args.host, args.port)
+        listener = bind_listener(args.host, args.port)
     except OSError as exc:
         banner.error("kvengine: error: cannot listen on %s:%d: %s", args.host, args.port,
                      exc.strerror or exc)
@@ -336,29 +247,12 @@ def router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     socket_path = args.kv_store_socket or "the default kvstore socket"
     try:
-        return _run_app(app, args, limits, listener, lambda port: (
+        return run_app(app, args, limits, listener, lambda port: (
             f"kvengine router: routing {args.model_tag or args.model} over "
             f"{len(args.engines)} engines (--routing {args.routing}, daemon at {socket_path}); "
             f"listening on http://{shown_host}:{port}"))
     finally:
         listener.close()
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (IPv6 when the host is one); OSError if taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
-    # and without it every response waited ~40 ms for the client's delayed ACK (Nagle).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+TOKEN_ID_PREFIX = "token_id:"  # a token named by id (vLLM's return_tokens_as_token_ids)
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM send this floor instead
 _MAX_CACHED_TOKENS = 1 << 16
 
@@ -37,7 +38,7 @@ class LogprobsFormatter:
 
     def label(self, token_id: int) -> str:
         """How the token is named in the response: its text, or ``token_id:{id}``."""
-        return f"token_id:{token_id}" if self.as_ids else self.token_text(token_id)
+        return f"{TOKEN_ID_PREFIX}{token_id}" if self.as_ids else self.token_text(token_id)
 
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-TOKEN_ID_PREFIX = "token_id:"
+from server.logprobs import TOKEN_ID_PREFIX
 
 
 def token_ids_of(logprobs_content: Sequence[dict]) -> list[int]:

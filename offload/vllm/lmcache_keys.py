@@ -138,14 +138,12 @@ DEFAULTS: dict[str, Any] = {
 
 def asks_nothing(name: str, value: Any) -> bool:
     """Whether ``value`` leaves LMCache setting ``name`` off or at its default."""
-    if value is None or value is False or value == "" or value == {} or value == []:
-        return True
-    if not isinstance(value, bool) and isinstance(value, int | float) and value == 0:
+    if value in (None, False, "", {}, []) or (type(value) in (int, float) and value == 0):
         return True
     default = DEFAULTS.get(name)
     if isinstance(default, str) and isinstance(value, str):
-        return value.strip().lower() == default.strip().lower() or value == default
-    return default is not None and value == default and not isinstance(value, bool)
+        return value.strip().lower() == default.strip().lower()
+    return default is not None and type(value) is type(default) and value == default
 
 
 def lmcache_name(key: str) -> str | None:

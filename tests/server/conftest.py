@@ -6,8 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from server_helpers import API_KEYS, METRICS_KEY, RunningServer, start_server, stop_server
+from support.kvengine import KvengineProcess
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +38,22 @@ def client(server: RunningServer):
     with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEYS[0], max_retries=0,
                        timeout=60) as oai:
         yield oai
+
+
+@pytest.fixture(scope="module")
+def agent_server(tiny_model_dir: Path) -> Iterator[KvengineProcess]:
+    """An engine as an agent runs it (one per test module): tool calls parsed (hermes),
+    reasoning split off (qwen3), no key."""
+    with KvengineProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny",
+                         "--max-model-len", "2048", "--num-kv-blocks", "512", "--seed", "0",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--reasoning-parser", "qwen3") as server:
+        yield server
+
+
+@pytest.fixture()
+def oai(agent_server: KvengineProcess) -> Iterator[openai.OpenAI]:
+    """A stock OpenAI client on the agent server."""
+    with openai.OpenAI(base_url=agent_server.url + "/v1", api_key="none", max_retries=0,
+                       timeout=120) as client:
+        yield client

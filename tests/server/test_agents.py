@@ -9,7 +9,6 @@ from the bundled chat template, and an agent's next turn must reuse the cached p
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -40,22 +39,6 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "role", "age"], "additionalProperties": False}
 USER = [{"role": "system", "content": "You are a weather agent. " * 8},
         {"role": "user", "content": "What is the weather in Zürich?"}]
-
-
-@pytest.fixture(scope="module")
-def agent_server(tiny_model_dir: Path) -> Iterator[KvengineProcess]:
-    with KvengineProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny",
-                         "--max-model-len", "2048", "--num-kv-blocks", "512", "--seed", "0",
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "qwen3") as server:
-        yield server
-
-
-@pytest.fixture()
-def oai(agent_server: KvengineProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=agent_server.url + "/v1", api_key="none", max_retries=0,
-                       timeout=120) as client:
-        yield client
 
 
 def _check_calls(calls: list, names: set[str]) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,31 +19,14 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
                "required": ["city"], "additionalProperties": False}}
 
 
-@pytest.fixture(scope="module")
-def agent_server(tiny_model_dir: Path) -> Iterator[KvengineProcess]:
-    """An engine as an agent runs it: tool calls parsed, reasoning split off."""
-    with KvengineProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny",
-                         "--max-model-len", "2048", "--num-kv-blocks", "512", "--seed", "0",
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "qwen3") as server:
-        yield server
-
-
-@pytest.fixture()
-def client(agent_server: KvengineProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=agent_server.url + "/v1", api_key="none", max_retries=0,
-                       timeout=120) as oai:
-        yield oai
-
-
 @pytest.fixture()
 def http(agent_server: KvengineProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=agent_server.url, timeout=60) as plain:
         yield plain
 
 
-def test_text_in_text_out(client: openai.OpenAI) -> None:
-    reply = client.responses.create(model="tiny", input="Say hello.", max_output_tokens=12,
+def test_text_in_text_out(oai: openai.OpenAI) -> None:
+    reply = oai.responses.create(model="tiny", input="Say hello.", max_output_tokens=12,
                                     instructions="Be brief.", temperature=0.0)
     assert reply.object == "response" and reply.id.startswith("resp_")
     assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
@@ -53,14 +35,14 @@ def test_text_in_text_out(client: openai.OpenAI) -> None:
     assert reply.store is False
 
 
-def test_a_forced_tool_call_and_its_result_in_the_next_turn(client: openai.OpenAI) -> None:
-    first = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER],
+def test_a_forced_tool_call_and_its_result_in_the_next_turn(oai: openai.OpenAI) -> None:
+    first = oai.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER],
                                     tool_choice={"type": "function", "name": "get_weather"},
                                     max_output_tokens=300, temperature=0.0)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert set(json.loads(calls[0].arguments)) == {"city"}
-    second = client.responses.create(model="tiny", max_output_tokens=8, temperature=0.0,
+    second = oai.responses.create(model="tiny", max_output_tokens=8, temperature=0.0,
                                      tools=[WEATHER], input=[
                                          {"role": "user", "content": "Weather in Paris?"},
                                          calls[0].model_dump(exclude_none=True),
@@ -69,18 +51,18 @@ def test_a_forced_tool_call_and_its_result_in_the_next_turn(client: openai.OpenA
     assert second.output and second.usage.input_tokens > first.usage.input_tokens
 
 
-def test_a_json_schema_answer(client: openai.OpenAI) -> None:
+def test_a_json_schema_answer(oai: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}},
               "required": ["n"], "additionalProperties": False}
-    reply = client.responses.create(model="tiny", input="A number.", max_output_tokens=400,
+    reply = oai.responses.create(model="tiny", input="A number.", max_output_tokens=400,
                                     text={"format": {"type": "json_schema", "name": "n",
                                                      "schema": schema, "strict": True}})
     assert reply.status == "completed", reply.output
     assert json.loads(reply.output_text)["n"] in (1, 2, 3)
 
 
-def test_a_stream_of_events(client: openai.OpenAI) -> None:
-    events = list(client.responses.create(model="tiny", input="Count.", max_output_tokens=10,
+def test_a_stream_of_events(oai: openai.OpenAI) -> None:
+    events = list(oai.responses.create(model="tiny", input="Count.", max_output_tokens=10,
                                           temperature=0.0, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
@@ -109,8 +91,8 @@ def test_bad_numbers_are_400(http: httpx.Client, field: str) -> None:
                                             field: "many"}).status_code == 400
 
 
-def test_a_streamed_tool_call(client: openai.OpenAI) -> None:
-    events = list(client.responses.create(
+def test_a_streamed_tool_call(oai: openai.OpenAI) -> None:
+    events = list(oai.responses.create(
         model="tiny", input="Weather in Tokyo?", tools=[WEATHER], temperature=0.0,
         tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=300,
         stream=True))
