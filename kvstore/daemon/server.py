@@ -54,8 +54,8 @@ _COPY_VERBS = frozenset({"save", "load"})
 # (on a worker it also queued behind the engines' saves). ``resident`` and ``evicted`` only touch
 # the HBM tier's index; on the loop they also keep one connection's publications in the order it
 # sent them.
-INLINE_VERBS = frozenset({"hello", "health", "lookup", "locate", "release", "resident",
-                          "evicted"})
+INLINE_VERBS = frozenset({"hello", "health", "engines", "lookup", "locate", "release",
+                          "resident", "evicted"})
 # Frames up to this size are read without asking the buffer budget: requests, not payloads.
 _SMALL_FRAME_BYTES = 64 * 1024
 # A poisoned CUDA context: how long /health answers "failing" before the daemon exits.

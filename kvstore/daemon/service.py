@@ -71,6 +71,7 @@ class Service:
             "hello": lambda args, ctx: self.hello(args),
             "health": lambda args, ctx: self.health(),
             "stats": lambda args, ctx: self.stats(),
+            "engines": lambda args, ctx: {"engines": self.registry.describe()},
             "put": blocks.put,
             "get": blocks.get,
             "lookup": blocks.lookup,

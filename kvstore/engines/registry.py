@@ -218,4 +218,8 @@ class Registry:
             regs = list(self._by_id.values())
         return [{"registration_id": r.registration_id, "engine_id": r.engine_id,
                  "num_blocks": r.num_blocks, "block_bytes": r.block_bytes, "device":
-                 r.layout.device, "publishes_resident": r.has_generations} for r in regs]
+                 r.layout.device, "publishes_resident": r.has_generations,
+                 # what the engine declared its block keys are made of (a hosted engine's
+                 # connector does): plain data from the client, read by whoever keys its blocks
+                 "model_identity": r.layout.meta.get("model_identity"),
+                 "num_shards": r.layout.meta.get("num_shards", 1)} for r in regs]

@@ -225,6 +225,15 @@ class Client:
     def stats(self) -> dict:
         return self.call("stats")
 
+    def engines_async(self, timeout_s: float | None = None) -> Pending:
+        """``engines`` without waiting: a ``Pending`` of the list of registered engines."""
+        return self.request("engines", timeout_s=timeout_s, convert=lambda r: list(r["engines"]))
+
+    def engines(self) -> list[dict]:
+        """The registered engines (``registration_id``, ``engine_id``, ``device``, and the
+        ``model_identity`` and ``num_shards`` each declared in its layout's meta, or None)."""
+        return self.engines_async().wait()
+
     def health_async(self, timeout_s: float | None = None) -> Pending:
         return self.request("health", timeout_s=timeout_s)
 

@@ -15,6 +15,11 @@ connection that made them):
               request; another major is refused with ``protocol_mismatch``, naming both)
   health      {}                                    -> {status, uptime_s, pid, version}
   stats       {}                                    -> store stats + {daemon: {...}}
+  engines     {}                                    -> {engines: [{registration_id, engine_id,
+                                                        device, model_identity | nil,
+                                                        num_shards}]}
+              (the registered engines and the block-key identity each declared in its
+              layout's meta: how a router keys a hosted engine's blocks, e.g. vLLM's)
   put         {namespace?: str, key: bin, value: bin} -> {stored: bool, replaced: bool}
   get         {namespace?: str, key: bin}           -> {value: bin | nil, tier: str | nil}
   lookup      {namespace: h16, hashes: [h16], idents: [bin], lease_ttl_s?: num | nil}

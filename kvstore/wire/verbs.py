@@ -111,6 +111,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "hello": {"protocol": Field(_is_str, "str"), "client": Field(_is_str, "str", required=False)},
     "health": {},
     "stats": {},
+    "engines": {},
     "put": {
         "namespace": Field(_is_str, "str", required=False),
         "key": Field(_is_bytes, "bin"),

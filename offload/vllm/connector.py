@@ -22,7 +22,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,8 +263,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.warning("kvstore connector: no store at start; vLLM recomputes until it is up")
 
     def _make_mover(self, names: list[str], tensors: list[torch.Tensor]) -> BlockMover:
+        # The identity and the shard count tell a router (``kvengine router`` in front of vLLM)
+        # how this instance keys its blocks at the daemon (the daemon's ``engines`` verb).
         meta = {"engine": "vllm", "block_size": self.identity.block_size,
-                "namespace_layout": kv_format(self.identity)}
+                "namespace_layout": kv_format(self.identity),
+                "model_identity": asdict(self.identity),
+                "num_shards": self._num_shards}
         # Staging room (CPU) for the directions this instance's kv_role uses.
         config = self._kv_transfer_config
         num_slots = (self.settings.load_blocks * config.is_kv_consumer

@@ -14,6 +14,7 @@ from kvstore.cli.args import (
 )
 from server.http_front_args import ROUTER_FRONT, add_http_front_args
 from server.model_args import ROUTER_MODEL, add_model_args
+from server.router.engine_pool import ENGINE_KINDS
 from server.router.policy import ROUTING_MODES
 
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -56,6 +57,48 @@ def engine_names(engines: list[EngineAddress]) -> dict[str, str]:
     return names
 
 
+@dataclass(frozen=True)
+class EventsAddress:
+    """A ``--kv-events``: the engine (its name or position), its vLLM KV event publisher, and
+    the publisher's replay socket if it has one."""
+
+    engine: str
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s,]+:\d+|ipc://[^\s,]+)$")
+
+
+def _events_address(text: str) -> EventsAddress:
+    name, sep, rest = text.partition("=")
+    endpoint, _, replay = rest.partition(",")
+    if not sep or not _ENGINE_NAME.match(name) or not _ZMQ_ENDPOINT.match(endpoint) or \
+            (replay and not _ZMQ_ENDPOINT.match(replay)):
+        raise argparse.ArgumentTypeError(
+            f"expected ENGINE=ENDPOINT[,REPLAY_ENDPOINT] with ZMQ endpoints such as "
+            f"0=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 (vLLM's kv-events-config endpoint and "
+            f"replay_endpoint, as this router reaches them), got {text!r}")
+    return EventsAddress(name, endpoint, replay or None)
+
+
+def events_by_url(engines: list[EngineAddress],
+                  events: list[EventsAddress]) -> dict[str, EventsAddress]:
+    """Each ``--kv-events`` by the URL of the engine it names; ValueError for an unknown
+    engine or one named twice."""
+    urls = {name: url for url, name in engine_names(engines).items()}
+    out: dict[str, EventsAddress] = {}
+    for address in events:
+        url = urls.get(address.engine)
+        if url is None:
+            raise ValueError(f"--kv-events {address.engine}=...: no --engine has that name "
+                             f"(names: {', '.join(urls)})")
+        if url in out:
+            raise ValueError(f"--kv-events names engine {address.engine} twice")
+        out[url] = address
+    return out
+
+
 def _milliseconds(text: str) -> float:
     return positive_float_arg(text) / 1000.0
 
@@ -72,6 +115,16 @@ def add_router_arguments(router: argparse.ArgumentParser) -> None:
                         help="what the x-kvengine-engine response header says about the engine "
                         "that answered: its name, its URL (internal addresses: for benchmarks "
                         "and debugging), or nothing (default: %(default)s)")
+    router.add_argument("--engine-kind", choices=ENGINE_KINDS, default="auto",
+                        help="what the engines are: kvengine (probed on GET /load), vllm "
+                        "(load from its /metrics, HBM from its KV events: --kv-events), or auto: "
+                        "an engine without /load is taken for vLLM (default: %(default)s)")
+    router.add_argument("--kv-events", dest="kv_events", action="append", default=[],
+                        type=_events_address, metavar="ENGINE=ENDPOINT[,REPLAY]",
+                        help="vLLM engines: where an engine's KV event publisher is (vLLM's "
+                        "--kv-events-config endpoint, and its replay_endpoint to recover "
+                        "missed events), for kv routing by what it holds in HBM; ENGINE is its "
+                        "name or position; repeat for each engine")
     router.add_argument("--kv-store-socket", default=None, metavar="PATH",
                         help="the socket of the kvstore daemon the engines share (default: "
                         "$KVSTORE_SOCKET, else the per-user default)")

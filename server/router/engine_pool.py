@@ -8,6 +8,12 @@ to it in flight at that moment, plus the router's requests to it in flight now: 
 router's own traffic, as fresh as the last probe for anyone else's. Its queue, for the cost
 model, is the prompt tokens the router sent it and has not yet seen answered (its first byte),
 and its costs are what its last /load measured (prefill rate, restore bandwidth by tier).
+
+Engines are of two kinds: kvengine (``GET /load``) and vLLM, which has no /load: its load is
+``vllm:num_requests_running`` plus ``vllm:num_requests_waiting`` from its ``GET /metrics``
+(counted as kvengine's reported load is), its costs the GPU priors, and what it holds in HBM
+comes from its KV events (``residency``, kept by a ``KVEventFeed``). With ``kind="auto"`` an
+engine whose /load answers 404 is taken for vLLM from then on.
 """
 
 from __future__ import annotations
@@ -16,16 +22,27 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
 
 from server.load_report import LOAD_PATH
+from server.router.engine_residency import EngineResidency
 from server.router.policy import Candidate, EngineCosts
 from server.router.prompt_chain import KVIdentity
 
 logger = logging.getLogger("kvengine.router")
+
+VLLM_METRICS_PATH = "/metrics"
+# vLLM's gauges of its scheduler's requests (every label set summed: one per model/engine).
+_VLLM_LOAD_SERIES = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
+ENGINE_KINDS = ("auto", "kvengine", "vllm")
+
+
+class EngineKind(str, enum.Enum):
+    KVENGINE = "kvengine"
+    VLLM = "vllm"
 
 
 class EngineState(str, enum.Enum):
@@ -39,6 +56,8 @@ class UpstreamEngine:
     """One engine behind the router."""
 
     url: str  # base URL, no trailing slash
+    kind: EngineKind | None = None  # None: not known yet (auto, before its first probe)
+    residency: EngineResidency | None = None  # vLLM: its GPU blocks, from its KV events
     state: EngineState = EngineState.UNKNOWN
     engine_id: str | None = None  # its registration's engine_id at the kvstore daemon
     identity: KVIdentity | None = None  # None: it runs without --kv-offload (no blocks to find)
@@ -61,10 +80,15 @@ class EnginePool:
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient,
                  probe_headers: Mapping[str, str] | None = None, probe_interval_s: float = 1.0,
-                 probe_timeout_s: float = 1.0) -> None:
+                 probe_timeout_s: float = 1.0, kind: str = "auto",
+                 on_probed: Callable[[], Awaitable[None]] | None = None) -> None:
         if not urls:
             raise ValueError("at least one engine URL is needed")
-        self.engines = {url.rstrip("/"): UpstreamEngine(url.rstrip("/")) for url in urls}
+        if kind not in ENGINE_KINDS:
+            raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
+        known = None if kind == "auto" else EngineKind(kind)
+        self.engines = {url.rstrip("/"): UpstreamEngine(url.rstrip("/"), known) for url in urls}
+        self.on_probed = on_probed  # after each round of probes (the router's own upkeep)
         if len(self.engines) != len(urls):
             raise ValueError("an engine URL is given twice")
         self._client = client
@@ -81,6 +105,12 @@ class EnginePool:
     def by_engine_id(self) -> dict[str, UpstreamEngine]:
         """Ready engines by the engine_id they registered with at the daemon."""
         return {e.engine_id: e for e in self.ready() if e.engine_id is not None}
+
+    def kind(self) -> EngineKind | None:
+        """The kind of the ready engines; None when there are none or they are of both kinds
+        (then only load can route)."""
+        kinds = {e.kind for e in self.ready()}
+        return kinds.pop() if len(kinds) == 1 else None
 
     def identity(self) -> KVIdentity | None:
         """The block-key identity of the ready engines (the first that reports one)."""
@@ -116,12 +146,26 @@ class EnginePool:
     async def _probe_forever(self) -> None:
         while True:
             await self.probe_all()
+            if self.on_probed is not None:
+                try:
+                    await self.on_probed()
+                except Exception:  # upkeep must not end the probes
+                    logger.exception("router upkeep after the probes failed")
             await asyncio.sleep(self.probe_interval_s)
 
     async def _probe(self, engine: UpstreamEngine) -> None:
+        if engine.kind is EngineKind.VLLM:
+            await self._probe_vllm(engine)
+            return
         try:
             response = await self._client.get(engine.url + LOAD_PATH, headers=self._headers,
                                               timeout=self.probe_timeout_s)
+            if response.status_code == 404 and engine.kind is None:
+                logger.info("engine %s has no %s: taken for vLLM (load from its %s)",
+                            engine.url, LOAD_PATH, VLLM_METRICS_PATH)
+                engine.kind = EngineKind.VLLM
+                await self._probe_vllm(engine)
+                return
             if response.status_code != 200:
                 raise ValueError(f"GET {LOAD_PATH} answered {response.status_code}: "
                                  f"{response.text[:200]}")
@@ -135,6 +179,7 @@ class EnginePool:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self.mark_down(engine, f"probe failed: {type(exc).__name__}: {exc}")
             return
+        engine.kind = EngineKind.KVENGINE
         engine.engine_id = str(report["engine_id"])
         engine.identity = identity
         engine.costs = EngineCosts.from_report(report.get("costs"))
@@ -145,3 +190,36 @@ class EnginePool:
         if engine.state is not EngineState.READY:
             logger.info("engine %s is ready (engine_id %s)", engine.url, engine.engine_id)
         engine.state = EngineState.READY
+
+    async def _probe_vllm(self, engine: UpstreamEngine) -> None:
+        """A vLLM engine: alive while its /metrics answers with its scheduler's gauges."""
+        try:
+            response = await self._client.get(engine.url + VLLM_METRICS_PATH,
+                                              headers=self._headers, timeout=self.probe_timeout_s)
+            if response.status_code != 200:
+                raise ValueError(f"GET {VLLM_METRICS_PATH} answered {response.status_code}")
+            load = vllm_load(response.content)
+        except (httpx.HTTPError, ValueError) as exc:
+            self.mark_down(engine, f"probe failed: {type(exc).__name__}: {exc}")
+            return
+        engine.reported_load, engine.in_flight_at_probe = load, engine.in_flight
+        if engine.state is not EngineState.READY:
+            logger.info("engine %s (vLLM) is ready", engine.url)
+        engine.state = EngineState.READY
+
+
+def vllm_load(metrics: bytes) -> int:
+    """Requests running and waiting in a vLLM, from its Prometheus text; ValueError when the
+    text has neither gauge (not a vLLM's /metrics)."""
+    total, seen = 0.0, False
+    for line in metrics.splitlines():
+        if line.startswith(_VLLM_LOAD_SERIES):
+            close = line.rfind(b"}")  # label values may hold spaces; a timestamp may follow
+            name, rest = (line[:close], line[close + 1:]) if close >= 0 else \
+                line.split(None, 1) if b" " in line else (line, b"")
+            if name.split(b"{")[0] in _VLLM_LOAD_SERIES and rest.split():
+                total += float(rest.split()[0])
+                seen = True
+    if not seen:
+        raise ValueError("no vllm:num_requests_running or _waiting in its metrics")
+    return int(total)

@@ -64,6 +64,21 @@ class KVLocator:
             outcome = TimeoutError("no answer in time")
         return self._read(outcome)
 
+    async def engines(self) -> list[dict] | None:
+        """The daemon's registered engines (``Client.engines``), or None when it does not
+        answer within ``timeout_s`` (or is being skipped)."""
+        if time.monotonic() < self._skip_until:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._threads, self._engines), self.timeout_s * 4)
+        except (asyncio.TimeoutError, ClientError, DaemonUnavailable, OSError):
+            return None
+
+    def _engines(self) -> list[dict]:
+        return self._connected().engines_async(self.timeout_s * 4).wait(self.timeout_s * 4)
+
     def _send(self, chain: PromptChain,
               land: Callable[[Pending | BaseException], None]) -> None:
         try:

@@ -64,6 +64,11 @@ class RouterMetrics:
         self._ready = Gauge(
             "kvengine:router_engine_ready", "1 while the engine answers its probes.",
             ["engine"], registry=reg)
+        self._events = Gauge(
+            "kvengine:router_kv_events", "vLLM engines' KV event feeds: batches, events, gaps, "
+            "replayed batches, resyncs, restarts, unreadable batches, unkeyed and held blocks.",
+            ["engine", "counter"], registry=reg)
+        self.feeds: list = []  # KVEventFeeds, whose counters render() reads
         self._store = Gauge(
             "kvengine:router_kv_store_state", "1 for the kvstore daemon's state as the "
             "router last saw it.", ["state"], registry=reg)
@@ -100,4 +105,7 @@ class RouterMetrics:
             self._ready.labels(url).set(1 if engine.state is EngineState.READY else 0)
         for state in StoreState:
             self._store.labels(state.value).set(1 if state is store_state else 0)
+        for feed in self.feeds:
+            for counter, value in feed.stats().items():
+                self._events.labels(feed.name, counter).set(value)
         return generate_latest(self.registry)

@@ -7,6 +7,12 @@ keys it (``prompt_chain.py``), and the kvstore daemon asked in one ``locate`` wh
 leading blocks are; the daemon's registrations map to engines by the engine_id each engine
 reports on /load. A body the router cannot read is routed by load: the engine it goes to answers
 it (its 400 passes through unchanged). The router never refuses a request the engines would take.
+
+In front of vLLM engines the prompt is rendered and tokenized the same way (vLLM serves the same
+model folder's tokenizer and chat template), its tenant is its ``cache_salt`` alone (vLLM salts
+by nothing else), what each engine holds in HBM comes from its KV events (``EngineResidency``
+over ``VllmKeys.event_chain``), and the daemon is asked where the connector's chain is in DRAM
+and SSD (``VllmKeys.store_chain``); the cost model is the same.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from server.auth import tenant_salt
 from server.errors import APIError
 from server.prompt_builder import PromptBuilder
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.router.engine_pool import EnginePool, UpstreamEngine
+from server.router.engine_pool import EngineKind, EnginePool, UpstreamEngine
 from server.router.kv_locator import KVLocator
 from server.router.metrics import RouterMetrics
 from server.router.policy import Placement, Route, RoutingPolicy
 from server.router.prompt_chain import PromptChain
 from server.router.routed_prefixes import RoutedPrefixes
+from server.router.vllm_keys import VllmKeys
 
 CHAT, COMPLETION = "chat", "completion"
 # One line per kv-routed request at DEBUG: what the policy saw and chose (``ROUTE_LOG_PREFIX``
@@ -42,7 +49,8 @@ class RequestRouter:
     """Routes generation requests (``route``) and everything else (``least_loaded``)."""
 
     def __init__(self, pool: EnginePool, policy: RoutingPolicy, metrics: RouterMetrics,
-                 locator: KVLocator | None = None, prompts: PromptBuilder | None = None) -> None:
+                 locator: KVLocator | None = None, prompts: PromptBuilder | None = None,
+                 vllm_keys: VllmKeys | None = None) -> None:
         if policy.uses_kv and (locator is None or prompts is None):
             raise ValueError("kv routing needs the daemon (locator) and the prompt builder")
         self.pool = pool
@@ -51,6 +59,17 @@ class RequestRouter:
         self.locator = locator
         self.prompts = prompts
         self.routed = RoutedPrefixes()
+        self.vllm_keys = vllm_keys or VllmKeys()
+
+    async def upkeep(self) -> None:
+        """After each round of probes: with vLLM engines, read the connector's identity from
+        the daemon (bounded; a daemon that does not answer leaves the last one)."""
+        if self.locator is None or not any(e.kind is EngineKind.VLLM
+                                           for e in self.pool.engines.values()):
+            return
+        engines = await self.locator.engines()
+        if engines is not None:
+            self.vllm_keys.learn(engines)
 
     async def route(self, kind: str, body: bytes,
                     key_salt: str) -> tuple[UpstreamEngine, Route] | None:
@@ -63,8 +82,9 @@ class RequestRouter:
             return None
         route = await self._choose(ready, kind, body, key_salt)  # ties: the key's own turns
         identity = self.pool.identity()
-        self.metrics.routed(route, identity.block_size if identity is not None else 0,
-                            time.perf_counter() - start)
+        block_size = identity.block_size if identity is not None else \
+            self.vllm_keys.block_size or 0
+        self.metrics.routed(route, block_size, time.perf_counter() - start)
         return self.pool.engines[route.url], route
 
     def least_loaded(self, exclude: Collection[str] = ()) -> UpstreamEngine | None:
@@ -77,6 +97,11 @@ class RequestRouter:
     async def _choose(self, ready: list[UpstreamEngine], kind: str, body: bytes,
                       key_salt: str) -> Route:
         if not self.policy.uses_kv:
+            return self.policy.choose([e.candidate() for e in ready], None, key_salt)
+        engine_kind = self.pool.kind()
+        if engine_kind is EngineKind.VLLM:
+            return await self._choose_vllm(ready, kind, body, key_salt)
+        if engine_kind is None:  # engines of both kinds: their blocks cannot be compared
             return self.policy.choose([e.candidate() for e in ready], None, key_salt)
         identity = self.pool.identity()
         if identity is None:  # no engine runs with --kv-offload: there is no store to ask
@@ -114,9 +139,43 @@ class RequestRouter:
             route_log.debug("%s%s", ROUTE_LOG_PREFIX, _decision(candidates, placement, route))
         return route
 
-    async def _prompt(self, kind: str, body: bytes, key_salt: str) -> tuple[list[int], str] | None:
-        """The first prompt's token ids and its tenant salt, as the engine will see them; None
-        for a body the engine will refuse (or that the router cannot read)."""
+    async def _choose_vllm(self, ready: list[UpstreamEngine], kind: str, body: bytes,
+                           key_salt: str) -> Route:
+        """``_choose`` for vLLM engines: HBM from their KV events, DRAM and SSD from the
+        daemon in the connector's keys."""
+        keys = self.vllm_keys
+        block_size = keys.block_size or next(
+            (e.residency.block_size for e in ready
+             if e.residency is not None and e.residency.block_size), None)
+        start = time.perf_counter()
+        prompt = await self._prompt(kind, body, key_salt, vllm=True)
+        if prompt is None or block_size is None:  # unreadable, or nothing known of vLLM's keys
+            return self.policy.choose([e.candidate() for e in ready], Placement(0, 1), key_salt)
+        token_ids, salt = prompt
+        hashes = keys.event_chain(token_ids, salt, block_size)
+        store = keys.store_chain(token_ids, salt) if block_size == keys.block_size else None
+        self.metrics.prompted(time.perf_counter() - start)
+        placement = Placement(len(token_ids), block_size)
+        if store is not None and len(store) and self.locator is not None:
+            start = time.perf_counter()
+            reply = await self.locator.locate(store)
+            self.metrics.located(time.perf_counter() - start)
+            if reply is not None:
+                placement = Placement(len(token_ids), block_size, reply.num_dram,
+                                      reply.num_stored)
+        candidates = [e.candidate(max(e.residency.held(hashes) if e.residency else 0,
+                                      self.routed.held(e.url, hashes))) for e in ready]
+        route = self.policy.choose(candidates, placement, key_salt)
+        self.routed.mark(route.url, hashes)
+        if route_log.isEnabledFor(logging.DEBUG):
+            route_log.debug("%s%s", ROUTE_LOG_PREFIX, _decision(candidates, placement, route))
+        return route
+
+    async def _prompt(self, kind: str, body: bytes, key_salt: str,
+                      vllm: bool = False) -> tuple[list[int], str] | None:
+        """The first prompt's token ids and its tenant salt, as the engine will see them (for
+        vLLM: its ``cache_salt``, "" for none); None for a body the engine will refuse (or
+        that the router cannot read)."""
         assert self.prompts is not None
         try:
             if kind == CHAT:
@@ -124,12 +183,14 @@ class RequestRouter:
                 kwargs: dict[str, Any] = chat.chat_template_kwargs or {}
                 if RESERVED_TEMPLATE_NAMES & kwargs.keys():
                     return None
-                salt = tenant_salt(key_salt, chat.cache_salt)
+                salt = (chat.cache_salt or "") if vllm else tenant_salt(key_salt,
+                                                                         chat.cache_salt)
                 messages = [m.template_fields() for m in chat.messages]
                 return await self.prompts.chat(messages, chat.add_generation_prompt, salt,
                                                kwargs), salt
             completion = CompletionRequest.model_validate_json(body)
-            salt = tenant_salt(key_salt, completion.cache_salt)
+            salt = (completion.cache_salt or "") if vllm else tenant_salt(key_salt,
+                                                                          completion.cache_salt)
             prompt = completion.prompt
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a list of prompts: they all go to one engine

@@ -12,13 +12,16 @@ from server.http_front_args import api_keys, metrics_key
 from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
 from server.router.app import RouterSettings, build_router_app
-from server.router.args import engine_names
-from server.router.engine_pool import EnginePool
+from server.router.args import engine_names, events_by_url
+from server.router.engine_pool import EngineKind, EnginePool
+from server.router.engine_residency import EngineResidency
+from server.router.kv_event_feed import KVEventFeed
 from server.router.kv_locator import KVLocator
 from server.router.metrics import RouterMetrics
 from server.router.policy import RoutingPolicy
 from server.router.proxy import RouterProxy
 from server.router.request_router import RequestRouter
+from server.router.vllm_keys import VllmKeys
 from server.tokenize_pool import TokenizePool
 
 
@@ -40,16 +43,32 @@ def build_router(args: argparse.Namespace, model_dir: Path,
     client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
     probe_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else None
     names = engine_names(args.engines)
+    events = events_by_url(args.engines, args.kv_events)
+    if events and args.engine_kind == "kvengine":
+        raise ValueError("--kv-events is for vLLM engines (kvengine's HBM comes from the daemon)")
     pool = EnginePool(list(names), client, probe_headers, args.probe_interval,
-                      args.probe_timeout)
+                      args.probe_timeout, args.engine_kind)
+    feeds = []
+    for url, address in events.items():
+        engine = pool.engines[url]
+        engine.kind = EngineKind.VLLM
+        engine.residency = EngineResidency()
+        feeds.append(KVEventFeed(names[url], address.endpoint, engine.residency,
+                                 address.replay_endpoint))
     metrics = RouterMetrics(pool)
     locator = None
     if policy.uses_kv:
         locator = KVLocator(args.kv_store_socket, args.kv_locate_timeout_s,
                             args.kv_retry_interval)
-    router = RequestRouter(pool, policy, metrics, locator, prompts)
+    router = RequestRouter(pool, policy, metrics, locator, prompts, VllmKeys(model_dir))
+    pool.on_probed = router.upkeep
+    for feed in feeds:
+        feed.start()
+    metrics.feeds = feeds
 
     async def shutdown() -> None:
+        for feed in feeds:
+            feed.stop()
         await client.aclose()
         if locator is not None:
             locator.close()
