@@ -22,6 +22,10 @@ from kernels.ops import Array, Ops
 
 log = logging.getLogger("engine")
 
+# Prompt-logprob rows scored per host pass: the float64 log-softmax of a whole chunk of a large
+# vocabulary (2,048 rows x 152k) would hold 2.5 GB of host memory at once.
+PROMPT_LOGPROB_ROWS_PER_PASS = 256
+
 
 @dataclass
 class StepResult:
@@ -132,7 +136,11 @@ class ModelRunner:
         for seq, positions in owed:
             targets.extend(seq.token_ids[positions.start + 1: positions.stop + 1])
             num_top.extend([seq.params.prompt_logprobs] * len(positions))
-        entries = token_logprobs(self.ops.to_host(logits), targets, num_top)
+        entries: list[TokenLogprobs] = []
+        for start in range(0, len(targets), PROMPT_LOGPROB_ROWS_PER_PASS):
+            end = start + PROMPT_LOGPROB_ROWS_PER_PASS
+            entries.extend(token_logprobs(self.ops.to_host(logits[start:end]),
+                                          targets[start:end], num_top[start:end]))
         out, start = [], 0
         for seq, positions in owed:
             out.append((seq, entries[start: start + len(positions)]))
