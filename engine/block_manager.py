@@ -129,8 +129,10 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Verified cached blocks for the longest prefix of the sequence; no side effects on
-        blocks. At least one token is always left to compute, so the step has logits to sample."""
-        if not self.enable_prefix_caching:
+        blocks. At least one token is always left to compute, so the step has logits to sample.
+        None for a sequence that owes prompt logprobs (``Sequence.reads_prefix_cache``): it
+        recomputes its prompt for their logits (its blocks are still registered as computed)."""
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         self.update_hashes(seq)
         num_blocks = servable_blocks(seq.num_tokens, self.block_size)

@@ -189,16 +189,19 @@ class LLMEngine:
             for seq in batch.seqs:
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = t_scheduled
-            sampled = self.runner.execute(batch)
+            result = self.runner.execute(batch)
             elapsed = time.perf_counter() - t_scheduled
+            for seq, entries in result.prompt_logprobs:
+                seq.prompt_logprobs.extend(entries)
             self.scheduler.advance(batch)
-            synced = bool(sampled)  # reading sampled tokens waited for the step's device work
+            # reading sampled tokens or prompt logprobs waited for the step's device work
+            synced = bool(result.sampled or result.prompt_logprobs)
             self.offload.save_computed(batch.seqs)  # before finished sequences free blocks
             if synced and self._last_step_synced:  # else device time leaks across steps
                 self.offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
             self._last_step_synced = synced
             outputs.extend(self._append_token(seq, token, logprobs)
-                           for seq, token, logprobs in sampled)
+                           for seq, token, logprobs in result.sampled)
         elif self.scheduler.num_loading:
             self.scheduler.restores.wait_for_progress(0.005)  # only restores: no busy loop
         self._offload_pending = True  # see flush_offload
@@ -263,7 +266,9 @@ class LLMEngine:
             stop_reason=seq.stop_reason if finished else None,
             num_cached_tokens=num_cached, cached_tokens_by_tier=by_tier,
             new_token_ids=new_ids, new_text=new_text, logprobs=logprobs,
-            new_logprobs=new_logprobs, arrival_time=seq.arrival_time,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None
+            else None, arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
             output_time=time.perf_counter(),
         )

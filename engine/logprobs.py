@@ -1,4 +1,4 @@
-"""TokenLogprobs: a generated token's log-probability and the most likely alternatives."""
+"""TokenLogprobs: a token's log-probability, its rank and the most likely alternatives."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import numpy as np
 @dataclass(frozen=True)
 class TokenLogprobs:
     """``logprob`` of ``token_id``; ``top`` the ``n`` most likely ids with theirs, most likely
-    first (equal ones: lower id first). Computed from the model's raw logits (vLLM's default)."""
+    first (equal ones: lower id first); ``rank`` the token's place in the vocabulary by logprob
+    (1: the most likely; vLLM's, counting every token at least as likely, itself included).
+    Computed from the model's raw logits (vLLM's default)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 1
 
 
 def token_logprobs(logits: np.ndarray, token_ids: list[int], num_top: list[int]
@@ -32,5 +35,7 @@ def token_logprobs(logits: np.ndarray, token_ids: list[int], num_top: list[int]
             best = np.argpartition(-row, n - 1)[:n] if n < row.size else np.arange(row.size)
             best = best[np.lexsort((best, -row[best]))]
             top = tuple((int(i), float(row[i])) for i in best)
-        out.append(TokenLogprobs(int(token_id), float(row[token_id]), top))
+        logprob = row[token_id]
+        out.append(TokenLogprobs(int(token_id), float(logprob), top,
+                                 int(np.count_nonzero(row >= logprob))))
     return out

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_arena import make_kv_cache
 from engine.kv_cache import KVCache
-from engine.logprobs import TokenLogprobs
+from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.models.rope import cos_sin_cache
@@ -20,6 +21,20 @@ from engine.weights import CheckpointReader
 from kernels.ops import Array, Ops
 
 log = logging.getLogger("engine")
+
+# Prompt-logprob rows scored per host pass: the float64 log-softmax of a whole chunk of a large
+# vocabulary (2,048 rows x 152k) would hold 2.5 GB of host memory at once.
+PROMPT_LOGPROB_ROWS_PER_PASS = 256
+
+
+@dataclass
+class StepResult:
+    """What one step computed: (sequence, sampled token id, its logprobs if asked) for every
+    sequence that samples, and the prompt logprobs of the chunks that owed some (entries for
+    the prompt tokens after the ones the sequence already holds, in order)."""
+
+    sampled: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -79,10 +94,11 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
         """The step's metadata on the device (one copy). The sequences that reach their last
-        token this step sample; the others are mid-prefill chunks."""
+        token this step sample; the others are mid-prefill chunks. The logits rows are the
+        samplers', then the prompt-logprob rows (``step_inputs.pack_step``)."""
         host, layout, sampling = pack_step(batch.seqs, batch.num_new_tokens, self.block_size)
         views = layout.views(self.ops.to_device(host))
-        views["logits_indices"] = views["logits_indices"][: len(sampling)]
+        views["logits_indices"] = views["logits_indices"][: len(sampling) + layout.num_prompt_rows]
         forward_batch = ForwardBatch(is_decode=all(n == 1 for n in batch.num_new_tokens),
                                      max_query_len=max(batch.num_new_tokens),
                                      max_context_len=max(seq.num_computed_tokens + n for seq, n
@@ -95,15 +111,41 @@ class ModelRunner:
         """float32 logits for the batch's ``logits_indices`` rows."""
         return self.model.forward(forward_batch, self.kv_cache.array)
 
-    def execute(self, batch: ScheduledBatch
-                ) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
-        """Run the step; (sequence, sampled token id, its logprobs if asked) for every sequence
-        that samples."""
-        logits, sampling = self._replayed(batch) or self._eager(batch)
-        if not sampling:
-            return []
-        return [(seq, token_id, logprobs) for seq, (token_id, logprobs)
-                in zip(sampling, self.sampler(logits, sampling))]
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run the step: sample, and compute the prompt logprobs the batch's chunks owe."""
+        owed = [(seq, positions) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                if (positions := seq.prompt_logprob_positions(n))]
+        result = StepResult()
+        if owed:  # eager: the captured graphs keep only the sampling rows' logits
+            logits, sampling = self._eager(batch)
+            result.prompt_logprobs = self._prompt_logprobs(logits[len(sampling):], owed)
+            logits = logits[: len(sampling)]
+        else:
+            logits, sampling = self._replayed(batch) or self._eager(batch)
+        if sampling:
+            result.sampled = [(seq, token_id, logprobs) for seq, (token_id, logprobs)
+                              in zip(sampling, self.sampler(logits, sampling))]
+        return result
+
+    def _prompt_logprobs(self, logits: Array, owed: list[tuple[Sequence, range]]
+                         ) -> list[tuple[Sequence, list[TokenLogprobs]]]:
+        """Row k of ``logits`` is the k-th owed position in order; position p's row scores
+        prompt token p + 1 (raw logits, as the sampled tokens' logprobs)."""
+        targets: list[int] = []
+        num_top: list[int] = []
+        for seq, positions in owed:
+            targets.extend(seq.token_ids[positions.start + 1: positions.stop + 1])
+            num_top.extend([seq.params.prompt_logprobs] * len(positions))
+        entries: list[TokenLogprobs] = []
+        for start in range(0, len(targets), PROMPT_LOGPROB_ROWS_PER_PASS):
+            end = start + PROMPT_LOGPROB_ROWS_PER_PASS
+            entries.extend(token_logprobs(self.ops.to_host(logits[start:end]),
+                                          targets[start:end], num_top[start:end]))
+        out, start = [], 0
+        for seq, positions in owed:
+            out.append((seq, entries[start: start + len(positions)]))
+            start += len(positions)
+        return out
 
     def _eager(self, batch: ScheduledBatch) -> tuple[Array, list[Sequence]]:
         forward_batch, sampling = self.prepare(batch)

@@ -25,7 +25,9 @@ class RequestOutput:
     ``prompt_token_ids`` is one list shared by all of a request's outputs (not copied per step):
     read it, do not mutate it. ``logprobs`` (requests with ``params.logprobs``) has one entry per
     generated token; it is the request's own list, growing while it runs (read, do not mutate);
-    ``new_logprobs`` the entries of ``new_token_ids``.
+    ``new_logprobs`` the entries of ``new_token_ids``. ``prompt_logprobs`` (requests with
+    ``params.prompt_logprobs``, vLLM's shape) has one entry per prompt token, None for the first;
+    complete from the first output with a token on (also the request's own list).
     """
 
     request_id: str
@@ -40,6 +42,7 @@ class RequestOutput:
     new_text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # time.perf_counter() stamps: added to the engine, first in a batch, first token, this output
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

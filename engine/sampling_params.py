@@ -35,8 +35,10 @@ class SamplingParams:
     ``token_ids``, its text is only shown with ``include_stop_str_in_output``);
     ``logprobs`` N returns, per generated token, its log-probability and the N most likely
     alternatives (0: the token only), computed from the model's raw logits (vLLM's default
-    ``raw_logprobs``: before penalties, bias and temperature); ``skip_special_tokens`` False keeps
-    special tokens in the text. Greedy rows get the penalties, bias and ``min_tokens`` too.
+    ``raw_logprobs``: before penalties, bias and temperature); ``prompt_logprobs`` N the same for
+    every prompt token after the first (vLLM's: such a request computes its whole prompt, it
+    reads no cached KV); ``skip_special_tokens`` False keeps special tokens in the text. Greedy
+    rows get the penalties, bias and ``min_tokens`` too.
 
     ``structured_outputs`` (vLLM's name; a ``StructuredOutputsParams`` or a mapping of its
     fields, e.g. ``{"json": schema}``) constrains the output to a JSON schema, any JSON object,
@@ -59,6 +61,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -99,10 +102,11 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
                              f"({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                             f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                 f"got {value!r}")
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _normalize_bias(self.logit_bias))
         object.__setattr__(self, "structured_outputs",

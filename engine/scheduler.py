@@ -99,7 +99,8 @@ class Scheduler:
         seq.ready_since_step = self.num_steps
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
-        self.restores.prefetch(seq, busy=bool(self.running))  # usually answered by admission
+        if seq.reads_prefix_cache:  # else it computes its whole prompt (prompt logprobs)
+            self.restores.prefetch(seq, busy=bool(self.running))  # usually answered by admission
 
     def has_unfinished(self) -> bool:
         return bool(self._by_id)
@@ -255,7 +256,10 @@ class Scheduler:
                 self.waiting.remove(seq)
 
     def _try_restore(self, seq: Sequence) -> bool:
-        """True if the bridge now holds ``seq`` (LOADING; the caller takes it off the queue)."""
+        """True if the bridge now holds ``seq`` (LOADING; the caller takes it off the queue).
+        Never for a sequence that owes prompt logprobs: it computes its prompt."""
+        if not seq.reads_prefix_cache:
+            return False
         hit_ids = self.block_manager.match_prefix(seq)
         if self.restores.start_restore(seq, len(hit_ids), bool(self.running)):
             seq.status = SequenceStatus.LOADING  # the offload bridge holds it until it lands

@@ -58,6 +58,9 @@ class Sequence:
     # engine/prefill_order.py); moved on whenever it gets tokens or (re)joins a queue.
     ready_since_step: int = 0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
+    # When params.prompt_logprobs: entry i is prompt token i's (None for the first, which
+    # nothing predicts), filled chunk by chunk as prefill computes the positions before them.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # params.structured_outputs compiled: advanced with every generated token (engine/grammar.py)
     grammar: GrammarMatcher | None = None
     # --kv-offload state (see offload/bridge.py)
@@ -77,6 +80,8 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         # Fixed here: outputs share ``prompt_token_ids`` with callers, who may mutate it.
         self._num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
         num_encoded, rest = divmod(len(self.token_bytes), TOKEN_ID_BYTES)
         if rest or num_encoded > len(self.token_ids):
             raise ValueError("token_bytes must encode a prefix of token_ids")
@@ -87,6 +92,30 @@ class Sequence:
         if done < num_tokens:
             self.token_bytes += encode_tokens(self.token_ids[done:])
         return self.token_bytes
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False while prompt logprobs are owed: those need the logits of every prompt position,
+        so the prompt is computed, not taken from the HBM prefix cache or the store (vLLM skips
+        prefix-cache hits for such requests too). Once they are all known (say before a
+        preemption) a recompute may read cached KV again."""
+        return (self.params.prompt_logprobs is None
+                or len(self.prompt_logprobs) >= self._num_prompt_tokens)
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """The positions among the next ``num_new_tokens`` whose logits give a prompt token's
+        logprob not known yet (position p predicts token p + 1; the last prompt position predicts
+        the first output token, which sampling covers). Contiguous with those already known, as
+        no prefix of the prompt is skipped while ``reads_prefix_cache`` is False."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        num_known = len(self.prompt_logprobs) - 1  # positions done
+        end = min(self.num_computed_tokens + num_new_tokens, self._num_prompt_tokens - 1)
+        if self.num_computed_tokens > num_known and end > num_known:
+            raise RuntimeError(f"request {self.request_id!r} skipped prompt positions "
+                               f"{num_known}..{self.num_computed_tokens - 1} whose logprobs "
+                               "it owes")
+        return range(max(self.num_computed_tokens, num_known), end)
 
     @property
     def num_tokens(self) -> int:

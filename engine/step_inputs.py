@@ -1,10 +1,13 @@
 """A step's int32 metadata packed into one host buffer, so the step costs one host-to-device copy.
 
 The buffer holds, in order: token ids, positions, slots, block tables, cu_seqlens, context lens,
-logits indices. ``num_rows`` / ``table_width`` pad the batch to a fixed shape (CUDA graph
-buckets): padded rows decode token 0 at position 0 into no slot (slot -1 is skipped by
-``write_kv``) over a one-token context in block 0, so every kernel stays in bounds; their logits
-are computed and ignored.
+logits indices. The logits indices list the sampling rows (one per sequence that reaches its last
+token), then the prompt-logprob rows (``Sequence.prompt_logprob_positions``, in batch order):
+only requests that ask for prompt logprobs add any, so the others' steps keep their shape.
+
+``num_rows`` / ``table_width`` pad the batch to a fixed shape (CUDA graph buckets): padded rows
+decode token 0 at position 0 into no slot (slot -1 is skipped by ``write_kv``) over a one-token
+context in block 0, so every kernel stays in bounds; their logits are computed and ignored.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ class StepLayout:
     num_tokens: int
     num_seqs: int
     table_width: int
+    num_prompt_rows: int = 0  # logits rows for prompt logprobs, after the sampling rows
 
     @property
     def sizes(self) -> tuple[int, ...]:
         t, b = self.num_tokens, self.num_seqs
-        return (t, t, t, b * self.table_width, b + 1, b, b)
+        return (t, t, t, b * self.table_width, b + 1, b, b + self.num_prompt_rows)
 
     @property
     def bounds(self) -> list[int]:
@@ -52,18 +56,24 @@ def pack_step(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
               ) -> tuple[np.ndarray, StepLayout, list[Sequence]]:
     """(host buffer, its layout, the sequences that sample this step, in logits order).
 
-    Without padding the layout is exactly the batch's. With ``num_rows`` (decode only: one token
-    per sequence) the batch is padded to that many rows, every row's logits are kept (the
-    sampling sequences first, in order) and ``table_width`` fixes the block table's width.
+    Without padding the layout is exactly the batch's; its logits indices are the sampling rows,
+    then ``layout.num_prompt_rows`` prompt-logprob rows (see the module docstring). With
+    ``num_rows`` (decode only: one token per sequence, no prompt rows) the batch is padded to
+    that many rows, every row's logits are kept (the sampling sequences first, in order) and
+    ``table_width`` fixes the block table's width.
     """
     num_seqs, num_tokens = len(seqs), sum(num_new_tokens)
     width = max(len(seq.block_ids) for seq in seqs) if table_width is None else table_width
+    prompt_positions = [seq.prompt_logprob_positions(n) for seq, n in zip(seqs, num_new_tokens)]
+    num_prompt_rows = sum(map(len, prompt_positions))
     if num_rows is not None:
-        if num_tokens != num_seqs or num_rows < num_seqs:
+        if num_tokens != num_seqs or num_rows < num_seqs or num_prompt_rows:
             raise ValueError(f"padding to {num_rows} rows needs a decode batch of at most that "
-                             f"many sequences, got {num_seqs} sequences / {num_tokens} tokens")
+                             f"many sequences, got {num_seqs} sequences / {num_tokens} tokens "
+                             f"({num_prompt_rows} prompt-logprob rows)")
         num_seqs = num_tokens = num_rows
-    layout = StepLayout(num_tokens, num_seqs, width)
+    layout = StepLayout(num_tokens, num_seqs, width, num_prompt_rows)
+    prompt_rows: list[np.ndarray] = []
     host = np.zeros(layout.bounds[-1], dtype=np.int32)
     f = layout.views(host)
     sampling: list[Sequence] = []
@@ -89,6 +99,13 @@ def pack_step(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
         if end == seq.num_tokens:
             f["logits_indices"][len(sampling)] = offset - 1
             sampling.append(seq)
+        positions = prompt_positions[row]
+        if positions:
+            prompt_rows.append(np.arange(positions.start, positions.stop, dtype=np.int32)
+                               + (offset - end))  # position p sits at row offset - end + p
+    if prompt_rows:
+        f["logits_indices"][len(sampling): len(sampling) + num_prompt_rows] = \
+            np.concatenate(prompt_rows)
     if num_rows is not None:
         if len(sampling) != len(seqs):
             raise ValueError("a padded decode batch must sample every sequence")
@@ -113,8 +130,9 @@ def pack_prefill(seqs: list[Sequence], num_new_tokens: list[int], block_size: in
     their outputs are computed and ignored.
     """
     host, exact, sampling = pack_step(seqs, num_new_tokens, block_size, table_width=table_width)
-    if len(sampling) != len(seqs):
-        raise ValueError("a padded prefill step must sample every sequence (no mid-prompt chunk)")
+    if len(sampling) != len(seqs) or exact.num_prompt_rows:
+        raise ValueError("a padded prefill step must sample every sequence (no mid-prompt chunk) "
+                         "and compute no prompt logprobs")
     pad = num_tokens - exact.num_tokens
     if pad < 0:
         raise ValueError(f"{exact.num_tokens} tokens do not fit a {num_tokens}-row step")

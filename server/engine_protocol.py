@@ -105,6 +105,8 @@ class EngineOutput(Protocol):
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
     new_logprobs: Sequence[Any] | None  # per new token (server/logprobs.TokenLogprobsView)
+    # when asked (params.prompt_logprobs): per prompt token, None for the first
+    prompt_logprobs: Sequence[Any] | None
     prompt_token_ids: list[int]
     # time.perf_counter() stamps: added to the engine, first in a batch, first token, this output
     arrival_time: float

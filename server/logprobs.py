@@ -8,12 +8,18 @@ special tokens kept; a token that is only part of a UTF-8 character reads as U+F
 are those of that text, not the raw byte piece). With ``as_ids`` (vLLM's
 ``return_tokens_as_token_ids``) every token is named ``token_id:{id}`` instead, so a client can
 tell apart tokens that decode alike; completions' ``text_offset`` still counts the decoded text.
+
+Prompt logprobs (vLLM's ``prompt_logprobs``, and ``echo`` with ``logprobs``): the prompt's first
+token has none (nothing predicts it): its completions entry reads ``null`` (``PromptHead``), and
+``prompt_logprobs`` lists ``null`` for it, then per token ``{str(id): {"logprob", "rank",
+"decoded_token"}}`` with the prompt token first and the N alternatives after (ranks 1..N), as
+vLLM 0.32 sends it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 TOKEN_ID_PREFIX = "token_id:"  # a token named by id (vLLM's return_tokens_as_token_ids)
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM send this floor instead
@@ -26,6 +32,15 @@ class TokenLogprobsView(Protocol):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int
+
+
+class PromptHead(NamedTuple):
+    """The first token of an echoed prompt: shown, with no logprob (``null``) and no top."""
+
+    token_id: int
+    logprob: None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class LogprobsFormatter:
@@ -49,23 +64,50 @@ class LogprobsFormatter:
             self._texts[token_id] = text
         return text
 
-    def completion(self, entries: Sequence[TokenLogprobsView], text_offset: int
-                   ) -> tuple[dict[str, Any], int]:
-        """The legacy object for `entries`, offsets counted from `text_offset`; also returns
-        the offset after the last token (where a stream's next chunk continues)."""
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+    def completion(self, entries: Sequence[TokenLogprobsView | PromptHead], text_offset: int,
+                   num_top: int | None = None) -> tuple[dict[str, Any], int]:
+        """The legacy object for `entries`, offsets counted from `text_offset`, at most
+        `num_top` alternatives each (echoed prompt tokens may carry `prompt_logprobs`' count);
+        also returns the offset after the last token (where a stream's next chunk continues)."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for entry in entries:
             text, label = self.token_text(entry.token_id), self.label(entry.token_id)
             tokens.append(label)
-            token_logprobs.append(_floor(entry.logprob))
-            top = {self.label(i): _floor(lp) for i, lp in entry.top}
-            top.setdefault(label, _floor(entry.logprob))
-            tops.append(top)
             offsets.append(text_offset)
             text_offset += len(text)
+            if entry.logprob is None:  # the prompt's first token
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(_floor(entry.logprob))
+            top = {self.label(i): _floor(lp) for i, lp in entry.top[:num_top]}
+            top.setdefault(label, _floor(entry.logprob))
+            tops.append(top)
         body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
         return body, text_offset
+
+    def prompt_logprobs(self, entries: Sequence[TokenLogprobsView | None]
+                        ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or its dict."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            position = {str(entry.token_id): self._ranked(entry.token_id, entry.logprob,
+                                                         entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top, 1):
+                position[str(token_id)] = self._ranked(token_id, logprob, rank)
+            out.append(position)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": _floor(logprob), "rank": rank,
+                "decoded_token": self.token_text(token_id)}
 
     def chat(self, entries: Sequence[TokenLogprobsView]) -> dict[str, Any]:
         """The chat object for `entries`."""

@@ -45,12 +45,26 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """With `logprobs: N`: per generated token its text, logprob, the N most likely
-    alternatives (plus the token itself) and its offset in the text."""
+    alternatives (plus the token itself) and its offset in the text. With `echo` the prompt's
+    tokens come first, the very first with null logprob and alternatives."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """One token of vLLM's `prompt_logprobs` (keyed by its id as a string)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, null for the first, then its own entry followed by
+# the N most likely ones
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -59,6 +73,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # with `prompt_logprobs`, or echo + logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -108,6 +123,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with `prompt_logprobs`
 
 
 class ModelCard(BaseModel):

@@ -102,6 +102,8 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     cache_salt: str | None = None
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM: logprobs name "token_id:{id}"
+    # vLLM's: per prompt token its logprob and N alternatives (serving.py bounds N, as vLLM)
+    prompt_logprobs: StrictInt | None = None
     # vLLM's request extras: priority (0 only: first come, first served), the client's id for
     # the response, and the prompt cut to its last N tokens (-1: to the context length)
     priority: StrictInt = 0
@@ -171,8 +173,9 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = 16
-    echo: StrictBool = False
+    # 0 only with echo (vLLM's scoring request: the prompt and its logprobs, nothing generated)
+    max_tokens: Annotated[int, Field(ge=0, strict=True)] | None = 16
+    echo: StrictBool = False  # the prompt in front of the text (and its logprobs, with logprobs)
     logprobs: NumLogprobs | None = None  # N alternatives per token (0: the token's own only)
     add_special_tokens: StrictBool = True  # vLLM: the tokenizer's BOS and the like
     suffix: str | None = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import Tier
+from server.logprobs import PromptHead
 
 TIERS = tuple(t.value for t in Tier)
 
@@ -34,6 +35,20 @@ class ChoiceState:
     num_sent_logprobs: int = 0  # entries already streamed
     logprobs_text_offset: int = 0  # completions: text_offset where the next streamed token starts
     logprobs_body: dict[str, Any] | None = None  # the response's `logprobs`, built at the end
+    # Echo (completions): the prompt's text goes in front of the generated text and, with
+    # logprobs, its tokens in front of theirs; `echo_only` (max_tokens 0) hides what was generated.
+    echo_text: str | None = None
+    echo_only: bool = False
+    echo_sent: bool = False  # streamed: the first chunk carried the prompt
+    prompt_token_ids: list[int] | None = None  # when echoed (the first token's entry)
+    prompt_logprobs: list[Any] | None = None  # engine entries, None first, when computed
+    prompt_logprobs_body: list[Any] | None = None  # vLLM's `prompt_logprobs`, built at the end
+
+    def echo_entries(self) -> list[Any]:
+        """The echoed prompt's logprob entries: its first token unscored, then the others'."""
+        if not self.prompt_token_ids or not self.prompt_logprobs:
+            return []
+        return [PromptHead(self.prompt_token_ids[0]), *self.prompt_logprobs[1:]]
 
     def take_logprobs(self) -> list[Any]:
         """Entries not streamed yet (they go out with the next chunk of this choice)."""
@@ -89,19 +104,23 @@ def completion_body(response_id: str, created: int, model: str,
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {"index": c.index, "text": c.text, "logprobs": c.logprobs_body,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for c in sorted(choices, key=lambda c: c.index)
-        ],
+        "choices": [_completion_choice(c) for c in sorted(choices, key=lambda c: c.index)],
         "usage": usage(choices),
     }
 
 
+def _completion_choice(c: ChoiceState) -> dict[str, Any]:
+    choice = {"index": c.index, "text": c.text, "logprobs": c.logprobs_body,
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if c.prompt_logprobs_body is not None:  # vLLM's place: the choice
+        choice["prompt_logprobs"] = c.prompt_logprobs_body
+    return choice
+
+
 def chat_body(response_id: str, created: int, model: str,
               choices: Sequence[ChoiceState]) -> dict[str, Any]:
-    """A `chat.completion` response."""
-    return {
+    """A `chat.completion` response; vLLM's `prompt_logprobs` (one prompt) beside `usage`."""
+    body = {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
@@ -119,6 +138,11 @@ def chat_body(response_id: str, created: int, model: str,
         ],
         "usage": usage(choices),
     }
+    prompt_logprobs = next((c.prompt_logprobs_body for c in sorted(choices, key=lambda c: c.index)
+                            if c.prompt_logprobs_body is not None), None)
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    return body
 
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, text: str,

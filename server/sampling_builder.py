@@ -37,7 +37,8 @@ class SamplingBuilder:
 
     def build(self, body: SamplingFields, sample: int, max_tokens: int | None,
               num_prompt_tokens: int, num_logprobs: int | None,
-              constraint: Constraint | None = None) -> Any:
+              constraint: Constraint | None = None,
+              num_prompt_logprobs: int | None = None) -> Any:
         """The engine's SamplingParams for sample ``sample`` of ``body`` (APIError 400 on a
         value the engine refuses, naming the field)."""
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
@@ -68,6 +69,7 @@ class SamplingBuilder:
                 min_tokens=body.min_tokens,
                 stop_token_ids=stop_ids,
                 logprobs=num_logprobs,
+                prompt_logprobs=num_prompt_logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 structured_outputs=None if constraint is None else constraint.spec,

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.chat_template import RESERVED_TEMPLATE_NAMES
+from engine.sampling_params import MAX_LOGPROBS
 from server import responses as R
 from server.async_engine import (
     AsyncEngine,
@@ -53,6 +54,7 @@ class _Job:
     requests: list[EngineRequest]
     choices: dict[str, R.ChoiceState]
     logprobs: str | None = None  # "completion" or "chat": the shape of the `logprobs` asked for
+    num_logprobs: int | None = None  # alternatives per token in `logprobs`
     formatter: LogprobsFormatter | None = None  # tokens as text, or as ids
     constraint: Constraint | None = None  # structured outputs, and the field they came from
     shape: ChatShape | None = None  # chat with tools or a reasoning parser: message parsing
@@ -81,6 +83,7 @@ class OpenAIServing:
             on_overloaded=lambda: metrics.request_rejected("overloaded"))
         self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
         self.sampling = SamplingBuilder(sampling_params_cls, self.vocab_size, self.max_model_len)
+        self._decode = core.tokenizer.decode
         self.logprobs = LogprobsFormatter(core.tokenizer.decode)
         self.logprobs_as_ids = LogprobsFormatter(core.tokenizer.decode, as_ids=True)
         # Under --reasoning-parser a chat's constraint starts after the reasoning's end token
@@ -91,16 +94,30 @@ class OpenAIServing:
         """POST /v1/completions."""
         arrival = time.perf_counter()
         self._check_common(body)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        max_tokens = body.max_tokens
+        if max_tokens == 0:  # vLLM's scoring request: generate one token, show none of it
+            if not body.echo:
+                raise APIError(400, "max_tokens must be at least 1, got 0 (0 only with echo: "
+                               "the prompt and its logprobs, nothing generated)",
+                               param="max_tokens")
+            max_tokens = 1
+        # As vLLM: echo with logprobs scores the prompt with as many alternatives, unless
+        # prompt_logprobs says otherwise; a stream has no place for prompt_logprobs' own field
+        num_prompt_logprobs = body.prompt_logprobs
+        if body.echo and num_prompt_logprobs is None:
+            num_prompt_logprobs = body.logprobs
+        if body.stream and not (body.echo and body.logprobs is not None):
+            num_prompt_logprobs = None
         salt = self._tenant(body, request)
         prompts = await self.prompts.completion(body.prompt, salt, body.add_special_tokens)
-        job = self._prepare(body, salt, prompts, body.max_tokens, "prompt", "cmpl", arrival,
-                            body.logprobs, constraint_of(body))
+        job = self._prepare(body, salt, prompts, max_tokens, "prompt", "cmpl", arrival,
+                            body.logprobs, constraint_of(body), num_prompt_logprobs)
         if body.logprobs is not None:
-            job.logprobs = "completion"
+            job.logprobs, job.num_logprobs = "completion", body.logprobs
+        if body.echo:
+            self._set_echo(job, body.prompt, prompts, body.max_tokens == 0)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(job, await self._submit(job), include_usage, chat=False)
@@ -138,8 +155,10 @@ class OpenAIServing:
                                            add_special_tokens=body.add_special_tokens)]
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # a stream has no place for them (vLLM takes only 0 there, and sends nothing)
+        num_prompt_logprobs = None if body.stream else body.prompt_logprobs
         job = self._prepare(body, salt, prompts, max_tokens, "messages", "chatcmpl", arrival,
-                            num_logprobs, constraint)
+                            num_logprobs, constraint, num_prompt_logprobs)
         if (tools is not None and tools.parser is not None) or self.reasoning is not None:
             job.shape = ChatShape(self.reasoning, tools and tools.parser,
                                   bool(tools and tools.named))
@@ -171,6 +190,24 @@ class OpenAIServing:
         if body.priority != 0:
             raise APIError(400, "priority scheduling is not enabled: kvengine serves requests "
                            "first come, first served (priority 0)", param="priority")
+        self._check_prompt_logprobs(body)
+
+    def _check_prompt_logprobs(self, body: SamplingFields) -> None:
+        """vLLM 0.32's bounds on `prompt_logprobs`, with its messages: -1 (the whole vocabulary)
+        or more than --max-logprobs are refused, and a stream takes only 0."""
+        num = body.prompt_logprobs
+        if num is None:
+            return
+        if num < -1:
+            raise APIError(400, "`prompt_logprobs` must be a positive value or -1.",
+                           param="prompt_logprobs")
+        if body.stream and num != 0:
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.",
+                           param="prompt_logprobs")
+        if num == -1 or num > MAX_LOGPROBS:
+            requested = num if num != -1 else (self.vocab_size or num)
+            raise APIError(400, f"Requested prompt logprobs of {requested}, which is greater "
+                           f"than max allowed: {MAX_LOGPROBS}", param="prompt_logprobs")
 
     @staticmethod
     def _tenant(body: SamplingFields, request: Request) -> str:
@@ -180,7 +217,8 @@ class OpenAIServing:
     def _prepare(self, body: SamplingFields, salt: str, prompts: list[list[int]],
                  max_tokens: int | None, prompt_param: str, id_prefix: str,
                  arrival: float, num_logprobs: int | None = None,
-                 constraint: Constraint | None = None) -> _Job:
+                 constraint: Constraint | None = None,
+                 num_prompt_logprobs: int | None = None) -> _Job:
         if body.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
             keep = self.max_model_len if body.truncate_prompt_tokens == -1 \
                 else body.truncate_prompt_tokens
@@ -211,12 +249,33 @@ class OpenAIServing:
                 index = prompt_index * body.n + sample
                 request_id = f"{id_prefix}-{internal_id}-{index}"
                 params = self.sampling.build(body, sample, max_tokens, len(token_ids),
-                                             num_logprobs, constraint)
+                                             num_logprobs, constraint, num_prompt_logprobs)
                 requests.append(EngineRequest(request_id, token_ids, params, salt))
                 choices[request_id] = R.ChoiceState(index, prompt_index, len(token_ids))
         formatter = self.logprobs_as_ids if body.return_tokens_as_token_ids else self.logprobs
         return _Job(response_id, int(time.time()), arrival, requests, choices,
                     formatter=formatter, constraint=constraint)
+
+    def _set_echo(self, job: _Job, prompt: Any, prompts: list[list[int]],
+                  echo_only: bool) -> None:
+        """Echo: each choice's text starts with its prompt's text as the client sent it; a
+        token-id prompt, or a text cut by truncate_prompt_tokens, reads as its tokens decoded
+        (special tokens kept, as vLLM's detokenized prompt)."""
+        texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) \
+            else None
+        by_prompt: dict[int, str] = {}
+        for request in job.requests:
+            choice = job.choices[request.request_id]
+            token_ids = request.prompt_token_ids
+            text = by_prompt.get(choice.prompt_index)
+            if text is None:
+                if texts is not None and len(token_ids) == len(prompts[choice.prompt_index]):
+                    text = texts[choice.prompt_index]
+                else:
+                    text = self._decode(token_ids, skip_special_tokens=False)
+                by_prompt[choice.prompt_index] = text
+            choice.echo_text, choice.echo_only = text, echo_only
+            choice.prompt_token_ids = token_ids
 
     async def _submit(self, job: _Job) -> RequestGroup:
         await self.constraints.compile(job.requests, job.constraint and job.constraint.param)
@@ -259,6 +318,8 @@ class OpenAIServing:
             if choice.logprobs is None:
                 choice.logprobs = []
             choice.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:  # complete from the first output with a token
+            choice.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             choice.finish_reason = out.finish_reason or "stop"
             choice.stop_reason = getattr(out, "stop_reason", None)
@@ -289,22 +350,35 @@ class OpenAIServing:
             if job.shape is not None:
                 choice.message, choice.finish_reason = job.shape.message(
                     request_id, choice.text, choice.finish_reason)
+            entries = [] if choice.echo_only else choice.logprobs or []
+            if choice.echo_text is not None:  # the prompt first (vLLM's echo)
+                choice.text = choice.echo_text + ("" if choice.echo_only else choice.text)
+                entries = [*choice.echo_entries(), *entries]
             if job.logprobs == "chat":
-                choice.logprobs_body = job.formatter.chat(choice.logprobs or [])
+                choice.logprobs_body = job.formatter.chat(entries)
             elif job.logprobs == "completion":
-                choice.logprobs_body, _ = job.formatter.completion(choice.logprobs or [], 0)
+                choice.logprobs_body, _ = job.formatter.completion(entries, 0, job.num_logprobs)
+            if choice.prompt_logprobs is not None:
+                choice.prompt_logprobs_body = job.formatter.prompt_logprobs(
+                    choice.prompt_logprobs)
         return list(job.choices.values())
 
-    def _chunk_logprobs(self, job: _Job, choice: R.ChoiceState) -> dict[str, Any] | None:
+    def _chunk_logprobs(self, job: _Job, choice: R.ChoiceState,
+                        echo: bool = False) -> dict[str, Any] | None:
         """The `logprobs` of a stream chunk: the tokens not streamed yet (a chunk's text can lag
-        its tokens, e.g. behind a possible stop string; their logprobs go out with it)."""
+        its tokens, e.g. behind a possible stop string; their logprobs go out with it), after
+        the prompt's with ``echo`` (the first chunk of an echoed choice)."""
         if job.logprobs is None:
             return None
         entries = choice.take_logprobs()
         if job.logprobs == "chat":
             return job.formatter.chat(entries)
+        if choice.echo_only:
+            entries = []
+        if echo:
+            entries = [*choice.echo_entries(), *entries]
         body, choice.logprobs_text_offset = job.formatter.completion(
-            entries, choice.logprobs_text_offset)
+            entries, choice.logprobs_text_offset, job.num_logprobs)
         return body
 
     def _stream(self, job: _Job, group: RequestGroup, include_usage: bool,
@@ -336,11 +410,18 @@ class OpenAIServing:
                                                  choice.stop_reason if reason else None))
                     continue
                 delta = choice.take_delta(final=out.finished)
-                if not delta and not out.finished:
+                # echo: the first chunk carries the prompt, whatever the output holds yet
+                echo_now = choice.echo_text is not None and not choice.echo_sent
+                if choice.echo_only:
+                    delta = ""
+                if not delta and not out.finished and not echo_now:
                     continue
                 reason = choice.finish_reason if out.finished else None
                 stop_reason = choice.stop_reason if out.finished else None
-                logprobs = self._chunk_logprobs(job, choice)
+                logprobs = self._chunk_logprobs(job, choice, echo_now)
+                if echo_now:
+                    choice.echo_sent = True
+                    delta = choice.echo_text + delta
                 if chat:
                     payload = R.chat_chunk(rid, created, model, choice.index,
                                            {"content": delta} if delta else {}, reason,

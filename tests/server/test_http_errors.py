@@ -38,7 +38,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, -3]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),

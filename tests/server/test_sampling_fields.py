@@ -139,7 +139,7 @@ def test_chat_logprobs_in_openai_shape_streamed_the_same(http: httpx.Client, cli
                                                           "frequency_penalty"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
-    ({"guided_json": {"type": "strin"}}, "guided_json"), ({"prompt_logprobs": 1},
+    ({"guided_json": {"type": "strin"}}, "guided_json"), ({"prompt_logprobs": 21},
                                                           "prompt_logprobs"),
 ])
 def test_bad_or_unsupported_completion_fields_are_400(http: httpx.Client, fields: dict,
