@@ -160,3 +160,29 @@ def test_bad_locates_are_refused(daemon: RunningDaemon) -> None:
         assert info.value.code == "bad_request"
         assert c.locate(chain.namespace, [], []).num_blocks == 0
         assert c.health()["status"] == "ok"
+
+
+def test_engines_lists_registrations_with_the_identity_each_declared(
+        daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    """A router in front of vLLM keys the connector's blocks by the identity its workers
+    declare in their layout's meta: ``engines`` hands it on, as plain data."""
+    from dataclasses import replace
+
+    identity = {"architecture": "vllm:Qwen3ForCausalLM|cpu:x", "num_layers": 2,
+                "num_kv_heads": 2, "head_dim": 32, "kv_dtype": "bfloat16", "block_size": 16,
+                "weights_id": "dir:abc", "kv_layout_version": 1}
+    declared = replace(_arena(arenas, 1).layout, meta={"model_identity": identity,
+                                                        "num_shards": 2})
+    with daemon.client() as a, daemon.client() as b, daemon.client() as router:
+        assert router.engines() == []
+        reg_a = a.register(declared, "vllm-a")
+        reg_b = b.register(_arena(arenas, 2).layout, "engine-b")
+        engines = {e["engine_id"]: e for e in router.engines()}
+        assert engines["vllm-a"]["registration_id"] == reg_a
+        assert engines["vllm-a"]["model_identity"] == identity
+        assert engines["vllm-a"]["num_shards"] == 2
+        assert engines["engine-b"]["registration_id"] == reg_b
+        assert engines["engine-b"]["model_identity"] is None
+        assert engines["engine-b"]["num_shards"] == 1
+        with pytest.raises(ClientError, match="unknown args"):
+            router.call("engines", {"extra": 1})
