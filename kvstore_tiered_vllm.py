@@ -110,6 +110,8 @@ def __getattr__(name: str) -> Any:
     if name != CONNECTOR_NAME:
         raise AttributeError(name)
     bind_packages()
+    from offload.vllm.config_check import check_requested_config
     from offload.vllm.connector import KVStoreConnector
 
+    check_requested_config(name)  # vLLM's config creation: bad settings fail here, in one line
     return KVStoreConnector

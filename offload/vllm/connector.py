@@ -55,7 +55,7 @@ from offload.vllm.reports import (
     vllm_event,
 )
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
-from offload.vllm.settings import ConnectorSettings
+from offload.vllm.settings import ConnectorSettings, check_extra_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -357,6 +357,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             out.update({f"scheduler_link_{k}": v
                         for k, v in self._scheduler.client.counters.items()})
         return out
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM asks this while it builds its config (with full CUDA graphs): the settings are
+        checked here too, so a bad one fails before the model loads. Whole blocks are saved
+        after the forward, so any CUDA graph mode works."""
+        check_extra_config(extra_config)
+        return False
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -59,7 +59,8 @@ def test_others_are_refused_with_the_equivalent_named(extra: dict, needle: str) 
 
 
 def test_a_typo_of_our_own_keys_is_still_an_unknown_key() -> None:
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+    with pytest.raises(ValueError, match="unknown key 'lookup_timeout': did you mean "
+                                         "'lookup_timeout_s'"):
         ConnectorSettings.from_extra_config({"lookup_timeout": 1.0})
 
 
