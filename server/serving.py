@@ -12,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.chat_template import RESERVED_TEMPLATE_NAMES
-from engine.sampling_params import MAX_LOGPROBS
 from server import responses as R
 from server.async_engine import (
     AsyncEngine,
@@ -32,12 +31,12 @@ from server.metrics import ServerMetrics
 from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
 from server.protocol import (
-    PASSTHROUGH_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
 )
 from server.reasoning_parsers import REASONING_PARSERS, reasoning_end_token
+from server.request_checks import RequestChecks
 from server.sampling_builder import SamplingBuilder
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 from server.structured_outputs import Constraint, constraint_of
@@ -83,6 +82,8 @@ class OpenAIServing:
             on_overloaded=lambda: metrics.request_rejected("overloaded"))
         self.vocab_size: int | None = int(core.vocab_size) if core.vocab_size > 0 else None
         self.sampling = SamplingBuilder(sampling_params_cls, self.vocab_size, self.max_model_len)
+        self.checks = RequestChecks(engine, metrics, model_name, self.vocab_size,
+                                    self.max_model_len)
         self._decode = core.tokenizer.decode
         self.logprobs = LogprobsFormatter(core.tokenizer.decode)
         self.logprobs_as_ids = LogprobsFormatter(core.tokenizer.decode, as_ids=True)
@@ -93,7 +94,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
         arrival = time.perf_counter()
-        self._check_common(body)
+        self.checks.common(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         max_tokens = body.max_tokens
@@ -128,7 +129,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         """POST /v1/chat/completions."""
         arrival = time.perf_counter()
-        self._check_common(body)
+        self.checks.common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
@@ -171,44 +172,6 @@ class OpenAIServing:
         return JSONResponse(R.chat_body(job.response_id, job.created, self.model_name, choices))
 
     # ---- preparation -----------------------------------------------------------------------
-    def _check_common(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
-                           f"`{self.model_name}`", param="model", code="model_not_found")
-        if not self.engine.has_room(body.n):  # before tokenizing: overload should be cheap
-            self.metrics.request_rejected("overloaded")
-            raise APIError(503, "server is overloaded; retry later", code="overloaded")
-        unsupported = body.unsupported_fields()
-        if unsupported:
-            raise APIError(
-                400, f"unsupported request field(s): {', '.join(unsupported)}. kvengine does not "
-                "implement them and will not silently ignore them (accepted without effect: "
-                f"{', '.join(sorted(PASSTHROUGH_FIELDS))})", param=unsupported[0],
-                code="unsupported_parameter")
-        if body.best_of is not None and body.best_of != body.n:
-            raise APIError(400, "best_of is not supported", param="best_of")
-        if body.priority != 0:
-            raise APIError(400, "priority scheduling is not enabled: kvengine serves requests "
-                           "first come, first served (priority 0)", param="priority")
-        self._check_prompt_logprobs(body)
-
-    def _check_prompt_logprobs(self, body: SamplingFields) -> None:
-        """vLLM 0.32's bounds on `prompt_logprobs`, with its messages: -1 (the whole vocabulary)
-        or more than --max-logprobs are refused, and a stream takes only 0."""
-        num = body.prompt_logprobs
-        if num is None:
-            return
-        if num < -1:
-            raise APIError(400, "`prompt_logprobs` must be a positive value or -1.",
-                           param="prompt_logprobs")
-        if body.stream and num != 0:
-            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.",
-                           param="prompt_logprobs")
-        if num == -1 or num > MAX_LOGPROBS:
-            requested = num if num != -1 else (self.vocab_size or num)
-            raise APIError(400, f"Requested prompt logprobs of {requested}, which is greater "
-                           f"than max allowed: {MAX_LOGPROBS}", param="prompt_logprobs")
-
     @staticmethod
     def _tenant(body: SamplingFields, request: Request) -> str:
         """The request's tenant: its API key's salt and its `cache_salt`, as the engine keys KV."""
@@ -223,23 +186,7 @@ class OpenAIServing:
             keep = self.max_model_len if body.truncate_prompt_tokens == -1 \
                 else body.truncate_prompt_tokens
             prompts = [token_ids[-keep:] for token_ids in prompts]
-        for token_ids in prompts:
-            if not token_ids:
-                raise APIError(400, "the prompt is empty after tokenization", param=prompt_param)
-            if self.vocab_size is not None and max(token_ids) >= self.vocab_size:
-                raise APIError(400, f"token id {max(token_ids)} is out of range: the vocabulary "
-                               f"has {self.vocab_size} tokens", param=prompt_param)
-            if len(token_ids) >= self.max_model_len:
-                raise APIError(
-                    400, f"this model's maximum context length is {self.max_model_len} tokens; "
-                    f"the prompt has {len(token_ids)} tokens (at least one must be left to "
-                    "generate)", param=prompt_param, code="context_length_exceeded")
-            if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
-                raise APIError(
-                    400, f"this model's maximum context length is {self.max_model_len} tokens; "
-                    f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in "
-                    f"the prompt, {max_tokens} to generate)", param="max_tokens",
-                    code="context_length_exceeded")
+        self.checks.prompts(prompts, max_tokens, prompt_param)
         internal_id = uuid.uuid4().hex  # the engine's ids: unique whatever the client names
         response_id = f"{id_prefix}-{body.request_id or internal_id}"
         requests: list[EngineRequest] = []

@@ -24,7 +24,7 @@ MAX_IDENT_LEN = 1 << 20  # one packed ident's bytes (lookup's ident_len)
 # The protocol's version, "MAJOR.MINOR": a client and a daemon of one major understand each
 # other (a minor adds, never changes); they say theirs in the first exchange (the ``hello`` verb).
 # Daemons from before the handshake answer it ``unknown_verb``: they speak 1.0.
-PROTOCOL_VERSION = "1.1"
+PROTOCOL_VERSION = "1.2"  # 1.2: the ``engines`` verb
 PRE_HANDSHAKE_VERSION = "1.0"
 
 # Error codes, the complete list a client can see.
