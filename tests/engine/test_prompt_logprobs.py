@@ -107,3 +107,20 @@ def test_only_scored_chunks_add_logits_rows() -> None:
 def test_prompt_logprobs_are_bounded(value: object) -> None:
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_the_gpu_match_the_cpu(tiny_model_dir: Path) -> None:
+    """The GPU path (CuPy logits rows, eager steps for scored chunks) against the CPU's."""
+    prompts = random_prompts(4000, [300, 45], seed=43)
+    params = [_scored(3, max_tokens=8), SamplingParams(max_tokens=8, ignore_eos=True)]
+    with LLM(str(tiny_model_dir), device="cpu") as llm:
+        want = llm.generate(prompts, params)
+    with LLM(str(tiny_model_dir), device="cuda", max_num_batched_tokens=128) as llm:
+        got = llm.generate(prompts, params)
+    assert got[1].prompt_logprobs is None
+    assert got[0].prompt_logprobs[0] is None
+    assert len(got[0].prompt_logprobs) == len(prompts[0])
+    for g, w in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:], strict=True):
+        assert g.token_id == w.token_id
+        assert g.logprob == pytest.approx(w.logprob, abs=0.05)  # bf16 on the GPU
