@@ -9,6 +9,10 @@ one random order: both are HBM hits on the same engine, so the difference is the
 (body parsed, prompt rendered and tokenized, chain hashed, the daemon's ``locate``, the proxy
 hop). The router's ``x-kvengine-engine`` header names the engine that served; a routed request
 that went elsewhere is counted, not compared. TTFT: to the first event with generated text.
+A third path measures the floor: the same request through a bare ``kvengine router --routing
+round-robin`` in front of that one engine (the router's HTTP server, middleware and proxy, no
+prompt, chain or daemon), so the routing decision's own share (kv minus bare) stands apart
+from what any Python HTTP hop costs (bare minus direct).
 
 Per size: TTFT p50/p90 both ways and the added ms (target: <= 2 at p50), the paired differences,
 the router's timings from its /metrics (``kvengine:router_route_seconds``, ``_prompt_seconds``,
@@ -128,14 +132,17 @@ def summarize(trials: list[dict], prompts: dict[str, Prompt]) -> dict:
     differences (the k-th routed against the k-th direct of the same prompt)."""
     ok = [t for t in trials if t["error"] is None and not t.get("elsewhere")]
     out: dict = {}
+
+    def minus(a: dict, b: dict, q: str) -> float | None:
+        return a[q] - b[q] if a[q] is not None and b[q] is not None else None
+
     for key in ("ttft_ms", "first_byte_ms"):
-        direct = [t[key] for t in ok if t["path"] == "direct"]
-        routed = [t[key] for t in ok if t["path"] == "routed"]
-        d, r = _stats(direct), _stats(routed)
-        added = {q: r[q] - d[q] if r[q] is not None and d[q] is not None else None
-                 for q in ("p50", "p90")}
-        out[key] = {"direct": d, "routed": r, "added_p50_ms": added["p50"],
-                    "added_p90_ms": added["p90"]}
+        d, r, h = (_stats([t[key] for t in ok if t["path"] == path])
+                   for path in ("direct", "routed", "hop"))
+        out[key] = {"direct": d, "routed": r, "hop": h,
+                    "added_p50_ms": minus(r, d, "p50"), "added_p90_ms": minus(r, d, "p90"),
+                    "hop_added_p50_ms": minus(h, d, "p50"),
+                    "routing_added_p50_ms": minus(r, h, "p50")}
     paired = []
     for name in prompts:
         direct = [t["ttft_ms"] for t in ok if t["prompt"] == name and t["path"] == "direct"]
@@ -179,13 +186,17 @@ def warm(client: httpx.Client, router_url: str, engine_urls: list[str], prompts:
 
 
 def measure(client: httpx.Client, router_url: str, prompts: list[Prompt], reps: int,
-            rng: random.Random, gap_s: float, block_size: int) -> list[dict]:
-    """``reps`` direct and ``reps`` routed sends of each prompt, in one random order."""
-    order = [(p, path) for p in prompts for path in ("direct", "routed") for _ in range(reps)]
+            rng: random.Random, gap_s: float, block_size: int,
+            hops: dict[str, str]) -> list[dict]:
+    """``reps`` direct, ``reps`` routed and ``reps`` bare-hop sends of each prompt (``hops``:
+    the bare router in front of each engine), in one random order."""
+    paths = ("direct", "routed", "hop")
+    order = [(p, path) for p in prompts for path in paths for _ in range(reps)]
     rng.shuffle(order)
     trials = []
     for prompt, path in order:
-        result = send(client, prompt.engine if path == "direct" else router_url, prompt)
+        url = {"direct": prompt.engine, "routed": router_url}.get(path) or hops[prompt.engine]
+        result = send(client, url, prompt)
         trials.append({"prompt": prompt.name, "path": path, "error": result["error"],
                        "ttft_ms": result["ttft_ms"], "first_byte_ms": result["first_byte_ms"],
                        "elsewhere": path == "routed" and result["engine"] != prompt.engine,
@@ -195,7 +206,7 @@ def measure(client: httpx.Client, router_url: str, prompts: list[Prompt], reps: 
 
 
 def measure_size(client: httpx.Client, router_url: str, router_pid: int, group: list[Prompt],
-                 args: argparse.Namespace, rng: random.Random) -> dict:
+                 args: argparse.Namespace, rng: random.Random, hops: dict[str, str]) -> dict:
     """One size's prompts measured both ways: the summary, the router's own figures (its
     timings and reasons from /metrics, its CPU per routed request beyond its idle rate), each
     trial."""
@@ -205,13 +216,13 @@ def measure_size(client: httpx.Client, router_url: str, router_pid: int, group: 
     cpu.append(cpu_s(router_pid))
     start = time.perf_counter()
     trials = measure(client, router_url, group, args.reps, rng, args.gap_ms / 1e3,
-                     args.block_size)
+                     args.block_size, hops)
     elapsed, router = time.perf_counter() - start, metrics_delta(before,
                                                                  router_metrics(router_url))
     cpu.append(cpu_s(router_pid))
     num_routed = sum(t["path"] == "routed" for t in trials)
     router["cpu_ms_per_request"] = None if None in cpu else \
-        (cpu[2] - cpu[1] - (cpu[1] - cpu[0]) / 3.0 * elapsed) / num_routed * 1e3
+        (cpu[2] - cpu[1] - (cpu[1] - cpu[0]) / 3.0 * elapsed) / num_routed * 1e3  # its own
     named = {p.name: p for p in group}
     return {"load_average_1m": [load_before[0], os.getloadavg()[0]],
             "prompt_tokens": {p.name: p.num_tokens for p in group},
@@ -228,8 +239,9 @@ def _ms(value: float | None) -> str:
 
 
 def _start(args: argparse.Namespace, prompts: list[Prompt], workdir: Path,
-           procs: list[ServerProcess]) -> tuple[str, list[str], int]:
-    """The daemon, the engines and the router; the router's URL, the engines', its pid."""
+           procs: list[ServerProcess]) -> tuple[str, list[str], int, dict[str, str]]:
+    """The daemon, the engines, the router and a bare router per engine; the router's URL, the
+    engines', its pid, each engine's bare router's URL."""
     socket_path = workdir / "kv.sock"
     daemon = ServerProcess([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
                             str(socket_path), "--dram", args.dram, "--http", "off"],
@@ -257,12 +269,20 @@ def _start(args: argparse.Namespace, prompts: list[Prompt], workdir: Path,
     router = ServerProcess(cmd, "kvengine router")
     procs.append(router)
     router_url = router.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
+    hops = {}
+    for url in urls:
+        bare = ServerProcess([sys.executable, "-m", "server.cli", "router", str(args.model_dir),
+                              "--routing", "round-robin", "--port", "0", "--engine", url],
+                             "kvengine router (bare)")
+        procs.append(bare)
+        hops[url] = bare.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
     deadline = time.monotonic() + args.start_timeout
-    while httpx.get(router_url + "/ready", timeout=10).status_code != 200:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the router never became ready")
-        time.sleep(0.2)
-    return router_url, urls, router.proc.pid
+    for url in (router_url, *hops.values()):
+        while httpx.get(url + "/ready", timeout=10).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router at {url} never became ready")
+            time.sleep(0.2)
+    return router_url, urls, router.proc.pid, hops
 
 
 def _machine_tag(device: str) -> str:
@@ -309,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     by_size: dict[str, dict] = {}
     try:
-        router_url, engine_urls, router_pid = _start(args, prompts, workdir, procs)
+        router_url, engine_urls, router_pid, hops = _start(args, prompts, workdir, procs)
         with httpx.Client(timeout=300, trust_env=False) as client:
             warm(client, router_url, engine_urls, prompts, tries=20)
             for size in args.sizes:
                 by_size[str(size)] = entry = measure_size(
                     client, router_url, router_pid, [p for p in prompts if p.size == size], args,
-                    rng)
+                    rng, hops)
                 ttft, router = entry["ttft_ms"], entry["router"]
                 print(f"{size} tokens: direct p50 {_ms(ttft['direct']['p50'])}, routed p50 "
                       f"{_ms(ttft['routed']['p50'])}: added p50 {_ms(ttft['added_p50_ms'])}, "
@@ -325,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"locate {_ms(router['kv_locate_p50_ms'])}), CPU "
                       f"{_ms(router['cpu_ms_per_request'])} a request; reasons "
                       f"{router['requests_by_reason']}; routed elsewhere "
-                      f"{entry['num_routed_elsewhere']}", flush=True)
+                      f"{entry['num_routed_elsewhere']}; a bare router hop (round-robin, one "
+                      f"engine) adds p50 {_ms(ttft['hop_added_p50_ms'])}, the kv routing "
+                      f"{_ms(ttft['routing_added_p50_ms'])} beyond it", flush=True)
     except Exception:
         for proc in procs[1:]:  # the engines' and the router's last lines say why
             print(f"--- {proc.name}:", *list(proc.lines)[-15:], sep="\n", file=sys.stderr)

@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.faults.answer_scoring import score_differences
+from benchmarks.faults.answer_scoring import score_differences, self_variance
 from benchmarks.faults.chat_load import ChatLoad, answer_again
 from benchmarks.faults.injector import FaultInjector
 from benchmarks.faults.schedule import FaultKind, describe, make_schedule, parse_kinds
@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the reference token by token, each token's distance from the "
                         "reference's best is within this share of the spread of its top "
                         "--numerics-top-n (bf16 near-ties; default 0.25)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the reference's own numerics first: it answers every request "
+                        "again one at a time, and the largest share its own differences need "
+                        "raises --numerics-margin if larger (default: on)")
     p.add_argument("--numerics-top-n", type=positive_int_arg, default=20,
                    help="alternatives the reference reports per position (a token outside "
                         "them fails the answer)")
@@ -238,7 +242,17 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
     try:
         answer_again(records, url, MODEL_NAME, workload.answer_len, args.reference_concurrency,
                      args.request_timeout)
-        score_differences(records, url, MODEL_NAME, args.numerics_top_n, args.numerics_margin,
+        margin = args.numerics_margin
+        if args.calibrate:
+            out["calibration"] = calibration = self_variance(
+                records, url, MODEL_NAME, workload.answer_len, args.numerics_top_n,
+                args.reference_concurrency, args.request_timeout)
+            margin = max(margin, calibration["largest_share"])
+            print(f"fault soak: the reference against itself: {calibration['differences']} of "
+                  f"{calibration['asked']} answers differ, largest share "
+                  f"{calibration['largest_share']:.3f}; numerics margin {margin:.3f}", flush=True)
+        out["numerics_margin_used"] = margin
+        score_differences(records, url, MODEL_NAME, args.numerics_top_n, margin,
                           args.reference_concurrency, args.request_timeout)
     finally:
         reference.stop()

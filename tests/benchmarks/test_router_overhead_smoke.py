@@ -28,6 +28,8 @@ def test_a_two_engine_node_is_measured_both_ways_on_cpu(tiny_model_dir: Path,
         ttft = size["ttft_ms"]
         assert ttft["direct"]["n"] == 2 * reps  # a chat and a completion, each reps times
         assert ttft["routed"]["n"] + size["num_routed_elsewhere"] == 2 * reps
+        assert ttft["hop"]["n"] == 2 * reps  # through a bare router in front of that engine
+        assert ttft["hop_added_p50_ms"] is not None and ttft["routing_added_p50_ms"] is not None
         assert sum(size["router"]["requests_by_reason"].values()) == 2 * reps
         assert size["router"]["route_count"] == 2 * reps
         assert size["min_hbm_share"] == 1.0  # both ways were whole HBM hits

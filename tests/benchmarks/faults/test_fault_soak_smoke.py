@@ -56,6 +56,12 @@ def test_a_short_soak_under_every_fault_passes(soak) -> None:
     assert {i["what"] for i in v["memory"]["items"]} >= {
         "daemon anon_bytes", "engine anon_bytes", "daemon engine_arena_bytes"}
     assert judge(result) == v  # the file holds all the verdict needs
+    # the reference measured against itself first: every answer asked again, one at a time;
+    # the margin used is the stated one or what its own differences needed, if larger
+    calibration = result["calibration"]
+    assert calibration["asked"] == v["answers"]["compared"] and calibration["errors"] == 0
+    assert result["numerics_margin_used"] == max(result["config"]["numerics_margin"],
+                                                 calibration["largest_share"])
 
 
 def test_a_different_answer_fails_the_verdict(soak) -> None:
