@@ -143,3 +143,34 @@ def test_an_engine_started_against_a_stopped_daemon_serves_at_once(tiny_model_di
             closing = time.monotonic()
             llm.close()
             assert time.monotonic() - closing < 15.0  # bounded, even with the daemon stopped
+
+
+def test_an_hbm_hit_never_asks_a_stopped_daemon(tiny_model_dir, make_daemon):
+    """Issue 37 item 4: a prompt whose servable blocks all sit in the engine's HBM is served
+    without a store lookup, so a stopped daemon costs it nothing, before its hang is detected
+    as after: no lookup is sent (the counter stays), the same tokens come back, and its time
+    outside the forwards stays far below what detecting the hang takes."""
+    daemon = make_daemon(dram="64MiB")
+    llm = LLM(str(tiny_model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
+              kv_store_socket=str(daemon.socket_path))
+    try:
+        engine = llm.engine
+        prompt = _prompt(16 * 8 + 5, seed=21)
+        want = llm.generate([prompt], GREEDY)[0].token_ids
+        engine.offload.wait_idle()
+        tokens, running_s, _ = _serve_one(engine, "hit-running", prompt, STOP_S)
+        assert tokens == want
+        before = _offload_stats(llm)
+        with _stopped(daemon.proc.pid):
+            results = [_serve_one(engine, f"hit-stopped-{i}", prompt, STOP_S) for i in range(3)]
+            after = _offload_stats(llm)
+        for tokens, seconds, longest in results:
+            print(f"HBM hit: {running_s * 1e3:.1f} ms outside forwards with the daemon "
+                  f"running, {seconds * 1e3:.1f} ms stopped (longest step {longest * 1e3:.1f})")
+            assert tokens == want
+            assert seconds < 0.25, f"an HBM hit waited {seconds:.2f} s with the daemon stopped"
+        # the first request's miss was looked up; the hits after it were not, stopped or not
+        assert before["connector"]["lookups"] >= 1
+        assert after["connector"]["lookups"] == before["connector"]["lookups"], (before, after)
+    finally:
+        llm.close()
