@@ -30,24 +30,12 @@ against the prompt token count the stack reported; the answer's ids from the sta
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from benchmarks.faults.chat_request import ask, token_ids_of
 from server.logprobs import TOKEN_ID_PREFIX
-
-
-def token_ids_of(logprobs_content: Sequence[dict]) -> list[int]:
-    """The ids of a chat answer's tokens, from its ``logprobs.content`` (tokens as ids)."""
-    ids = []
-    for entry in logprobs_content:
-        token = entry["token"]
-        if not token.startswith(TOKEN_ID_PREFIX):
-            raise ValueError(f"a logprobs token {token!r} is not named by id: ask with "
-                             "return_tokens_as_token_ids")
-        ids.append(int(token[len(TOKEN_ID_PREFIX):]))
-    return ids
 
 
 def prompt_ids(client: httpx.Client, url: str, model: str, messages: list[dict]) -> list[int]:
@@ -118,8 +106,6 @@ def self_variance(records: list, url: str, model: str, max_tokens: int, top_n: i
     at a time (another batch composition than its first, concurrent pass); each answer that
     differs from its first is scored like the stack's. Returns how many were asked, differed
     and failed, and the largest share a self-difference needed (0.0 without any)."""
-    from benchmarks.faults.chat_load import ask  # chat_load imports this module
-
     todo = [r for r in records if r.error is None and r.reference is not None]
     scores: list[dict] = []
     errors = 0

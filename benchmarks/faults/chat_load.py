@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
-from benchmarks.faults.answer_scoring import token_ids_of
+from benchmarks.faults.chat_request import ask, token_ids_of
 from benchmarks.workload import Conversation, WorkloadConfig, system_prompt
 
 
@@ -59,19 +59,6 @@ class ChatRecord:
         out = asdict(self)
         out.pop("messages")
         return out
-
-
-def ask(client: httpx.Client, url: str, model: str, messages: list[dict[str, str]],
-        max_tokens: int, token_ids: bool = False) -> dict:
-    """One greedy chat completion: its body (HTTPStatusError on an error status); with
-    ``token_ids`` its ``logprobs`` name the answer's tokens by id."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True}
-    if token_ids:
-        body.update(logprobs=True, return_tokens_as_token_ids=True)
-    response = client.post(url + "/v1/chat/completions", json=body)
-    response.raise_for_status()
-    return response.json()
 
 
 def describe_error(exc: BaseException) -> str:

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from benchmarks.faults.answer_scoring import prompt_ids, score, token_ids_of
+from benchmarks.faults.answer_scoring import prompt_ids, score
+from benchmarks.faults.chat_request import token_ids_of
 
 MESSAGES = [{"role": "user", "content": "Count the apples in the basket, slowly."}]
 
