@@ -9,9 +9,9 @@ router's own traffic, as fresh as the last probe for anyone else's. Its queue, f
 model, is the prompt tokens the router sent it and has not yet seen answered (its first byte),
 and its costs are what its last /load measured (prefill rate, restore bandwidth by tier).
 
-Engines are of two kinds: kvengine (``GET /load``) and vLLM, which has no /load: its load is
-``vllm:num_requests_running`` plus ``vllm:num_requests_waiting`` from its ``GET /metrics``
-(counted as kvengine's reported load is), its costs the GPU priors, and what it holds in HBM
+Engines are of two kinds: kvengine (``GET /load``) and vLLM, which has no /load: its load and
+prefill rate come from its ``GET /metrics`` (``VllmMeter``; the load counted as kvengine's
+reported load is, restores priced at the GPU priors), and what it holds in HBM
 comes from its KV events (``residency``, kept by a ``KVEventFeed``). With ``kind="auto"`` an
 engine whose /load answers 404 is taken for vLLM from then on.
 """
@@ -31,12 +31,11 @@ from server.load_report import LOAD_PATH
 from server.router.engine_residency import EngineResidency
 from server.router.policy import Candidate, EngineCosts
 from server.router.prompt_chain import KVIdentity
+from server.router.vllm_meter import VllmMeter, parse_metrics
 
 logger = logging.getLogger("kvengine.router")
 
 VLLM_METRICS_PATH = "/metrics"
-# vLLM's gauges of its scheduler's requests (every label set summed: one per model/engine).
-_VLLM_LOAD_SERIES = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 ENGINE_KINDS = ("auto", "kvengine", "vllm")
 
 
@@ -58,6 +57,7 @@ class UpstreamEngine:
     url: str  # base URL, no trailing slash
     kind: EngineKind | None = None  # None: not known yet (auto, before its first probe)
     residency: EngineResidency | None = None  # vLLM: its GPU blocks, from its KV events
+    meter: VllmMeter = field(default_factory=VllmMeter)  # vLLM: load and prefill rate
     state: EngineState = EngineState.UNKNOWN
     engine_id: str | None = None  # its registration's engine_id at the kvstore daemon
     identity: KVIdentity | None = None  # None: it runs without --kv-offload (no blocks to find)
@@ -198,28 +198,13 @@ class EnginePool:
                                               headers=self._headers, timeout=self.probe_timeout_s)
             if response.status_code != 200:
                 raise ValueError(f"GET {VLLM_METRICS_PATH} answered {response.status_code}")
-            load = vllm_load(response.content)
+            sample = parse_metrics(response.content)
         except (httpx.HTTPError, ValueError) as exc:
             self.mark_down(engine, f"probe failed: {type(exc).__name__}: {exc}")
             return
-        engine.reported_load, engine.in_flight_at_probe = load, engine.in_flight
+        engine.costs = engine.meter.update(sample)
+        engine.reported_load, engine.in_flight_at_probe = sample.load, engine.in_flight
         if engine.state is not EngineState.READY:
             logger.info("engine %s (vLLM) is ready", engine.url)
         engine.state = EngineState.READY
 
-
-def vllm_load(metrics: bytes) -> int:
-    """Requests running and waiting in a vLLM, from its Prometheus text; ValueError when the
-    text has neither gauge (not a vLLM's /metrics)."""
-    total, seen = 0.0, False
-    for line in metrics.splitlines():
-        if line.startswith(_VLLM_LOAD_SERIES):
-            close = line.rfind(b"}")  # label values may hold spaces; a timestamp may follow
-            name, rest = (line[:close], line[close + 1:]) if close >= 0 else \
-                line.split(None, 1) if b" " in line else (line, b"")
-            if name.split(b"{")[0] in _VLLM_LOAD_SERIES and rest.split():
-                total += float(rest.split()[0])
-                seen = True
-    if not seen:
-        raise ValueError("no vllm:num_requests_running or _waiting in its metrics")
-    return int(total)

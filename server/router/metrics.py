@@ -61,6 +61,10 @@ class RouterMetrics:
             "kvengine:router_engine_load", "Requests in flight at each engine, as the router "
             "estimates them (the engine's last report plus the router's own since).",
             ["engine"], registry=reg)
+        self._prefill_rate = Gauge(
+            "kvengine:router_engine_prefill_tokens_per_second", "Each engine's measured "
+            "prefill rate as the cost model prices it (0 while it has measured none and the "
+            "priors stand).", ["engine"], registry=reg)
         self._ready = Gauge(
             "kvengine:router_engine_ready", "1 while the engine answers its probes.",
             ["engine"], registry=reg)
@@ -103,6 +107,9 @@ class RouterMetrics:
         for url, engine in self._pool.engines.items():
             self._load.labels(url).set(engine.load)
             self._ready.labels(url).set(1 if engine.state is EngineState.READY else 0)
+            costs = engine.costs
+            self._prefill_rate.labels(url).set(1.0 / costs.prefill_s_per_token
+                                               if costs.prefill_measured else 0.0)
         for state in StoreState:
             self._store.labels(state.value).set(1 if state is store_state else 0)
         for feed in self.feeds:

@@ -120,6 +120,12 @@ def test_turns_follow_their_kv_and_the_other_vllm_loads_it(small_model_dir, tmp_
             located = metric_value(client.get("/metrics").text,
                                    "kvengine:router_kv_locate_seconds_count", {})
             assert located >= 4, "".join(lines[-20:])
+            # Each vLLM's prefill rate measured from its /metrics (its computed prompt tokens
+            # over its prefill time), not the GPU priors.
+            metrics = client.get("/metrics").text
+            for server in servers.values():
+                assert metric_value(metrics, "kvengine:router_engine_prefill_tokens_per_second",
+                                    {"engine": server.url}) > 0
         finally:
             if router is not None:
                 stop_router(router)

@@ -21,7 +21,6 @@ zmq = pytest.importorskip("zmq")
 from kvstore.keys import ModelIdentity  # noqa: E402
 from offload.external.block_keys import KeyMaker  # noqa: E402
 from offload.vllm.model_identity import vllm_identity  # noqa: E402
-from server.router.engine_pool import vllm_load  # noqa: E402
 from server.router.engine_residency import EngineResidency  # noqa: E402
 from server.router.kv_event_feed import KVEventFeed  # noqa: E402
 from server.router.vllm_events import (  # noqa: E402
@@ -33,6 +32,7 @@ from server.router.vllm_events import (  # noqa: E402
     first_block_salt,
 )
 from server.router.vllm_keys import VllmKeys  # noqa: E402
+from server.router.vllm_meter import MIN_TOKENS, VllmMeter, parse_metrics  # noqa: E402
 
 BS = 4
 
@@ -169,15 +169,31 @@ def test_the_table_is_bounded_oldest_first() -> None:
     assert residency.held(keys.event_chain(prompt, "", BS)) == 0  # the head went first
 
 
-def test_load_from_vllms_metrics() -> None:
-    text = (b'# HELP vllm:num_requests_running Number of requests in model execution.\n'
-            b'vllm:num_requests_running{engine="0",model_name="m x"} 3.0\n'
+def _metrics(running: float, computed: float, prefill_s: float) -> bytes:
+    return (b'# HELP vllm:num_requests_running Number of requests in model execution.\n'
+            b'vllm:num_requests_running{engine="0",model_name="m x"} %f\n'
             b'vllm:num_requests_waiting{engine="0",model_name="m x"} 2.0\n'
             b'vllm:num_requests_waiting_by_reason{reason="x"} 7.0\n'
-            b'vllm:num_requests_running{engine="1",model_name="m x"} 1.0 1700000000\n')
-    assert vllm_load(text) == 6
+            b'vllm:num_requests_running{engine="1",model_name="m x"} 1.0 1700000000\n'
+            b'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} %f\n'
+            b'vllm:prompt_tokens_by_source_total{engine="0",source="local_cache_hit"} 9999.0\n'
+            b'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} %f\n'
+            b'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 4.0\n'
+            % (running, computed, prefill_s))
+
+
+def test_load_and_prefill_rate_from_vllms_metrics() -> None:
+    sample = parse_metrics(_metrics(3, 100, 0.5))
+    assert (sample.load, sample.computed_tokens, sample.prefill_s) == (6, 100, 0.5)
     with pytest.raises(ValueError):
-        vllm_load(b"kvengine:num_requests_running 3\n")
+        parse_metrics(b"kvengine:num_requests_running 3\n")
+    meter = VllmMeter()
+    assert not meter.update(sample).prefill_measured  # the first probe: the priors
+    assert not meter.update(parse_metrics(_metrics(0, 100 + MIN_TOKENS - 1, 1.0))).prefill_measured
+    costs = meter.update(parse_metrics(_metrics(0, 100 + 2000, 2.5)))
+    assert costs.prefill_measured and costs.prefill_s_per_token == pytest.approx(2.0 / 2000)
+    # a restarted vLLM (its counters went back) starts the measurement again
+    assert not meter.update(parse_metrics(_metrics(0, 10, 0.1))).prefill_measured
 
 
 def test_the_connectors_identity_comes_from_the_daemon() -> None:
