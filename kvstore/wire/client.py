@@ -111,15 +111,68 @@ class Client:
             with self._send_lock:
                 send_with_fds(self._sock, frame, fds)
         except OSError as exc:
-            # A frame may be half written: the stream is unusable from here on. A daemon that
-            # refused the connection wrote why before it closed: say that, not "Broken pipe".
-            error = self._refusal_or(DaemonUnavailable(
-                f"kvstore daemon at {self.socket_path} closed the connection ({exc})"))
-            self._in_flight.fail_all(error)
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-            raise error from None
+            raise self._broken(exc) from None
         return pending
+
+    def request_nowait(self, verb: str, args: dict[str, Any] | None,
+                       timeout_s: float | None, convert: Callable[[Any], Any] | None,
+                       finish: Callable[[Callable[[], None]], Any]) -> Pending | None:
+        """``request`` for a caller that must never block (an event loop): the frame goes out
+        only as far as the socket takes it at once; the rest of a frame it took in part is
+        handed to ``finish`` (which runs it on another thread, where it may block). None when
+        nothing was sent (another send is under way, the socket is full, or the hello is not
+        out yet): send it with ``request`` from a thread instead."""
+        if self._hello_id is None or not self._send_lock.acquire(blocking=False):
+            return None
+        handed_on = False
+        try:
+            timeout_s = self.timeout_s if timeout_s is None else timeout_s
+            request_id = next(self._ids)
+            frame = proto.encode_frame({"id": request_id, "verb": verb, "deadline_ms": max(
+                1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS)), "args": args or {}},
+                self.max_frame_bytes)
+            pending = Pending(self._in_flight.forget, request_id, verb, timeout_s, convert)
+            self._in_flight.add(pending)
+            try:
+                sent = self._sock.sendmsg(list(frame), [], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise self._broken(exc, wait_for_refusal=False) from None
+            if sent == 0:
+                self._in_flight.forget(request_id)
+                return None
+            total = sum(len(part) for part in frame)
+            if sent < total:
+                rest = memoryview(b"".join(frame))[sent:]
+
+                def complete() -> None:
+                    try:
+                        self._sock.sendall(rest)
+                    except OSError as exc:
+                        self._broken(exc, wait_for_refusal=False)
+                    finally:
+                        self._send_lock.release()
+
+                finish(complete)
+                handed_on = True
+            return pending
+        finally:
+            if not handed_on:
+                self._send_lock.release()
+
+    def _broken(self, exc: OSError, wait_for_refusal: bool = True) -> BaseException:
+        """A send failed: a frame may be half written, so the stream is unusable from here on.
+        Every request in flight fails with the error returned: a daemon that refused the
+        connection wrote why before it closed, and that is said, not "Broken pipe" (waiting a
+        moment for the reader to see it, unless the caller must not wait)."""
+        error: BaseException = DaemonUnavailable(
+            f"kvstore daemon at {self.socket_path} closed the connection ({exc})")
+        error = self._refusal_or(error) if wait_for_refusal else (self._refusal or error)
+        self._in_flight.fail_all(error)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        return error
 
     def call(self, verb: str, args: dict[str, Any] | None = None,
              timeout_s: float | None = None) -> Any:
@@ -265,6 +318,14 @@ class Client:
         """``locate`` without waiting: a ``Pending`` of the LocateReply."""
         return self.request("locate", _chain_args(namespace, hashes, idents), timeout_s,
                             convert=locate_reply)
+
+    def locate_nowait(self, namespace: bytes, hashes: Sequence[bytes],
+                      idents: Sequence[bytes], timeout_s: float | None,
+                      finish: Callable[[Callable[[], None]], Any]) -> Pending | None:
+        """``locate_async`` that never blocks the caller (``request_nowait``): None when it
+        was not sent."""
+        return self.request_nowait("locate", _chain_args(namespace, hashes, idents), timeout_s,
+                                   locate_reply, finish)
 
     def locate(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                timeout_s: float | None = None) -> LocateReply:

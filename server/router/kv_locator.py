@@ -55,9 +55,12 @@ class KVLocator:
                 loop.call_soon_threadsafe(_settle, answer, outcome)
 
         # Connecting and sending may block (a daemon that stopped reading fills the socket), so
-        # one of our threads does them; the reply wakes the loop straight from the client's
-        # reader thread, with no thread in between waiting for it.
-        self._threads.submit(self._send, chain, land)
+        # the loop only sends on a connected client, as far as its socket takes the frame at
+        # once (the rest, if any, on one of our threads); otherwise one of our threads connects
+        # and sends. The reply wakes the loop straight from the client's reader thread, with no
+        # thread in between waiting for it.
+        if not self._send_now(chain, land):
+            self._threads.submit(self._send, chain, land)
         try:
             outcome = await asyncio.wait_for(answer, self.timeout_s)
         except asyncio.TimeoutError:
@@ -78,6 +81,24 @@ class KVLocator:
 
     def _engines(self) -> list[dict]:
         return self._connected().engines_async(self.timeout_s * 4).wait(self.timeout_s * 4)
+
+    def _send_now(self, chain: PromptChain,
+                  land: Callable[[Pending | BaseException], None]) -> bool:
+        """Send on the loop if that cannot block; False when a thread must do it."""
+        with self._lock:
+            client = self._client
+        if client is None or client.is_closed:
+            return False
+        try:
+            pending = client.locate_nowait(chain.namespace, chain.hashes, chain.idents,
+                                           self.timeout_s, self._threads.submit)
+        except Exception as exc:  # the connection failed under the send
+            land(exc)
+            return True
+        if pending is None:
+            return False
+        pending.add_done_callback(land)
+        return True
 
     def _send(self, chain: PromptChain,
               land: Callable[[Pending | BaseException], None]) -> None:
