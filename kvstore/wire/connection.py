@@ -85,21 +85,27 @@ class Connection:
         if self._hello_id is None and verb != "hello":
             self._hello_id = -1  # taken: the hello itself goes through here once
             self.request("hello", hello_args(), timeout_s)
-        deadline_ms = max(1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS))
         request_id = next(self._ids)
         if verb == "hello" and self._hello_id == -1:
             self._hello_id = request_id  # before it is sent: its reply may come at once
-        message = {"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
-                   "args": args or {}}
-        frame = proto.encode_frame(message, self.max_frame_bytes)
-        pending = Pending(self._in_flight.forget, request_id, verb, timeout_s, convert)
-        self._in_flight.add(pending)
+        frame, pending = self._prepare(request_id, verb, args, timeout_s, convert)
         try:
             with self._send_lock:
                 send_with_fds(self._sock, frame, fds)
         except OSError as exc:
             raise self._broken(exc) from None
         return pending
+
+    def _prepare(self, request_id: int, verb: str, args: dict[str, Any] | None,
+                 timeout_s: float, convert: Callable[[Any], Any] | None
+                 ) -> tuple[list[bytes], Pending]:
+        """A request's frame, and its ``Pending`` already waiting for the reply."""
+        deadline_ms = max(1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS))
+        frame = proto.encode_frame({"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
+                                    "args": args or {}}, self.max_frame_bytes)
+        pending = Pending(self._in_flight.forget, request_id, verb, timeout_s, convert)
+        self._in_flight.add(pending)
+        return frame, pending
 
     def request_nowait(self, verb: str, args: dict[str, Any] | None,
                        timeout_s: float | None, convert: Callable[[Any], Any] | None,
@@ -115,11 +121,7 @@ class Connection:
         try:
             timeout_s = self.timeout_s if timeout_s is None else timeout_s
             request_id = next(self._ids)
-            frame = proto.encode_frame({"id": request_id, "verb": verb, "deadline_ms": max(
-                1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS)), "args": args or {}},
-                self.max_frame_bytes)
-            pending = Pending(self._in_flight.forget, request_id, verb, timeout_s, convert)
-            self._in_flight.add(pending)
+            frame, pending = self._prepare(request_id, verb, args, timeout_s, convert)
             try:
                 sent = self._sock.sendmsg(list(frame), [], socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):

@@ -72,9 +72,9 @@ _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s,]+:\d+|ipc://[^\s,]+)$")
 
 def _events_address(text: str) -> EventsAddress:
     name, sep, rest = text.partition("=")
-    endpoint, _, replay = rest.partition(",")
+    endpoint, comma, replay = rest.partition(",")
     if not sep or not _ENGINE_NAME.match(name) or not _ZMQ_ENDPOINT.match(endpoint) or \
-            (replay and not _ZMQ_ENDPOINT.match(replay)):
+            (comma and not _ZMQ_ENDPOINT.match(replay)):
         raise argparse.ArgumentTypeError(
             f"expected ENGINE=ENDPOINT[,REPLAY_ENDPOINT] with ZMQ endpoints such as "
             f"0=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 (vLLM's kv-events-config endpoint and "

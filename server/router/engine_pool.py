@@ -81,16 +81,27 @@ class EnginePool:
     def __init__(self, urls: list[str], client: httpx.AsyncClient,
                  probe_headers: Mapping[str, str] | None = None, probe_interval_s: float = 1.0,
                  probe_timeout_s: float = 1.0, kind: str = "auto",
-                 on_probed: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_probed: Callable[[], Awaitable[None]] | None = None,
+                 residencies: Mapping[str, EngineResidency] | None = None) -> None:
+        """``kind``: one of ENGINE_KINDS; ``on_probed``: awaited after each round of probes
+        (the router's own upkeep); ``residencies``: by URL, the vLLM engines whose KV events
+        keep them (those engines are vLLM's whatever ``kind`` says)."""
         if not urls:
             raise ValueError("at least one engine URL is needed")
         if kind not in ENGINE_KINDS:
             raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}")
         known = None if kind == "auto" else EngineKind(kind)
-        self.engines = {url.rstrip("/"): UpstreamEngine(url.rstrip("/"), known) for url in urls}
-        self.on_probed = on_probed  # after each round of probes (the router's own upkeep)
+        residencies = {url.rstrip("/"): r for url, r in (residencies or {}).items()}
+        self.engines = {}
+        for url in (u.rstrip("/") for u in urls):
+            residency = residencies.get(url)
+            kind_of = EngineKind.VLLM if residency is not None else known
+            self.engines[url] = UpstreamEngine(url, kind_of, residency)
         if len(self.engines) != len(urls):
             raise ValueError("an engine URL is given twice")
+        if residencies.keys() - self.engines.keys():
+            raise ValueError("a residency is given for an engine that is not in the pool")
+        self.on_probed = on_probed
         self._client = client
         self._headers = dict(probe_headers or {})
         self.probe_interval_s = probe_interval_s

@@ -8,11 +8,14 @@ trip); upstream failures and the retries they caused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvstore import StoreState
 from server.router.engine_pool import EnginePool, EngineState
+from server.router.kv_event_feed import KVEventFeed
 from server.router.policy import Route, RouteReason
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -26,8 +29,9 @@ _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.00
 class RouterMetrics:
     """What the router counts; ``render`` refreshes the per-engine gauges first."""
 
-    def __init__(self, pool: EnginePool) -> None:
+    def __init__(self, pool: EnginePool, feeds: Sequence[KVEventFeed] = ()) -> None:
         self._pool = pool
+        self._feeds = tuple(feeds)  # vLLM engines' event feeds, whose counters render() reads
         self.registry = reg = CollectorRegistry(auto_describe=True)
         self._routed = Counter(
             "kvengine:router_requests", "Requests routed, by reason and engine.",
@@ -72,7 +76,6 @@ class RouterMetrics:
             "kvengine:router_kv_events", "vLLM engines' KV event feeds: batches, events, gaps, "
             "replayed batches, resyncs, restarts, unreadable batches, unkeyed and held blocks.",
             ["engine", "counter"], registry=reg)
-        self.feeds: list = []  # KVEventFeeds, whose counters render() reads
         self._store = Gauge(
             "kvengine:router_kv_store_state", "1 for the kvstore daemon's state as the "
             "router last saw it.", ["state"], registry=reg)
@@ -112,7 +115,7 @@ class RouterMetrics:
                                                if costs.prefill_measured else 0.0)
         for state in StoreState:
             self._store.labels(state.value).set(1 if state is store_state else 0)
-        for feed in self.feeds:
+        for feed in self._feeds:
             for counter, value in feed.stats().items():
                 self._events.labels(feed.name, counter).set(value)
         return generate_latest(self.registry)

@@ -24,6 +24,13 @@ from offload.vocab import (
 )
 
 
+def routed_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks of a prompt the router looks up: the full blocks that leave at
+    least one token to compute (as an engine's prefix cache does), at most MAX_LOCATE_BLOCKS
+    (the longest chain the daemon's ``locate`` takes)."""
+    return min(servable_blocks(num_tokens, block_size), MAX_LOCATE_BLOCKS)
+
+
 @dataclass(frozen=True)
 class KVIdentity:
     """What an engine's block keys are made from, apart from the tenant: its model identity
@@ -64,7 +71,7 @@ class PromptChain:
         least one token to compute (as the engine's prefix cache does), at most
         MAX_LOCATE_BLOCKS of them (the longest chain the daemon's ``locate`` takes)."""
         block_size = identity.block_size
-        blocks = range(min(servable_blocks(len(token_ids), block_size), MAX_LOCATE_BLOCKS))
+        blocks = range(routed_blocks(len(token_ids), block_size))
         namespace = identity.namespace(tenant_salt)
         token_bytes = encode_tokens(token_ids[:len(blocks) * block_size])
         hashes = chain_hashes(namespace, token_bytes, block_size, blocks)

@@ -13,7 +13,7 @@ from server.prompt_builder import PromptBuilder
 from server.prompt_tokenizer import PromptTokenizer
 from server.router.app import RouterSettings, build_router_app
 from server.router.args import engine_names, events_by_url
-from server.router.engine_pool import EngineKind, EnginePool
+from server.router.engine_pool import EnginePool
 from server.router.engine_residency import EngineResidency
 from server.router.kv_event_feed import KVEventFeed
 from server.router.kv_locator import KVLocator
@@ -46,25 +46,23 @@ def build_router(args: argparse.Namespace, model_dir: Path,
     events = events_by_url(args.engines, args.kv_events)
     if events and args.engine_kind == "kvengine":
         raise ValueError("--kv-events is for vLLM engines (kvengine's HBM comes from the daemon)")
+    residencies = {url: EngineResidency() for url in events}
+    feeds = [KVEventFeed(names[url], address.endpoint, residencies[url], address.replay_endpoint)
+             for url, address in events.items()]
+
+    async def upkeep() -> None:  # the router is made below, with the pool it routes over
+        await router.upkeep()
+
     pool = EnginePool(list(names), client, probe_headers, args.probe_interval,
-                      args.probe_timeout, args.engine_kind)
-    feeds = []
-    for url, address in events.items():
-        engine = pool.engines[url]
-        engine.kind = EngineKind.VLLM
-        engine.residency = EngineResidency()
-        feeds.append(KVEventFeed(names[url], address.endpoint, engine.residency,
-                                 address.replay_endpoint))
-    metrics = RouterMetrics(pool)
+                      args.probe_timeout, args.engine_kind, upkeep, residencies)
+    metrics = RouterMetrics(pool, feeds)
     locator = None
     if policy.uses_kv:
         locator = KVLocator(args.kv_store_socket, args.kv_locate_timeout_s,
                             args.kv_retry_interval)
     router = RequestRouter(pool, policy, metrics, locator, prompts, VllmKeys(model_dir))
-    pool.on_probed = router.upkeep
     for feed in feeds:
         feed.start()
-    metrics.feeds = feeds
 
     async def shutdown() -> None:
         for feed in feeds:

@@ -9,7 +9,7 @@
   with the daemon, and the router reads it from the daemon's ``engines`` verb (``learn``). Until
   then (no vLLM registered yet) there is no store chain and the router prices HBM alone.
 
-Both leave the last token to compute and stop at MAX_LOCATE_BLOCKS, as ``PromptChain`` does.
+Both cover ``routed_blocks`` of the prompt, as ``PromptChain`` does.
 """
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore import MAX_LOCATE_BLOCKS
 from kvstore.keys import (
     ModelIdentity,
     chain_hashes,
     encode_tokens,
-    servable_blocks,
     shard_namespace,
 )
 from offload.external.block_keys import KeyMaker, weights_identity
 from offload.vllm.model_identity import VLLM_ARCH_PREFIX
 from server.router.engine_residency import events_namespace
-from server.router.prompt_chain import PromptChain
+from server.router.prompt_chain import PromptChain, routed_blocks
 
 logger = logging.getLogger("kvengine.router")
 
@@ -50,7 +48,7 @@ class VllmKeys:
     def event_chain(self, token_ids: Sequence[int], cache_salt: str,
                     block_size: int) -> list[bytes]:
         """The router's keys of the prompt's servable blocks (what ``EngineResidency`` holds)."""
-        blocks = min(servable_blocks(len(token_ids), block_size), MAX_LOCATE_BLOCKS)
+        blocks = routed_blocks(len(token_ids), block_size)
         root = events_namespace(cache_salt)
         return chain_hashes(root, encode_tokens(token_ids[:blocks * block_size]), block_size)
 
@@ -60,7 +58,7 @@ class VllmKeys:
         maker = self.connector
         if maker is None:
             return None
-        blocks = min(servable_blocks(len(token_ids), maker.block_size), MAX_LOCATE_BLOCKS)
+        blocks = routed_blocks(len(token_ids), maker.block_size)
         keys = maker.keys(token_ids, cache_salt or None, None, num_blocks=blocks)
         return PromptChain(shard_namespace(keys.namespace, 0, self.num_shards), keys.hashes,
                            keys.idents, maker.block_size)
