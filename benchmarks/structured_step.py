@@ -44,8 +44,10 @@ def _time_config(engine, num_constrained: int, args: argparse.Namespace, rep: in
     vocab = engine.tokenizer.vocab_size
     # Chunked prefill lets the first requests decode while later ones still prefill: each may
     # run ahead by one token per prefill step, so none may finish before the timed steps end.
+    # Decodes take their share of each step's budget first, so the prefill may take more steps
+    # than its tokens over the budget: the margin below covers one step per request as well.
     prefill_steps = -(-args.batch * args.context // engine.config.max_num_batched_tokens) + 1
-    max_tokens = args.steps + args.warmup + prefill_steps + 2
+    max_tokens = args.steps + args.warmup + prefill_steps + args.batch + 2
     for i in range(args.batch):
         prompt = rng.integers(0, vocab, args.context).tolist()
         constrained = i < num_constrained
@@ -53,11 +55,14 @@ def _time_config(engine, num_constrained: int, args: argparse.Namespace, rep: in
             temperature=1.0, seed=i, ignore_eos=True, max_tokens=max_tokens,
             structured_outputs={"json": LONG_STRING} if constrained else None)
         engine.add_request(f"r{rep}-{num_constrained}-{i}", prompt, params)
-    while True:  # prefill (chunked) until every request decodes
+    for _ in range(max_tokens - args.steps - args.warmup):  # chunked prefill: all decode
         engine.step()
         if engine.stats()["num_running"] == args.batch and engine.last_step.num_tokens == \
                 args.batch:
             break
+    else:
+        raise RuntimeError(f"the batch did not reach {args.batch} decoding sequences in "
+                           f"{max_tokens - args.steps - args.warmup} steps: {engine.stats()}")
     for _ in range(args.warmup):
         engine.step()
     times = []
@@ -67,7 +72,8 @@ def _time_config(engine, num_constrained: int, args: argparse.Namespace, rep: in
         times.append((time.perf_counter() - start) * 1e3)
         if engine.last_step.num_seqs != args.batch:
             raise RuntimeError(f"a timed step ran {engine.last_step.num_seqs} sequences, "
-                               f"not {args.batch}")
+                               f"not {args.batch} (step {len(times)} of {args.steps}, "
+                               f"max_tokens {max_tokens}): {engine.last_step} {engine.stats()}")
     for i in range(args.batch):
         engine.abort_request(f"r{rep}-{num_constrained}-{i}")
     while engine.has_unfinished_requests():
@@ -97,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = model_dir_for(args)
     blocks = args.num_kv_blocks or args.batch * (-(-(args.context + args.steps + args.warmup
-                                                     + 16) // 16) + 1)
+                                                     + args.batch + 16) // 16) + 1)
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), device=args.device,
                                     num_kv_blocks=blocks, max_num_seqs=args.batch,
-                                    max_model_len=args.context + args.steps + args.warmup + 64))
+                                    max_model_len=args.context + args.steps + args.warmup
+                                    + args.batch + 64))
     engine.warm_up()
     steps: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for rep in range(args.reps):

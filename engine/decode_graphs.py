@@ -55,7 +55,8 @@ class _Bucket:
         views["cu_seqlens_q"][:] = xp.arange(layout.num_seqs + 1, dtype="int32")
         views["logits_indices"][:] = xp.arange(layout.num_seqs, dtype="int32")
         batch = ForwardBatch(is_decode=True, **views)
-        self.graph: CapturedGraph = ops.capture_graph(lambda: model.forward(batch, kv_cache))
+        self.graph: CapturedGraph = ops.capture_graph(
+            lambda: model.forward(batch, kv_cache), key=("decode", layout.num_seqs, layout.table_width))
 
 
 class DecodeGraphs:

@@ -277,7 +277,9 @@ class LLMEngine:
         """Capture the CUDA graphs one request's short prefill and decode steps replay (the
         cuDNN graphs they use built with them), so no request pays for it; how many were
         captured (0 without graphs: CPU, --enforce-eager)."""
-        return self.runner.warm_up()
+        captured = self.runner.warm_up()
+        self.runner.ops.builds.seal()  # from here on a build is a cost some request waits for
+        return captured
 
     def reset_prefix_cache(self) -> int:
         """Drop every HBM-cached block no request uses; call between steps (step thread)."""

@@ -51,7 +51,8 @@ class _Bucket:
                                               dtype="int32")
         views["logits_indices"][:] = xp.asarray([e - 1 for e in ends], dtype="int32")
         batch = ForwardBatch(is_decode=False, max_query_len=num_tokens, **views)
-        self.graph: CapturedGraph = ops.capture_graph(lambda: model.forward(batch, kv_cache))
+        self.graph: CapturedGraph = ops.capture_graph(
+            lambda: model.forward(batch, kv_cache), key=("prefill", layout.num_seqs, layout.num_tokens))
 
 
 class PrefillGraphs:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.build_log import CUDNN_GRAPH, BuildLog
 from kernels.cuda_module import BF16, INT32, check, contiguous
 from kernels.cudnn_split import CudnnSplitPrefill
 from kernels.gather_kv import gather_kv
@@ -79,7 +80,8 @@ class CudnnAttention:
     """One cuDNN handle, a cache of built SDPA graphs, and a growing workspace on the current
     CUDA device. Raises CudnnUnavailable at construction when cuDNN cannot run here."""
 
-    def __init__(self) -> None:
+    def __init__(self, builds: BuildLog | None = None) -> None:
+        self.builds = builds if builds is not None else BuildLog()
         try:
             import cudnn
         except Exception as exc:  # ImportError, or a frontend built for another Python/CUDA
@@ -131,10 +133,11 @@ class CudnnAttention:
         if key in self._plans:
             return self._plans[key]
         try:
-            if build is not None:
-                plan = build()
-            else:
-                plan = self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
+            with self.builds.building(CUDNN_GRAPH, key[:5]):
+                if build is not None:
+                    plan = build()
+                else:
+                    plan = self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
         except Exception as exc:  # cuDNN refuses the shape (or this backend lacks a feature)
             self.refusals[key] = f"{type(exc).__name__}: {exc}"
             log.warning("cuDNN SDPA refuses %s, our kernel serves it: %s", key, exc)

@@ -27,6 +27,7 @@ from kernels import (
 from kernels.attention_backends import wanted_backends
 from kernels.cublas_gemm import CublasGemm
 from kernels.cuda_module import BF16, contiguous
+from kernels.build_log import CUDA_GRAPH
 from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 from kernels.ops import CapturedGraph, Ops
 from kernels.pinned_upload import PinnedUpload
@@ -53,7 +54,7 @@ class CupyOps(Ops):
         self._cudnn: CudnnAttention | None = None
         if "cudnn" in self.attention_backends.values():
             try:
-                self._cudnn = CudnnAttention()
+                self._cudnn = CudnnAttention(self.builds)
                 self.attention_note = f"cuDNN {self._cudnn.version}"
             except CudnnUnavailable as exc:  # no frontend or no libcudnn: our kernels serve all
                 self.attention_backends = {phase: "ours" for phase in self.attention_backends}
@@ -72,12 +73,13 @@ class CupyOps(Ops):
     def num_attention_graphs(self) -> int:
         return self._cudnn.num_graphs if self._cudnn is not None else 0
 
-    def capture_graph(self, fn) -> CapturedGraph:
+    def capture_graph(self, fn, key: object = None) -> CapturedGraph:
         from kernels.cuda_graph import GraphCapturer
 
         if self._capturer is None:
             self._capturer = GraphCapturer()
-        return self._capturer.capture(fn)
+        with self.builds.building(CUDA_GRAPH, key):
+            return self._capturer.capture(fn)
 
     # -- transfers ---------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from kernels.build_log import BuildLog
+
 Array = Any  # numpy.ndarray or cupy.ndarray, as the backend decides
 
 
@@ -56,13 +58,23 @@ class Ops(ABC):
         return " ".join(f"{phase}={name}" for phase, name in self.attention_backends.items())
 
     @property
+    def builds(self) -> BuildLog:
+        """What this backend built (graph captures, attention graphs), before and after the
+        engine said ready; one log per instance."""
+        builds = self.__dict__.get("_builds")
+        if builds is None:
+            builds = self.__dict__["_builds"] = BuildLog()
+        return builds
+
+    @property
     def num_attention_graphs(self) -> int:
         """Attention graphs built so far (cuDNN builds one per shape bucket on first use, a
         one-time cost of ~0.1 s each); 0 for backends that build none."""
         return 0
 
-    def capture_graph(self, fn: Callable[[], Array]) -> CapturedGraph:
-        """Record ``fn`` (device work only: no host sync, no host-dependent shapes) into a graph.
+    def capture_graph(self, fn: Callable[[], Array], key: object = None) -> CapturedGraph:
+        """Record ``fn`` (device work only: no host sync, no host-dependent shapes) into a graph;
+        ``key`` names it in ``builds``.
 
         ``fn`` is run once eagerly first (compiles kernels, warms libraries), then captured.
         Backends without graphs (``supports_graphs`` false) raise NotImplementedError.

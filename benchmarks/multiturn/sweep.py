@@ -122,7 +122,8 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
             cmd += ["--kv-offload", "--kv-store-socket", str(socket_path),
                     "--kv-offload-policy", setup.kv_offload_policy]
         point["engine_command"] = " ".join(cmd[1:])
-        engine = ServerProcess(cmd, "kvengine serve")
+        # every build a request waited for after ready (kernels/build_log.py), kept in full
+        engine = ServerProcess(cmd, "kvengine serve", keep=r"first-use build")
         url = engine.wait_for(r"listening on (http://\S+)", setup.start_timeout_s).group(1)
         warm_up(url, workload.answer_len, workload.tokens_per_word,
                 min(1024, sizing["max_model_len"] // 2))
@@ -142,6 +143,7 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
         if engine is not None:
             engine.stop(signal.SIGINT)
             point["engine_exit_code"] = engine.proc.returncode
+            point["first_use_builds"] = engine.kept
         if daemon is not None:
             daemon.stop(signal.SIGTERM)
         shutil.rmtree(workdir, ignore_errors=True)

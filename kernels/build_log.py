@@ -1,0 +1,64 @@
+"""What a backend builds on first use (CUDA graph captures, cuDNN graphs), counted and timed.
+
+A capture or a cuDNN build costs tens to hundreds of milliseconds, and a request that meets one
+waits for it. The engine builds what it can before it says ready (``warm_up``) and then
+``seal``s the log: every build after that is a first-use cost a request paid, logged once per
+build with its kind, key and time, and counted, so a test or an operator can see that none
+happened (``/metrics``: ``kvengine:first_use_builds_total``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger("kernels.builds")
+
+# kinds of build
+CUDA_GRAPH = "cuda_graph"
+CUDNN_GRAPH = "cudnn_graph"
+
+
+class BuildLog:
+    """Counts and times builds by kind, before and after ``seal``; thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.sealed = False
+        self.before: Counter[str] = Counter()  # builds before seal, by kind
+        self.after: Counter[str] = Counter()  # first-use builds: after seal, by kind
+        self.seconds_before: Counter[str] = Counter()
+        self.seconds_after: Counter[str] = Counter()
+
+    @contextmanager
+    def building(self, kind: str, key: object) -> Iterator[None]:
+        """Time the build of ``key`` inside the block (counted only if it returns)."""
+        start = self._clock()
+        yield
+        self.record(kind, key, self._clock() - start)
+
+    def record(self, kind: str, key: object, seconds: float) -> None:
+        with self._lock:
+            late = self.sealed
+            (self.after if late else self.before)[kind] += 1
+            (self.seconds_after if late else self.seconds_before)[kind] += seconds
+        if late:
+            log.warning("first-use build after ready: %s %s took %.1f ms (a request waited)",
+                        kind, key, seconds * 1e3)
+
+    def seal(self) -> None:
+        """From now on every build is a first-use cost (logged, counted in ``after``)."""
+        with self._lock:
+            self.sealed = True
+
+    def snapshot(self) -> dict:
+        """{"before": {kind: n}, "after": {kind: n}, "seconds_before": ..., "seconds_after": ...}."""
+        with self._lock:
+            return {"before": dict(self.before), "after": dict(self.after),
+                    "seconds_before": {k: round(v, 4) for k, v in self.seconds_before.items()},
+                    "seconds_after": {k: round(v, 4) for k, v in self.seconds_after.items()}}
