@@ -98,3 +98,4 @@ class _Store:
         self.begin_write = phases.wrap("begin_write", store.begin_write)
         self.read = phases.wrap("read", store.read)
         self.done = phases.wrap("done", store.done)
+        self.host_spans = store.host_spans  # the pipeline's bounds check (not timed: once a call)

@@ -21,6 +21,7 @@ from engine.step_inputs import StepLayout
 from kernels.ops import Array, CapturedGraph, Ops
 
 _MIN_TABLE_WIDTH = 16
+_WARM_ROWS = (1, 4, 16, 64, 256)
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -56,7 +57,8 @@ class _Bucket:
         views["logits_indices"][:] = xp.arange(layout.num_seqs, dtype="int32")
         batch = ForwardBatch(is_decode=True, **views)
         self.graph: CapturedGraph = ops.capture_graph(
-            lambda: model.forward(batch, kv_cache), key=("decode", layout.num_seqs, layout.table_width))
+            lambda: model.forward(batch, kv_cache),
+            key=("decode", layout.num_seqs, layout.table_width))
 
 
 class DecodeGraphs:
@@ -70,16 +72,34 @@ class DecodeGraphs:
         self.rows = row_buckets(max_rows)
         self.widths = width_buckets(max_table_width)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self.sealed = False
+        self._captured: list[tuple[int, int]] = []  # sorted, once sealed
         self.num_replays = 0
         self.num_captures = 0
 
     def bucket(self, num_seqs: int, table_width: int) -> tuple[int, int] | None:
-        """(rows, width) of the smallest bucket that holds the step, or None (run it eagerly)."""
+        """(rows, width) of the smallest bucket that holds the step, or None (run it eagerly).
+        Once ``sealed`` (after the warm-up) only captured buckets are chosen: a step pads to
+        the smallest one that holds it, never waiting for a capture."""
         i = bisect.bisect_left(self.rows, num_seqs)
         j = bisect.bisect_left(self.widths, table_width)
         if i == len(self.rows) or j == len(self.widths):
             return None
-        return self.rows[i], self.widths[j]
+        if not self.sealed:
+            return self.rows[i], self.widths[j]
+        return next((key for key in self._captured if key[0] >= num_seqs and
+                     key[1] >= table_width), None)
+
+    def warm_rows(self) -> list[int]:
+        """The row buckets the warm-up captures at every width: a sparse ladder (1, 4, 16,
+        64, 256 and the largest), since padding a decode batch to a few more rows costs little
+        (it reads the weights once either way) and every capture costs start time."""
+        return [r for r in self.rows if r in _WARM_ROWS or r == self.rows[-1]]
+
+    def seal(self) -> None:
+        """From now on ``bucket`` chooses among the captured buckets only."""
+        self._captured = sorted(self._buckets)
+        self.sealed = True
 
     def run(self, key: tuple[int, int], host_inputs) -> Array:
         """Replay bucket ``key`` on ``host_inputs`` (packed for that bucket's layout); returns the

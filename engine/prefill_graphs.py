@@ -7,7 +7,8 @@ Buckets: the exact number of sequences (1 to ``MAX_SEQS``) and the padded token 
 split attention's cuDNN graphs and our captures do not multiply with context lengths. Padding
 rows join the last sequence without writing KV or touching the real rows
 (``engine/step_inputs.pack_prefill``). A step qualifies when every sequence samples (no
-mid-prompt chunk). Captured on first use, or ahead with ``capture`` (server start).
+mid-prompt chunk). The warm-up captures every bucket and seals (no capture in a request's path
+from then on); without it, captured on first use.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class _Bucket:
         views["logits_indices"][:] = xp.asarray([e - 1 for e in ends], dtype="int32")
         batch = ForwardBatch(is_decode=False, max_query_len=num_tokens, **views)
         self.graph: CapturedGraph = ops.capture_graph(
-            lambda: model.forward(batch, kv_cache), key=("prefill", layout.num_seqs, layout.num_tokens))
+            lambda: model.forward(batch, kv_cache),
+            key=("prefill", layout.num_seqs, layout.num_tokens))
 
 
 class PrefillGraphs:
@@ -67,6 +69,7 @@ class PrefillGraphs:
         # room for the padding rows' keys past the longest context
         self.table_width = max_table_width + -(-MAX_TOKENS // block_size) + 1
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self.sealed = False
         self.num_replays = 0
         self.num_captures = 0
 
@@ -75,7 +78,14 @@ class PrefillGraphs:
         i = bisect.bisect_left(self.tokens, num_tokens)
         if num_seqs > MAX_SEQS or i == len(self.tokens) or num_tokens < num_seqs:
             return None
-        return num_seqs, self.tokens[i]
+        key = num_seqs, self.tokens[i]
+        if self.sealed and key not in self._buckets:
+            return None  # after the warm-up nothing is captured in a request's path
+        return key
+
+    def seal(self) -> None:
+        """From now on ``bucket`` names captured buckets only (the rest run eagerly)."""
+        self.sealed = True
 
     def run(self, key: tuple[int, int], host_inputs) -> Array:
         """Replay bucket ``key`` on ``host_inputs`` (``pack_prefill`` for its layout); returns

@@ -21,6 +21,7 @@ log = logging.getLogger("kernels.builds")
 # kinds of build
 CUDA_GRAPH = "cuda_graph"
 CUDNN_GRAPH = "cudnn_graph"
+CUDNN_LOAD = "cudnn_plan_load"  # a built graph loaded from the disk cache (kernels/plan_cache.py)
 
 
 class BuildLog:
@@ -57,7 +58,7 @@ class BuildLog:
             self.sealed = True
 
     def snapshot(self) -> dict:
-        """{"before": {kind: n}, "after": {kind: n}, "seconds_before": ..., "seconds_after": ...}."""
+        """Counts and seconds by kind: ``before`` / ``after`` the seal, ``seconds_*`` alike."""
         with self._lock:
             return {"before": dict(self.before), "after": dict(self.after),
                     "seconds_before": {k: round(v, 4) for k, v in self.seconds_before.items()},

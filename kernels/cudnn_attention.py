@@ -29,10 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from kernels.build_log import CUDNN_GRAPH, BuildLog
+from kernels.build_log import BuildLog
 from kernels.cuda_module import BF16, INT32, check, contiguous
+from kernels.cudnn_plans import CudnnPlans, Plan
 from kernels.cudnn_split import CudnnSplitPrefill
 from kernels.gather_kv import gather_kv
+from kernels.plan_cache import PlanCache
 from kernels.write_kv import check_arena
 
 log = logging.getLogger("kernels.cudnn_attention")
@@ -44,7 +46,6 @@ _MIN_ROWS = 16  # the smallest query-row bound a prefill graph is built for
 # From this many query rows per sequence on, prefill gathers the context into dense buffers:
 # the copy pays for itself there, not for short queries (measurements: kernels/KERNELS.md).
 _DENSE_ROWS_PER_SEQ = 256
-_MAX_GRAPHS = 256  # built graphs kept (each holds a plan, no device memory of its own)
 # Short queries over long contexts split the context (kernels/cudnn_split.py): up to this many
 # query rows per sequence, from this many context keys (the table's width) on.
 _SPLIT_MAX_ROWS = 256
@@ -57,12 +58,6 @@ class CudnnUnavailable(RuntimeError):
 
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
-
-
-@dataclass
-class _Plan:
-    graph: Any
-    workspace_bytes: int
 
 
 @dataclass
@@ -80,8 +75,8 @@ class CudnnAttention:
     """One cuDNN handle, a cache of built SDPA graphs, and a growing workspace on the current
     CUDA device. Raises CudnnUnavailable at construction when cuDNN cannot run here."""
 
-    def __init__(self, builds: BuildLog | None = None) -> None:
-        self.builds = builds if builds is not None else BuildLog()
+    def __init__(self, builds: BuildLog | None = None,
+                 plan_cache: PlanCache | None = None) -> None:
         try:
             import cudnn
         except Exception as exc:  # ImportError, or a frontend built for another Python/CUDA
@@ -101,8 +96,9 @@ class CudnnAttention:
             self._handle = cudnn.create_handle()
         except Exception as exc:
             raise CudnnUnavailable(f"cudnnCreate failed: {exc}") from None
-        self._plans: dict[tuple, _Plan | None] = {}
-        self.refusals: dict[tuple, str] = {}
+        self.plans = CudnnPlans(cudnn, self._handle, builds if builds is not None else BuildLog(),
+                                plan_cache if plan_cache is not None else PlanCache(None))
+        self.refusals = self.plans.refusals  # key -> why cuDNN refused it
         self._workspace = cp.empty(1 << 20, dtype=cp.uint8)
         self._meta: _StepMeta | None = None
         # decode's seq_len_q, default pool: in the graphs' pool other graphs' scratch reuses it
@@ -117,8 +113,8 @@ class CudnnAttention:
 
     @property
     def num_graphs(self) -> int:
-        """Graphs built (refused shapes not counted)."""
-        return sum(plan is not None for plan in self._plans.values())
+        """Graphs built or loaded (refused shapes not counted)."""
+        return self.plans.num_graphs
 
     @property
     def version(self) -> str:
@@ -127,25 +123,13 @@ class CudnnAttention:
 
     # -- graphs ------------------------------------------------------------------------------
 
-    def plan(self, key: tuple, build: Callable[[], _Plan] | None = None) -> _Plan | None:
+    def plan(self, key: tuple, build: Callable[[], Plan] | None = None) -> Plan | None:
         """The built graph of ``key`` (``build()`` makes it the first time; default: the
         graphs of this file), or None where cuDNN refuses it (remembered, with the reason)."""
-        if key in self._plans:
-            return self._plans[key]
-        try:
-            with self.builds.building(CUDNN_GRAPH, key[:5]):
-                if build is not None:
-                    plan = build()
-                else:
-                    plan = self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
-        except Exception as exc:  # cuDNN refuses the shape (or this backend lacks a feature)
-            self.refusals[key] = f"{type(exc).__name__}: {exc}"
-            log.warning("cuDNN SDPA refuses %s, our kernel serves it: %s", key, exc)
-            plan = None
-        if len(self._plans) >= _MAX_GRAPHS:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = plan
-        return plan
+        if build is None:
+            def build() -> Plan:
+                return self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
+        return self.plans.get(key, build)
 
     def new_graph(self):
         """An empty bf16-in, float32-inside cuDNN graph on this handle."""
@@ -154,13 +138,13 @@ class CudnnAttention:
                                   compute_data_type=dt.FLOAT, handle=self._handle)
 
     @staticmethod
-    def make_plan(graph) -> _Plan:
+    def make_plan(graph) -> Plan:
         """A built graph with its workspace size."""
-        return _Plan(graph, int(graph.get_workspace_size()))
+        return Plan(graph, int(graph.get_workspace_size()))
 
     def _build(self, causal: bool, dense: bool, num_seqs: int, max_rows: int,
                table_width: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, block_stride: tuple[int, int], scale: float) -> _Plan:
+               block_size: int, block_stride: tuple[int, int], scale: float) -> Plan:
         """``max_rows`` query rows at most per sequence; ragged (packed rows) when ``causal``
         (prefill), one row per sequence otherwise (decode). K/V are read through the page
         tables from the arena, or (``dense``) from ``[B, table_width * block_size, Hkv, D]``
@@ -208,10 +192,10 @@ class CudnnAttention:
         if causal:
             o.set_ragged_offset(offsets_o)
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        return _Plan(g, int(g.get_workspace_size()))
+        return Plan(g, int(g.get_workspace_size()))
 
     def _build_exact(self, max_rows: int, max_keys: int, num_q_heads: int, num_kv_heads: int,
-                     head_dim: int, scale: float) -> _Plan:
+                     head_dim: int, scale: float) -> Plan:
         """One sequence, dense K/V, built at its bounds and run at its exact sizes (override
         shapes, cuDNN >= 9.18): no padding mask, whose per-row length checks cost ~6% at 16k."""
         cudnn = self.cudnn
@@ -229,9 +213,9 @@ class CudnnAttention:
         o.set_output(True).set_dim(qo_dim).set_stride(qo_stride).set_data_type(dt.BFLOAT16)
         o.set_uid(_UID_O)
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        return _Plan(g, int(g.get_workspace_size()))
+        return Plan(g, int(g.get_workspace_size()))
 
-    def execute(self, plan: _Plan, pointers: dict[int, int], **overrides) -> None:
+    def execute(self, plan: Plan, pointers: dict[int, int], **overrides) -> None:
         """Run ``plan`` on the current stream with ``pointers`` (uid -> device address)."""
         cp = self.cp
         if plan.workspace_bytes > self._workspace.nbytes:
@@ -340,8 +324,7 @@ class CudnnAttention:
                           override_shapes=[qo[0], kv[0], kv[0], qo[0]],
                           override_strides=[qo[1], kv[1], kv[1], qo[1]])
         except Exception as exc:  # the backend refuses the override: never try this key again
-            self.refusals[key] = f"{type(exc).__name__}: {exc}"
-            self._plans[key] = None
+            self.plans.refuse(key, f"{type(exc).__name__}: {exc}")
             log.warning("cuDNN SDPA refuses overriding %s: %s", key, exc)
             return False
         self.calls[key[:1]] = self.calls.get(key[:1], 0) + 1

@@ -25,12 +25,13 @@ from kernels import (
     write_kv,
 )
 from kernels.attention_backends import wanted_backends
+from kernels.build_log import CUDA_GRAPH
 from kernels.cublas_gemm import CublasGemm
 from kernels.cuda_module import BF16, contiguous
-from kernels.build_log import CUDA_GRAPH
 from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 from kernels.ops import CapturedGraph, Ops
 from kernels.pinned_upload import PinnedUpload
+from kernels.plan_cache import PlanCache, default_directory
 
 
 class CupyOps(Ops):
@@ -54,7 +55,7 @@ class CupyOps(Ops):
         self._cudnn: CudnnAttention | None = None
         if "cudnn" in self.attention_backends.values():
             try:
-                self._cudnn = CudnnAttention(self.builds)
+                self._cudnn = CudnnAttention(self.builds, PlanCache(default_directory()))
                 self.attention_note = f"cuDNN {self._cudnn.version}"
             except CudnnUnavailable as exc:  # no frontend or no libcudnn: our kernels serve all
                 self.attention_backends = {phase: "ours" for phase in self.attention_backends}

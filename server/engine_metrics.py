@@ -217,3 +217,11 @@ class EngineCollector:
         yield from self._counter(P + "attention_fallbacks",
                                  "Attention calls the chosen backend refused (our kernel "
                                  "served them).", float(runner.ops.num_attention_fallbacks))
+        builds = runner.ops.builds.snapshot()
+        first_use = CounterMetricFamily(
+            P + "first_use_builds", "Graph captures and cuDNN builds or plan loads a request "
+            "waited for after the engine said ready (0 when the warm-up covered them).",
+            labels=[*LABELS, "kind"])
+        for kind, count in sorted(builds["after"].items()):
+            first_use.add_metric([*self._ids, kind], float(count))
+        yield first_use

@@ -79,6 +79,19 @@ class KernelsView(Protocol):
     kv_dtype: str
     num_attention_fallbacks: int  # attention calls the chosen backend refused (ours served them)
 
+    @property
+    def builds(self) -> BuildsView:
+        """Graph captures and cuDNN builds, before and after the engine said ready."""
+        ...
+
+
+class BuildsView(Protocol):
+    """What a kernel backend built (``kernels/build_log.py``) as /metrics reads it."""
+
+    def snapshot(self) -> dict:
+        """``{"before": {kind: n}, "after": {kind: n}, ...}``."""
+        ...
+
 
 class RunnerView(Protocol):
     """The engine's model runner as /metrics reads it."""

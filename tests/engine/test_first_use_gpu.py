@@ -1,0 +1,59 @@
+"""No first-use cost after the warm-up (issue 36 item 1), on a GPU: once the engine is warm, the
+turns a restore or an HBM hit produces (a short prefill of each length class over a long cached
+prefix, one to four at once) and the decode batches after them build no CUDA graph and no cuDNN
+graph; and a second start loads its cuDNN graphs from the plan cache instead of building them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from kernels.build_log import CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD
+
+pytestmark = pytest.mark.gpu
+
+
+def _after(llm: LLM) -> dict:
+    return dict(llm.engine.runner.ops.builds.snapshot()["after"])
+
+
+def test_turns_after_the_warm_up_wait_for_no_build(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
+    rng = np.random.default_rng(0)
+    with LLM(str(tiny_model_dir), device="cuda", max_num_seqs=8, max_model_len=4096) as llm:
+        llm.engine.warm_up()
+        vocab = llm.engine.vocab_size
+        bases = [rng.integers(0, vocab, n).tolist() for n in (1200, 1500, 2000, 900)]
+        # cold prompts run eagerly: a new long shape may still build its attention graph
+        llm.generate(bases, SamplingParams(max_tokens=4, ignore_eos=True))
+        cold = _after(llm)
+        assert cold.get(CUDA_GRAPH, 0) == 0  # never a capture in a request's path
+        histories = [b + rng.integers(0, vocab, 16 - len(b) % 16).tolist() for b in bases]
+        for new_tokens in (8, 40, 100, 200):  # the length classes of a turn's new tokens
+            for group in (1, 2, 3, 4):
+                prompts = [h + rng.integers(0, vocab, new_tokens).tolist()
+                           for h in histories[:group]]
+                outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+                assert all(o.num_cached_tokens >= len(h) - 16 for o, h in zip(outs, histories))
+        assert _after(llm) == cold  # not one build more
+        graphs = llm.engine.runner.prefill_graphs
+        assert graphs.num_replays >= 16
+
+
+def test_a_second_start_loads_its_cudnn_graphs(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
+    with LLM(str(tiny_model_dir), device="cuda", max_num_seqs=4, max_model_len=2048) as llm:
+        if "cudnn" not in llm.engine.runner.attention_backend:
+            pytest.skip(f"no cuDNN attention: {llm.engine.runner.attention_backend}")
+        llm.engine.warm_up()
+        first = llm.engine.runner.ops.builds.snapshot()["before"]
+        text = llm.generate([[5] * 40], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    assert first.get(CUDNN_GRAPH, 0) > 0
+    with LLM(str(tiny_model_dir), device="cuda", max_num_seqs=4, max_model_len=2048) as llm:
+        llm.engine.warm_up()
+        second = llm.engine.runner.ops.builds.snapshot()["before"]
+        again = llm.generate([[5] * 40], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    assert second.get(CUDNN_GRAPH, 0) == 0
+    assert second.get(CUDNN_LOAD, 0) == first[CUDNN_GRAPH]
+    assert again == text  # a loaded plan computes what the built one did
