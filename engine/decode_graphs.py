@@ -21,7 +21,8 @@ from engine.step_inputs import StepLayout
 from kernels.ops import Array, CapturedGraph, Ops
 
 _MIN_TABLE_WIDTH = 16
-_WARM_ROWS = (1, 4, 16, 64, 256)
+_WARM_ROWS = (16, 64, 256)
+_WARM_MIN_WIDTH = 64
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -90,11 +91,14 @@ class DecodeGraphs:
         return next((key for key in self._captured if key[0] >= num_seqs and
                      key[1] >= table_width), None)
 
-    def warm_rows(self) -> list[int]:
-        """The row buckets the warm-up captures at every width: a sparse ladder (1, 4, 16,
-        64, 256 and the largest), since padding a decode batch to a few more rows costs little
-        (it reads the weights once either way) and every capture costs start time."""
-        return [r for r in self.rows if r in _WARM_ROWS or r == self.rows[-1]]
+    def warm_buckets(self) -> list[tuple[int, int]]:
+        """The buckets the warm-up captures: one row at every width, then a sparse ladder of
+        rows (16, 64, 256 and the largest) from 64 blocks wide. Padding a decode batch to more
+        rows costs little (the weights are read once either way), nor does a wider table for a
+        short context; every capture costs start time (~30 ms on an H200)."""
+        rows = [r for r in self.rows if r in _WARM_ROWS or r == self.rows[-1]]
+        wide = [w for w in self.widths if w >= _WARM_MIN_WIDTH] or self.widths[-1:]
+        return [(1, w) for w in self.widths] + [(r, w) for r in rows if r > 1 for w in wide]
 
     def seal(self) -> None:
         """From now on ``bucket`` chooses among the captured buckets only."""

@@ -12,7 +12,6 @@ from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.models.rope import cos_sin_cache
-from engine.prefill_graphs import MAX_SEQS as PREFILL_MAX_SEQS
 from engine.prefill_graphs import PrefillGraphs
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
@@ -82,18 +81,15 @@ class ModelRunner:
                                             max_table_width, self.block_size)
 
     def warm_up(self) -> int:
-        """Capture the graphs requests replay, then seal them (no capture in a request's path
-        from then on): short prefills of every (sequences, tokens) bucket, decode at every
-        table width for the warm row ladder; the number captured (0 without graphs)."""
+        """Capture the graphs requests replay (``warm_buckets`` of each), then seal them: no
+        capture in a request's path from then on; the number captured (0 without graphs)."""
         if self.decode_graphs is None or self.prefill_graphs is None:
             return 0
         before = self.decode_graphs.num_captures + self.prefill_graphs.num_captures
-        for num_seqs in range(1, PREFILL_MAX_SEQS + 1):
-            for num_tokens in self.prefill_graphs.tokens:
-                self.prefill_graphs.capture(num_seqs, num_tokens)
-        for rows in self.decode_graphs.warm_rows():
-            for width in self.decode_graphs.widths:
-                self.decode_graphs.capture(rows, width)
+        for num_seqs, num_tokens in self.prefill_graphs.warm_buckets():
+            self.prefill_graphs.capture(num_seqs, num_tokens)
+        for rows, width in self.decode_graphs.warm_buckets():
+            self.decode_graphs.capture(rows, width)
         self.prefill_graphs.seal()
         self.decode_graphs.seal()
         return self.decode_graphs.num_captures + self.prefill_graphs.num_captures - before
