@@ -22,7 +22,7 @@ from kernels.ops import Array, CapturedGraph, Ops
 MAX_SEQS = 4
 MAX_TOKENS = 256
 _MIN_TOKENS = 16
-_WARM_TOKENS = (64, MAX_TOKENS)
+_WARM_TOKENS = (MAX_TOKENS,)
 
 
 def token_buckets() -> list[int]:
@@ -87,8 +87,8 @@ class PrefillGraphs:
 
     def warm_buckets(self) -> list[tuple[int, int]]:
         """The buckets the warm-up captures: one sequence at every token count, several at
-        64 and at ``MAX_TOKENS`` (padding a few dozen rows costs less than a capture's start
-        time, ~60 ms each on an H200)."""
+        ``MAX_TOKENS`` only (a padded 256-token step costs a few ms, each capture ~60 ms of
+        start time on an H200)."""
         several = [t for t in self.tokens if t in _WARM_TOKENS] or self.tokens[-1:]
         return [(1, t) for t in self.tokens] + [(s, t) for s in range(2, MAX_SEQS + 1)
                                                  for t in several]
