@@ -47,8 +47,8 @@ from offload.external.kv_tensors import make_mover
 from offload.external.plan import StepPlan
 from offload.external.worker_side import WorkerSide
 from offload.store_client import StoreClient
-from offload.vllm.kv_shards import kv_shard, num_kv_shards
-from offload.vllm.model_identity import identity_from_config, kv_format, spec_kind
+from offload.vllm.kv_shards import ParallelLayout
+from offload.vllm.model_identity import identity_from_config, kv_format
 from offload.vllm.reports import (
     KVStoreConnectorStats,
     KVStorePromMetrics,
@@ -76,20 +76,6 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
-def _parallel_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
-    """This worker's (tensor-parallel rank, pipeline stage); (0, 0) without either."""
-    tp_rank = pp_rank = 0
-    if tp_size > 1 or pp_size > 1:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp, pp = get_tp_group(), get_pp_group()
-        if tp.world_size != tp_size or pp.world_size != pp_size:
-            raise ValueError(f"parallel world sizes tp {tp.world_size}, pp {pp.world_size} "
-                             f"differ from the config's {tp_size}, {pp_size}")
-        tp_rank, pp_rank = int(tp.rank_in_group), int(pp.rank_in_group)
-    return tp_rank, pp_rank
-
-
 class KVStoreConnector(KVConnectorBase_V1):
     """vLLM's handle on kvstore: scheduler side (lookups, plans) or worker side (copies)."""
 
@@ -98,26 +84,14 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        pc = vllm_config.parallel_config
-        unsupported = {name: getattr(pc, name, 1) for name in (
-            "prefill_context_parallel_size", "decode_context_parallel_size")}
-        unsupported = {name: size for name, size in unsupported.items() if size != 1}
-        if unsupported:
-            # A context-parallel rank holds other tokens of the same block: keys per rank
-            # would mix them, and no run has checked what such a worker's KV tensors hold.
-            raise ValueError(f"KVStoreConnector supports tensor, pipeline and data "
-                             f"parallelism, not context parallelism ({unsupported})")
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        self.settings = ConnectorSettings.from_extra_config(extra)
-        self.identity = identity_from_config(vllm_config, kv_cache_config)
         # Tensor and pipeline parallelism: every worker stores its part of a block (its KV
         # heads, its stage's layers) under its own shard namespace (``kv_shards.py``); the
         # scheduler side looks up every shard.
-        self._tp_size = int(pc.tensor_parallel_size)
-        self._pp_size = int(getattr(pc, "pipeline_parallel_size", 1))
-        self._kv_replicated = (
-            spec_kind(kv_cache_config.kv_cache_groups[0].kv_cache_spec) == "mla")
-        self._num_shards = num_kv_shards(self._tp_size, self._pp_size, self._kv_replicated)
+        self._layout = ParallelLayout.from_vllm(vllm_config.parallel_config, kv_cache_config)
+        self._num_shards = self._layout.num_shards
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.settings = ConnectorSettings.from_extra_config(extra)
+        self.identity = identity_from_config(vllm_config, kv_cache_config)
         self.keys = KeyMaker(self.identity)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._num_blocks = int(kv_cache_config.num_blocks)
@@ -251,14 +225,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         names = [n for n in self._layer_names if n in kv_caches] or sorted(kv_caches)
         tensors = [kv_caches[n] for n in names]
         mover = self._make_mover(names, tensors)
-        tp_rank, pp_rank = _parallel_ranks(self._tp_size, self._pp_size)
-        self._shard = kv_shard(tp_rank, self._tp_size, pp_rank, self._pp_size,
-                               self._kv_replicated)
+        tp_rank, pp_rank = self._layout.worker_ranks()
+        self._shard = self._layout.shard(tp_rank, pp_rank)
         log.info("kvstore connector: %d layers, block size %d, namespace layout %s, tensor "
                  "layout %s, tensor-parallel rank %d of %d, pipeline stage %d of %d, shard %d "
                  "of %d", len(names), self.identity.block_size, kv_format(self.identity),
-                 mover.meta.get("tensor_layout"), tp_rank, self._tp_size, pp_rank,
-                 self._pp_size, self._shard.shard, self._num_shards)
+                 mover.meta.get("tensor_layout"), tp_rank, self._layout.tp_size, pp_rank,
+                 self._layout.pp_size, self._shard.shard, self._num_shards)
         # One per instance and worker.
         engine_id = f"vllm-{os.getpid()}-{id(self):x}-tp{tp_rank}-pp{pp_rank}"
         self._worker = WorkerSide(self.settings.kv_store_socket, mover, engine_id,
