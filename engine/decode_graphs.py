@@ -44,6 +44,26 @@ def width_buckets(max_width: int) -> list[int]:
     return widths + [max_width]
 
 
+def warm_buckets(rows: list[int], widths: list[int]) -> list[tuple[int, int]]:
+    """The (rows, width) buckets a warm-up captures: one row at every width, then a sparse
+    ladder of rows (16, 64, 256 and the largest) at every other width from 64 blocks on.
+    Padding a decode batch to more rows costs little (the weights are read once either way),
+    nor does a wider table for a short context; every capture costs start time (~50 ms on an
+    H200)."""
+    ladder = [r for r in rows if r in _WARM_ROWS or r == rows[-1]]
+    # batches: every other width from 64 blocks (a table at most 4x the context's)
+    wide = [w for w in widths[::-1][::2][::-1] if w >= _WARM_MIN_WIDTH]
+    wide = wide if widths[-1] in wide else wide + widths[-1:]
+    return [(1, w) for w in widths] + [(r, w) for r in ladder if r > 1 for w in wide]
+
+
+def smallest_holding(captured: list[tuple[int, int]], num_seqs: int, table_width: int
+                     ) -> tuple[int, int] | None:
+    """The first of ``captured`` (sorted) with room for ``num_seqs`` rows and ``table_width``
+    blocks, or None."""
+    return next((key for key in captured if key[0] >= num_seqs and key[1] >= table_width), None)
+
+
 class _Bucket:
     """One captured decode step: its static inputs on the device and the graph over them."""
 
@@ -88,19 +108,12 @@ class DecodeGraphs:
             return None
         if not self.sealed:
             return self.rows[i], self.widths[j]
-        return next((key for key in self._captured if key[0] >= num_seqs and
-                     key[1] >= table_width), None)
+        return smallest_holding(self._captured, num_seqs, table_width)
 
     def warm_buckets(self) -> list[tuple[int, int]]:
-        """The buckets the warm-up captures: one row at every width, then a sparse ladder of
-        rows (16, 64, 256 and the largest) at every other width from 64 blocks on. Padding a
-        decode batch to more rows costs little (the weights are read once either way), nor does
-        a wider table for a short context; every capture costs start time (~50 ms, H200)."""
-        rows = [r for r in self.rows if r in _WARM_ROWS or r == self.rows[-1]]
-        # batches: every other width from 64 blocks (a table at most 4x the context's)
-        wide = [w for w in self.widths[::-1][::2][::-1] if w >= _WARM_MIN_WIDTH]
-        wide = wide if self.widths[-1] in wide else wide + self.widths[-1:]
-        return [(1, w) for w in self.widths] + [(r, w) for r in rows if r > 1 for w in wide]
+        """The buckets the warm-up captures (``warm_buckets`` of this table's rows and
+        widths)."""
+        return warm_buckets(self.rows, self.widths)
 
     def seal(self) -> None:
         """From now on ``bucket`` chooses among the captured buckets only."""

@@ -34,6 +34,13 @@ def token_buckets() -> list[int]:
     return sizes
 
 
+def warm_buckets(tokens: list[int]) -> list[tuple[int, int]]:
+    """(sequences, tokens) a warm-up captures: one sequence at each of ``tokens``, two to
+    ``MAX_SEQS`` at the largest."""
+    several = [t for t in tokens if t in _WARM_TOKENS] or tokens[-1:]
+    return [(1, t) for t in tokens] + [(s, t) for s in range(2, MAX_SEQS + 1) for t in several]
+
+
 class _Bucket:
     """One captured prefill step: its static inputs on the device and the graph over them."""
 
@@ -89,9 +96,7 @@ class PrefillGraphs:
         """The buckets the warm-up captures: one sequence at every token count, several at
         ``MAX_TOKENS`` only (a padded 256-token step costs a few ms, each capture ~60 ms of
         start time on an H200)."""
-        several = [t for t in self.tokens if t in _WARM_TOKENS] or self.tokens[-1:]
-        return [(1, t) for t in self.tokens] + [(s, t) for s in range(2, MAX_SEQS + 1)
-                                                 for t in several]
+        return warm_buckets(self.tokens)
 
     def seal(self) -> None:
         """From now on ``bucket`` names captured buckets only (the rest run eagerly)."""
