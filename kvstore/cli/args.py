@@ -249,6 +249,14 @@ def _config_path(argv: list[str]) -> str | None:
     return None
 
 
+# Variables of the KVSTORE_ prefix that no command's option reads but the engine's kernels do
+# (one environment often starts both programs): not named as unknown.
+READ_ELSEWHERE = frozenset({
+    "KVSTORE_ATTENTION",  # kernels/attention_backends.py: auto, cudnn or ours
+    "KVSTORE_CUDNN_PLAN_CACHE",  # kernels/plan_cache.py: the built cuDNN graphs' folder, or off
+})
+
+
 def expand_sources(parser: argparse.ArgumentParser, argv: list[str], env_prefix: str,
                    env: dict[str, str] | None = None) -> list[str]:
     """``argv`` with the options it does not give itself taken from ``{env_prefix}NAME``
@@ -267,6 +275,7 @@ def expand_sources(parser: argparse.ArgumentParser, argv: list[str], env_prefix:
         from_file[name] = value
     for variable in sorted(env):
         if variable.startswith(env_prefix) and not variable.startswith(env_prefix + "DEBUG_") \
+                and variable not in READ_ELSEWHERE \
                 and variable[len(env_prefix):].lower().replace("_", "-") not in options:
             logging.getLogger("kvstore").warning(
                 "$%s is not an option of %s: ignored", variable, parser.prog)

@@ -111,6 +111,26 @@ def test_unknown_variables_of_the_prefix_are_named(caplog) -> None:
     assert "DEMO_DRAM " not in caplog.text and "DEBUG" not in caplog.text
 
 
+def test_the_kernels_variables_are_not_taken_for_unknown_options(caplog) -> None:
+    import argparse
+
+    import kernels.attention_backends as backends
+    import kernels.plan_cache as plan_cache
+    from kvstore.cli.args import READ_ELSEWHERE
+
+    assert plan_cache.ENV in READ_ELSEWHERE
+    # still the name the backend choice reads
+    assert "KVSTORE_ATTENTION" in Path(backends.__file__).read_text()
+    parser = argparse.ArgumentParser(prog="kvstore serve")
+    parser.add_argument("--dram")
+    with caplog.at_level("WARNING", logger="kvstore"):
+        expand_sources(parser, [], "KVSTORE_", {"KVSTORE_ATTENTION": "ours",
+                                               "KVSTORE_CUDNN_PLAN_CACHE": "off",
+                                               "KVSTORE_DRAMM": "1"})
+    assert "KVSTORE_DRAMM" in caplog.text
+    assert "ATTENTION" not in caplog.text and "PLAN_CACHE" not in caplog.text
+
+
 def test_max_connections_past_the_fd_limit_is_refused() -> None:
     import argparse
     import resource
