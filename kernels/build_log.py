@@ -9,6 +9,7 @@ happened (``/metrics``: ``kvengine:first_use_builds_total``).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -18,10 +19,17 @@ from contextlib import contextmanager
 
 log = logging.getLogger("kernels.builds")
 
-# kinds of build
-CUDA_GRAPH = "cuda_graph"
-CUDNN_GRAPH = "cudnn_graph"
-CUDNN_LOAD = "cudnn_plan_load"  # a built graph loaded from the disk cache (kernels/plan_cache.py)
+
+
+class BuildKind(str, enum.Enum):
+    """What was built (the ``kind`` label of ``kvengine:first_use_builds_total``)."""
+
+    CUDA_GRAPH = "cuda_graph"
+    CUDNN_GRAPH = "cudnn_graph"
+    CUDNN_LOAD = "cudnn_plan_load"  # a built graph loaded from the disk cache (plan_cache.py)
+
+
+CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD = BuildKind
 
 
 class BuildLog:
@@ -31,26 +39,26 @@ class BuildLog:
         self._clock = clock
         self._lock = threading.Lock()
         self.sealed = False
-        self.before: Counter[str] = Counter()  # builds before seal, by kind
-        self.after: Counter[str] = Counter()  # first-use builds: after seal, by kind
-        self.seconds_before: Counter[str] = Counter()
-        self.seconds_after: Counter[str] = Counter()
+        self.before: Counter[BuildKind] = Counter()  # builds before seal, by kind
+        self.after: Counter[BuildKind] = Counter()  # first-use builds: after seal, by kind
+        self.seconds_before: Counter[BuildKind] = Counter()
+        self.seconds_after: Counter[BuildKind] = Counter()
 
     @contextmanager
-    def building(self, kind: str, key: object) -> Iterator[None]:
+    def building(self, kind: BuildKind, key: object) -> Iterator[None]:
         """Time the build of ``key`` inside the block (counted only if it returns)."""
         start = self._clock()
         yield
         self.record(kind, key, self._clock() - start)
 
-    def record(self, kind: str, key: object, seconds: float) -> None:
+    def record(self, kind: BuildKind, key: object, seconds: float) -> None:
         with self._lock:
             late = self.sealed
             (self.after if late else self.before)[kind] += 1
             (self.seconds_after if late else self.seconds_before)[kind] += seconds
         if late:
             log.warning("first-use build after ready: %s %s took %.1f ms (a request waited)",
-                        kind, key, seconds * 1e3)
+                        kind.value, key, seconds * 1e3)
 
     def seal(self) -> None:
         """From now on every build is a first-use cost (logged, counted in ``after``)."""
@@ -58,8 +66,12 @@ class BuildLog:
             self.sealed = True
 
     def snapshot(self) -> dict:
-        """Counts and seconds by kind: ``before`` / ``after`` the seal, ``seconds_*`` alike."""
+        """Counts and seconds by kind's name: ``before`` / ``after`` the seal, ``seconds_*``
+        alike."""
         with self._lock:
-            return {"before": dict(self.before), "after": dict(self.after),
-                    "seconds_before": {k: round(v, 4) for k, v in self.seconds_before.items()},
-                    "seconds_after": {k: round(v, 4) for k, v in self.seconds_after.items()}}
+            return {"before": {k.value: n for k, n in self.before.items()},
+                    "after": {k.value: n for k, n in self.after.items()},
+                    "seconds_before": {k.value: round(v, 4)
+                                       for k, v in self.seconds_before.items()},
+                    "seconds_after": {k.value: round(v, 4)
+                                      for k, v in self.seconds_after.items()}}

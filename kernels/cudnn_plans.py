@@ -84,7 +84,7 @@ class CudnnPlans:
                 return Plan(graph, int(graph.get_workspace_size()))
         except Exception as exc:  # another frontend's format, a stale kernel: build it again
             log.warning("cuDNN plan cache: cannot load %s (%s); building it", key[:5], exc)
-            self.plan_cache.counts["unloadable"] += 1
+            self.plan_cache.count("unloadable")
             return None
 
     def _store(self, name: str, plan: Plan) -> None:
@@ -93,7 +93,7 @@ class CudnnPlans:
         try:
             blob = plan.graph.serialize(as_bytes=True)
         except Exception as exc:  # a graph this frontend cannot serialize: built every start
-            self.plan_cache.counts["unserializable"] += 1
+            self.plan_cache.count("unserializable")
             log.debug("cuDNN plan cache: cannot serialize: %s", exc)
             return
         self.plan_cache.put(name, blob)

@@ -1,5 +1,6 @@
-"""Built cuDNN graphs kept on disk between starts: a build costs 40 ms to over a second (cuDNN
-compiles its fused kernels at run time), loading a serialized plan 5-10 ms (H200, 2026-11-29).
+"""Built cuDNN graphs kept on disk between starts: a build costs 42 ms to 1.2 s (cuDNN compiles
+its fused kernels at run time), loading a serialized plan 4-14 ms (one H200, 2026-11-29: the
+``first_use_builds`` of ``benchmarks/results/multiturn-agent-tools-h200-*-2026-11-29.json``).
 
 A serialized plan carries compiled kernels that are loaded as native code, so the cache trusts
 nothing it did not write itself into a directory only this user can write:
@@ -51,19 +52,15 @@ class PlanCache:
     raises for a disk problem (a failed read is a miss, a failed write is counted)."""
 
     def __init__(self, directory: Path | None, max_entries: int = MAX_ENTRIES) -> None:
-        self.counts: Counter[str] = Counter()  # hit, miss, corrupt, stored, write_failed, evicted
+        # hit, miss, corrupt, stored, write_failed, evicted; the caller's unloadable, unserializable
+        self.counts: Counter[str] = Counter()
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self.directory = directory
-        self.reason = ""  # why the cache is off, when it is
-        if directory is None:
-            self.reason = f"{ENV}=off"
-        else:
-            self.reason = _usable(directory)
-        if self.reason:
-            if directory is not None:
-                log.warning("cuDNN plan cache off: %s", self.reason)
-            self.directory = None
+        # why the cache is off ("" while it is on)
+        self.reason = f"{ENV}=off" if directory is None else _usable(directory)
+        if self.reason and directory is not None:
+            log.warning("cuDNN plan cache off: %s", self.reason)
+        self.directory = None if self.reason else directory
 
     @property
     def enabled(self) -> bool:
@@ -83,11 +80,11 @@ class PlanCache:
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            self._count("miss")
+            self.count("miss")
             return None
         except OSError as exc:
             log.warning("cuDNN plan cache: cannot read %s: %s", path, exc)
-            self._count("miss")
+            self.count("miss")
             return None
         head = len(MAGIC) + _DIGEST
         blob = data[head:]
@@ -95,12 +92,12 @@ class PlanCache:
                 hashlib.sha256(blob).digest() != data[len(MAGIC):head]:
             log.warning("cuDNN plan cache: %s is damaged; it is deleted and the plan rebuilt",
                         path)
-            self._count("corrupt")
+            self.count("corrupt")
             self._unlink(path)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used: evicted last
-        self._count("hit")
+        self.count("hit")
         return blob
 
     def put(self, name: str, blob: bytes) -> bool:
@@ -117,12 +114,12 @@ class PlanCache:
             tmp = None
         except OSError as exc:  # a full disk, a removed directory: the plan still serves
             log.warning("cuDNN plan cache: cannot write %s: %s", name, exc)
-            self._count("write_failed")
+            self.count("write_failed")
             return False
         finally:
             if tmp is not None:
                 self._unlink(Path(tmp))
-        self._count("stored")
+        self.count("stored")
         self._trim()
         return True
 
@@ -138,9 +135,10 @@ class PlanCache:
         entries.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime)
         for entry in entries[:extra]:
             self._unlink(Path(entry.path))
-            self._count("evicted")
+            self.count("evicted")
 
-    def _count(self, what: str) -> None:
+    def count(self, what: str) -> None:
+        """Count an outcome (also the caller's: a blob cuDNN could not load or write)."""
         with self._lock:
             self.counts[what] += 1
 
