@@ -181,5 +181,6 @@ class ModelRunner:
         return graphs.run(key, host), sampling
 
     def close(self) -> None:
+        self.ops.close()
         if self.kv_cache is not None:
             self.kv_cache.close()

@@ -27,9 +27,11 @@ class BuildKind(str, enum.Enum):
     CUDA_GRAPH = "cuda_graph"
     CUDNN_GRAPH = "cudnn_graph"
     CUDNN_LOAD = "cudnn_plan_load"  # a built graph loaded from the disk cache (plan_cache.py)
+    # a graph the builder process built while our kernel served (plan_builder.py), loaded
+    CUDNN_BACKGROUND = "cudnn_background_load"
 
 
-CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD = BuildKind
+CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD, CUDNN_BACKGROUND = BuildKind
 
 
 class BuildLog:

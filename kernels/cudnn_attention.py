@@ -23,7 +23,6 @@ over long contexts split the context instead (``kernels/cudnn_split.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from kernels.cuda_module import BF16, INT32, check, contiguous
 from kernels.cudnn_plans import CudnnPlans, Plan
 from kernels.cudnn_split import CudnnSplitPrefill
 from kernels.gather_kv import gather_kv
+from kernels.plan_builder import PlanBuilder
 from kernels.plan_cache import PlanCache
 from kernels.write_kv import check_arena
 
@@ -75,8 +75,8 @@ class CudnnAttention:
     """One cuDNN handle, a cache of built SDPA graphs, and a growing workspace on the current
     CUDA device. Raises CudnnUnavailable at construction when cuDNN cannot run here."""
 
-    def __init__(self, builds: BuildLog | None = None,
-                 plan_cache: PlanCache | None = None) -> None:
+    def __init__(self, builds: BuildLog | None = None, plan_cache: PlanCache | None = None,
+                 background: PlanBuilder | None = None) -> None:
         try:
             import cudnn
         except Exception as exc:  # ImportError, or a frontend built for another Python/CUDA
@@ -97,7 +97,8 @@ class CudnnAttention:
         except Exception as exc:
             raise CudnnUnavailable(f"cudnnCreate failed: {exc}") from None
         self.plans = CudnnPlans(cudnn, self._handle, builds if builds is not None else BuildLog(),
-                                plan_cache if plan_cache is not None else PlanCache(None))
+                                plan_cache if plan_cache is not None else PlanCache(None),
+                                background)
         self.refusals = self.plans.refusals  # key -> why cuDNN refused it
         self._workspace = cp.empty(1 << 20, dtype=cp.uint8)
         self._meta: _StepMeta | None = None
@@ -111,6 +112,11 @@ class CudnnAttention:
         # short queries over long contexts: split over the context (False: one paged call)
         self.split: CudnnSplitPrefill | None = CudnnSplitPrefill(self)
 
+    def close(self) -> None:
+        """Stops the background builder, if one runs."""
+        if self.plans.background is not None:
+            self.plans.background.close()
+
     @property
     def num_graphs(self) -> int:
         """Graphs built or loaded (refused shapes not counted)."""
@@ -123,13 +129,19 @@ class CudnnAttention:
 
     # -- graphs ------------------------------------------------------------------------------
 
-    def plan(self, key: tuple, build: Callable[[], Plan] | None = None) -> Plan | None:
-        """The built graph of ``key`` (``build()`` makes it the first time; default: the
-        graphs of this file), or None where cuDNN refuses it (remembered, with the reason)."""
-        if build is None:
-            def build() -> Plan:
-                return self._build_exact(*key[1:]) if key[0] == "exact" else self._build(*key)
-        return self.plans.get(key, build)
+    def plan(self, key: tuple) -> Plan | None:
+        """The built graph of ``key``, or None where cuDNN refuses it (remembered, with the
+        reason) or, after the seal, while the background builder builds it."""
+        return self.plans.get(key, lambda: self.build(key))
+
+    def build(self, key: tuple) -> Plan:
+        """Builds ``key``'s graph: a key says everything its graph depends on, so a builder
+        process builds from the key alone."""
+        if key[0] == "exact":
+            return self._build_exact(*key[1:])
+        if key[0] == "split":
+            return self.split.build(*key[1:])
+        return self._build(*key)
 
     def new_graph(self):
         """An empty bf16-in, float32-inside cuDNN graph on this handle."""
@@ -379,3 +391,21 @@ def _check(q, kv_cache, layer: int, block_tables, context_lens):
         raise ValueError(f"block_tables {block_tables.shape} and context_lens "
                          f"{context_lens.shape} disagree on the sequence count")
     return shape
+
+
+_builder_attention: CudnnAttention | None = None
+
+
+def serialized_plan(key: tuple, device: int) -> bytes:
+    """The plan builder's target (``kernels/plan_builder.py``): ``key``'s graph, built on
+    ``device`` in this process and serialized."""
+    global _builder_attention
+    if _builder_attention is None:
+        import cupy as cp
+
+        cp.cuda.Device(device).use()
+        _builder_attention = CudnnAttention()
+    plan = _builder_attention.plan(key)
+    if plan is None:
+        raise RuntimeError(_builder_attention.refusals.get(key, "cuDNN refused the shape"))
+    return plan.graph.serialize(as_bytes=True)

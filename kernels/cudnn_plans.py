@@ -1,6 +1,10 @@
 """The built cuDNN graphs of one handle: kept in memory (bounded), loaded from the disk cache
 (``kernels/plan_cache.py``) when a start before built them, else built, timed and stored; the
-shapes cuDNN refuses are remembered with the reason (the caller's kernel serves them)."""
+shapes cuDNN refuses are remembered with the reason (the caller's kernel serves them).
+
+Once the build log is sealed (the engine is ready), a shape with no graph is not built in a
+request's path: it goes to the background builder (``kernels/plan_builder.py``) and ``get``
+answers None, so the caller's kernel serves it until the graph comes back and is loaded."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.build_log import CUDNN_GRAPH, CUDNN_LOAD, BuildLog
+from kernels.build_log import CUDNN_BACKGROUND, CUDNN_GRAPH, CUDNN_LOAD, BuildLog
+from kernels.plan_builder import Built, PlanBuilder
 from kernels.plan_cache import PlanCache
 
 log = logging.getLogger("kernels.cudnn_attention")
@@ -28,11 +33,12 @@ class Plan:
 class CudnnPlans:
     """Plans by key. ``get`` is the one way in: memory, then disk, then a build."""
 
-    def __init__(self, cudnn, handle, builds: BuildLog, plan_cache: PlanCache) -> None:
+    def __init__(self, cudnn, handle, builds: BuildLog, plan_cache: PlanCache,
+                 background: PlanBuilder | None = None) -> None:
         import cupy as cp
 
         self.cudnn, self._handle = cudnn, handle
-        self.builds, self.plan_cache = builds, plan_cache
+        self.builds, self.plan_cache, self.background = builds, plan_cache, background
         self._plans: dict[tuple, Plan | None] = {}
         self.refusals: dict[tuple, str] = {}
         device = cp.cuda.Device()
@@ -46,11 +52,19 @@ class CudnnPlans:
         return sum(plan is not None for plan in self._plans.values())
 
     def get(self, key: tuple, build: Callable[[], Plan]) -> Plan | None:
-        """The plan of ``key``, or None where cuDNN refuses it (remembered)."""
+        """The plan of ``key``, or None where cuDNN refuses it (remembered) or, after the seal,
+        while the background builder builds it (not remembered: asked again next time)."""
         if key in self._plans:
             return self._plans[key]
         name = PlanCache.name(key, self._setup)
+        background = self.background if self.builds.sealed else None
+        if background is not None and background.knows(name):
+            return self._from_background(name, key)
         plan = self._load(name, key)
+        if plan is None and background is not None and background.submit(name, key):
+            log.info("cuDNN graph %s is not built: our kernel serves it while the builder "
+                     "process builds it", key[:5])
+            return None
         if plan is None:
             try:
                 with self.builds.building(CUDNN_GRAPH, key[:5]):
@@ -61,10 +75,40 @@ class CudnnPlans:
                 plan = None
             else:
                 self._store(name, plan)
+        return self._remember(key, plan)
+
+    def _remember(self, key: tuple, plan: Plan | None) -> Plan | None:
         if len(self._plans) >= MAX_GRAPHS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
         return plan
+
+    def _from_background(self, name: str, key: tuple) -> Plan | None:
+        """The builder's graph for ``key`` once it is back (loaded, and kept on disk), its
+        refusal (remembered), or None while it is still being built."""
+        outcome = self.background.take(name)
+        if outcome is None:
+            return None
+        if not isinstance(outcome, Built):
+            self.refusals[key] = outcome.reason
+            log.warning("cuDNN SDPA refuses %s, our kernel serves it: %s", key, outcome.reason)
+            return self._remember(key, None)
+        try:
+            with self.builds.building(CUDNN_BACKGROUND, key[:5]):
+                plan = self._deserialize(outcome.blob)
+        except Exception as exc:  # cannot load what the child built: never ask it again
+            self.refusals[key] = f"the builder's graph does not load: {exc}"
+            log.warning("cuDNN: the builder's graph for %s does not load (%s); our kernel "
+                        "serves it", key[:5], exc)
+            return self._remember(key, None)
+        if self.plan_cache.enabled:
+            self.plan_cache.put(name, outcome.blob)
+        return self._remember(key, plan)
+
+    def _deserialize(self, blob: bytes) -> Plan:
+        graph = self.cudnn.pygraph(handle=self._handle)
+        graph.deserialize(self._handle, blob)
+        return Plan(graph, int(graph.get_workspace_size()))
 
     def refuse(self, key: tuple, reason: str) -> None:
         """cuDNN refused running ``key``'s plan: never use it again."""
@@ -79,9 +123,7 @@ class CudnnPlans:
             return None
         try:
             with self.builds.building(CUDNN_LOAD, key[:5]):
-                graph = self.cudnn.pygraph(handle=self._handle)
-                graph.deserialize(self._handle, blob)
-                return Plan(graph, int(graph.get_workspace_size()))
+                return self._deserialize(blob)
         except Exception as exc:  # another frontend's format, a stale kernel: build it again
             log.warning("cuDNN plan cache: cannot load %s (%s); building it", key[:5], exc)
             self.plan_cache.count("unloadable")

@@ -85,10 +85,8 @@ class CudnnSplitPrefill:
         common = (max_rows, num_q_heads, num_kv_heads, head_dim, block_size, block_stride,
                   float(scale))
         prefix_plan = self._attn.plan(("split", False, num_seqs * num_slices, slice_blocks)
-                                      + common, self._builder(False, num_seqs * num_slices,
-                                                              slice_blocks, common))
-        tail_plan = self._attn.plan(("split", True, num_seqs, tail_blocks) + common,
-                                    self._builder(True, num_seqs, tail_blocks, common))
+                                      + common)
+        tail_plan = self._attn.plan(("split", True, num_seqs, tail_blocks) + common)
         if prefix_plan is None or tail_plan is None:
             return None
         step = self._step_for(layer, q, block_tables, cu_seqlens_q, context_lens,
@@ -138,13 +136,7 @@ class CudnnSplitPrefill:
         self._step = step
         return step
 
-    def _builder(self, causal: bool, num_seqs: int, table_width: int, common: tuple):
-        def build():
-            return self._build(causal, num_seqs, table_width, *common)
-
-        return build
-
-    def _build(self, causal: bool, num_seqs: int, table_width: int, max_rows: int,
+    def build(self, causal: bool, num_seqs: int, table_width: int, max_rows: int,
                num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                block_stride: tuple[int, int], scale: float):
         """Paged K/V through ``[num_seqs, table_width]`` tables, padded (not ragged) query and

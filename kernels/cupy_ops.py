@@ -17,6 +17,7 @@ from kernels import (
     activation,
     attention,
     embedding,
+    plan_builder,
     qkv_prepare,
     rms_norm,
     rope,
@@ -31,6 +32,7 @@ from kernels.cuda_module import BF16, contiguous
 from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 from kernels.ops import CapturedGraph, Ops
 from kernels.pinned_upload import PinnedUpload
+from kernels.plan_builder import PlanBuilder
 from kernels.plan_cache import PlanCache, default_directory
 
 
@@ -55,11 +57,22 @@ class CupyOps(Ops):
         self._cudnn: CudnnAttention | None = None
         if "cudnn" in self.attention_backends.values():
             try:
-                self._cudnn = CudnnAttention(self.builds, PlanCache(default_directory()))
+                builder = PlanBuilder(self.device_id) if plan_builder.wanted() else None
+                self._cudnn = CudnnAttention(self.builds, PlanCache(default_directory()),
+                                             builder)
                 self.attention_note = f"cuDNN {self._cudnn.version}"
             except CudnnUnavailable as exc:  # no frontend or no libcudnn: our kernels serve all
                 self.attention_backends = {phase: "ours" for phase in self.attention_backends}
                 self.attention_note = str(exc)
+
+    def close(self) -> None:
+        if self._cudnn is not None:
+            self._cudnn.close()
+
+    @property
+    def background_builds(self) -> dict[str, int]:
+        builder = self._cudnn.plans.background if self._cudnn is not None else None
+        return dict(builder.counts) if builder is not None else {}
 
     @property
     def attention_backend(self) -> str:

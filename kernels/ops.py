@@ -66,6 +66,17 @@ class Ops(ABC):
             builds = self.__dict__["_builds"] = BuildLog()
         return builds
 
+    def close(self) -> None:
+        """Ends what this backend runs beside the engine (the cuDNN plan builder); idempotent.
+        The base runs nothing beside it."""
+        return None
+
+    @property
+    def background_builds(self) -> dict[str, int]:
+        """What the background plan builder did, by outcome (``PlanBuilder.counts``); empty
+        where none runs."""
+        return {}
+
     @property
     def num_attention_graphs(self) -> int:
         """Attention graphs built so far (cuDNN builds one per shape bucket on first use, a

@@ -225,3 +225,10 @@ class EngineCollector:
         for kind, count in sorted(builds["after"].items()):
             first_use.add_metric([*self._ids, kind], float(count))
         yield first_use
+        background = CounterMetricFamily(
+            P + "cudnn_background_builds", "What the cuDNN plan builder process did after "
+            "ready, by outcome (our kernel serves a shape until its graph is back).",
+            labels=[*LABELS, "outcome"])
+        for outcome, count in sorted(runner.ops.background_builds.items()):
+            background.add_metric([*self._ids, outcome], float(count))
+        yield background

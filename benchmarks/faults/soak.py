@@ -102,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heap or GPU memory may grow by this share of its baseline ...")
     p.add_argument("--memory-slack", type=size_arg, default=64 * 2**20,
                    help="... plus this (SIZE)")
-    p.add_argument("--settle-s", type=positive_float_arg, default=5.0,
-                   help="wait after the load before the memory is read again")
+    p.add_argument("--settle-s", type=positive_float_arg, default=None,
+                   help="wait after the load before the memory is read again (default: 5 s on "
+                        "cpu, 40 s on cuda, where the engine's cuDNN plan builder leaves 30 s "
+                        "after its last build and gives its CUDA context back)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="where the socket and SSD files go (default: the temp folder)")
     p.add_argument("--machine", default=socket.gethostname().split(".")[0])
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
         tail_s = args.tail_s or args.fault_every
         out["load_s"] = _drive(stack, load, injector, t0, args.minutes * 60, min(tail_s, 30.0))
         out["outcomes"], out["error"] = injector.outcomes, injector.error
-        time.sleep(args.settle_s)
+        time.sleep(args.settle_s or (40.0 if gpu else 5.0))
         _wait_for_rest(stack, 30.0)
         out["memory_after"] = snapshot(stack.pids(), gpu, ordinals)
         stats = stack.daemon_stats() or {}

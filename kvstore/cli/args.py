@@ -254,6 +254,7 @@ def _config_path(argv: list[str]) -> str | None:
 READ_ELSEWHERE = frozenset({
     "KVSTORE_ATTENTION",  # kernels/attention_backends.py: auto, cudnn or ours
     "KVSTORE_CUDNN_PLAN_CACHE",  # kernels/plan_cache.py: the built cuDNN graphs' folder, or off
+    "KVSTORE_CUDNN_BUILDER",  # kernels/plan_builder.py: off builds graphs in line after ready
 })
 
 

@@ -8,6 +8,8 @@ page tables, the ragged row offsets and the bottom-right causal mask are all exe
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -173,3 +175,48 @@ def test_one_long_sequence_runs_at_its_exact_sizes(cp, bf16, cudnn_attn, lens, q
     if exact_refusals:  # cuDNN 9.19 on an H100: no engine takes override shapes for this graph
         pytest.skip(f"this cuDNN refuses override shapes: {exact_refusals[0]}")
     assert cudnn_attn.calls.get(("exact",), 0) == before + 1
+
+
+def test_after_the_seal_a_new_shape_is_built_beside_and_our_kernel_serves_meanwhile(
+        cp, bf16, tmp_path) -> None:
+    """No request waits for a build after ready: the first call of a new shape answers None
+    (the caller's kernel serves), the builder process builds the graph, and a later call
+    loads it and runs cuDNN, matching the reference."""
+    from kernels.build_log import CUDNN_BACKGROUND, CUDNN_GRAPH, BuildLog
+    from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
+    from kernels.plan_builder import PlanBuilder
+    from kernels.plan_cache import PlanCache
+
+    builds = BuildLog()
+    builder = PlanBuilder(cp.cuda.Device().id)
+    try:
+        attn = CudnnAttention(builds, PlanCache(tmp_path / "plans"), builder)
+    except CudnnUnavailable as exc:
+        pytest.skip(f"cuDNN is not available here: {exc}")
+    try:
+        builds.seal()
+        rng = np.random.default_rng(5)
+        lens, q_lens = [1500, 700, 900], [300, 200, 250]
+        kv, tables = paged_case(rng, bf16, 16, lens, 8, 128)
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        q = rng.standard_normal((int(cu[-1]), 32, 128)).astype(bf16)
+        ctx = np.array(lens, dtype=np.int32)
+        args = (cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables), cp.asarray(cu),
+                cp.asarray(ctx), 128 ** -0.5)
+        start = time.perf_counter()
+        assert attn.run_prefill(*args, max(q_lens)) is None  # not built: the caller's kernel
+        assert time.perf_counter() - start < 0.03  # and nobody waited for a build
+        deadline, got = time.monotonic() + 120, None
+        while got is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            got = attn.run_prefill(*args, max(q_lens))
+        assert got is not None, f"never built: {builder.counts} {attn.refusals}"
+        want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1,
+                                           tables, cu, ctx, 128 ** -0.5)
+        assert rel_err(cp.asnumpy(got), want) < 1e-2
+        after = builds.snapshot()["after"]
+        assert after.get(CUDNN_GRAPH, 0) == 0 and after.get(CUDNN_BACKGROUND, 0) >= 1
+        assert builder.counts["built"] >= 1 and builder.counts["crashes"] == 0
+        assert any((tmp_path / "plans").iterdir())  # kept on disk for the next start
+    finally:
+        builder.close()

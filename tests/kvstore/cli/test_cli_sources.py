@@ -115,10 +115,11 @@ def test_the_kernels_variables_are_not_taken_for_unknown_options(caplog) -> None
     import argparse
 
     import kernels.attention_backends as backends
+    import kernels.plan_builder as plan_builder
     import kernels.plan_cache as plan_cache
     from kvstore.cli.args import READ_ELSEWHERE
 
-    assert plan_cache.ENV in READ_ELSEWHERE
+    assert plan_cache.ENV in READ_ELSEWHERE and plan_builder.ENV in READ_ELSEWHERE
     # still the name the backend choice reads
     assert "KVSTORE_ATTENTION" in Path(backends.__file__).read_text()
     parser = argparse.ArgumentParser(prog="kvstore serve")

@@ -1,0 +1,356 @@
+"""Builds cuDNN graphs in a child process while the engine serves (``CudnnPlans`` after the seal).
+
+A cuDNN graph that the warm-up did not build costs 40 ms to 1.2 s to build, and the frontend
+holds the GIL all that time (its module never releases it), so a thread would stall the step
+loop as much as a build in line. After ``/ready`` the engine therefore runs our own attention
+kernel for a shape it has no graph for, and hands the shape to this builder: a child process
+with its own CUDA context and cuDNN handle that builds the graph, serializes it, and sends the
+bytes back. The next step that meets the shape loads them (a few ms) and runs cuDNN.
+
+The child starts on the first shape, exits after ``idle_s`` without work (its CUDA context is
+given back), and again on the next shape. Every wait has a bound: a build that runs past
+``build_timeout_s`` kills the child and the shape is refused (our kernel keeps serving it); a
+child that dies ``max_crashes`` times turns the builder off, and the caller builds in line as
+before. Frames both ways: a 4-byte big-endian length, a JSON header, then ``size`` raw bytes.
+
+Worker: ``python -m kernels.plan_builder --device N --target module:function``, where the target
+is ``function(key: tuple, device: int) -> bytes`` (cuDNN's is
+``kernels.cudnn_attention:serialized_plan``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+log = logging.getLogger("kernels.plan_builder")
+
+ENV = "KVSTORE_CUDNN_BUILDER"  # "off": build in line after ready (a request waits)
+CUDNN_TARGET = "kernels.cudnn_attention:serialized_plan"
+MAX_HEADER_BYTES = 1 << 16
+MAX_BLOB_BYTES = 256 << 20  # a serialized SDPA plan is tens of KiB
+
+
+def wanted() -> bool:
+    """False where ``KVSTORE_CUDNN_BUILDER`` is off."""
+    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "no", "false")
+
+
+@dataclass
+class Built:
+    """A graph the child built: its serialized bytes and the build's seconds there."""
+
+    blob: bytes
+    seconds: float
+
+
+@dataclass
+class Refused:
+    """A shape the child could not build (cuDNN refused it, or the build ran out of time)."""
+
+    reason: str
+
+
+@dataclass
+class _Child:
+    process: subprocess.Popen
+    pending: dict[str, float] = field(default_factory=dict)  # name -> when it was sent
+
+
+# -- frames ------------------------------------------------------------------------------------
+
+def encode_key(key: tuple) -> Any:
+    """A plan key as JSON (tuples become lists; ``decode_key`` turns them back)."""
+    return [encode_key(part) if isinstance(part, tuple) else part for part in key]
+
+
+def decode_key(value: Any) -> tuple:
+    if not isinstance(value, list):
+        raise ValueError(f"a plan key is a list, not {type(value).__name__}")
+    return tuple(decode_key(part) if isinstance(part, list) else part for part in value)
+
+
+def write_frame(stream: IO[bytes], header: dict, blob: bytes = b"") -> None:
+    head = json.dumps(dict(header, size=len(blob))).encode()
+    stream.write(struct.pack(">I", len(head)) + head + blob)
+    stream.flush()
+
+
+def read_frame(stream: IO[bytes]) -> tuple[dict, bytes] | None:
+    """The next frame, or None at the end of the stream; ValueError on a malformed one."""
+    prefix = _read_exactly(stream, 4)
+    if prefix is None:
+        return None
+    (length,) = struct.unpack(">I", prefix)
+    if not 0 < length <= MAX_HEADER_BYTES:
+        raise ValueError(f"a frame header of {length} bytes")
+    head = _read_exactly(stream, length)
+    if head is None:
+        raise ValueError("the stream ended inside a frame header")
+    header = json.loads(head)
+    size = header.get("size", 0) if isinstance(header, dict) else -1
+    if not isinstance(size, int) or not 0 <= size <= MAX_BLOB_BYTES:
+        raise ValueError(f"a frame of {size!r} bytes")
+    blob = _read_exactly(stream, size) if size else b""
+    if blob is None:
+        raise ValueError("the stream ended inside a frame")
+    return header, blob
+
+
+def _read_exactly(stream: IO[bytes], n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = stream.read(n - got)
+        if not chunk:
+            if got:
+                raise ValueError(f"the stream ended after {got} of {n} bytes")
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+# -- the engine's side -------------------------------------------------------------------------
+
+class PlanBuilder:
+    """Sends shapes to the child and keeps what comes back until the caller takes it.
+    ``submit`` and ``take`` are called from one thread (the engine's step); a reader thread
+    only moves the child's answers into ``_results``."""
+
+    def __init__(self, device: int, target: str = CUDNN_TARGET, idle_s: float = 30.0,
+                 build_timeout_s: float = 120.0, max_pending: int = 64, max_crashes: int = 3,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.device, self.target = int(device), target
+        self.idle_s, self.build_timeout_s = float(idle_s), float(build_timeout_s)
+        self.max_pending, self.max_crashes = int(max_pending), int(max_crashes)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._child: _Child | None = None
+        self._results: dict[str, Built | Refused] = {}
+        self.counts = {"submitted": 0, "built": 0, "refused": 0, "timeouts": 0, "starts": 0,
+                       "crashes": 0, "dropped": 0}
+        self.enabled = True
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is being built or its result waits to be taken."""
+        with self._lock:
+            return name in self._results or (self._child is not None
+                                              and name in self._child.pending)
+
+    def submit(self, name: str, key: tuple) -> bool:
+        """Queue ``key``'s build; False when the builder is off (the caller builds it in line)
+        or its queue is full (the caller's kernel serves, and the shape comes again)."""
+        if not self.enabled:
+            return False
+        self._check_timeouts()
+        with self._lock:
+            child = self._child
+            if child is not None and name in child.pending:
+                return True
+            if child is not None and len(child.pending) >= self.max_pending:
+                return False
+        for _ in range(2):  # a child that has just left for idleness is started again once
+            child = self._running_child()
+            if child is None:
+                return False
+            try:
+                with self._lock:
+                    child.pending[name] = self._clock()
+                write_frame(child.process.stdin, {"name": name, "key": encode_key(key)})
+            except (BrokenPipeError, OSError, ValueError):
+                with self._lock:
+                    child.pending.pop(name, None)
+                self._reap(child)
+                continue
+            self.counts["submitted"] += 1
+            return True
+        return False
+
+    def take(self, name: str) -> Built | Refused | None:
+        """``name``'s result once (None while it is still being built, or was dropped)."""
+        self._check_timeouts()
+        with self._lock:
+            return self._results.pop(name, None)
+
+    def close(self) -> None:
+        with self._lock:
+            child, self._child = self._child, None
+        if child is not None:
+            _stop(child.process)
+
+    # -- the child ---------------------------------------------------------------------------
+
+    def _running_child(self) -> _Child | None:
+        with self._lock:
+            child = self._child
+        if child is not None and child.process.poll() is None:
+            return child
+        if child is not None:
+            self._reap(child)
+        if not self.enabled:
+            return None
+        command = [sys.executable, "-m", "kernels.plan_builder", "--device", str(self.device),
+                   "--target", self.target, "--idle-s", str(self.idle_s)]
+        try:
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       cwd=_package_root(), env=_child_env())
+        except OSError as exc:
+            self._crashed(f"cannot start: {exc}")
+            return None
+        child = _Child(process)
+        with self._lock:
+            self._child = child
+        self.counts["starts"] += 1
+        threading.Thread(target=self._read, args=(child,), daemon=True,
+                         name="cudnn-plan-builder").start()
+        return child
+
+    def _read(self, child: _Child) -> None:
+        """Moves the child's answers into ``_results`` until its stdout ends."""
+        try:
+            while (frame := read_frame(child.process.stdout)) is not None:
+                header, blob = frame
+                name = str(header.get("name"))
+                with self._lock:
+                    if child.pending.pop(name, None) is None:
+                        continue  # timed out or dropped meanwhile
+                    if header.get("ok"):
+                        self._results[name] = Built(blob, float(header.get("seconds", 0.0)))
+                        self.counts["built"] += 1
+                    else:
+                        self._results[name] = Refused(str(header.get("error", "refused")))
+                        self.counts["refused"] += 1
+        except (ValueError, OSError) as exc:
+            log.warning("cuDNN plan builder: unreadable answer (%s); stopping it", exc)
+            _stop(child.process)
+        self._reap(child)
+
+    def _reap(self, child: _Child) -> None:
+        """The child is gone: what it still owed is dropped (its shapes are sent again when
+        they come back); an exit other than idleness counts as a crash."""
+        code = _stop(child.process)
+        with self._lock:
+            dropped = len(child.pending)
+            child.pending.clear()
+            if self._child is child:
+                self._child = None
+            else:
+                return  # reaped already
+        self.counts["dropped"] += dropped
+        if code not in (0, None) and code != -15:
+            self._crashed(f"exited with {code}")
+
+    def _crashed(self, why: str) -> None:
+        self.counts["crashes"] += 1
+        if self.counts["crashes"] >= self.max_crashes and self.enabled:
+            self.enabled = False
+            log.error("cuDNN plan builder %s, %d times: off; graphs are built in line again "
+                      "(a request waits for each)", why, self.counts["crashes"])
+        else:
+            log.warning("cuDNN plan builder %s", why)
+
+    def _check_timeouts(self) -> None:
+        with self._lock:
+            child = self._child
+            if child is None or not child.pending:
+                return
+            oldest = min(child.pending.values())
+            late = self._clock() - oldest > self.build_timeout_s
+            if late:
+                for name in child.pending:
+                    self._results[name] = Refused(
+                        f"the build ran past {self.build_timeout_s:.0f} s")
+                self.counts["timeouts"] += len(child.pending)
+                child.pending.clear()
+                self._child = None
+        if late:
+            log.warning("cuDNN plan builder: a build ran past %.0f s; stopped, those shapes "
+                        "stay on our kernel", self.build_timeout_s)
+            _stop(child.process)
+
+
+def _stop(process: subprocess.Popen) -> int | None:
+    """Ends ``process`` (closing its input first, then a signal) and returns its exit code."""
+    if process.poll() is None:
+        try:
+            if process.stdin is not None:
+                process.stdin.close()
+        except OSError:
+            pass
+        try:
+            return process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                return process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                return process.wait()
+    return process.returncode
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = _package_root()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# -- the child's side --------------------------------------------------------------------------
+
+def serve(target: Callable[[tuple, int], bytes], device: int, idle_s: float,
+          stdin: IO[bytes], stdout: IO[bytes]) -> int:
+    """Builds each shape read from ``stdin`` and answers on ``stdout``; returns 0 at the end
+    of the input or after ``idle_s`` without a frame."""
+    while True:
+        ready, _, _ = select.select([stdin], [], [], idle_s)
+        if not ready:
+            return 0
+        frame = read_frame(stdin)
+        if frame is None:
+            return 0
+        header, _ = frame
+        name = str(header.get("name"))
+        start = time.perf_counter()
+        try:
+            blob = target(decode_key(header.get("key")), device)
+        except Exception as exc:  # cuDNN refuses this shape: the engine's kernel serves it
+            write_frame(stdout, {"name": name, "ok": False,
+                                 "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        write_frame(stdout, {"name": name, "ok": True,
+                             "seconds": round(time.perf_counter() - start, 4)}, bytes(blob))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.plan_builder")
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--target", default=CUDNN_TARGET)
+    parser.add_argument("--idle-s", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    module, _, function = args.target.partition(":")
+    target = getattr(importlib.import_module(module), function)
+    frames = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever a library prints goes to stderr, never into the frames
+    # unbuffered input: ``select`` must see every byte that has not been read yet
+    return serve(target, args.device, args.idle_s, sys.stdin.buffer.raw, frames)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

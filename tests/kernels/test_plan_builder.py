@@ -1,0 +1,167 @@
+"""The background plan builder (kernels/plan_builder.py) on CPU: a real child process, real pipes
+and frames; the build target is a small module written here in place of cuDNN (which needs a
+GPU: tests/engine/test_first_use_gpu.py runs the cuDNN target)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import time
+
+import pytest
+
+from kernels.plan_builder import (
+    Built,
+    PlanBuilder,
+    Refused,
+    decode_key,
+    encode_key,
+    read_frame,
+    write_frame,
+)
+
+TARGETS = '''
+import json, os, time
+
+def echo(key, device):
+    return json.dumps({"key": list(key), "device": device}).encode()
+
+def picky(key, device):
+    if key[0] == "bad":
+        raise ValueError("no graph for this shape")
+    return b"ok"
+
+def slow(key, device):
+    time.sleep(key[1])
+    return b"late"
+
+def crash(key, device):
+    os._exit(3)
+'''
+
+
+@pytest.fixture
+def targets(tmp_path, monkeypatch) -> str:
+    (tmp_path / "plan_targets.py").write_text(TARGETS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return "plan_targets"
+
+
+def _wait(builder: PlanBuilder, name: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        outcome = builder.take(name)
+        if outcome is not None:
+            return outcome
+        time.sleep(0.02)
+    raise AssertionError(f"no answer for {name} in {timeout} s")
+
+
+def test_keys_and_frames_round_trip() -> None:
+    key = (True, False, 3, 1024, 512, 32, 8, 128, 16, (6726, 262144), 0.08838834764831845)
+    assert decode_key(json.loads(json.dumps(encode_key(key)))) == key
+    stream = io.BytesIO()
+    write_frame(stream, {"name": "a"}, b"\x00\x01blob")
+    write_frame(stream, {"name": "b"})
+    stream.seek(0)
+    assert read_frame(stream) == ({"name": "a", "size": 6}, b"\x00\x01blob")
+    assert read_frame(stream) == ({"name": "b", "size": 0}, b"")
+    assert read_frame(stream) is None
+
+
+@pytest.mark.parametrize("raw", [
+    struct.pack(">I", 0),  # an empty header
+    struct.pack(">I", 1 << 20),  # a header past its bound
+    struct.pack(">I", 10) + b"{",  # cut inside the header
+    struct.pack(">I", 12) + b'{"size": -1}',  # a negative size
+    struct.pack(">I", 19) + b'{"size": 999999999}',  # a blob past its bound
+    struct.pack(">I", 11) + b'{"size": 4}' + b"ab",  # cut inside the blob
+])
+def test_malformed_frames_are_refused(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        read_frame(io.BytesIO(raw))
+
+
+def test_shapes_are_built_in_a_child_and_taken_once(targets: str) -> None:
+    builder = PlanBuilder(device=2, target=f"{targets}:echo", idle_s=10.0)
+    try:
+        key = ("split", False, 24, 64, (100, 4096), 0.125)
+        assert builder.submit("n1", key)
+        assert builder.submit("n1", key)  # the same shape is sent once
+        assert builder.knows("n1")
+        outcome = _wait(builder, "n1")
+        assert isinstance(outcome, Built)
+        assert json.loads(outcome.blob) == {"key": encode_key(key), "device": 2}
+        assert builder.take("n1") is None and not builder.knows("n1")
+        assert builder.counts["submitted"] == 1 and builder.counts["built"] == 1
+    finally:
+        builder.close()
+
+
+def test_a_refused_shape_comes_back_with_the_reason(targets: str) -> None:
+    builder = PlanBuilder(device=0, target=f"{targets}:picky")
+    try:
+        builder.submit("bad", ("bad", 1))
+        builder.submit("good", ("good", 1))
+        refused, built = _wait(builder, "bad"), _wait(builder, "good")
+        assert isinstance(refused, Refused) and "no graph for this shape" in refused.reason
+        assert isinstance(built, Built) and built.blob == b"ok"
+    finally:
+        builder.close()
+
+
+def test_an_idle_child_leaves_and_the_next_shape_starts_another(targets: str) -> None:
+    builder = PlanBuilder(device=0, target=f"{targets}:echo", idle_s=0.3)
+    try:
+        builder.submit("a", ("a",))
+        assert isinstance(_wait(builder, "a"), Built)
+        first = builder._child.process
+        first.wait(timeout=10)  # left on its own after 0.3 s without work
+        assert first.returncode == 0
+        builder.submit("b", ("b",))
+        assert isinstance(_wait(builder, "b"), Built)
+        assert builder.counts["starts"] == 2 and builder.counts["crashes"] == 0
+    finally:
+        builder.close()
+
+
+def test_a_build_past_its_bound_is_stopped_and_refused(targets: str) -> None:
+    builder = PlanBuilder(device=0, target=f"{targets}:slow", build_timeout_s=0.5)
+    try:
+        builder.submit("hang", ("hang", 60))
+        child = builder._child.process
+        outcome = _wait(builder, "hang", timeout=10)
+        assert isinstance(outcome, Refused) and "ran past" in outcome.reason
+        assert child.wait(timeout=10) is not None  # the child was stopped, not left building
+        assert builder.counts["timeouts"] == 1 and builder.counts["crashes"] == 0
+        builder.submit("quick", ("quick", 0))  # a new child serves the next shape
+        assert isinstance(_wait(builder, "quick"), Built)
+    finally:
+        builder.close()
+
+
+def test_a_child_that_keeps_crashing_turns_the_builder_off(targets: str) -> None:
+    builder = PlanBuilder(device=0, target=f"{targets}:crash", max_crashes=2)
+    try:
+        for attempt in range(2):
+            assert builder.submit(f"k{attempt}", ("k", attempt))
+            child = builder._child.process
+            child.wait(timeout=10)
+            deadline = time.monotonic() + 10
+            while builder.counts["crashes"] <= attempt and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert builder.take(f"k{attempt}") is None  # dropped, never a fake result
+        assert builder.counts["crashes"] == 2 and builder.counts["dropped"] == 2
+        assert not builder.enabled
+        assert builder.submit("k9", ("k", 9)) is False  # the caller builds in line again
+    finally:
+        builder.close()
+
+
+def test_close_ends_the_child(targets: str) -> None:
+    builder = PlanBuilder(device=0, target=f"{targets}:slow")
+    builder.submit("s", ("s", 30))
+    child = builder._child.process
+    builder.close()
+    assert child.poll() is not None
