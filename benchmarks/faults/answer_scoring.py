@@ -16,11 +16,18 @@ position margin <= ``max_margin`` x spread. A wrong token is in the reference's 
 of a 150k vocabulary with a chance of ``top_n`` / 150k, and then within a quarter of the
 spread with about a quarter of that; a near-tie tipped by rounding is a small fraction of it.
 
-How large a margin numerics can need is measured, not assumed (``self_variance``): the reference
-answers every request a second time, one at a time instead of in its first pass's batches, and
-where its two answers part, its second answer is scored the same way. The largest share such a
+How large a margin numerics can need is measured, not assumed (``ask_again``, then
+``self_variance``): the reference answers a sample of the requests a second time, one at a time
+instead of in its first pass's batches, and where its two answers part, its second answer is
+scored the same way. The largest share such a
 self-difference needs is this engine's own numerics on this device; the verdict's margin is the
 stated one or that, whichever is larger, and the result says which.
+
+Scoring asks one position per request, so an answer of 100 tokens after a 19k-token prompt is
+100 requests over that prompt: the scorer is a reference engine with its prefix cache on, which
+computes the prompt once and each position's few new tokens after it (without it, the 5,000
+positions of a 10-minute GPU soak were 5,000 full prefills, and scoring outran the device time).
+The answers themselves still come from the reference without a prefix cache.
 
 The prompt's ids come from the reference's ``/tokenize`` (the same chat template), checked
 against the prompt token count the stack reported; the answer's ids from the stack's own
@@ -100,29 +107,45 @@ def score_differences(records: list, url: str, model: str, top_n: int, max_margi
                                    "within": False}
 
 
-def self_variance(records: list, url: str, model: str, max_tokens: int, top_n: int,
-                  concurrency: int, timeout_s: float) -> dict:
-    """The reference against itself: each record it answered (``reference``) asked again, one
-    at a time (another batch composition than its first, concurrent pass); each answer that
-    differs from its first is scored like the stack's. Returns how many were asked, differed
-    and failed, and the largest share a self-difference needed (0.0 without any)."""
+def ask_again(records: list, url: str, model: str, max_tokens: int, sample: int,
+              timeout_s: float) -> dict:
+    """The reference against itself, first half: up to ``sample`` of the records it answered
+    (``reference``), evenly spread, asked again one at a time (another batch composition than
+    its first, concurrent pass). Returns how many were asked and failed, and ``differing``:
+    (record, the second answer's token ids) wherever the two answers part."""
     todo = [r for r in records if r.error is None and r.reference is not None]
-    scores: list[dict] = []
+    if len(todo) > sample:
+        todo = [todo[i * len(todo) // sample] for i in range(sample)]
+    differing: list[tuple] = []
     errors = 0
-    with httpx.Client(timeout=timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
+    with httpx.Client(timeout=timeout_s) as client:
         for record in todo:
             try:
                 body = ask(client, url, model, record.messages, max_tokens, token_ids=True)
                 choice = body["choices"][0]
-                if choice["message"]["content"] == record.reference:
-                    continue
-                prompt = prompt_ids(client, url, model, record.messages)
-                scores.append(score(client, url, model, prompt,
-                                    token_ids_of(choice["logprobs"]["content"]), top_n,
-                                    float("inf"), pool))
+                if choice["message"]["content"] != record.reference:
+                    differing.append((record, token_ids_of(choice["logprobs"]["content"])))
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 errors += 1
-    return {"asked": len(todo), "differences": len(scores), "errors": errors,
+    return {"asked": len(todo), "errors": errors, "differing": differing}
+
+
+def self_variance(again: dict, url: str, model: str, top_n: int, concurrency: int,
+                  timeout_s: float) -> dict:
+    """The second half: each second answer that differs from the first (``ask_again``) scored
+    like the stack's. Returns how many were asked, differed and failed, and the largest share a
+    self-difference needed (0.0 without any)."""
+    scores: list[dict] = []
+    errors = again["errors"]
+    with httpx.Client(timeout=timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
+        for record, answer in again["differing"]:
+            try:
+                prompt = prompt_ids(client, url, model, record.messages)
+                scores.append(score(client, url, model, prompt, answer, top_n, float("inf"),
+                                    pool))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                errors += 1
+    return {"asked": again["asked"], "differences": len(again["differing"]), "errors": errors,
             "not_in_top": sum(s["not_in_top"] for s in scores),
             "largest_share": max((s["largest_share"] for s in scores), default=0.0),
             "shares": sorted(round(s["largest_share"], 4) for s in scores)}

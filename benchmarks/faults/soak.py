@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.faults.answer_scoring import score_differences, self_variance
+from benchmarks.faults.answer_scoring import ask_again, score_differences, self_variance
 from benchmarks.faults.chat_load import ChatLoad, answer_again
 from benchmarks.faults.injector import FaultInjector
 from benchmarks.faults.schedule import FaultKind, describe, make_schedule, parse_kinds
@@ -92,9 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "reference's best is within this share of the spread of its top "
                         "--numerics-top-n (bf16 near-ties; default 0.25)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the reference's own numerics first: it answers every request "
-                        "again one at a time, and the largest share its own differences need "
-                        "raises --numerics-margin if larger (default: on)")
+                   help="measure the reference's own numerics first: it answers a sample of "
+                        "the requests again one at a time, and the largest share its own "
+                        "differences need raises --numerics-margin if larger (default: on)")
+    p.add_argument("--calibrate-requests", type=positive_int_arg, default=96,
+                   help="how many requests the calibration asks again (evenly spread)")
     p.add_argument("--numerics-top-n", type=positive_int_arg, default=20,
                    help="alternatives the reference reports per position (a token outside "
                         "them fails the answer)")
@@ -244,11 +246,19 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
     try:
         answer_again(records, url, MODEL_NAME, workload.answer_len, args.reference_concurrency,
                      args.request_timeout)
+        again = ask_again(records, url, MODEL_NAME, workload.answer_len,
+                          args.calibrate_requests, args.request_timeout) \
+            if args.calibrate else None
+    finally:
+        reference.stop()
+    scored = time.monotonic()
+    scorer, url = stack.reference_engine(blocks, prefix_cache=True)
+    try:
         margin = args.numerics_margin
-        if args.calibrate:
+        if again is not None:
             out["calibration"] = calibration = self_variance(
-                records, url, MODEL_NAME, workload.answer_len, args.numerics_top_n,
-                args.reference_concurrency, args.request_timeout)
+                again, url, MODEL_NAME, args.numerics_top_n, args.reference_concurrency,
+                args.request_timeout)
             margin = max(margin, calibration["largest_share"])
             print(f"fault soak: the reference against itself: {calibration['differences']} of "
                   f"{calibration['asked']} answers differ, largest share "
@@ -257,9 +267,12 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
         score_differences(records, url, MODEL_NAME, args.numerics_top_n, margin,
                           args.reference_concurrency, args.request_timeout)
     finally:
-        reference.stop()
+        scorer.stop()
     out["reference"] = {"command": " ".join(reference.cmd[1:]), "num_kv_blocks": blocks,
                         "concurrency": args.reference_concurrency,
+                        "scorer_command": " ".join(scorer.cmd[1:]),
+                        "answer_seconds": scored - started,
+                        "score_seconds": time.monotonic() - scored,
                         "seconds": time.monotonic() - started}
     out["records"] = [r.to_json() for r in records]
     return out

@@ -94,7 +94,8 @@ class SoakStack:
             return None
 
     # -- the engine ----------------------------------------------------------------------------
-    def _engine_cmd(self, offload: bool, num_kv_blocks: int) -> list[str]:
+    def _engine_cmd(self, offload: bool, num_kv_blocks: int,
+                    prefix_cache: bool = False) -> list[str]:
         c = self.config
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(c.model_dir),
                "--device", c.device, "--port", "0", "--num-kv-blocks", str(num_kv_blocks),
@@ -103,7 +104,7 @@ class SoakStack:
                MODEL_NAME, *c.engine_args]
         if offload:
             cmd += ["--kv-offload", "--kv-store-socket", str(c.socket_path)]
-        else:
+        elif not prefix_cache:
             cmd += ["--no-enable-prefix-caching"]
         return cmd
 
@@ -153,9 +154,13 @@ class SoakStack:
                 out[role] = proc.proc.pid
         return out
 
-    def reference_engine(self, num_kv_blocks: int) -> tuple[ServerProcess, str]:
-        """Start the reference engine (no offload, no prefix cache): (process, URL)."""
-        proc = ServerProcess(self._engine_cmd(False, num_kv_blocks), "kvengine serve (reference)")
+    def reference_engine(self, num_kv_blocks: int,
+                         prefix_cache: bool = False) -> tuple[ServerProcess, str]:
+        """Start a reference engine (no offload; a prefix cache only for the scorer):
+        (process, URL)."""
+        role = "scorer" if prefix_cache else "reference"
+        proc = ServerProcess(self._engine_cmd(False, num_kv_blocks, prefix_cache),
+                             f"kvengine serve ({role})")
         url = proc.wait_for(r"listening on (http://\S+)", self.config.start_timeout_s).group(1)
         return proc, url
 
