@@ -392,20 +392,3 @@ def _check(q, kv_cache, layer: int, block_tables, context_lens):
                          f"{context_lens.shape} disagree on the sequence count")
     return shape
 
-
-_builder_attention: CudnnAttention | None = None
-
-
-def serialized_plan(key: tuple, device: int) -> bytes:
-    """The plan builder's target (``kernels/plan_builder.py``): ``key``'s graph, built on
-    ``device`` in this process and serialized."""
-    global _builder_attention
-    if _builder_attention is None:
-        import cupy as cp
-
-        cp.cuda.Device(device).use()
-        _builder_attention = CudnnAttention()
-    plan = _builder_attention.plan(key)
-    if plan is None:
-        raise RuntimeError(_builder_attention.refusals.get(key, "cuDNN refused the shape"))
-    return plan.graph.serialize(as_bytes=True)

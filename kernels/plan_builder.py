@@ -15,7 +15,7 @@ before. Frames both ways: a 4-byte big-endian length, a JSON header, then ``size
 
 Worker: ``python -m kernels.plan_builder --device N --target module:function``, where the target
 is ``function(key: tuple, device: int) -> bytes`` (cuDNN's is
-``kernels.cudnn_attention:serialized_plan``).
+``kernels.cudnn_build_target:serialized_plan``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import IO, Any
 log = logging.getLogger("kernels.plan_builder")
 
 ENV = "KVSTORE_CUDNN_BUILDER"  # "off": build in line after ready (a request waits)
-CUDNN_TARGET = "kernels.cudnn_attention:serialized_plan"
+CUDNN_TARGET = "kernels.cudnn_build_target:serialized_plan"
 MAX_HEADER_BYTES = 1 << 16
 MAX_BLOB_BYTES = 256 << 20  # a serialized SDPA plan is tens of KiB
 
