@@ -37,6 +37,7 @@ against the prompt token count the stack reported; the answer's ids from the sta
 from __future__ import annotations
 
 import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -86,13 +87,18 @@ def score(client: httpx.Client, url: str, model: str, prompt: list[int], answer:
 
 
 def score_differences(records: list, url: str, model: str, top_n: int, max_margin: float,
-                      concurrency: int, timeout_s: float) -> None:
+                      concurrency: int, timeout_s: float, deadline: float = float("inf")) -> None:
     """Set ``numerics`` of every record whose answer differs from its reference: its score,
-    or ``{"error": ...}`` where it could not be scored (which the verdict counts against it)."""
+    or ``{"error": ...}`` where it could not be scored (which the verdict counts against it),
+    also once ``deadline`` (``time.monotonic()``) has passed."""
     differing = [r for r in records if r.error is None and r.reference is not None
                  and r.answer != r.reference]
     with httpx.Client(timeout=timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
         for record in differing:
+            if time.monotonic() >= deadline:
+                record.numerics = {"error": "not scored: the scoring time ran out",
+                                   "within": False}
+                continue
             try:
                 if not record.answer_token_ids:
                     raise ValueError("the stack's answer came without its token ids")
@@ -131,14 +137,19 @@ def ask_again(records: list, url: str, model: str, max_tokens: int, sample: int,
 
 
 def self_variance(again: dict, url: str, model: str, top_n: int, concurrency: int,
-                  timeout_s: float) -> dict:
+                  timeout_s: float, deadline: float = float("inf")) -> dict:
     """The second half: each second answer that differs from the first (``ask_again``) scored
-    like the stack's. Returns how many were asked, differed and failed, and the largest share a
+    like the stack's, until ``deadline`` (``time.monotonic()``; the rest counted unscored).
+    Returns how many were asked, differed, failed and went unscored, and the largest share a
     self-difference needed (0.0 without any)."""
     scores: list[dict] = []
     errors = again["errors"]
+    unscored = 0
     with httpx.Client(timeout=timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
         for record, answer in again["differing"]:
+            if time.monotonic() >= deadline:
+                unscored += 1
+                continue
             try:
                 prompt = prompt_ids(client, url, model, record.messages)
                 scores.append(score(client, url, model, prompt, answer, top_n, float("inf"),
@@ -146,6 +157,6 @@ def self_variance(again: dict, url: str, model: str, top_n: int, concurrency: in
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 errors += 1
     return {"asked": again["asked"], "differences": len(again["differing"]), "errors": errors,
-            "not_in_top": sum(s["not_in_top"] for s in scores),
+            "unscored": unscored, "not_in_top": sum(s["not_in_top"] for s in scores),
             "largest_share": max((s["largest_share"] for s in scores), default=0.0),
             "shares": sorted(round(s["largest_share"], 4) for s in scores)}

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "differences need raises --numerics-margin if larger (default: on)")
     p.add_argument("--calibrate-requests", type=positive_int_arg, default=96,
                    help="how many requests the calibration asks again (evenly spread)")
+    p.add_argument("--score-budget-s", type=positive_float_arg, default=900.0,
+                   help="the scoring's time, calibration included: an answer not scored by "
+                        "then counts as unexplained (the verdict fails, saying so)")
     p.add_argument("--numerics-top-n", type=positive_int_arg, default=20,
                    help="alternatives the reference reports per position (a token outside "
                         "them fails the answer)")
@@ -252,20 +255,21 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
     finally:
         reference.stop()
     scored = time.monotonic()
+    deadline = scored + args.score_budget_s
     scorer, url = stack.reference_engine(blocks, prefix_cache=True)
     try:
         margin = args.numerics_margin
         if again is not None:
             out["calibration"] = calibration = self_variance(
                 again, url, MODEL_NAME, args.numerics_top_n, args.reference_concurrency,
-                args.request_timeout)
+                args.request_timeout, deadline)
             margin = max(margin, calibration["largest_share"])
             print(f"fault soak: the reference against itself: {calibration['differences']} of "
                   f"{calibration['asked']} answers differ, largest share "
                   f"{calibration['largest_share']:.3f}; numerics margin {margin:.3f}", flush=True)
         out["numerics_margin_used"] = margin
         score_differences(records, url, MODEL_NAME, args.numerics_top_n, margin,
-                          args.reference_concurrency, args.request_timeout)
+                          args.reference_concurrency, args.request_timeout, deadline)
     finally:
         scorer.stop()
     out["reference"] = {"command": " ".join(reference.cmd[1:]), "num_kv_blocks": blocks,
