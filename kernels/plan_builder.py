@@ -140,7 +140,7 @@ class PlanBuilder:
         self._child: _Child | None = None
         self._results: dict[str, Built | Refused] = {}
         self.counts = {"submitted": 0, "built": 0, "refused": 0, "timeouts": 0, "starts": 0,
-                       "crashes": 0, "dropped": 0}
+                       "crashes": 0, "dropped": 0, "queue_full": 0}
         self.enabled = True
 
     def knows(self, name: str) -> bool:
@@ -150,8 +150,9 @@ class PlanBuilder:
                                               and name in self._child.pending)
 
     def submit(self, name: str, key: tuple) -> bool:
-        """Queue ``key``'s build; False when the builder is off (the caller builds it in line)
-        or its queue is full (the caller's kernel serves, and the shape comes again)."""
+        """Queue ``key``'s build and answer True: the caller's kernel serves the shape
+        meanwhile (with a full queue it is not queued, and is sent when it comes again). False
+        when the builder is off: the caller builds in line."""
         if not self.enabled:
             return False
         self._check_timeouts()
@@ -160,7 +161,8 @@ class PlanBuilder:
             if child is not None and name in child.pending:
                 return True
             if child is not None and len(child.pending) >= self.max_pending:
-                return False
+                self.counts["queue_full"] += 1
+                return True
         for _ in range(2):  # a child that has just left for idleness is started again once
             child = self._running_child()
             if child is None:
@@ -233,7 +235,7 @@ class PlanBuilder:
                         self._results[name] = Refused(str(header.get("error", "refused")))
                         self.counts["refused"] += 1
         except (ValueError, OSError) as exc:
-            log.warning("cuDNN plan builder: unreadable answer (%s); stopping it", exc)
+            self._crashed(f"sent an unreadable answer ({exc})")
             _stop(child.process)
         self._reap(child)
 
@@ -331,11 +333,15 @@ def serve(target: Callable[[tuple, int], bytes], device: int, idle_s: float,
         try:
             blob = target(decode_key(header.get("key")), device)
         except Exception as exc:  # cuDNN refuses this shape: the engine's kernel serves it
-            write_frame(stdout, {"name": name, "ok": False,
-                                 "error": f"{type(exc).__name__}: {exc}"})
-            continue
-        write_frame(stdout, {"name": name, "ok": True,
-                             "seconds": round(time.perf_counter() - start, 4)}, bytes(blob))
+            answer, blob = {"name": name, "ok": False,
+                            "error": f"{type(exc).__name__}: {exc}"}, b""
+        else:
+            answer = {"name": name, "ok": True,
+                      "seconds": round(time.perf_counter() - start, 4)}
+        try:
+            write_frame(stdout, answer, bytes(blob))
+        except BrokenPipeError:  # the engine is gone: nobody waits for this graph
+            return 0
 
 
 def main(argv: list[str] | None = None) -> int:

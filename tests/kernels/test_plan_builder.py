@@ -165,3 +165,17 @@ def test_close_ends_the_child(targets: str) -> None:
     child = builder._child.process
     builder.close()
     assert child.poll() is not None
+
+
+def test_a_full_queue_leaves_the_shape_to_the_callers_kernel_until_it_comes_again(
+        targets: str) -> None:
+    builder = PlanBuilder(device=0, target=f"{targets}:slow", max_pending=1)
+    try:
+        assert builder.submit("first", ("first", 0.5))
+        assert builder.submit("second", ("second", 0))  # served meanwhile, not queued
+        assert builder.counts["queue_full"] == 1 and not builder.knows("second")
+        assert isinstance(_wait(builder, "first"), Built)
+        assert builder.submit("second", ("second", 0))  # it came again: queued now
+        assert isinstance(_wait(builder, "second"), Built)
+    finally:
+        builder.close()
