@@ -62,8 +62,8 @@ class CudnnPlans:
             return self._from_background(name, key)
         plan = self._load(name, key)
         if plan is None and background is not None and background.submit(name, key):
-            log.info("cuDNN graph %s is not built: our kernel serves it while the builder "
-                     "process builds it", key[:5])
+            log.debug("cuDNN graph %s is not built: our kernel serves it while the builder "
+                      "process builds it", key[:5])
             return None
         if plan is None:
             try:

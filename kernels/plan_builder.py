@@ -40,7 +40,7 @@ log = logging.getLogger("kernels.plan_builder")
 ENV = "KVSTORE_CUDNN_BUILDER"  # "off": build in line after ready (a request waits)
 CUDNN_TARGET = "kernels.cudnn_build_target:serialized_plan"
 MAX_HEADER_BYTES = 1 << 16
-MAX_BLOB_BYTES = 256 << 20  # a serialized SDPA plan is tens of KiB
+MAX_BLOB_BYTES = 16 << 20  # a serialized SDPA plan is tens of KiB
 
 
 def wanted() -> bool:
@@ -66,7 +66,9 @@ class Refused:
 @dataclass
 class _Child:
     process: subprocess.Popen
-    pending: dict[str, float] = field(default_factory=dict)  # name -> when it was sent
+    pending: dict[str, float] = field(default_factory=dict)  # name -> when it was sent, in order
+    busy_since: float = 0.0  # when the build now running began (the oldest pending one's)
+    failure: str | None = None  # why the reader gave up on it
 
 
 # -- frames ------------------------------------------------------------------------------------
@@ -163,15 +165,23 @@ class PlanBuilder:
             if child is not None and len(child.pending) >= self.max_pending:
                 self.counts["queue_full"] += 1
                 return True
+        frame = {"name": name, "key": encode_key(key)}
+        try:
+            json.dumps(frame)
+        except (TypeError, ValueError) as exc:  # a key part JSON cannot carry: build in line
+            log.error("cuDNN plan builder: cannot send key %r (%s)", key, exc)
+            return False
         for _ in range(2):  # a child that has just left for idleness is started again once
             child = self._running_child()
             if child is None:
                 return False
             try:
-                with self._lock:
+                with self._lock:  # pending before the frame leaves: its answer may come at once
+                    if not child.pending:
+                        child.busy_since = self._clock()
                     child.pending[name] = self._clock()
-                write_frame(child.process.stdin, {"name": name, "key": encode_key(key)})
-            except (BrokenPipeError, OSError, ValueError):
+                write_frame(child.process.stdin, frame)
+            except (OSError, ValueError):  # the child is gone (a broken pipe)
                 with self._lock:
                     child.pending.pop(name, None)
                 self._reap(child)
@@ -187,6 +197,8 @@ class PlanBuilder:
             return self._results.pop(name, None)
 
     def close(self) -> None:
+        """Stops the child; the builder stays off (``submit`` answers False)."""
+        self.enabled = False
         with self._lock:
             child, self._child = self._child, None
         if child is not None:
@@ -225,34 +237,39 @@ class PlanBuilder:
             while (frame := read_frame(child.process.stdout)) is not None:
                 header, blob = frame
                 name = str(header.get("name"))
+                outcome = Built(blob, float(header.get("seconds") or 0.0)) \
+                    if header.get("ok") is True else Refused(str(header.get("error", "refused")))
                 with self._lock:
                     if child.pending.pop(name, None) is None:
                         continue  # timed out or dropped meanwhile
-                    if header.get("ok"):
-                        self._results[name] = Built(blob, float(header.get("seconds", 0.0)))
-                        self.counts["built"] += 1
-                    else:
-                        self._results[name] = Refused(str(header.get("error", "refused")))
-                        self.counts["refused"] += 1
-        except (ValueError, OSError) as exc:
-            self._crashed(f"sent an unreadable answer ({exc})")
-            _stop(child.process)
+                    child.busy_since = self._clock()  # the next pending one starts now
+                    self._results[name] = outcome
+                    self.counts["built" if isinstance(outcome, Built) else "refused"] += 1
+        except Exception as exc:  # a malformed answer: this child is not trusted any more
+            child.failure = f"sent an unreadable answer ({type(exc).__name__}: {exc})"
+            child.process.kill()
         self._reap(child)
 
     def _reap(self, child: _Child) -> None:
-        """The child is gone: what it still owed is dropped (its shapes are sent again when
-        they come back); an exit other than idleness counts as a crash."""
+        """The child is gone. After an idle exit, what it still owed is dropped (sent again
+        when it comes back); after a crash, the shape it was building is refused (sending it
+        again would crash the next child) and the rest dropped. Counted once per child."""
         code = _stop(child.process)
         with self._lock:
-            dropped = len(child.pending)
+            if self._child is not child:
+                return  # reaped already, or stopped on purpose (a timeout, close)
+            self._child = None
+            crashed = child.failure is not None or code != 0
+            why = child.failure or f"exited with {code}"
+            names = list(child.pending)
             child.pending.clear()
-            if self._child is child:
-                self._child = None
-            else:
-                return  # reaped already
-        self.counts["dropped"] += dropped
-        if code not in (0, None) and code != -15:
-            self._crashed(f"exited with {code}")
+            if crashed and names:
+                self._results[names[0]] = Refused(f"the builder process died building it: {why}")
+                self.counts["refused"] += 1
+                names = names[1:]
+            self.counts["dropped"] += len(names)
+        if crashed:
+            self._crashed(why)
 
     def _crashed(self, why: str) -> None:
         self.counts["crashes"] += 1
@@ -264,23 +281,22 @@ class PlanBuilder:
             log.warning("cuDNN plan builder %s", why)
 
     def _check_timeouts(self) -> None:
+        """A build running past ``build_timeout_s``: its shape is refused (our kernel keeps
+        it), the child killed at once, and the shapes queued behind it dropped (sent again)."""
         with self._lock:
             child = self._child
-            if child is None or not child.pending:
+            if child is None or not child.pending or \
+                    self._clock() - child.busy_since <= self.build_timeout_s:
                 return
-            oldest = min(child.pending.values())
-            late = self._clock() - oldest > self.build_timeout_s
-            if late:
-                for name in child.pending:
-                    self._results[name] = Refused(
-                        f"the build ran past {self.build_timeout_s:.0f} s")
-                self.counts["timeouts"] += len(child.pending)
-                child.pending.clear()
-                self._child = None
-        if late:
-            log.warning("cuDNN plan builder: a build ran past %.0f s; stopped, those shapes "
-                        "stay on our kernel", self.build_timeout_s)
-            _stop(child.process)
+            names = list(child.pending)
+            self._results[names[0]] = Refused(f"the build ran past {self.build_timeout_s:g} s")
+            self.counts["timeouts"] += 1
+            self.counts["dropped"] += len(names) - 1
+            child.pending.clear()
+            self._child = None
+        log.warning("cuDNN plan builder: a build ran past %g s; the child is killed and that "
+                    "shape stays on our kernel", self.build_timeout_s)
+        child.process.kill()  # never a wait here: this is the engine's step thread
 
 
 def _stop(process: subprocess.Popen) -> int | None:
@@ -350,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=CUDNN_TARGET)
     parser.add_argument("--idle-s", type=float, default=30.0)
     args = parser.parse_args(argv)
+    frames = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever a library prints (its import too) goes to stderr, not the frames
     module, _, function = args.target.partition(":")
     target = getattr(importlib.import_module(module), function)
-    frames = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever a library prints goes to stderr, never into the frames
     # unbuffered input: ``select`` must see every byte that has not been read yet
     return serve(target, args.device, args.idle_s, sys.stdin.buffer.raw, frames)
 

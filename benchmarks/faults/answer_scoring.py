@@ -114,18 +114,21 @@ def score_differences(records: list, url: str, model: str, top_n: int, max_margi
 
 
 def ask_again(records: list, url: str, model: str, max_tokens: int, sample: int,
-              timeout_s: float) -> dict:
+              timeout_s: float, deadline: float = float("inf")) -> dict:
     """The reference against itself, first half: up to ``sample`` of the records it answered
     (``reference``), evenly spread, asked again one at a time (another batch composition than
-    its first, concurrent pass). Returns how many were asked and failed, and ``differing``:
-    (record, the second answer's token ids) wherever the two answers part."""
+    its first, concurrent pass) until ``deadline``. Returns how many were asked and failed, and
+    ``differing``: (record, the second answer's token ids) wherever the two answers part."""
     todo = [r for r in records if r.error is None and r.reference is not None]
     if len(todo) > sample:
         todo = [todo[i * len(todo) // sample] for i in range(sample)]
     differing: list[tuple] = []
-    errors = 0
+    errors = asked = 0
     with httpx.Client(timeout=timeout_s) as client:
         for record in todo:
+            if time.monotonic() >= deadline:
+                break
+            asked += 1
             try:
                 body = ask(client, url, model, record.messages, max_tokens, token_ids=True)
                 choice = body["choices"][0]
@@ -133,7 +136,7 @@ def ask_again(records: list, url: str, model: str, max_tokens: int, sample: int,
                     differing.append((record, token_ids_of(choice["logprobs"]["content"])))
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 errors += 1
-    return {"asked": len(todo), "errors": errors, "differing": differing}
+    return {"asked": asked, "errors": errors, "differing": differing}
 
 
 def self_variance(again: dict, url: str, model: str, top_n: int, concurrency: int,

@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-requests", type=positive_int_arg, default=96,
                    help="how many requests the calibration asks again (evenly spread)")
     p.add_argument("--score-budget-s", type=positive_float_arg, default=900.0,
-                   help="the scoring's time, calibration included: an answer not scored by "
-                        "then counts as unexplained (the verdict fails, saying so)")
+                   help="the calibration's and the scoring's time, from the reference's first "
+                        "pass on: an answer not scored by then counts as unexplained (the "
+                        "verdict fails, saying so); one answer's scoring is checked whole")
     p.add_argument("--numerics-top-n", type=positive_int_arg, default=20,
                    help="alternatives the reference reports per position (a token outside "
                         "them fails the answer)")
@@ -249,13 +250,13 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
     try:
         answer_again(records, url, MODEL_NAME, workload.answer_len, args.reference_concurrency,
                      args.request_timeout)
+        scored = time.monotonic()
+        deadline = scored + args.score_budget_s
         again = ask_again(records, url, MODEL_NAME, workload.answer_len,
-                          args.calibrate_requests, args.request_timeout) \
+                          args.calibrate_requests, args.request_timeout, deadline) \
             if args.calibrate else None
     finally:
         reference.stop()
-    scored = time.monotonic()
-    deadline = scored + args.score_budget_s
     scorer, url = stack.reference_engine(blocks, prefix_cache=True)
     try:
         margin = args.numerics_margin
