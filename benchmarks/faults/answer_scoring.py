@@ -25,8 +25,8 @@ stated one or that, whichever is larger, and the result says which.
 
 Scoring asks one position per request, so an answer of 100 tokens after a 19k-token prompt is
 100 requests over that prompt: the scorer is a reference engine with its prefix cache on, which
-computes the prompt once and each position's few new tokens after it (without it, the 5,000
-positions of a 10-minute GPU soak were 5,000 full prefills, and scoring outran the device time).
+computes the prompt once and each position's few new tokens after it (without it, each position
+of a 10-minute GPU soak was a full prefill, thousands in all, and scoring outran the device time).
 The answers themselves still come from the reference without a prefix cache.
 
 The prompt's ids come from the reference's ``/tokenize`` (the same chat template), checked
