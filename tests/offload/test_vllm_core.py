@@ -38,6 +38,15 @@ class Instance:
     scheduler: SchedulerSide
     worker: WorkerSide
 
+    def __post_init__(self) -> None:
+        _OPEN.append(self)
+
+    def close(self) -> None:
+        """Ends both sides' store links (each runs a thread that would outlive the test and
+        keep retrying a daemon that is gone, logging into later tests)."""
+        self.worker.close()
+        self.scheduler.client.close()
+
     def block(self, block_id: int) -> bytes:
         dim = 1 if self.layers[0].shape[0] == 2 else 0  # flash layout: [2, blocks, ...]
         return b"".join(t.select(dim, block_id).contiguous().view(torch.uint8).numpy().tobytes()
@@ -72,6 +81,15 @@ class Instance:
 
 
 _INSTANCES = itertools.count()
+_OPEN: list[Instance] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_instances():
+    """Every instance a test made is closed after it (test_vllm_families_core uses it too)."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
 
 
 def make_instance(socket_path, seed: int | None, load_blocks: int = 16,

@@ -8,7 +8,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from test_vllm_core import Instance, _load_on_ranks, prompt
+from test_vllm_core import (  # noqa: F401 (_close_instances: an autouse fixture, used by name)
+    Instance,
+    _close_instances,
+    _load_on_ranks,
+    prompt,
+)
 
 from offload.external.block_keys import KeyMaker
 from offload.external.kv_tensors import make_mover

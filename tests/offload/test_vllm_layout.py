@@ -148,6 +148,7 @@ def test_plan_saves_each_full_block_once_past_vllms_own_hit(tmp_path) -> None:
     assert side.plan_step([ScheduledRequest("r", 14, 1, None)]).saves == []
     side.finished("r")
     assert side.num_tracked == 0
+    client.close()
 
 
 def test_a_request_loads_only_what_a_lookup_hit_and_only_once() -> None:

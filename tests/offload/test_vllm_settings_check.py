@@ -4,6 +4,7 @@ tests marked ``vllm`` start a real one with a bad key."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -95,13 +96,16 @@ def test_good_settings_read_the_same_both_ways(caplog: pytest.LogCaptureFixture)
     extra = {"kv_store_socket": "/tmp/kvstore.sock", "load_blocks": "16",
              "save_timeout_s": 2, "lmcache.enable_p2p": False,
              "lmcache.lookup_timeout_ms": 500, "lmcache.cache_policy": "LRU"}
+    def ours() -> list[logging.LogRecord]:  # the settings' own lines, not another test's
+        return [r for r in caplog.records if r.name == "offload.vllm"]
+
     with caplog.at_level("INFO", logger="offload.vllm"):
         checked = check_extra_config(extra)
-        assert not caplog.records
+        assert not ours()
         read = ConnectorSettings.from_extra_config(extra, env={})
     assert checked == read
     assert (read.load_blocks, read.lookup_timeout_s) == (16, 0.5)
-    notes = [r.getMessage() for r in caplog.records]
+    notes = [r.getMessage() for r in ours()]
     assert len(notes) == 3 and all(n.startswith("kvstore connector: LMCache's") for n in notes)
 
 
