@@ -3,7 +3,8 @@ CUDA_VISIBLE_DEVICES (nvidia-smi lists every GPU of the host, whatever the proce
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +20,12 @@ def test_a_cuda_device_number_names_the_hosts_gpu() -> None:
         host_device(1, "2")
 
 
-def test_host_memory_of_this_process() -> None:
-    memory = host_memory(os.getpid())
+def test_host_memory_of_a_process_without_an_arena() -> None:
+    # a fresh child, not this process: an earlier test in this one may still map an arena
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        memory = host_memory(child.pid)
+    finally:
+        child.kill()
+        child.wait()
     assert memory["rss_bytes"] > 0 and memory["engine_arena_bytes"] == 0
