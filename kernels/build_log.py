@@ -20,7 +20,6 @@ from contextlib import contextmanager
 log = logging.getLogger("kernels.builds")
 
 
-
 class BuildKind(str, enum.Enum):
     """What was built (the ``kind`` label of ``kvengine:first_use_builds_total``)."""
 

@@ -149,11 +149,6 @@ class CudnnAttention:
         return self.cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
                                   compute_data_type=dt.FLOAT, handle=self._handle)
 
-    @staticmethod
-    def make_plan(graph) -> Plan:
-        """A built graph with its workspace size."""
-        return Plan(graph, int(graph.get_workspace_size()))
-
     def _build(self, causal: bool, dense: bool, num_seqs: int, max_rows: int,
                table_width: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                block_size: int, block_stride: tuple[int, int], scale: float) -> Plan:
@@ -204,7 +199,7 @@ class CudnnAttention:
         if causal:
             o.set_ragged_offset(offsets_o)
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        return Plan(g, int(g.get_workspace_size()))
+        return Plan.of(g)
 
     def _build_exact(self, max_rows: int, max_keys: int, num_q_heads: int, num_kv_heads: int,
                      head_dim: int, scale: float) -> Plan:
@@ -225,7 +220,7 @@ class CudnnAttention:
         o.set_output(True).set_dim(qo_dim).set_stride(qo_stride).set_data_type(dt.BFLOAT16)
         o.set_uid(_UID_O)
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        return Plan(g, int(g.get_workspace_size()))
+        return Plan.of(g)
 
     def execute(self, plan: Plan, pointers: dict[int, int], **overrides) -> None:
         """Run ``plan`` on the current stream with ``pointers`` (uid -> device address)."""
@@ -391,4 +386,3 @@ def _check(q, kv_cache, layer: int, block_tables, context_lens):
         raise ValueError(f"block_tables {block_tables.shape} and context_lens "
                          f"{context_lens.shape} disagree on the sequence count")
     return shape
-

@@ -29,6 +29,11 @@ class Plan:
     graph: Any
     workspace_bytes: int
 
+    @classmethod
+    def of(cls, graph) -> Plan:
+        """A built (or deserialized) graph with the workspace it asks for."""
+        return cls(graph, int(graph.get_workspace_size()))
+
 
 class CudnnPlans:
     """Plans by key. ``get`` is the one way in: memory, then disk, then a build."""
@@ -101,14 +106,13 @@ class CudnnPlans:
             log.warning("cuDNN: the builder's graph for %s does not load (%s); our kernel "
                         "serves it", key[:5], exc)
             return self._remember(key, None)
-        if self.plan_cache.enabled:
-            self.plan_cache.put(name, outcome.blob)
+        self.plan_cache.put(name, outcome.blob)  # nothing when the cache is off
         return self._remember(key, plan)
 
     def _deserialize(self, blob: bytes) -> Plan:
         graph = self.cudnn.pygraph(handle=self._handle)
         graph.deserialize(self._handle, blob)
-        return Plan(graph, int(graph.get_workspace_size()))
+        return Plan.of(graph)
 
     def refuse(self, key: tuple, reason: str) -> None:
         """cuDNN refused running ``key``'s plan: never use it again."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kernels.cudnn_plans import Plan
 from kernels.split_prefill import merge_partials, replicate_q, split_meta, tail_width
 
 # Slices per sequence: the table's keys / SLICE_KEYS, within [MIN_SLICES, MAX_SLICES]; fewer,
@@ -171,4 +172,4 @@ class CudnnSplitPrefill:
         stats.set_dim([num_seqs, num_q_heads, max_rows, 1])
         stats.set_stride([num_q_heads * max_rows, max_rows, 1, 1])
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        return self._attn.make_plan(g)
+        return Plan.of(g)

@@ -32,7 +32,6 @@ from kernels.cuda_module import BF16, contiguous
 from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 from kernels.ops import CapturedGraph, Ops
 from kernels.pinned_upload import PinnedUpload
-from kernels.plan_builder import PlanBuilder
 from kernels.plan_cache import PlanCache, default_directory
 
 
@@ -57,7 +56,8 @@ class CupyOps(Ops):
         self._cudnn: CudnnAttention | None = None
         if "cudnn" in self.attention_backends.values():
             try:
-                builder = PlanBuilder(self.device_id) if plan_builder.wanted() else None
+                builder = plan_builder.PlanBuilder(self.device_id) \
+                    if plan_builder.wanted() else None
                 self._cudnn = CudnnAttention(self.builds, PlanCache(default_directory()),
                                              builder)
                 self.attention_note = f"cuDNN {self._cudnn.version}"
@@ -72,7 +72,8 @@ class CupyOps(Ops):
     @property
     def background_builds(self) -> dict[str, int]:
         builder = self._cudnn.plans.background if self._cudnn is not None else None
-        return dict(builder.counts) if builder is not None else {}
+        return {outcome.value: n for outcome, n in builder.counts.items()} \
+            if builder is not None else {}
 
     @property
     def attention_backend(self) -> str:

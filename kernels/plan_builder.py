@@ -21,6 +21,7 @@ is ``function(key: tuple, device: int) -> bytes`` (cuDNN's is
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import json
 import logging
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -41,6 +43,20 @@ ENV = "KVSTORE_CUDNN_BUILDER"  # "off": build in line after ready (a request wai
 CUDNN_TARGET = "kernels.cudnn_build_target:serialized_plan"
 MAX_HEADER_BYTES = 1 << 16
 MAX_BLOB_BYTES = 16 << 20  # a serialized SDPA plan is tens of KiB
+
+
+class Outcome(str, enum.Enum):
+    """What the builder counts (the ``outcome`` label of
+    ``kvengine:cudnn_background_builds_total``)."""
+
+    SUBMITTED = "submitted"
+    BUILT = "built"
+    REFUSED = "refused"
+    TIMEOUTS = "timeouts"
+    STARTS = "starts"
+    CRASHES = "crashes"
+    DROPPED = "dropped"
+    QUEUE_FULL = "queue_full"
 
 
 def wanted() -> bool:
@@ -84,9 +100,14 @@ def decode_key(value: Any) -> tuple:
     return tuple(decode_key(part) if isinstance(part, list) else part for part in value)
 
 
-def write_frame(stream: IO[bytes], header: dict, blob: bytes = b"") -> None:
+def encode_frame(header: dict, blob: bytes = b"") -> bytes:
+    """One frame's bytes; TypeError where the header holds what JSON cannot carry."""
     head = json.dumps(dict(header, size=len(blob))).encode()
-    stream.write(struct.pack(">I", len(head)) + head + blob)
+    return struct.pack(">I", len(head)) + head + blob
+
+
+def write_frame(stream: IO[bytes], header: dict, blob: bytes = b"") -> None:
+    stream.write(encode_frame(header, blob))
     stream.flush()
 
 
@@ -141,8 +162,7 @@ class PlanBuilder:
         self._lock = threading.Lock()
         self._child: _Child | None = None
         self._results: dict[str, Built | Refused] = {}
-        self.counts = {"submitted": 0, "built": 0, "refused": 0, "timeouts": 0, "starts": 0,
-                       "crashes": 0, "dropped": 0, "queue_full": 0}
+        self.counts: Counter[Outcome] = Counter({outcome: 0 for outcome in Outcome})
         self.enabled = True
 
     def knows(self, name: str) -> bool:
@@ -163,11 +183,10 @@ class PlanBuilder:
             if child is not None and name in child.pending:
                 return True
             if child is not None and len(child.pending) >= self.max_pending:
-                self.counts["queue_full"] += 1
+                self.counts[Outcome.QUEUE_FULL] += 1
                 return True
-        frame = {"name": name, "key": encode_key(key)}
         try:
-            json.dumps(frame)
+            frame = encode_frame({"name": name, "key": encode_key(key)})
         except (TypeError, ValueError) as exc:  # a key part JSON cannot carry: build in line
             log.error("cuDNN plan builder: cannot send key %r (%s)", key, exc)
             return False
@@ -180,13 +199,14 @@ class PlanBuilder:
                     if not child.pending:
                         child.busy_since = self._clock()
                     child.pending[name] = self._clock()
-                write_frame(child.process.stdin, frame)
+                child.process.stdin.write(frame)
+                child.process.stdin.flush()
             except (OSError, ValueError):  # the child is gone (a broken pipe)
                 with self._lock:
                     child.pending.pop(name, None)
                 self._reap(child)
                 continue
-            self.counts["submitted"] += 1
+            self.counts[Outcome.SUBMITTED] += 1
             return True
         return False
 
@@ -226,7 +246,7 @@ class PlanBuilder:
         child = _Child(process)
         with self._lock:
             self._child = child
-        self.counts["starts"] += 1
+        self.counts[Outcome.STARTS] += 1
         threading.Thread(target=self._read, args=(child,), daemon=True,
                          name="cudnn-plan-builder").start()
         return child
@@ -244,7 +264,8 @@ class PlanBuilder:
                         continue  # timed out or dropped meanwhile
                     child.busy_since = self._clock()  # the next pending one starts now
                     self._results[name] = outcome
-                    self.counts["built" if isinstance(outcome, Built) else "refused"] += 1
+                    self.counts[Outcome.BUILT if isinstance(outcome, Built)
+                                else Outcome.REFUSED] += 1
         except Exception as exc:  # a malformed answer: this child is not trusted any more
             child.failure = f"sent an unreadable answer ({type(exc).__name__}: {exc})"
             child.process.kill()
@@ -265,18 +286,18 @@ class PlanBuilder:
             child.pending.clear()
             if crashed and names:
                 self._results[names[0]] = Refused(f"the builder process died building it: {why}")
-                self.counts["refused"] += 1
+                self.counts[Outcome.REFUSED] += 1
                 names = names[1:]
-            self.counts["dropped"] += len(names)
+            self.counts[Outcome.DROPPED] += len(names)
         if crashed:
             self._crashed(why)
 
     def _crashed(self, why: str) -> None:
-        self.counts["crashes"] += 1
-        if self.counts["crashes"] >= self.max_crashes and self.enabled:
+        self.counts[Outcome.CRASHES] += 1
+        if self.counts[Outcome.CRASHES] >= self.max_crashes and self.enabled:
             self.enabled = False
             log.error("cuDNN plan builder %s, %d times: off; graphs are built in line again "
-                      "(a request waits for each)", why, self.counts["crashes"])
+                      "(a request waits for each)", why, self.counts[Outcome.CRASHES])
         else:
             log.warning("cuDNN plan builder %s", why)
 
@@ -290,8 +311,8 @@ class PlanBuilder:
                 return
             names = list(child.pending)
             self._results[names[0]] = Refused(f"the build ran past {self.build_timeout_s:g} s")
-            self.counts["timeouts"] += 1
-            self.counts["dropped"] += len(names) - 1
+            self.counts[Outcome.TIMEOUTS] += 1
+            self.counts[Outcome.DROPPED] += len(names) - 1
             child.pending.clear()
             self._child = None
         log.warning("cuDNN plan builder: a build ran past %g s; the child is killed and that "
