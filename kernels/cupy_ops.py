@@ -70,6 +70,11 @@ class CupyOps(Ops):
             self._cudnn.close()
 
     @property
+    def allocator_bytes(self) -> dict[str, int]:
+        pool = cp.get_default_memory_pool()
+        return {"held": pool.total_bytes(), "in_use": pool.used_bytes()}
+
+    @property
     def background_builds(self) -> dict[str, int]:
         builder = self._cudnn.plans.background if self._cudnn is not None else None
         return {outcome.value: n for outcome, n in builder.counts.items()} \

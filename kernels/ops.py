@@ -72,6 +72,13 @@ class Ops(ABC):
         return None
 
     @property
+    def allocator_bytes(self) -> dict[str, int]:
+        """Device memory the backend's allocator holds (``held``) and has handed out now
+        (``in_use``); the difference is its cache of freed blocks, which later steps reuse. Empty
+        where no device allocator caches (host backends)."""
+        return {}
+
+    @property
     def background_builds(self) -> dict[str, int]:
         """What the background plan builder did, by outcome (``PlanBuilder.counts``); empty
         where none runs."""

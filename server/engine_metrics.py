@@ -232,3 +232,10 @@ class EngineCollector:
         for outcome, count in sorted(runner.ops.background_builds.items()):
             background.add_metric([*self._ids, outcome], float(count))
         yield background
+        allocator = GaugeMetricFamily(
+            P + "gpu_allocator_bytes", "Device memory the engine's allocator holds (held) and "
+            "has handed out now (in_use); held minus in_use is its cache of freed blocks.",
+            labels=[*LABELS, "state"])
+        for state, count in sorted(runner.ops.allocator_bytes.items()):
+            allocator.add_metric([*self._ids, state], float(count))
+        yield allocator

@@ -84,6 +84,11 @@ class KernelsView(Protocol):
         """Graph captures and cuDNN builds, before and after the engine said ready."""
         ...
 
+    @property
+    def allocator_bytes(self) -> dict[str, int]:
+        """The device allocator's ``held`` and ``in_use`` bytes; empty on host backends."""
+        ...
+
 
 class BuildsView(Protocol):
     """What a kernel backend built (``kernels/build_log.py``) as /metrics reads it."""

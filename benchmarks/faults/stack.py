@@ -22,7 +22,8 @@ import httpx
 from benchmarks.servers import ServerProcess
 
 # kvengine:kv_offload_events_total{event="blocks_saved",model_name="m"} 12.0
-_EVENTS = "kvengine:kv_offload_events_total{"
+_EVENTS = "kvengine:kv_offload_events_total"
+_ALLOCATOR = "kvengine:gpu_allocator_bytes"
 MODEL_NAME = "soak"  # what the engines serve the model as
 
 
@@ -133,18 +134,28 @@ class SoakStack:
         except (httpx.HTTPError, ValueError):
             return None
 
-    def engine_offload_events(self) -> dict[str, float]:
-        """The engine's --kv-offload event counts from its /metrics ({} without an answer)."""
+    def _engine_series(self, family: str, label: str) -> dict[str, float]:
+        """One labelled family of the engine's /metrics, by ``label``'s value ({} without an
+        answer)."""
         try:
             text = httpx.get(self.url + "/metrics", timeout=10.0).text
         except httpx.HTTPError:
             return {}
-        events = {}
+        series = {}
         for line in text.splitlines():
-            if line.startswith(_EVENTS):
+            if line.startswith(family + "{"):
                 labels, value = line.rsplit(" ", 1)
-                events[labels.split('event="', 1)[1].split('"', 1)[0]] = float(value)
-        return events
+                series[labels.split(f'{label}="', 1)[1].split('"', 1)[0]] = float(value)
+        return series
+
+    def engine_offload_events(self) -> dict[str, float]:
+        """The engine's --kv-offload event counts from its /metrics ({} without an answer)."""
+        return self._engine_series(_EVENTS, "event")
+
+    def engine_allocator_bytes(self) -> dict[str, int]:
+        """The engine's device allocator, ``held`` and ``in_use`` bytes ({} on host backends
+        or without an answer)."""
+        return {k: int(v) for k, v in self._engine_series(_ALLOCATOR, "state").items()}
 
     def pids(self) -> dict[str, int]:
         """The live processes under test by role."""

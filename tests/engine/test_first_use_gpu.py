@@ -41,6 +41,8 @@ def test_turns_after_the_warm_up_wait_for_no_build(tiny_model_dir, tmp_path, mon
         assert after.get(CUDA_GRAPH, 0) == after.get(CUDNN_GRAPH, 0) == 0, after
         assert after.get(CUDNN_LOAD, 0) == 0, after
         assert llm.engine.runner.prefill_graphs.num_replays >= 10
+        allocator = llm.engine.runner.ops.allocator_bytes  # what the soak's memory check reads
+        assert allocator["held"] >= allocator["in_use"] > 0, allocator
 
 
 def test_a_second_start_loads_its_cudnn_graphs(tiny_model_dir, tmp_path, monkeypatch) -> None:

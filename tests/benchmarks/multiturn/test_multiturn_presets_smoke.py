@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiturn import presets
+from benchmarks.multiturn import presets, targets
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,10 +45,39 @@ def test_figures_and_comparison_from_records() -> None:
     assert f_on["ttft_ms"]["mean_later_turns"] == pytest.approx(100)
     assert f_on["restores"]["num"] == 2
     assert f_on["restores"]["load_floor_ms_mean"] == pytest.approx(2.0)  # 1e8 B at 50 GB/s
-    cmp = presets.compare(f_on, f_off)
+    cmp = targets.compare(f_on, f_off, targets.ISSUE_18)
     assert cmp["figures"]["later_speedup"] == pytest.approx(8.0)
     assert cmp["met"]["later_speedup"] is True and cmp["met"]["first_ratio"] is True
     assert cmp["met"]["all_speedup"] is False  # 0.8 / 0.3 = 2.67 < 3
+    assert "first_minute_spike" not in cmp["met"]  # issue 18 set no such target
+    agents = targets.compare(f_on, f_off, targets.PRESET_TARGETS["agent-tools"])
+    assert agents["met"]["all_speedup"] is True  # 2.67 >= 1.5
+    # the 700 ms first turn found nothing cached (its whole prefill): not a first-use stall
+    assert agents["figures"]["first_minute_spike"] == pytest.approx(1.0)
+    assert agents["met"]["first_minute_spike"] is True
+    stalled = {**on, "records": [*on["records"], *[_record(1, 0.1, 1000)] * 3,
+                                 _record(1, 0.5, restored=1000, sent_s=5.0)]}
+    f_stalled = presets.summarize_point(stalled, kv_bytes_per_token=1e5, h2d_gbps=50.0)
+    spike = targets.compare(f_stalled, f_off, targets.PRESET_TARGETS["agent-tools"])
+    assert spike["figures"]["first_minute_spike"] == pytest.approx(5.0)  # 500 / p50 100 ms
+    assert spike["met"]["first_minute_spike"] is False
+
+
+def test_each_preset_has_its_targets_and_agents_have_issue_36s() -> None:
+    assert set(targets.PRESET_TARGETS) == set(presets.PRESETS)
+    agents = targets.PRESET_TARGETS["agent-tools"]
+    assert (agents["later_speedup"], agents["all_speedup"], agents["first_ratio"]) == \
+        (2.0, 1.5, 1.05)
+    assert targets.PRESET_TARGETS["long-context"]["first_ratio"] == 1.05
+
+
+def test_the_first_minute_counts_only_requests_sent_in_it() -> None:
+    records = [_record(1, 0.05, restored=64, sent_s=1.0),
+               _record(1, 0.9, restored=64, sent_s=61.0),
+               {**_record(1, 2.0, restored=64, sent_s=2.0), "error": "timeout"},
+               _record(0, 0.3, sent_s=0.0)]  # nothing cached: its whole prefill
+    assert targets.first_minute_max_ttft_ms(records) == pytest.approx(50.0)
+    assert targets.first_minute_max_ttft_ms(records[1:]) is None
 
 
 def test_restores_against_the_bound_from_hbm_hits_of_the_same_run() -> None:
