@@ -17,7 +17,8 @@ all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large`` (b
 by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of the default's one
 ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the GPU into a staging
 slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs`` / by
-``copy_pieces``). ``--trace``: a timeline of every daemon save and load
+``copy_pieces``), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
+that many bytes instead of 32 MiB: fewer submissions against a later first copy). ``--trace``: a timeline of every daemon save and load
 (``copy_trace``). Per variant also the round trip of a request that moves nothing
 (``health``): the floor under every save/load.
 
@@ -53,7 +54,11 @@ _VARIANTS = {"default": [],
              "memcpy_large": ["--copy-large-runs", "memcpy"],
              "kernel_large": ["--copy-large-runs", "kernel"],
              "staged_large": ["--copy-large-runs", "staged"],
-             "packed_large": ["--copy-packed-min-pieces", "1"]}
+             "packed_large": ["--copy-packed-min-pieces", "1"],
+             "chunk_16m": ["--copy-chunk-size", "16MiB"],
+             "chunk_64m": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
+             "chunk_128m": ["--copy-chunk-size", "128MiB", "--copy-staging-slot-size",
+                            "128MiB"]}
 # --trace: the daemon runs with benchmarks/copy_trace.py's hooks installed first.
 _TRACED_SERVE = ("import sys, benchmarks.copy_trace as ct; ct.install({!r}); "
                  "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
