@@ -18,9 +18,9 @@ by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of t
 ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the GPU into a staging
 slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs`` / by
 ``copy_pieces``), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
-that many bytes instead of 32 MiB: fewer submissions against a later first copy). ``--trace``: a timeline of every daemon save and load
-(``copy_trace``). Per variant also the round trip of a request that moves nothing
-(``health``): the floor under every save/load.
+that many bytes instead of 32 MiB: fewer submissions against a later first copy).
+``--trace``: a timeline of every daemon save and load (``copy_trace``). Per variant also the
+round trip of a request that moves nothing (``health``): the floor under every save/load.
 
     python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
                                          [--variants default,one_submission] [--out DIR]
