@@ -6,12 +6,14 @@ Everything runs in one process tree and one run, so the ratios compare like with
   block, 2.25 MiB);
 * lookup of 1,024 hashes through the socket: p50/p99 round trip, full hit (with lease) and miss,
   next to the in-process ``TieredStore.lookup`` of the same chain (the store's own share);
+* a CPU engine's save of 1, 64 and 256 blocks through the daemon (its arena registered as shared
+  memory), per block, next to an in-process copy of the same bytes;
 * SSD: raw O_DIRECT write (+ fdatasync) and read of the data size, then the SSD tier writing the
   same bytes (``flush_to_ssd``) and restoring them after a restart (lookup + read promotes each
   block), then the restore end to end through the daemon (lookup + load into shared memory).
 
-Usage: python benchmarks/store.py [--size 1GiB] [--dir DIR] [--machine NAME]
-Writes benchmarks/results/store-<machine>-<date>.json.
+Usage: python benchmarks/store.py [--size 1GiB] [--dir DIR] [--machine NAME] [--parts save,...]
+Writes benchmarks/results/store-<machine>[-<tag>]-<date>.json.
 """
 
 from __future__ import annotations
@@ -164,6 +166,49 @@ def bench_lookup(iterations: int) -> dict:
             "target_p50_ms": 0.5, "meets_target": pct(hit, 50) * ms <= 0.5}
 
 
+def bench_shm_save(block_bytes: int, counts: tuple[int, ...], reps: int) -> list[dict]:
+    """A CPU engine's save of ``counts`` blocks through the daemon (a shared-memory
+    registration, fresh keys each time) against an in-process copy of the same bytes."""
+    num_blocks = max(counts)
+    daemon = Daemon("--dram", str(num_blocks * block_bytes * (reps + 6) + (64 << 20)))
+    memory = AnonymousMemory(num_blocks * block_bytes, "bench-save")
+    arena = np.ndarray((memory.size_bytes,), np.uint8, memory.buf)
+    arena[:] = 7
+    rows = []
+    try:
+        with Client(daemon.socket) as c:
+            layout = KVLayout(num_blocks, (Region(0, memory.size_bytes, 0, block_bytes,
+                                                   block_bytes),), fds=(memory.fd,))
+            reg = c.register(layout, "bench-save")
+            for n in counts:
+                saves, raw = [], []
+                out = np.empty(n * block_bytes, np.uint8)
+                for rep in range(reps + 5):
+                    ns, hashes, idents = chain(f"bench-save-{n}-{rep}", n)
+                    t0 = time.perf_counter()
+                    assert c.save(reg, ns, range(n), hashes, idents).num_saved == n
+                    dt = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    out[:] = arena[:n * block_bytes]
+                    dt_raw = time.perf_counter() - t0
+                    if rep >= 5:  # warm-up
+                        saves.append(dt)
+                        raw.append(dt_raw)
+                save_ms, raw_ms = pct(saves, 50) * 1e3, pct(raw, 50) * 1e3
+                rows.append({"blocks": n, "block_bytes": block_bytes, "reps": reps,
+                             "save_p50_ms": save_ms, "save_p90_ms": pct(saves, 90) * 1e3,
+                             "save_us_per_block": save_ms * 1e3 / n,
+                             "raw_copy_p50_ms": raw_ms, "ratio_of_raw": raw_ms / save_ms})
+                print(f"  save {n:4d} blocks of {block_bytes} B: {save_ms:.3f} ms p50 "
+                      f"({save_ms * 1e3 / n:.1f} us a block), raw copy {raw_ms:.3f} ms",
+                      flush=True)
+            c.unregister(reg)
+    finally:
+        memory.close()
+        daemon.stop()
+    return rows
+
+
 # ----------------------------------------------------------------------------------- SSD numbers
 
 
@@ -280,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None,
                         help="a directory on the disk to measure (default: a temp dir in /var/tmp)")
     parser.add_argument("--lookup-iterations", type=int, default=500)
+    parser.add_argument("--parts", default="put_get,lookup,save,ssd",
+                        help="which measurements: put_get, lookup, save (a CPU engine's save "
+                             "through the daemon), ssd")
+    parser.add_argument("--save-block-bytes", type=int, default=4096)
+    parser.add_argument("--save-reps", type=int, default=100)
+    parser.add_argument("--tag", default=None, help="name part of the file (default: none)")
     parser.add_argument("--machine", default=socket.gethostname().split(".")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
@@ -295,12 +346,23 @@ def main(argv: list[str] | None = None) -> int:
         "disk_dir": str(base),
         "load_average_at_start": os.getloadavg(),  # other work on the machine skews latencies
     }
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"put_get", "lookup", "save", "ssd"}:
+        parser.error("--parts: put_get, lookup, save, ssd")
     try:
-        print("put/get through the socket ...", flush=True)
-        result["put_get"] = [bench_put_get(64 * 1024, 256 << 20),
-                             bench_put_get(args.block_bytes, 512 << 20)]
-        print("lookup of 1,024 hashes ...", flush=True)
-        result["lookup_1024"] = bench_lookup(args.lookup_iterations)
+        if "put_get" in parts:
+            print("put/get through the socket ...", flush=True)
+            result["put_get"] = [bench_put_get(64 * 1024, 256 << 20),
+                                 bench_put_get(args.block_bytes, 512 << 20)]
+        if "lookup" in parts:
+            print("lookup of 1,024 hashes ...", flush=True)
+            result["lookup_1024"] = bench_lookup(args.lookup_iterations)
+        if "save" in parts:
+            print("a CPU engine's saves through the daemon ...", flush=True)
+            result["shm_save"] = bench_shm_save(args.save_block_bytes, (1, 64, 256),
+                                                args.save_reps)
+        if "ssd" not in parts:
+            return _write(args, result)
         print(f"raw O_DIRECT vs SSD tier, {format_bytes(total)} ...", flush=True)
         raw = raw_direct_io(work, total, args.block_bytes)
         tier_dir = work / "ssd"
@@ -315,8 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return _write(args, result)
+
+
+def _write(args: argparse.Namespace, result: dict) -> int:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.machine)
-    path = write_result(args.out, f"store-{slug}-{result['date']}.json", result)
+    tag = f"-{args.tag}" if args.tag else ""
+    path = write_result(args.out, f"store-{slug}{tag}-{result['date']}.json", result)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0
