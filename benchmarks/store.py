@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machine", default=socket.gethostname().split(".")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"put_get", "lookup", "save", "ssd"}:
+        parser.error("--parts: put_get, lookup, save, ssd")
     total = parse_size(args.size)
     base = args.dir or Path("/var/tmp")
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=base))
@@ -346,9 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         "disk_dir": str(base),
         "load_average_at_start": os.getloadavg(),  # other work on the machine skews latencies
     }
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts or parts - {"put_get", "lookup", "save", "ssd"}:
-        parser.error("--parts: put_get, lookup, save, ssd")
     try:
         if "put_get" in parts:
             print("put/get through the socket ...", flush=True)
