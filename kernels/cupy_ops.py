@@ -71,8 +71,9 @@ class CupyOps(Ops):
 
     @property
     def allocator_bytes(self) -> dict[str, int]:
-        pool = cp.get_default_memory_pool()
-        return {"held": pool.total_bytes(), "in_use": pool.used_bytes()}
+        with cp.cuda.Device(self.device_id):  # the pool of this engine's device, from any thread
+            pool = cp.get_default_memory_pool()
+            return {"held": pool.total_bytes(), "in_use": pool.used_bytes()}
 
     @property
     def background_builds(self) -> dict[str, int]:

@@ -27,10 +27,6 @@ from kvstore.layout import KVLayout
 from kvstore.store.block_store import BlockStore, Lease, StoreError
 
 # Why a name is not enough, said to a client that still registers by name.
-# A save reserves, fills and publishes its blocks a group at a time (one hold of the store's lock
-# for each), keeping at most this much reserved but unpublished.
-SAVE_GROUP_BLOCKS = 64
-SAVE_GROUP_BYTES = 64 << 20
 BY_NAME_REFUSED = ("registrations by shared-memory name are refused: any process of this uid "
                    "could name another engine's memory. Send the memory's file descriptor with "
                    "the register frame instead (an anonymous memfd, SCM_RIGHTS; "
@@ -135,37 +131,9 @@ class ShmRegistration(Registration):
     def save_blocks(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
                     hashes: Sequence[bytes], idents: Sequence[bytes],
                     cancel: Cancellation, outcomes: list[str]) -> None:
-        per_group = max(1, min(SAVE_GROUP_BLOCKS, SAVE_GROUP_BYTES // max(1, self.block_bytes)))
-        for start in range(0, len(block_ids), per_group):
+        for block_id, block_hash, ident in zip(block_ids, hashes, idents):
             cancel.check()
-            stop = start + per_group
-            outcomes.extend(self._save_group(store, namespace, block_ids[start:stop],
-                                             hashes[start:stop], idents[start:stop]))
-
-    def _save_group(self, store: BlockStore, namespace: bytes, block_ids: Sequence[int],
-                    hashes: Sequence[bytes], idents: Sequence[bytes]) -> list[str]:
-        """Saved, duplicate or failed per block: the group's slots reserved in one call, filled,
-        published in one call. A block the pool had no room for while the group's own blocks
-        were still unpublished is tried once more after them."""
-        num_bytes = self.block_bytes
-        reserved = store.begin_writes(namespace, hashes, idents, num_bytes)
-        slots = [s for s in reserved if s is not None and not isinstance(s, StoreError)]
-        try:
-            for block_id, slot in zip(block_ids, reserved):
-                if slot is not None and not isinstance(slot, StoreError):
-                    self.read_block(block_id, slot.buffer[:num_bytes])
-        except BaseException:
-            for slot in slots:
-                slot.abort()
-            raise
-        published = iter(store.commit_all(slots))
-        outcomes = []
-        for block_id, block_hash, ident, slot in zip(block_ids, hashes, idents, reserved):
-            if isinstance(slot, StoreError):
-                outcomes.append(self._save_one(store, namespace, block_id, block_hash, ident))
-            else:
-                outcomes.append("duplicate" if slot is None or not next(published) else "saved")
-        return outcomes
+            outcomes.append(self._save_one(store, namespace, block_id, block_hash, ident))
 
     def _save_one(self, store: BlockStore, namespace: bytes, block_id: int, block_hash: bytes,
                   ident: bytes) -> str:

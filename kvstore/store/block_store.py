@@ -131,27 +131,6 @@ class BlockStore(ABC):
         StoreError when ``num_bytes`` can never fit or every byte of the pool is pinned.
         """
 
-    def begin_writes(self, namespace: bytes, block_hashes: Sequence[bytes],
-                     idents: Sequence[bytes], num_bytes: int
-                     ) -> list[WriteSlot | None | StoreError]:
-        """``begin_write`` of each block, in order: a slot, None (kept as stored), or the
-        StoreError that block's ``begin_write`` raised (the others are not affected). A store may
-        reserve the batch in one hold of its lock; this default calls ``begin_write`` each."""
-        if len(block_hashes) != len(idents):
-            raise StoreError(f"{len(idents)} idents for {len(block_hashes)} blocks")
-        out: list[WriteSlot | None | StoreError] = []
-        for block_hash, ident in zip(block_hashes, idents):
-            try:
-                out.append(self.begin_write(namespace, block_hash, ident, num_bytes))
-            except StoreError as exc:
-                out.append(exc)
-        return out
-
-    def commit_all(self, slots: Sequence[WriteSlot]) -> list[bool]:
-        """``commit`` of each slot, in order (a store may publish them in one hold of its
-        lock)."""
-        return [slot.commit() for slot in slots]
-
     @abstractmethod
     def replace(self, namespace: bytes, block_hash: bytes, ident: bytes,
                 data: bytes | memoryview, wait_s: float = 5.0) -> bool:

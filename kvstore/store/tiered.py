@@ -29,7 +29,6 @@ from kvstore.store.block_store import (
     DropListener,
     Lease,
     LookupResult,
-    StoreError,
     Tier,
     WriteSlot,
 )
@@ -124,14 +123,6 @@ class TieredStore(BlockStore):
     def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
                     num_bytes: int) -> WriteSlot | None:
         return self._writes.begin_write(namespace, block_hash, ident, num_bytes)
-
-    def begin_writes(self, namespace: bytes, block_hashes: Sequence[bytes],
-                     idents: Sequence[bytes], num_bytes: int
-                     ) -> list[WriteSlot | None | StoreError]:
-        return self._writes.begin_writes(namespace, block_hashes, idents, num_bytes)
-
-    def commit_all(self, slots: Sequence[WriteSlot]) -> list[bool]:
-        return self._writes.commit_all(slots)
 
     def replace(self, namespace: bytes, block_hash: bytes, ident: bytes,
                 data: bytes | memoryview, wait_s: float = 5.0) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
 
 from kvstore.store.block_store import StoreError, WriteSlot
 from kvstore.store.demoter import Demoter
@@ -15,18 +14,18 @@ from kvstore.store.parts import StoreParts
 
 class _Slot(WriteSlot):
     def __init__(self, writes: WritePath, block: Block, buffer: memoryview) -> None:
-        self.writes, self.block, self.buffer = writes, block, buffer
+        self._writes, self._block, self.buffer = writes, block, buffer
 
     def commit(self) -> bool:
-        published = self.writes.commit(self.block)
-        self.retire()
+        published = self._writes.commit(self._block)
+        self._retire()
         return published
 
     def abort(self) -> None:
-        self.writes.abort(self.block)
-        self.retire()
+        self._writes.abort(self._block)
+        self._retire()
 
-    def retire(self) -> None:
+    def _retire(self) -> None:
         # Later writes through the slot then raise; if the caller still exports the buffer (a
         # NumPy array), the contract alone forbids them.
         with contextlib.suppress(BufferError):
@@ -58,65 +57,27 @@ class WritePath:
     def _begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
                      num_bytes: int) -> WriteSlot | None:
         key = self._keys.key(namespace, block_hash)
-        with self._guard.cond:
-            self._check_size_locked(num_bytes)
-            return self._reserve_locked(key, ident, num_bytes)
-
-    def begin_writes(self, namespace: bytes, block_hashes: Sequence[bytes],
-                     idents: Sequence[bytes], num_bytes: int
-                     ) -> list[WriteSlot | None | StoreError]:
-        """``begin_write`` of each block in one hold of the store's lock (the allocator may
-        still let it go to wait for room): per block a slot, None, or its StoreError."""
-        if len(block_hashes) != len(idents):
-            raise StoreError(f"{len(idents)} idents for {len(block_hashes)} blocks")
-        keys = [self._keys.key(namespace, h) for h in block_hashes]
-        out: list[WriteSlot | None | StoreError] = []
-        try:
-            with self._guard.cond:
-                try:
-                    self._check_size_locked(num_bytes, len(keys))
-                except StoreError as exc:  # as begin_write raises it for each block
-                    return [exc] * len(keys)
-                for key, ident in zip(keys, idents):
-                    try:
-                        out.append(self._reserve_locked(key, ident, num_bytes))
-                    except StoreError as exc:
-                        out.append(exc)
-            return out
-        except BaseException:
-            for slot in out:  # a closed store or a bad size: nothing of the batch stays reserved
-                if isinstance(slot, _Slot):
-                    slot.abort()
-            raise
-        finally:
-            if self._drops.pending:
-                self._drops.report()
-
-    def _check_size_locked(self, num_bytes: int, num_blocks: int = 1) -> None:
         if num_bytes < 0:
             raise StoreError("num_bytes must be >= 0")
-        self._guard.check_open()
-        if self._pool.reserved_size(num_bytes) > self._pool.capacity_bytes:
-            self._counters["put_too_large"] += num_blocks
-            raise StoreError(f"a {num_bytes} B block can never fit the "
-                             f"{self._pool.capacity_bytes} B DRAM pool")
-
-    def _reserve_locked(self, key: bytes, ident: bytes, num_bytes: int) -> WriteSlot | None:
-        """A slot for a new block under ``key``, or None (counted why); StoreError when the
-        pool has no room. The lock is held (the allocator may let it go and take it back)."""
-        alloc = None
-        while True:
-            verdict = self._admit_locked(key, ident)
-            if verdict is not None:
+        with self._guard.cond:
+            self._guard.check_open()
+            if self._pool.reserved_size(num_bytes) > self._pool.capacity_bytes:
+                self._counters["put_too_large"] += 1
+                raise StoreError(f"a {num_bytes} B block can never fit the "
+                                 f"{self._pool.capacity_bytes} B DRAM pool")
+            alloc = None
+            while True:
+                verdict = self._admit_locked(key, ident)
+                if verdict is not None:
+                    if alloc is not None:
+                        self._pool.free(alloc)
+                    self._counters[verdict] += 1
+                    return None
                 if alloc is not None:
-                    self._pool.free(alloc)
-                self._counters[verdict] += 1
-                return None
-            if alloc is not None:
-                break
-            alloc = self._demoter.allocate_locked(num_bytes)  # may drop the lock: again
-        block = self._dram.reserve(key, bytes(ident), alloc)
-        return _Slot(self, block, self._pool.view(alloc))
+                    break
+                alloc = self._demoter.allocate_locked(num_bytes)  # may drop the lock: again
+            block = self._dram.reserve(key, bytes(ident), alloc)
+            return _Slot(self, block, self._pool.view(alloc))
 
     def _admit_locked(self, key: bytes, ident: bytes) -> str | None:
         """None when a new block may be written under ``key``; else the counter saying why not."""
@@ -211,32 +172,15 @@ class WritePath:
     def commit(self, block: Block) -> bool:
         """Publish a filled block; False if it was dropped meanwhile (the store closed...)."""
         with self._guard.cond:
-            return self._publish_locked(block)
-
-    def commit_all(self, slots: Sequence[WriteSlot]) -> list[bool]:
-        """Publish each filled slot in one hold of the lock (slots of another store commit on
-        their own); the slots are spent either way."""
-        mine = [isinstance(slot, _Slot) and slot.writes is self for slot in slots]
-        with self._guard.cond:
-            out = [self._publish_locked(slot.block) if own else None
-                   for slot, own in zip(slots, mine)]
-        for slot, own in zip(slots, mine):
-            if own:
-                slot.retire()
-        return [slot.commit() if result is None else result
-                for slot, result in zip(slots, out)]
-
-    def _publish_locked(self, block: Block) -> bool:
-        if block.state is not BlockState.IN_FLIGHT or not self._dram.holds(block):
-            return False
-        pad = self._pool.view(block.alloc, padded=True)[block.alloc.num_bytes:]
-        if len(pad):
+            if block.state is not BlockState.IN_FLIGHT or not self._dram.holds(block):
+                return False
+            pad = self._pool.view(block.alloc, padded=True)[block.alloc.num_bytes:]
             pad[:] = bytes(len(pad))  # stale bytes of an older block never reach the SSD
-        self._dram.publish(block)
-        self._counters["puts"] += 1
-        self._counters["put_bytes"] += block.alloc.num_bytes
-        self._demoter.note_growth_locked()
-        return True
+            self._dram.publish(block)
+            self._counters["puts"] += 1
+            self._counters["put_bytes"] += block.alloc.num_bytes
+            self._demoter.note_growth_locked()
+            return True
 
     def abort(self, block: Block) -> None:
         """Give up a reserved block: its bytes are freed, no lookup ever saw it."""

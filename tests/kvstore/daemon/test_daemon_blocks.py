@@ -219,9 +219,9 @@ def test_one_lease_larger_than_dram_loads_completely(make_daemon, tmp_path,
 
 
 def test_one_save_larger_than_dram_goes_through(make_daemon, arenas: list[ShmArena]) -> None:
-    # 48 blocks of 256 KiB (12 MiB) in one save through a 4 MiB pool, no SSD: the daemon
-    # reserves a group of blocks at once, so most find no room while the group's own blocks are
-    # unpublished; each is tried again once they are, and evicts older ones like any put.
+    # 48 blocks of 256 KiB (12 MiB) in one save through a 4 MiB pool, no SSD: each block is
+    # published before the next is reserved, so the later ones evict the earlier ones like any
+    # put, and the newest stay.
     num_blocks, block_bytes = 48, 256 * 1024
     src = _engine_arena(num_blocks, block_bytes, fill_seed=73)
     dst = _engine_arena(8, block_bytes, fill_seed=None)

@@ -242,33 +242,3 @@ def test_a_closed_store_refuses_and_closing_again_is_harmless(store) -> None:
 def memoryview_address(view: memoryview) -> int:
     """The address of the first byte of ``view`` (NumPy reads it without copying)."""
     return np.frombuffer(view, np.uint8).ctypes.data
-
-
-@pytest.mark.parametrize("batch", [BlockStore.begin_writes, "own"], ids=["default", "own"])
-def test_a_batch_of_writes_is_each_block_s_begin_write(store, batch) -> None:
-    begin_writes = store.begin_writes if batch == "own" else batch.__get__(store)
-    put(store, 0)
-    hashes, idents = chain([0, 1, 2, 1])  # one stored, two new, one twice in the batch
-    slots = begin_writes(NS, hashes, idents, BLOCK)
-    assert slots[0] is None and slots[3] is None  # kept as stored / the first writer goes on
-    assert store.lookup(NS, hashes[1:3], idents[1:3], lease_ttl_s=None).num_hit == 0
-    for i, slot in zip((1, 2), slots[1:3]):
-        slot.buffer[:] = block_bytes(i, BLOCK)
-    assert store.commit_all(slots[1:3]) == [True, True]
-    assert store.commit_all(slots[1:2]) == [False]  # spent: committing again publishes nothing
-    assert store.get(NS, hashes[2], idents[2]) == block_bytes(2, BLOCK)
-    # more blocks than DRAM holds, none published yet: the ones without room fail alone
-    hashes, idents = chain(range(10, 10 + DRAM_BLOCKS + 2))
-    slots = begin_writes(NS, hashes, idents, BLOCK)
-    reserved = [s for s in slots if s is not None and not isinstance(s, StoreError)]
-    failed = [s for s in slots if isinstance(s, StoreError)]
-    assert len(reserved) <= DRAM_BLOCKS and len(failed) == len(slots) - len(reserved) >= 2
-    for slot in reserved:
-        slot.abort()
-    assert store.holding(NS, hashes) == [False] * len(hashes)
-    too_large = begin_writes(NS, hashes[:2], idents[:2], DRAM_BLOCKS * BLOCK + 1)
-    assert all(isinstance(s, StoreError) for s in too_large) and len(too_large) == 2
-    with pytest.raises(StoreError, match="idents"):
-        begin_writes(NS, hashes[:2], idents[:1], BLOCK)
-    store.close()
-    assert all(isinstance(s, StoreError) for s in begin_writes(NS, hashes[:2], idents[:2], BLOCK))
