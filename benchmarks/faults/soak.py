@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-slack", type=size_arg, default=64 * 2**20,
                    help="... plus this (SIZE)")
     p.add_argument("--settle-s", type=positive_float_arg, default=None,
-                   help="wait after the load before the memory is read again (default: 5 s on "
-                        "cpu, 40 s on cuda, where the engine's cuDNN plan builder leaves 30 s "
-                        "after its last build and gives its CUDA context back)")
+                   help="wait after the load before the memory is read again, and on cuda "
+                        "after the warm-up before the baseline too (default: 5 s on cpu, 40 s on "
+                        "cuda, where the engine's cuDNN plan builder leaves 30 s after its last "
+                        "build and gives its CUDA context back: the baseline must not count it)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="where the socket and SSD files go (default: the temp folder)")
     p.add_argument("--machine", default=socket.gethostname().split(".")[0])
@@ -226,7 +227,10 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
         stack.start_daemon()
         listening_s, warm_s = stack.start_engine()
         out["engine_start_s"] = {"listening": listening_s, "warm": warm_s}
-        time.sleep(1.0)
+        # On cuda, a plan builder the warm-up started holds a CUDA context for 30 s more: the
+        # baseline waits for it as the reading after the load does, else it counts memory that
+        # is gone by then and hides as much growth.
+        time.sleep((args.settle_s or 40.0) if gpu else 1.0)
         ordinals = (int(args.device.partition(":")[2] or 0),) if gpu else ()
         out["memory_before"] = _memory(stack, gpu, ordinals)
         t0 = time.monotonic()
