@@ -217,25 +217,23 @@ class EngineCollector:
         yield from self._counter(P + "attention_fallbacks",
                                  "Attention calls the chosen backend refused (our kernel "
                                  "served them).", float(runner.ops.num_attention_fallbacks))
-        builds = runner.ops.builds.snapshot()
-        first_use = CounterMetricFamily(
-            P + "first_use_builds", "Graph captures and cuDNN builds or plan loads a request "
-            "waited for after the engine said ready (0 when the warm-up covered them).",
-            labels=[*LABELS, "kind"])
-        for kind, count in sorted(builds["after"].items()):
-            first_use.add_metric([*self._ids, kind], float(count))
-        yield first_use
-        background = CounterMetricFamily(
-            P + "cudnn_background_builds", "What the cuDNN plan builder process did after "
-            "ready, by outcome (our kernel serves a shape until its graph is back).",
-            labels=[*LABELS, "outcome"])
-        for outcome, count in sorted(runner.ops.background_builds.items()):
-            background.add_metric([*self._ids, outcome], float(count))
-        yield background
-        allocator = GaugeMetricFamily(
-            P + "gpu_allocator_bytes", "Device memory the engine's allocator holds (held) and "
-            "has handed out now (in_use); held minus in_use is its cache of freed blocks.",
-            labels=[*LABELS, "state"])
-        for state, count in sorted(runner.ops.allocator_bytes.items()):
-            allocator.add_metric([*self._ids, state], float(count))
-        yield allocator
+        yield self._by_label(
+            CounterMetricFamily, P + "first_use_builds", "Graph captures and cuDNN builds or "
+            "plan loads a request waited for after the engine said ready (0 when the warm-up "
+            "covered them).", "kind", runner.ops.builds.snapshot()["after"])
+        yield self._by_label(
+            CounterMetricFamily, P + "cudnn_background_builds", "What the cuDNN plan builder "
+            "process did after ready, by outcome (our kernel serves a shape until its graph is "
+            "back).", "outcome", runner.ops.background_builds)
+        yield self._by_label(
+            GaugeMetricFamily, P + "gpu_allocator_bytes", "Device memory the engine's allocator "
+            "holds (held) and has handed out now (in_use); held minus in_use is its cache of "
+            "freed blocks.", "state", runner.ops.allocator_bytes)
+
+    def _by_label(self, family_type: type, name: str, doc: str, label: str,
+                  values: Mapping[str, float]) -> Metric:
+        """A family of one series per ``values`` key (its ``label``), sorted."""
+        family = family_type(name, doc, labels=[*LABELS, label])
+        for key, value in sorted(values.items()):
+            family.add_metric([*self._ids, key], float(value))
+        return family
