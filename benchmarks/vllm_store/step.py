@@ -16,20 +16,27 @@ no bookkeeping: the copy alone). Reported: step time p50 and mean per mode again
 measured before and after, to see drift), how many blocks the store saved, and the engine-side
 copy's bandwidth.
 
+``--daemon-variants``: the daemon started with other ``kvstore serve --copy-*`` options, each
+measured as its own mode (``daemon`` is the shipped default): ``dma_only`` keeps every byte on
+the copy engines (no pack kernel beside the step: vLLM's 32 KiB pieces in one driver batch),
+``memcpy_small`` a ``cudaMemcpyAsync`` per piece. A daemon's kernels run in their own CUDA
+context, which the GPU time-slices against the step's; copy engines work beside it.
+
     python -m benchmarks.vllm_store.step [--steps 30] [--warmup 5] [--tokens 2048] [--out DIR]
-                                   [--modes daemon,engine]
+                                   [--modes daemon,engine] [--daemon-variants default,dma_only]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import random
 import time
 
 import numpy as np
 
-from benchmarks.common import command, now_iso, today, write_result
+from benchmarks.common import command, names_arg, now_iso, today, write_result
 from benchmarks.vllm_store.store_process import start_store, stop_store
 from offload.external.block_keys import KeyMaker
 from offload.external.kv_tensors import make_mover
@@ -38,6 +45,11 @@ from offload.external.worker_side import WorkerSide
 from offload.vllm.model_identity import vllm_identity
 
 HIDDEN, INTERMEDIATE, Q_DIM, KV_DIM = 2560, 9728, 4096, 1024  # Qwen3-4B
+# Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
+_NEVER_PACKED = ["--copy-packed-min-pieces", "1000000"]
+DAEMON_VARIANTS = {"default": [],
+                   "dma_only": [*_NEVER_PACKED, "--copy-small-runs", "batch"],
+                   "memcpy_small": [*_NEVER_PACKED, "--copy-small-runs", "memcpy"]}
 
 
 class Step:
@@ -127,6 +139,32 @@ def _timed(torch, step: Step, pick, worker: WorkerSide | None, plan_for, n: int,
     return out
 
 
+def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Namespace,
+                 variant: str) -> tuple[list[float], tuple[int, int]]:
+    """Step times with the connector saving through a daemon started as ``variant``, and the
+    blocks it saved and failed."""
+    per_step = args.tokens // step.block_size
+    block_bytes = args.layers * 2 * step.block_size * kv[0].shape[3] * kv[0].shape[4] * 2
+    total = args.warmup + args.steps
+    dram = int(block_bytes * per_step * total * 1.1) + (1 << 30)
+    proc, socket_path = start_store(str(dram), flags=DAEMON_VARIANTS[variant])
+    try:
+        mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {})
+        worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
+                            retry_interval_s=1.0)
+        if not worker.connect(wait_s=60.0):
+            raise RuntimeError("could not register the CUDA tensors with the daemon")
+        _timed(torch, step, pick, worker, plan_for, args.warmup)
+        times = _timed(torch, step, pick, worker, plan_for, args.steps)
+        worker.drain(120.0)
+        saved = worker.counters["blocks_saved"]
+        failed = worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
+        worker.close()
+        return times, (saved, failed)
+    finally:
+        stop_store(proc, socket_path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -135,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--modes", default="daemon,engine",
                         help="daemon (the connector's saves), engine (the engine's own copies)")
+    parser.add_argument("--daemon-variants", default="default",
+                        type=names_arg(DAEMON_VARIANTS),
+                        help="comma-separated: " + ", ".join(DAEMON_VARIANTS))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -159,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return random.Random(i).sample(range(base, base + per_step), per_step)
 
     total = args.warmup + args.steps
-    seeds = iter(range(10_000, 10_000 + 4 * total))
+    seeds = itertools.count(10_000)
 
     def plan_for(i: int, ids: list[int]) -> StepPlan:
         rng = random.Random(next(seeds))  # fresh keys every step: saved, never "duplicate"
@@ -172,22 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     saved = failed = 0
     engine_gbps = None
     if "daemon" in modes:
-        dram = int(block_bytes * per_step * total * 1.1) + (1 << 30)
-        proc, socket_path = start_store(str(dram))
-        try:
-            mover = make_mover([f"l{i}" for i in range(args.layers)], kv, num_blocks, 1, {})
-            worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
-                                retry_interval_s=1.0)
-            if not worker.connect(wait_s=60.0):
-                raise RuntimeError("could not register the CUDA tensors with the daemon")
-            _timed(torch, step, pick, worker, plan_for, args.warmup)
-            on["daemon"] = _timed(torch, step, pick, worker, plan_for, args.steps)
-            worker.drain(120.0)
-            saved = worker.counters["blocks_saved"]
-            failed = worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
-            worker.close()
-        finally:
-            stop_store(proc, socket_path)
+        for variant in args.daemon_variants:
+            mode = "daemon" if variant == "default" else f"daemon_{variant}"
+            on[mode], counts = _daemon_mode(torch, step, pick, plan_for, kv, args, variant)
+            saved, failed = saved + counts[0], failed + counts[1]
     if "engine" in modes:
         copies = EngineCopies(torch, kv, per_step)
         _timed(torch, step, pick, None, plan_for, args.warmup, copies)
@@ -205,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
               "blocks_per_step": per_step, "bytes_saved_per_step": per_step * block_bytes,
               "steps": args.steps, "off": stats(off), "off_before": stats(off_before),
               "off_after": stats(off_after), "blocks_saved": saved,
-              "blocks_expected": per_step * total if "daemon" in modes else 0,
+              "blocks_expected": per_step * total * len(args.daemon_variants)
+              if "daemon" in modes else 0, "daemon_variants": args.daemon_variants,
               "blocks_failed": failed, "engine_copy_gbps": engine_gbps,
               "command": command("python -m benchmarks.vllm_store.step", argv)}
     print(f"step p50 off {result['off']['p50_ms']:.2f} ms (before "
@@ -218,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mode:>6}: p50 {result[mode]['p50_ms']:.2f} ms, "
               f"{result[f'{mode}_vs_off_p50']:.3f}x off; mean {result[f'{mode}_vs_off_mean']:.3f}x",
               flush=True)
-    if "daemon" in on:
-        print(f"  daemon saved {saved}/{per_step * total} blocks ({failed} failed)", flush=True)
+    if "daemon" in modes:
+        print(f"  daemons saved {saved}/{result['blocks_expected']} blocks ({failed} failed)",
+              flush=True)
     if engine_gbps is not None:
         print(f"  engine copy: {engine_gbps:.1f} GB/s a step's blocks (median)", flush=True)
     tag = "h100" if "H100" in result["device"] else "h200" if "H200" in result["device"] else "gpu"
