@@ -6,7 +6,10 @@ thread's Python stack (``sys._current_frames``) and counts each distinct stack (
 frames last, file:line:function); at exit it writes the counts, most frequent first, as JSON.
 Idle threads (blocked in ``select``, ``queue.get``, ...) are sampled too: read a stack's count
 against the samples of its thread. A time spent inside a C call (a CUDA synchronize, a socket
-send) shows as the Python frame that made it. A benchmark only: the daemon never imports it.
+send) shows as the Python frame that made it. A deep stack keeps its innermost frames and its
+outermost ones (what called it: an import inside the engine's start is still placed). The main
+thread's ``timeline`` names its most frequent stack in each tenth of a second since install, to
+tell phases apart (imports, weights, warm-up). A benchmark only: the daemon never imports it.
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ import sys
 import threading
 import time
 
-_DEPTH = 14
+_INNER, _OUTER = 10, 5  # frames kept at each end of a deep stack
+_TOP_STACKS = 2000
+_TIMELINE_S = 0.1
 
 
 def _stack(frame) -> str:
     parts = []
-    while frame is not None and len(parts) < _DEPTH:
+    while frame is not None:
         code = frame.f_code
         parts.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno}:{code.co_name}")
         frame = frame.f_back
+    if len(parts) > _INNER + _OUTER:
+        parts = [*parts[:_INNER], "...", *parts[-_OUTER:]]
     return " < ".join(parts)
 
 
@@ -34,6 +41,10 @@ def install(path: str, interval_s: float = 0.0002) -> None:
     """Sample every thread of this process until exit; write the counts to ``path``."""
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     per_thread: collections.Counter[str] = collections.Counter()
+    timeline: collections.defaultdict[int, collections.Counter[str]] = \
+        collections.defaultdict(collections.Counter)
+    main_ident = threading.main_thread().ident
+    started = time.perf_counter()
     stop = threading.Event()
 
     def sample() -> None:
@@ -44,16 +55,22 @@ def install(path: str, interval_s: float = 0.0002) -> None:
                 if ident == me:
                     continue
                 name = names.get(ident, str(ident))
+                stack = _stack(frame)
                 per_thread[name] += 1
-                counts[(name, _stack(frame))] += 1
+                counts[(name, stack)] += 1
+                if ident == main_ident:
+                    timeline[int((time.perf_counter() - started) / _TIMELINE_S)][stack] += 1
             time.sleep(interval_s)
 
     def write() -> None:
         stop.set()
-        top = [{"thread": t, "samples": n, "stack": s} for (t, s), n in counts.most_common(300)]
+        top = [{"thread": t, "samples": n, "stack": s}
+               for (t, s), n in counts.most_common(_TOP_STACKS)]
+        main = [{"at_s": round(i * _TIMELINE_S, 1), "samples": sum(c.values()),
+                 "stack": c.most_common(1)[0][0]} for i, c in sorted(timeline.items())]
         with open(path, "w") as f:
-            json.dump({"interval_s": interval_s, "per_thread": dict(per_thread), "top": top},
-                      f, indent=1)
+            json.dump({"interval_s": interval_s, "per_thread": dict(per_thread), "top": top,
+                       "timeline": main}, f, indent=1)
 
     sys.setswitchinterval(0.001)  # a busy thread yields the GIL to the sampler sooner
     threading.Thread(target=sample, name="stack-sampler", daemon=True).start()
