@@ -43,9 +43,11 @@ class IncrementalDetokenizer:
         self.text += full_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
         if self.stop and check_stop:
-            start = max(0, old_len - self._max_stop_chars + 1)
-            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop)
-                    if i >= 0]
+            # A stop string can only end in the new text: each is searched from its own length
+            # before it, so a long one does not make every short one scan the whole text.
+            text = self.text
+            hits = [(i, s) for i, s in ((text.find(s, max(0, old_len - len(s) + 1)), s)
+                                        for s in self.stop) if i >= 0]
             if hits:
                 at, stop = min(hits, key=lambda hit: hit[0])
                 self.text = self.text[: at + len(stop) if self._include_stop_str else at]

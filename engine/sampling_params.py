@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -11,6 +11,11 @@ from engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI and vLLM's default allow
 MAX_LOGIT_BIAS = 100.0  # |bias| bound, as in the OpenAI API
+# Stop strings are searched for after every token, in the step thread that serves every request:
+# their number and size are bounded so one request cannot slow the others' steps (TGI bounds
+# the count too; vLLM does not). Far above what a chat template or a code model needs.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 16_384  # all of a request's stop strings together
 # repetition_penalty bounds: far beyond any useful value, and in float32 a logit divided or
 # multiplied by them stays finite (a penalty that rounds to 0 would make inf and NaN).
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
@@ -147,7 +152,19 @@ def _normalize_stop(stop: object) -> tuple[str, ...] | None:
     for s in items:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    check_stop_budget(items)
     return tuple(items) or None
+
+
+def check_stop_budget(items: Sequence[str]) -> None:
+    """ValueError unless ``items`` (stop strings) fit ``MAX_STOP_STRINGS`` and
+    ``MAX_STOP_CHARS``."""
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings per request, got {len(items)}")
+    num_chars = sum(len(s) for s in items)
+    if num_chars > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings may hold at most {MAX_STOP_CHARS} characters in all, "
+                         f"got {num_chars}")
 
 
 def _normalize_ids(ids: object) -> tuple[int, ...] | None:

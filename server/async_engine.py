@@ -142,11 +142,25 @@ class AsyncEngine:
         """Whether `num_requests` more engine requests would be admitted now."""
         return self._num_in_flight + num_requests <= self.max_in_flight
 
+    def never_fits(self, num_requests: int) -> str | None:
+        """Why one HTTP request of `num_requests` engine requests (prompts x n) can never be
+        admitted, whatever the load; None when it can. Retrying cannot help it: a 400, not a
+        503."""
+        if num_requests <= self.max_in_flight:
+            return None
+        return (f"this request asks for {num_requests} sequences (prompts x n); the server "
+                f"admits at most {self.max_in_flight} at once (--max-num-seqs plus "
+                "--max-queue): send fewer in one request")
+
     def submit(self, requests: Sequence[EngineRequest]) -> RequestGroup:
         """Admit all of `requests` or none: EngineOverloaded when the queue is full, ValueError
-        from the engine for a prompt it cannot take, EngineDead after a step-loop failure."""
+        for more requests than ever fit (``never_fits``) or from the engine for a prompt it
+        cannot take, EngineDead after a step-loop failure."""
         if not self.alive:
             raise EngineDead(f"engine is not running: {self.error!r}")
+        too_many = self.never_fits(len(requests))
+        if too_many:
+            raise ValueError(too_many)
         if self._num_in_flight + len(requests) > self.max_in_flight:
             raise EngineOverloaded(
                 f"server is overloaded: {self._num_in_flight} requests in flight, "

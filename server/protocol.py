@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGPROBS, check_stop_budget
 
 MAX_N = 128
 
@@ -151,6 +151,7 @@ class SamplingFields(BaseModel):
         stops = [value] if isinstance(value, str) else list(value)
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        check_stop_budget(stops)
         return stops or None
 
     @field_validator("truncate_prompt_tokens")

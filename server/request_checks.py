@@ -28,6 +28,9 @@ class RequestChecks:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
                            f"`{self.model_name}`", param="model", code="model_not_found")
+        too_many = self.engine.never_fits(body.n)
+        if too_many:
+            raise APIError(400, too_many, param="n")
         if not self.engine.has_room(body.n):  # before tokenizing: overload should be cheap
             self.metrics.request_rejected("overloaded")
             raise APIError(503, "server is overloaded; retry later", code="overloaded")

@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import random_prompts
 
 from engine import LLM, SamplingParams
+from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,27 @@ def test_stop_string_trims_the_text(llm: LLM) -> None:
     assert out.text == text[:cut]
     assert full.token_ids[: len(out.token_ids)] == out.token_ids
     assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_a_long_stop_string_beside_short_ones_still_stops_at_the_first(llm: LLM) -> None:
+    """Each stop string is searched only where it could end in the new text: one of the
+    budget's size (never found) changes nothing for a short one that is."""
+    prompt = random_prompts(4000, [7], seed=4)[0]
+    text = llm.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].text
+    stop = text[14:16]
+    long = "\x00" * (MAX_STOP_CHARS - 1000)
+    stops = [long, *(f"\x01{i}" for i in range(MAX_STOP_STRINGS - 2)), stop]
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, stop=stops))[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
+
+
+def test_stop_strings_have_a_budget() -> None:
+    SamplingParams(stop=["a"] * MAX_STOP_STRINGS)
+    SamplingParams(stop=["b" * MAX_STOP_CHARS])
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS} stop strings"):
+        SamplingParams(stop=["a"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_CHARS} characters"):
+        SamplingParams(stop=["b" * MAX_STOP_CHARS, "c"])
 
 
 def test_eos_stops_unless_ignored(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "seed": "abc"}, "seed"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(129)]}, "stop"),  # MAX_STOP_STRINGS
+    ({"prompt": "x", "stop": ["y" * 16_385]}, "stop"),  # MAX_STOP_CHARS
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": [1, -3]}, "prompt"),
@@ -138,3 +140,13 @@ def test_openai_client_sees_typed_errors(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=9.0)
     assert info.value.body["param"] == "temperature"
+
+
+def test_a_batch_larger_than_the_engine_ever_admits_is_400_not_retry_later(
+        http: httpx.Client, server) -> None:
+    """10,000 prompts can never be in flight at once: retrying would fail for good, so the
+    answer is a 400 that says so, not the 503 "overloaded; retry later" of a full queue."""
+    error = _assert_error(http.post("/v1/completions", json={
+        "prompt": [[1, 2]] * 10_000, "max_tokens": 1}), 400)
+    assert "10000 sequences" in error["message"] and "at most" in error["message"]
+    assert_healthy(server.url)
