@@ -7,11 +7,17 @@ through the backend's array module (``ops.xp``: NumPy or CuPy, the same calls), 
 computation on both backends; the temperature / top-k / top-p kernels then run unchanged on the
 adjusted logits. ``min_p`` is expressed on logits: a token's probability after temperature ``T``
 is below ``min_p`` times the top one exactly when ``logit < max_logit + T * ln(min_p)``.
+
+Per step, a row costs the size of what it touches, not of what the request brought: its
+``logit_bias`` arrays are built once, and the ids its repetition penalty covers (prompt and output)
+are kept per sequence and grown by the new tokens only (a 40k-token prompt's ``np.unique`` each
+step cost milliseconds of the step every request shares).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -26,6 +32,8 @@ class LogitsProcessor:
     def __init__(self, ops: Ops, eos_token_ids: Iterable[int]) -> None:
         self.ops = ops
         self._eos_token_ids = tuple(eos_token_ids)
+        # what each live sequence's adjustments reuse from step to step (gone with it)
+        self._rows: weakref.WeakKeyDictionary[Sequence, _RowCache] = weakref.WeakKeyDictionary()
 
     def __call__(self, logits: Array, seqs: list[Sequence]) -> Array:
         """``logits[len(seqs), V]`` float32 -> the adjusted logits: the same array when no row
@@ -49,12 +57,10 @@ class LogitsProcessor:
             if banned_ids:
                 logits[row, self._ids(banned_ids)] = -np.inf
         if params.logit_bias:
-            ids = [i for i in params.logit_bias if i < vocab]
-            biases = np.array([params.logit_bias[i] for i in ids], dtype=np.float32)
-            logits[row, self._ids(ids)] += self.ops.to_device(biases)
+            bias_ids, biases = self._row(seq).bias(params.logit_bias, vocab, self.ops)
+            logits[row, bias_ids] += biases
         if params.repetition_penalty != 1.0:
-            seen = np.unique(np.asarray(seq.token_ids, dtype=np.int64))
-            seen_ids = self._ids(seen[seen < vocab])
+            seen_ids = self._row(seq).seen_ids(seq.token_ids, vocab, self.ops)
             values = logits[row, seen_ids]
             penalty = np.float32(params.repetition_penalty)
             logits[row, seen_ids] = xp.where(values > 0, values / penalty, values * penalty)
@@ -71,6 +77,46 @@ class LogitsProcessor:
             floor = values.max() + np.float32(params.temperature * math.log(params.min_p))
             values[values < floor] = -np.inf
 
+    def _row(self, seq: Sequence) -> _RowCache:
+        cache = self._rows.get(seq)
+        if cache is None:
+            cache = self._rows[seq] = _RowCache()
+        return cache
+
     def _ids(self, ids: Iterable[int] | np.ndarray) -> Array:
         return self.ops.to_device(np.asarray(list(ids) if not isinstance(ids, np.ndarray)
                                              else ids, dtype=np.int64))
+
+
+class _RowCache:
+    """One sequence's arrays that its adjustments reuse: the logit bias on the device, built
+    once; the ids seen in prompt and output, as a mask grown by each step's new tokens, and on the
+    device again only when a new id joined them."""
+
+    def __init__(self) -> None:
+        self._bias: tuple[Array, Array] | None = None
+        self._seen: np.ndarray | None = None  # bool[vocab]
+        self._num_seen_tokens = 0  # leading token_ids folded into _seen
+        self._seen_ids: Array | None = None  # None: stale
+
+    def bias(self, logit_bias, vocab: int, ops: Ops) -> tuple[Array, Array]:
+        if self._bias is None:
+            ids = np.fromiter(logit_bias.keys(), dtype=np.int64, count=len(logit_bias))
+            values = np.fromiter(logit_bias.values(), dtype=np.float32, count=len(logit_bias))
+            keep = ids < vocab
+            self._bias = ops.to_device(ids[keep]), ops.to_device(values[keep])
+        return self._bias
+
+    def seen_ids(self, token_ids: list[int], vocab: int, ops: Ops) -> Array:
+        if self._seen is None:
+            self._seen = np.zeros(vocab, dtype=bool)
+        if len(token_ids) > self._num_seen_tokens:  # token_ids only grows
+            new = np.asarray(token_ids[self._num_seen_tokens:], dtype=np.int64)
+            self._num_seen_tokens = len(token_ids)
+            new = new[new < vocab]
+            if not self._seen[new].all():
+                self._seen[new] = True
+                self._seen_ids = None
+        if self._seen_ids is None:
+            self._seen_ids = ops.to_device(np.flatnonzero(self._seen).astype(np.int64))
+        return self._seen_ids
