@@ -10,8 +10,9 @@ is below ``min_p`` times the top one exactly when ``logit < max_logit + T * ln(m
 
 Per step, a row costs the size of what it touches, not of what the request brought: its
 ``logit_bias`` arrays are built once, and the ids its repetition penalty covers (prompt and output)
-are kept per sequence and grown by the new tokens only (a 40k-token prompt's ``np.unique`` each
-step cost milliseconds of the step every request shares).
+and the output's counts (frequency and presence penalties) are kept per sequence and grown by
+the new tokens only (a 40k-token prompt's ``np.unique`` each step cost milliseconds of the step
+every request shares).
 """
 
 from __future__ import annotations
@@ -65,13 +66,11 @@ class LogitsProcessor:
             penalty = np.float32(params.repetition_penalty)
             logits[row, seen_ids] = xp.where(values > 0, values / penalty, values * penalty)
         if params.frequency_penalty or params.presence_penalty:
-            out_ids, counts = np.unique(np.asarray(seq.output_token_ids, dtype=np.int64),
-                                        return_counts=True)
-            keep = out_ids < vocab
-            if keep.any():
-                subtract = (params.frequency_penalty * counts[keep]
+            out_ids, counts = self._row(seq).output_counts(seq, vocab, self.ops)
+            if len(counts):
+                subtract = (params.frequency_penalty * counts
                             + params.presence_penalty).astype(np.float32)
-                logits[row, self._ids(out_ids[keep])] -= self.ops.to_device(subtract)
+                logits[row, out_ids] -= self.ops.to_device(subtract)
         if params.min_p > 0.0 and not params.greedy:
             values = logits[row]  # a view: the masked assignment writes into logits
             floor = values.max() + np.float32(params.temperature * math.log(params.min_p))
@@ -90,14 +89,17 @@ class LogitsProcessor:
 
 class _RowCache:
     """One sequence's arrays that its adjustments reuse: the logit bias on the device, built
-    once; the ids seen in prompt and output, as a mask grown by each step's new tokens, and on the
-    device again only when a new id joined them."""
+    once; the ids seen in prompt and output (a mask) and the output's counts per id, both grown by
+    each step's new tokens, their ids sent to the device again only when a new id joined them."""
 
     def __init__(self) -> None:
         self._bias: tuple[Array, Array] | None = None
         self._seen: np.ndarray | None = None  # bool[vocab]
         self._num_seen_tokens = 0  # leading token_ids folded into _seen
         self._seen_ids: Array | None = None  # None: stale
+        self._counts: np.ndarray | None = None  # int32[vocab]: each id's count in the output
+        self._num_counted_tokens = 0  # leading token_ids (prompt included) counted
+        self._out_ids: tuple[Array, np.ndarray] | None = None  # device and host; None: stale
 
     def bias(self, logit_bias, vocab: int, ops: Ops) -> tuple[Array, Array]:
         if self._bias is None:
@@ -120,3 +122,22 @@ class _RowCache:
         if self._seen_ids is None:
             self._seen_ids = ops.to_device(np.flatnonzero(self._seen).astype(np.int64))
         return self._seen_ids
+
+    def output_counts(self, seq: Sequence, vocab: int, ops: Ops) -> tuple[Array, np.ndarray]:
+        """The ids in the output (on the device, ascending) and how often each occurs."""
+        token_ids = seq.token_ids
+        if self._counts is None:
+            self._counts = np.zeros(vocab, dtype=np.int32)
+            self._num_counted_tokens = len(token_ids) - seq.num_output_tokens
+        if len(token_ids) > self._num_counted_tokens:
+            new = np.asarray(token_ids[self._num_counted_tokens:], dtype=np.int64)
+            self._num_counted_tokens = len(token_ids)
+            new = new[new < vocab]
+            if not self._counts[new].all():
+                self._out_ids = None
+            np.add.at(self._counts, new, 1)
+        if self._out_ids is None:
+            ids = np.flatnonzero(self._counts).astype(np.int64)
+            self._out_ids = ops.to_device(ids), ids
+        device_ids, ids = self._out_ids
+        return device_ids, self._counts[ids]
