@@ -25,6 +25,7 @@ import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -322,8 +323,12 @@ class Daemon:
                 await self._refuse(conn, None, exc.code, exc.message)
                 return
             try:
-                request = proto.parse_request(proto.decode_body(body, check_plain=False),
-                                              self.default_deadline_ms)
+                if length > _SMALL_FRAME_BYTES:  # a long chain's decode would stall every client
+                    decoded = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, partial(proto.decode_body, body, check_plain=False))
+                else:
+                    decoded = proto.decode_body(body, check_plain=False)
+                request = proto.parse_request(decoded, self.default_deadline_ms)
                 if fds and request.verb not in FD_VERBS:
                     raise proto.ProtocolError(
                         proto.BAD_REQUEST, f"file descriptors came with a {request.verb!r} "
@@ -403,8 +408,11 @@ class Daemon:
                 return
             deadline = received_at + request.deadline_ms / 1000.0
             timeout_s = max(0.0, deadline - time.monotonic())
-            ctx = CallContext(owner=conn.owner, deadline=deadline,
-                              on_loop=request.verb in self.inline_verbs, fds=fds.numbers)
+            # A small request of an inline verb is answered on the loop (no thread hop); a large
+            # one (a chain of many thousand blocks) on a worker, as every other verb.
+            on_loop = request.verb in self.inline_verbs and body_bytes <= _SMALL_FRAME_BYTES
+            ctx = CallContext(owner=conn.owner, deadline=deadline, on_loop=on_loop,
+                              fds=fds.numbers)
             conn.contexts.add(ctx)
             try:
                 handed_fds = True
