@@ -86,7 +86,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     # the body is bounded, then /path/ is answered as /path.
     app.add_middleware(TrailingSlash)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes,
-                       on_refused=lambda: metrics.request_rejected("request_too_large"))
+                       on_refused=metrics.request_rejected)
     app.add_middleware(APIKeyMiddleware, api_keys=tuple(settings.api_keys),
                        metrics_key=settings.metrics_key)
     app.add_middleware(HttpMetrics, registry=metrics.registry)  # outermost: every request

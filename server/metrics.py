@@ -47,7 +47,7 @@ class ServerMetrics:
             labels + ["finished_reason"], registry=reg)
         self._rejected = Counter(
             "vllm:admission_rejections", "HTTP requests refused before reaching the engine "
-            "(overloaded: the queue limit; request_too_large), by reason.",
+            "(overloaded: the queue limit; request_too_large, request_too_complex), by reason.",
             labels + ["reason"], registry=reg)
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens admitted.", labels, registry=reg)

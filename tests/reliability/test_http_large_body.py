@@ -130,3 +130,28 @@ def test_long_prompts_are_encoded_without_holding_the_gil(model_dir: Path) -> No
     ticker.join()
     assert ids == engine_tokenizer.encode(text, add_special_tokens=False)
     assert max(gaps_s) < max(0.15, encode_s / 4), (max(gaps_s), encode_s)
+
+
+@pytest.mark.parametrize("shape", ["messages", "tools"])
+def test_a_body_of_too_many_json_objects_is_400_before_it_is_parsed(engine: EngineProcess,
+                                                                     shape: str) -> None:
+    """100,000 chat messages (3.5 MB, under the byte limit) held /health for 1.2 s while the
+    app parsed and validated them on the event loop; now the body's objects are counted
+    first. A text full of brackets inside its strings is not counted against the budget."""
+    message = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [message] * 100_000} if shape == "messages" else \
+        {"messages": [message], "tools": [tool] * 20_000}
+    with HealthWatch(engine.url, interval_s=0.01) as watch:
+        response = httpx.post(engine.url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                              json={**body, "max_tokens": 1})
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "request_too_complex" and "at most 20000" in error["message"]
+    # 0.15 and 0.04 s on the 2-core VM (before: 1.2 s and most of a second); room for a busy CI
+    assert watch.worst_s < 0.5, f"/health waited {watch.worst_s:.2f} s"
+    brackets = "{[" * 40_000  # 80,000 brackets, all inside one string
+    fine = httpx.post(engine.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "messages": [{"role": "user", "content": brackets[:2000]}, {"role": "user",
+                     "content": brackets}], "max_tokens": 1})
+    assert fine.json().get("error", {}).get("code") != "request_too_complex", fine.text[:300]
