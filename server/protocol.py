@@ -17,12 +17,13 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
-from engine.sampling_params import MAX_LOGPROBS, check_stop_budget
+from engine.sampling_params import MAX_LOGPROBS, MAX_TOKEN_ID_ITEMS, check_stop_budget
 
 MAX_N = 128
 
@@ -70,6 +71,13 @@ def _lone_surrogate_path(value: Any, path: str) -> str | None:
     return None
 
 
+_TOKEN_ID_COLLECTIONS = ("logit_bias", "stop_token_ids")  # at most MAX_TOKEN_ID_ITEMS each
+
+
+def _oversized(value: Any) -> bool:
+    return isinstance(value, (dict, list)) and len(value) > MAX_TOKEN_ID_ITEMS
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints. Unknown fields are kept in `model_extra` for the
     serving layer to refuse (or pass, see PASSTHROUGH_FIELDS)."""
@@ -79,6 +87,10 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
+        # An oversized token-id collection is refused by its field (``_bounded``) before any of
+        # its items, or the dump below, costs time on the event loop.
+        if isinstance(data, dict) and any(_oversized(data.get(n)) for n in _TOKEN_ID_COLLECTIONS):
+            return data
         # JSON may escape lone surrogates ("\ud800"); Python's parser accepts them, but no
         # tokenizer or hash can take such a string. One C-speed dump finds them; a 400, not a 500.
         try:
@@ -129,6 +141,16 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator(*_TOKEN_ID_COLLECTIONS, mode="before")
+    @classmethod
+    def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        """At most MAX_TOKEN_ID_ITEMS, counted before a single item is validated (on the event
+        loop: 300,000 logit_bias entries held every other request for 0.8 s)."""
+        if _oversized(value):
+            raise ValueError(f"at most {MAX_TOKEN_ID_ITEMS} {info.field_name} entries, got "
+                             f"{len(value)}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

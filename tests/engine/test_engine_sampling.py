@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import random_prompts
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKEN_ID_ITEMS
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +71,19 @@ def test_a_long_stop_string_beside_short_ones_still_stops_at_the_first(llm: LLM)
     assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
 
 
-def test_stop_strings_have_a_budget() -> None:
+def test_stop_strings_and_token_id_lists_have_a_budget() -> None:
     SamplingParams(stop=["a"] * MAX_STOP_STRINGS)
     SamplingParams(stop=["b" * MAX_STOP_CHARS])
     with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS} stop strings"):
         SamplingParams(stop=["a"] * (MAX_STOP_STRINGS + 1))
     with pytest.raises(ValueError, match=f"at most {MAX_STOP_CHARS} characters"):
         SamplingParams(stop=["b" * MAX_STOP_CHARS, "c"])
+    SamplingParams(logit_bias=dict.fromkeys(range(MAX_TOKEN_ID_ITEMS), 1.0),
+                   stop_token_ids=list(range(MAX_TOKEN_ID_ITEMS)))
+    with pytest.raises(ValueError, match="logit_bias entries"):
+        SamplingParams(logit_bias=dict.fromkeys(range(MAX_TOKEN_ID_ITEMS + 1), 1.0))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[1] * (MAX_TOKEN_ID_ITEMS + 1))
 
 
 def test_eos_stops_unless_ignored(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -35,6 +35,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop": [f"s{i}" for i in range(129)]}, "stop"),  # MAX_STOP_STRINGS
     ({"prompt": "x", "stop": ["y" * 16_385]}, "stop"),  # MAX_STOP_CHARS
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(20_001)}}, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [1] * 20_001}, "stop_token_ids"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": [1, -3]}, "prompt"),
