@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import API_KEYS, MAX_MODEL_LEN, assert_healthy
+from server_helpers import API_KEYS, MAX_MODEL_LEN, assert_healthy, start_server, stop_server
 
 
 def _assert_error(response: httpx.Response, status: int, param: str | None = None,
@@ -152,3 +152,20 @@ def test_a_batch_larger_than_the_engine_ever_admits_is_400_not_retry_later(
         "prompt": [[1, 2]] * 10_000, "max_tokens": 1}), 400)
     assert "10000 sequences" in error["message"] and "at most" in error["message"]
     assert_healthy(server.url)
+
+
+def test_a_request_of_too_many_logprob_entries_is_400(tiny_model_dir) -> None:
+    """n=64 copies of a 1,000-token prompt's prompt_logprobs with 20 alternatives would be 1.3M
+    entries (one such response held 4 GB of the server's memory): refused before it runs."""
+    server = start_server(tiny_model_dir, max_model_len=2048, max_num_seqs=64)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            error = _assert_error(http.post("/v1/completions", json={
+                "prompt": [5] * 1000, "max_tokens": 1, "n": 64, "prompt_logprobs": 20}), 400,
+                param="logprobs")
+            assert "1344000 logprob entries" in error["message"], error["message"]
+            small = http.post("/v1/completions", json={"prompt": [5] * 100, "max_tokens": 2,
+                                                       "echo": True, "logprobs": 5})
+            assert small.status_code == 200, small.text[:300]
+    finally:
+        stop_server(server)
