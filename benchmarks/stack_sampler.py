@@ -64,6 +64,7 @@ def install(path: str, interval_s: float = 0.0002) -> None:
 
     def write() -> None:
         stop.set()
+        sampler.join(1.0)  # no sample is being counted while the counts are read
         top = [{"thread": t, "samples": n, "stack": s}
                for (t, s), n in counts.most_common(_TOP_STACKS)]
         main = [{"at_s": round(i * _TIMELINE_S, 1), "samples": sum(c.values()),
@@ -73,5 +74,6 @@ def install(path: str, interval_s: float = 0.0002) -> None:
                        "timeline": main}, f, indent=1)
 
     sys.setswitchinterval(0.001)  # a busy thread yields the GIL to the sampler sooner
-    threading.Thread(target=sample, name="stack-sampler", daemon=True).start()
+    sampler = threading.Thread(target=sample, name="stack-sampler", daemon=True)
+    sampler.start()
     atexit.register(write)

@@ -27,7 +27,9 @@ from server.errors import error_body
 # JSON objects and arrays a body may hold: 20,000 chat messages, or hundreds of tools with their
 # schemas, parse and validate in about 0.1 s.
 MAX_JSON_CONTAINERS = 20_000
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A JSON string; one left open runs to the end of the body, so every match succeeds and the scan
+# stays linear (a failed match restarting at each escaped quote made it quadratic).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\\?\Z)')
 
 
 def json_containers_over(body: bytes, limit: int) -> int | None:

@@ -19,17 +19,18 @@ from server.protocol import PASSTHROUGH_FIELDS, SamplingFields
 MAX_LOGPROB_ENTRIES = 1_000_000
 
 
-def logprob_entries(requests: Sequence[EngineRequest]) -> int:
-    """The logprob entries ``requests`` can be answered with, at most: per prompt token
-    ``prompt_logprobs + 1``, per generated token ``logprobs + 1``."""
-    total = 0
+def logprob_entries(requests: Sequence[EngineRequest], count_generated: bool = True
+                    ) -> tuple[int, int]:
+    """The logprob entries ``requests`` can be answered with, at most, as (prompt, generated):
+    per prompt token ``prompt_logprobs + 1``, per generated token ``logprobs + 1``."""
+    prompt = generated = 0
     for r in requests:
         params = r.params
         if params.prompt_logprobs is not None:
-            total += len(r.prompt_token_ids) * (params.prompt_logprobs + 1)
-        if params.logprobs is not None:
-            total += (params.max_tokens or 0) * (params.logprobs + 1)
-    return total
+            prompt += len(r.prompt_token_ids) * (params.prompt_logprobs + 1)
+        if params.logprobs is not None and count_generated:
+            generated += (params.max_tokens or 0) * (params.logprobs + 1)
+    return prompt, generated
 
 
 class RequestChecks:
@@ -107,11 +108,20 @@ class RequestChecks:
                     f"the prompt, {max_tokens} to generate)", param="max_tokens",
                     code="context_length_exceeded")
 
-    def logprob_volume(self, requests: Sequence[EngineRequest]) -> None:
-        """400 unless the request's logprobs stay within ``MAX_LOGPROB_ENTRIES``."""
-        entries = logprob_entries(requests)
-        if entries > MAX_LOGPROB_ENTRIES:
-            raise APIError(400, f"this request could be answered with {entries} logprob entries "
-                           f"(n x (prompt tokens x (prompt_logprobs + 1) + max_tokens x "
-                           f"(logprobs + 1))); at most {MAX_LOGPROB_ENTRIES} are served: ask "
-                           "fewer alternatives, a smaller n or fewer tokens", param="logprobs")
+    def logprob_volume(self, requests: Sequence[EngineRequest], body: SamplingFields,
+                       max_tokens_given: bool, chat: bool) -> None:
+        """400 unless the answer's logprobs stay within ``MAX_LOGPROB_ENTRIES``. A stream holds
+        none of them; generated tokens count only up to a ``max_tokens`` the client set (else
+        a plain ``logprobs`` request on a long-context model would count its whole context)."""
+        if getattr(body, "stream", False):
+            return
+        prompt, generated = logprob_entries(requests, count_generated=max_tokens_given)
+        if prompt + generated <= MAX_LOGPROB_ENTRIES:
+            return
+        param = "prompt_logprobs" if prompt >= generated and body.prompt_logprobs is not None \
+            else "top_logprobs" if chat else "logprobs"
+        raise APIError(400, f"this request could be answered with {prompt + generated} logprob "
+                       f"entries (n x (prompt tokens x (prompt_logprobs + 1) + max_tokens x "
+                       f"(logprobs + 1))); at most {MAX_LOGPROB_ENTRIES} are served in one "
+                       "answer: ask fewer alternatives, a smaller n or fewer tokens, or stream",
+                       param=param)

@@ -199,7 +199,8 @@ class OpenAIServing:
                                              num_logprobs, constraint, num_prompt_logprobs)
                 requests.append(EngineRequest(request_id, token_ids, params, salt))
                 choices[request_id] = R.ChoiceState(index, prompt_index, len(token_ids))
-        self.checks.logprob_volume(requests)
+        self.checks.logprob_volume(requests, body, max_tokens is not None,
+                                   chat=prompt_param == "messages")
         formatter = self.logprobs_as_ids if body.return_tokens_as_token_ids else self.logprobs
         return _Job(response_id, int(time.time()), arrival, requests, choices,
                     formatter=formatter, constraint=constraint)

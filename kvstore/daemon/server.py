@@ -57,6 +57,8 @@ _COPY_VERBS = frozenset({"save", "load"})
 # sent them.
 INLINE_VERBS = frozenset({"hello", "health", "engines", "lookup", "locate", "release",
                           "resident", "evicted"})
+# Inline verbs that stay on the loop whatever their size: their order is their meaning.
+_ORDERED_VERBS = frozenset({"resident", "evicted"})
 # Frames up to this size are read without asking the buffer budget: requests, not payloads.
 _SMALL_FRAME_BYTES = 64 * 1024
 # A poisoned CUDA context: how long /health answers "failing" before the daemon exits.
@@ -324,8 +326,7 @@ class Daemon:
                 return
             try:
                 if length > _SMALL_FRAME_BYTES:  # a long chain's decode would stall every client
-                    decoded = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, partial(proto.decode_body, body, check_plain=False))
+                    decoded = await self._decode_off_loop(body, fds)
                 else:
                     decoded = proto.decode_body(body, check_plain=False)
                 request = proto.parse_request(decoded, self.default_deadline_ms)
@@ -353,6 +354,19 @@ class Daemon:
             task = asyncio.create_task(self._answer(conn, request, received_at, length, fds))
             conn.tasks.add(task)
             task.add_done_callback(conn.tasks.discard)
+
+    async def _decode_off_loop(self, body: bytes, fds: FrameFds) -> Any:
+        """``decode_body`` on a worker; the frame's descriptors are closed if the connection is
+        cancelled meanwhile or the executor is gone (a ProtocolError leaves them to the caller,
+        which closes them)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, partial(proto.decode_body, body, check_plain=False))
+        except proto.ProtocolError:
+            raise
+        except BaseException:
+            fds.close()
+            raise
 
     async def _take_body_room(self, conn: Connection, length: int) -> str | None:
         """Count a frame's body against the buffer budget, waiting (at most the frame timeout)
@@ -409,8 +423,10 @@ class Daemon:
             deadline = received_at + request.deadline_ms / 1000.0
             timeout_s = max(0.0, deadline - time.monotonic())
             # A small request of an inline verb is answered on the loop (no thread hop); a large
-            # one (a chain of many thousand blocks) on a worker, as every other verb.
-            on_loop = request.verb in self.inline_verbs and body_bytes <= _SMALL_FRAME_BYTES
+            # one (a chain of many thousand blocks) on a worker, as every other verb, unless its
+            # order among the connection's publications matters.
+            on_loop = request.verb in self.inline_verbs and (
+                body_bytes <= _SMALL_FRAME_BYTES or request.verb in _ORDERED_VERBS)
             ctx = CallContext(owner=conn.owner, deadline=deadline, on_loop=on_loop,
                               fds=fds.numbers)
             conn.contexts.add(ctx)

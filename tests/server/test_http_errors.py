@@ -6,6 +6,10 @@ import httpx
 import pytest
 from server_helpers import API_KEYS, MAX_MODEL_LEN, assert_healthy, start_server, stop_server
 
+from engine import SamplingParams
+from server.async_engine import EngineRequest
+from server.request_checks import logprob_entries
+
 
 def _assert_error(response: httpx.Response, status: int, param: str | None = None,
                   code: str | None = None) -> dict:
@@ -162,10 +166,23 @@ def test_a_request_of_too_many_logprob_entries_is_400(tiny_model_dir) -> None:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             error = _assert_error(http.post("/v1/completions", json={
                 "prompt": [5] * 1000, "max_tokens": 1, "n": 64, "prompt_logprobs": 20}), 400,
-                param="logprobs")
+                param="prompt_logprobs")
             assert "1344000 logprob entries" in error["message"], error["message"]
             small = http.post("/v1/completions", json={"prompt": [5] * 100, "max_tokens": 2,
                                                        "echo": True, "logprobs": 5})
             assert small.status_code == 200, small.text[:300]
+            generated = _assert_error(http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "n": 64,
+                "logprobs": True, "top_logprobs": 20}), 400, param="top_logprobs")
+            assert "1344000 logprob entries" in generated["message"]
     finally:
         stop_server(server)
+
+
+def test_generated_logprobs_count_only_up_to_a_max_tokens_the_client_set() -> None:
+    """Without max_tokens a request may run to the end of the context: counting that would
+    refuse a plain ``logprobs`` request on any long-context model."""
+    params = SamplingParams(max_tokens=100_000, logprobs=20, prompt_logprobs=1)
+    requests = [EngineRequest("r", [1, 2, 3], params)]
+    assert logprob_entries(requests) == (6, 2_100_000)
+    assert logprob_entries(requests, count_generated=False) == (6, 0)

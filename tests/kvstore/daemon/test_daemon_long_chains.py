@@ -7,7 +7,8 @@ import threading
 import time
 
 import pytest
-from daemon_helpers import RunningDaemon
+from daemon_helpers import RunningDaemon, make_chain
+from support.arena import ShmArena
 
 from kvstore.keys import Namespace
 
@@ -44,3 +45,26 @@ def test_a_long_lookup_does_not_stall_the_other_clients(daemon: RunningDaemon) -
     # (the rest is the client's encoding and the transfer); on a worker, for a few switch
     # intervals of the GIL.
     assert max(probes) < 0.25 * took[0], (max(probes), took[0])
+
+
+def test_a_long_publication_and_the_eviction_after_it_apply_in_the_order_sent(
+        daemon: RunningDaemon) -> None:
+    """``resident`` and ``evicted`` stay on the loop whatever their size: a 1,000-block
+    publication (a frame over 64 KiB) and the eviction pipelined right behind it (a small
+    frame) must not swap, or the index would list blocks the engine dropped."""
+    arena = ShmArena(1_000, 4096, seed=None, generations=True)
+    chain = make_chain("long-publication", 1_000, seed=3)
+    ids = list(range(1_000))
+    try:
+        with daemon.client() as engine, daemon.client() as router:
+            reg = engine.register(arena.layout, "long-publisher")
+            for _ in range(3):
+                published = engine.resident_async(reg, chain.namespace, ids, chain.hashes,
+                                                  chain.idents, arena.allocate(ids))
+                dropped = engine.evicted_async(chain.namespace, chain.hashes, reg)
+                assert published.wait() == 1_000 and dropped.wait() == 1_000
+                reply = router.locate(chain.namespace, chain.hashes, chain.idents)
+                assert [e.num_hbm for e in reply.engines if e.registration_id == reg] == [0]
+            assert engine.unregister(reg)
+    finally:
+        arena.close()
