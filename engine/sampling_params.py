@@ -170,11 +170,18 @@ def check_stop_budget(items: Sequence[str]) -> None:
                          f"got {num_chars}")
 
 
+def check_token_id_items(name: str, count: int) -> None:
+    """ValueError when ``name`` (``logit_bias`` or ``stop_token_ids``) has more than
+    ``MAX_TOKEN_ID_ITEMS`` entries."""
+    if count > MAX_TOKEN_ID_ITEMS:
+        raise ValueError(f"at most {MAX_TOKEN_ID_ITEMS} {name} entries, got {count}")
+
+
 def _normalize_ids(ids: object) -> tuple[int, ...] | None:
     if ids is None:
         return None
-    if isinstance(ids, (list, tuple)) and len(ids) > MAX_TOKEN_ID_ITEMS:
-        raise ValueError(f"at most {MAX_TOKEN_ID_ITEMS} stop_token_ids, got {len(ids)}")
+    if isinstance(ids, (list, tuple)):
+        check_token_id_items("stop_token_ids", len(ids))
     if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
         raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
     return tuple(dict.fromkeys(ids)) or None
@@ -185,8 +192,7 @@ def _normalize_bias(bias: object) -> Mapping[int, float] | None:
         return None
     if not isinstance(bias, Mapping):
         raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
-    if len(bias) > MAX_TOKEN_ID_ITEMS:
-        raise ValueError(f"at most {MAX_TOKEN_ID_ITEMS} logit_bias entries, got {len(bias)}")
+    check_token_id_items("logit_bias", len(bias))
     out: dict[int, float] = {}
     for token_id, value in bias.items():
         if not _is_int(token_id) or token_id < 0:

@@ -23,7 +23,12 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_TOKEN_ID_ITEMS, check_stop_budget
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_TOKEN_ID_ITEMS,
+    check_stop_budget,
+    check_token_id_items,
+)
 
 MAX_N = 128
 
@@ -147,9 +152,8 @@ class SamplingFields(BaseModel):
     def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
         """At most MAX_TOKEN_ID_ITEMS, counted before a single item is validated (on the event
         loop: 300,000 logit_bias entries held every other request for 0.8 s)."""
-        if _oversized(value):
-            raise ValueError(f"at most {MAX_TOKEN_ID_ITEMS} {info.field_name} entries, got "
-                             f"{len(value)}")
+        if isinstance(value, (dict, list)):
+            check_token_id_items(info.field_name, len(value))
         return value
 
     @field_validator("logit_bias")

@@ -205,6 +205,12 @@ def _memory(stack: SoakStack, gpu: bool, ordinals: tuple[int, ...]) -> dict:
     return out
 
 
+def _settle_s(args: argparse.Namespace, gpu: bool) -> float:
+    """``--settle-s``, else its default: 40 s on cuda (the plan builder's CUDA context lingers
+    30 s after its last build), 5 s on cpu."""
+    return args.settle_s or (40.0 if gpu else 5.0)
+
+
 def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: list) -> dict:
     """Start the stack, soak it under the faults, ask the reference; the result (no verdict)."""
     gpu = args.device.startswith("cuda")
@@ -230,7 +236,7 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
         # On cuda, a plan builder the warm-up started holds a CUDA context for 30 s more: the
         # baseline waits for it as the reading after the load does, else it counts memory that
         # is gone by then and hides as much growth.
-        time.sleep((args.settle_s or 40.0) if gpu else 1.0)
+        time.sleep(_settle_s(args, gpu) if gpu else 1.0)
         ordinals = (int(args.device.partition(":")[2] or 0),) if gpu else ()
         out["memory_before"] = _memory(stack, gpu, ordinals)
         t0 = time.monotonic()
@@ -240,7 +246,7 @@ def run(args: argparse.Namespace, workload, qps: float, sizing: dict, faults: li
         tail_s = args.tail_s or args.fault_every
         out["load_s"] = _drive(stack, load, injector, t0, args.minutes * 60, min(tail_s, 30.0))
         out["outcomes"], out["error"] = injector.outcomes, injector.error
-        time.sleep(args.settle_s or (40.0 if gpu else 5.0))
+        time.sleep(_settle_s(args, gpu))
         _wait_for_rest(stack, 30.0)
         out["memory_after"] = _memory(stack, gpu, ordinals)
         stats = stack.daemon_stats() or {}

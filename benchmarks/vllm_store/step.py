@@ -140,13 +140,10 @@ def _timed(torch, step: Step, pick, worker: WorkerSide | None, plan_for, n: int,
 
 
 def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Namespace,
-                 variant: str) -> tuple[list[float], tuple[int, int]]:
+                 variant: str, step_bytes: int) -> tuple[list[float], tuple[int, int]]:
     """Step times with the connector saving through a daemon started as ``variant``, and the
-    blocks it saved and failed."""
-    per_step = args.tokens // step.block_size
-    block_bytes = args.layers * 2 * step.block_size * kv[0].shape[3] * kv[0].shape[4] * 2
-    total = args.warmup + args.steps
-    dram = int(block_bytes * per_step * total * 1.1) + (1 << 30)
+    blocks it saved and failed; ``step_bytes``: what one step saves."""
+    dram = int(step_bytes * (args.warmup + args.steps) * 1.1) + (1 << 30)
     proc, socket_path = start_store(str(dram), flags=DAEMON_VARIANTS[variant])
     try:
         mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {})
@@ -215,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if "daemon" in modes:
         for variant in args.daemon_variants:
             mode = "daemon" if variant == "default" else f"daemon_{variant}"
-            on[mode], counts = _daemon_mode(torch, step, pick, plan_for, kv, args, variant)
+            on[mode], counts = _daemon_mode(torch, step, pick, plan_for, kv, args, variant,
+                                            per_step * block_bytes)
             saved, failed = saved + counts[0], failed + counts[1]
     if "engine" in modes:
         copies = EngineCopies(torch, kv, per_step)
