@@ -52,9 +52,10 @@ IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sen
 _VARIANTS = {"default": [],
              "one_submission": ["--copy-chunk-size", "0"],
              "memcpy_large": ["--copy-large-runs", "memcpy"],
-             "kernel_large": ["--copy-large-runs", "kernel"],
-             "staged_large": ["--copy-large-runs", "staged"],
-             "packed_large": ["--copy-packed-min-pieces", "1"],
+             # the kernel ways for saves too (by default a save runs no kernel)
+             "kernel_large": ["--copy-large-runs", "kernel", "--copy-save-kernels"],
+             "staged_large": ["--copy-large-runs", "staged", "--copy-save-kernels"],
+             "packed_large": ["--copy-packed-min-pieces", "1", "--copy-save-kernels"],
              "chunk_16m": ["--copy-chunk-size", "16MiB"],
              "chunk_64m": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
              "chunk_128m": ["--copy-chunk-size", "128MiB", "--copy-staging-slot-size",

@@ -17,13 +17,14 @@ measured before and after, to see drift), how many blocks the store saved, and t
 copy's bandwidth.
 
 ``--daemon-variants``: the daemon started with other ``kvstore serve --copy-*`` options, each
-measured as its own mode (``daemon`` is the shipped default): ``dma_only`` keeps every byte on
-the copy engines (no pack kernel beside the step: vLLM's 32 KiB pieces in one driver batch),
+measured as its own mode (``daemon`` is the shipped default, whose saves stay on the copy
+engines: vLLM's 32 KiB pieces in one driver batch): ``save_kernels`` lets saves pack on the GPU
+as loads do (the default before 2026-11-29), ``dma_only`` also keeps loads off kernels,
 ``memcpy_small`` a ``cudaMemcpyAsync`` per piece. A daemon's kernels run in their own CUDA
 context, which the GPU time-slices against the step's; copy engines work beside it.
 
     python -m benchmarks.vllm_store.step [--steps 30] [--warmup 5] [--tokens 2048] [--out DIR]
-                                   [--modes daemon,engine] [--daemon-variants default,dma_only]
+                                   [--modes daemon,engine] [--daemon-variants default,save_kernels]
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from offload.vllm.model_identity import vllm_identity
 HIDDEN, INTERMEDIATE, Q_DIM, KV_DIM = 2560, 9728, 4096, 1024  # Qwen3-4B
 # Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
 _NEVER_PACKED = ["--copy-packed-min-pieces", "1000000"]
-DAEMON_VARIANTS = {"default": [],
+DAEMON_VARIANTS = {"default": [], "save_kernels": ["--copy-save-kernels"],
                    "dma_only": [*_NEVER_PACKED, "--copy-small-runs", "batch"],
                    "memcpy_small": [*_NEVER_PACKED, "--copy-small-runs", "memcpy"]}
 

@@ -44,8 +44,9 @@ from offload.vllm.model_identity import vllm_identity
 
 # Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
 _NEVER_PACKED = ["--copy-packed-min-pieces", str(1 << 30)]  # more pieces than any layout has
-_VARIANTS = {"default": [],
-             "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED],
+_VARIANTS = {"default": [],  # loads packed on the GPU, saves one driver batch of pieces
+             "save_kernels": ["--copy-save-kernels"],  # saves packed too
+             "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED, "--copy-save-kernels"],
              "runs": _NEVER_PACKED,
              "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"]}
 

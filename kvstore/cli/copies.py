@@ -49,6 +49,10 @@ def add_copy_flags(serve: argparse.ArgumentParser) -> None:
                        help="each of the GPU staging slots (4 per direction, on the engine's "
                             "device) a staged or packed batch goes through; larger batches go "
                             f"in parts (default {format_bytes(defaults.staging_slot_bytes)})")
+    group.add_argument("--copy-save-kernels", action="store_true",
+                       help="let saves pack, stage or copy with GPU kernels as loads do (faster "
+                            "for many small pieces, but a kernel time-slices against the "
+                            "engine's step); by default saves stay on the copy engines")
     group.add_argument("--copy-kernel-unroll", type=int, choices=UNROLLS, metavar="N",
                        default=defaults.kernel_unroll,
                        help="16-byte loads each thread of the copy kernels keeps in flight, one "
@@ -61,4 +65,5 @@ def copy_settings_from_args(args: argparse.Namespace) -> CopySettings:
                         packed_min_pieces=args.copy_packed_min_pieces,
                         chunk_bytes=args.copy_chunk_size,
                         staging_slot_bytes=args.copy_staging_slot_size,
-                        kernel_unroll=args.copy_kernel_unroll)
+                        kernel_unroll=args.copy_kernel_unroll,
+                        save_kernels=args.copy_save_kernels)

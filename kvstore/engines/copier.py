@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 _MEMCPY_HOST_TO_DEVICE = 1
 _MEMCPY_DEVICE_TO_HOST = 2
 _MEMCPY_DEFAULT = 4  # direction from the (unified) addresses: device to device, peers included
+# how ``counts`` names a submission's direction (``save_batch``, ``load_staged``, ...)
+_DIRECTIONS = {_MEMCPY_DEVICE_TO_HOST: "save", _MEMCPY_HOST_TO_DEVICE: "load",
+               _MEMCPY_DEFAULT: "device"}
 _GATHER_MIN_RUNS = 8  # device-to-device batches with this many runs go through one kernel
 # Host <-> device batches of many small runs (vLLM's layout: one 32 KiB piece per layer and K/V)
 # go through the same kernel over the pinned pool's mapped addresses: one cudaMemcpyAsync per
@@ -115,6 +118,7 @@ class CudaCopier:
         stream = self._streams[kind]
         self.fault.check()
         with cp.cuda.Device(self.device_id), self._locks[kind]:
+            self.counts[f"{_DIRECTIONS[kind]}_{method.value}"] += 1
             try:
                 if method is CopyMethod.STAGED:
                     # A part per staging slot; the streams keep the parts in order, so the last
@@ -239,6 +243,8 @@ class CudaCopier:
         multi-piece layout's batch that cannot is counted: ``counts``)."""
         if not len(host) or table.num_pieces < self.settings.packed_min_pieces:
             return None
+        if kind == _MEMCPY_DEVICE_TO_HOST and not self.settings.save_kernels:
+            return None  # saves stay on the copy engines (CopySettings.save_kernels)
         if table.block_bytes > self._staging[kind].max_slot_bytes or np.any(host & 15) or \
                 not all(self._device_addressable(int(p)) for p in {host[0], host[-1]}):
             self.counts["batches_not_packed_host"] += 1  # pageable, unaligned or too large
@@ -353,7 +359,8 @@ class CudaCopier:
         ``settings.large_runs``. Every method but memcpy needs the host side page-locked and
         mapped at the same address (unpinned memory always goes through ``cudaMemcpyAsync``);
         the kernel and the staged path need aligned runs (the kernel 8+ of them), else a driver
-        batch takes them, else memcpy. A run larger than a staging slot goes by the kernel."""
+        batch takes them, else memcpy. A run larger than a staging slot goes by the kernel. A
+        save takes no kernel unless ``settings.save_kernels``: a driver batch instead."""
         if len(merged) < 2:
             return CopyMethod.MEMCPY
         small = merged.total_bytes <= _GATHER_MAX_MEAN_RUN_BYTES * len(merged)
@@ -361,7 +368,9 @@ class CudaCopier:
         if method is CopyMethod.MEMCPY or not all(self._device_addressable(int(p))
                                                   for p in {host_ptrs[0], host_ptrs[-1]}):
             return CopyMethod.MEMCPY
-        if method in (CopyMethod.KERNEL, CopyMethod.STAGED) and not _aligned(merged):
+        kernels = kind != _MEMCPY_DEVICE_TO_HOST or self.settings.save_kernels
+        if method in (CopyMethod.KERNEL, CopyMethod.STAGED) and \
+                not (kernels and _aligned(merged)):
             method = CopyMethod.BATCH
         # a run larger than a staging slot goes by the kernel: the ring keeps its budget
         if method is CopyMethod.STAGED and \

@@ -43,6 +43,11 @@ class CopySettings:
     ``staging_slot_bytes``: the size of each device staging slot (a batch larger goes in parts).
     ``kernel_unroll``: 16-byte loads each thread of the copy kernels has in flight (one of
     ``kernels.block_copy.UNROLLS``).
+    ``save_kernels``: saves (device to host) may pack, stage or copy with kernels as loads do.
+    Off by default: a kernel in the daemon's CUDA context time-slices against the engine's step
+    (vLLM's decode step with saves 1.097x a step without them, against 1.017x with every save
+    on the copy engines: ``benchmarks.vllm_store.step``, H200, 2026-11-29), and a save, unlike
+    a load, is something no request waits for.
     """
 
     small_runs: CopyMethod = CopyMethod.STAGED
@@ -51,6 +56,7 @@ class CopySettings:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     staging_slot_bytes: int = DEFAULT_STAGING_SLOT_BYTES
     kernel_unroll: int = UNROLL
+    save_kernels: bool = False
 
     def __post_init__(self) -> None:
         for name in ("small_runs", "large_runs"):
@@ -65,6 +71,8 @@ class CopySettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if not isinstance(self.save_kernels, bool):
+            raise ValueError(f"save_kernels must be True or False, got {self.save_kernels!r}")
         if isinstance(self.kernel_unroll, bool) or self.kernel_unroll not in UNROLLS:
             raise ValueError(f"kernel_unroll must be one of {', '.join(map(str, UNROLLS))}, "
                              f"got {self.kernel_unroll!r}")

@@ -22,6 +22,7 @@ def test_the_defaults_are_the_shipped_tuning() -> None:
     assert settings.small_runs is CopyMethod.STAGED and settings.large_runs is CopyMethod.BATCH
     assert settings.packed_min_pieces == 2
     assert settings.chunk_bytes == 32 << 20 and settings.staging_slot_bytes == 32 << 20
+    assert settings.save_kernels is False  # saves stay on the copy engines
 
 
 def test_methods_by_name_become_members_and_the_value_is_frozen() -> None:
@@ -35,6 +36,7 @@ def test_methods_by_name_become_members_and_the_value_is_frozen() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("small_runs", "fast"), ("large_runs", ""), ("packed_min_pieces", 0),
     ("packed_min_pieces", True), ("packed_min_pieces", 2.0), ("chunk_bytes", -1),
+    ("save_kernels", "yes"), ("save_kernels", 1),
     ("staging_slot_bytes", 0), ("kernel_unroll", 5), ("kernel_unroll", True),
     ("kernel_unroll", "8"),
 ])
@@ -52,11 +54,12 @@ def test_every_copy_flag_sets_its_field() -> None:
     args = build_parser().parse_args([
         "serve", "--copy-small-runs", "kernel", "--copy-large-runs", "staged",
         "--copy-packed-min-pieces", "1073741824", "--copy-chunk-size", "0",
-        "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16"])
+        "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16",
+        "--copy-save-kernels"])
     assert copy_settings_from_args(args) == CopySettings(
         small_runs=CopyMethod.KERNEL, large_runs=CopyMethod.STAGED,
         packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20,
-        kernel_unroll=16)
+        kernel_unroll=16, save_kernels=True)
 
 
 @pytest.mark.parametrize("flags", [["--copy-small-runs", "fast"],

@@ -77,7 +77,8 @@ def test_table_runs_round_trip_byte_exact(name: str, method: str) -> None:
     host[:] = 0
     slots = [int(s) for s in rng.permutation(num_slots)[:len(ids)]]
     addrs = [host.ctypes.data + s * layout.block_bytes for s in slots]
-    copier = CudaCopier(0, CopySettings(small_runs=method, large_runs=method))
+    # save_kernels: the save direction takes the kernel methods too (off by default)
+    copier = CudaCopier(0, CopySettings(small_runs=method, large_runs=method, save_kernels=True))
     expect = {b: block(b) for b in range(NUM_BLOCKS)}
 
     rows = host.reshape(num_slots, layout.block_bytes)
@@ -123,7 +124,8 @@ def test_a_staged_batch_past_a_staging_slot_goes_in_parts_byte_exact() -> None:
     through its own ring slot; saved and loaded back byte for byte."""
     import cupy as cp
 
-    settings = CopySettings(small_runs="staged")  # the default, named: this test is about it
+    # the default for loads, named (this test is about it), and for saves here too
+    settings = CopySettings(small_runs="staged", save_kernels=True)
     num_layers, num_blocks = 36, 48
     rng = cp.random.RandomState(9)
     layers = [rng.randint(0, 256, 2 * num_blocks * PIECE, dtype=cp.uint8)
@@ -170,7 +172,7 @@ def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool) -> Non
         [int(s) for s in rng.permutation(num_slots)[:len(ids)]]
     addrs = [host.ctypes.data + s * layout.block_bytes for s in slots]
     # every layout packed; slots of 5 blocks: 23 blocks go in five parts
-    copier = CudaCopier(0, CopySettings(packed_min_pieces=1,
+    copier = CudaCopier(0, CopySettings(packed_min_pieces=1, save_kernels=True,
                                         staging_slot_bytes=5 * layout.block_bytes))
     expect = {b: block(b) for b in range(NUM_BLOCKS)}
     rows = host.reshape(num_slots, layout.block_bytes)
@@ -197,13 +199,41 @@ def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool) -> Non
     assert copier.counts["batches_packed"] == 5 and not copier.counts["batches_not_packed_host"]
 
 
+def test_by_default_a_save_runs_no_kernel_and_a_load_goes_packed() -> None:
+    """The shipped settings on vLLM's layout (10 pieces a block): the save is one driver batch
+    on the copy engines (no pack or staging kernel beside an engine's step), the load is packed;
+    both byte-exact."""
+    import cupy as cp
+
+    layout, buffers, ptrs, block = _buffers(cp, "vllm")
+    table = PieceTable(layout, ptrs)
+    ids = [int(b) for b in np.random.default_rng(21).permutation(NUM_BLOCKS)[:9]]
+    pinned = cp.cuda.alloc_pinned_memory(len(ids) * layout.block_bytes)
+    host = np.frombuffer(pinned, dtype=np.uint8, count=len(ids) * layout.block_bytes)
+    addrs = [host.ctypes.data + i * layout.block_bytes for i in range(len(ids))]
+    expect = {b: block(b) for b in ids}
+    copier = CudaCopier(0, CopySettings())
+    copier.blocks_to_host(table, ids, addrs).wait()
+    rows = host.reshape(len(ids), layout.block_bytes)
+    assert all(np.array_equal(rows[i], expect[b]) for i, b in enumerate(ids))
+    saves = {way: n for way, n in copier.counts.items() if way.startswith("save_")}
+    assert saves in ({"save_batch": 1}, {"save_memcpy": 1}), saves  # memcpy: no batch API
+    assert copier.counts["batches_packed"] == 0
+    for t in buffers:
+        t.fill(0)
+    cp.cuda.Device().synchronize()
+    copier.blocks_to_device(table, ids, addrs).wait()
+    assert all(np.array_equal(block(b), expect[b]) for b in ids)
+    assert copier.counts["batches_packed"] == 1
+
+
 def test_a_new_table_on_a_warm_copier_reads_its_own_regions() -> None:
     """A second registration's piece table (new buffers) on a copier whose rings are warm:
     its region table is on the device before the first launch reads it, so blocks come from
     the new buffers, never the old ones."""
     import cupy as cp
 
-    copier = CudaCopier(0, CopySettings(packed_min_pieces=1))
+    copier = CudaCopier(0, CopySettings(packed_min_pieces=1, save_kernels=True))
     num_slots = 8
     kept = []  # earlier rounds' buffers stay allocated: a stale table would read them
     for round_ in range(3):

@@ -65,7 +65,8 @@ def test_every_method_lands_in_every_chunk_and_beside_each_boundary(method: str)
         order = np.random.default_rng(12).permutation(n).astype(np.int64)
         dev = arena.memory.ptr + order * BLOCK_BYTES
         size = np.full(n, BLOCK_BYTES, dtype=np.int64)
-        copier = CudaCopier(0, CopySettings(small_runs=method, large_runs=method))
+        copier = CudaCopier(0, CopySettings(small_runs=method, large_runs=method,
+                                            save_kernels=True))
         for consecutive in (False, True):  # shuffled device side, then one long run each side
             d = arena.memory.ptr + np.arange(n, dtype=np.int64) * BLOCK_BYTES \
                 if consecutive else dev
