@@ -22,12 +22,15 @@ import numpy as np
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _SLICE_BYTES = 8 << 20  # a host copy below this size runs on the calling thread
+# Each staging buffer. Page-locking is paid at every start, in proportion to the size, while a
+# larger buffer uploads no faster past a point: ``benchmarks/weight_upload.py`` compares sizes.
+BUFFER_BYTES = 128 << 20
 
 
 class PinnedUpload:
     """Uploads host arrays; ``buffer_bytes`` per staging buffer (two), ``threads`` host copiers."""
 
-    def __init__(self, buffer_bytes: int = 256 << 20, threads: int = 8) -> None:
+    def __init__(self, buffer_bytes: int = BUFFER_BYTES, threads: int = 8) -> None:
         self._size = buffer_bytes
         self._memory = [cp.cuda.alloc_pinned_memory(buffer_bytes) for _ in range(2)]
         self._views = [np.frombuffer(m, np.uint8, buffer_bytes) for m in self._memory]
