@@ -95,6 +95,24 @@ def one_start(model_dir: Path, device: str, extra: list[str], timeout_s: float,
             "idle_rss_bytes": rss, "engine_log": load_line, "timeline": timeline}
 
 
+def bytecode_state() -> dict:
+    """Whether a start can read compiled bytecode (``pip install`` compiles what it installs;
+    an image with PYTHONDONTWRITEBYTECODE=1 and no compiled files makes every start compile
+    every module from source, about a second more): the interpreter's setting and whether the
+    server's entry module and FastAPI have their ``.pyc``."""
+    import importlib.util
+
+    def compiled(module: str) -> bool | None:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return None
+        return Path(importlib.util.cache_from_source(spec.origin)).is_file()
+
+    return {"dont_write_bytecode": sys.dont_write_bytecode,
+            "server_cli_compiled": compiled("server.cli"),
+            "fastapi_compiled": compiled("fastapi.routing")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model folder (default: make-model --preset)")
@@ -128,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "date": now_iso(utc=True),
         "command": command(f"{Path(sys.executable).name} -m benchmarks.startup", argv),
-        "weight_bytes": weight_bytes, "runs": runs,
+        "weight_bytes": weight_bytes, "bytecode": bytecode_state(), "runs": runs,
         "warm": {"ready_s_median": ready,
                  "first_token_s_median": statistics.median(r["first_token_s"] for r in warm),
                  "idle_rss_bytes_median": statistics.median(r["idle_rss_bytes"] for r in warm)},

@@ -24,7 +24,7 @@ _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _SLICE_BYTES = 8 << 20  # a host copy below this size runs on the calling thread
 # Each staging buffer. Page-locking is paid at every start, in proportion to the size, while a
 # larger buffer uploads no faster past a point: ``benchmarks/weight_upload.py`` compares sizes.
-BUFFER_BYTES = 128 << 20
+BUFFER_BYTES = 64 << 20
 
 
 class PinnedUpload:

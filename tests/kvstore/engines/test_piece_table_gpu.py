@@ -265,7 +265,7 @@ def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
     ids = [3, 1, 4]
     host = np.zeros(len(ids) * layout.block_bytes, dtype=np.uint8)
     addrs = [host.ctypes.data + i * layout.block_bytes for i in range(len(ids))]
-    copier = CudaCopier(0)
+    copier = CudaCopier(0, CopySettings(save_kernels=True))  # a save may pack: host refuses
     copier.blocks_to_host(table, ids, addrs).wait()
     rows = host.reshape(len(ids), layout.block_bytes)
     for i, b in enumerate(ids):

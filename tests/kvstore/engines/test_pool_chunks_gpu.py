@@ -156,7 +156,8 @@ def test_a_sticky_cuda_error_fails_the_daemon_closed_and_the_next_one_serves() -
     port = _free_port()
     os.environ["KVSTORE_DEBUG_CORRUPT_ENGINE"] = "poisoned-engine"
     try:
-        daemon = _start_daemon("--http", f"127.0.0.1:{port}")
+        # --copy-save-kernels: the save packs (a copy engine's fault is not sticky)
+        daemon = _start_daemon("--http", f"127.0.0.1:{port}", "--copy-save-kernels")
     finally:
         del os.environ["KVSTORE_DEBUG_CORRUPT_ENGINE"]
     namespace, hashes, idents = _chain("poisoned", n)
