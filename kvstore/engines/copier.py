@@ -41,6 +41,7 @@ import numpy as np
 from kvstore.engines import cuda_batch
 from kvstore.engines.copy_bounds import check_block_ids
 from kvstore.engines.copy_handle import CopyHandle
+from kvstore.engines.copy_method import GATHER_MIN_RUNS, aligned, host_method
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.engines.cuda_fault import CudaFault
 
@@ -57,12 +58,6 @@ _MEMCPY_DEFAULT = 4  # direction from the (unified) addresses: device to device,
 # how ``counts`` names a submission's direction (``save_batch``, ``load_staged``, ...)
 _DIRECTIONS = {_MEMCPY_DEVICE_TO_HOST: "save", _MEMCPY_HOST_TO_DEVICE: "load",
                _MEMCPY_DEFAULT: "device"}
-_GATHER_MIN_RUNS = 8  # device-to-device batches with this many runs go through one kernel
-# Host <-> device batches of many small runs (vLLM's layout: one 32 KiB piece per layer and K/V)
-# go through the same kernel over the pinned pool's mapped addresses: one cudaMemcpyAsync per
-# 32 KiB run reaches ~6 GB/s, a kernel reading mapped pinned memory ~46 GB/s (H100). Large runs
-# (kvengine's block-major arena: one 2+ MB run per block) stay on the copy engines.
-_GATHER_MAX_MEAN_RUN_BYTES = 512 << 10
 _CUDA_MEMORY_TYPE_HOST = 1
 
 
@@ -78,9 +73,6 @@ Runs = Sequence[CopyRun] | RunArrays
 def _merged(runs: Runs) -> RunArrays:
     return coalesce_arrays(runs if isinstance(runs, RunArrays) else RunArrays.of(runs))
 
-
-def _aligned(runs: RunArrays) -> bool:
-    return not np.any((runs.src_ptrs | runs.dst_ptrs | runs.num_bytes) & 15)
 
 
 class CudaCopier:
@@ -355,32 +347,13 @@ class CudaCopier:
                             self._host_method(merged, merged.src_ptrs, _MEMCPY_HOST_TO_DEVICE))
 
     def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray, kind: int) -> CopyMethod:
-        """How a host <-> device batch goes: ``settings.small_runs`` for many small runs, else
-        ``settings.large_runs``. Every method but memcpy needs the host side page-locked and
-        mapped at the same address (unpinned memory always goes through ``cudaMemcpyAsync``);
-        the kernel and the staged path need aligned runs (the kernel 8+ of them), else a driver
-        batch takes them, else memcpy. A run larger than a staging slot goes by the kernel. A
-        save takes no kernel unless ``settings.save_kernels``: a driver batch instead."""
-        if len(merged) < 2:
-            return CopyMethod.MEMCPY
-        small = merged.total_bytes <= _GATHER_MAX_MEAN_RUN_BYTES * len(merged)
-        method = self.settings.small_runs if small else self.settings.large_runs
-        if method is CopyMethod.MEMCPY or not all(self._device_addressable(int(p))
-                                                  for p in {host_ptrs[0], host_ptrs[-1]}):
-            return CopyMethod.MEMCPY
-        kernels = kind != _MEMCPY_DEVICE_TO_HOST or self.settings.save_kernels
-        if method in (CopyMethod.KERNEL, CopyMethod.STAGED) and \
-                not (kernels and _aligned(merged)):
-            method = CopyMethod.BATCH
-        # a run larger than a staging slot goes by the kernel: the ring keeps its budget
-        if method is CopyMethod.STAGED and \
-                int(merged.num_bytes.max()) > self._staging[kind].max_slot_bytes:
-            method = CopyMethod.KERNEL
-        if method is CopyMethod.KERNEL and len(merged) < _GATHER_MIN_RUNS:
-            method = CopyMethod.BATCH
-        if method is CopyMethod.BATCH and not cuda_batch.available():
-            return CopyMethod.MEMCPY
-        return method
+        """How a host <-> device batch goes (``copy_method.host_method``)."""
+        addressable = len(merged) > 0 and all(self._device_addressable(int(p))
+                                              for p in {host_ptrs[0], host_ptrs[-1]})
+        return host_method(self.settings, merged, save=kind == _MEMCPY_DEVICE_TO_HOST,
+                           host_addressable=addressable,
+                           max_slot_bytes=self._staging[kind].max_slot_bytes,
+                           batch_available=cuda_batch.available())
 
     def _device_addressable(self, host_ptr: int) -> bool:
         cp = _cupy()
@@ -404,5 +377,5 @@ class CudaCopier:
                               ) -> tuple[RunArrays, int, CopyMethod]:
         """The merged runs, the copy kind and the method ``device_to_device`` submits them by."""
         merged = _merged(runs)
-        gather = not peer and len(merged) >= _GATHER_MIN_RUNS and _aligned(merged)
+        gather = not peer and len(merged) >= GATHER_MIN_RUNS and aligned(merged)
         return merged, _MEMCPY_DEFAULT, CopyMethod.KERNEL if gather else CopyMethod.MEMCPY
