@@ -33,6 +33,7 @@ from kvstore.daemon import memory
 from kvstore.daemon.accept import Acceptor, RateLimitedLog
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
 from kvstore.daemon.connection import BULK_REPLY_VERBS, FD_VERBS, Connection, encode_reply
+from kvstore.daemon.frame_body import read_body
 from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
@@ -309,7 +310,7 @@ class Daemon:
                 await self._refuse(conn, None, proto.RESOURCE_EXHAUSTED, problem)
                 return
             try:
-                body = await asyncio.wait_for(reader.readexactly(length),
+                body = await asyncio.wait_for(read_body(reader, length, _SMALL_FRAME_BYTES + 1),
                                               self.limits.frame_timeout_s)
             except asyncio.IncompleteReadError:
                 return  # the peer went away mid-frame; nobody to answer
@@ -355,7 +356,7 @@ class Daemon:
             conn.tasks.add(task)
             task.add_done_callback(conn.tasks.discard)
 
-    async def _decode_off_loop(self, body: bytes, fds: FrameFds) -> Any:
+    async def _decode_off_loop(self, body: bytes | memoryview, fds: FrameFds) -> Any:
         """``decode_body`` on a worker; the frame's descriptors are closed if the connection is
         cancelled meanwhile or the executor is gone (a ProtocolError leaves them to the caller,
         which closes them)."""

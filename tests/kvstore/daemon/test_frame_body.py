@@ -1,0 +1,45 @@
+"""A frame body is read whole and byte-exact, small ones as bytes and large ones piece by piece
+into a private mapping; a peer that goes away mid-body is an IncompleteReadError either way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from kvstore.daemon.frame_body import PIECE_BYTES, read_body
+
+
+def _read(data: bytes, length: int, large_from: int, eof: bool = True):
+    async def run():
+        reader = asyncio.StreamReader(limit=2**16)
+
+        async def feed() -> None:  # in small pieces, as a socket delivers them
+            for start in range(0, len(data), 48 * 1024):
+                reader.feed_data(data[start:start + 48 * 1024])
+                await asyncio.sleep(0)
+            if eof:
+                reader.feed_eof()
+
+        feeder = asyncio.create_task(feed())
+        try:
+            return await read_body(reader, length, large_from)
+        finally:
+            await feeder
+    return asyncio.run(run())
+
+
+def test_a_small_body_is_bytes_and_a_large_one_a_mapping_with_the_same_bytes() -> None:
+    data = os.urandom(3 * PIECE_BYTES + 12345)
+    small = _read(data[:1000], 1000, large_from=4096)
+    assert isinstance(small, bytes) and small == data[:1000]
+    large = _read(data + b"next frame", len(data), large_from=4096, eof=False)
+    assert isinstance(large, memoryview) and len(large) == len(data)
+    assert large.tobytes() == data
+
+
+@pytest.mark.parametrize("large_from", [1, 1 << 30])
+def test_a_body_cut_short_is_an_incomplete_read(large_from: int) -> None:
+    with pytest.raises(asyncio.IncompleteReadError):
+        _read(os.urandom(5000), 8000, large_from)
