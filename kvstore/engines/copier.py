@@ -17,10 +17,13 @@ run: many small runs (vLLM's 32 KiB pieces) are gathered on the GPU by one ``cop
 (its table read in place from a pinned slot, ``PinnedTables``) into a device staging buffer that
 crosses the bus a run per block (``device_staging``), large ones (kvengine's block-major blocks)
 go to one ``cuMemcpyBatchAsync`` (the copy engines, without a driver call per block). Those are
-the defaults: the copier's ``CopySettings`` (``copy_settings``) choose the method per batch shape.
+the defaults: the copier's ``CopySettings`` (``copy_settings``) choose the method per batch shape
+(``copy_method``), and a save runs no kernel unless ``save_kernels`` (its batch of small runs goes
+to one ``cuMemcpyBatchAsync``): a kernel in the daemon's context time-slices against the step.
 
 Whole blocks of a registration (``blocks_to_host`` / ``blocks_to_device``, what saves and loads
-use) skip the runs where the layout has several pieces a block: one ``copy_pieces`` launch packs
+use) skip the runs where the layout has several pieces a block (loads; saves only with
+``save_kernels``): one ``copy_pieces`` launch packs
 (or unpacks) the blocks between the engine and a staging slot from a table of block ids and a
 region table uploaded once per ``PieceTable``, and the slot crosses the bus a run per block or
 fewer. Building, merging and uploading a run per piece had paced vLLM's saves at ~1 ms per
@@ -72,7 +75,6 @@ Runs = Sequence[CopyRun] | RunArrays
 
 def _merged(runs: Runs) -> RunArrays:
     return coalesce_arrays(runs if isinstance(runs, RunArrays) else RunArrays.of(runs))
-
 
 
 class CudaCopier:
