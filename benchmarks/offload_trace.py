@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     num_kv_blocks = fits_blocks if args.regime == "fits" else max(
         int(fits_blocks / args.pressure_factor), -(-longest // 16) * 2 + 16)
     dram_bytes = int(fits_blocks * block_bytes * 1.5)
+    from server.cli import tune_interpreter
+
+    tune_interpreter()  # the GIL switch interval `kvengine serve` runs with, not Python's 5 ms
     points = []
     for name in configs:
         point = run_config(args, name, num_kv_blocks, dram_bytes)
@@ -248,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
               "device": args.device, "regime": args.regime, "args": vars(args) | {
                   "model_dir": str(args.model_dir)},
               "num_kv_blocks": num_kv_blocks, "working_set_blocks": -(-working_set // 16),
+              "switch_interval_s": sys.getswitchinterval(),
               "machine": machine_info(), "date": now_iso(),
               "command": command("python -m benchmarks.offload_trace", argv),
               "points": points}
