@@ -19,6 +19,12 @@ import sys
 import time
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
+from kvstore.cli.args import positive_int_arg
+
+
+def _sizes_arg(text: str) -> list[int]:
+    """argparse type: comma-separated positive sizes in MiB."""
+    return [positive_int_arg(part) for part in text.split(",")]
 
 
 def _child(model_dir: str, buffer_mib: int) -> dict:
@@ -26,7 +32,6 @@ def _child(model_dir: str, buffer_mib: int) -> dict:
     import cupy as cp
 
     from engine.weights import CheckpointReader
-    from kernels.cuda_module import BF16
     from kernels.pinned_upload import PinnedUpload
 
     reader = CheckpointReader(model_dir)
@@ -35,10 +40,9 @@ def _child(model_dir: str, buffer_mib: int) -> dict:
     upload = PinnedUpload(buffer_bytes=buffer_mib << 20)
     pinned = time.perf_counter()
     arrays, total = [], 0
-    for name in reader.names():
-        raw, dtype = reader.read(name)
-        host = raw.view("u2").view(BF16) if dtype == "bfloat16" else raw
-        arrays.append(upload.upload(host))
+    for name in reader.names():  # the bytes as stored: a transfer, whatever their dtype
+        raw, _ = reader.read(name)
+        arrays.append(upload.upload(raw))
         total += raw.nbytes
     upload.finish()
     done = time.perf_counter()
@@ -50,13 +54,13 @@ def _child(model_dir: str, buffer_mib: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a checkpoint folder")
-    parser.add_argument("--buffer-mib", default="256,128,64,32",
+    parser.add_argument("--buffer-mib", type=_sizes_arg, default="256,128,64,32",
                         help="comma-separated staging buffer sizes in MiB")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int_arg, default=3)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.buffer_mib.split(",")]
+    sizes = args.buffer_mib
     if args.child:
         print(json.dumps(_child(args.model, sizes[0])), flush=True)
         return 0

@@ -16,11 +16,11 @@ PIECE_BYTES = 1 << 20  # the most one read copies (the reader's buffer holds les
 
 
 async def read_body(reader: asyncio.StreamReader, length: int,
-                    large_from: int) -> bytes | memoryview:
-    """The next ``length`` bytes: ``bytes`` below ``large_from``, else a memoryview of a private
+                    small_max: int) -> bytes | memoryview:
+    """The next ``length`` bytes: ``bytes`` up to ``small_max``, else a memoryview of a private
     mapping filled a piece at a time. IncompleteReadError if the peer goes away first (its
     ``partial`` is left empty: nobody reads a torn frame)."""
-    if length < large_from:
+    if length <= small_max:
         return await reader.readexactly(length)
     view = memoryview(mmap.mmap(-1, length))
     got = 0

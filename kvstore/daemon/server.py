@@ -310,7 +310,7 @@ class Daemon:
                 await self._refuse(conn, None, proto.RESOURCE_EXHAUSTED, problem)
                 return
             try:
-                body = await asyncio.wait_for(read_body(reader, length, _SMALL_FRAME_BYTES + 1),
+                body = await asyncio.wait_for(read_body(reader, length, _SMALL_FRAME_BYTES),
                                               self.limits.frame_timeout_s)
             except asyncio.IncompleteReadError:
                 return  # the peer went away mid-frame; nobody to answer

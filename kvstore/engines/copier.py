@@ -350,8 +350,9 @@ class CudaCopier:
 
     def _host_method(self, merged: RunArrays, host_ptrs: np.ndarray, kind: int) -> CopyMethod:
         """How a host <-> device batch goes (``copy_method.host_method``)."""
-        addressable = len(merged) > 0 and all(self._device_addressable(int(p))
-                                              for p in {host_ptrs[0], host_ptrs[-1]})
+        def addressable() -> bool:
+            return all(self._device_addressable(int(p)) for p in {host_ptrs[0], host_ptrs[-1]})
+
         return host_method(self.settings, merged, save=kind == _MEMCPY_DEVICE_TO_HOST,
                            host_addressable=addressable,
                            max_slot_bytes=self._staging[kind].max_slot_bytes,

@@ -11,6 +11,8 @@ step, and no request waits for a save.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
@@ -26,19 +28,20 @@ def aligned(runs: RunArrays) -> bool:
 
 
 def host_method(settings: CopySettings, merged: RunArrays, *, save: bool,
-                host_addressable: bool, max_slot_bytes: int,
+                host_addressable: Callable[[], bool], max_slot_bytes: int,
                 batch_available: bool) -> CopyMethod:
     """The method for the (coalesced) runs ``merged``: ``save`` for device to host;
-    ``host_addressable`` when the host side is page-locked and mapped at the same address
-    (every method but memcpy needs it); ``max_slot_bytes`` a staging slot's size (a larger run
-    goes by the kernel); ``batch_available`` when the driver has ``cuMemcpyBatchAsync``. The
-    kernel and the staged path need aligned runs (the kernel 8+ of them), else a driver batch
-    takes them, else memcpy."""
+    ``host_addressable()`` whether the host side is page-locked and mapped at the same address
+    (every method but memcpy needs it; a driver call, made only where it decides);
+    ``max_slot_bytes`` a staging slot's size (a larger run goes by the kernel);
+    ``batch_available`` when the driver has ``cuMemcpyBatchAsync``. The kernel and the staged
+    path need aligned runs (the kernel 8+ of them), else a driver batch takes them, else
+    memcpy."""
     if len(merged) < 2:
         return CopyMethod.MEMCPY
     small = merged.total_bytes <= GATHER_MAX_MEAN_RUN_BYTES * len(merged)
     method = settings.small_runs if small else settings.large_runs
-    if method is CopyMethod.MEMCPY or not host_addressable:
+    if method is CopyMethod.MEMCPY or not host_addressable():
         return CopyMethod.MEMCPY
     kernels = not save or settings.save_kernels
     if method in (CopyMethod.KERNEL, CopyMethod.STAGED) and not (kernels and aligned(merged)):

@@ -11,7 +11,7 @@ import pytest
 from kvstore.daemon.frame_body import PIECE_BYTES, read_body
 
 
-def _read(data: bytes, length: int, large_from: int, eof: bool = True):
+def _read(data: bytes, length: int, small_max: int, eof: bool = True):
     async def run():
         reader = asyncio.StreamReader(limit=2**16)
 
@@ -24,7 +24,7 @@ def _read(data: bytes, length: int, large_from: int, eof: bool = True):
 
         feeder = asyncio.create_task(feed())
         try:
-            return await read_body(reader, length, large_from)
+            return await read_body(reader, length, small_max)
         finally:
             await feeder
     return asyncio.run(run())
@@ -32,14 +32,14 @@ def _read(data: bytes, length: int, large_from: int, eof: bool = True):
 
 def test_a_small_body_is_bytes_and_a_large_one_a_mapping_with_the_same_bytes() -> None:
     data = os.urandom(3 * PIECE_BYTES + 12345)
-    small = _read(data[:1000], 1000, large_from=4096)
+    small = _read(data[:1000], 1000, small_max=4096)
     assert isinstance(small, bytes) and small == data[:1000]
-    large = _read(data + b"next frame", len(data), large_from=4096, eof=False)
+    large = _read(data + b"next frame", len(data), small_max=4096, eof=False)
     assert isinstance(large, memoryview) and len(large) == len(data)
     assert large.tobytes() == data
 
 
-@pytest.mark.parametrize("large_from", [1, 1 << 30])
-def test_a_body_cut_short_is_an_incomplete_read(large_from: int) -> None:
+@pytest.mark.parametrize("small_max", [0, 1 << 30])
+def test_a_body_cut_short_is_an_incomplete_read(small_max: int) -> None:
     with pytest.raises(asyncio.IncompleteReadError):
-        _read(os.urandom(5000), 8000, large_from)
+        _read(os.urandom(5000), 8000, small_max)

@@ -26,7 +26,8 @@ def _runs(num_runs: int, num_bytes: int, misalign: int = 0) -> RunArrays:
 def _method(settings: CopySettings = CopySettings(), runs: RunArrays | None = None, *,
             save: bool, addressable: bool = True, batch: bool = True) -> CopyMethod:
     return host_method(settings, _runs(64, PIECE) if runs is None else runs, save=save,
-                       host_addressable=addressable, max_slot_bytes=SLOT, batch_available=batch)
+                       host_addressable=lambda: addressable, max_slot_bytes=SLOT,
+                       batch_available=batch)
 
 
 def test_by_default_a_save_of_small_pieces_takes_no_kernel_and_a_load_is_staged() -> None:
