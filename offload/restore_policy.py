@@ -186,6 +186,8 @@ class RestorePolicy:
     def snapshot(self) -> dict:
         with self._lock:
             return {"bandwidth_bytes_per_s": {t: e.value for t, e in self._bandwidth.items()},
+                    "bandwidth_measured": sorted(t for t, e in self._bandwidth.items()
+                                                 if e.samples),
                     "prefill_tokens_per_s": 1.0 / self._seconds_per_token(),
                     "prefill_measured": bool(self._token_costs),
                     "step_floor_s": self._step_floor.value,

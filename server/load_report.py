@@ -54,7 +54,8 @@ class EngineLoad(BaseModel):
     model_identity: dict[str, Any]  # kvstore.keys.ModelIdentity's fields
     # What the router's cost model prices a prompt with, as the engine measured it (its restore
     # policy's estimates): prefill_tokens_per_s (prefill_measured: False while it is the
-    # prior), kv_bytes_per_token, restore_bytes_per_s by tier. None without --kv-offload.
+    # prior), kv_bytes_per_token, restore_bytes_per_s by tier (restore_measured: the tiers
+    # whose rate was timed, not the prior). None without --kv-offload.
     costs: dict[str, Any] | None = None
 
 
@@ -77,7 +78,8 @@ def routing_costs(stats: dict[str, Any], bytes_per_token: int) -> dict[str, Any]
     return {"prefill_tokens_per_s": float(policy.get("prefill_tokens_per_s", 0.0)),
             "prefill_measured": bool(policy.get("prefill_measured", False)),
             "kv_bytes_per_token": bytes_per_token,
-            "restore_bytes_per_s": dict(policy.get("bandwidth_bytes_per_s", {}))}
+            "restore_bytes_per_s": dict(policy.get("bandwidth_bytes_per_s", {})),
+            "restore_measured": list(policy.get("bandwidth_measured", []))}
 
 
 def install_load_route(app: FastAPI, async_engine: AsyncEngine, engine: RoutedEngine,

@@ -92,7 +92,7 @@ def build_router_app(router: RequestRouter, proxy: RouterProxy,
         if routed is None:
             return await proxy.forward(request, body, None, next_engine, streaming=streams(body))
         engine, route = routed
-        return await proxy.forward(request, body, engine, next_engine, route.compute_tokens,
+        return await proxy.forward(request, body, engine, next_engine, route.work_s,
                                    streaming=streams(body))
 
     async def passed(request: Request) -> Response:

@@ -64,7 +64,7 @@ class UpstreamEngine:
     reported_load: int = 0  # its requests in flight, at the last probe
     in_flight: int = 0  # the router's requests to it in flight now
     in_flight_at_probe: int = 0
-    queued_tokens: int = 0  # prompt tokens the router sent it and has not seen answered
+    queued_s: float = 0.0  # seconds of work the router sent it and has not seen answered
     costs: EngineCosts = field(default_factory=EngineCosts)  # as its last /load measured them
 
     @property
@@ -72,7 +72,7 @@ class UpstreamEngine:
         return self.in_flight + max(0, self.reported_load - self.in_flight_at_probe)
 
     def candidate(self, num_hbm: int = 0) -> Candidate:
-        return Candidate(self.url, self.load, num_hbm, self.queued_tokens, self.costs)
+        return Candidate(self.url, self.load, num_hbm, self.queued_s, self.costs)
 
 
 class EnginePool:

@@ -1,8 +1,10 @@
 """RoutingPolicy: which engine a request goes to, and why.
 
 With ``kv`` (the default) a request goes where its first token is expected soonest. For each
-ready engine the estimate is, in seconds: the prefill work the router has sent there and not yet
-seen answered (``queued_tokens``) at that engine's prefill rate, plus this request's tokens
+ready engine the estimate is, in seconds: the work (prefill and restores) the router has sent
+there and not yet seen answered (``queued_s``, each request's own part of its estimate when it
+was sent: a restore occupies the engine's copies and HBM as a prefill does its compute), plus
+this request's tokens
 priced by where they sit: the leading blocks in the engine's own HBM are free; each later block
 costs the cheapest of restoring it from where the node holds it (a peer engine's HBM, the
 node's DRAM, its SSD) and computing it, at that engine's measured restore and prefill rates
@@ -59,6 +61,7 @@ class EngineCosts:
     restore_s_per_token: Mapping[str, float] = field(default_factory=lambda: {
         PEER_HBM: 147456 / 2e11, DRAM: 147456 / 2e10, SSD: 147456 / 1e9})
     prefill_measured: bool = False  # False: the prior, until the engine has timed prefills
+    restore_measured: frozenset[str] = frozenset()  # tiers whose rate the engine has timed
 
     @classmethod
     def from_report(cls, report: Mapping | None) -> EngineCosts:
@@ -77,19 +80,21 @@ class EngineCosts:
             return default
         restore = dict(default.restore_s_per_token)
         restore.update({tier: per_token / bw for tier, bw in bandwidth.items() if bw > 0})
-        return cls(1.0 / rate, restore, bool(report.get("prefill_measured", True)))
+        measured = report.get("restore_measured", ())
+        tiers = frozenset(str(t) for t in measured) if isinstance(measured, list) else frozenset()
+        return cls(1.0 / rate, restore, bool(report.get("prefill_measured", True)), tiers)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A ready engine as the policy sees it: its base URL, requests in flight, prefill tokens
-    the router sent it and has not seen answered, the leading blocks it holds in HBM, its
-    costs."""
+    """A ready engine as the policy sees it: its base URL, requests in flight, the leading
+    blocks it holds in HBM, the seconds of work (prefill and restores) the router sent it and
+    has not seen answered, its costs."""
 
     url: str
     load: int
     num_hbm: int = 0
-    queued_tokens: int = 0
+    queued_s: float = 0.0
     costs: EngineCosts = field(default_factory=EngineCosts)
 
 
@@ -116,6 +121,7 @@ class Route:
     expected_hit_blocks: int = 0
     compute_tokens: int = 0
     estimate_s: float = 0.0
+    work_s: float = 0.0  # this request's own part of the estimate: it joins the engine's queue
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,7 @@ class Estimate:
     seconds: float
     cached_blocks: int  # own HBM plus the blocks restoring beats computing
     compute_tokens: int
+    work_s: float  # ``seconds`` less the queue: this request's restores and prefill
 
 
 def estimate(candidate: Candidate, peer_hbm: int, placement: Placement) -> Estimate:
@@ -132,7 +139,7 @@ def estimate(candidate: Candidate, peer_hbm: int, placement: Placement) -> Estim
     other engine holds its leading ``peer_hbm`` blocks in HBM."""
     costs = candidate.costs
     prefill = costs.prefill_s_per_token
-    seconds = candidate.queued_tokens * prefill
+    seconds = 0.0
     bs = placement.block_size
     num_blocks = placement.num_tokens // bs
     own = min(candidate.num_hbm, num_blocks)
@@ -147,22 +154,39 @@ def estimate(candidate: Candidate, peer_hbm: int, placement: Placement) -> Estim
         seconds += (end - start) * bs * per_token
         cached, start = end, end
     compute = placement.num_tokens - cached * bs
-    return Estimate(seconds + compute * prefill, cached, compute)
+    work = seconds + compute * prefill
+    return Estimate(candidate.queued_s + work, cached, compute, work)
 
 
-def _with_node_prefill(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
-    """Every engine priced at the median prefill rate of those that have measured one: a node's
+def _with_node_costs(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+    """Every engine priced at the median rates of those that have measured them: a node's
     engines run one model on alike devices, and one engine's estimate is noisy for its first
     minute (two H200s measured 12k and 36k tokens/s for the same prefills; the router then sent
-    new conversations behind a queue on the "faster" one, 1.2-2.5 s first tokens). Engines still
-    on their prior keep it only while none has measured."""
+    new conversations behind a queue on the "faster" one, 1.2-2.5 s first tokens). The same for
+    each restore tier: an engine that has not restored yet still has its prior (20 GB/s from
+    DRAM), and beside one that measured 46 GB/s it looked twice as slow to restore the same
+    blocks, so two H200s' later turns all went to one of them. Engines keep their priors only
+    while none has measured."""
     measured = sorted(c.costs.prefill_s_per_token for c in candidates
                       if c.costs.prefill_measured)
-    if not measured:
+    prefill = measured[len(measured) // 2] if measured else None
+    restore: dict[str, float] = {}
+    for tier in {t for c in candidates for t in c.costs.restore_measured}:
+        rates = sorted(c.costs.restore_s_per_token[tier] for c in candidates
+                       if tier in c.costs.restore_measured and tier in c.costs.restore_s_per_token)
+        if rates:
+            restore[tier] = rates[len(rates) // 2]
+    if prefill is None and not restore:
         return candidates
-    median = measured[len(measured) // 2]
-    return [replace(c, costs=replace(c.costs, prefill_s_per_token=median))
-            for c in candidates]
+    out = []
+    for c in candidates:
+        costs = c.costs
+        if prefill is not None:
+            costs = replace(costs, prefill_s_per_token=prefill)
+        if restore:
+            costs = replace(costs, restore_s_per_token={**costs.restore_s_per_token, **restore})
+        out.append(replace(c, costs=costs))
+    return out
 
 
 class RoutingPolicy:
@@ -205,7 +229,7 @@ class RoutingPolicy:
 
     def _cheapest(self, candidates: Sequence[Candidate], placement: Placement,
                   tenant: str) -> Route:
-        candidates = _with_node_prefill(candidates)
+        candidates = _with_node_costs(candidates)
         hbm = sorted((c.num_hbm for c in candidates), reverse=True)
         estimates = []
         for c in candidates:
@@ -234,7 +258,8 @@ class RoutingPolicy:
         else:
             reason = RouteReason.HBM_BUSY
         return Route(chosen.url, reason, chosen_estimate.cached_blocks,
-                     chosen_estimate.compute_tokens, chosen_estimate.seconds)
+                     chosen_estimate.compute_tokens, chosen_estimate.seconds,
+                     chosen_estimate.work_s)
 
     def least_loaded(self, candidates: Sequence[Candidate], tenant: str = "") -> Candidate:
         """The candidate with the fewest requests in flight; equally loaded ones take turns

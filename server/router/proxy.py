@@ -101,18 +101,18 @@ class RouterProxy:
 
     async def forward(self, request: Request, body: bytes, engine: UpstreamEngine | None,
                       next_engine: Callable[[set[str]], UpstreamEngine | None],
-                      queued_tokens: int = 0, streaming: bool = False) -> Response:
+                      queued_s: float = 0.0, streaming: bool = False) -> Response:
         """Send the request to ``engine``, or on to ``next_engine(tried)`` while engines turn
         out unreachable; the engine's response, or a 503 when none could take it.
-        ``queued_tokens`` (the prompt tokens the first engine is expected to compute) count in
+        ``queued_s`` (the seconds of work the route expects of the first engine) count in
         its queue until its answer's first bytes arrive, or it fails. A ``streaming`` request
         whose engine sends no response head within the first-byte bound gets a 504."""
         tried: set[str] = set()
         while engine is not None:
             tried.add(engine.url)
             engine.in_flight += 1
-            dequeue = _Queued(engine, queued_tokens)
-            queued_tokens = 0  # an engine tried next takes it unannounced
+            dequeue = _Queued(engine, queued_s)
+            queued_s = 0.0  # an engine tried next takes it unannounced
             try:
                 send = self._send(engine, request, body)
                 if streaming and self._first_byte_timeout_s is not None:
@@ -174,16 +174,16 @@ class RouterProxy:
 
 
 class _Queued:
-    """A request's prompt tokens in an engine's queue; calling it takes them out, once."""
+    """A request's seconds of work in an engine's queue; calling it takes them out, once."""
 
-    def __init__(self, engine: UpstreamEngine, num_tokens: int) -> None:
+    def __init__(self, engine: UpstreamEngine, seconds: float) -> None:
         self._engine = engine
-        self._num_tokens = num_tokens
-        engine.queued_tokens += num_tokens
+        self._seconds = seconds
+        engine.queued_s += seconds
 
     def __call__(self) -> None:
-        self._engine.queued_tokens -= self._num_tokens
-        self._num_tokens = 0
+        self._engine.queued_s = max(0.0, self._engine.queued_s - self._seconds)
+        self._seconds = 0.0
 
 
 def _closer(engine: UpstreamEngine, aclose: Callable[[], Awaitable[None]],

@@ -208,6 +208,6 @@ def _decision(candidates: list, placement: Placement, route: Route) -> str:
         "tokens": placement.num_tokens, "dram": placement.num_dram,
         "stored": placement.num_stored,
         "candidates": [{"name": c.url, "load": c.load, "hbm": c.num_hbm,
-                        "queued": c.queued_tokens,
+                        "queued_s": c.queued_s,
                         "prefill_s_per_token": c.costs.prefill_s_per_token,
                         "measured": c.costs.prefill_measured} for c in candidates]})

@@ -84,15 +84,22 @@ _ENGINE = textwrap.dedent("""
         time.sleep(0.2)
     their_sums = json.load(open(theirs))["computed"]
     latest = sorted(int(k) for k in their_sums)[-{checked}:]
+    # where a block that differs came from, if it is another of their blocks: [prompt, block]
+    where = {{tuple(v): [int(k), j] for k, blocks in their_sums.items()
+             for j, v in enumerate(blocks)}}
     checks = []
     for i in latest:
         prompt = prompt_of(other, i)
         got = llm.generate([prompt], params)[0]
         restored = got.num_cached_tokens // 16
+        mine = sums(prompt, restored)
+        differ = [j for j, (x, y) in enumerate(zip(mine, their_sums[str(i)])) if x != y]
         checks.append({{"prompt": i, "restored_blocks": restored,
                         "by_tier": got.cached_tokens_by_tier,
                         "store_state": engine.offload.stats().get("store_state"),
-                        "equal": sums(prompt, restored) == their_sums[str(i)][:restored]}})
+                        "equal": mine == their_sums[str(i)][:restored],
+                        "differ": len(differ), "first_differ": differ[:8],
+                        "found_as": [where.get(tuple(mine[j])) for j in differ[:8]]}})
     print("RESULT " + json.dumps({{"role": role, "computed": len(computed), "checks": checks,
                                   "offload": engine.offload.stats()}}, default=str), flush=True)
     llm.close()

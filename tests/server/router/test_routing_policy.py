@@ -28,7 +28,8 @@ BS = 16
 
 
 def _c(url: str, load: int = 0, num_hbm: int = 0, queued: int = 0) -> Candidate:
-    return Candidate(url, load, num_hbm, queued, COSTS)
+    """``queued``: prefill tokens queued on it (their seconds at ``PREFILL``)."""
+    return Candidate(url, load, num_hbm, queued * PREFILL, COSTS)
 
 
 def _pick(policy: RoutingPolicy, candidates: list[Candidate], placement: Placement | None):
@@ -69,14 +70,33 @@ def test_a_shared_system_prompt_does_not_pull_every_new_conversation_to_one_engi
     each routed prompt on its engine: new conversations alternate, not pile up on a."""
     policy = RoutingPolicy("kv")
     placement = Placement(num_tokens=1200 * BS, block_size=BS, num_dram=64, num_stored=64)
-    queued = {"a": 0, "b": 0}
+    queued = {"a": 0.0, "b": 0.0}
     chosen = []
     for _ in range(6):
-        route = policy.choose([_c("a", 0, 64, queued["a"]), _c("b", 0, 0, queued["b"])],
-                              placement)
-        queued[route.url] += route.compute_tokens
+        route = policy.choose([Candidate("a", 0, 64, queued["a"], COSTS),
+                               Candidate("b", 0, 0, queued["b"], COSTS)], placement)
+        queued[route.url] += route.work_s
         chosen.append(route.url)
     assert Counter(chosen) == {"a": 3, "b": 3}, chosen
+
+
+def test_restores_queue_on_their_engine_so_later_turns_from_dram_spread() -> None:
+    """Seen on two H200s whose HBM holds no conversation between its turns: every later turn
+    restored ~1,190 blocks from DRAM and computed ~160 tokens. Counting only the computed
+    tokens as queued, one engine took ten such turns in a row (2-3 s first tokens); the
+    restores it was sent are work in its queue too."""
+    policy = RoutingPolicy("kv")
+    placement = Placement(num_tokens=1200 * BS, block_size=BS, num_dram=1190, num_stored=1190)
+    queued = {"a": 0.0, "b": 0.0}
+    chosen = []
+    for _ in range(8):
+        route = policy.choose([Candidate("a", 0, 64, queued["a"], COSTS),
+                               Candidate("b", 0, 64, queued["b"], COSTS)], placement)
+        assert route.work_s == pytest.approx(route.estimate_s - queued[route.url])
+        assert route.work_s > route.compute_tokens * PREFILL  # the restore is in it
+        queued[route.url] += route.work_s
+        chosen.append(route.url)
+    assert Counter(chosen) == {"a": 4, "b": 4}, chosen
 
 
 def test_cold_prompts_spread_dram_hits_and_fallbacks_go_by_load() -> None:
@@ -129,18 +149,36 @@ def test_engines_are_priced_at_the_nodes_median_prefill_rate() -> None:
     slow = EngineCosts(1 / 12_000, COSTS.restore_s_per_token, prefill_measured=True)
     fast = EngineCosts(1 / 36_000, COSTS.restore_s_per_token, prefill_measured=True)
     placement = Placement(num_tokens=1188 * BS, block_size=BS, num_dram=64, num_stored=64)
-    candidates = [Candidate("idle", 0, 64, 0, slow), Candidate("busy", 1, 64, 18_000, fast)]
+    queue_s = 18_000 / 36_000
+    candidates = [Candidate("idle", 0, 64, 0.0, slow), Candidate("busy", 1, 64, queue_s, fast)]
     assert policy.choose(candidates, placement).url == "idle"
     # an engine still on its prior takes the node's rate too
     prior = EngineCosts(1 / 1_000, COSTS.restore_s_per_token, prefill_measured=False)
-    candidates = [Candidate("idle", 0, 64, 0, prior), Candidate("busy", 1, 64, 18_000, fast)]
+    candidates = [Candidate("idle", 0, 64, 0.0, prior), Candidate("busy", 1, 64, queue_s, fast)]
     assert policy.choose(candidates, placement).url == "idle"
+
+
+def test_an_engine_that_has_not_restored_yet_is_priced_at_the_nodes_measured_rate() -> None:
+    """Seen on two H200s: the engine that had restored measured 46 GB/s from DRAM, the other
+    still had its 20 GB/s prior, so every later turn looked twice as cheap on the first."""
+    policy = RoutingPolicy("kv")
+    rates = dict(COSTS.restore_s_per_token)
+    measured = EngineCosts(PREFILL, rates, True, frozenset({"dram"}))
+    prior = EngineCosts(PREFILL, {**rates, "dram": rates["dram"] * 2.3}, True)
+    placement = Placement(num_tokens=1200 * BS, block_size=BS, num_dram=1190, num_stored=1190)
+    routes = [policy.choose([Candidate("measured", 0, 64, 0.0, measured),
+                             Candidate("prior", 0, 64, 0.0, prior)], placement)
+              for _ in range(4)]
+    assert len({r.estimate_s for r in routes}) == 1  # one price on both
+    assert Counter(r.url for r in routes) == {"measured": 2, "prior": 2}
 
 
 def test_engine_costs_come_from_the_load_report() -> None:
     costs = EngineCosts.from_report({"prefill_tokens_per_s": 40_000, "kv_bytes_per_token": 1000,
-                                     "restore_bytes_per_s": {"dram": 2e10, "hbm": 0}})
+                                     "restore_bytes_per_s": {"dram": 2e10, "hbm": 0},
+                                     "restore_measured": ["dram"]})
     assert costs.prefill_s_per_token == pytest.approx(1 / 40_000)
+    assert costs.restore_measured == {"dram"}
     assert costs.restore_s_per_token["dram"] == pytest.approx(1000 / 2e10)
     assert costs.restore_s_per_token["hbm"] == EngineCosts().restore_s_per_token["hbm"]
     for bad in (None, {}, {"prefill_tokens_per_s": "x"}, {"prefill_tokens_per_s": 0,
