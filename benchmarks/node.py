@@ -220,9 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path)
     p.add_argument("--device", choices=("cuda", "cpu"))
-    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
-                   help="join the points of earlier runs' result files (one configuration "
-                   "each, say) into one result with the ratios, and run nothing")
+    p.add_argument("--plot", action="store_true",
+                   help="--merge: also a PNG of TTFT over the run per configuration")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON[:CONFIG,...]",
+                   help="join the points of earlier runs' result files (all their "
+                   "configurations, or those named after a colon) into one result with the "
+                   "ratios, and run nothing")
     p.add_argument("--gpus", type=int, default=2, help="engines of the node (one per device)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length (CPU runs)")
@@ -262,13 +265,18 @@ def merge(args: argparse.Namespace, argv: list[str] | None) -> int:
     """One result from several runs' files: their points side by side, the ratios between."""
     import json
 
-    runs = [json.loads(path.read_text()) for path in args.merge]
-    points: dict[str, dict] = {}
-    for run in runs:
-        for config, point in run["points"].items():
+    runs, points = [], {}
+    for spec in args.merge:
+        path, _, wanted = str(spec).partition(":")
+        run = json.loads(Path(path).read_text())
+        runs.append(run)
+        taken = wanted.split(",") if wanted else list(run["points"])
+        for config in taken:
+            if config not in run["points"]:
+                raise SystemExit(f"--merge: {path} has no configuration {config}")
             if config in points:
                 raise SystemExit(f"--merge: configuration {config} is in two files")
-            points[config] = point
+            points[config] = run["points"][config]
     ratios = compare(points)
     _print_ratios(ratios)
     first = runs[0]
@@ -279,7 +287,38 @@ def merge(args: argparse.Namespace, argv: list[str] | None) -> int:
            "command": command("python -m benchmarks.node", argv)}
     tag = args.tag or f"{first.get('device')}-{first.get('gpus')}x"
     print(f"wrote {write_result(args.out, f'node-{tag}-{today()}.json', out)}")
+    if args.plot:
+        print(f"wrote {plot_ttft(points, Path(args.out) / f'node-{tag}-{today()}.png', tag)}")
     return 0
+
+
+def plot_ttft(points: dict[str, dict], path: Path, title: str) -> Path:
+    """TTFT over the run per configuration (first turns and later turns apart), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = [c for c in CONFIGS if c in points and not points[c].get("error")]
+    fig, axes = plt.subplots(len(configs), 1, figsize=(9, 2.4 * len(configs)), sharex=True,
+                             squeeze=False)
+    for ax, config in zip(axes[:, 0], configs):
+        records = [r for r in points[config]["records"] if r["error"] is None]
+        for later, style in ((False, "o"), (True, "x")):
+            xs = [r["sent_s"] for r in records if bool(r["round"]) == later]
+            ys = [r["ttft_s"] * 1e3 for r in records if bool(r["round"]) == later]
+            ax.plot(xs, ys, style, markersize=4, label="later turns" if later else "first turns")
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT ms")
+        ax.set_title(config, fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("sent at (s into the run)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

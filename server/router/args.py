@@ -130,8 +130,8 @@ def add_router_arguments(router: argparse.ArgumentParser) -> None:
                         "$KVSTORE_SOCKET, else the per-user default)")
     router.add_argument("--routing", choices=ROUTING_MODES, default="kv",
                         help="kv: to the engine where the first token is expected soonest: "
-                        "the work (prefill, restores) the router has queued there, plus this prompt "
-                        "priced by where its blocks are (its own HBM free, a peer's HBM, DRAM, "
+                        "the work (prefill, restores) the router has queued there, plus this "
+                        "prompt priced by where its blocks are (its own HBM free, a peer's HBM, DRAM, "
                         "SSD at the engine's measured restore rates, the rest at its prefill "
                         "rate), asking the daemon; round-robin: in turn; least-loaded: fewest "
                         "requests in flight (default: %(default)s)")

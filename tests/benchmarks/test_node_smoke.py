@@ -44,6 +44,18 @@ def test_a_two_engine_node_runs_end_to_end_on_cpu(tiny_model_dir: Path, tmp_path
     routed = kv["router_requests_by_reason"]
     assert sum(routed.values()) >= kv["summary"]["num_requests"]  # warm-ups go direct
     assert result["ratios"]["kv_later_vs_single"] is not None
+    # the configurations of one file (or of several) join into one result, chosen by name
+    path = next(tmp_path.glob("node-smoke-*.json"))
+    merged_dir = tmp_path / "merged"
+    assert node.main(["--merge", f"{path}:kv", f"{path}:single", "--tag", "m",
+                      "--out", str(merged_dir)]) == 0
+    merged = json.loads(next(merged_dir.glob("node-m-*.json")).read_text())
+    assert set(merged["points"]) == {"kv", "single"}
+    assert merged["ratios"] == result["ratios"]
+    with pytest.raises(SystemExit, match="no configuration rr-store"):
+        node.main(["--merge", f"{path}:rr-store", "--out", str(merged_dir)])
+    with pytest.raises(SystemExit, match="configuration kv is in two files"):
+        node.main(["--merge", str(path), f"{path}:kv", "--out", str(merged_dir)])
 
 
 @pytest.mark.parametrize("argv", [["--configs", "kv,bogus"], ["--gpus", "0"]])
