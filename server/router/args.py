@@ -133,8 +133,8 @@ def add_router_arguments(router: argparse.ArgumentParser) -> None:
                         "the work (prefill, restores) the router has queued there, plus this "
                         "prompt priced by where its blocks are (its own HBM free, a peer's HBM, "
                         "DRAM, SSD at the engine's measured restore rates, the rest at its "
-                        "prefill rate), asking the daemon; round-robin: in turn; least-loaded: fewest "
-                        "requests in flight (default: %(default)s)")
+                        "prefill rate), asking the daemon; round-robin: in turn; least-loaded: "
+                        "fewest requests in flight (default: %(default)s)")
     router.add_argument("--kv-locate-timeout-ms", dest="kv_locate_timeout_s",
                         type=_milliseconds, default=0.05, metavar="MS",
                         help="kv: the longest a request waits for the daemon's answer; past it "
