@@ -110,6 +110,30 @@ def _decisions(lines: list[str]) -> list[dict]:
     return out
 
 
+def routing_stages(decisions: list[dict]) -> dict:
+    """How long kv routing's stages took (ms: p50, p90, max of the prompt's tokens and chain,
+    and of the daemon's locate), for new prompts (no engine and not the store holding half of
+    it: first turns) and for continued ones apart."""
+    groups: dict[str, dict[str, list[float]]] = {}
+    for d in decisions:
+        stages = d.get("stages_ms") or {}
+        if not stages:
+            continue
+        blocks = max(1, d.get("tokens", 0) // 16)
+        held = max([d.get("stored", 0)] + [c.get("hbm", 0) for c in d.get("candidates", [])])
+        group = groups.setdefault("continued" if 2 * held >= blocks else "new", {})
+        for stage, ms in stages.items():
+            group.setdefault(stage, []).append(float(ms))
+    out: dict = {}
+    for name, group in groups.items():
+        out[name] = {}
+        for stage, values in group.items():
+            values.sort()
+            out[name][stage] = {"n": len(values), "p50": values[len(values) // 2],
+                                "p90": values[int(0.9 * (len(values) - 1))], "max": values[-1]}
+    return out
+
+
 def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizing: dict,
                block_bytes: int) -> dict:
     """Start the daemon, engines and router of ``config``, run the workload, stop them."""
@@ -166,6 +190,7 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
         if not single:
             point["router_requests_by_reason"] = _router_reasons(url)
             point["routes"] = _decisions(router.kept)
+            point["routing_stages_ms"] = routing_stages(point["routes"])
     except Exception as exc:  # a configuration that cannot run is reported, the rest go on
         point["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
     finally:

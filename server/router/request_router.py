@@ -112,14 +112,16 @@ class RequestRouter:
             return self.policy.choose([e.candidate() for e in ready], Placement(0, 1), key_salt)
         token_ids, salt = prompt
         chain = PromptChain.of(identity, token_ids, salt)
-        self.metrics.prompted(time.perf_counter() - start)
+        prompt_s = time.perf_counter() - start
+        self.metrics.prompted(prompt_s)
         if not len(chain):
             return self.policy.choose([e.candidate() for e in ready],
                                       Placement(len(token_ids), identity.block_size), key_salt)
         assert self.locator is not None
         start = time.perf_counter()
         reply = await self.locator.locate(chain)
-        self.metrics.located(time.perf_counter() - start)
+        locate_s = time.perf_counter() - start
+        self.metrics.located(locate_s)
         if reply is None:
             return self.policy.choose([e.candidate() for e in ready], None, key_salt)
         held: dict[str, int] = {}  # engine URL -> leading blocks in its HBM
@@ -136,7 +138,8 @@ class RequestRouter:
         route = self.policy.choose(candidates, placement, key_salt)
         self.routed.mark(route.url, hashes)  # a burst sees it before the daemon does
         if route_log.isEnabledFor(logging.DEBUG):
-            route_log.debug("%s%s", ROUTE_LOG_PREFIX, _decision(candidates, placement, route))
+            route_log.debug("%s%s", ROUTE_LOG_PREFIX, _decision(
+                candidates, placement, route, {"prompt": prompt_s, "locate": locate_s}))
         return route
 
     async def _choose_vllm(self, ready: list[UpstreamEngine], kind: str, body: bytes,
@@ -200,14 +203,17 @@ class RequestRouter:
             return None
 
 
-def _decision(candidates: list, placement: Placement, route: Route) -> str:
-    """A routing decision as one JSON line (see ``route_log``)."""
+def _decision(candidates: list, placement: Placement, route: Route,
+              stages_s: dict[str, float] | None = None) -> str:
+    """A routing decision as one JSON line (see ``route_log``); ``stages_s``: how long its
+    stages took (the prompt's tokens and chain, the daemon's locate)."""
     return json.dumps({
         "t": time.time(), "chosen": route.url, "reason": route.reason.value,
+        "stages_ms": {k: round(v * 1e3, 3) for k, v in (stages_s or {}).items()},
         "estimate_s": route.estimate_s, "compute_tokens": route.compute_tokens,
         "tokens": placement.num_tokens, "dram": placement.num_dram,
         "stored": placement.num_stored,
         "candidates": [{"name": c.url, "load": c.load, "hbm": c.num_hbm,
-                        "queued_s": c.queued_s,
+                        "queued_s": round(c.queued_s, 6),
                         "prefill_s_per_token": c.costs.prefill_s_per_token,
                         "measured": c.costs.prefill_measured} for c in candidates]})

@@ -44,6 +44,9 @@ def test_a_two_engine_node_runs_end_to_end_on_cpu(tiny_model_dir: Path, tmp_path
     routed = kv["router_requests_by_reason"]
     assert sum(routed.values()) >= kv["summary"]["num_requests"]  # warm-ups go direct
     assert result["ratios"]["kv_later_vs_single"] is not None
+    stages = kv["routing_stages_ms"]  # each decision's stages, first turns and later apart
+    assert sum(g["locate"]["n"] for g in stages.values()) == len(kv["routes"]) > 0
+    assert all(g["prompt"]["max"] >= g["prompt"]["p50"] > 0 for g in stages.values())
     # the configurations of one file (or of several) join into one result, chosen by name
     path = next(tmp_path.glob("node-smoke-*.json"))
     merged_dir = tmp_path / "merged"
