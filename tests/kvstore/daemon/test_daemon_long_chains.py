@@ -78,3 +78,23 @@ def test_a_long_publication_and_the_eviction_after_it_apply_in_the_order_sent(
             assert engine.unregister(reg)
     finally:
         arena.close()
+
+
+def test_a_long_prompts_locate_is_answered_on_the_loop_and_a_huge_chain_on_a_worker() -> None:
+    """A router's locate of a 19k-token prompt (1,188 blocks, ~120 KB) went to a worker thread
+    past 64 KiB, behind the engines' saves (25-80 ms on two H200s); it stays on the loop now,
+    while a chain of tens of thousands of blocks still goes to a worker, and a publication
+    stays on the loop whatever its size (its order is its meaning)."""
+    from kvstore.daemon.server import answered_on_loop
+    from kvstore.wire import protocol as proto
+
+    hashes = [i.to_bytes(16, "little") for i in range(1188)]
+    idents = [b"\x01" * 84] * 1188
+    frame = proto.encode_frame({"v": 1, "id": 1, "verb": "locate",
+                                "args": {"namespace": b"n" * 16, **pack_lookup(hashes, idents)}})
+    body_bytes = sum(len(piece) for piece in frame)
+    assert 100_000 < body_bytes and answered_on_loop("locate", body_bytes)
+    assert answered_on_loop("lookup", body_bytes)
+    assert not answered_on_loop("locate", 2_000_000)
+    assert answered_on_loop("resident", 50_000_000)
+    assert not answered_on_loop("save", 100)
