@@ -196,7 +196,10 @@ class LLMEngine:
             self.scheduler.advance(batch)
             # reading sampled tokens or prompt logprobs waited for the step's device work
             synced = bool(result.sampled or result.prompt_logprobs)
-            self.offload.save_computed(batch.seqs)  # before finished sequences free blocks
+            # before finished sequences free blocks; a mid-prompt chunk's blocks go to the
+            # store only once its kernels have written them
+            self.offload.save_computed(
+                batch.seqs, None if synced else self.runner.ops.work_done_marker())
             if synced and self._last_step_synced:  # else device time leaks across steps
                 self.offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
             self._last_step_synced = synced

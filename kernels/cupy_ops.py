@@ -9,6 +9,8 @@ never loads CuPy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import cupy as cp
 import ml_dtypes
 import numpy as np
@@ -119,6 +121,11 @@ class CupyOps(Ops):
         if self._upload is not None:
             self._upload.finish()
             self._upload = None
+
+    def work_done_marker(self) -> Callable[[], bool]:
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record()  # on the current stream, after everything queued on it so far
+        return lambda: event.done
 
     def to_device(self, host: np.ndarray) -> cp.ndarray:
         return cp.asarray(host)

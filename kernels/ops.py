@@ -116,6 +116,12 @@ class Ops(ABC):
         what staged them (a backend that copies synchronously has nothing to do)."""
         return None
 
+    def work_done_marker(self) -> Callable[[], bool] | None:
+        """A check that the device work queued so far (on the current stream) has finished:
+        another process that reads the memory it writes (the kvstore daemon copying a block
+        out) must not start before. None for a backend that runs synchronously."""
+        return None
+
     @abstractmethod
     def to_device(self, host: np.ndarray) -> Array:
         """Copy a host array (index metadata, small tables) to the device, keeping its dtype."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable
 
 from offload.engine_view import OffloadSequence, RestoreOutcome
 
@@ -95,8 +96,12 @@ class StoreBridge(ABC):
         """``ok``, ``hung`` or ``down``, as of now (None: no store); any thread."""
 
     @abstractmethod
-    def save_computed(self, seqs: list[OffloadSequence]) -> None:
-        """The step's sequences computed new tokens: pin the new full blocks to save."""
+    def save_computed(self, seqs: list[OffloadSequence],
+                      work_done: Callable[[], bool] | None = None) -> None:
+        """The step's sequences computed new tokens: pin the new full blocks to save.
+        ``work_done``: whether the step's device work has finished (None: it has, the step
+        read its sampled tokens). No block the step wrote is sent to the store or published as
+        resident before: the daemon copies on its own stream, in another process."""
 
     @abstractmethod
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:

@@ -9,6 +9,7 @@ the store.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from offload.block_generations import BlockGenerations
 from offload.bridge import StoreBridge
@@ -45,6 +46,8 @@ class EngineStore(StoreBridge):
                               generations=generations)
         self._store_epoch = client.registration_epoch  # the registration saved_keys is about
         self._closed = False
+        # The last step's device work, while it may not have finished (see save_computed).
+        self._work_done: Callable[[], bool] | None = None
 
     @property
     def restores(self) -> EngineRestores:
@@ -54,11 +57,13 @@ class EngineStore(StoreBridge):
     def store_state(self) -> str:
         return self.client.live_state.value
 
-    def save_computed(self, seqs: list[OffloadSequence]) -> None:
+    def save_computed(self, seqs: list[OffloadSequence],
+                      work_done: Callable[[], bool] | None = None) -> None:
         self._check_store_epoch()
+        self._work_done = work_done
         if self.policy is OffloadPolicy.WRITE_THROUGH:
             for seq in seqs:
-                self.saves.save_new_blocks(seq)
+                self.saves.save_new_blocks(seq, work_done)
 
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
         self.restore_policy.observe_step(num_prefill_tokens, seconds)
@@ -71,9 +76,17 @@ class EngineStore(StoreBridge):
         self.client.keep_connected()
         self._check_store_epoch()
         if self.policy is OffloadPolicy.EVICT:
-            self.saves.hand_over_released()
-        self.saves.send()
+            self.saves.hand_over_released(self._work_done)
+        self.saves.send()  # those whose step's device work is done
         self.saves.poll()
+        done = self._work_done
+        if done is not None and not done():
+            # Blocks the step registered may still be being written: their publication waits
+            # (the ledger keeps them, and drops any evicted meanwhile). Evictions go now.
+            self.publisher.publish_evictions()
+            self.counters["resident_deferred"] += 1
+            return
+        self._work_done = None
         self.publisher.publish()
 
     def _check_store_epoch(self) -> None:

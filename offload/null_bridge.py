@@ -7,6 +7,7 @@ interface whether or not a store is there (no optional bridge checked at every c
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from offload.bridge import RestoreBridge, StoreBridge
 from offload.engine_view import OffloadSequence, RestoreOutcome
@@ -67,7 +68,8 @@ class NullStore(StoreBridge):
     def store_state(self) -> str | None:
         return None
 
-    def save_computed(self, seqs: list[OffloadSequence]) -> None:
+    def save_computed(self, seqs: list[OffloadSequence],
+                      work_done: Callable[[], bool] | None = None) -> None:
         self.counters["save_steps_without_store"] += 1
 
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:

@@ -31,11 +31,15 @@ class ResidentPublisher:
 
     def publish(self) -> None:
         """Evictions first, then resident blocks (the daemon keeps the order)."""
+        self.publish_evictions()
+        if self.generations is not None:
+            self._publish_resident(self.generations)
+
+    def publish_evictions(self) -> None:
+        """Only the evictions: the blocks registered since may not be written yet."""
         for namespace, keys in self.ledger.drain_evicted_keys().items():
             self.client.evicted(namespace, keys)
             self.counters["evictions_published"] += len(keys)
-        if self.generations is not None:
-            self._publish_resident(self.generations)
 
     def _publish_resident(self, generations: Generations) -> None:
         items = self.ledger.drain_resident()

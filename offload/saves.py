@@ -10,6 +10,7 @@ are sent after it, once the step's outputs are on their way. Keys the store ackn
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from offload.core.save_job import SaveJob
 from offload.core.saver import Saver
@@ -34,8 +35,10 @@ class EngineSaves:
         self.saved_keys = saved_keys
         self.saver = Saver(client, site, counters)
 
-    def save_new_blocks(self, seq: OffloadSequence) -> None:
-        """Write-through: pin the sequence's full blocks computed since its last save."""
+    def save_new_blocks(self, seq: OffloadSequence,
+                        ready: Callable[[], bool] | None = None) -> None:
+        """Write-through: pin the sequence's full blocks computed since its last save, sent
+        once ``ready`` (the step's device work has finished writing them)."""
         num_full = min(seq.num_computed_tokens // self.block_size, seq.num_registered_blocks)
         start = seq.num_saved_blocks
         if num_full <= start:
@@ -47,10 +50,11 @@ class EngineSaves:
             chunk = js[i:i + SAVE_BATCH]
             self.saver.pin(seq.namespace_digest, [seq.block_ids[j] for j in chunk],
                            [seq.block_hashes[j] for j in chunk],
-                           sequence_idents(seq, chunk, self.block_size))
+                           sequence_idents(seq, chunk, self.block_size), ready)
 
-    def hand_over_released(self) -> None:
-        """``evict``: pin each cached block whose last user let go, to save it."""
+    def hand_over_released(self, ready: Callable[[], bool] | None = None) -> None:
+        """``evict``: pin each cached block whose last user let go, to save it (sent once
+        ``ready``: a block released mid-prompt may still be being written)."""
         by_namespace: dict[bytes, list[tuple[int, bytes, bytes]]] = {}
         for block_id, cached in self.ledger.drain_released():
             if cached.key in self.saved_keys:
@@ -60,7 +64,7 @@ class EngineSaves:
         for namespace, items in by_namespace.items():
             for i in range(0, len(items), SAVE_BATCH):
                 ids, keys, idents = zip(*items[i:i + SAVE_BATCH])
-                self.saver.pin(namespace, list(ids), list(keys), list(idents))
+                self.saver.pin(namespace, list(ids), list(keys), list(idents), ready)
 
     def send(self) -> None:
         """Send what the step pinned."""

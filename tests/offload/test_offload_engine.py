@@ -286,3 +286,45 @@ def test_offload_counters_reach_the_servers_metrics(tiny_model_dir, make_daemon)
     # The restore policy's estimates (why a restore would lose), as gauges.
     assert '# TYPE kvengine:kv_offload_restore_estimate gauge' in text
     assert 'what="prefill_tokens_per_s"' in text and 'what="bandwidth_dram_bytes_per_s"' in text
+
+
+def test_a_chunks_blocks_reach_the_store_only_once_its_device_work_is_done(
+        tiny_model_dir, make_daemon, reference) -> None:
+    """On a GPU a mid-prompt chunk samples nothing, so nothing waits for its kernels: the step
+    after it used to send the chunk's saves (and publish its blocks as resident) while the
+    kernels could still be writing them, and the daemon copies on a stream of its own. Seen on
+    two H200s: one restored prompt of eight differed from what its engine computed. Here the
+    device's completion is a gate the test opens (a CPU engine's work is done when the call
+    returns): until it opens, no block of the chunks reaches the daemon."""
+    daemon = make_daemon(dram="64MiB")
+    llm = offload_llm(tiny_model_dir, daemon, max_num_batched_tokens=32)
+    engine = llm.engine
+    done = False
+    engine.runner.ops.work_done_marker = lambda: (lambda: done)  # the device, not yet done
+    prompt = random_prompt(1000, 16 * 6 + 3, seed=31)
+    engine.add_request("r", prompt, GREEDY)
+    for _ in range(3):  # three mid-prompt chunks of 32 tokens: six full blocks
+        engine.step()
+    engine.flush_offload()
+    with daemon.client() as c:
+        events = c.stats()["daemon"]["events"]
+    stats = engine.stats()["kv_offload"]
+    assert stats.get("saves", 0) == 0 and stats["resident_deferred"] >= 1, stats
+    assert events.get("blocks_saved", 0) == 0, events
+    assert events.get("blocks_published_resident", 0) == 0, events
+    done = True  # the kernels finished: everything goes out
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.flush_offload()
+    engine.offload.wait_idle()
+    with daemon.client() as c:
+        events = c.stats()["daemon"]["events"]
+    assert events["blocks_saved"] == len(prompt) // 16, events
+    assert events["blocks_published_resident"] >= 6, events
+    close_llm(llm)
+    # and what was saved is what a fresh engine restores, token for token
+    fresh = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
+    out = fresh.generate([prompt], GREEDY)[0]
+    close_llm(fresh)
+    assert out.cached_tokens_by_tier["dram"] > 0
+    assert out.token_ids == reference(prompt)
