@@ -44,14 +44,14 @@ import httpx
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.multiturn import load
 from benchmarks.multiturn.presets import PRESETS, scaled, summarize_point
+from benchmarks.node_plot import plot_ttft
+from benchmarks.node_routes import decisions, router_reasons, routing_stages
 from benchmarks.servers import ServerProcess, warm_up
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from kvstore.cli.args import size_arg
 from server.router.request_router import ROUTE_LOG_PREFIX
 
 CONFIGS = ("rr-no-store", "rr-store", "kv", "single")
-# kvengine:router_requests_total{reason="hbm_hit",engine="..."} 3.0
-_ROUTED = re.compile(r'kvengine:router_requests_total\{.*reason="(\w+)".*\}\s+([0-9.e+]+)')
 TARGETS = {"kv_later_vs_single": 1.3, "kv_later_vs_rr_no_store": 4.0,
            "kv_vs_rr_store_later_p50": 1.5, "rr_store_vs_rr_no_store_later": 3.0,
            "kv_vs_rr_store_all": 1.0, "kv_vs_rr_store_first": 1.0, "kv_vs_rr_store_p90": 1.0,
@@ -82,56 +82,6 @@ def _offload_events(url: str) -> dict[str, float]:
         return {}
     return {m.group(1): float(m.group(2)) for m in map(_OFFLOAD_EVENT.match, text.splitlines())
             if m and float(m.group(2))}
-
-
-def _router_reasons(url: str) -> dict[str, float]:
-    """Requests routed by reason, from the router's /metrics."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    except httpx.HTTPError:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _ROUTED.match(line)
-        if match:
-            out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(2))
-    return out
-
-
-def _decisions(lines: list[str]) -> list[dict]:
-    """The router's routing decisions (its ``kvengine.router.routes`` debug lines)."""
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line[line.index(ROUTE_LOG_PREFIX + "{") +
-                                       len(ROUTE_LOG_PREFIX):]))
-        except ValueError:
-            continue
-    return out
-
-
-def routing_stages(decisions: list[dict]) -> dict:
-    """How long kv routing's stages took (ms: p50, p90, max of the prompt's tokens and chain,
-    and of the daemon's locate), for new prompts (no engine and not the store holding half of
-    it: first turns) and for continued ones apart."""
-    groups: dict[str, dict[str, list[float]]] = {}
-    for d in decisions:
-        stages = d.get("stages_ms") or {}
-        if not stages:
-            continue
-        blocks = max(1, d.get("tokens", 0) // 16)
-        held = max([d.get("stored", 0)] + [c.get("hbm", 0) for c in d.get("candidates", [])])
-        group = groups.setdefault("continued" if 2 * held >= blocks else "new", {})
-        for stage, ms in stages.items():
-            group.setdefault(stage, []).append(float(ms))
-    out: dict = {}
-    for name, group in groups.items():
-        out[name] = {}
-        for stage, values in group.items():
-            values.sort()
-            out[name][stage] = {"n": len(values), "p50": values[len(values) // 2],
-                                "p90": values[int(0.9 * (len(values) - 1))], "max": values[-1]}
-    return out
 
 
 def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizing: dict,
@@ -188,8 +138,8 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
         if socket_path is not None:
             point["engine_offload_events"] = {u: _offload_events(u) for u in urls}
         if not single:
-            point["router_requests_by_reason"] = _router_reasons(url)
-            point["routes"] = _decisions(router.kept)
+            point["router_requests_by_reason"] = router_reasons(url)
+            point["routes"] = decisions(router.kept)
             point["routing_stages_ms"] = routing_stages(point["routes"])
     except Exception as exc:  # a configuration that cannot run is reported, the rest go on
         point["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
@@ -288,7 +238,6 @@ def _print_ratios(ratios: dict) -> None:
 
 def merge(args: argparse.Namespace, argv: list[str] | None) -> int:
     """One result from several runs' files: their points side by side, the ratios between."""
-    import json
 
     runs, points = [], {}
     for spec in args.merge:
@@ -313,37 +262,9 @@ def merge(args: argparse.Namespace, argv: list[str] | None) -> int:
     tag = args.tag or f"{first.get('device')}-{first.get('gpus')}x"
     print(f"wrote {write_result(args.out, f'node-{tag}-{today()}.json', out)}")
     if args.plot:
-        print(f"wrote {plot_ttft(points, Path(args.out) / f'node-{tag}-{today()}.png', tag)}")
+        png = Path(args.out) / f"node-{tag}-{today()}.png"
+        print(f"wrote {plot_ttft(points, CONFIGS, png, tag)}")
     return 0
-
-
-def plot_ttft(points: dict[str, dict], path: Path, title: str) -> Path:
-    """TTFT over the run per configuration (first turns and later turns apart), as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = [c for c in CONFIGS if c in points and not points[c].get("error")]
-    fig, axes = plt.subplots(len(configs), 1, figsize=(9, 2.4 * len(configs)), sharex=True,
-                             squeeze=False)
-    for ax, config in zip(axes[:, 0], configs):
-        records = [r for r in points[config]["records"] if r["error"] is None]
-        for later, style in ((False, "o"), (True, "x")):
-            xs = [r["sent_s"] for r in records if bool(r["round"]) == later]
-            ys = [r["ttft_s"] * 1e3 for r in records if bool(r["round"]) == later]
-            ax.plot(xs, ys, style, markersize=4, label="later turns" if later else "first turns")
-        ax.set_yscale("log")
-        ax.set_ylabel("TTFT ms")
-        ax.set_title(config, fontsize=9)
-        ax.legend(fontsize=7, loc="upper right")
-    axes[-1, 0].set_xlabel("sent at (s into the run)")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

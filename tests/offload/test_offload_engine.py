@@ -140,7 +140,12 @@ def test_daemon_killed_then_back_engine_keeps_serving_and_reconnects(
 
     assert wait_until(reconnected, timeout_s=15.0, interval_s=0.2)
 
+    seeds = iter(range(10, 1000))
+
     def saving_again() -> bool:  # wait_idle gives up early if a probe is late on a busy host
+        # A new prompt each time: one computed before the link was up again (a loaded host
+        # reconnects late) is an HBM hit from then on and never saved.
+        llm.generate([random_prompt(1000, 16 * 6 + 1, seed=next(seeds))], GREEDY)
         llm.engine.offload.wait_idle()
         with revived.client() as c:
             return c.stats()["tiers"]["dram"]["blocks"] > 0
