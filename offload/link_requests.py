@@ -17,9 +17,21 @@ from kvstore import Client, Pending
 class LinkRequest(ABC):
     """A request the link's thread sends on the connection it holds."""
 
+    copies = False  # True: the daemon moves bytes in or out of the engine's blocks
+
     @abstractmethod
-    def send(self, client: Client, registration_id: int | None) -> Pending:
-        """Put the request on the wire (may block while the socket is full: link thread)."""
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
+        """Put the request on the wire (may block while the socket is full: link thread).
+        ``timeout_s``: what is left of the caller's deadline; a copy's daemon must not start
+        after the engine gave up on it (it may have reused the blocks)."""
+
+
+def _left(timeout_s: float | None, deadline_s: float | None) -> float | None:
+    """The daemon's bound for a copy: what is left of the engine's wait when it is sent."""
+    if timeout_s is None:
+        return deadline_s
+    return timeout_s if deadline_s is None else min(timeout_s, deadline_s)
 
 
 def _registered(registration_id: int | None, verb: str) -> int:
@@ -37,7 +49,8 @@ class LookupRequest(LinkRequest):
     idents: list[bytes]
     lease_ttl_s: float
 
-    def send(self, client: Client, registration_id: int | None) -> Pending:
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
         return client.lookup_async(self.namespace, self.hashes, self.idents, self.lease_ttl_s)
 
 
@@ -45,18 +58,23 @@ class LookupRequest(LinkRequest):
 class LoadRequest(LinkRequest):
     """Copy a lease's blocks into the engine's ``block_ids`` (daemon-side ids)."""
 
+    copies = True
+
     lease_id: int
     block_ids: list[int]
     deadline_s: float | None
 
-    def send(self, client: Client, registration_id: int | None) -> Pending:
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
         return client.load_async(_registered(registration_id, "load"), self.lease_id,
-                                 self.block_ids, self.deadline_s)
+                                 self.block_ids, _left(timeout_s, self.deadline_s))
 
 
 @dataclass(frozen=True)
 class SaveRequest(LinkRequest):
     """Copy the engine's ``block_ids`` into the store under ``hashes`` / ``idents``."""
+
+    copies = True
 
     namespace: bytes
     block_ids: list[int]
@@ -64,9 +82,11 @@ class SaveRequest(LinkRequest):
     idents: list[bytes]
     deadline_s: float | None
 
-    def send(self, client: Client, registration_id: int | None) -> Pending:
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
         return client.save_async(_registered(registration_id, "save"), self.namespace,
-                                 self.block_ids, self.hashes, self.idents, self.deadline_s)
+                                 self.block_ids, self.hashes, self.idents,
+                                 _left(timeout_s, self.deadline_s))
 
 
 @dataclass(frozen=True)
@@ -75,7 +95,8 @@ class ReleaseRequest(LinkRequest):
 
     lease_id: int
 
-    def send(self, client: Client, registration_id: int | None) -> Pending:
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
         return client.release_async(self.lease_id)
 
 
@@ -89,7 +110,8 @@ class ResidentRequest(LinkRequest):
     idents: list[bytes]
     generations: list[int]
 
-    def send(self, client: Client, registration_id: int | None) -> Pending:
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
         return client.resident_async(_registered(registration_id, "resident"), self.namespace,
                                      self.block_ids, self.hashes, self.idents, self.generations)
 
@@ -101,5 +123,6 @@ class EvictedRequest(LinkRequest):
     namespace: bytes
     hashes: list[bytes]
 
-    def send(self, client: Client, registration_id: int | None) -> Pending:
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
         return client.evicted_async(self.namespace, self.hashes, registration_id)

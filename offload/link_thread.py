@@ -59,6 +59,9 @@ _RTT_WINDOW = 20
 MAX_QUEUED = 4096
 # The link's thread wakes at least this often (probes, reconnects, closing).
 _TICK_S = 0.05
+# Taken off what is left of a copy's deadline when the link sends it: the daemon's copy must
+# stop (and its last chunk land) before the engine, at its own deadline, reuses the blocks.
+SEND_MARGIN_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -197,9 +200,18 @@ class LinkThread:
         if client is None or not self._up or outgoing.epoch not in (None, self.epoch):
             outgoing.transfer.abandon()
             return
+        # A copy's daemon gets what is left of the engine's wait, less a margin: past it the
+        # engine takes its blocks back, and a copy started then would move reused memory.
+        left_s = None
+        if outgoing.request.copies:
+            left_s = outgoing.transfer.remaining_s() - SEND_MARGIN_S
+            if left_s <= 0:
+                outgoing.transfer.abandon()  # too late to send: never sent, nothing to undo
+                return
         self._busy_since = time.monotonic()
         try:
-            outgoing.transfer.attach(outgoing.request.send(client, registration_id), self.epoch)
+            outgoing.transfer.attach(outgoing.request.send(client, registration_id, left_s),
+                                     self.epoch)
         except (DaemonUnavailable, ClientError, OSError):
             outgoing.transfer.abandon()
             self._drop()

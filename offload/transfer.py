@@ -57,6 +57,10 @@ class Transfer:
         self._abandoned = True
         self._handled.set()
 
+    def remaining_s(self) -> float:
+        """What is left of the deadline (negative once past); any thread."""
+        return self._deadline - time.monotonic()
+
     # -- the caller's thread ----------------------------------------------------------------
 
     def poll(self) -> bool:

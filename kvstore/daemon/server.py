@@ -70,6 +70,16 @@ _SMALL_FRAME_BYTES = 64 * 1024
 _INLINE_FRAME_BYTES = 256 * 1024
 
 
+def request_start(request: proto.Request, received_at: float) -> float:
+    """When a request's deadline starts: when its client sent it, if it said so on our clock
+    (never later than we read it), else when we read it. A frame that waited in the socket
+    while this daemon was stopped must not get its whole deadline again: the client gave up on
+    it meanwhile and may have reused the memory a save would copy from."""
+    if request.sent_mono is None:
+        return received_at
+    return min(received_at, request.sent_mono)
+
+
 def answered_on_loop(verb: str, body_bytes: int,
                      inline_verbs: frozenset[str] = INLINE_VERBS) -> bool:
     """Whether a request is answered on the event loop (no thread hop): an inline verb's of at
@@ -437,7 +447,7 @@ class Daemon:
                 await self._wait_for_reply_room(conn, received_at, request.deadline_ms)
             if conn.closing:  # cut off meanwhile: nobody will read the reply
                 return
-            deadline = received_at + request.deadline_ms / 1000.0
+            deadline = request_start(request, received_at) + request.deadline_ms / 1000.0
             timeout_s = max(0.0, deadline - time.monotonic())
             on_loop = answered_on_loop(request.verb, body_bytes, self.inline_verbs)
             ctx = CallContext(owner=conn.owner, deadline=deadline, on_loop=on_loop,

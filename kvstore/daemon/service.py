@@ -162,7 +162,8 @@ class Service:
                                f"speaks {ours}: upgrade the older one (one major version on "
                                f"both sides)")
         return {"protocol": proto.PROTOCOL_VERSION,
-                "daemon": f"kvstore-tiered {self.version or 'unknown'}"}
+                "daemon": f"kvstore-tiered {self.version or 'unknown'}",
+                "mono": time.monotonic()}  # a client on this clock stamps its requests
 
     def health(self) -> dict:
         """The ``health`` verb's answer: failing, with the reason, once the CUDA context is

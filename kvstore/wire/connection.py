@@ -21,7 +21,7 @@ from typing import Any
 from kvstore.settings import default_socket_path
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import send_with_fds
-from kvstore.wire.handshake import hello_args, read_hello
+from kvstore.wire.handshake import hello_args, read_hello, same_clock
 from kvstore.wire.pending_table import PendingTable
 from kvstore.wire.replies import ClientError, DaemonUnavailable, Pending, error_of
 
@@ -51,6 +51,10 @@ class Connection:
         # nobody: its reply is checked by the reader thread.
         self._hello_id: int | None = None
         self.daemon_protocol: str | None = None  # once the hello is answered
+        # The daemon reads our CLOCK_MONOTONIC (its hello answer fell between our send and our
+        # read of it): each request then says when it was sent (see proto.Request.sent_mono).
+        self.clock_shared = False
+        self._hello_sent_at = 0.0
         self.last_reply_at = time.monotonic()  # when the reader last got a frame (any reply)
         self._sock = self._connect()
         self._reader = threading.Thread(target=self._read_loop, name="kvstore-client-reader",
@@ -88,6 +92,7 @@ class Connection:
         request_id = next(self._ids)
         if verb == "hello" and self._hello_id == -1:
             self._hello_id = request_id  # before it is sent: its reply may come at once
+            self._hello_sent_at = time.monotonic()
         frame, pending = self._prepare(request_id, verb, args, timeout_s, convert)
         try:
             with self._send_lock:
@@ -101,8 +106,11 @@ class Connection:
                  ) -> tuple[list[bytes], Pending]:
         """A request's frame, and its ``Pending`` already waiting for the reply."""
         deadline_ms = max(1, min(int(timeout_s * 1000), proto.MAX_DEADLINE_MS))
-        frame = proto.encode_frame({"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
-                                    "args": args or {}}, self.max_frame_bytes)
+        envelope = {"id": request_id, "verb": verb, "deadline_ms": deadline_ms,
+                    "args": args or {}}
+        if self.clock_shared:
+            envelope["sent_mono"] = time.monotonic()
+        frame = proto.encode_frame(envelope, self.max_frame_bytes)
         pending = Pending(self._in_flight.forget, request_id, verb, timeout_s, convert)
         self._in_flight.add(pending)
         return frame, pending
@@ -223,6 +231,7 @@ class Connection:
     def _check_hello(self, reply: dict) -> None:
         """The hello's answer: another major fails every request with one error naming both."""
         self.daemon_protocol, mismatch = read_hello(reply, self.socket_path)
+        self.clock_shared = same_clock(reply, self._hello_sent_at, time.monotonic())
         if mismatch is not None:
             self._in_flight.fail_all(mismatch)
             with contextlib.suppress(OSError):

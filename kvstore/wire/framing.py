@@ -24,7 +24,10 @@ MAX_IDENT_LEN = 1 << 20  # one packed ident's bytes (lookup's ident_len)
 # The protocol's version, "MAJOR.MINOR": a client and a daemon of one major understand each
 # other (a minor adds, never changes); they say theirs in the first exchange (the ``hello`` verb).
 # Daemons from before the handshake answer it ``unknown_verb``: they speak 1.0.
-PROTOCOL_VERSION = "1.2"  # 1.2: the ``engines`` verb
+# 1.2: the ``engines`` verb. 1.3: the hello's answer names the daemon's CLOCK_MONOTONIC
+# (``mono``); a client on the same clock stamps each request with when it was sent
+# (``sent_mono``), and its deadline runs from then, not from when the daemon read it.
+PROTOCOL_VERSION = "1.3"
 PRE_HANDSHAKE_VERSION = "1.0"
 
 # Error codes, the complete list a client can see.

@@ -50,3 +50,17 @@ def read_hello(reply: dict, socket_path: Path) -> tuple[str | None, ProtocolMism
         f"the kvstore daemon at {socket_path} speaks protocol {theirs[:32]!r}; this client "
         f"(kvstore-tiered {package_version()}) speaks {proto.PROTOCOL_VERSION}: upgrade the "
         f"older one (one major version on both sides)")
+
+
+# How far the daemon's clock reading may fall outside our send and read of the hello and still be
+# our clock (another clock, a time namespace's, is off by its boot time: seconds at least).
+CLOCK_SLACK_S = 0.05
+
+
+def same_clock(reply: dict, sent_at: float, read_at: float) -> bool:
+    """Whether the hello's answer shows the daemon on our CLOCK_MONOTONIC: its reading (1.3)
+    falls between when we sent the hello and when we read the answer."""
+    mono = (reply.get("result") or {}).get("mono") if reply.get("ok") else None
+    if type(mono) not in (int, float):
+        return False
+    return sent_at - CLOCK_SLACK_S <= mono <= read_at + CLOCK_SLACK_S

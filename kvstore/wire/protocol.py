@@ -58,6 +58,7 @@ and is the one namespace the client and the daemon use (``from kvstore.wire impo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,7 @@ class Request:
     verb: str
     deadline_ms: int
     args: dict[str, Any]
+    sent_mono: float | None = None  # the client's CLOCK_MONOTONIC when it sent it (1.3)
 
 
 def parse_request(obj: Any, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> Request:
@@ -136,7 +138,7 @@ def parse_request(obj: Any, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> R
     request_id = obj.get("id")
     if type(request_id) is not int or not 0 <= request_id <= MAX_REQUEST_ID:
         raise ProtocolError(MALFORMED_FRAME, "a request needs an integer 'id' in 0..2**63-1")
-    extra = set(obj) - {"id", "verb", "deadline_ms", "args"}
+    extra = set(obj) - {"id", "verb", "deadline_ms", "args", "sent_mono"}
     if extra:
         raise ProtocolError(BAD_REQUEST, f"unknown request fields: {sorted(extra)}", request_id)
     verb = obj.get("verb")
@@ -156,12 +158,18 @@ def parse_request(obj: Any, default_deadline_ms: int = DEFAULT_DEADLINE_MS) -> R
         args = {}
     if not isinstance(args, dict):
         raise ProtocolError(BAD_REQUEST, f"'args' must be a map, got {kind_of(args)}", request_id)
+    sent_mono = obj.get("sent_mono")
+    if sent_mono is not None and (type(sent_mono) not in (int, float)
+                                  or not math.isfinite(sent_mono)):
+        raise ProtocolError(BAD_REQUEST, "sent_mono must be a finite number of seconds",
+                            request_id)
     try:
         validate_args(verb, args)
     except ProtocolError as exc:
         exc.request_id = request_id
         raise
-    return Request(request_id, verb, deadline_ms, args)
+    return Request(request_id, verb, deadline_ms, args,
+                   None if sent_mono is None else float(sent_mono))
 
 
 def ok_reply(request_id: int | None, result: Any) -> dict:
