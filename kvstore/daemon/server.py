@@ -68,6 +68,11 @@ _SMALL_FRAME_BYTES = 64 * 1024
 # the decode and the call each took a worker thread, behind the engines' saves: on two H200s a
 # router's locates of first turns waited 25-80 ms while the engines saved, ~2.4 ms when idle.
 _INLINE_FRAME_BYTES = 256 * 1024
+# A poisoned CUDA context: how long /health answers "failing" before the daemon exits.
+POISONED_EXIT_GRACE_S = 2.0
+_LOG_INTERVAL_S = 10.0  # a repeated warning or error is logged once per this, with a count
+# How a request ends when its client is gone before the reply (counted; no client sees it).
+_CLIENT_GONE = "client_gone"
 
 
 def request_start(request: proto.Request, received_at: float) -> float:
@@ -88,11 +93,6 @@ def answered_on_loop(verb: str, body_bytes: int,
     clients."""
     return verb in inline_verbs and (body_bytes <= _INLINE_FRAME_BYTES
                                      or verb in _ORDERED_VERBS)
-# A poisoned CUDA context: how long /health answers "failing" before the daemon exits.
-POISONED_EXIT_GRACE_S = 2.0
-_LOG_INTERVAL_S = 10.0  # a repeated warning or error is logged once per this, with a count
-# How a request ends when its client is gone before the reply (counted; no client sees it).
-_CLIENT_GONE = "client_gone"
 
 
 class Daemon:
