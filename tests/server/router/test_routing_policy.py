@@ -15,6 +15,7 @@ from server.router.policy import (
     Candidate,
     EngineCosts,
     Placement,
+    Route,
     RouteReason,
     RoutingPolicy,
     estimate,
@@ -65,18 +66,26 @@ def test_a_warm_engine_keeps_its_conversation_until_its_queue_costs_more_than_a_
     assert _pick(policy, [_c("a", 1, 1100, queued=20), _c("b", 0)], placement)[0] == "a"
 
 
+def _routed_in_turn(policy: RoutingPolicy, hbm: dict[str, int], placement: Placement,
+                    num: int) -> list[tuple[Route, float]]:
+    """``num`` requests of ``placement`` routed one after another, each joining its engine's
+    queue as the router does (its ``work_s``); each route with the queue it found there."""
+    queued = dict.fromkeys(hbm, 0.0)
+    out = []
+    for _ in range(num):
+        route = policy.choose([Candidate(url, 0, blocks, queued[url], COSTS)
+                               for url, blocks in hbm.items()], placement)
+        out.append((route, queued[route.url]))
+        queued[route.url] += route.work_s
+    return out
+
+
 def test_a_shared_system_prompt_does_not_pull_every_new_conversation_to_one_engine() -> None:
     """Every first turn shares 64 blocks of system prompt held by engine a; the router queues
     each routed prompt on its engine: new conversations alternate, not pile up on a."""
-    policy = RoutingPolicy("kv")
     placement = Placement(num_tokens=1200 * BS, block_size=BS, num_dram=64, num_stored=64)
-    queued = {"a": 0.0, "b": 0.0}
-    chosen = []
-    for _ in range(6):
-        route = policy.choose([Candidate("a", 0, 64, queued["a"], COSTS),
-                               Candidate("b", 0, 0, queued["b"], COSTS)], placement)
-        queued[route.url] += route.work_s
-        chosen.append(route.url)
+    routes = _routed_in_turn(RoutingPolicy("kv"), {"a": 64, "b": 0}, placement, 6)
+    chosen = [route.url for route, _ in routes]
     assert Counter(chosen) == {"a": 3, "b": 3}, chosen
 
 
@@ -85,17 +94,12 @@ def test_restores_queue_on_their_engine_so_later_turns_from_dram_spread() -> Non
     restored ~1,190 blocks from DRAM and computed ~160 tokens. Counting only the computed
     tokens as queued, one engine took ten such turns in a row (2-3 s first tokens); the
     restores it was sent are work in its queue too."""
-    policy = RoutingPolicy("kv")
     placement = Placement(num_tokens=1200 * BS, block_size=BS, num_dram=1190, num_stored=1190)
-    queued = {"a": 0.0, "b": 0.0}
-    chosen = []
-    for _ in range(8):
-        route = policy.choose([Candidate("a", 0, 64, queued["a"], COSTS),
-                               Candidate("b", 0, 64, queued["b"], COSTS)], placement)
-        assert route.work_s == pytest.approx(route.estimate_s - queued[route.url])
+    routes = _routed_in_turn(RoutingPolicy("kv"), {"a": 64, "b": 64}, placement, 8)
+    for route, queued_s in routes:
+        assert route.work_s == pytest.approx(route.estimate_s - queued_s)
         assert route.work_s > route.compute_tokens * PREFILL  # the restore is in it
-        queued[route.url] += route.work_s
-        chosen.append(route.url)
+    chosen = [route.url for route, _ in routes]
     assert Counter(chosen) == {"a": 4, "b": 4}, chosen
 
 
