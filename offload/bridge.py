@@ -12,7 +12,8 @@ The contract, in step order:
   before admission.
 - ``restores.poll()`` first in every ``schedule``: restores that landed (run them; their
   restored prefix is computed and registered) and restores given up (requeue them, to
-  recompute).
+  recompute). It may first wait, bounded by a share of the previous step, for loads about to
+  land, so their sequences run in this step.
 - ``restores.start_restore(seq, num_hbm_hit_blocks)`` for waiting sequences near the head of
   the queue (in arrival order, every step, whatever the step's token budget: a load costs none)
   whose ``seq.offload_checked`` is false: True means the bridge now holds it (the scheduler
@@ -71,7 +72,8 @@ class RestoreBridge(ABC):
 
     @abstractmethod
     def poll(self) -> RestoreOutcome:
-        """Advance restores without waiting; restores a hung store holds are given up."""
+        """Advance restores; restores a hung store holds are given up. Waits at most a share
+        of the previous step's time, and only for loads expected to land within it."""
 
     @abstractmethod
     def abort(self, seq: OffloadSequence) -> bool:

@@ -38,6 +38,13 @@ LOOKUP_WAIT_STEP_SHARE = 0.05
 MAX_LOOKUP_WAIT_PER_STEP_S = 0.02
 LIKELY_HIT_WAIT_STEP_SHARE = 0.25
 MAX_LIKELY_HIT_WAIT_PER_STEP_S = 0.05
+# A load expected to land within this share of the previous step's time (at least
+# LANDING_WAIT_MIN_S, at most the cap) is waited for at the start of a step, so its sequence
+# prefills in this step rather than the next: the running requests wait at most that share
+# once, the restored one saves the rest of a step. Loads further off land while steps run.
+LANDING_WAIT_MIN_S = 0.001
+LANDING_WAIT_STEP_SHARE = 0.5
+MAX_LANDING_WAIT_S = 0.01
 # The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
 # when recomputing its blocks is expected to take longer (and longer than a step, when busy).
 MIN_RESTORE_S = 0.002
@@ -49,6 +56,12 @@ def lookup_wait_budget_s(last_step_s: float, likely_hit: bool = False) -> float:
     share, cap = ((LIKELY_HIT_WAIT_STEP_SHARE, MAX_LIKELY_HIT_WAIT_PER_STEP_S) if likely_hit
                   else (LOOKUP_WAIT_STEP_SHARE, MAX_LOOKUP_WAIT_PER_STEP_S))
     return max(LOOKUP_WAIT_PER_STEP_S, min(cap, share * last_step_s))
+
+
+def landing_wait_budget_s(last_step_s: float) -> float:
+    """How long a step may wait in all for loads about to land, given the previous step's
+    time."""
+    return max(LANDING_WAIT_MIN_S, min(MAX_LANDING_WAIT_S, LANDING_WAIT_STEP_SHARE * last_step_s))
 
 
 class EngineRestores(RestoreBridge):
@@ -159,6 +172,7 @@ class EngineRestores(RestoreBridge):
         """Advance restores: the sequences whose load landed run now, those given up queue
         again (aborted ones are dropped)."""
         outcome = RestoreOutcome([], [])
+        self._await_landings()
         self._step_polled_at = time.monotonic()
         for job in self.restorer.poll():
             seq = job.owner
@@ -170,6 +184,22 @@ class EngineRestores(RestoreBridge):
             elif not seq.abort_requested:
                 outcome.requeue.append(seq)
         return outcome
+
+    def _await_landings(self) -> None:
+        """Wait (bounded by ``landing_wait_budget_s``) for the loads expected to land inside
+        that budget: their sequences run in the step being scheduled. A load that misses it
+        lands during the step, as before."""
+        now = time.monotonic()
+        deadline = now + landing_wait_budget_s(self.policy.last_step_s())
+        for job in self.restorer.jobs:
+            load = job.load
+            if job.state is not RestoreState.LOADING or load is None or load.done:
+                continue
+            if load.started_at + self.decider.expected_load_s(job) > deadline:
+                continue
+            self.counters["loads_awaited"] += 1
+            if load.wait(max(0.0, deadline - time.monotonic())):
+                self.counters["loads_awaited_landed"] += 1
 
     def _landed(self, job: RestoreJob[OffloadSequence]) -> None:
         """The sequence's restored prefix: tokens by tier, keys the store holds."""

@@ -1,0 +1,80 @@
+"""A load about to land is waited for at the start of a step (``offload/restore.py``): its
+sequence runs in the step being scheduled instead of the next one. Bounded by a share of the
+previous step's time; a load expected to take longer is not waited for. Real daemon."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from support.arena import ShmArena
+from test_restore_bridge_contract import BLOCK_BYTES, BLOCK_SIZE, NUM_BLOCKS, sequence, store_chain
+
+import offload.restore as restore
+from engine.block_manager import BlockManager
+from offload.engine_store import EngineStore, OffloadPolicy
+from offload.restore_policy import RestorePolicy
+from offload.store_client import StoreClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _bridge(socket_path, arena: ShmArena, dram_bytes_per_s: float) -> EngineStore:
+    client = StoreClient(socket_path, arena.layout, "landing-wait", 3.0, 0.5)
+    assert client.wait_available(5.0)
+    return EngineStore(client, BlockManager(NUM_BLOCKS, BLOCK_SIZE), BLOCK_BYTES,
+                       OffloadPolicy.WRITE_THROUGH, RestorePolicy({"dram": dram_bytes_per_s}, 1e3),
+                       always_restore=True)
+
+
+def _start(bridge: EngineStore, seed: int):
+    """A restore of stored chain ``seed`` whose load is on its way when this returns."""
+    seq = sequence(f"s{seed}", seed)
+    r = bridge.restores
+    r.prefetch(seq, busy=True)
+    assert r.prefetched[seq.request_id].lookup.wait(5.0)  # the reply is in: the load goes now
+    assert r.start_restore(seq, 0, busy=True)
+    return seq
+
+
+@pytest.mark.parametrize("step_s", [0.4, 2.0])
+def test_a_load_about_to_land_runs_in_this_step(make_daemon, monkeypatch, step_s) -> None:
+    monkeypatch.setattr(restore, "MAX_LANDING_WAIT_S", 5.0)  # a loaded CI host's round trip
+    daemon = make_daemon(dram="16MiB")
+    store_chain(daemon.socket_path, 1)
+    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
+    bridge = _bridge(daemon.socket_path, arena, 1e9)
+    try:
+        bridge.restores.policy.observe_step(0, step_s)  # budget: half of it
+        seq = _start(bridge, 1)
+        outcome = bridge.restores.poll()  # the first poll after the load went out
+        assert [s.request_id for s in outcome.ready] == [seq.request_id]
+        counters = bridge.counters
+        assert counters["loads_awaited"] == counters["loads_awaited_landed"] == 1
+    finally:
+        bridge.close()
+        arena.close()
+
+
+def test_a_load_expected_past_the_budget_is_not_waited_for(make_daemon, monkeypatch) -> None:
+    monkeypatch.setattr(restore, "MAX_LANDING_WAIT_S", 5.0)
+    daemon = make_daemon(dram="16MiB")
+    store_chain(daemon.socket_path, 2)
+    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
+    bridge = _bridge(daemon.socket_path, arena, 1e3)  # 24 KB: 24 s expected
+    try:
+        bridge.restores.policy.observe_step(0, 2.0)  # a 1 s budget
+        _start(bridge, 2)
+        started = time.monotonic()
+        bridge.restores.poll()
+        assert time.monotonic() - started < 0.5
+        assert bridge.counters["loads_awaited"] == 0
+    finally:
+        bridge.close()
+        arena.close()
+
+
+def test_the_budget_is_a_share_of_the_last_step_within_bounds() -> None:
+    assert restore.landing_wait_budget_s(0.0) == restore.LANDING_WAIT_MIN_S
+    assert restore.landing_wait_budget_s(0.008) == pytest.approx(0.004)
+    assert restore.landing_wait_budget_s(1.0) == restore.MAX_LANDING_WAIT_S
