@@ -66,6 +66,7 @@ def test_a_cold_long_prompt_after_the_warm_up_finds_its_plans(tiny_model_dir, tm
     assert after.get(CUDNN_GRAPH, 0) == after.get(CUDNN_LOAD, 0) == 0, after
     assert after.get(CUDNN_BACKGROUND, 0) == 0, after
     assert background.get("submitted", 0) == 0, background
+    assert background.get("starts", 0) == 1, background  # started by the warm-up, still up
 
 
 def test_a_second_start_loads_its_cudnn_graphs(tiny_model_dir, tmp_path, monkeypatch) -> None:
