@@ -278,16 +278,10 @@ class LLMEngine:
 
     def warm_up(self) -> int:
         """Capture the CUDA graphs one request's short prefill and decode steps replay (the
-        cuDNN graphs they use built with them) and run long prefill chunks idle once per
-        attention bucket, so no request pays for either; how many graphs were captured (0
-        without graphs: CPU, --enforce-eager)."""
-        ops, gpu = self.runner.ops, self.runner.decode_graphs is not None
-        if gpu:  # the background builder's process prepares beside the warm-up, not requests
-            ops.start_background_builder(0.0)
-        captured = self.runner.warm_up(self.config.max_num_batched_tokens)
-        ops.builds.seal()  # from here on a build is a cost some request waits for
-        if gpu:
-            ops.start_background_builder()  # waits (bounded) until it is prepared
+        cuDNN graphs they use built with them), so no request pays for it; how many were
+        captured (0 without graphs: CPU, --enforce-eager)."""
+        captured = self.runner.warm_up()
+        self.runner.ops.builds.seal()  # from here on a build is a cost some request waits for
         return captured
 
     def reset_prefix_cache(self) -> int:

@@ -9,22 +9,16 @@ from kernels.cudnn_attention import CudnnAttention
 _attention: CudnnAttention | None = None
 
 
-def prepare(device: int) -> CudnnAttention:
-    """This process's CUDA context on ``device`` and its cuDNN handle (once)."""
+def serialized_plan(key: tuple, device: int) -> bytes:
+    """``key``'s graph, built on ``device`` in this process and serialized; raises with
+    cuDNN's reason where it refuses the shape."""
     global _attention
     if _attention is None:
         import cupy as cp
 
         cp.cuda.Device(device).use()
         _attention = CudnnAttention()
-    return _attention
-
-
-def serialized_plan(key: tuple, device: int) -> bytes:
-    """``key``'s graph, built on ``device`` in this process and serialized; raises with
-    cuDNN's reason where it refuses the shape."""
-    attention = prepare(device)
-    plan = attention.plan(key)
+    plan = _attention.plan(key)
     if plan is None:
-        raise RuntimeError(attention.refusals.get(key, "cuDNN refused the shape"))
+        raise RuntimeError(_attention.refusals.get(key, "cuDNN refused the shape"))
     return plan.graph.serialize(as_bytes=True)

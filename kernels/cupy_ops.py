@@ -83,10 +83,6 @@ class CupyOps(Ops):
         return {outcome.value: n for outcome, n in builder.counts.items()} \
             if builder is not None else {}
 
-    def start_background_builder(self, wait_s: float = 60.0) -> bool:
-        builder = self._cudnn.plans.background if self._cudnn is not None else None
-        return builder is not None and builder.start(wait_s)
-
     @property
     def attention_backend(self) -> str:
         line = super().attention_backend

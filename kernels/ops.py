@@ -84,13 +84,6 @@ class Ops(ABC):
         where none runs."""
         return {}
 
-    def start_background_builder(self, wait_s: float = 60.0) -> bool:
-        """Start the background plan builder's process now (if it is not running) and wait at
-        most ``wait_s`` until it is ready to build: True once it is; False where none runs
-        (host backends, or it is off) or it is not ready yet (``wait_s`` 0: don't wait). The
-        engine's warm-up calls it, so no such process starts beside requests."""
-        return False
-
     @property
     def num_attention_graphs(self) -> int:
         """Attention graphs built so far (cuDNN builds one per shape bucket on first use, a

@@ -85,7 +85,6 @@ class _Child:
     pending: dict[str, float] = field(default_factory=dict)  # name -> when it was sent, in order
     busy_since: float = 0.0  # when the build now running began (the oldest pending one's)
     failure: str | None = None  # why the reader gave up on it
-    prepared: threading.Event = field(default_factory=threading.Event)  # sent its "prepared" frame
 
 
 # -- frames ------------------------------------------------------------------------------------
@@ -165,7 +164,6 @@ class PlanBuilder:
         self._results: dict[str, Built | Refused] = {}
         self.counts: Counter[Outcome] = Counter({outcome: 0 for outcome in Outcome})
         self.enabled = True
-        self.prepare = False  # children prepare their device before the first shape
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is being built or its result waits to be taken."""
@@ -212,27 +210,6 @@ class PlanBuilder:
             return True
         return False
 
-    def start(self, wait_s: float = 60.0) -> bool:
-        """Start the child now, and wait at most ``wait_s`` until it has prepared its device
-        (its CUDA context, the library's handle): True once it has (``wait_s`` 0: start it
-        and answer whether it is prepared yet; call again to wait). A child started later
-        does that beside the requests the engine serves: on an H200 next to a kvstore
-        daemon the engine's steps stalled 1.5-2.3 s while one did (2026-11-29). The child
-        started here stays for the builder's life (no idle exit), so none starts later."""
-        if not self.enabled:
-            return False
-        self.idle_s = 0.0
-        self.prepare = True
-        with self._lock:
-            child = self._child
-        if child is None or child.process.poll() is not None:
-            child = self._running_child()
-        deadline = self._clock() + wait_s
-        while child is not None and not child.prepared.wait(0.05):
-            if child.process.poll() is not None or self._clock() >= deadline:
-                return False  # died preparing (reaped as a crash), or too slow
-        return child is not None
-
     def take(self, name: str) -> Built | Refused | None:
         """``name``'s result once (None while it is still being built, or was dropped)."""
         self._check_timeouts()
@@ -260,8 +237,6 @@ class PlanBuilder:
             return None
         command = [sys.executable, "-m", "kernels.plan_builder", "--device", str(self.device),
                    "--target", self.target, "--idle-s", str(self.idle_s)]
-        if self.prepare:
-            command.append("--prepare")
         try:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        cwd=_package_root(), env=_child_env())
@@ -282,9 +257,6 @@ class PlanBuilder:
             while (frame := read_frame(child.process.stdout)) is not None:
                 header, blob = frame
                 name = str(header.get("name"))
-                if header.get("prepared") is True:
-                    child.prepared.set()
-                    continue
                 outcome = Built(blob, float(header.get("seconds") or 0.0)) \
                     if header.get("ok") is True else Refused(str(header.get("error", "refused")))
                 with self._lock:
@@ -384,9 +356,9 @@ def _child_env() -> dict[str, str]:
 def serve(target: Callable[[tuple, int], bytes], device: int, idle_s: float,
           stdin: IO[bytes], stdout: IO[bytes]) -> int:
     """Builds each shape read from ``stdin`` and answers on ``stdout``; returns 0 at the end
-    of the input or after ``idle_s`` without a frame (0: never)."""
+    of the input or after ``idle_s`` without a frame."""
     while True:
-        ready, _, _ = select.select([stdin], [], [], idle_s if idle_s > 0 else None)
+        ready, _, _ = select.select([stdin], [], [], idle_s)
         if not ready:
             return 0
         frame = read_frame(stdin)
@@ -413,21 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.plan_builder")
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--target", default=CUDNN_TARGET)
-    parser.add_argument("--idle-s", type=float, default=30.0, help="0: never leave")
-    parser.add_argument("--prepare", action="store_true",
-                        help="prepare the device first (the target module's prepare(device)) "
-                             "and say so with a frame")
+    parser.add_argument("--idle-s", type=float, default=30.0)
     args = parser.parse_args(argv)
     frames = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a library prints (its import too) goes to stderr, not the frames
     module, _, function = args.target.partition(":")
-    loaded = importlib.import_module(module)
-    target = getattr(loaded, function)
-    if args.prepare:
-        prepare = getattr(loaded, "prepare", None)
-        if prepare is not None:
-            prepare(args.device)
-        write_frame(frames, {"name": "", "prepared": True})
+    target = getattr(importlib.import_module(module), function)
     # unbuffered input: ``select`` must see every byte that has not been read yet
     return serve(target, args.device, args.idle_s, sys.stdin.buffer.raw, frames)
 

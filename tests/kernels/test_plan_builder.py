@@ -205,39 +205,3 @@ def test_a_full_queue_leaves_the_shape_to_the_callers_kernel_until_it_comes_agai
         assert isinstance(_wait(builder, "second"), Built)
     finally:
         builder.close()
-
-
-def test_a_started_child_is_prepared_before_the_first_shape_and_never_leaves(
-        targets: str, tmp_path) -> None:
-    marker = tmp_path / "prepared"
-    (tmp_path / "prepared_targets.py").write_text(
-        f"import time\nfrom plan_targets import echo\n"
-        f"def prepare(device):\n    time.sleep(0.3)\n"
-        f"    open({str(marker)!r}, 'w').write(str(device))\n")
-    builder = PlanBuilder(device=1, target="prepared_targets:echo", idle_s=0.2)
-    try:
-        assert builder.start(wait_s=20.0)  # waited for prepare(1)
-        assert marker.read_text() == "1"
-        child = builder._child.process
-        time.sleep(0.6)  # three idle bounds: a started child stays
-        assert child.poll() is None
-        builder.submit("a", ("a",))
-        assert isinstance(_wait(builder, "a"), Built)
-        assert builder.counts["starts"] == 1 and builder.counts["crashes"] == 0
-    finally:
-        builder.close()
-
-
-def test_a_child_that_dies_preparing_is_not_waited_for(targets: str, tmp_path) -> None:
-    (tmp_path / "dying_targets.py").write_text(
-        "import os\nfrom plan_targets import echo\ndef prepare(device):\n    os._exit(3)\n")
-    builder = PlanBuilder(device=0, target="dying_targets:echo")
-    try:
-        started = time.monotonic()
-        assert builder.start(wait_s=30.0) is False
-        assert time.monotonic() - started < 20.0
-    finally:
-        builder.close()
-    off = PlanBuilder(device=0, target=f"{targets}:echo")
-    off.close()  # off: nothing starts
-    assert off.start(wait_s=0.1) is False
