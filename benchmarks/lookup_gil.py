@@ -16,8 +16,13 @@ daemon takes them, and this quiet process times lookups; a fresh ``kvstore serve
 interval (``kvstore.cli.command.main``'s ``switch_interval_s``). Also the child's saves per
 second: a shorter interval must not slow the work that keeps the daemon busy.
 
-    python -m benchmarks.lookup_gil [--busy engine,daemon] [--intervals-ms 5,0.5] [--rounds 2]
-                                    [--seconds 4] [--blocks 1200] [--save-blocks 256] [--out DIR]
+``--busy own-save``: what an engine with write-through does at every step: a save of the
+blocks just computed, and a new request's lookup sent right behind it on the same connection,
+which the scheduler then waits for. Lookups timed alone and right behind such a save (sent
+without waiting for it), on one connection, under each switch interval.
+
+    python -m benchmarks.lookup_gil [--busy engine,daemon,own-save] [--intervals-ms 5,0.5]
+        [--rounds 2] [--seconds 4] [--blocks 1200] [--save-blocks 256] [--out DIR]
 """
 
 from __future__ import annotations
@@ -137,6 +142,39 @@ def _beside_busy_daemon(args, interval_s: float) -> tuple[np.ndarray, float]:
         stop_store(proc, socket_path)
 
 
+def _behind_own_save(args, interval_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Lookup round trips (ms) on one connection: alone, and sent right behind a save of
+    ``--save-blocks`` fresh blocks (the save not waited for first)."""
+    proc, socket_path = _start_daemon(interval_s)
+    memory = AnonymousMemory(args.save_blocks * SAVE_BLOCK_BYTES, "lookup-gil-own-save")
+    try:
+        with Client(socket_path) as client:
+            region = Region(0, memory.size_bytes, 0, SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES)
+            registration = client.register(KVLayout(args.save_blocks, (region,), dtype="uint8",
+                                                    fds=(memory.fd,)), "lookup-gil-own-save")
+            chain = _chain(args.blocks)
+            out: dict[bool, list[float]] = {False: [], True: []}
+            count, end = 0, time.monotonic() + args.seconds
+            while time.monotonic() < end:
+                for behind in (False, True):
+                    count += 1
+                    save = None
+                    if behind:
+                        namespace, hashes, idents = _chain(args.save_blocks, "own-save", count)
+                        save = client.save_async(registration, namespace,
+                                                 list(range(args.save_blocks)), hashes, idents)
+                    t0 = time.perf_counter()
+                    client.lookup_async(*chain).wait()
+                    out[behind].append((time.perf_counter() - t0) * 1e3)
+                    if save is not None:
+                        save.wait()
+                    time.sleep(0.005)
+        return np.array(out[False]), np.array(out[True])
+    finally:
+        memory.close()
+        stop_store(proc, socket_path)
+
+
 def _row(rnd: int, busy: str, ms: float, lat: np.ndarray, **extra) -> dict:
     return {"round": rnd, "busy": busy, "switch_interval_ms": ms, "n": len(lat),
             "mean_ms": float(lat.mean()), "p50_ms": float(np.median(lat)),
@@ -167,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     intervals = [float(x) for x in args.intervals_ms.split(",")]
     busy_kinds = args.busy.split(",")
-    if not set(busy_kinds) <= {"engine", "daemon"}:
-        parser.error("--busy takes engine, daemon or both")
+    if not set(busy_kinds) <= {"engine", "daemon", "own-save"}:
+        parser.error("--busy takes engine, daemon, own-save, or several of them")
     rows = []
     if "engine" in busy_kinds:
         proc, socket_path = _start_daemon(None)
@@ -188,6 +226,15 @@ def main(argv: list[str] | None = None) -> int:
                 lat, saves_per_s = _beside_busy_daemon(args, ms / 1e3)
                 rows.append(_row(rnd, "daemon_saves", ms, lat, saves_per_s=saves_per_s))
                 _say(rows[-1], f"the daemon saving {args.save_blocks} blocks at a time",
+                     args.blocks)
+    if "own-save" in busy_kinds:
+        for rnd in range(args.rounds):
+            for ms in intervals:
+                alone, behind = _behind_own_save(args, ms / 1e3)
+                rows.append(_row(rnd, "none_same_connection", ms, alone))
+                _say(rows[-1], "alone on the connection", args.blocks)
+                rows.append(_row(rnd, "own_save", ms, behind))
+                _say(rows[-1], f"right behind its own save of {args.save_blocks} blocks",
                      args.blocks)
     result = {"benchmark": "lookup_gil", "date": now_iso(), "machine": machine_info(),
               "blocks": args.blocks, "save_blocks": args.save_blocks,
