@@ -109,7 +109,12 @@ def test_owner_reusing_its_blocks_shrinks_the_hit_never_the_kv(tiny_model_dir, m
         engine = reader.engine
         engine.add_request("busy", _prompt(40, seed=24), SamplingParams(max_tokens=30,
                                                                         ignore_eos=True))
-        engine.step()
+        for _ in range(200):  # on a loaded host its own lookup may answer a step or two late
+            engine.step()
+            if any(s.request_id == "busy" for s in engine.scheduler.running):
+                break
+        else:
+            raise AssertionError("'busy' never started running")
         engine.add_request("r", prompt, GREEDY)
         engine.step()  # "r" arrives: its lookup is sent, it waits in the queue
         restore = engine.offload.restores.prefetched["r"]

@@ -222,9 +222,11 @@ def test_peer_fault_mid_transfer_is_a_bounded_miss(start_node, arena, fault: str
     assert lookup.reply.num_hit == 0, lookup.reply
     assert set(_remote_errors(b)) <= {"remote_errors_timeout", "remote_errors_transport"}
     assert _remote_errors(b)
-    # Every reserved slot is given back (the local value stays): nothing leaked.
+    # Every reserved slot is given back (the local value stays): nothing leaked. The slots of
+    # a transfer broken off by its deadline go back as its cancellation completes, which on a
+    # loaded host can be just after the reply (seen once in a full suite on the 2-core VM).
+    assert wait_until(lambda: _stats(b)["tiers"]["dram"]["used_bytes"] < BLOCK_BYTES, 5.0)
     local_bytes = _stats(b)["tiers"]["dram"]["used_bytes"]
-    assert local_bytes < BLOCK_BYTES
     assert wait_until(lambda: _dram_at_rest(b, local_bytes), 5.0)
     assert b.proc.poll() is None
 
