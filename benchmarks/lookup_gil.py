@@ -97,15 +97,20 @@ def _beside_busy_thread_ms(socket_path: Path, chain, seconds: float, interval_s:
         sys.setswitchinterval(before)
 
 
+def _register(client: Client, memory: AnonymousMemory, num_blocks: int, name: str) -> int:
+    """``memory`` registered as ``num_blocks`` blocks of SAVE_BLOCK_BYTES; the registration."""
+    region = Region(0, memory.size_bytes, 0, SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES)
+    return client.register(KVLayout(num_blocks, (region,), dtype="uint8", fds=(memory.fd,)),
+                           name)
+
+
 def saver_main(socket_path: str, num_blocks: int, seconds: float) -> None:
     """The child of ``--busy daemon``: save ``num_blocks`` fresh blocks at a time for
     ``seconds``, then print ``SAVES <count> <elapsed_s>``."""
     memory = AnonymousMemory(num_blocks * SAVE_BLOCK_BYTES, "lookup-gil-saver")
     try:
         with Client(socket_path) as client:
-            region = Region(0, memory.size_bytes, 0, SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES)
-            registration = client.register(KVLayout(num_blocks, (region,), dtype="uint8",
-                                                    fds=(memory.fd,)), "lookup-gil-saver")
+            registration = _register(client, memory, num_blocks, "lookup-gil-saver")
             count, start = 0, time.monotonic()
             while time.monotonic() - start < seconds:
                 namespace, hashes, idents = _chain(num_blocks, "lookup-gil-saver", count + 1)
@@ -149,9 +154,7 @@ def _behind_own_save(args, interval_s: float) -> tuple[np.ndarray, np.ndarray]:
     memory = AnonymousMemory(args.save_blocks * SAVE_BLOCK_BYTES, "lookup-gil-own-save")
     try:
         with Client(socket_path) as client:
-            region = Region(0, memory.size_bytes, 0, SAVE_BLOCK_BYTES, SAVE_BLOCK_BYTES)
-            registration = client.register(KVLayout(args.save_blocks, (region,), dtype="uint8",
-                                                    fds=(memory.fd,)), "lookup-gil-own-save")
+            registration = _register(client, memory, args.save_blocks, "lookup-gil-own-save")
             chain = _chain(args.blocks)
             out: dict[bool, list[float]] = {False: [], True: []}
             count, end = 0, time.monotonic() + args.seconds

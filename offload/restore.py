@@ -189,8 +189,9 @@ class EngineRestores(RestoreBridge):
         """Wait (bounded by ``landing_wait_budget_s``) for the loads expected to land inside
         that budget: their sequences run in the step being scheduled. A load that misses it
         lands during the step, as before."""
-        now = time.monotonic()
-        deadline = now + landing_wait_budget_s(self.policy.last_step_s())
+        if not self.restores:  # nothing tracked: every step but a restore's pays nothing
+            return
+        deadline = time.monotonic() + landing_wait_budget_s(self.policy.last_step_s())
         for job in self.restorer.jobs:
             load = job.load
             if job.state is not RestoreState.LOADING or load is None or load.done:

@@ -19,18 +19,35 @@ from offload.store_client import StoreClient
 pytestmark = pytest.mark.timeout(60)
 
 
-def _bridge(socket_path, arena: ShmArena, dram_bytes_per_s: float) -> EngineStore:
-    client = StoreClient(socket_path, arena.layout, "landing-wait", 3.0, 0.5)
-    assert client.wait_available(5.0)
-    return EngineStore(client, BlockManager(NUM_BLOCKS, BLOCK_SIZE), BLOCK_BYTES,
-                       OffloadPolicy.WRITE_THROUGH, RestorePolicy({"dram": dram_bytes_per_s}, 1e3),
-                       always_restore=True)
+@pytest.fixture
+def bridge(make_daemon, monkeypatch):
+    """A daemon holding chain 1 and a factory of kvengine's bridge to it (the policy's DRAM
+    bandwidth given); the landing wait's cap raised to a loaded CI host's round trip."""
+    monkeypatch.setattr(restore, "MAX_LANDING_WAIT_S", 5.0)
+    daemon = make_daemon(dram="16MiB")
+    store_chain(daemon.socket_path, 1)
+    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
+    made: list[EngineStore] = []
+
+    def make(dram_bytes_per_s: float) -> EngineStore:
+        client = StoreClient(daemon.socket_path, arena.layout, "landing-wait", 3.0, 0.5)
+        assert client.wait_available(5.0)
+        made.append(EngineStore(client, BlockManager(NUM_BLOCKS, BLOCK_SIZE), BLOCK_BYTES,
+                                OffloadPolicy.WRITE_THROUGH,
+                                RestorePolicy({"dram": dram_bytes_per_s}, 1e3),
+                                always_restore=True))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()
+    arena.close()
 
 
-def _start(bridge: EngineStore, seed: int):
+def _start(store: EngineStore, seed: int):
     """A restore of stored chain ``seed`` whose load is on its way when this returns."""
     seq = sequence(f"s{seed}", seed)
-    r = bridge.restores
+    r = store.restores
     r.prefetch(seq, busy=True)
     assert r.prefetched[seq.request_id].lookup.wait(5.0)  # the reply is in: the load goes now
     assert r.start_restore(seq, 0, busy=True)
@@ -38,40 +55,24 @@ def _start(bridge: EngineStore, seed: int):
 
 
 @pytest.mark.parametrize("step_s", [0.4, 2.0])
-def test_a_load_about_to_land_runs_in_this_step(make_daemon, monkeypatch, step_s) -> None:
-    monkeypatch.setattr(restore, "MAX_LANDING_WAIT_S", 5.0)  # a loaded CI host's round trip
-    daemon = make_daemon(dram="16MiB")
-    store_chain(daemon.socket_path, 1)
-    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
-    bridge = _bridge(daemon.socket_path, arena, 1e9)
-    try:
-        bridge.restores.policy.observe_step(0, step_s)  # budget: half of it
-        seq = _start(bridge, 1)
-        outcome = bridge.restores.poll()  # the first poll after the load went out
-        assert [s.request_id for s in outcome.ready] == [seq.request_id]
-        counters = bridge.counters
-        assert counters["loads_awaited"] == counters["loads_awaited_landed"] == 1
-    finally:
-        bridge.close()
-        arena.close()
+def test_a_load_about_to_land_runs_in_this_step(bridge, step_s) -> None:
+    store = bridge(1e9)
+    store.restores.policy.observe_step(0, step_s)  # budget: half of it
+    seq = _start(store, 1)
+    outcome = store.restores.poll()  # the first poll after the load went out
+    assert [s.request_id for s in outcome.ready] == [seq.request_id]
+    counters = store.counters
+    assert counters["loads_awaited"] == counters["loads_awaited_landed"] == 1
 
 
-def test_a_load_expected_past_the_budget_is_not_waited_for(make_daemon, monkeypatch) -> None:
-    monkeypatch.setattr(restore, "MAX_LANDING_WAIT_S", 5.0)
-    daemon = make_daemon(dram="16MiB")
-    store_chain(daemon.socket_path, 2)
-    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
-    bridge = _bridge(daemon.socket_path, arena, 1e3)  # 24 KB: 24 s expected
-    try:
-        bridge.restores.policy.observe_step(0, 2.0)  # a 1 s budget
-        _start(bridge, 2)
-        started = time.monotonic()
-        bridge.restores.poll()
-        assert time.monotonic() - started < 0.5
-        assert bridge.counters["loads_awaited"] == 0
-    finally:
-        bridge.close()
-        arena.close()
+def test_a_load_expected_past_the_budget_is_not_waited_for(bridge) -> None:
+    store = bridge(1e3)  # 24 KB: 24 s expected
+    store.restores.policy.observe_step(0, 2.0)  # a 1 s budget
+    _start(store, 1)
+    started = time.monotonic()
+    store.restores.poll()
+    assert time.monotonic() - started < 0.5
+    assert store.counters["loads_awaited"] == 0
 
 
 def test_the_budget_is_a_share_of_the_last_step_within_bounds() -> None:
