@@ -81,8 +81,13 @@ class ModelRunner:
                                             max_table_width, self.block_size)
 
     def warm_up(self) -> int:
-        """Capture the graphs requests replay (``warm_buckets`` of each), then seal them: no
+        """Compile the kernels any request can reach (``Ops.warm_kernels``, the sampler's),
+        capture the graphs requests replay (``warm_buckets`` of each), then seal them: no
         capture in a request's path from then on; the number captured (0 without graphs)."""
+        mc = self.model_config
+        self.ops.warm_kernels(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size,
+                              mc.vocab_size)
+        self.sampler.warm_up(mc.vocab_size)
         if self.decode_graphs is None or self.prefill_graphs is None:
             return 0
         before = self.decode_graphs.num_captures + self.prefill_graphs.num_captures

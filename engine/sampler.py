@@ -9,6 +9,7 @@ import numpy as np
 from engine.grammar_masks import GrammarMasks
 from engine.logits_processor import LogitsProcessor
 from engine.logprobs import TokenLogprobs, token_logprobs
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kernels.ops import Array, Ops
 
@@ -42,6 +43,23 @@ class Sampler:
             for i, entry in zip(wanted, entries):
                 logprobs[i] = entry
         return list(zip(token_ids, logprobs))
+
+    def warm_up(self, vocab_size: int) -> None:
+        """Before ready: samples one step of zero logits for a greedy row with logprobs and a
+        sampled row with every adjustment (top-k, top-p, min-p, penalties, a bias, min_tokens),
+        so the backend compiles what the first such request would wait for. Its rows are
+        throwaway sequences: nothing a request sees changes."""
+        kinds = (SamplingParams(logprobs=2),
+                 SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05,
+                                repetition_penalty=1.1, frequency_penalty=0.5,
+                                presence_penalty=0.5, logit_bias={1: 2.0}, min_tokens=4,
+                                stop_token_ids=(0,)))
+        seqs = [Sequence(request_id=f"warm-up-{i}", prompt_token_ids=[1, 2, 3], params=params,
+                         namespace_digest=b"", generator=np.random.default_rng(i),
+                         detokenizer=None) for i, params in enumerate(kinds)]
+        for seq in seqs:
+            seq.token_ids.extend([2, 4])  # output tokens: the output penalties have counts
+        self(self.ops.xp.zeros((len(seqs), vocab_size), dtype=np.float32), seqs)
 
     def _sample(self, logits: Array, seqs: list[Sequence]) -> list[int]:
         ops = self.ops

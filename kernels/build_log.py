@@ -1,4 +1,5 @@
-"""What a backend builds on first use (CUDA graph captures, cuDNN graphs), counted and timed.
+"""What a backend builds on first use (CUDA graph captures, cuDNN graphs, kernel modules),
+counted and timed.
 
 A capture or a cuDNN build costs tens to hundreds of milliseconds, and a request that meets one
 waits for it. The engine builds what it can before it says ready (``warm_up``) and then
@@ -28,9 +29,12 @@ class BuildKind(str, enum.Enum):
     CUDNN_LOAD = "cudnn_plan_load"  # a built graph loaded from the disk cache (plan_cache.py)
     # a graph the builder process built while our kernel served (plan_builder.py), loaded
     CUDNN_BACKGROUND = "cudnn_background_load"
+    # one of our .cu families compiled by NVRTC for a set of defines (or loaded from CuPy's disk
+    # cache): seconds on a fresh machine, so a request must never be the first to need one
+    KERNEL_MODULE = "kernel_module"
 
 
-CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD, CUDNN_BACKGROUND = BuildKind
+CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD, CUDNN_BACKGROUND, KERNEL_MODULE = BuildKind
 
 
 class BuildLog:

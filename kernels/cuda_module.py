@@ -2,16 +2,25 @@
 
 NVRTC here cannot include the C++ standard library and CuPy's on-disk cache keys on the source
 text, so ``#include "common.cuh"`` is inlined before compiling: editing a header recompiles too.
+
+A compile costs about two seconds on a machine whose CuPy cache is cold (a few ms from the
+cache), so each one is reported to the build logs that ``watch`` (``BuildKind.KERNEL_MODULE``):
+after the engine says ready, one is a stall some request waited for. The engine's warm-up
+(``kernels/kernel_warm_up.py``) compiles every module a request can reach.
 """
 
 from __future__ import annotations
 
 import re
+import time
+import weakref
 from functools import cache
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from kernels.build_log import KERNEL_MODULE, BuildLog
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 INT32 = np.dtype(np.int32)
@@ -29,11 +38,25 @@ def source(name: str, defines: tuple[tuple[str, int], ...] = ()) -> str:
     return head + text
 
 
+_watchers: weakref.WeakSet[BuildLog] = weakref.WeakSet()
+
+
+def watch(builds: BuildLog) -> None:
+    """Report every module compiled in this process from now on to ``builds`` (held weakly)."""
+    _watchers.add(builds)
+
+
 @cache
 def _module(name: str, defines: tuple[tuple[str, int], ...]):
     import cupy as cp
 
-    return cp.RawModule(code=source(name, defines), options=("-std=c++17",))
+    start = time.perf_counter()
+    module = cp.RawModule(code=source(name, defines), options=("-std=c++17",))
+    module.compile()  # now, not at the first launch: the time is this module's
+    seconds = time.perf_counter() - start
+    for builds in list(_watchers):
+        builds.record(KERNEL_MODULE, (name, defines), seconds)
+    return module
 
 
 def kernel(name: str, function: str, **defines: int):

@@ -30,8 +30,9 @@ from kernels import (
 from kernels.attention_backends import wanted_backends
 from kernels.build_log import CUDA_GRAPH
 from kernels.cublas_gemm import CublasGemm
-from kernels.cuda_module import BF16, contiguous
+from kernels.cuda_module import BF16, contiguous, watch
 from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
+from kernels.kernel_warm_up import warm_kernels
 from kernels.ops import CapturedGraph, Ops
 from kernels.pinned_upload import PinnedUpload
 from kernels.plan_cache import PlanCache, default_directory
@@ -52,6 +53,7 @@ class CupyOps(Ops):
         self._capturer = None  # created on the first capture: most CPU-free tests never need it
         self._upload: PinnedUpload | None = None  # weights in flight to the device
         self._gemm = CublasGemm()
+        watch(self.builds)  # a kernel module compiled after ready is a first-use cost
         self.attention_backends = wanted_backends()
         self.attention_note = ""  # why cuDNN is not used, when it is not
         self.num_attention_fallbacks = 0  # calls cuDNN refused, served by our kernels
@@ -70,6 +72,9 @@ class CupyOps(Ops):
     def close(self) -> None:
         if self._cudnn is not None:
             self._cudnn.close()
+
+    def warm_kernels(self, num_q_heads, num_kv_heads, head_dim, block_size, vocab_size):
+        warm_kernels(num_q_heads, num_kv_heads, head_dim, block_size, vocab_size)
 
     @property
     def allocator_bytes(self) -> dict[str, int]:

@@ -71,6 +71,13 @@ class Ops(ABC):
         The base runs nothing beside it."""
         return None
 
+    def warm_kernels(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     vocab_size: int) -> None:
+        """Before ready: compile every kernel a request's path can reach for this model's
+        shape, so none is compiled while a request waits (``BuildKind.KERNEL_MODULE``). The
+        base compiles nothing (host backends run precompiled code)."""
+        return None
+
     @property
     def allocator_bytes(self) -> dict[str, int]:
         """Device memory the backend's allocator holds (``held``) and has handed out now

@@ -1,7 +1,9 @@
 """No first-use cost after the warm-up (issue 36 item 1), on a GPU: once the engine is warm, the
 turns a restore or an HBM hit produces (a short prefill of each length class over a long cached
 prefix, one to four at once) and the decode batches after them build no CUDA graph and no cuDNN
-graph; and a second start loads its cuDNN graphs from the plan cache instead of building them."""
+graph; no request is the first to need a kernel module (ours by NVRTC, or CuPy's own: a cold
+CuPy cache compiles each in about two seconds); and a second start loads its cuDNN graphs from
+the plan cache instead of building them."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from kernels.build_log import CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD
+from kernels import cuda_module
+from kernels.build_log import CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD, KERNEL_MODULE
 
 pytestmark = pytest.mark.gpu
 
@@ -61,3 +64,39 @@ def test_a_second_start_loads_its_cudnn_graphs(tiny_model_dir, tmp_path, monkeyp
     assert second.get(CUDNN_GRAPH, 0) == 0
     assert second.get(CUDNN_LOAD, 0) == first[CUDNN_GRAPH]
     assert again == text  # a loaded plan computes what the built one did
+
+
+def _cached_kernels(directory) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
+
+
+def test_no_request_compiles_a_kernel_after_the_warm_up(tiny_model_dir, tmp_path,
+                                                         monkeypatch) -> None:
+    """Cold CuPy cache, fresh plan cache: every module this process needs is compiled in this
+    test (the module cache is cleared), and the first requests of every kind after ready add
+    no module (ours) and no file to CuPy's kernel cache (CuPy's own), while our attention
+    kernels serve the multi-sequence shapes cuDNN has no graph for yet."""
+    cupy_cache = tmp_path / "cupy"
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(cupy_cache))
+    monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
+    cuda_module._module.cache_clear()
+    rng = np.random.default_rng(1)
+    with LLM(str(tiny_model_dir), device="cuda", max_num_seqs=8, max_model_len=4096) as llm:
+        llm.engine.warm_up()
+        before = _cached_kernels(cupy_cache)
+        assert llm.engine.runner.ops.builds.snapshot()["before"][KERNEL_MODULE] >= 4
+        vocab = llm.engine.vocab_size
+        prompts = [rng.integers(0, vocab, n).tolist() for n in (700, 90, 60, 1500, 300)]
+        llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))  # cold, together
+        sampled = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.02,
+                                 repetition_penalty=1.2, presence_penalty=0.3,
+                                 frequency_penalty=0.3, logit_bias={5: 1.5}, min_tokens=2,
+                                 logprobs=3, seed=4, max_tokens=5)
+        llm.generate(prompts[:3], sampled)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8, prompt_logprobs=2,
+                                                 structured_outputs={"choice": ["yes", "no"]}))
+        after = _after(llm)
+        assert after.get(KERNEL_MODULE, 0) == 0, after
+        assert _cached_kernels(cupy_cache) == before
+        if "cudnn" in llm.engine.runner.attention_backend:
+            assert llm.engine.runner.ops.num_attention_fallbacks > 0  # ours served some shape
