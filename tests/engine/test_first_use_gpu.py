@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from kernels import cuda_module
 from kernels.build_log import CUDA_GRAPH, CUDNN_BACKGROUND, CUDNN_GRAPH, CUDNN_LOAD, KERNEL_MODULE
 
 pytestmark = pytest.mark.gpu
@@ -99,6 +98,8 @@ def test_no_request_compiles_a_kernel_after_the_warm_up(tiny_model_dir, tmp_path
     test (the module cache is cleared), and the first requests of every kind after ready add
     no module (ours) and no file to CuPy's kernel cache (CuPy's own), while our attention
     kernels serve the multi-sequence shapes cuDNN has no graph for yet."""
+    from kernels import cuda_module  # CuPy's side of the package: GPU machines only
+
     cupy_cache = tmp_path / "cupy"
     monkeypatch.setenv("CUPY_CACHE_DIR", str(cupy_cache))
     monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
