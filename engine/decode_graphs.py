@@ -91,7 +91,6 @@ class DecodeGraphs:
             raise ValueError(f"the {ops.name} backend has no graphs")
         self.ops, self.model, self.kv_cache = ops, model, kv_cache
         self.rows = row_buckets(max_rows)
-        self.max_table_width = max_table_width
         self.widths = width_buckets(max_table_width)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self.sealed = False

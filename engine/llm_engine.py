@@ -278,10 +278,9 @@ class LLMEngine:
 
     def warm_up(self) -> int:
         """Capture the CUDA graphs one request's short prefill and decode steps replay (the
-        cuDNN graphs they use built with them) and run long prefill chunks idle once per
-        attention bucket, so no request pays for either; how many graphs were captured (0
-        without graphs: CPU, --enforce-eager)."""
-        captured = self.runner.warm_up(self.config.max_num_batched_tokens)
+        cuDNN graphs they use built with them), so no request pays for it; how many were
+        captured (0 without graphs: CPU, --enforce-eager)."""
+        captured = self.runner.warm_up()
         self.runner.ops.builds.seal()  # from here on a build is a cost some request waits for
         return captured
 

@@ -13,7 +13,6 @@ from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.models.rope import cos_sin_cache
 from engine.prefill_graphs import PrefillGraphs
-from engine.prefill_warmup import long_prefill_shapes, run_idle_prefill
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -81,25 +80,16 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs(self.ops, self.model, self.kv_cache.array,
                                             max_table_width, self.block_size)
 
-    def warm_up(self, chunk_tokens: int | None = None) -> int:
+    def warm_up(self) -> int:
         """Compile the kernels any request can reach (``Ops.warm_kernels``, the sampler's),
         capture the graphs requests replay (``warm_buckets`` of each), then seal them: no
-        capture in a request's path from then on; the number captured (0 without graphs).
-        ``chunk_tokens``: the step's token budget; long eager prefills up to it run idle once
-        per attention bucket first (``engine/prefill_warmup.py``), so a cold prompt's chunks
-        find their attention plans built."""
+        capture in a request's path from then on; the number captured (0 without graphs)."""
         mc = self.model_config
         self.ops.warm_kernels(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size,
                               mc.vocab_size)
         self.sampler.warm_up(mc.vocab_size)
         if self.decode_graphs is None or self.prefill_graphs is None:
             return 0
-        if chunk_tokens is not None:
-            max_width = self.decode_graphs.max_table_width
-            for num_seqs, rows, width in long_prefill_shapes(chunk_tokens, max_width,
-                                                              self.block_size):
-                run_idle_prefill(self.ops, self.model, self.kv_cache.array, self.block_size,
-                                 num_seqs, rows, width)
         before = self.decode_graphs.num_captures + self.prefill_graphs.num_captures
         for num_seqs, num_tokens in self.prefill_graphs.warm_buckets():
             self.prefill_graphs.capture(num_seqs, num_tokens)

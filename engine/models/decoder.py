@@ -128,18 +128,6 @@ class DecoderModel:
             raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
         return cls(config, ops, embed, layers, get("model.norm.weight"), lm_head, cos_sin_cache)
 
-    def prefill_attention(self, batch: ForwardBatch, kv_cache: Array) -> Array:
-        """The first layer's prefill attention alone, over zero queries: whatever a step of
-        ``batch``'s shape builds or loads for its attention (plans, kernels), at a small share
-        of a forward's cost; writes nothing (the warm-up's, ``engine/prefill_warmup.py``)."""
-        cfg = self.config
-        q = self.ops.xp.zeros((batch.token_ids.shape[0], cfg.num_heads, cfg.head_dim),
-                              dtype=self.embed.dtype)
-        return self.ops.paged_attention_prefill(q, kv_cache, 0, batch.block_tables,
-                                                batch.cu_seqlens_q, batch.context_lens,
-                                                self.scale, batch.max_query_len,
-                                                batch.max_context_len)
-
     def forward(self, batch: ForwardBatch, kv_cache: Array) -> Array:
         """Run one step, writing this step's K/V into ``kv_cache``; float32 logits
         ``[len(logits_indices), vocab_size]``."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from kernels.build_log import CUDA_GRAPH, CUDNN_BACKGROUND, CUDNN_GRAPH, CUDNN_LOAD, KERNEL_MODULE
+from kernels.build_log import CUDA_GRAPH, CUDNN_GRAPH, CUDNN_LOAD, KERNEL_MODULE
 
 pytestmark = pytest.mark.gpu
 
@@ -45,29 +45,6 @@ def test_turns_after_the_warm_up_wait_for_no_build(tiny_model_dir, tmp_path, mon
         assert llm.engine.runner.prefill_graphs.num_replays >= 10
         allocator = llm.engine.runner.ops.allocator_bytes  # what the soak's memory check reads
         assert allocator["held"] >= allocator["in_use"] > 0, allocator
-
-
-def test_a_cold_long_prompt_after_the_warm_up_finds_its_plans(tiny_model_dir, tmp_path,
-                                                              monkeypatch) -> None:
-    """The first agent's first turn: a cold prompt in full chunks and a remainder, one
-    sequence, as on a fresh machine (an empty plan cache). Its eager chunks find their
-    attention plans built by the warm-up: nothing goes to the background builder (whose
-    shapes our slower kernel serves meanwhile) and nothing is loaded in a request's path."""
-    monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
-    rng = np.random.default_rng(1)
-    with LLM(str(tiny_model_dir), device="cuda", max_num_seqs=8, max_model_len=4096) as llm:
-        if "cudnn" not in llm.engine.runner.attention_backend:
-            pytest.skip(f"no cuDNN attention: {llm.engine.runner.attention_backend}")
-        llm.engine.warm_up()
-        vocab = llm.engine.vocab_size
-        for n in (3500, 2600, 1100):  # chunks of 2,048 rows, then 1,452 / 552 / 1,100
-            llm.generate([rng.integers(0, vocab, n).tolist()],
-                         SamplingParams(max_tokens=2, ignore_eos=True))
-        after = _after(llm)
-        background = llm.engine.runner.ops.background_builds
-    assert after.get(CUDNN_GRAPH, 0) == after.get(CUDNN_LOAD, 0) == 0, after
-    assert after.get(CUDNN_BACKGROUND, 0) == 0, after
-    assert background.get("submitted", 0) == 0, background
 
 
 def test_a_second_start_loads_its_cudnn_graphs(tiny_model_dir, tmp_path, monkeypatch) -> None:
