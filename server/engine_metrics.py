@@ -218,9 +218,10 @@ class EngineCollector:
                                  "Attention calls the chosen backend refused (our kernel "
                                  "served them).", float(runner.ops.num_attention_fallbacks))
         yield self._by_label(
-            CounterMetricFamily, P + "first_use_builds", "Graph captures and cuDNN builds or "
-            "plan loads a request waited for after the engine said ready (0 when the warm-up "
-            "covered them).", "kind", runner.ops.builds.snapshot()["after"])
+            CounterMetricFamily, P + "first_use_builds", "Graph captures, cuDNN builds or "
+            "plan loads, and kernel modules compiled that a request waited for after the engine "
+            "said ready (0 when the warm-up covered them).", "kind",
+            runner.ops.builds.snapshot()["after"])
         yield self._by_label(
             CounterMetricFamily, P + "cudnn_background_builds", "What the cuDNN plan builder "
             "process did after ready, by outcome (our kernel serves a shape until its graph is "

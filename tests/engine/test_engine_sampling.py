@@ -130,3 +130,21 @@ def test_sampling_params_normalize_stop() -> None:
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop=[]).stop is None
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+
+
+def test_the_sampler_warm_up_changes_nothing_a_request_sees(tiny_model_dir: Path) -> None:
+    """The warm-up samples throwaway rows of every kind (kernels compiled before ready); a
+    seeded request with every adjustment then gets the tokens it gets without the warm-up,
+    and the processor keeps no row of the throwaway sequences."""
+    params = sample(seed=11, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                    presence_penalty=0.2, frequency_penalty=0.2, logit_bias={7: 3.0},
+                    min_tokens=3, logprobs=2)
+    prompt = random_prompts(4000, [17], seed=4)[0]
+    tokens = []
+    for warm in (False, True):
+        with LLM(str(tiny_model_dir), device="cpu") as fresh:
+            if warm:
+                fresh.engine.warm_up()
+                assert len(fresh.engine.runner.sampler.processor._rows) == 0
+            tokens.append(fresh.generate([prompt], params)[0].token_ids)
+    assert tokens[0] == tokens[1]
