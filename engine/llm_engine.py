@@ -198,8 +198,9 @@ class LLMEngine:
             synced = bool(result.sampled or result.prompt_logprobs)
             # before finished sequences free blocks; a mid-prompt chunk's blocks go to the
             # store only once its kernels have written them
+            saves = not synced and self.offload.store_state is not None  # else no event
             self.offload.save_computed(
-                batch.seqs, None if synced else self.runner.ops.work_done_marker())
+                batch.seqs, self.runner.ops.work_done_marker() if saves else None)
             if synced and self._last_step_synced:  # else device time leaks across steps
                 self.offload.observe_step(batch.num_tokens - len(batch.seqs), elapsed)
             self._last_step_synced = synced

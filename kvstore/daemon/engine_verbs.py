@@ -97,7 +97,8 @@ class EngineVerbs:
         """Copy the lease's blocks ``first_index, ...`` into ``block_ids``; how many arrived."""
         if lease is None:
             return 0
-        return reg.load_blocks(self._store, lease, first_index, block_ids, ctx)
+        with self._store.reading(lease):  # no expiry or release under the copies in flight
+            return reg.load_blocks(self._store, lease, first_index, block_ids, ctx)
 
     def evicted(self, args: dict, ctx: CallContext) -> dict:
         """The engine dropped these blocks from its HBM: they leave the HBM tier's index."""

@@ -12,6 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from kvstore.tiers import Tier
@@ -151,7 +152,14 @@ class BlockStore(ABC):
 
     @abstractmethod
     def release(self, lease: Lease) -> None:
-        """Unpin a lease's blocks. Idempotent."""
+        """Unpin a lease's blocks. Idempotent. While the lease is ``reading``, its reads fail
+        from now on and the pins go when the reading ends."""
+
+    @abstractmethod
+    def reading(self, lease: Lease) -> AbstractContextManager[None]:
+        """A copy reads ``lease``'s blocks inside (``read``, the copy, ``done``): the lease
+        neither expires nor lets go of a block until the end, so no write reuses memory a copy
+        in flight still reads. A read past the lease's deadline still raises StoreError."""
 
     @abstractmethod
     def expire_leases(self, now: float | None = None) -> int:

@@ -6,7 +6,9 @@ entries are pinned by the caller before the grant (a pin can fail there) and unp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from kvstore.store.block_store import Lease, Tier
 from kvstore.store.leases import HeldLease, LeaseTable
@@ -45,7 +47,14 @@ class LeasePins:
         return lease in self._table
 
     def release(self, lease: Lease) -> None:
-        """Let go of everything ``lease`` pins (harmless if already released)."""
+        """Let go of everything ``lease`` pins (harmless if already released); while a copy
+        reads it, no further read succeeds and the pins go when the copy ends."""
+        held = self._table.find(lease)
+        if held is not None and held.readers:
+            lease.released = True  # fail closed: no new read of it
+            held.release_wanted = True
+            self._counters["lease_releases_deferred"] += 1
+            return
         held = self._table.pop(lease)
         if held is None:
             return
@@ -56,8 +65,31 @@ class LeasePins:
                     self._backing.unpin(entry)
         self._guard.cond.notify_all()
 
+    @contextmanager
+    def reading(self, lease: Lease) -> Iterator[None]:
+        """Inside, a copy reads ``lease``'s blocks: the lease does not expire and a release
+        waits for the end (the blocks stay pinned, so no write reuses memory a copy in flight
+        still reads). Reads past its deadline still fail (``live``). Takes the store's lock."""
+        with self._guard.cond:
+            held = self._table.find(lease)
+            if held is not None:
+                held.readers += 1
+        try:
+            yield
+        finally:
+            if held is not None:
+                with self._guard.cond:
+                    held.readers -= 1
+                    if not held.readers and self._table.find(lease) is held:
+                        if held.lease.expired(time.monotonic()) and not held.release_wanted:
+                            self._counters["leases_expired"] += 1
+                            self._counters["leases_expired_after_reading"] += 1
+                            held.release_wanted = True
+                        if held.release_wanted:
+                            self.release(lease)
+
     def expire(self, now: float) -> int:
-        """Release every lease past its deadline; returns how many."""
+        """Release every lease past its deadline that no copy reads; returns how many."""
         expired = self._table.expired(now)
         for lease in expired:
             self.release(lease)

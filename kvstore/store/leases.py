@@ -20,12 +20,17 @@ class HeldLease:
     A read of an SSD block fills its ``dram`` slot after promotion; ``done`` empties both slots
     of a block (a slot pinning nothing is one the reader has let go of). ``counted``: whether
     the ``dram`` blocks' pin counts include this lease yet (the store counts them lazily).
+    ``readers``: copies reading the lease's blocks now (``LeasePins.reading``); while there
+    are any it neither expires nor lets go of a block, and a release asked for meanwhile
+    (``release_wanted``) happens when the last one ends.
     """
 
     lease: Lease
     dram: list  # list[Block | None] (store/dram/blocks.py)
     ssd: list  # list[SSDEntry | None]
     counted: bool = True
+    readers: int = 0
+    release_wanted: bool = False
 
 
 class LeaseTable:
@@ -71,7 +76,8 @@ class LeaseTable:
         return held
 
     def expired(self, now: float) -> list[Lease]:
-        return [h.lease for h in self._held.values() if h.lease.expired(now)]
+        """The leases past their deadline that no copy reads now."""
+        return [h.lease for h in self._held.values() if h.lease.expired(now) and not h.readers]
 
     def __contains__(self, lease: Lease) -> bool:
         held = self._held.get(lease.lease_id)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 
 from kvstore.store.block_store import (
     BlockStore,
@@ -167,6 +168,9 @@ class TieredStore(BlockStore):
     def release(self, lease: Lease) -> None:
         with self._guard.cond:
             self._leases.release(lease)
+
+    def reading(self, lease: Lease) -> AbstractContextManager[None]:
+        return self._leases.reading(lease)
 
     def expire_leases(self, now: float | None = None) -> int:
         with self._guard.cond:

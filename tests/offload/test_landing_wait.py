@@ -20,10 +20,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def bridge(make_daemon, monkeypatch):
+def bridge(make_daemon):
     """A daemon holding chain 1 and a factory of kvengine's bridge to it (the policy's DRAM
     bandwidth given); the landing wait's cap raised to a loaded CI host's round trip."""
-    monkeypatch.setattr(restore, "MAX_LANDING_WAIT_S", 5.0)
     daemon = make_daemon(dram="16MiB")
     store_chain(daemon.socket_path, 1)
     arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES)
@@ -36,6 +35,7 @@ def bridge(make_daemon, monkeypatch):
                                 OffloadPolicy.WRITE_THROUGH,
                                 RestorePolicy({"dram": dram_bytes_per_s}, 1e3),
                                 always_restore=True))
+        made[-1].restores.max_landing_wait_s = 5.0
         return made[-1]
 
     yield make
@@ -79,3 +79,4 @@ def test_the_budget_is_a_share_of_the_last_step_within_bounds() -> None:
     assert restore.landing_wait_budget_s(0.0) == restore.LANDING_WAIT_MIN_S
     assert restore.landing_wait_budget_s(0.008) == pytest.approx(0.004)
     assert restore.landing_wait_budget_s(1.0) == restore.MAX_LANDING_WAIT_S
+    assert restore.landing_wait_budget_s(1.0, cap_s=5.0) == pytest.approx(0.5)

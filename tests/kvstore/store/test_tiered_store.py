@@ -111,6 +111,40 @@ def test_expired_leases_are_released(make_store):
     store.check_integrity()
 
 
+def test_a_lease_being_read_neither_expires_nor_lets_go_until_the_copy_ends(make_store):
+    """A load's copies read the lease's DRAM in flight: past its deadline, or released by its
+    owner meanwhile, its blocks stay pinned (a full pool refuses a write rather than reuse
+    them) and further reads fail; the pins go, counted, when the reading ends."""
+    store = make_store(dram_bytes=4 * BLOCK)
+    put_blocks(store, range(4))
+    keys = [block_key(i) for i in range(4)]
+    for how in ("expiry", "release"):
+        lease = store.lookup(NS, [h for h, _ in keys], [i for _, i in keys],
+                             lease_ttl_s=0.2).lease
+        with store.reading(lease):
+            view = store.read(lease, 0)  # a copy out of this view is in flight
+            if how == "expiry":
+                time.sleep(0.25)
+                assert store.expire_leases(now=time.monotonic() + 10) == 0
+            else:
+                lease.release()
+            h, ident = block_key(50)
+            with pytest.raises(StoreError):  # every block pinned: nothing may be evicted
+                store.begin_write(NS, h, ident, BLOCK)
+            assert bytes(view) == block_bytes(0, BLOCK)
+            with pytest.raises(StoreError):
+                store.read(lease, 1)  # fail closed: past its deadline or released
+            assert store.stats()["tiers"]["dram"]["pinned_blocks"] == 4
+        assert lease.released and store.stats()["leases"] == 0
+        assert store.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+        store.check_integrity()
+    counters = store.stats()["counters"]
+    assert counters["leases_expired_after_reading"] == 1
+    assert counters["lease_releases_deferred"] == 1
+    put_blocks(store, range(4, 8))  # room is made again
+    store.check_integrity()
+
+
 def test_all_pinned_or_too_large_raises(make_store):
     store = make_store(dram_bytes=4 * BLOCK)
     put_blocks(store, range(4))
