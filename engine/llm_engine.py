@@ -172,10 +172,8 @@ class LLMEngine:
         self.flush_offload()
         t_flushed = time.perf_counter()
         with self._lock:
-            inbox, self._inbox = self._inbox, []
             abort_ids, self._abort_ids = self._abort_ids, []
-        for seq in inbox:
-            self.scheduler.add(seq)
+        self._take_inbox()
         outputs = []
         for request_id in abort_ids:
             seq = self.scheduler.abort(request_id)
@@ -189,7 +187,9 @@ class LLMEngine:
             for seq in batch.seqs:
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = t_scheduled
-            result = self.runner.execute(batch)
+            # requests that arrive while the device runs the step join now: their store
+            # lookups travel during the step, so the next one's schedule rarely waits for them
+            result = self.runner.execute(batch, while_device_runs=self._take_inbox)
             elapsed = time.perf_counter() - t_scheduled
             for seq, entries in result.prompt_logprobs:
                 seq.prompt_logprobs.extend(entries)
@@ -219,6 +219,13 @@ class LLMEngine:
             self._live_ids.difference_update(finished_ids)
             self._counters.end_step(len(finished_ids))
         return outputs
+
+    def _take_inbox(self) -> None:
+        """Hand the requests added since to the scheduler (which sends their lookups)."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for seq in inbox:
+            self.scheduler.add(seq)
 
     def _append_token(self, seq: Sequence, token_id: int,
                       logprobs: TokenLogprobs | None) -> RequestOutput:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.decode_graphs import DecodeGraphs
@@ -118,17 +119,24 @@ class ModelRunner:
         """float32 logits for the batch's ``logits_indices`` rows."""
         return self.model.forward(forward_batch, self.kv_cache.array)
 
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run the step: sample, and compute the prompt logprobs the batch's chunks owe."""
+    def execute(self, batch: ScheduledBatch,
+                while_device_runs: Callable[[], None] | None = None) -> StepResult:
+        """Run the step: sample, and compute the prompt logprobs the batch's chunks owe.
+        ``while_device_runs``: called once the forward is queued and before anything waits for
+        it (host work that then overlaps the device's)."""
         owed = [(seq, positions) for seq, n in zip(batch.seqs, batch.num_new_tokens)
                 if (positions := seq.prompt_logprob_positions(n))]
         result = StepResult()
         if owed:  # eager: the captured graphs keep only the sampling rows' logits
             logits, sampling = self._eager(batch)
+            if while_device_runs is not None:
+                while_device_runs()
             result.prompt_logprobs = self._prompt_logprobs(logits[len(sampling):], owed)
             logits = logits[: len(sampling)]
         else:
             logits, sampling = self._replayed(batch) or self._eager(batch)
+            if while_device_runs is not None:
+                while_device_runs()
         if sampling:
             result.sampled = [(seq, token_id, logprobs) for seq, (token_id, logprobs)
                               in zip(sampling, self.sampler(logits, sampling))]

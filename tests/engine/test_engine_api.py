@@ -289,3 +289,38 @@ def test_no_shared_memory_left_behind(tiny_model_dir: Path) -> None:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
         assert _memfds() - before_fds  # the arena
     assert _memfds() <= before_fds
+
+
+def test_requests_arriving_while_the_device_runs_join_that_step(engine: LLMEngine) -> None:
+    """A request added while a step's forward runs (as the server's threads add them) is
+    handed to the scheduler before the step waits for the device, so its store lookup
+    travels during the step; it runs from the next step on, in order, and an abort of it
+    still works. The forward is queued before the hook runs, and the hook runs once a step."""
+    prompts = random_prompts(engine.vocab_size, [40, 30, 20], seed=12)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("a", prompts[0], params)
+    execute = engine.runner.execute
+    calls: list[int] = []
+
+    def arriving_mid_step(batch, while_device_runs=None):
+        def hook():
+            calls.append(len(calls))
+            if len(calls) == 1:  # the server adds two requests while the device runs
+                engine.add_request("b", prompts[1], params)
+                engine.add_request("c", prompts[2], params)
+            while_device_runs()
+        return execute(batch, while_device_runs=hook)
+
+    engine.runner.execute = arriving_mid_step
+    engine.step()
+    assert len(calls) == 1
+    assert {s.request_id for s in engine.scheduler.waiting} == {"b", "c"}
+    assert engine.stats()["num_waiting"] == 2  # none left queued for a later step
+    engine.abort_request("c")
+    finished: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"a": "length", "b": "length", "c": "abort"}
+    assert len(calls) >= 3  # once per step that ran a batch
