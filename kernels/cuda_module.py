@@ -3,7 +3,7 @@
 NVRTC here cannot include the C++ standard library and CuPy's on-disk cache keys on the source
 text, so ``#include "common.cuh"`` is inlined before compiling: editing a header recompiles too.
 
-A compile costs about two seconds on a machine whose CuPy cache is cold (a few ms from the
+A compile costs about 2.5 s on a machine whose CuPy cache is cold (a few ms from the
 cache), so each one is reported to the build logs that ``watch`` (``BuildKind.KERNEL_MODULE``):
 after the engine says ready, one is a stall some request waited for. The engine's warm-up
 (``kernels/kernel_warm_up.py``) compiles every module a request can reach.

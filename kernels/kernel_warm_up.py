@@ -1,11 +1,12 @@
 """Compile, before ready, every kernel a request's path can reach on the CUDA backend.
 
-NVRTC compiles one of our ``.cu`` families per set of defines on first use (``cuda_module``), and
-CuPy compiles its own elementwise and reduction kernels the same way: about two seconds each on a
-machine whose CuPy cache is cold. The engine's warm-up captures graphs for the shapes it knows,
-which compiles what those steps use, but not what only some requests meet later: our attention
-kernels, which serve every shape cuDNN has no graph for yet (two variants and their merge; an H200
-stalled 4.2 s on them at the first uncovered multi-sequence prefill), the sampling kernels of a
+NVRTC compiles one of our ``.cu`` families per set of defines on first use (``cuda_module``), about
+2.5 s each on a machine whose CuPy cache is cold, and CuPy compiles its own elementwise and
+reduction kernels the same way, in less. The engine's warm-up captures graphs for the shapes it
+knows, which compiles what those steps use, but not what only some requests meet later: our
+attention kernels, which serve every shape cuDNN has no graph for yet (two variants and their
+merge; an H200 stalled 5 s on them at the first uncovered multi-sequence prefill:
+``benchmarks/kernel_first_use.py``), the sampling kernels of a
 first request with a temperature, top-k or top-p, and the grammar mask of a first structured
 output. Each runs here once on a few rows of zeros, the same launch a request makes; its results
 are thrown away.
