@@ -127,16 +127,14 @@ class ModelRunner:
         owed = [(seq, positions) for seq, n in zip(batch.seqs, batch.num_new_tokens)
                 if (positions := seq.prompt_logprob_positions(n))]
         result = StepResult()
-        if owed:  # eager: the captured graphs keep only the sampling rows' logits
-            logits, sampling = self._eager(batch)
-            if while_device_runs is not None:
-                while_device_runs()
+        # eager where prompt logprobs are owed: the captured graphs keep only the sampling rows
+        logits, sampling = (self._eager(batch) if owed else
+                            self._replayed(batch) or self._eager(batch))
+        if while_device_runs is not None:
+            while_device_runs()
+        if owed:
             result.prompt_logprobs = self._prompt_logprobs(logits[len(sampling):], owed)
             logits = logits[: len(sampling)]
-        else:
-            logits, sampling = self._replayed(batch) or self._eager(batch)
-            if while_device_runs is not None:
-                while_device_runs()
         if sampling:
             result.sampled = [(seq, token_id, logprobs) for seq, (token_id, logprobs)
                               in zip(sampling, self.sampler(logits, sampling))]

@@ -17,7 +17,7 @@ from offload.engine_view import BlockLedger, OffloadSequence
 from offload.ledger_site import LedgerSite
 from offload.offload_policy import OffloadPolicy
 from offload.resident import ResidentPublisher
-from offload.restore import EngineRestores
+from offload.restore import MAX_LANDING_WAIT_S, EngineRestores
 from offload.restore_policy import RestorePolicy
 from offload.saved_keys import SavedKeys
 from offload.saves import EngineSaves
@@ -29,7 +29,8 @@ class EngineStore(StoreBridge):
 
     def __init__(self, client: StoreClient, ledger: BlockLedger, block_bytes: int,
                  policy: OffloadPolicy, restore_policy: RestorePolicy, always_restore: bool = False,
-                 generations: BlockGenerations | None = None) -> None:
+                 generations: BlockGenerations | None = None,
+                 max_landing_wait_s: float = MAX_LANDING_WAIT_S) -> None:
         self.client = client
         self.policy = OffloadPolicy(policy)
         self.restore_policy = restore_policy
@@ -39,7 +40,8 @@ class EngineStore(StoreBridge):
         self.saved_keys = SavedKeys(4 * ledger.num_blocks)
         site = LedgerSite(ledger, self.counters)
         self._restores = EngineRestores(client, site, block_bytes, restore_policy,
-                                        self.saved_keys, self.counters, always_restore)
+                                        self.saved_keys, self.counters, always_restore,
+                                        max_landing_wait_s)
         self.saves = EngineSaves(client, site, self.saved_keys, self.counters)
         self.publisher = ResidentPublisher(client, ledger, generations, self.counters)
         ledger.enable_offload(track_released=self.policy is OffloadPolicy.EVICT,

@@ -69,7 +69,9 @@ class EngineRestores(RestoreBridge):
 
     def __init__(self, client: StoreClient, site: LedgerSite, block_bytes: int,
                  policy: RestorePolicy, saved_keys: SavedKeys, counters: Counter[str],
-                 always_restore: bool = False) -> None:
+                 always_restore: bool = False,
+                 max_landing_wait_s: float = MAX_LANDING_WAIT_S) -> None:
+        """``max_landing_wait_s``: the landing wait's cap (``landing_wait_budget_s``)."""
         self.client = client
         self.ledger = site.ledger
         self.block_size = site.block_size
@@ -85,8 +87,7 @@ class EngineRestores(RestoreBridge):
         self.restores: dict[str, RestoreJob[OffloadSequence]] = {}  # tracked, by request id
         self.prefetched: dict[str, RestoreJob[OffloadSequence]] = {}  # sent on arrival
         self._step_polled_at = 0.0  # lookup waits of this step count from here
-        # the landing wait's cap (``landing_wait_budget_s``); tests on a loaded host raise it
-        self.max_landing_wait_s = MAX_LANDING_WAIT_S
+        self.max_landing_wait_s = max_landing_wait_s
 
     @property
     def num_loading(self) -> int:

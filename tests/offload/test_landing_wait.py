@@ -34,8 +34,7 @@ def bridge(make_daemon):
         made.append(EngineStore(client, BlockManager(NUM_BLOCKS, BLOCK_SIZE), BLOCK_BYTES,
                                 OffloadPolicy.WRITE_THROUGH,
                                 RestorePolicy({"dram": dram_bytes_per_s}, 1e3),
-                                always_restore=True))
-        made[-1].restores.max_landing_wait_s = 5.0
+                                always_restore=True, max_landing_wait_s=5.0))
         return made[-1]
 
     yield make
