@@ -11,6 +11,7 @@ import operator
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -187,9 +188,7 @@ class LLMEngine:
             for seq in batch.seqs:
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = t_scheduled
-            # requests that arrive while the device runs the step join now: their store
-            # lookups travel during the step, so the next one's schedule rarely waits for them
-            result = self.runner.execute(batch, while_device_runs=self._take_inbox)
+            result = self.runner.execute(batch, while_device_runs=self._during_step)
             elapsed = time.perf_counter() - t_scheduled
             for seq, entries in result.prompt_logprobs:
                 seq.prompt_logprobs.extend(entries)
@@ -219,6 +218,13 @@ class LLMEngine:
             self._live_ids.difference_update(finished_ids)
             self._counters.end_step(len(finished_ids))
         return outputs
+
+    def _during_step(self, device_done: Callable[[], bool]) -> None:
+        """While the device runs the step: requests that arrived meanwhile join the scheduler
+        (their store lookups go out now), and restores whose lookups are answered start their
+        loads, so they cross the bus during this step rather than after the next schedule."""
+        self._take_inbox()
+        self.scheduler.start_restores_during_step(device_done)
 
     def _take_inbox(self) -> None:
         """Hand the requests added since to the scheduler (which sends their lookups)."""

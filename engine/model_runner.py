@@ -28,6 +28,11 @@ log = logging.getLogger("engine")
 PROMPT_LOGPROB_ROWS_PER_PASS = 256
 
 
+def _done() -> bool:
+    """The device check of a backend that ran the forward before returning."""
+    return True
+
+
 @dataclass
 class StepResult:
     """What one step computed: (sequence, sampled token id, its logprobs if asked) for every
@@ -120,10 +125,12 @@ class ModelRunner:
         return self.model.forward(forward_batch, self.kv_cache.array)
 
     def execute(self, batch: ScheduledBatch,
-                while_device_runs: Callable[[], None] | None = None) -> StepResult:
+                while_device_runs: Callable[[Callable[[], bool]], None] | None = None
+                ) -> StepResult:
         """Run the step: sample, and compute the prompt logprobs the batch's chunks owe.
         ``while_device_runs``: called once the forward is queued and before anything waits for
-        it (host work that then overlaps the device's)."""
+        it (host work that then overlaps the device's), with a check of whether the device has
+        finished the forward (always True on a backend that runs synchronously)."""
         owed = [(seq, positions) for seq, n in zip(batch.seqs, batch.num_new_tokens)
                 if (positions := seq.prompt_logprob_positions(n))]
         result = StepResult()
@@ -131,7 +138,7 @@ class ModelRunner:
         logits, sampling = (self._eager(batch) if owed else
                             self._replayed(batch) or self._eager(batch))
         if while_device_runs is not None:
-            while_device_runs()
+            while_device_runs(self.ops.work_done_marker() or _done)
         if owed:
             result.prompt_logprobs = self._prompt_logprobs(logits[len(sampling):], owed)
             logits = logits[: len(sampling)]

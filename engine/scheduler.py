@@ -10,13 +10,16 @@ When a sequence needs a block and none is free, the most recently admitted runni
 yet in the batch is preempted (itself if none is left): its blocks are freed (full ones stay in
 the prefix cache) and it goes back to the head of the waiting queue to be recomputed; nobody is
 admitted in a step that preempted. With ``--kv-offload``, waiting sequences near the head are
-handed to the store bridge in every step whatever the budget (a load costs no step tokens).
+handed to the store bridge in every step whatever the budget (a load costs no step tokens), and
+again while the device runs the step, once their lookups are answered: a restore of a request that
+arrived during a step starts its load during that step, not after the next schedule.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -27,6 +30,9 @@ from offload.null_bridge import NullRestores
 
 # How deep into the waiting queue restores are started each step (each costs a lookup check).
 RESTORE_SCAN_DEPTH = 8
+# While the device runs a step, how long at most the step thread waits for lookup replies of
+# waiting sequences (and only while the device is still busy: that time is otherwise idle).
+MAX_DURING_STEP_LOOKUP_WAIT_S = 0.02
 
 
 @dataclass
@@ -82,6 +88,7 @@ class Scheduler:
         self.prefill_order = prefill_order or PrefillOrder()
         self.num_steps = 0  # schedule() calls so far: the clock of the aging rule
         self._head_blocked = False  # the waiting head did not fit in the free blocks
+        self._restores_open = False  # the last schedule preempted nobody: restores may start
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -143,12 +150,35 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:  # not preempted by an earlier decode
                 self._schedule_running(step, seq, 1)
         self._schedule_prefills(step)
-        if not step.preempted:
+        self._restores_open = not step.preempted
+        if self._restores_open:
             # Loads cost no budget: start them whatever the step holds, after this step's
             # chunks have their blocks (a restore reserves blocks too).
             self._start_restores()
         self.num_steps += 1
         return step.batch
+
+    def start_restores_during_step(self, device_done: Callable[[], bool]) -> None:
+        """While the device runs the step ``schedule`` returned: start the restores of
+        waiting sequences near the head whose lookups are answered, waiting for those still
+        on their way while ``device_done()`` is False (at most
+        ``MAX_DURING_STEP_LOOKUP_WAIT_S``). Their loads then cross the bus during the step.
+        The step's blocks are all held by its sequences, so reserving free ones is safe."""
+        if not self._restores_open:
+            return  # the step preempted: blocks are short, the next schedule decides
+        depth = 1 if self._head_blocked else RESTORE_SCAN_DEPTH
+        asking = [seq for seq in itertools.islice(self.waiting, depth)
+                  if not seq.offload_checked and seq.reads_prefix_cache]
+        if not asking:
+            return
+        answered = self.restores.answered_lookups(asking, lambda: not device_done(),
+                                                  MAX_DURING_STEP_LOOKUP_WAIT_S)
+        for seq in answered:
+            if (self.restores.num_waiting_for_blocks
+                    or len(self.running) + self.restores.num_loading >= self.max_num_seqs):
+                return
+            if self._try_restore(seq):
+                self.waiting.remove(seq)
 
     def _schedule_prefills(self, step: _Step) -> None:
         """Running sequences with prompt left and the waiting queue's head, in the prefill

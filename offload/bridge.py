@@ -20,6 +20,9 @@ The contract, in step order:
   marks it LOADING and takes it off the queue until ``poll`` gives it back); False means admit it
   without the store. While ``num_waiting_for_blocks`` is non-zero nobody else is admitted and no
   other restore is started.
+- While the device runs a step, ``restores.answered_lookups(seqs, ...)`` for the same waiting
+  sequences (those that arrived during the step included), then ``start_restore`` for the
+  answered ones: their loads cross the bus during the step, not after the next schedule.
 - ``save_computed(seqs)`` after a forward, before finished sequences free their blocks;
   ``observe_step`` with the step's prefill tokens and seconds.
 - ``after_step()`` once the step's outputs went out: saves are sent, evictions published.
@@ -69,6 +72,15 @@ class RestoreBridge(ABC):
     def start_restore(self, seq: OffloadSequence, num_hbm_hit_blocks: int, busy: bool) -> bool:
         """True if ``seq`` now waits on the store (LOADING), False to admit it without. Waits
         at most what is left of the step's budget for a lookup reply."""
+
+    @abstractmethod
+    def answered_lookups(self, seqs: list[OffloadSequence], keep_waiting: Callable[[], bool],
+                         timeout_s: float) -> list[OffloadSequence]:
+        """Those of ``seqs`` whose lookup sent on arrival (``prefetch``) has its reply, in the
+        order given; for the others it waits while ``keep_waiting()`` (the device still runs the
+        step: the step thread has nothing else to do) and at most ``timeout_s`` in all. A
+        sequence without such a lookup is never among them (``start_restore`` would send one
+        and wait)."""
 
     @abstractmethod
     def poll(self) -> RestoreOutcome:

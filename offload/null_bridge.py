@@ -43,6 +43,10 @@ class NullRestores(RestoreBridge):
         self.counters["lookups_without_store"] += 1
         return False
 
+    def answered_lookups(self, seqs: list[OffloadSequence], keep_waiting: Callable[[], bool],
+                         timeout_s: float) -> list[OffloadSequence]:
+        return []  # no lookup is ever sent
+
     def poll(self) -> RestoreOutcome:
         return RestoreOutcome([], [])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from kvstore import Tier
 from offload.bridge import RestoreBridge
@@ -45,6 +46,9 @@ MAX_LIKELY_HIT_WAIT_PER_STEP_S = 0.05
 LANDING_WAIT_MIN_S = 0.001
 LANDING_WAIT_STEP_SHARE = 0.5
 MAX_LANDING_WAIT_S = 0.01
+# While the device runs a step, the step thread waits for lookup replies in slices this long,
+# checking between them whether the device is done (then the step's tokens come first).
+LOOKUP_POLL_S = 0.0002
 # The least a restore costs (a round trip, maybe the bounded lookup wait): a lookup is sent only
 # when recomputing its blocks is expected to take longer (and longer than a step, when busy).
 MIN_RESTORE_S = 0.002
@@ -109,6 +113,22 @@ class EngineRestores(RestoreBridge):
         if job is not None:
             self.prefetched[seq.request_id] = job
             self.counters["lookups_at_arrival"] += 1
+
+    def answered_lookups(self, seqs: list[OffloadSequence], keep_waiting: Callable[[], bool],
+                         timeout_s: float) -> list[OffloadSequence]:
+        """See ``RestoreBridge``: waits in slices of ``LOOKUP_POLL_S``."""
+        jobs = [(seq, job) for seq in seqs
+                if (job := self.prefetched.get(seq.request_id)) is not None]
+        deadline = time.monotonic() + timeout_s
+        for _, job in jobs:
+            while not job.lookup.poll():
+                left = deadline - time.monotonic()
+                if left <= 0 or not keep_waiting():
+                    break
+                job.lookup.wait(min(LOOKUP_POLL_S, left))
+        answered = [seq for seq, job in jobs if job.lookup.done]
+        self.counters["lookups_answered_during_step"] += len(answered)
+        return answered
 
     def forget(self, seq: OffloadSequence) -> None:
         job = self.prefetched.pop(seq.request_id, None)

@@ -303,12 +303,13 @@ def test_requests_arriving_while_the_device_runs_join_that_step(engine: LLMEngin
     calls: list[int] = []
 
     def arriving_mid_step(batch, while_device_runs=None):
-        def hook():
+        def hook(device_done):
+            assert device_done()  # the CPU backend ran the forward before returning
             calls.append(len(calls))
             if len(calls) == 1:  # the server adds two requests while the device runs
                 engine.add_request("b", prompts[1], params)
                 engine.add_request("c", prompts[2], params)
-            while_device_runs()
+            while_device_runs(device_done)
         return execute(batch, while_device_runs=hook)
 
     engine.runner.execute = arriving_mid_step

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from offload_helpers import close_llm, offload_llm, random_prompt
+from offload_helpers import close_llm, offload_llm, random_prompt, store_through_an_engine
 
 from engine import SamplingParams
 from offload.transfer import Transfer
@@ -103,3 +103,69 @@ def test_a_request_finishes_when_its_reply_came_not_when_it_was_polled(make_daem
     assert transfer.finished_at == pending.landed_at
     assert transfer.finished_at <= polled_at - 0.29
     assert transfer.elapsed_s < 0.3
+
+
+def test_a_restore_starts_during_the_step_its_request_arrived_in(tiny_model_dir,
+                                                                 make_daemon) -> None:
+    """A request that arrives while the device runs a step, with its prefix in the store:
+    once its lookup is answered, still inside that step, its restore starts (LOADING when the
+    step returns, before any further schedule) and lands with the stored blocks."""
+    daemon = make_daemon(dram="64MiB")
+    stored = random_prompt(1000, 16 * 6, seed=35)
+    store_through_an_engine(tiny_model_dir, daemon, [stored])
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
+    engine = reader.engine
+    engine.add_request("busy", random_prompt(1000, 40, seed=36),
+                       SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    execute = engine.runner.execute
+    restores = engine.offload.restores
+
+    def arriving(batch, while_device_runs=None):
+        def hook(device_done):
+            engine.runner.execute = execute  # once
+            engine.add_request("x", stored + [7, 8, 9], PARAMS)
+            engine._take_inbox()  # what the hook does first: the lookup goes out
+            assert restores.prefetched["x"].lookup.wait(10.0)
+            while_device_runs(device_done)
+        return execute(batch, while_device_runs=hook)
+
+    engine.runner.execute = arriving
+    engine.step()
+    assert "x" in restores.restores and "x" not in restores.prefetched
+    assert not any(s.request_id == "x" for s in engine.scheduler.waiting)
+    assert engine.offload.counters["lookups_answered_during_step"] == 1
+    outs = {}
+    for _ in range(200):
+        for out in engine.step():
+            outs[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    close_llm(reader)
+    assert outs["x"].cached_tokens_by_tier["dram"] == 16 * 6
+
+
+def test_the_wait_for_lookups_during_a_step_ends_with_the_device(tiny_model_dir,
+                                                                 make_daemon) -> None:
+    """``answered_lookups`` waits for replies only while the device is busy: once it is done
+    (or was never busy) it returns at once with what is answered."""
+    daemon = make_daemon(dram="64MiB")
+    stored = random_prompt(1000, 16 * 6, seed=37)
+    store_through_an_engine(tiny_model_dir, daemon, [stored])
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
+    engine = reader.engine
+    restores = engine.offload.restores
+    engine.add_request("x", stored + [7], PARAMS)
+    engine._take_inbox()
+    seq = engine.scheduler.waiting[0]
+    started = time.monotonic()
+    restores.answered_lookups([seq], lambda: False, 10.0)
+    assert time.monotonic() - started < 0.5  # the device was done: no wait
+    assert restores.answered_lookups([seq], lambda: True, 10.0) == [seq]  # busy: waited
+    engine.add_request("y", random_prompt(1000, 16 * 6, seed=38), PARAMS)
+    engine._take_inbox()
+    y = engine.scheduler.waiting[1]
+    started = time.monotonic()
+    assert restores.answered_lookups([y], lambda: True, 0.0) in ([], [y])
+    assert time.monotonic() - started < 0.5  # no time left: no wait
+    close_llm(reader)
