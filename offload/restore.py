@@ -231,6 +231,7 @@ class EngineRestores(RestoreBridge):
         seq, n, bs = job.owner, job.num_loaded, self.block_size
         if job.end is RestoreEnd.SHORT:
             self.counters["loads_short"] += 1
+        self._count_stages(job)
         # The store's HBM tier is always another engine's arena (this engine's own blocks are
         # its prefix hit): usage calls those tokens hbm_peer, apart from its own hbm.
         restored = Counter((Tier.HBM_PEER if t is Tier.HBM else t).value for t in job.tiers[:n])
@@ -239,6 +240,20 @@ class EngineRestores(RestoreBridge):
         # Loaded blocks are known to the store: never save them back.
         self.saved_keys.add(job.hashes[:n])
         seq.num_saved_blocks = job.first_block + n
+
+    def _count_stages(self, job: RestoreJob[OffloadSequence]) -> None:
+        """Where a landed restore's time went, summed in ms per stage (``restore_ms_*``; the
+        mean is over ``restores_landed``): the lookup's round trip, its reply waiting for the
+        load to be sent, the load, and the landing waiting for this poll."""
+        lookup, load = job.lookup, job.load
+        if load is None or lookup.finished_at is None or load.finished_at is None:
+            return
+        now = time.monotonic()
+        for stage, start, end in (("lookup", lookup.started_at, lookup.finished_at),
+                                  ("reply_to_load", lookup.finished_at, load.started_at),
+                                  ("load", load.started_at, load.finished_at),
+                                  ("landed_to_ready", load.finished_at, now)):
+            self.counters[f"restore_ms_{stage}"] += 1e3 * max(0.0, end - start)
 
     def abort(self, seq: OffloadSequence) -> bool:
         job = self.restores.get(seq.request_id)
