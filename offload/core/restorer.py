@@ -49,15 +49,19 @@ class RestoreSettings:
             raise ValueError("max_slot_wait_s must be shorter than the lease's TTL")
 
 
+_TIERS_BY_NAME = {tier.value: tier for tier in Tier}
+
+
 def known_tiers(names: list[str]) -> list[Tier]:
     """The reply's tiers up to the first one this client does not know (the hit ends there:
-    a block whose tier is unknown is not loaded)."""
+    a block whose tier is unknown is not loaded). A dict lookup a block: ``Tier(name)`` costs
+    about 1 us each, a millisecond's tenth on a restore of a hundred blocks."""
     out = []
     for name in names:
-        try:
-            out.append(Tier(name))
-        except ValueError:
+        tier = _TIERS_BY_NAME.get(name) if isinstance(name, str) else None
+        if tier is None:
             break
+        out.append(tier)
     return out
 
 
