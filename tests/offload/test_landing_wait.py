@@ -62,6 +62,11 @@ def test_a_load_about_to_land_runs_in_this_step(bridge, step_s) -> None:
     assert [s.request_id for s in outcome.ready] == [seq.request_id]
     counters = store.counters
     assert counters["loads_awaited"] == counters["loads_awaited_landed"] == 1
+    # where the landed restore's time went, stage by stage (ms, summed over restores)
+    stages = {k: v for k, v in counters.items() if k.startswith("restore_ms_")}
+    assert set(stages) == {"restore_ms_lookup", "restore_ms_reply_to_load", "restore_ms_load",
+                           "restore_ms_landed_to_ready"}
+    assert all(v >= 0 for v in stages.values()) and stages["restore_ms_load"] > 0
 
 
 def test_a_load_expected_past_the_budget_is_not_waited_for(bridge) -> None:

@@ -196,3 +196,20 @@ def test_an_aborted_restore_never_comes_back(side) -> None:
         assert sum(seen.values()) == 0, seen
     assert r.num_loading == 0
     assert side.holds_no_lease()
+
+
+def test_answered_lookups_are_those_sent_on_arrival_and_answered(side) -> None:
+    """While the device runs a step the scheduler asks which waiting sequences' arrival
+    lookups are answered: never one without such a lookup, and it waits only while told to."""
+    side.store(5)
+    asked, unasked = sequence("asked", 5), sequence("unasked", 5)
+    r = side.restores
+    r.prefetch(asked, busy=True)
+    answered = r.answered_lookups([asked, unasked], lambda: True, POLL_S)
+    assert answered == ([asked] if side.has_store else [])
+    started = time.monotonic()
+    assert r.answered_lookups([unasked], lambda: True, POLL_S) == []  # nothing to wait for
+    assert time.monotonic() - started < 1.0
+    if r.start_restore(asked, 0, busy=True):
+        assert given_back(r) == Counter({"ready:asked": 1})
+    assert side.holds_no_lease()
