@@ -2,10 +2,12 @@
 
 Each request is answered from the local store: a lookup with the client's idents (a hit is
 verified at the owner), under a lease held until the payloads are sent, then a header and the
-payloads of the verified prefix, read from DRAM without a copy. Where the store's prefix falls
-short, a ``stage`` callable (the daemon's HBM tier: blocks only an engine's arena holds) may put
-the next blocks into the store first. Store calls run on worker threads so the shared UCX loop
-never waits on a lock or a disk.
+payloads of the verified prefix, read from DRAM without a copy. From the first view taken until
+the last payload left, the lease is being read (``BlockStore.reading``): it neither expires nor
+lets go of its blocks, so no save reuses memory UCX still sends from. Where the store's prefix
+falls short, a ``stage`` callable (the daemon's HBM tier: blocks only an engine's arena holds)
+may put the next blocks into the store first. Store calls run on worker threads so the shared
+UCX loop never waits on a lock or a disk.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from kvstore.cluster.peers.transport import (
     PROTOCOL_VERSION,
@@ -34,7 +37,7 @@ from kvstore.cluster.peers.transport import (
     send_frame,
 )
 from kvstore.cluster.ucx.runtime import UcxRuntime
-from kvstore.store.block_store import BlockStore, BlockUnavailable, StoreError
+from kvstore.store.block_store import BlockStore, BlockUnavailable, Lease, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,25 @@ def _stage_nothing(ns: bytes, hashes: Sequence[bytes], idents: Sequence[bytes], 
                    deadline: float) -> int:
     """The stage until one is given: the store's prefix is the answer."""
     return 0
+
+
+@dataclass
+class PeerAnswer:
+    """What one request is answered with: the verified prefix's DRAM ``views`` and their
+    header ``entries``, read under ``lease``. Until ``close`` the lease is being read (it
+    neither expires nor lets go of its blocks); after it the views must not be used."""
+
+    lease: Lease | None = None
+    views: list[memoryview] = field(default_factory=list)
+    entries: list[list] = field(default_factory=list)
+    reading: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def close(self) -> None:
+        """The payloads left (or never will): end the reading, then release the lease."""
+        self.reading.close()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
 
 class PeerServer:
@@ -165,27 +187,28 @@ class PeerServer:
             return False
         loop = asyncio.get_running_loop()
         try:
-            lease, views, entries = await loop.run_in_executor(
-                self._executor, self._read_blocks, ns, hashes, idents, timeout_s)
+            answer = await loop.run_in_executor(
+                self._executor, self.read_blocks, ns, hashes, idents, timeout_s)
         except Exception as exc:  # the store is closing: end the connection
             log.warning("peer fetch: reading blocks failed: %s", exc)
             return False
         try:
-            header = {"v": PROTOCOL_VERSION, "blocks": entries, "error": None}
-            await asyncio.wait_for(self._send_answer(ep, header, views), timeout_s)
+            header = {"v": PROTOCOL_VERSION, "blocks": answer.entries, "error": None}
+            await asyncio.wait_for(self._send_answer(ep, header, answer.views), timeout_s)
             self._count("requests")
-            self._count("blocks_sent", len(views))
-            self._count("bytes_sent", sum(v.nbytes for v in views))
+            self._count("blocks_sent", len(answer.views))
+            self._count("bytes_sent", sum(v.nbytes for v in answer.views))
             return True
         except Exception:
             self._count("send_errors")
             return False
         finally:
-            if lease is not None:
-                lease.release()
+            answer.close()
 
-    def _read_blocks(self, ns: bytes, hashes: list[bytes], idents: list[bytes], timeout_s: float):
-        """On a worker thread: the verified prefix, its DRAM views and their header entries."""
+    def read_blocks(self, ns: bytes, hashes: list[bytes], idents: list[bytes],
+                    timeout_s: float) -> PeerAnswer:
+        """On a worker thread: the verified prefix, its DRAM views and their header entries,
+        under a lease being read until the answer is closed."""
         deadline = time.monotonic() + timeout_s / 2  # half for staging, the rest to send
         try:
             result = self.store.lookup(ns, hashes, idents, lease_ttl_s=timeout_s + _LEASE_SLACK_S,
@@ -194,19 +217,23 @@ class PeerServer:
                 result = self._staged(ns, hashes, idents, result, deadline, timeout_s)
         except StoreError as exc:
             log.warning("peer fetch: store lookup failed: %s", exc)
-            return None, [], []
+            return PeerAnswer()
         if result.lease is None:
-            return None, [], []
-        views: list[memoryview] = []
-        entries: list[list] = []
-        for i in range(result.num_hit):
-            try:
-                view = self.store.read(result.lease, i)
-            except (BlockUnavailable, StoreError):
-                break  # the answer shrinks before a block that cannot be produced
-            views.append(view)
-            entries.append([hashes[i], idents[i], view.nbytes, checksum(view)])
-        return result.lease, views, entries
+            return PeerAnswer()
+        answer = PeerAnswer(result.lease)
+        try:
+            answer.reading.enter_context(self.store.reading(result.lease))
+            for i in range(result.num_hit):
+                try:
+                    view = self.store.read(result.lease, i)
+                except (BlockUnavailable, StoreError):
+                    break  # the answer shrinks before a block that cannot be produced
+                answer.views.append(view)
+                answer.entries.append([hashes[i], idents[i], view.nbytes, checksum(view)])
+        except BaseException:
+            answer.close()
+            raise
+        return answer
 
     def _staged(self, ns: bytes, hashes: list[bytes], idents: list[bytes], local, deadline: float,
                 timeout_s: float):
