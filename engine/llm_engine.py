@@ -241,6 +241,7 @@ class LLMEngine:
         self._counters.count_token()
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
+            self._observe_first_token(seq)
         params = seq.params
         reason = None
         if (token_id in self._eos_token_ids and not params.ignore_eos
@@ -262,6 +263,15 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._output(seq)
+
+    def _observe_first_token(self, seq: Sequence) -> None:
+        """Tell the store bridge where this sequence's time to its first token went."""
+        if seq.first_scheduled_time is None or seq.first_token_time is None:
+            return
+        kind = ("restored" if seq.restored_tokens_by_tier
+                else "hbm_hit" if seq.num_cached_tokens else "cold")
+        self.offload.observe_first_token(kind, seq.first_scheduled_time - seq.arrival_time,
+                                         seq.first_token_time - seq.first_scheduled_time)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished

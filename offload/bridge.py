@@ -24,7 +24,8 @@ The contract, in step order:
   sequences (those that arrived during the step included), then ``start_restore`` for the
   answered ones: their loads cross the bus during the step, not after the next schedule.
 - ``save_computed(seqs)`` after a forward, before finished sequences free their blocks;
-  ``observe_step`` with the step's prefill tokens and seconds.
+  ``observe_step`` with the step's prefill tokens and seconds; ``observe_first_token`` once a
+  sequence has its first token (where its time to it went, counted).
 - ``after_step()`` once the step's outputs went out: saves are sent, evictions published.
 - ``restores.abort(seq)`` for a LOADING sequence: True if its load is still in flight (the
   bridge frees its blocks when the load ends), False if the scheduler frees them itself.
@@ -120,6 +121,12 @@ class StoreBridge(ABC):
     @abstractmethod
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
         """Feed the restore decision a timed step."""
+
+    @abstractmethod
+    def observe_first_token(self, kind: str, queued_s: float, prefill_s: float) -> None:
+        """A sequence's first token: ``queued_s`` from its arrival to its first step (a
+        restore's lookup and load included), ``prefill_s`` from then to the token; ``kind``:
+        ``restored`` (part of its prefix came from the store), ``hbm_hit`` or ``cold``."""
 
     @abstractmethod
     def after_step(self) -> None:

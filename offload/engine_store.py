@@ -70,6 +70,14 @@ class EngineStore(StoreBridge):
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
         self.restore_policy.observe_step(num_prefill_tokens, seconds)
 
+    def observe_first_token(self, kind: str, queued_s: float, prefill_s: float) -> None:
+        """Summed in ms by kind (``first_tokens_<kind>``, ``first_token_ms_queued_<kind>``,
+        ``first_token_ms_prefill_<kind>``): against ``restore_ms_*``, where a restored
+        request's time to its first token went beside an HBM hit's."""
+        self.counters[f"first_tokens_{kind}"] += 1
+        self.counters[f"first_token_ms_queued_{kind}"] += 1e3 * max(0.0, queued_s)
+        self.counters[f"first_token_ms_prefill_{kind}"] += 1e3 * max(0.0, prefill_s)
+
     def after_step(self) -> None:
         """Send the saves the step pinned, finish saves that landed, hand over released
         blocks (``evict``), publish evictions and resident blocks. The engine runs this after

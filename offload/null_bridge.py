@@ -79,6 +79,9 @@ class NullStore(StoreBridge):
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
         pass  # no restore decision to feed
 
+    def observe_first_token(self, kind: str, queued_s: float, prefill_s: float) -> None:
+        pass  # no store whose cost to count
+
     def after_step(self) -> None:
         pass
 

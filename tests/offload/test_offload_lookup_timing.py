@@ -141,8 +141,13 @@ def test_a_restore_starts_during_the_step_its_request_arrived_in(tiny_model_dir,
             outs[out.request_id] = out
         if not engine.has_unfinished_requests():
             break
+    counters = engine.offload.counters
     close_llm(reader)
     assert outs["x"].cached_tokens_by_tier["dram"] == 16 * 6
+    # where each first token's time went, by kind: "x" restored, "busy" computed from nothing
+    assert counters["first_tokens_restored"] == counters["first_tokens_cold"] == 1
+    assert counters["first_token_ms_queued_restored"] > 0
+    assert counters["first_token_ms_prefill_cold"] > 0
 
 
 def test_the_wait_for_lookups_during_a_step_ends_with_the_device(tiny_model_dir,
