@@ -83,6 +83,12 @@ class ServerMetrics:
                 ("prefill", "First scheduled to the first token."),
                 ("decode", "First token to the last."),
                 ("inference", "First scheduled to the last token."))}
+        self._ttft_by_source = Histogram(
+            "kvengine:time_to_first_token_by_source_seconds",
+            "Arrival at the server to the first token, by where the prompt's cached prefix came "
+            "from: restored (part of it from the kvstore daemon), hbm_hit (this engine's HBM "
+            "only) or cold (nothing cached).",
+            labels + ["source"], buckets=_TTFT_BUCKETS, registry=reg)
         self._ids = (model_name, ENGINE_INDEX)  # the values of LABELS
         ProcessCollector(registry=reg)  # process_cpu_seconds_total, resident memory, open fds
         self.engine = EngineCollector(engine, model_name) if engine is not None else None
@@ -92,6 +98,8 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self._requests.labels(*self._ids, reason)
         self._rejected.labels(*self._ids, "overloaded")
+        for source in ("restored", "hbm_hit", "cold"):
+            self._ttft_by_source.labels(*self._ids, source)
         for family in (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl,
                        self._e2e, self._request_prompt_tokens, self._request_generation_tokens,
                        self._prefill_computed, self._iteration_tokens, *self._phases.values()):
@@ -110,6 +118,9 @@ class ServerMetrics:
         """The first output of an engine request. The prefix-cache counters come from the
         engine's own stats (see EngineCollector); the cache arguments are kept for callers."""
         self._ttft.labels(*self._ids).observe(ttft_s)
+        restored = any(n for tier, n in cached_tokens_by_tier.items() if tier != "hbm")
+        source = "restored" if restored else "hbm_hit" if num_cached_tokens else "cold"
+        self._ttft_by_source.labels(*self._ids, source).observe(ttft_s)
 
     def tokens_generated(self, num_tokens: int, since_last_s: float | None) -> None:
         """`num_tokens` new tokens arrived `since_last_s` after the previous ones (None: first)."""

@@ -95,6 +95,12 @@ def _engine_offload_events(url: str) -> dict | None:
             key = 'event="' if 'event="' in labels else 'what="'
             name = labels.split(key, 1)[1].split('"', 1)[0]
             events[name] = float(value)
+        elif line.startswith(("kvengine:time_to_first_token_by_source_seconds_sum{",
+                              "kvengine:time_to_first_token_by_source_seconds_count{")):
+            labels, value = line.rsplit(" ", 1)  # the server's TTFT (from arrival), by source
+            source = labels.split('source="', 1)[1].split('"', 1)[0]
+            what = "s_sum" if "_sum{" in labels else "count"
+            events[f"server_ttft_{what}_{source}"] = float(value)
     return events
 
 

@@ -63,6 +63,10 @@ def test_metrics_count_what_was_served(http: httpx.Client) -> None:
     assert delta("vllm:prompt_tokens_total") == 140
     assert delta("vllm:generation_tokens_total") == 10
     assert delta("vllm:time_to_first_token_seconds_count") == 2
+    # the same first tokens by where the prefix came from: the first cold, the second an HBM hit
+    assert delta("kvengine:time_to_first_token_by_source_seconds_count", source="cold") == 1
+    assert delta("kvengine:time_to_first_token_by_source_seconds_count", source="hbm_hit") == 1
+    assert delta("kvengine:time_to_first_token_by_source_seconds_count", source="restored") == 0
     assert delta("vllm:inter_token_latency_seconds_count") == 8
     assert delta("vllm:prefix_cache_queries_total") == 140
     # vLLM's label sets: hits and queries carry the same labels, so hits / queries is a rate.
