@@ -127,6 +127,7 @@ class EngineRestores(RestoreBridge):
                     break
                 job.lookup.wait(min(LOOKUP_POLL_S, left))
         answered = [seq for seq, job in jobs if job.lookup.done]
+        # what these checks found, not restores started: one still waiting counts again
         self.counters["lookups_answered_during_step"] += len(answered)
         return answered
 
