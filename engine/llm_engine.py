@@ -22,7 +22,7 @@ from engine.engine_stats import EngineCounters
 from engine.grammar import GrammarMatcher
 from engine.kv_cache import KVCache
 from engine.logprobs import TokenLogprobs
-from engine.outputs import RequestOutput, empty_tier_counts
+from engine.outputs import RequestOutput, empty_tier_counts, prefix_source
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.step_timing import StepTiming
@@ -268,8 +268,7 @@ class LLMEngine:
         """Tell the store bridge where this sequence's time to its first token went."""
         if seq.first_scheduled_time is None or seq.first_token_time is None:
             return
-        kind = ("restored" if seq.restored_tokens_by_tier
-                else "hbm_hit" if seq.num_cached_tokens else "cold")
+        kind = prefix_source(seq.cached_tokens_by_tier)
         self.offload.observe_first_token(kind, seq.first_scheduled_time - seq.arrival_time,
                                          seq.first_token_time - seq.first_scheduled_time)
 

@@ -15,6 +15,14 @@ def empty_tier_counts() -> dict[str, int]:
     return dict.fromkeys(TIERS, 0)
 
 
+def prefix_source(cached_tokens_by_tier: dict[str, int]) -> str:
+    """Where a prompt's cached prefix came from: ``restored`` (some of it from the store, or
+    another engine's HBM), ``hbm_hit`` (this engine's HBM only) or ``cold`` (nothing)."""
+    if any(n for tier, n in cached_tokens_by_tier.items() if tier != "hbm"):
+        return "restored"
+    return "hbm_hit" if cached_tokens_by_tier.get("hbm") else "cold"
+
+
 @dataclass
 class RequestOutput:
     """``token_ids``/``text`` are everything generated so far; ``new_*`` what this step added.

@@ -16,6 +16,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.outputs import prefix_source
 from server.engine_metrics import ENGINE_INDEX, LABELS, EngineCollector
 from server.engine_protocol import EngineOutput, ServedEngine
 
@@ -118,8 +119,7 @@ class ServerMetrics:
         """The first output of an engine request. The prefix-cache counters come from the
         engine's own stats (see EngineCollector); the cache arguments are kept for callers."""
         self._ttft.labels(*self._ids).observe(ttft_s)
-        restored = any(n for tier, n in cached_tokens_by_tier.items() if tier != "hbm")
-        source = "restored" if restored else "hbm_hit" if num_cached_tokens else "cold"
+        source = prefix_source(dict(cached_tokens_by_tier))
         self._ttft_by_source.labels(*self._ids, source).observe(ttft_s)
 
     def tokens_generated(self, num_tokens: int, since_last_s: float | None) -> None:
