@@ -43,6 +43,7 @@ import httpx
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.multiturn import load
+from benchmarks.multiturn.chat_client import add_client_arg
 from benchmarks.multiturn.presets import PRESETS, scaled, summarize_point
 from benchmarks.node_plot import plot_ttft
 from benchmarks.node_routes import decisions, router_reasons, routing_stages
@@ -131,7 +132,8 @@ def run_config(args: argparse.Namespace, config: str, workload, qps: float, sizi
             url = router.wait_for(r"listening on (http://\S+)", args.start_timeout).group(1)
         run = load.RunConfig(url=url, workload=workload, qps=qps,
                              request_timeout_s=args.request_timeout,
-                             duration_s=args.duration_s, progress=not args.no_progress)
+                             duration_s=args.duration_s, progress=not args.no_progress,
+                             client=args.client)
         result = load.run(run)
         point["records"] = result["records"]
         point["summary"] = _figures(result, block_bytes / args.block_size, args.h2d_gbps)
@@ -221,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
+    add_client_arg(p)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     return p

@@ -9,7 +9,11 @@ its previous answer arrived (when every user is waiting, the arrival waits for t
 so the offered rate is capped by U users in a closed loop; the achieved rate is reported).
 
 Each request streams /v1/chat/completions with include_usage, temperature 0, max_tokens=A (and
-`ignore_eos` unless --no-ignore-eos), under a timeout; a failure is recorded, never raised. Per
+`ignore_eos` unless --no-ignore-eos), under a timeout; a failure is recorded, never raised. The
+client (--client, ``chat_client``) is raw HTTP by default, as vLLM's serving benchmark sends its
+requests; `openai` times them through the OpenAI SDK, whose request building and chunk parsing
+then count in every TTFT. TTFT runs from just before the request is built to the first content
+chunk parsed. Per
 request: user, round, prompt tokens (the server's count), cached tokens and cached_tokens_by_tier,
 TTFT, inter-token latencies (between content chunks: a chunk may carry several tokens, so the
 summary also gives TPOT, time per output token after the first), end-to-end time, error. The run
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import random
@@ -34,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import command, machine_info, now_iso, write_result
+from benchmarks.multiturn.chat_client import CLIENTS, ChatClient, add_client_arg, make_client
 from benchmarks.multiturn.request_record import RequestRecord
 from benchmarks.multiturn.summary import format_summary, summarize
 from benchmarks.workload import Conversation, WorkloadConfig, make_conversations
-from server.router.proxy import ENGINE_HEADER
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,11 @@ class RunConfig:
     max_requests: int | None = None
     duration_s: float | None = None
     progress: bool = True
+    client: str = "http"  # chat_client.CLIENTS
 
     def __post_init__(self) -> None:
+        if self.client not in CLIENTS:
+            raise ValueError(f"client must be one of {', '.join(CLIENTS)}, not {self.client!r}")
         if not self.qps > 0:
             raise ValueError("qps must be > 0 (inf for no pacing)")
         if not self.request_timeout_s > 0:
@@ -66,39 +74,32 @@ class RunConfig:
             raise ValueError("duration_s must be > 0")
 
 
-def base_url(url: str) -> str:
-    """The OpenAI base URL (…/v1) of a server given with or without its /v1."""
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-async def _stream_one(client: Any, model: str, messages: list[dict], config: RunConfig,
-                      record: RequestRecord, started: float) -> str:
+async def _stream_one(client: ChatClient, model: str, messages: list[dict],
+                      config: RunConfig, record: RequestRecord, started: float) -> str:
     """Send one streaming chat request and fill `record`; returns the answer text."""
-    kwargs: dict[str, Any] = {}
+    params: dict[str, Any] = {"max_tokens": config.workload.answer_len, "temperature": 0.0,
+                              "stream_options": {"include_usage": True}}
     if config.ignore_eos:
-        kwargs["extra_body"] = {"ignore_eos": True}
+        params["ignore_eos"] = True
     sent = time.perf_counter()
     record.sent_s = sent - started
-    raw = await client.chat.completions.with_raw_response.create(
-        model=model, messages=messages, max_tokens=config.workload.answer_len, temperature=0.0,
-        stream=True, stream_options={"include_usage": True}, **kwargs)
-    record.engine = raw.headers.get(ENGINE_HEADER)
-    stream = raw.parse()
     pieces: list[str] = []
     last = None
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-            record.num_chunks += 1
-            if last is None:
-                record.ttft_s = now - sent
-            else:
-                record.itl_s.append(now - last)
-            last = now
-        if chunk.usage is not None:
-            _take_usage(record, chunk.usage.model_dump())
+    async with contextlib.aclosing(client.stream(model, messages, params)) as deltas:
+        async for delta in deltas:
+            now = time.perf_counter()
+            if delta.engine is not None:
+                record.engine = delta.engine
+            if delta.content:
+                pieces.append(delta.content)
+                record.num_chunks += 1
+                if last is None:
+                    record.ttft_s = now - sent
+                else:
+                    record.itl_s.append(now - last)
+                last = now
+            if delta.usage is not None:
+                _take_usage(record, delta.usage)
     record.e2e_s = time.perf_counter() - sent
     if record.ttft_s is None:
         record.error = "no content in the stream"
@@ -115,7 +116,7 @@ def _take_usage(record: RequestRecord, usage: dict) -> None:
         record.cached_tokens_by_tier = {str(k): int(v or 0) for k, v in by_tier.items()}
 
 
-async def _one_round(client: Any, model: str, conv: Conversation, config: RunConfig,
+async def _one_round(client: ChatClient, model: str, conv: Conversation, config: RunConfig,
                      scheduled_s: float, started: float) -> RequestRecord:
     record = RequestRecord(user=conv.user, round=conv.round, scheduled_s=scheduled_s,
                            sent_s=time.perf_counter() - started)
@@ -155,8 +156,6 @@ class _Progress:
 
 async def run_requests(config: RunConfig) -> tuple[list[RequestRecord], float, str]:
     """Drive the workload to its end; returns (records, wall seconds, model name)."""
-    from openai import AsyncOpenAI
-
     wl = config.workload
     convs = make_conversations(wl)
     total = wl.num_users * wl.num_rounds
@@ -168,13 +167,12 @@ async def run_requests(config: RunConfig) -> tuple[list[RequestRecord], float, s
         idle.put_nowait(user)
     records: list[RequestRecord] = []
     progress = _Progress(total, config.progress)
-    client = AsyncOpenAI(base_url=base_url(config.url), api_key=config.api_key, max_retries=0,
-                         timeout=config.request_timeout_s)
+    client = make_client(config.client, config.url, config.api_key, config.request_timeout_s)
     try:
         model = config.model
         if model is None:
             try:
-                model = (await client.models.list()).data[0].id
+                model = await client.first_model()
             except Exception as exc:
                 raise RuntimeError(f"cannot list the models of {config.url}: {exc}") from exc
         started = time.perf_counter()
@@ -214,7 +212,7 @@ async def run_requests(config: RunConfig) -> tuple[list[RequestRecord], float, s
         wall_s = time.perf_counter() - started
     finally:
         progress.close()
-        await client.close()
+        await client.aclose()
     records.sort(key=lambda r: (r.sent_s, r.user))
     return records, wall_s, model
 
@@ -256,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-requests", type=int, default=None)
     parser.add_argument("--duration-s", type=float, default=None,
                         help="send no new request after this many seconds")
+    add_client_arg(parser)
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     parser.add_argument("--output", default=None, help="write the JSON result here")
     return parser
@@ -271,7 +270,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(url=args.url, workload=workload, qps=args.qps, model=args.model,
                      api_key=args.api_key, ignore_eos=args.ignore_eos,
                      request_timeout_s=args.request_timeout, max_requests=args.max_requests,
-                     duration_s=args.duration_s, progress=args.progress)
+                     duration_s=args.duration_s, progress=args.progress,
+                     client=args.client)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from benchmarks.common import (
     today,
     write_result,
 )
+from benchmarks.multiturn.chat_client import add_client_arg
 from benchmarks.multiturn.summary import fmt_num
 from benchmarks.multiturn.sweep import PointSetup, run_point
 from benchmarks.multiturn.targets import PRESET_TARGETS, compare, first_minute_max_ttft_ms
@@ -215,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-args", default="", help="more `kvengine serve` flags, one string")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
+    add_client_arg(p)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name part of the files (default: DEVICE-MODEL)")
     return p

@@ -36,6 +36,7 @@ import httpx
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.multiturn import load
+from benchmarks.multiturn.chat_client import add_client_arg
 from benchmarks.multiturn.summary import format_summary
 from benchmarks.multiturn.sweep_report import evaluate_targets, plot, point_label, print_report
 from benchmarks.servers import ServerProcess, warm_up
@@ -59,6 +60,7 @@ class PointSetup:
     request_timeout_s: float
     duration_s: float | None
     progress: bool
+    client: str  # the load's chat client (chat_client.CLIENTS)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PointSetup:
@@ -67,7 +69,7 @@ class PointSetup:
                    max_num_seqs=args.max_num_seqs, kv_offload_policy=args.kv_offload_policy,
                    engine_args=args.engine_args, start_timeout_s=args.start_timeout,
                    request_timeout_s=args.request_timeout, duration_s=args.duration_s,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, client=args.client)
 
 
 def _daemon_stats(socket_path: Path) -> dict | None:
@@ -135,7 +137,8 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
                 min(1024, sizing["max_model_len"] // 2))
         config = load.RunConfig(url=url, workload=workload, qps=qps,
                                 request_timeout_s=setup.request_timeout_s,
-                                duration_s=setup.duration_s, progress=setup.progress)
+                                duration_s=setup.duration_s, progress=setup.progress,
+                                client=setup.client)
         result = load.run(config)
         point["summary"], point["records"] = result["summary"], result["records"]
         point["working_set_over_hbm_measured"] = _measured_pressure(
@@ -206,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-args", default="", help="more `kvengine serve` flags, one string")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
+    add_client_arg(p)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name part of the files (default: DEVICE-MODEL)")
     return p

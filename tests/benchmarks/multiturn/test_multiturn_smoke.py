@@ -1,5 +1,6 @@
 """benchmarks.multiturn.load end to end on CPU: real `kvengine serve` (and `kvstore serve`)
-processes, 2 users x 3 rounds through the OpenAI client, the JSON it writes."""
+processes, 2 users x 3 rounds through each chat client (raw HTTP and the OpenAI SDK), the JSON
+it writes."""
 
 from __future__ import annotations
 
@@ -49,12 +50,28 @@ def _check_run(result: dict) -> list[dict]:
     return records
 
 
-def test_multiturn_against_a_real_server(tiny_model_dir: Path, make_engine,
-                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", ["http", "openai"])
+def test_multiturn_against_a_real_server(tiny_model_dir: Path, make_engine, tmp_path: Path,
+                                         client: str) -> None:
     engine = make_engine(tiny_model_dir, "--served-model-name", "tiny-bench")
-    result = _run(engine.url, tmp_path / "run.json")
+    result = _run(engine.url, tmp_path / "run.json", "--client", client)
     _check_run(result)
     assert result["config"]["model"] == "tiny-bench"  # found through /v1/models
+    assert result["config"]["client"] == client
+
+
+def test_the_http_client_records_a_refused_request(tiny_model_dir: Path, make_engine,
+                                                   tmp_path: Path) -> None:
+    """A 4xx answer is each request's recorded error, with the server's message."""
+    engine = make_engine(tiny_model_dir)
+    out = tmp_path / "run.json"
+    code = load.main(["--url", engine.url, "--model", "no-such-model", *WORKLOAD,
+                      "--output", str(out)])
+    assert code == 1
+    records = json.loads(out.read_text())["records"]
+    assert len(records) == 6
+    assert all(r["error"].startswith("RuntimeError: HTTP 404") for r in records), records
+    assert all("no-such-model" in r["error"] for r in records)
 
 
 def test_multiturn_with_kv_offload(tiny_model_dir: Path, make_engine, tmp_path: Path) -> None:
