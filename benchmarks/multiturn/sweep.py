@@ -84,7 +84,8 @@ def _daemon_stats(socket_path: Path) -> dict | None:
 
 
 def _engine_offload_events(url: str) -> dict | None:
-    """The engine's --kv-offload counters, scraped from its /metrics (a nicety, like above)."""
+    """The engine's --kv-offload counters and the server's TTFT by source (``server_ttft_*``),
+    scraped from its /metrics (a nicety, like above)."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except Exception as exc:
@@ -145,7 +146,8 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
             result["records"], workload, point["num_kv_blocks"], setup.block_size)
         if offload:
             point["daemon_stats"] = _daemon_stats(socket_path)
-            point["engine_offload_events"] = _engine_offload_events(url)
+        # offload off has no offload counters, but the server's TTFT by source is there too
+        point["engine_offload_events"] = _engine_offload_events(url)
     except Exception as exc:  # a point that cannot run is reported, the sweep goes on
         point["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
     finally:
