@@ -28,6 +28,10 @@ from engine.sequence import Sequence
 from engine.step_timing import StepTiming
 from offload.vocab import Namespace
 
+# A step with nothing to run but restores waits at most this long for one of their replies (then
+# steps again): no busy loop. A request or an abort that arrives meanwhile ends the wait at once.
+IDLE_RESTORE_WAIT_S = 0.005
+
 
 class LLMEngine:
     """One model on one device with its KV arena, block manager, scheduler and sampler."""
@@ -205,8 +209,8 @@ class LLMEngine:
             self._last_step_synced = synced
             outputs.extend(self._append_token(seq, token, logprobs)
                            for seq, token, logprobs in result.sampled)
-        elif self.scheduler.num_loading:
-            self.scheduler.restores.wait_for_progress(0.005)  # only restores: no busy loop
+        elif self.scheduler.num_loading:  # only restores: no busy loop, no arrival kept waiting
+            self.scheduler.restores.wait_for_progress(IDLE_RESTORE_WAIT_S, self._nothing_new)
         self._offload_pending = True  # see flush_offload
         self.last_step = StepTiming(
             flush_s=t_flushed - t_start, add_s=t_added - t_flushed,
@@ -225,6 +229,10 @@ class LLMEngine:
         loads, so they cross the bus during this step rather than after the next schedule."""
         self._take_inbox()
         self.scheduler.start_restores_during_step(device_done)
+
+    def _nothing_new(self) -> bool:
+        """No request or abort arrived since the step took them (any thread may add them)."""
+        return not self._inbox and not self._abort_ids
 
     def _take_inbox(self) -> None:
         """Hand the requests added since to the scheduler (which sends their lookups)."""

@@ -93,8 +93,12 @@ class RestoreBridge(ABC):
         """Mark a LOADING sequence aborted; True if it is still in flight."""
 
     @abstractmethod
-    def wait_for_progress(self, timeout_s: float) -> None:
-        """Nothing runs but restores: wait at most ``timeout_s`` for one of them to move."""
+    def wait_for_progress(self, timeout_s: float,
+                          keep_waiting: Callable[[], bool] | None = None) -> None:
+        """Nothing runs but restores: wait at most ``timeout_s`` for a reply to any of them,
+        and (with ``keep_waiting``) only while ``keep_waiting()``, checked between short slices:
+        a request or an abort that arrives meanwhile ends the wait, so it never waits for
+        another request's restore."""
 
 
 class StoreBridge(ABC):

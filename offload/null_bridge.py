@@ -53,7 +53,8 @@ class NullRestores(RestoreBridge):
     def abort(self, seq: OffloadSequence) -> bool:
         return False
 
-    def wait_for_progress(self, timeout_s: float) -> None:
+    def wait_for_progress(self, timeout_s: float,
+                          keep_waiting: Callable[[], bool] | None = None) -> None:
         pass  # nothing is in flight
 
 

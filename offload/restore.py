@@ -266,5 +266,6 @@ class EngineRestores(RestoreBridge):
         del self.restores[seq.request_id]
         return False
 
-    def wait_for_progress(self, timeout_s: float) -> None:
-        self.restorer.wait_for_progress(timeout_s)
+    def wait_for_progress(self, timeout_s: float,
+                          keep_waiting: Callable[[], bool] | None = None) -> None:
+        self.restorer.wait_for_progress(timeout_s, keep_waiting)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic
 
@@ -25,6 +26,9 @@ from offload.core.states import RestoreEnd, RestoreState
 from offload.store_client import StoreClient
 
 State, End = RestoreState, RestoreEnd
+# While nothing but restores is left to run, the step thread waits for their replies in slices
+# this long, checking between them whether to go on waiting (new work arrived).
+PROGRESS_POLL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -266,10 +270,19 @@ class Restorer(Generic[Owner]):
     def num_in(self, state: RestoreState) -> int:
         return sum(1 for job in self._jobs if job.state is state)
 
-    def wait_for_progress(self, timeout_s: float) -> None:
-        """Nothing else to do: wait up to ``timeout_s`` for the first pending reply."""
-        for job in self._jobs:
-            transfer = job.load if job.state is State.LOADING else job.lookup
-            if transfer is not None and not transfer.done:
-                transfer.wait(timeout_s)
+    def wait_for_progress(self, timeout_s: float,
+                          keep_waiting: Callable[[], bool] | None = None) -> None:
+        """Nothing else to do: wait up to ``timeout_s`` until any tracked job's pending reply
+        is in, in slices of ``PROGRESS_POLL_S``, and only while ``keep_waiting()`` (if given)."""
+        pending = [transfer for job in self._jobs
+                   if (transfer := job.load if job.state is State.LOADING else job.lookup)
+                   is not None and not transfer.done]
+        if not pending:
+            return
+        deadline = time.monotonic() + timeout_s
+        while keep_waiting is None or keep_waiting():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if pending[0].wait(min(PROGRESS_POLL_S, left)) or any(t.poll() for t in pending[1:]):
                 return
