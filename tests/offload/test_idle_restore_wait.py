@@ -8,12 +8,15 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from offload_helpers import close_llm, offload_llm, random_prompt
 
 from engine import SamplingParams
 from engine import llm_engine as llm_engine_module
+from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceStatus
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -21,55 +24,52 @@ LONG_WAIT_S = 4.0
 ARRIVES_AFTER_S = 0.3
 
 
-def test_an_arrival_ends_the_wait_for_another_requests_restore(tiny_model_dir, make_daemon,
-                                                               monkeypatch) -> None:
-    monkeypatch.setattr(llm_engine_module, "IDLE_RESTORE_WAIT_S", LONG_WAIT_S)
+@contextmanager
+def stopped_store_engine(model_dir, make_daemon) -> Iterator[LLMEngine]:
+    """An engine with --kv-offload whose daemon is stopped (SIGSTOP) once it has connected: a
+    lookup sent now stays unanswered. The daemon goes on and the engine closes afterwards."""
     daemon = make_daemon()
-    llm = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
-    engine = llm.engine
+    llm = offload_llm(model_dir, daemon, kv_offload_restore="always")
     try:
-        assert engine.offload.client.wait_available(10.0)
+        assert llm.engine.offload.client.wait_available(10.0)
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
-            engine.add_request("restoring", random_prompt(1000, 16 * 6, seed=1), PARAMS)
-            # Its lookup goes out unanswered, so nothing runs: the step waits for the reply,
-            # until a request arrives during the wait; the step returns then.
-            adder = threading.Timer(ARRIVES_AFTER_S, engine.add_request,
-                                    ("new", random_prompt(1000, 5, seed=2), PARAMS))
-            started = time.monotonic()
-            adder.start()
-            assert engine.step() == []
-            waited = time.monotonic() - started
-            adder.join()
-            assert engine.scheduler.num_loading == 1  # still waiting on the stopped daemon
-            assert ARRIVES_AFTER_S * 0.9 <= waited < LONG_WAIT_S / 2, waited
-            engine.step()  # the next step takes it in
-            assert engine.scheduler._by_id["new"].status is SequenceStatus.RUNNING
+            yield llm.engine
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
     finally:
         close_llm(llm)
+
+
+def test_an_arrival_ends_the_wait_for_another_requests_restore(tiny_model_dir, make_daemon,
+                                                               monkeypatch) -> None:
+    monkeypatch.setattr(llm_engine_module, "IDLE_RESTORE_WAIT_S", LONG_WAIT_S)
+    with stopped_store_engine(tiny_model_dir, make_daemon) as engine:
+        engine.add_request("restoring", random_prompt(1000, 16 * 6, seed=1), PARAMS)
+        # Its lookup goes out unanswered, so nothing runs: the step waits for the reply,
+        # until a request arrives during the wait; the step returns then.
+        adder = threading.Timer(ARRIVES_AFTER_S, engine.add_request,
+                                ("new", random_prompt(1000, 5, seed=2), PARAMS))
+        started = time.monotonic()
+        adder.start()
+        assert engine.step() == []
+        waited = time.monotonic() - started
+        adder.join()
+        assert engine.scheduler.num_loading == 1  # still waiting on the stopped daemon
+        assert ARRIVES_AFTER_S * 0.9 <= waited < LONG_WAIT_S / 2, waited
+        engine.step()  # the next step takes it in
+        assert engine.scheduler._by_id["new"].status is SequenceStatus.RUNNING
 
 
 @pytest.mark.parametrize("wanted", [True, False])
 def test_the_restorer_waits_only_while_told(tiny_model_dir, make_daemon, wanted) -> None:
     """``wait_for_progress`` with ``keep_waiting`` false returns at once; true, it waits its
     whole timeout for a reply that does not come."""
-    daemon = make_daemon()
-    llm = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
-    engine = llm.engine
-    try:
-        assert engine.offload.client.wait_available(10.0)
-        daemon.proc.send_signal(signal.SIGSTOP)
-        try:
-            engine.add_request("restoring", random_prompt(1000, 16 * 6, seed=3), PARAMS)
-            engine.step()
-            assert engine.scheduler.num_loading == 1
-            started = time.monotonic()
-            engine.offload.restores.wait_for_progress(0.5, lambda: wanted)
-            waited = time.monotonic() - started
-            assert (waited >= 0.45) if wanted else (waited < 0.1), waited
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
-    finally:
-        close_llm(llm)
+    with stopped_store_engine(tiny_model_dir, make_daemon) as engine:
+        engine.add_request("restoring", random_prompt(1000, 16 * 6, seed=3), PARAMS)
+        engine.step()
+        assert engine.scheduler.num_loading == 1
+        started = time.monotonic()
+        engine.offload.restores.wait_for_progress(0.5, lambda: wanted)
+        waited = time.monotonic() - started
+        assert (waited >= 0.45) if wanted else (waited < 0.1), waited
