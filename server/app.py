@@ -22,6 +22,7 @@ from server.http_metrics import HttpMetrics
 from server.load_report import install_load_route
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.request_timing_log import RequestTimingLog
 from server.responses_protocol import ResponsesRequest
 from server.responses_serving import ResponsesServing
 from server.serving import OpenAIServing
@@ -51,8 +52,10 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs),
                                on_finished=metrics.request_done, on_step=metrics.step_done)
+    timing_log = (RequestTimingLog(settings.request_timing_log)
+                  if settings.request_timing_log is not None else None)
     serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams,
-                            settings.tools, settings.reasoning_parser)
+                            settings.tools, settings.reasoning_parser, timing_log)
     model_names = (model_name, *settings.model_aliases)
     defaults = settings.sampling_defaults
     tokenization = TokenizationServing(engine.tokenizer, serving.prompts, frozenset(model_names),
@@ -74,6 +77,8 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
         finally:
             async_engine.stop()
             serving.prompts.close()
+            if timing_log is not None:
+                timing_log.close()
 
     app = FastAPI(title="kvengine", version=package_version(), lifespan=lifespan,
                   docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",

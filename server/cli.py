@@ -161,6 +161,16 @@ def _sampling_defaults(args: argparse.Namespace, model_dir: Path) -> Any:
                             source=str(folder / GENERATION_CONFIG_FILE))
 
 
+def _check_timing_log(path: str) -> None:
+    """ValueError unless ``--request-timing-log`` can be opened for appending."""
+    from server.request_timing_log import RequestTimingLog
+
+    try:
+        RequestTimingLog(path).close()
+    except OSError as exc:
+        raise ValueError(f"--request-timing-log {path}: {exc.strerror or exc}") from exc
+
+
 def tune_interpreter() -> None:
     """What the serving process sets in the interpreter (see ``SERVE_SWITCH_INTERVAL_S``)."""
     sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
@@ -189,8 +199,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   metrics_key=metrics_key(args),
                                   sampling_defaults=_sampling_defaults(args, model_dir),
-                                  tools=tool_settings(args), reasoning_parser=args.reasoning_parser)
+                                  tools=tool_settings(args), reasoning_parser=args.reasoning_parser,
+                                  request_timing_log=args.request_timing_log)
         limits = connection_limits(args)
+        if args.request_timing_log is not None:  # fails here, before the model loads
+            _check_timing_log(args.request_timing_log)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     try:  # bound before the model loads: a busy port costs a second, not a model load

@@ -138,4 +138,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model names in the API; requests may use any, responses carry "
                        "the first (default: the model folder's name)")
+    serve.add_argument("--request-timing-log", default=None, metavar="FILE",
+                       help="append one JSON line per finished request to FILE: its id and "
+                       "time stamps (received, added, scheduled, first token, finished) on "
+                       "the host's monotonic clock, to see where a request's time went")
     add_http_front_args(serve, ENGINE_FRONT)

@@ -32,6 +32,8 @@ class ServerSettings:
     `sampling_defaults`: the model's generation_config values for fields a request leaves out.
     `tools`: --enable-auto-tool-choice and --tool-call-parser; `reasoning_parser`: the
     --reasoning-parser that splits reasoning_content off chat answers (None: off).
+    `request_timing_log`: a file that gets one JSON line per finished request, with its time
+    stamps (``server.request_timing_log``; None: off).
     """
 
     served_model_name: str | None = None
@@ -43,6 +45,7 @@ class ServerSettings:
     sampling_defaults: SamplingDefaults | None = None
     tools: ToolSettings = field(default_factory=ToolSettings)
     reasoning_parser: str | None = None
+    request_timing_log: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model_aliases, str):

@@ -34,6 +34,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,10 @@ async def _stream_one(client: ChatClient, model: str, messages: list[dict],
                               "stream_options": {"include_usage": True}}
     if config.ignore_eos:
         params["ignore_eos"] = True
+    if record.request_id is not None:
+        params["request_id"] = record.request_id
     sent = time.perf_counter()
-    record.sent_s = sent - started
+    record.sent_s, record.sent_clock_s = sent - started, sent
     pieces: list[str] = []
     last = None
     async with contextlib.aclosing(client.stream(model, messages, params)) as deltas:
@@ -117,9 +120,10 @@ def _take_usage(record: RequestRecord, usage: dict) -> None:
 
 
 async def _one_round(client: ChatClient, model: str, conv: Conversation, config: RunConfig,
-                     scheduled_s: float, started: float) -> RequestRecord:
+                     scheduled_s: float, started: float, run_id: str) -> RequestRecord:
     record = RequestRecord(user=conv.user, round=conv.round, scheduled_s=scheduled_s,
-                           sent_s=time.perf_counter() - started)
+                           sent_s=time.perf_counter() - started,
+                           request_id=f"mt-{run_id}-u{conv.user}-r{conv.round}")
     text = None
     try:
         text = await asyncio.wait_for(
@@ -175,13 +179,15 @@ async def run_requests(config: RunConfig) -> tuple[list[RequestRecord], float, s
                 model = await client.first_model()
             except Exception as exc:
                 raise RuntimeError(f"cannot list the models of {config.url}: {exc}") from exc
+        run_id = uuid.uuid4().hex[:12]  # the requests' ids: unique to this run
         started = time.perf_counter()
         stop_at = None if config.duration_s is None else started + config.duration_s
         next_arrival = started
         tasks: set[asyncio.Task] = set()
 
         async def round_task(user: int, scheduled_s: float) -> None:
-            record = await _one_round(client, model, convs[user], config, scheduled_s, started)
+            record = await _one_round(client, model, convs[user], config, scheduled_s, started,
+                                      run_id)
             records.append(record)
             progress.update(record)
             if not convs[user].done:

@@ -46,6 +46,7 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.multiturn.chat_client import add_client_arg
+from benchmarks.multiturn.server_timing import mean_phases
 from benchmarks.multiturn.summary import fmt_num
 from benchmarks.multiturn.sweep import PointSetup, run_point
 from benchmarks.multiturn.targets import PRESET_TARGETS, compare, first_minute_max_ttft_ms
@@ -132,6 +133,11 @@ def summarize_point(point: dict, kv_bytes_per_token: float, h2d_gbps: float,
                     "mean_later_turns": _ms(later), "p50": _p(ttft, 0.5), "p90": _p(ttft, 0.9),
                     "p99": _p(ttft, 0.99), "max_first_minute": first_minute_max_ttft_ms(ok)},
         "itl_ms": {"p50": _p(itl, 0.5), "p99": _p(itl, 0.99)},
+        # where TTFT went (the server's timing log); the run's very first request (a cold
+        # machine's, either configuration) left out of the first turns
+        "server_phases_ms": {
+            "first_turns": mean_phases([r for r in ok[1:] if r["round"] == 0]),
+            "later_turns": mean_phases([r for r in ok if r["round"] > 0])},
         "hits": point["summary"]["hits"],
         "restores": {"num": len(restores),
                      "load_floor_ms_mean": (statistics.fmean(x["load_floor_ms"] for x in restores)
@@ -244,6 +250,12 @@ def print_report(result: dict) -> None:
               f"{f(s['hits']['hit_rate'], '6.3f')} {f(rs['load_floor_ms_mean'], '7.1f')} "
               f"{f(rs['ttft_over_floor_ms_p50'], '7.1f')}")
     print("(ms; floor: mean load floor of restored later turns, over: their TTFT above it, p50)")
+    for p in result["points"]:
+        phases = None if p["error"] else p["figures"].get("server_phases_ms")
+        for turns, means in (phases or {}).items():
+            if means:
+                print(f"{p['regime']} {'on' if p['offload'] else 'off'} {turns}, ms: "
+                      + " ".join(f"{k} {v:.2f}" for k, v in means.items()))
     for p in result["points"]:
         rs = None if p["error"] else p["figures"]["restores"]
         if rs and rs["ttft_over_bound_p50"] is not None:

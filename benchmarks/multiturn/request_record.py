@@ -24,6 +24,9 @@ class RequestRecord:
     num_chunks: int = 0
     error: str | None = None
     engine: str | None = None  # the engine that served it, where a router names it
+    request_id: str | None = None  # sent as the body's request_id (the response id carries it)
+    sent_clock_s: float | None = None  # time.perf_counter() at the send (the host's clock)
+    server: dict[str, float] | None = None  # ms per phase, from the server's timing log
 
     @property
     def ok(self) -> bool:

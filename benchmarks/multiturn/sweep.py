@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
-from benchmarks.multiturn import load
+from benchmarks.multiturn import load, server_timing
 from benchmarks.multiturn.chat_client import add_client_arg
 from benchmarks.multiturn.summary import format_summary
 from benchmarks.multiturn.sweep_report import evaluate_targets, plot, point_label, print_report
@@ -115,6 +115,7 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
                    "num_kv_blocks": sizing["regimes"][regime]["num_kv_blocks"], "error": None}
     workdir = Path(tempfile.mkdtemp(prefix="kv-sweep-"))  # 0700: the daemon's socket dir
     socket_path = workdir / "kv.sock"
+    timing_log = workdir / "request-timing.jsonl"  # each request's phases (server_timing)
     daemon = engine = None
     try:
         if offload:
@@ -126,7 +127,8 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
                "--device", setup.device, "--port", "0", "--num-kv-blocks",
                str(point["num_kv_blocks"]), "--max-model-len", str(sizing["max_model_len"]),
                "--block-size", str(setup.block_size), "--max-num-seqs",
-               str(setup.max_num_seqs or workload.num_users), *shlex.split(setup.engine_args)]
+               str(setup.max_num_seqs or workload.num_users), "--request-timing-log",
+               str(timing_log), *shlex.split(setup.engine_args)]
         if offload:
             cmd += ["--kv-offload", "--kv-store-socket", str(socket_path),
                     "--kv-offload-policy", setup.kv_offload_policy]
@@ -142,6 +144,7 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
                                 client=setup.client)
         result = load.run(config)
         point["summary"], point["records"] = result["summary"], result["records"]
+        point["num_server_timed"] = server_timing.join(point["records"], timing_log)
         point["working_set_over_hbm_measured"] = _measured_pressure(
             result["records"], workload, point["num_kv_blocks"], setup.block_size)
         if offload:

@@ -88,3 +88,15 @@ def test_bad_prefill_scheduling_options_are_refused_in_one_line(tiny_model_dir: 
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 2, bad
         assert "error: argument " + bad[0] in out.stderr, out.stderr
+
+
+def test_an_unwritable_request_timing_log_fails_before_the_model_loads(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "no-such-folder" / "timing.jsonl"
+    out = subprocess.run(CLI + ["serve", "--model", str(tiny_model_dir), "--device", "cpu",
+                                "--port", "0", "--request-timing-log", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"kvengine: error: --request-timing-log {path}: No such file or directory "
+        "(see kvengine --help)")

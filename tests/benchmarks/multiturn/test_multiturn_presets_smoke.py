@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.multiturn import presets, targets
+from benchmarks.multiturn.server_timing import PHASES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,6 +123,12 @@ def test_a_scaled_down_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Pa
         assert figures["ttft_ms"]["mean_first_turns"] > 0
         assert figures["ttft_ms"]["mean_later_turns"] > 0
         assert figures["itl_ms"]["p50"] > 0
+        # every request's TTFT cut into the server's phases (its timing log), adding up
+        assert point["num_server_timed"] == 4
+        for r in point["records"]:
+            assert set(r["server"]) == set(PHASES) and min(r["server"].values()) >= 0
+            assert sum(r["server"].values()) == pytest.approx(r["ttft_s"] * 1e3, rel=1e-6)
+        assert set(figures["server_phases_ms"]["later_turns"]) == set(PHASES)
     [on] = [p["figures"] for p in result["points"] if p["offload"]]
     assert on["hits"]["hit_rate"] > 0  # later turns hit a cache
     assert set(result["comparison"]["pressure"]["figures"]) >= {"later_speedup", "p99_ratio"}

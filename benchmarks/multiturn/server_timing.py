@@ -1,0 +1,71 @@
+"""Where a request's time to first token went, from the client's clock and the server's log.
+
+The sweep starts ``kvengine serve --request-timing-log FILE`` (``server.request_timing_log``)
+and the load sends each request with a ``request_id``; ``join`` finds each record's line in the
+file (by the response id, which carries the request id) and gives the record its phases in ms,
+which add up to the TTFT the client measured (client and server share the host's monotonic
+clock):
+
+- ``to_server``: the client's send to the handler having the parsed body (the client's request
+  building, the wire, the server's HTTP parsing and body validation);
+- ``to_engine``: tokenizing, checks, the engine taking it;
+- ``queued``: waiting to be scheduled (the store's lookup included, with offload);
+- ``prefill``: its first step to its first token;
+- ``to_loop``: the engine's first token to the server's loop making it a chunk;
+- ``to_client``: that chunk to the client reading its content.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+PHASES = ("to_server", "to_engine", "queued", "prefill", "to_loop", "to_client")
+_STAMPS = ("received", "added", "scheduled", "first_token", "first_token_seen")
+
+
+def read_log(path: Path) -> dict[str, dict]:
+    """The log's lines by response id (a line that does not parse is skipped)."""
+    rows: dict[str, dict] = {}
+    if not path.is_file():
+        return rows
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("id"), str):
+                rows[row["id"]] = row
+    return rows
+
+
+def phases_ms(record: dict, row: dict) -> dict[str, float] | None:
+    """The record's TTFT cut into ``PHASES`` (ms), or None when a stamp is missing."""
+    sent, ttft = record.get("sent_clock_s"), record.get("ttft_s")
+    stamps = [row.get(k) for k in _STAMPS]
+    if sent is None or ttft is None or any(t is None for t in stamps):
+        return None
+    times = [sent, *stamps, sent + ttft]
+    return {name: 1e3 * (b - a) for name, a, b in zip(PHASES, times, times[1:])}
+
+
+def join(records: list[dict], path: Path, id_prefix: str = "chatcmpl-") -> int:
+    """Give each record found in the log at ``path`` its ``server`` phases; how many were."""
+    rows = read_log(path)
+    found = 0
+    for record in records:
+        rid = record.get("request_id")
+        row = rows.get(id_prefix + rid) if rid else None
+        record["server"] = phases_ms(record, row) if row is not None else None
+        found += record["server"] is not None
+    return found
+
+
+def mean_phases(records: list[dict]) -> dict[str, float] | None:
+    """Mean ms per phase over the records that have them (None if none has)."""
+    timed = [r["server"] for r in records if r.get("server")]
+    if not timed:
+        return None
+    return {name: statistics.fmean(t[name] for t in timed) for name in PHASES}

@@ -1,0 +1,76 @@
+"""RequestTimingLog: one JSON line per finished engine request, with where its time went.
+
+``kvengine serve --request-timing-log FILE`` appends, when each engine request ends, the
+response's ``id`` (which carries a client's ``request_id``), the engine's request id, token
+counts, and ``time.perf_counter()`` stamps in seconds: ``received`` (the handler had the parsed
+body), ``added`` (the engine took it), ``scheduled`` (first in a batch), ``first_token`` (the
+engine produced it), ``first_token_seen`` (the server's loop turned it into a chunk) and
+``finished``. On Linux ``perf_counter`` is CLOCK_MONOTONIC, one clock for every process of the
+host, so a client on the same host can set these against its own send and receive times
+(``benchmarks.multiturn`` does). Aborted requests are logged too (``finish_reason`` abort).
+
+The file is bounded: past ``max_bytes`` nothing more is written and the lines left out are
+counted (``num_dropped``, logged once). A write that fails (a full disk) closes the log with one
+error message; serving goes on either way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 256 << 20
+
+
+class RequestTimingLog:
+    """Appends one line per finished request to ``path`` (created 0600 if absent); event loop
+    only (not thread-safe)."""
+
+    def __init__(self, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.num_written = 0
+        self.num_dropped = 0
+        # append, line-buffered: a line is on disk once written, a crash loses none of them;
+        # open for the server's life (closed by close())
+        self._file: TextIO | None = open(  # noqa: SIM115
+            self.path, "a", buffering=1, encoding="utf-8",
+            opener=lambda p, flags: os.open(p, flags, 0o600))
+        self._bytes = self._file.tell()
+
+    def record(self, row: dict[str, Any]) -> None:
+        """Append ``row`` as one line (dropped and counted once the file is full or closed)."""
+        if self._file is None:
+            self.num_dropped += 1
+            return
+        line = json.dumps(row, separators=(",", ":")) + "\n"
+        if self._bytes + len(line) > self.max_bytes:
+            if not self.num_dropped:
+                log.warning("request timing log %s reached %d bytes: further requests are not "
+                            "logged", self.path, self.max_bytes)
+            self.num_dropped += 1
+            return
+        try:
+            self._file.write(line)
+        except OSError as exc:
+            log.error("request timing log %s: %s; no more lines are written", self.path, exc)
+            self.num_dropped += 1
+            self.close()
+            return
+        self._bytes += len(line)
+        self.num_written += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as exc:
+                log.error("request timing log %s: %s", self.path, exc)
