@@ -77,6 +77,7 @@ class ModelRunner:
         mc = self.model_config
         shape = (num_kv_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = make_kv_cache(device, shape, self.ops.kv_dtype)
+        self.num_preloaded_plans = 0  # attention graphs the warm-up loaded for earlier starts
 
     def enable_decode_graphs(self, max_rows: int, max_table_width: int) -> None:
         """Replay decode steps and short prefill steps from CUDA graphs (after
@@ -91,6 +92,9 @@ class ModelRunner:
         capture the graphs requests replay (``warm_buckets`` of each), then seal them: no
         capture in a request's path from then on; the number captured (0 without graphs)."""
         mc = self.model_config
+        # the long prefills' graphs an earlier start met after its warm-up (kernels/plan_shapes)
+        self.num_preloaded_plans = self.ops.preload_attention_plans(
+            (mc.num_heads, *self.kv_cache.array.shape, str(self.kv_cache.array.dtype)))
         self.ops.warm_kernels(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size,
                               mc.vocab_size)
         self.sampler.warm_up(mc.vocab_size)

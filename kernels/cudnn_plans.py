@@ -9,6 +9,7 @@ answers None, so the caller's kernel serves it until the graph comes back and is
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,10 +17,13 @@ from typing import Any
 from kernels.build_log import CUDNN_BACKGROUND, CUDNN_GRAPH, CUDNN_LOAD, BuildLog
 from kernels.plan_builder import Built, PlanBuilder
 from kernels.plan_cache import PlanCache
+from kernels.plan_shapes import PlanShapes
 
 log = logging.getLogger("kernels.cudnn_attention")
 
 MAX_GRAPHS = 256  # built graphs kept (each holds a plan, no device memory of its own)
+# The most a start spends loading the graphs earlier starts used (4-14 ms each): 2 s is ~200.
+PRELOAD_BUDGET_S = 2.0
 
 
 @dataclass
@@ -46,6 +50,7 @@ class CudnnPlans:
         self.builds, self.plan_cache, self.background = builds, plan_cache, background
         self._plans: dict[tuple, Plan | None] = {}
         self.refusals: dict[tuple, str] = {}
+        self.shapes: PlanShapes | None = None  # set by ``preload``: the keys this scope used
         device = cp.cuda.Device()
         # what a serialized plan depends on besides its key (the cache never mixes setups)
         self._setup = (cudnn.__version__, int(cudnn.backend_version()),
@@ -86,7 +91,31 @@ class CudnnPlans:
         if len(self._plans) >= MAX_GRAPHS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
+        if plan is not None and self.shapes is not None:
+            self.shapes.add(key)  # the next start of this scope loads it before ready
         return plan
+
+    def preload(self, scope: tuple, budget_s: float = PRELOAD_BUDGET_S) -> int:
+        """Before the seal: load from the disk cache every graph an earlier start of ``scope``
+        (the engine's model and arena) used, oldest first, for at most ``budget_s``; from now on
+        the shapes this process uses are remembered for the next start. How many were loaded."""
+        if not self.plan_cache.enabled:
+            return 0
+        self.shapes = PlanShapes(self.plan_cache.directory, PlanCache.name(self._setup, scope))
+        deadline = time.perf_counter() + budget_s
+        loaded = 0
+        for key in self.shapes.load():
+            if time.perf_counter() >= deadline:
+                log.info("cuDNN: %d graphs preloaded in %.1f s; the rest load when first used",
+                         loaded, budget_s)
+                break
+            if key in self._plans:
+                continue
+            plan = self._load(PlanCache.name(key, self._setup), key)
+            if plan is not None:
+                self._plans[key] = plan
+                loaded += 1
+        return loaded
 
     def _from_background(self, name: str, key: tuple) -> Plan | None:
         """The builder's graph for ``key`` once it is back (loaded, and kept on disk), its

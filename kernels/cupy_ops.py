@@ -73,6 +73,9 @@ class CupyOps(Ops):
         if self._cudnn is not None:
             self._cudnn.close()
 
+    def preload_attention_plans(self, scope: tuple) -> int:
+        return self._cudnn.plans.preload(scope) if self._cudnn is not None else 0
+
     def warm_kernels(self, num_q_heads, num_kv_heads, head_dim, block_size, vocab_size):
         warm_kernels(num_q_heads, num_kv_heads, head_dim, block_size, vocab_size)
 

@@ -71,6 +71,12 @@ class Ops(ABC):
         The base runs nothing beside it."""
         return None
 
+    def preload_attention_plans(self, scope: tuple) -> int:
+        """Before ready: load the attention graphs earlier starts of ``scope`` (the model and
+        its KV arena) used, so a warm restart's requests load none in line; how many. The base
+        has none to load."""
+        return 0
+
     def warm_kernels(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                      vocab_size: int) -> None:
         """Before ready: compile every kernel a request's path can reach for this model's

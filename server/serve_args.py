@@ -141,5 +141,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--request-timing-log", default=None, metavar="FILE",
                        help="append one JSON line per finished request to FILE: its id and "
                        "time stamps (received, added, scheduled, first token, finished) on "
-                       "the host's monotonic clock, to see where a request's time went")
+                       "the host's monotonic clock, to see where a request's time went (default: "
+                       "off)")
     add_http_front_args(serve, ENGINE_FRONT)

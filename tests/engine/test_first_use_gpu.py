@@ -101,3 +101,37 @@ def test_no_request_compiles_a_kernel_after_the_warm_up(tiny_model_dir, tmp_path
         assert _cached_kernels(cupy_cache) == before
         if "cudnn" in llm.engine.runner.attention_backend:
             assert llm.engine.runner.ops.num_attention_fallbacks > 0  # ours served some shape
+
+
+def test_a_warm_restart_loads_the_graphs_its_requests_met(tiny_model_dir, tmp_path,
+                                                          monkeypatch) -> None:
+    """A long cold prefill's shape is not the warm-up's: the first start meets it after ready
+    (built by the builder process, loaded in a step). The next start with the same arena loads
+    it before ready (``kernels/plan_shapes.py``): its requests then load no graph at all."""
+    import time
+
+    from kernels.build_log import CUDNN_BACKGROUND
+
+    monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    kwargs = dict(device="cuda", max_num_seqs=4, max_model_len=4096, num_kv_blocks=1024)
+    with LLM(str(tiny_model_dir), **kwargs) as llm:
+        if "cudnn" not in llm.engine.runner.attention_backend:
+            pytest.skip(f"no cuDNN attention: {llm.engine.runner.attention_backend}")
+        llm.engine.warm_up()
+        vocab = llm.engine.vocab_size
+        deadline = time.monotonic() + 120
+        while _after(llm).get(CUDNN_BACKGROUND, 0) == 0:  # fresh tokens: a cold prefill each
+            assert time.monotonic() < deadline, _after(llm)
+            llm.generate([rng.integers(0, vocab, 1500).tolist()], params)
+            time.sleep(0.2)
+        met = _after(llm)
+    with LLM(str(tiny_model_dir), **kwargs) as llm:
+        llm.engine.warm_up()
+        assert llm.engine.runner.num_preloaded_plans >= met[CUDNN_BACKGROUND]
+        for _ in range(3):
+            llm.generate([rng.integers(0, vocab, 1500).tolist()], params)
+        after = _after(llm)
+    assert after.get(CUDNN_LOAD, 0) == after.get(CUDNN_BACKGROUND, 0) == 0, after
+    assert after.get(CUDNN_GRAPH, 0) == 0, after
