@@ -31,6 +31,15 @@ from offload.vocab import Namespace
 # A step with nothing to run but restores waits at most this long for one of their replies (then
 # steps again): no busy loop. A request or an abort that arrives meanwhile ends the wait at once.
 IDLE_RESTORE_WAIT_S = 0.005
+# With a store: while the device runs a step, requests that arrive are taken at once (their
+# lookups sent, their restores started where the reply is in), for this share of the previous
+# step's time after the forward was queued. Taken at the next step's start instead, a request
+# waits there for its lookup's reply: about a millisecond, the `queued` phase of the first turns
+# that grew with offload (benchmarks/results/multiturn-agent-tools-h200-*-timed-*-s16-*).
+# Not up to the step's end: the device's end is noticed between waits, and a step that ends
+# before the share is over is noticed at most ARRIVAL_POLL_S late.
+ARRIVAL_WATCH_STEP_SHARE = 0.8
+ARRIVAL_POLL_S = 0.0002
 
 
 class LLMEngine:
@@ -56,6 +65,7 @@ class LLMEngine:
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
+        self._arrived = threading.Event()  # set by add_request: the step thread may take it
         self._abort_ids: list[str] = []
         self._live_ids: set[str] = set()
         self._counters = EngineCounters(self.block_manager, self.scheduler, self.offload)
@@ -111,6 +121,7 @@ class LLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
             self._live_ids.add(request_id)
             self._inbox.append(seq)
+        self._arrived.set()
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> tuple[list[int], bytes]:
         """The prompt as a fresh list of ints plus its int32-LE bytes (what block hashes are
@@ -226,9 +237,25 @@ class LLMEngine:
     def _during_step(self, device_done: Callable[[], bool]) -> None:
         """While the device runs the step: requests that arrived meanwhile join the scheduler
         (their store lookups go out now), and restores whose lookups are answered start their
-        loads, so they cross the bus during this step rather than after the next schedule."""
+        loads, so they cross the bus during this step rather than after the next schedule.
+        With a store, requests arriving later in the step are taken as they come (for
+        ``ARRIVAL_WATCH_STEP_SHARE`` of the previous step's time)."""
+        last = self.last_step
+        watch_until = time.perf_counter() + ARRIVAL_WATCH_STEP_SHARE * (
+            last.execute_s if last is not None else 0.0)
+        self._arrived.clear()
         self._take_inbox()
         self.scheduler.start_restores_during_step(device_done)
+        if self.offload.store_state is None:
+            return  # no lookups to send early: nothing gained by taking arrivals now
+        while not device_done():
+            left = watch_until - time.perf_counter()
+            if left <= 0:
+                break
+            if self._arrived.wait(min(ARRIVAL_POLL_S, left)):
+                self._arrived.clear()
+                self._take_inbox()
+                self.scheduler.start_restores_during_step(device_done)
 
     def _nothing_new(self) -> bool:
         """No request or abort arrived since the step took them (any thread may add them)."""

@@ -1,0 +1,72 @@
+"""While the device runs a step, a request that arrives is taken in at once with a store: its
+lookup goes out and is answered during the step, so the next schedule does not wait a round
+trip for it. Without a store the step does not watch for arrivals. A real daemon; the device's
+step stood in for by an event the test sets (the CPU backend's steps end at once)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from offload_helpers import close_llm, offload_llm, random_prompt
+
+from engine import LLM, SamplingParams
+from engine.step_timing import StepTiming
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+DEVICE_S = 1.0  # the stood-in step's device time
+ARRIVES_AFTER_S = 0.2
+
+
+def _previous_step(execute_s: float) -> StepTiming:
+    return StepTiming(flush_s=0.0, add_s=0.0, schedule_s=0.0, execute_s=execute_s,
+                      total_s=execute_s, num_seqs=1, num_tokens=1, num_loading=0)
+
+
+def test_an_arrival_during_the_step_is_looked_up_during_it(tiny_model_dir, make_daemon) -> None:
+    daemon = make_daemon()
+    llm = offload_llm(tiny_model_dir, daemon, kv_offload_restore="always")
+    try:
+        engine = llm.engine
+        assert engine.offload.client.wait_available(10.0)
+        engine.last_step = _previous_step(2 * DEVICE_S)  # the watch covers the whole step
+        device = threading.Event()
+        adder = threading.Timer(ARRIVES_AFTER_S, engine.add_request,
+                                ("late", random_prompt(1000, 16 * 6, seed=4), PARAMS))
+        ender = threading.Timer(DEVICE_S, device.set)
+        started = time.monotonic()
+        adder.start()
+        ender.start()
+        engine._during_step(device.is_set)
+        returned = time.monotonic() - started
+        adder.join()
+        ender.join()
+        seq = engine.scheduler._by_id["late"]  # taken in during the step
+        job = engine.offload.restores.prefetched.get("late")
+        # its lookup went out and came back while the device ran (a miss: nothing stored)
+        assert seq.offload_checked or (job is not None and job.lookup.poll())
+        assert DEVICE_S * 0.9 <= returned < DEVICE_S + 0.5, returned
+    finally:
+        close_llm(llm)
+
+
+def test_the_watch_ends_with_its_share_of_the_last_step(tiny_model_dir, make_daemon) -> None:
+    daemon = make_daemon()
+    llm = offload_llm(tiny_model_dir, daemon)
+    try:
+        engine = llm.engine
+        assert engine.offload.client.wait_available(10.0)
+        engine.last_step = _previous_step(0.5)
+        started = time.monotonic()
+        engine._during_step(lambda: False)  # a device that never ends: the share bounds it
+        assert time.monotonic() - started < 0.5, time.monotonic() - started
+    finally:
+        close_llm(llm)
+
+
+def test_without_a_store_the_step_does_not_watch(tiny_model_dir) -> None:
+    with LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64) as llm:
+        llm.engine.last_step = _previous_step(10.0)
+        started = time.monotonic()
+        llm.engine._during_step(lambda: False)
+        assert time.monotonic() - started < 0.2
