@@ -113,7 +113,7 @@ class CudnnPlans:
                 continue
             plan = self._load(PlanCache.name(key, self._setup), key)
             if plan is not None:
-                self._plans[key] = plan
+                self._remember(key, plan)
                 loaded += 1
         return loaded
 
