@@ -35,9 +35,10 @@ IDLE_RESTORE_WAIT_S = 0.005
 # lookups sent, their restores started where the reply is in), for this share of the previous
 # step's time after the forward was queued. Taken at the next step's start instead, a request
 # waits there for its lookup's reply, and one not answered within that step's bounded wait
-# loses a whole step: a first turn arriving 30 ms after another waited 10 ms more with offload
-# in three H200 runs of four, and in none of two with the watch (the `queued` phase of
-# benchmarks/results/multiturn-agent-tools-h200-120s-http-{timed,watch}-*-s16-*). A request
+# loses a whole step: a first turn arriving 30 ms after another waited about 10 ms more with
+# offload in two H200 runs of three, and in neither of two with the watch (one request a run,
+# the `queued` phase of benchmarks/results/multiturn-agent-tools-h200-120s-http-{timed,watch}-*
+# -s16-*: thin evidence, but the mechanism is plain). A request
 # arriving at an idle engine still waits the round trip (about 1 ms there). Not up to the
 # step's end: the device's end is noticed between waits, and a step that ends before the share
 # is over is noticed at most ARRIVAL_POLL_S late.
