@@ -4,6 +4,7 @@ a process whose output a thread drains, waited on for its ready line, and an eng
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import random
 import re
@@ -21,7 +22,9 @@ from kvstore.testing.processes import stop_process
 class ServerProcess:
     """A subprocess whose merged output is drained by a thread (last lines kept)."""
 
-    def __init__(self, cmd: list[str], name: str, keep: str | None = None) -> None:
+    def __init__(self, cmd: list[str], name: str, keep: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """``env``: variables set for the process over this one's."""
         self.cmd = cmd
         self.name = name
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
@@ -30,7 +33,7 @@ class ServerProcess:
         self.kept: list[str] = []  # every line matching ``keep``, in full
         self._queue: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     text=True, env={**os.environ, **env} if env else None)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:

@@ -52,8 +52,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs),
                                on_finished=metrics.request_done, on_step=metrics.step_done)
-    timing_log = (RequestTimingLog(settings.request_timing_log)
-                  if settings.request_timing_log is not None else None)
+    timing_log = RequestTimingLog(settings.request_timing_log)  # None: off
     serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams,
                             settings.tools, settings.reasoning_parser, timing_log)
     model_names = (model_name, *settings.model_aliases)
@@ -77,8 +76,7 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
         finally:
             async_engine.stop()
             serving.prompts.close()
-            if timing_log is not None:
-                timing_log.close()
+            timing_log.close()
 
     app = FastAPI(title="kvengine", version=package_version(), lifespan=lifespan,
                   docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",

@@ -20,7 +20,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from server.engine_protocol import EngineOutput
+    from server.responses import ChoiceState
 
 log = logging.getLogger(__name__)
 
@@ -29,25 +33,47 @@ DEFAULT_MAX_BYTES = 256 << 20
 
 class RequestTimingLog:
     """Appends one line per finished request to ``path`` (created 0600 if absent); event loop
-    only (not thread-safe)."""
+    only (not thread-safe). ``path`` None: off (every call does nothing)."""
 
-    def __init__(self, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, path: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        self.path = Path(path)
+        self.path = None if path is None else Path(path)
         self.max_bytes = max_bytes
         self.num_written = 0
         self.num_dropped = 0
+        self._file: TextIO | None = None
+        self._bytes = 0
+        if self.path is None:
+            return
         # append, line-buffered: a line is on disk once written, a crash loses none of them;
         # open for the server's life (closed by close())
-        self._file: TextIO | None = open(  # noqa: SIM115
+        self._file = open(  # noqa: SIM115
             self.path, "a", buffering=1, encoding="utf-8",
             opener=lambda p, flags: os.open(p, flags, 0o600))
         self._bytes = self._file.tell()
 
+    def finished(self, response_id: str, request_id: str, choice: ChoiceState,
+                 received: float, now: float, out: EngineOutput | None = None) -> None:
+        """Log an engine request that ended (``out``: its last output; None for an abort,
+        which has no engine stamps)."""
+        if self.path is None:  # off: no row built
+            return
+        self.record({
+            "id": response_id, "request_id": request_id, "finish_reason": choice.finish_reason,
+            "prompt_tokens": choice.num_prompt_tokens, "completion_tokens": choice.num_tokens,
+            "cached_tokens": choice.num_cached_tokens,
+            "cached_tokens_by_tier": choice.cached_tokens_by_tier,
+            "received": received, "added": out.arrival_time if out is not None else None,
+            "scheduled": out.first_scheduled_time if out is not None else None,
+            "first_token": out.first_token_time if out is not None else None,
+            "first_token_seen": choice.first_token_time, "finished": now})
+
     def record(self, row: dict[str, Any]) -> None:
         """Append ``row`` as one line (dropped and counted once the file is full or closed)."""
-        if self._file is None:
+        if self.path is None:  # off
+            return
+        if self._file is None:  # closed (or a write failed)
             self.num_dropped += 1
             return
         line = json.dumps(row, separators=(",", ":")) + "\n"

@@ -60,22 +60,6 @@ class _Job:
     shape: ChatShape | None = None  # chat with tools or a reasoning parser: message parsing
 
 
-def _timing_row(job: _Job, request_id: str, choice: R.ChoiceState, now: float,
-                out: EngineOutput | None = None) -> dict[str, Any]:
-    """A finished request's line in the timing log (``RequestTimingLog``); the engine's stamps
-    only where its last output brought them (an abort's has none)."""
-    return {"id": job.response_id, "request_id": request_id,
-            "finish_reason": choice.finish_reason,
-            "prompt_tokens": choice.num_prompt_tokens, "completion_tokens": choice.num_tokens,
-            "cached_tokens": choice.num_cached_tokens,
-            "cached_tokens_by_tier": choice.cached_tokens_by_tier,
-            "received": job.arrival,
-            "added": out.arrival_time if out is not None else None,
-            "scheduled": out.first_scheduled_time if out is not None else None,
-            "first_token": out.first_token_time if out is not None else None,
-            "first_token_seen": choice.first_token_time, "finished": now}
-
-
 class OpenAIServing:
     """The request path shared by /v1/completions and /v1/chat/completions."""
 
@@ -84,7 +68,7 @@ class OpenAIServing:
                  reasoning_parser: str | None = None,
                  timing_log: RequestTimingLog | None = None) -> None:
         self.engine = engine
-        self.timing_log = timing_log  # --request-timing-log: a line per finished request
+        self.timing_log = timing_log or RequestTimingLog(None)  # --request-timing-log
         self.constraints = ConstraintCompiler(engine.engine)  # off the loop, once per prompt
         self.tools = tools or ToolSettings()
         self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
@@ -292,18 +276,16 @@ class OpenAIServing:
             choice.finish_reason = out.finish_reason or "stop"
             choice.stop_reason = getattr(out, "stop_reason", None)
             self.metrics.request_finished(choice.finish_reason, now - job.arrival)
-            if self.timing_log is not None:
-                self.timing_log.record(_timing_row(job, out.request_id, choice, now, out))
+            self.timing_log.finished(job.response_id, out.request_id, choice, job.arrival, now, out)
         return choice
 
     def _close(self, job: _Job, group: RequestGroup) -> None:
         now = time.perf_counter()
         for request_id in group.close():
-            choice = job.choices[request_id]
-            choice.finish_reason = "abort"
+            job.choices[request_id].finish_reason = "abort"
             self.metrics.request_finished("abort", now - job.arrival)
-            if self.timing_log is not None:
-                self.timing_log.record(_timing_row(job, request_id, choice, now))
+            self.timing_log.finished(job.response_id, request_id, job.choices[request_id],
+                                     job.arrival, now)
 
     async def _collect(self, job: _Job, group: RequestGroup,
                        request: Request) -> list[R.ChoiceState]:

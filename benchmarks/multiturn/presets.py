@@ -48,7 +48,7 @@ from benchmarks.common import (
 from benchmarks.multiturn.chat_client import add_client_arg
 from benchmarks.multiturn.server_timing import mean_phases
 from benchmarks.multiturn.summary import fmt_num
-from benchmarks.multiturn.sweep import PointSetup, run_point
+from benchmarks.multiturn.sweep import PointSetup, add_plan_cache_arg, run_point
 from benchmarks.multiturn.targets import PRESET_TARGETS, compare, first_minute_max_ttft_ms
 from benchmarks.sizing import model_shape, plan_sizing, tokens_per_word_of
 from benchmarks.workload import WorkloadConfig
@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
     add_client_arg(p)
+    add_plan_cache_arg(p)
     p.add_argument("--order", choices=("on-first", "off-first"), default="on-first",
                    help="which configuration runs first: the first meets the machine's cold "
                         "caches (cuDNN plans, page cache) and the background builder's work")
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                  "shared by client, engine and daemon): checks the preset end to end; its "
                  "numbers say nothing about the H100 targets" if small else None),
         "model_dir": str(args.model_dir), "device": args.device, "qps": qps, "order": args.order,
+        "plan_cache": args.plan_cache,
         "workload": asdict(workload), "sizing": sizing, "h2d_gbps": h2d_gbps,
         "h2d_source": h2d_source, "hbm_hit_ms": args.hbm_hit_ms,
         "targets": targets, "comparison": comparison,

@@ -61,6 +61,7 @@ class PointSetup:
     duration_s: float | None
     progress: bool
     client: str  # the load's chat client (chat_client.CLIENTS)
+    plan_cache: str = "per-point"  # PLAN_CACHES
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PointSetup:
@@ -69,7 +70,20 @@ class PointSetup:
                    max_num_seqs=args.max_num_seqs, kv_offload_policy=args.kv_offload_policy,
                    engine_args=args.engine_args, start_timeout_s=args.start_timeout,
                    request_timeout_s=args.request_timeout, duration_s=args.duration_s,
-                   progress=not args.no_progress, client=args.client)
+                   progress=not args.no_progress, client=args.client,
+                   plan_cache=args.plan_cache)
+
+
+PLAN_CACHES = ("per-point", "machine")
+
+
+def add_plan_cache_arg(parser: argparse.ArgumentParser) -> None:
+    """``--plan-cache``, as the sweep and the presets take it."""
+    parser.add_argument("--plan-cache", choices=PLAN_CACHES, default="per-point",
+                        help="per-point: each configuration's engine starts with an empty cuDNN "
+                        "plan cache of its own (neither inherits the graphs the other built, "
+                        "or their shapes, loaded before ready on a warm start); machine: the "
+                        "user's cache, as a production restart")
 
 
 def _daemon_stats(socket_path: Path) -> dict | None:
@@ -133,8 +147,11 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
             cmd += ["--kv-offload", "--kv-store-socket", str(socket_path),
                     "--kv-offload-policy", setup.kv_offload_policy]
         point["engine_command"] = " ".join(cmd[1:])
+        env = ({"KVSTORE_CUDNN_PLAN_CACHE": str(workdir / "cudnn-plans")}
+               if setup.plan_cache == "per-point" else {})
+        point["engine_env"] = env
         # every build a request waited for after ready (kernels/build_log.py), kept in full
-        engine = ServerProcess(cmd, "kvengine serve", keep=r"first-use build")
+        engine = ServerProcess(cmd, "kvengine serve", keep=r"first-use build", env=env)
         url = engine.wait_for(r"listening on (http://\S+)", setup.start_timeout_s).group(1)
         warm_up(url, workload.answer_len, workload.tokens_per_word,
                 min(1024, sizing["max_model_len"] // 2))
@@ -215,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
     add_client_arg(p)
+    add_plan_cache_arg(p)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name part of the files (default: DEVICE-MODEL)")
     return p
@@ -284,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                  "the client, engine and daemon share, where one point's numbers vary by several "
                  "x between repeats; they say nothing about the H100 targets" if smoke else None),
         "model_dir": str(args.model_dir), "device": args.device, "qps": qps_list,
-        "regimes": regimes, "offload": offloads, "workload": asdict(workload), "sizing": sizing,
+        "regimes": regimes, "offload": offloads, "plan_cache": args.plan_cache,
+        "workload": asdict(workload), "sizing": sizing,
         "targets": evaluate_targets(points, qps_list),
         "machine": machine_info(), "date": now_iso(),
         "command": command("python -m benchmarks.multiturn.sweep", argv),

@@ -49,3 +49,10 @@ def test_a_full_disk_stops_the_log_without_raising() -> None:
     log.record({"id": "chatcmpl-b"})
     assert (log.num_written, log.num_dropped) == (0, 2)
     log.close()
+
+
+def test_off_it_writes_nothing(tmp_path: Path) -> None:
+    log = RequestTimingLog(None)
+    log.record({"id": "chatcmpl-a"})
+    log.close()
+    assert (log.num_written, log.num_dropped, log.path) == (0, 0, None)

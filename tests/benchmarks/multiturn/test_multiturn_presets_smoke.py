@@ -117,6 +117,10 @@ def test_a_scaled_down_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Pa
     assert ran == ([(True, None), (False, None)] if order == "on-first"
                    else [(False, None), (True, None)])
     assert result["order"] == order
+    # each configuration's engine with a cuDNN plan cache of its own (neither warms the other)
+    assert result["plan_cache"] == "per-point"
+    caches = [p["engine_env"]["KVSTORE_CUDNN_PLAN_CACHE"] for p in result["points"]]
+    assert len(set(caches)) == 2 and all("kv-sweep-" in c for c in caches)
     for point in result["points"]:
         figures = point["figures"]
         assert figures["num_ok"] == 4
