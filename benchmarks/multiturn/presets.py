@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_cache_arg(p)
     p.add_argument("--order", choices=("on-first", "off-first"), default="on-first",
                    help="which configuration runs first: the first meets the machine's cold "
-                        "caches (cuDNN plans, page cache) and the background builder's work")
+                        "page cache (and, with --plan-cache machine, the cold cuDNN plan cache "
+                        "the second then inherits)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name part of the files (default: DEVICE-MODEL)")
     return p
