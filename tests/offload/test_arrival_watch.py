@@ -59,7 +59,8 @@ def test_the_watch_ends_with_its_share_of_the_last_step(tiny_model_dir, make_dae
         engine.last_step = _previous_step(0.5)
         started = time.monotonic()
         engine._during_step(lambda: False)  # a device that never ends: the share bounds it
-        assert time.monotonic() - started < 0.5, time.monotonic() - started
+        waited = time.monotonic() - started
+        assert 0.35 <= waited < 1.5, waited  # 0.8 x 0.5 s, and not for ever
     finally:
         close_llm(llm)
 
@@ -69,4 +70,4 @@ def test_without_a_store_the_step_does_not_watch(tiny_model_dir) -> None:
         llm.engine.last_step = _previous_step(10.0)
         started = time.monotonic()
         llm.engine._during_step(lambda: False)
-        assert time.monotonic() - started < 0.2
+        assert time.monotonic() - started < 1.0  # not the 8 s a store's watch would take
