@@ -105,20 +105,12 @@ class PlanCache:
         if self.directory is None:
             return False
         data = MAGIC + hashlib.sha256(blob).digest() + bytes(blob)
-        tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.directory / name)
-            tmp = None
+            write_atomically(self.directory / name, data)
         except OSError as exc:  # a full disk, a removed directory: the plan still serves
             log.warning("cuDNN plan cache: cannot write %s: %s", name, exc)
             self.count("write_failed")
             return False
-        finally:
-            if tmp is not None:
-                self._unlink(Path(tmp))
         self.count("stored")
         self._trim()
         return True
@@ -146,6 +138,20 @@ class PlanCache:
     def _unlink(path: Path) -> None:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` through a temporary file renamed into place (a crash leaves no
+    half file; a dot name the cache never trims); OSError if it could not be written."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _usable(directory: Path) -> str:

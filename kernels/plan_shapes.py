@@ -12,9 +12,9 @@ One file per scope, ``.shapes-<name>.json`` in the cache's directory (a dot name
 the cache trims), where the caller's name
 digests the cuDNN setup and the engine's arena (a shape of one model is never preloaded for
 another): a JSON list of keys (lists of scalars), oldest first, at most ``max_shapes``, written
-to a temporary file and renamed into place. The file only names entries to look up in the cache,
-whose blobs are verified when loaded; a file that does not parse, or holds anything but such
-keys, is ignored and rewritten (logged once).
+to a temporary file and renamed into place (``plan_cache.write_atomically``). The file only
+names entries to look up in the cache, whose blobs are verified when loaded; a file that does
+not parse, or holds anything but such keys, is ignored and rewritten (logged once).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
+
+from kernels.plan_cache import write_atomically
 
 log = logging.getLogger("kernels.plan_cache")
 
@@ -89,19 +89,10 @@ class PlanShapes:
         return self._write()
 
     def _write(self) -> bool:
-        tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-shapes-")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self._keys, f, separators=(",", ":"))
-            os.replace(tmp, self.path)
-            tmp = None
+            write_atomically(self.path, json.dumps(self._keys, separators=(",", ":")).encode())
             return True
         except (OSError, TypeError, ValueError) as exc:  # a full disk, an unstorable key
             self.write_failures += 1
             log.warning("cuDNN plan shapes: cannot write %s: %s", self.path, exc)
             return False
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)

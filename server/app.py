@@ -22,7 +22,7 @@ from server.http_metrics import HttpMetrics
 from server.load_report import install_load_route
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.request_timing_log import RequestTimingLog
+from server.request_timing_log import NoTimingLog, RequestTimingLog
 from server.responses_protocol import ResponsesRequest
 from server.responses_serving import ResponsesServing
 from server.serving import OpenAIServing
@@ -52,7 +52,8 @@ def build_app(engine: ServedEngine, settings: ServerSettings | None = None) -> F
     metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, settings.max_in_flight(max_num_seqs),
                                on_finished=metrics.request_done, on_step=metrics.step_done)
-    timing_log = RequestTimingLog(settings.request_timing_log)  # None: off
+    timing_log = (NoTimingLog() if settings.request_timing_log is None
+                  else RequestTimingLog(settings.request_timing_log))
     serving = OpenAIServing(async_engine, metrics, model_name, SamplingParams,
                             settings.tools, settings.reasoning_parser, timing_log)
     model_names = (model_name, *settings.model_aliases)

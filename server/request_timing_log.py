@@ -1,4 +1,5 @@
-"""RequestTimingLog: one JSON line per finished engine request, with where its time went.
+"""TimingLog: where each finished engine request's time went. ``RequestTimingLog`` writes one JSON
+line per request; ``NoTimingLog`` (no ``--request-timing-log``) writes nothing.
 
 ``kvengine serve --request-timing-log FILE`` appends, when each engine request ends, the
 response's ``id`` (which carries a client's ``request_id``), the engine's request id, token
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -31,34 +33,62 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 256 << 20
 
 
-class RequestTimingLog:
-    """Appends one line per finished request to ``path`` (created 0600 if absent); event loop
-    only (not thread-safe). ``path`` None: off (every call does nothing)."""
+class TimingLog(ABC):
+    """Where finished requests' time went; event loop only (not thread-safe). ``path``: the
+    file (None when nothing is written); ``num_written`` / ``num_dropped``: lines."""
 
-    def __init__(self, path: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    path: Path | None = None
+    num_written = 0
+    num_dropped = 0
+
+    @abstractmethod
+    def finished(self, response_id: str, request_id: str, choice: ChoiceState,
+                 received: float, now: float, out: EngineOutput | None = None) -> None:
+        """An engine request ended (``out``: its last output; None for an abort, which has no
+        engine stamps)."""
+
+    @abstractmethod
+    def record(self, row: dict[str, Any]) -> None:
+        """Log ``row`` as it is."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Nothing is logged after this. Idempotent."""
+
+
+class NoTimingLog(TimingLog):
+    """No timing log: every call does nothing (no row is even built)."""
+
+    def finished(self, response_id: str, request_id: str, choice: ChoiceState,
+                 received: float, now: float, out: EngineOutput | None = None) -> None:
+        return None
+
+    def record(self, row: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class RequestTimingLog(TimingLog):
+    """Appends one line per finished request to ``path`` (created 0600 if absent)."""
+
+    def __init__(self, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        self.path = None if path is None else Path(path)
+        self.path = Path(path)
         self.max_bytes = max_bytes
         self.num_written = 0
         self.num_dropped = 0
-        self._file: TextIO | None = None
-        self._bytes = 0
-        if self.path is None:
-            return
         # append, line-buffered: a line is on disk once written, a crash loses none of them;
         # open for the server's life (closed by close())
-        self._file = open(  # noqa: SIM115
+        self._file: TextIO | None = open(  # noqa: SIM115
             self.path, "a", buffering=1, encoding="utf-8",
             opener=lambda p, flags: os.open(p, flags, 0o600))
         self._bytes = self._file.tell()
 
     def finished(self, response_id: str, request_id: str, choice: ChoiceState,
                  received: float, now: float, out: EngineOutput | None = None) -> None:
-        """Log an engine request that ended (``out``: its last output; None for an abort,
-        which has no engine stamps)."""
-        if self.path is None:  # off: no row built
-            return
         self.record({
             "id": response_id, "request_id": request_id, "finish_reason": choice.finish_reason,
             "prompt_tokens": choice.num_prompt_tokens, "completion_tokens": choice.num_tokens,
@@ -71,8 +101,6 @@ class RequestTimingLog:
 
     def record(self, row: dict[str, Any]) -> None:
         """Append ``row`` as one line (dropped and counted once the file is full or closed)."""
-        if self.path is None:  # off
-            return
         if self._file is None:  # closed (or a write failed)
             self.num_dropped += 1
             return

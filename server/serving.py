@@ -37,7 +37,7 @@ from server.protocol import (
 )
 from server.reasoning_parsers import REASONING_PARSERS, reasoning_end_token
 from server.request_checks import RequestChecks
-from server.request_timing_log import RequestTimingLog
+from server.request_timing_log import NoTimingLog, TimingLog
 from server.sampling_builder import SamplingBuilder
 from server.streaming import ClientGone, EventStreamResponse, until_disconnect
 from server.structured_outputs import Constraint, constraint_of
@@ -66,9 +66,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
                  sampling_params_cls: Callable[..., Any], tools: ToolSettings | None = None,
                  reasoning_parser: str | None = None,
-                 timing_log: RequestTimingLog | None = None) -> None:
+                 timing_log: TimingLog | None = None) -> None:
         self.engine = engine
-        self.timing_log = timing_log or RequestTimingLog(None)  # --request-timing-log
+        self.timing_log = timing_log or NoTimingLog()  # --request-timing-log
         self.constraints = ConstraintCompiler(engine.engine)  # off the loop, once per prompt
         self.tools = tools or ToolSettings()
         self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None

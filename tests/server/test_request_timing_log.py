@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server.request_timing_log import RequestTimingLog
+from server.request_timing_log import NoTimingLog, RequestTimingLog
 
 
 def test_lines_are_appended_and_the_file_is_private(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_a_full_disk_stops_the_log_without_raising() -> None:
 
 
 def test_off_it_writes_nothing(tmp_path: Path) -> None:
-    log = RequestTimingLog(None)
+    log = NoTimingLog()
     log.record({"id": "chatcmpl-a"})
     log.close()
     assert (log.num_written, log.num_dropped, log.path) == (0, 0, None)
