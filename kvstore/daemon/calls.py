@@ -45,6 +45,10 @@ class CallContext:
             raise ServiceError("deadline_exceeded", "the request's deadline passed")
 
 
+# A verb's handler: the validated args and the call's context in, the reply's result out.
+Handler = Callable[[dict, CallContext], Any]
+
+
 @dataclass(frozen=True)
 class Deferred:
     """What an inline call returns when the rest must not run on the event loop (it waits on

@@ -1,5 +1,6 @@
 """The engine verbs: ``register``/``unregister`` an engine's KV memory, ``save`` blocks from it,
-``load`` leased blocks into it, and ``resident``/``evicted`` for the HBM tier.
+``load`` leased blocks into it, ``lookup_load`` (a lookup whose hit is loaded at once), and
+``resident``/``evicted`` for the HBM tier.
 
 Copies (save, load) run inside the registration's ``open_for_copy`` and check the call's context
 between blocks, so a cancelled call stops writing promptly. How the bytes move (memcpy from
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from functools import partial
 
-from kvstore.daemon.calls import CallContext, ServiceError
+from kvstore.daemon.calls import CallContext, Handler, ServiceError
 from kvstore.daemon.cluster_link import ClusterLink
 from kvstore.daemon.counters import DaemonCounters
 from kvstore.daemon.lease_table import LeaseTable
@@ -19,14 +20,24 @@ from kvstore.engines.hbm.tier import HbmTier
 from kvstore.engines.registration import Registration
 from kvstore.engines.registry import Registry
 from kvstore.store.block_store import BlockStore, Lease
+from kvstore.tiers import Tier
+from kvstore.wire import protocol as proto
+
+# The tiers a ``lookup_load`` copies from without asking: a copy from them is what the engine
+# would start anyway. A hit that reaches any other tier (SSD, a peer node) comes back leased and
+# unloaded, for the engine to weigh against recomputing.
+LOAD_AT_ONCE = frozenset({Tier.HBM, Tier.DRAM})
+_LOAD_ARGS = ("registration_id", "block_ids", "min_blocks")
 
 
 class EngineVerbs:
     """Verbs on registered engines; each handler takes (args, ctx) and returns the result."""
 
     def __init__(self, store: BlockStore, registry: Registry, hbm: HbmTier, leases: LeaseTable,
-                 cluster: ClusterLink, counters: DaemonCounters) -> None:
+                 cluster: ClusterLink, counters: DaemonCounters, lookup: Handler) -> None:
+        """``lookup``: the ``lookup`` verb's handler (``lookup_load`` starts with it)."""
         self._store = store
+        self._lookup = lookup
         self._registry = registry
         self._hbm = hbm
         self._leases = leases
@@ -91,6 +102,35 @@ class EngineVerbs:
             self._counters.add(blocks_loaded=num_loaded,
                                blocks_load_short=len(block_ids) - num_loaded)
         return {"num_loaded": num_loaded}
+
+    def lookup_load(self, args: dict, ctx: CallContext) -> dict:
+        """``lookup``, then ``load`` of the hit into ``block_ids`` (one engine block per hash
+        asked) when the whole hit is in ``LOAD_AT_ONCE`` tiers and at least ``min_blocks``
+        (default 1) long: one round trip instead of two, for a hit the engine expects. The
+        reply is the lookup's plus ``num_loaded``: a count (the lease was used up, ``lease_id``
+        is nil), or nil when nothing was loaded (the lease, if any, is the engine's to load
+        with or release)."""
+        reg = self._registry.get(args["registration_id"], ctx.owner)
+        block_ids = args["block_ids"]
+        chain = {name: value for name, value in args.items() if name not in _LOAD_ARGS}
+        num_asked = len(proto.lookup_items(chain)[0])
+        if len(block_ids) != num_asked:
+            raise ServiceError("bad_request", f"lookup_load: {len(block_ids)} block ids for "
+                                              f"{num_asked} hashes")
+        reg.check_block_ids(block_ids)  # before anything is leased
+        reply = self._lookup(chain, ctx)
+        num_hit, lease_id = int(reply["num_hit"]), reply["lease_id"]
+        tiers = ({tier for tier, _ in reply["tier_runs"]} if "tier_runs" in reply
+                 else set(reply["tiers"][:num_hit]))
+        loads = (lease_id is not None and num_hit >= max(1, args.get("min_blocks", 1))
+                 and {Tier(tier) for tier in tiers} <= LOAD_AT_ONCE)
+        reply["num_loaded"] = None
+        if loads:
+            loaded = self.load({"registration_id": args["registration_id"],
+                                "lease_id": lease_id, "block_ids": block_ids[:num_hit]}, ctx)
+            reply["lease_id"], reply["num_loaded"] = None, loaded["num_loaded"]
+        self._counters.add(lookup_loads_loaded=int(loads), lookup_loads_leased=int(not loads))
+        return reply
 
     def _load_from_store(self, reg: Registration, lease: Lease | None, ctx: CallContext,
                          first_index: int, block_ids: list[int]) -> int:

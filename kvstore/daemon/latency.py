@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Histogram
 
 # lookup, load and save are what an engine waits on (LMCache exports the same three).
-TIMED_VERBS = ("lookup", "load", "save")
+TIMED_VERBS = ("lookup", "load", "save", "lookup_load")
 # Seconds: from 50 µs (a lookup on a warm index) to 10 s (a large load from SSD).
 BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
              0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

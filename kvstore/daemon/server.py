@@ -48,7 +48,7 @@ log = logging.getLogger("kvstore.daemon.server")
 
 # Verbs that write into or read out of engine memory: their reply waits until the copy thread has
 # stopped, so an engine that sees an error can reuse its blocks at once.
-_COPY_VERBS = frozenset({"save", "load"})
+_COPY_VERBS = frozenset({"save", "load", "lookup_load"})
 # Verbs answered on the loop itself, skipping the worker-thread hop (~0.1 ms): only calls that
 # never wait on IO. A lookup reads the in-memory index; the lease it takes makes it no slower. One
 # that goes on to the cluster's peers returns a Deferred, run on a worker. ``locate`` reads the

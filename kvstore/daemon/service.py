@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.daemon.block_verbs import MAX_LEASE_TTL_S, BlockVerbs
-from kvstore.daemon.calls import CallContext, Deferred, ServiceError, with_mapped_errors
+from kvstore.daemon.calls import (
+    CallContext,
+    Deferred,
+    Handler,
+    ServiceError,
+    with_mapped_errors,
+)
 from kvstore.daemon.cluster_link import ClusterLink
 from kvstore.daemon.counters import DaemonCounters
 from kvstore.daemon.engine_verbs import EngineVerbs
@@ -35,8 +40,6 @@ if TYPE_CHECKING:  # imported only with --cluster: it pulls in redis and ucxx
     from kvstore.cluster.node import ClusterNode
 
 __all__ = ["MAX_LEASE_TTL_S", "CallContext", "Deferred", "Service", "ServiceError"]
-
-Handler = Callable[[dict, CallContext], Any]
 
 
 class Service:
@@ -65,7 +68,7 @@ class Service:
         blocks = BlockVerbs(store, self.hbm, self.leases, self._cluster, default_lease_ttl_s,
                             debug_hash_bits)
         engines = EngineVerbs(store, self.registry, self.hbm, self.leases, self._cluster,
-                              self.counters)
+                              self.counters, blocks.lookup)
         # Every verb of the protocol (wire/protocol.py SCHEMAS), by name: grep finds each.
         self.verbs: dict[str, Handler] = {
             "hello": lambda args, ctx: self.hello(args),
@@ -75,6 +78,7 @@ class Service:
             "put": blocks.put,
             "get": blocks.get,
             "lookup": blocks.lookup,
+            "lookup_load": engines.lookup_load,
             "locate": blocks.locate,
             "release": blocks.release,
             "remove": blocks.remove,

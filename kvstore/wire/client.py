@@ -83,6 +83,21 @@ class Client(Connection):
         """Longest verified prefix; a hit comes with a lease (``lease_ttl_s`` 0: no lease)."""
         return self.lookup_async(namespace, hashes, idents, lease_ttl_s).wait()
 
+    def lookup_load_async(self, registration_id: int, namespace: bytes,
+                          hashes: Sequence[bytes], idents: Sequence[bytes],
+                          block_ids: Sequence[int], lease_ttl_s: float | None = None,
+                          min_blocks: int = 1, timeout_s: float | None = None) -> Pending:
+        """A lookup whose hit the daemon loads at once into ``block_ids`` (one per hash) when
+        it is all in HBM or DRAM and at least ``min_blocks`` long: a ``Pending`` of the
+        LookupReply, with ``num_loaded`` set if it loaded (else the hit's lease, as a lookup's).
+        ``timeout_s`` is the copy's deadline, as for ``load``."""
+        args = _chain_args(namespace, hashes, idents)
+        args.update(registration_id=registration_id, block_ids=[int(b) for b in block_ids],
+                    min_blocks=int(min_blocks))
+        if lease_ttl_s is not None:
+            args["lease_ttl_s"] = lease_ttl_s
+        return self.request("lookup_load", args, timeout_s, convert=lookup_reply)
+
     def release_async(self, lease_id: int) -> Pending:
         """Give a lease back; the result says whether it was still held."""
         return self.request("release", {"lease_id": lease_id},

@@ -53,9 +53,13 @@ def error_of(reply: dict) -> ClientError:
 
 @dataclass(frozen=True)
 class LookupReply:
+    """``num_loaded``: only a ``lookup_load`` sets it, when it loaded the hit (then there is no
+    lease: the load used it up); None when nothing was loaded."""
+
     num_hit: int
     tiers: list[str]
     lease_id: int | None
+    num_loaded: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,9 @@ class SaveReply:
 def lookup_reply(r: dict) -> LookupReply:
     """Either reply form: per-block ``tiers``, or ``tier_runs`` for a packed request."""
     tiers = proto.expand_tier_runs(r["tier_runs"]) if "tier_runs" in r else list(r["tiers"])
-    return LookupReply(int(r["num_hit"]), tiers, r["lease_id"])
+    num_loaded = r.get("num_loaded")
+    return LookupReply(int(r["num_hit"]), tiers, r["lease_id"],
+                       None if num_loaded is None else int(num_loaded))
 
 
 @dataclass(frozen=True)

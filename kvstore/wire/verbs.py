@@ -125,6 +125,13 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "lookup": {**_CHAIN_FIELDS,
                "lease_ttl_s": Field(_optional(_is_number), "number or nil", required=False)},
     "locate": dict(_CHAIN_FIELDS),  # lookup's two forms, without a lease
+    # lookup's args plus where a hit lands: one engine block per hash asked (checked in
+    # the handler, since the chain may come packed)
+    "lookup_load": {**_CHAIN_FIELDS,
+                    "lease_ttl_s": Field(_optional(_is_number), "number or nil", required=False),
+                    "registration_id": Field(_is_uint, "non-negative int"),
+                    "block_ids": Field(_UINTS, "array of non-negative int"),
+                    "min_blocks": Field(_is_uint, "non-negative int", required=False)},
     "release": {"lease_id": Field(_is_uint, "non-negative int")},
     "remove": {
         "namespace": Field(_is_hash, "bin of 16 bytes"),
@@ -165,6 +172,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
 # Arrays that must pair up one to one.
 _SAME_LENGTH: dict[str, tuple[str, ...]] = {
     "lookup": ("hashes", "idents"),
+    "lookup_load": ("hashes", "idents"),
     "locate": ("hashes", "idents"),
     "save": ("block_ids", "hashes", "idents"),
     "resident": ("block_ids", "hashes", "idents", "generations"),
@@ -185,7 +193,7 @@ def validate_args(verb: str, args: dict[str, Any]) -> None:
         if not field.check(args[name]):
             raise ProtocolError(BAD_REQUEST, f"{verb}: arg {name!r} must be {field.expect}, "
                                              f"got {kind_of(args[name])}")
-    if verb in ("lookup", "locate"):
+    if verb in ("lookup", "lookup_load", "locate"):
         _check_lookup_forms(verb, args)
     group = _SAME_LENGTH.get(verb)
     if group and group[0] in args:
