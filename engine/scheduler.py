@@ -106,8 +106,22 @@ class Scheduler:
         seq.ready_since_step = self.num_steps
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
-        if seq.reads_prefix_cache:  # else it computes its whole prompt (prompt logprobs)
-            self.restores.prefetch(seq, busy=bool(self.running))  # usually answered by admission
+        # Its lookup goes out now, usually answered by admission; a likely hit is restored at
+        # once, its load riding on the lookup, when a restore may start now (see
+        # ``_start_restores``). Without prefix reads it computes its whole prompt.
+        if seq.reads_prefix_cache and self.restores.prefetch(
+                seq, busy=bool(self.running), may_restore=self._may_restore_on_arrival()):
+            self.waiting.pop()
+            seq.status = SequenceStatus.LOADING
+
+    def _may_restore_on_arrival(self) -> bool:
+        """A restore of the request just queued may start now: the last schedule preempted
+        nobody, the queue ahead of it is within the restore scan and not blocked, no restore
+        waits for blocks, and a sequence's place is free."""
+        return (self._restores_open and not self._head_blocked
+                and len(self.waiting) <= RESTORE_SCAN_DEPTH
+                and not self.restores.num_waiting_for_blocks
+                and len(self.running) + self.restores.num_loading < self.max_num_seqs)
 
     def has_unfinished(self) -> bool:
         return bool(self._by_id)

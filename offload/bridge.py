@@ -8,8 +8,10 @@ the store (``wait_for_progress``, ``wait_idle`` and ``close`` wait, bounded, and
 
 The contract, in step order:
 
-- ``restores.prefetch(seq)`` when a request arrives, ``restores.forget(seq)`` when it leaves
-  before admission.
+- ``restores.prefetch(seq, busy, may_restore)`` when a request arrives (``may_restore``: the
+  scheduler would let a restore of it start now), ``restores.forget(seq)`` when it leaves
+  before admission. True means the bridge restores it at once and holds it (LOADING), as after
+  a ``start_restore`` that returned True.
 - ``restores.poll()`` first in every ``schedule``: restores that landed (run them; their
   restored prefix is computed and registered) and restores given up (requeue them, to
   recompute). It may first wait, bounded by a share of the previous step, for loads about to
@@ -62,8 +64,10 @@ class RestoreBridge(ABC):
         """Tokens restored so far, by the tier they came from."""
 
     @abstractmethod
-    def prefetch(self, seq: OffloadSequence, busy: bool) -> None:
-        """A request arrived (``busy``: others are running): maybe send its lookup now."""
+    def prefetch(self, seq: OffloadSequence, busy: bool, may_restore: bool = False) -> bool:
+        """A request arrived (``busy``: others are running): maybe send its lookup now. With
+        ``may_restore``, a likely hit may be restored at once (its blocks reserved now and
+        loaded in the lookup's round trip): True, and the bridge holds ``seq``."""
 
     @abstractmethod
     def forget(self, seq: OffloadSequence) -> None:

@@ -35,6 +35,19 @@ class CostDecider(RestoreDecider):
         return sum(self.policy.expected_load_s(t.value, n * self.block_bytes)
                    for t, n in by_tier.items())
 
+    def fewest_worth_loading(self, tier: str, most: int) -> int:
+        """The fewest blocks from ``tier`` whose load (its fixed cost included) beats
+        recomputing them, for a request that waits for the store's reply anyway; ``most + 1``
+        when no hit of up to ``most`` blocks does (``always``: 1)."""
+        if self.always:
+            return 1
+        fixed_s = self.policy.expected_load_s(tier, 0)
+        per_block_s = self.policy.expected_load_s(tier, self.block_bytes) - fixed_s
+        gain_s = self.policy.expected_prefill_s(self.block_size) - per_block_s
+        if gain_s <= 0:
+            return most + 1
+        return min(most + 1, int(fixed_s / gain_s) + 1)
+
     def worth_loading(self, job: RestoreJob) -> bool:
         if self.always:
             return True

@@ -36,6 +36,16 @@ class LedgerSite(BlockSite[OffloadSequence]):
             return Reservation.WAIT
         return Slots(seq.block_ids[job.first_block:job.first_block + job.num_hit])
 
+    def reserve_ahead(self, owner: OffloadSequence, first_block: int,
+                      num_blocks: int) -> Slots | None:
+        """The blocks right after the HBM hit, for every block asked: the sequence's own blocks
+        for those tokens, whatever part of them the store turns out to hold."""
+        hbm_hits = self.ledger.match_prefix(owner)
+        if len(hbm_hits) != first_block or not self.ledger.admit(
+                owner, hbm_hits, num_blocks * self.block_size):
+            return None
+        return Slots(owner.block_ids[first_block:first_block + num_blocks])
+
     def land(self, job: RestoreJob[OffloadSequence], num_loaded: int) -> None:
         """The loaded blocks are computed tokens now, cached like computed ones; the blocks
         past them stay the sequence's, to be computed."""

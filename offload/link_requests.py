@@ -55,6 +55,29 @@ class LookupRequest(LinkRequest):
 
 
 @dataclass(frozen=True)
+class LookupLoadRequest(LinkRequest):
+    """A lookup whose hit the daemon loads at once into ``block_ids`` (one per hash) if it is
+    all in HBM or DRAM and at least ``min_blocks`` long; else the hit comes back leased."""
+
+    copies = True
+
+    namespace: bytes
+    hashes: list[bytes]
+    idents: list[bytes]
+    block_ids: list[int]
+    lease_ttl_s: float
+    min_blocks: int
+    deadline_s: float | None
+
+    def send(self, client: Client, registration_id: int | None,
+             timeout_s: float | None = None) -> Pending:
+        return client.lookup_load_async(
+            _registered(registration_id, "lookup_load"), self.namespace, self.hashes,
+            self.idents, self.block_ids, self.lease_ttl_s, self.min_blocks,
+            _left(timeout_s, self.deadline_s))
+
+
+@dataclass(frozen=True)
 class LoadRequest(LinkRequest):
     """Copy a lease's blocks into the engine's ``block_ids`` (daemon-side ids)."""
 

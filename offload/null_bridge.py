@@ -32,8 +32,8 @@ class NullRestores(RestoreBridge):
     def hit_tokens_by_tier(self) -> Counter[str]:
         return self._hit_tokens
 
-    def prefetch(self, seq: OffloadSequence, busy: bool) -> None:
-        pass  # nothing to ask
+    def prefetch(self, seq: OffloadSequence, busy: bool, may_restore: bool = False) -> bool:
+        return False  # nothing to ask
 
     def forget(self, seq: OffloadSequence) -> None:
         pass

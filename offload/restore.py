@@ -105,14 +105,34 @@ class EngineRestores(RestoreBridge):
     def hit_tokens_by_tier(self) -> Counter[str]:
         return self._hit_tokens_by_tier
 
-    def prefetch(self, seq: OffloadSequence, busy: bool) -> None:
-        """Send the lookup for the blocks past the HBM hit now (see ``RestoreBridge``)."""
+    def prefetch(self, seq: OffloadSequence, busy: bool, may_restore: bool = False) -> bool:
+        """Send the lookup for the blocks past the HBM hit now; with ``may_restore`` and a
+        likely hit, as a lookup the daemon loads at once into blocks reserved now (True: the
+        bridge holds ``seq``). See ``RestoreBridge``."""
         if seq.request_id in self.prefetched or seq.request_id in self.restores:
-            return
-        job = self._look_up(seq, len(self.ledger.match_prefix(seq)), busy)
-        if job is not None:
-            self.prefetched[seq.request_id] = job
-            self.counters["lookups_at_arrival"] += 1
+            return False
+        first = len(self.ledger.match_prefix(seq))
+        if not self._worth_asking(seq, first, busy):
+            return False
+        hashes = seq.block_hashes[first:servable_blocks(seq.num_tokens, self.block_size)]
+        idents = self._idents(seq, first)
+        if may_restore and self._likely_hit(seq, first):
+            ahead = self.restorer.look_up_and_load(
+                seq, seq.namespace_digest, hashes, idents, first, busy,
+                self.decider.fewest_worth_loading(Tier.DRAM.value, len(hashes)))
+            if ahead is not None:
+                self.restores[seq.request_id] = ahead
+                self.counters["restores_ahead"] += 1
+                return True
+        self.prefetched[seq.request_id] = self.restorer.look_up(
+            seq, seq.namespace_digest, hashes, idents, first, busy)
+        self.counters["lookups_at_arrival"] += 1
+        return False
+
+    def _likely_hit(self, seq: OffloadSequence, first: int) -> bool:
+        """The first block past the HBM hit is one this engine saved or restored."""
+        hashes = seq.block_hashes
+        return first < len(hashes) and hashes[first] in self.saved_keys
 
     def answered_lookups(self, seqs: list[OffloadSequence], keep_waiting: Callable[[], bool],
                          timeout_s: float) -> list[OffloadSequence]:
@@ -152,8 +172,7 @@ class EngineRestores(RestoreBridge):
         if not job.lookup.poll():
             # Waiting (bounded per step) for a reply costs the running requests less than the
             # step the new one would otherwise lose. Loads and saves are never waited for.
-            hashes = seq.block_hashes
-            likely = job.first_block < len(hashes) and hashes[job.first_block] in self.saved_keys
+            likely = self._likely_hit(seq, job.first_block)
             budget = (self._step_polled_at
                       + lookup_wait_budget_s(self.policy.last_step_s(), likely)
                       - time.monotonic())
@@ -177,20 +196,32 @@ class EngineRestores(RestoreBridge):
     def _look_up(self, seq: OffloadSequence, first: int,
                  busy: bool) -> RestoreJob[OffloadSequence] | None:
         """Send the lookup of blocks ``first..`` (None: not worth asking, or no store)."""
+        if not self._worth_asking(seq, first, busy):
+            return None
+        last = servable_blocks(seq.num_tokens, self.block_size)
+        return self.restorer.look_up(seq, seq.namespace_digest, seq.block_hashes[first:last],
+                                     self._idents(seq, first), first, busy)
+
+    def _worth_asking(self, seq: OffloadSequence, first: int, busy: bool) -> bool:
+        """Blocks past ``first`` to ask for, a store to ask, and a restore of them all that
+        could beat recomputing them."""
         bs = self.block_size
         last = servable_blocks(seq.num_tokens, bs)
         if first >= last or not self.client.available:
-            return None
+            return False
         # Not worth a round trip when even an instant load of every block asked for would lose
         # to recomputing them (a lookup reply may also cost a bounded wait in the step).
         if not self.always_restore and not self.policy.restore_wins(
                 MIN_RESTORE_S, (last - first) * bs, busy):
             self.counters["lookups_skipped_small"] += 1
             seq.offload_checked = True
-            return None
-        idents = sequence_idents(seq, range(first, last), bs)
-        return self.restorer.look_up(seq, seq.namespace_digest, seq.block_hashes[first:last],
-                                     idents, first, busy)
+            return False
+        return True
+
+    def _idents(self, seq: OffloadSequence, first: int) -> list[bytes]:
+        return sequence_idents(seq, range(first, servable_blocks(seq.num_tokens,
+                                                                 self.block_size)),
+                               self.block_size)
 
     def poll(self) -> RestoreOutcome:
         """Advance restores: the sequences whose load landed run now, those given up queue
@@ -218,10 +249,14 @@ class EngineRestores(RestoreBridge):
         deadline = time.monotonic() + landing_wait_budget_s(self.policy.last_step_s(),
                                                             self.max_landing_wait_s)
         for job in self.restorer.jobs:
-            load = job.load
-            if job.state is not RestoreState.LOADING or load is None or load.done:
+            if job.state is RestoreState.LOADING:
+                load, expected_s = job.load, self.decider.expected_load_s(job)
+            elif job.ahead and job.state is RestoreState.LOOKING_UP:  # its load rides along
+                load, expected_s = job.lookup, self.policy.expected_load_s(
+                    Tier.DRAM.value, job.num_asked * self.decider.block_bytes)
+            else:
                 continue
-            if load.started_at + self.decider.expected_load_s(job) > deadline:
+            if load is None or load.done or load.started_at + expected_s > deadline:
                 continue
             self.counters["loads_awaited"] += 1
             if load.wait(max(0.0, deadline - time.monotonic())):
@@ -243,17 +278,24 @@ class EngineRestores(RestoreBridge):
         seq.num_saved_blocks = job.first_block + n
 
     def _count_stages(self, job: RestoreJob[OffloadSequence]) -> None:
-        """Where a landed restore's time went, summed in ms per stage (``restore_ms_*``; the
-        mean is over ``restores_landed``): the lookup's round trip, its reply waiting for the
-        load to be sent, the load, and the landing waiting for this poll."""
+        """Where a landed restore's time went, summed in ms per stage (``restore_ms_*``): the
+        lookup's round trip, its reply waiting for the load to be sent, the load, and the
+        landing waiting for this poll (means over ``restores_landed`` less
+        ``restores_landed_ahead``); a restore ahead has ``lookup_load`` (one round trip) and
+        ``landed_to_ready`` (means over ``restores_landed_ahead``; landed_to_ready over all)."""
         lookup, load = job.lookup, job.load
         if load is None or lookup.finished_at is None or load.finished_at is None:
             return
         now = time.monotonic()
-        for stage, start, end in (("lookup", lookup.started_at, lookup.finished_at),
-                                  ("reply_to_load", lookup.finished_at, load.started_at),
-                                  ("load", load.started_at, load.finished_at),
-                                  ("landed_to_ready", load.finished_at, now)):
+        stages = (("lookup", lookup.started_at, lookup.finished_at),
+                  ("reply_to_load", lookup.finished_at, load.started_at),
+                  ("load", load.started_at, load.finished_at),
+                  ("landed_to_ready", load.finished_at, now))
+        if load is lookup:  # restored ahead: one round trip, lookup and load together
+            self.counters["restores_landed_ahead"] += 1
+            stages = (("lookup_load", lookup.started_at, lookup.finished_at),
+                      ("landed_to_ready", load.finished_at, now))
+        for stage, start, end in stages:
             self.counters[f"restore_ms_{stage}"] += 1e3 * max(0.0, end - start)
 
     def abort(self, seq: OffloadSequence) -> bool:

@@ -24,6 +24,7 @@ from offload.link_requests import (
     EvictedRequest,
     LinkRequest,
     LoadRequest,
+    LookupLoadRequest,
     LookupRequest,
     ReleaseRequest,
     ResidentRequest,
@@ -149,6 +150,18 @@ class StoreClient:
         self.counters["lookups"] += 1
         return self._request(LookupRequest(namespace, list(hashes), list(idents), lease_ttl_s),
                              None, deadline_s)
+
+    def lookup_load(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
+                    block_ids: Sequence[int], lease_ttl_s: float = 30.0, min_blocks: int = 1,
+                    deadline_s: float | None = None, epoch: int | None = None) -> Transfer:
+        """A lookup whose hit the daemon loads at once into ``block_ids`` (one per hash; see
+        ``kvstore.Client.lookup_load_async``). Result: a ``LookupReply`` whose ``num_loaded``
+        says whether it loaded; a failure is None (with ``answered`` False and not
+        ``never_sent``, the daemon may still write the blocks)."""
+        self.counters["lookup_loads"] += 1
+        request = LookupLoadRequest(namespace, list(hashes), list(idents), list(block_ids),
+                                    lease_ttl_s, min_blocks, deadline_s)
+        return self._request(request, None, deadline_s, epoch)
 
     def load(self, lease_id: int, block_ids: Sequence[int],
              deadline_s: float | None = None, epoch: int | None = None) -> Transfer:

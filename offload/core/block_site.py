@@ -26,6 +26,10 @@ class BlockSite(ABC, Generic[Owner]):
     - ``unreserve(job, quarantined)``: the load will not land (given up, aborted). With
       ``quarantined`` the daemon may still write into ``job.slots``: keep them out of use until
       ``release`` is called for them (which may be never: a request that got no reply).
+    - ``reserve_ahead(owner, first_block, num_blocks)``: slots for all ``num_blocks`` blocks of
+      the owner's chain from ``first_block``, before the lookup is answered (the daemon loads
+      the hit into them in the same round trip), or None: no room, or a site that does not
+      reserve ahead (the default). Undone like a ``reserve``'s.
     - ``release(slots)``: the daemon is done with quarantined slots; they may be reused.
     - ``pin_for_save(block_ids)``: slots holding the owner's ``block_ids`` (pinned, or copied
       out) for a save, or None (no room: the save is skipped, counted).
@@ -34,6 +38,9 @@ class BlockSite(ABC, Generic[Owner]):
 
     @abstractmethod
     def reserve(self, job: RestoreJob[Owner]) -> Slots | Reservation: ...
+
+    def reserve_ahead(self, owner: Owner, first_block: int, num_blocks: int) -> Slots | None:
+        return None
 
     @abstractmethod
     def land(self, job: RestoreJob[Owner], num_loaded: int) -> None: ...

@@ -2,7 +2,9 @@
 
 Plain state moved only by the ``Restorer`` (step thread). Which fields mean something follows
 from ``state``: ``lease_id``/``tiers``/``num_hit`` from LEASED on, ``slots``/``load`` in LOADING
-and after, ``num_loaded`` once LANDED; ``end`` once LANDED or GIVEN_UP.
+and after, ``num_loaded`` once LANDED; ``end`` once LANDED or GIVEN_UP. A job restored
+``ahead`` holds its ``slots`` from the start, and its ``lookup`` carries the load (a loaded reply
+makes it its ``load`` too).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RestoreJob(Generic[Owner]):
     num_loaded: int = 0
     waiting_since: float | None = None  # when the site first said WAIT
     aborted: bool = False
+    ahead: bool = False  # slots reserved before the lookup, which the daemon loads at once
     started_at: float = field(default_factory=time.monotonic)
 
     @property

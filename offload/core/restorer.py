@@ -1,5 +1,10 @@
 """The one restore state machine: lookup -> lease -> slots -> load -> landed, or given up.
 
+Restored ahead (``look_up_and_load``), a job reserves its slots before the lookup goes out and
+the daemon loads the hit in the same round trip (``lookup_load``): one reply instead of a reply,
+a load and another reply. A hit the daemon did not load (a slower tier, too short) comes back
+leased and goes on as any leased hit, into the slots already held.
+
 Both engines restore through this class; they differ only in their ``BlockSite`` (where blocks
 land) and their ``RestoreDecider`` (whether a hit is worth loading). ``poll`` advances every
 tracked job without waiting; a store that hangs, drops the connection, or never answers ends
@@ -21,7 +26,7 @@ from offload.core.block_site import BlockSite
 from offload.core.decider import RestoreDecider
 from offload.core.quarantine import Quarantine
 from offload.core.restore_job import Owner, RestoreJob
-from offload.core.slots import Reservation
+from offload.core.slots import Reservation, Slots
 from offload.core.states import RestoreEnd, RestoreState
 from offload.store_client import StoreClient
 
@@ -93,6 +98,26 @@ class Restorer(Generic[Owner]):
         return RestoreJob(owner, namespace, list(hashes), list(idents), lookup, first_block,
                           busy)
 
+    def look_up_and_load(self, owner: Owner, namespace: bytes, hashes: list[bytes],
+                         idents: list[bytes], first_block: int, busy: bool,
+                         min_blocks: int) -> RestoreJob[Owner] | None:
+        """Reserve slots for every block of the chain and send a lookup the daemon loads at once
+        (a hit of at least ``min_blocks``, all in HBM or DRAM); the job is tracked from now on.
+        None (nothing sent, nothing held) when the site cannot reserve ahead."""
+        slots = self.site.reserve_ahead(owner, first_block, len(hashes))
+        if slots is None:
+            return None
+        lookup = self.client.lookup_load(namespace, hashes, idents, slots.block_ids,
+                                         self.settings.lease_ttl_s, min_blocks,
+                                         self.settings.load_deadline_s,
+                                         epoch=self.client.registration_epoch)
+        self.counters["lookups"] += 1
+        job = RestoreJob(owner, namespace, list(hashes), list(idents), lookup, first_block,
+                         busy, slots=slots, ahead=True)
+        self.decider.load_started(job)
+        self._jobs.append(job)
+        return job
+
     def start(self, job: RestoreJob[Owner]) -> bool:
         """Advance ``job`` once now and, unless that ended it (True), track it: from then on
         ``poll`` advances it until it ends."""
@@ -116,7 +141,7 @@ class Restorer(Generic[Owner]):
         if it ended now (nothing of the owner's is held)."""
         if job.over:
             return False
-        if job.state is State.LOADING:
+        if job.state is State.LOADING or job.ahead and job.state is State.LOOKING_UP:
             job.aborted = True
             return True
         if job.state is State.LOOKING_UP:
@@ -145,7 +170,9 @@ class Restorer(Generic[Owner]):
     def advance(self, job: RestoreJob[Owner], hung: bool = False) -> bool:
         """One step of ``job`` (``hung``: the store stopped answering); True once it ended."""
         now = time.monotonic()
-        if job.state is State.LOOKING_UP:
+        if job.state is State.LOOKING_UP and job.ahead:
+            self._take_ahead_reply(job, hung, now)
+        elif job.state is State.LOOKING_UP:
             self._take_reply(job, hung, now)
         if job.state in (State.LEASED, State.WAITING_FOR_SLOTS):
             if hung:  # nothing reserved yet: the owner recomputes now, not after the slot wait
@@ -184,6 +211,65 @@ class Restorer(Generic[Owner]):
             self._release_lease(job)
             self._end(job, State.GIVEN_UP, End.DECLINED)
 
+    def _take_ahead_reply(self, job: RestoreJob[Owner], hung: bool, now: float) -> None:
+        """A ``lookup_load``'s reply: LANDED (loaded), LEASED -> LOADING (a hit left to this
+        side, found worth loading), or GIVEN_UP. Its slots are held throughout; with no reply
+        they stay quarantined, as a load's."""
+        lookup = job.lookup
+        assert job.slots is not None
+        if not lookup.poll():
+            if hung:
+                self._abandon_ahead(job, End.STORE_HUNG, now)
+            return
+        if lookup.timed_out:
+            self._abandon_ahead(job, End.LOAD_TIMEOUT, now)
+            return
+        reply = lookup.result if lookup.ok else None
+        ended_at = lookup.finished_at or now
+        if reply is not None:
+            job.tiers = known_tiers(list(reply.tiers)[:min(int(reply.num_hit), job.num_asked)])
+            job.num_hit = len(job.tiers)
+        loaded = reply is not None and reply.num_loaded is not None
+        job.num_loaded = max(0, min(int(reply.num_loaded), job.num_hit)) if loaded else 0
+        self.decider.load_ended(job, lookup.started_at, ended_at, job.num_loaded)
+        if loaded and not job.aborted:
+            job.to(State.LEASED)
+            job.load = lookup
+            job.to(State.LOADING)
+            self.site.land(job, job.num_loaded)
+            self._end(job, State.LANDED,
+                      End.LANDED if job.num_loaded == job.num_hit else End.SHORT)
+            return
+        lease_id = reply.lease_id if reply is not None else None
+        if job.aborted or reply is None or not job.tiers or not lease_id:
+            if lease_id:
+                self.client.release(lease_id)
+            job.num_loaded = 0  # an aborted job's loaded blocks are nobody's
+            self.site.unreserve(job, quarantined=False)  # the daemon answered: done with them
+            end = (End.ABORTED if job.aborted else End.LOOKUP_FAILED if reply is None
+                   else End.MISS)
+            self._end(job, State.GIVEN_UP, end)
+            return
+        job.lease_id = lease_id
+        job.to(State.LEASED)
+        if not self.decider.worth_loading(job):
+            self._release_lease(job)
+            self.site.unreserve(job, quarantined=False)
+            self._end(job, State.GIVEN_UP, End.DECLINED)
+            return
+        self._send_load(job, Slots(job.slots.block_ids[:job.num_hit], job.slots.memory))
+
+    def _abandon_ahead(self, job: RestoreJob[Owner], end: RestoreEnd, now: float) -> None:
+        """No reply to a ``lookup_load``: the daemon may still write its slots (quarantined
+        until it answers) and hold a lease (released once it answers)."""
+        assert job.slots is not None
+        self.quarantine.hold(job.lookup, job.slots)
+        self.client.disown(job.lookup)
+        self.site.unreserve(job, quarantined=True)
+        self.decider.load_ended(job, job.lookup.started_at, now, 0)
+        self.counters["loads_given_up"] += 1
+        self._end(job, State.GIVEN_UP, end)
+
     def _reserve_and_load(self, job: RestoreJob[Owner], now: float) -> None:
         """LEASED/WAITING_FOR_SLOTS -> LOADING, WAITING_FOR_SLOTS, or GIVEN_UP."""
         if job.lease_epoch != self.client.registration_epoch:
@@ -205,10 +291,14 @@ class Restorer(Generic[Owner]):
                 self._release_lease(job)
                 self._end(job, State.GIVEN_UP, End.NO_SLOTS)
             return
-        job.slots = got
+        self._send_load(job, got)
+
+    def _send_load(self, job: RestoreJob[Owner], slots: Slots) -> None:
+        """LEASED/WAITING_FOR_SLOTS -> LOADING: the lease's blocks into ``slots``."""
+        job.slots = slots
         assert job.lease_id is not None
-        job.load = self.client.load(job.lease_id, got.block_ids, self.settings.load_deadline_s,
-                                  epoch=job.lease_epoch)
+        job.load = self.client.load(job.lease_id, slots.block_ids, self.settings.load_deadline_s,
+                                    epoch=job.lease_epoch)
         self.decider.load_started(job)
         self.counters["loads"] += 1
         job.to(State.LOADING)

@@ -112,6 +112,27 @@ def test_evict_policy_hands_blocks_over_and_gets_them_back(tiny_model_dir, make_
     assert stats["evictions_published"] > 0
 
 
+def test_a_likely_hit_is_restored_in_the_lookups_round_trip(tiny_model_dir, make_daemon,
+                                                          reference) -> None:
+    daemon = make_daemon(dram="64MiB")
+    # 16 blocks of HBM: b evicts a's blocks, which this engine saved (write-through), so a's
+    # return is a likely hit: restored ahead, its load riding on the lookup.
+    llm = offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_restore="always")
+    a = random_prompt(1000, 16 * 10 + 4, seed=14)
+    b = random_prompt(1000, 16 * 10 + 4, seed=15)
+    llm.generate([a], GREEDY)
+    llm.generate([b], GREEDY)
+    llm.engine.offload.wait_idle()
+    out = llm.generate([a], GREEDY)[0]
+    stats = llm.engine.stats()["kv_offload"]
+    llm.engine.block_manager.check_integrity()
+    close_llm(llm)
+    assert out.token_ids == reference(a)
+    assert out.cached_tokens_by_tier["dram"] > 0
+    assert stats["restores_ahead"] == stats["restores_landed_ahead"] == 1
+    assert stats.get("loads", 0) == 0  # the one restore needed no load request of its own
+
+
 def test_no_daemon_engine_serves_and_counts(tiny_model_dir, reference, tmp_path) -> None:
     prompt = random_prompt(1000, 40, seed=6)
     llm = LLM(str(tiny_model_dir), device="cpu", kv_offload=True, num_kv_blocks=64,
