@@ -78,3 +78,34 @@ def _hashes(llm: LLM, prompt: list[int]) -> list[bytes]:
 
     digest = llm.engine.namespace("").digest
     return block_hashes(digest, prompt, 16)[:20]
+
+
+def test_a_likely_hit_restored_ahead_is_byte_exact(model_dir: Path, tmp_path: Path) -> None:
+    """One engine's own prefix, evicted from its HBM, comes back through a ``lookup_load``
+    (restored ahead: the daemon loads it in the lookup's round trip) with the bytes it had."""
+    daemon = start_daemon(tmp_path, dram="256MiB", http=False)
+    try:
+        a = np.random.default_rng(1).integers(10, 1000, 16 * 20 + 3).tolist()
+        b = np.random.default_rng(2).integers(10, 1000, 16 * 20 + 3).tolist()
+        llm = LLM(str(model_dir), device="cuda", kv_offload=True, num_kv_blocks=32,
+                  kv_store_socket=str(daemon.socket_path), kv_offload_restore="always")
+        try:
+            llm.generate([a], GREEDY)
+            hit = llm.generate([a], GREEDY)[0]
+            assert hit.cached_tokens_by_tier["hbm"] == 20 * 16
+            computed = _blocks(llm, [llm.engine.block_manager._by_key[h]
+                                     for h in _hashes(llm, a)])
+            llm.generate([b], GREEDY)  # 32 blocks: b's 21 evict a's
+            llm.engine.offload.wait_idle()
+            back = llm.generate([a], GREEDY)[0]
+            assert back.cached_tokens_by_tier["dram"] > 0
+            assert back.token_ids == hit.token_ids
+            stats = llm.engine.stats()["kv_offload"]
+            assert stats["restores_landed_ahead"] == 1
+            restored = _blocks(llm, [llm.engine.block_manager._by_key[h]
+                                     for h in _hashes(llm, a)])
+            assert np.array_equal(restored, computed)
+        finally:
+            llm.close()
+    finally:
+        daemon.stop()
