@@ -138,3 +138,25 @@ def test_bad_block_ids_are_refused_before_anything_is_leased(daemon: RunningDaem
         # The daemon serves on.
         assert c.lookup(chain.namespace, chain.hashes, chain.idents,
                         lease_ttl_s=0).num_hit == NUM_BLOCKS
+
+
+def test_malformed_lookup_loads_get_errors_and_the_connection_serves_on(
+        daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    dst = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
+    arenas.append(dst)
+    chain = make_chain("malformed", 2, seed=3)
+    with daemon.client() as c:
+        reg = c.register(dst.layout, "dst")
+        good = {"namespace": chain.namespace, "hashes": chain.hashes, "idents": chain.idents,
+                "registration_id": reg, "block_ids": [0, 1]}
+        for bad, words in (({k: v for k, v in good.items() if k != "registration_id"},
+                            "missing arg 'registration_id'"),
+                           ({**good, "block_ids": "0,1"}, "'block_ids' must be"),
+                           ({**good, "block_ids": [0, -1]}, "'block_ids' must be"),
+                           ({**good, "min_blocks": -2}, "'min_blocks' must be"),
+                           ({**good, "lease": 1}, "unknown args")):
+            with pytest.raises(ClientError) as info:
+                c.request("lookup_load", bad).wait()
+            assert info.value.code == "bad_request" and words in info.value.message
+        assert c.lookup_load_async(reg, chain.namespace, chain.hashes, chain.idents,
+                                   [0, 1]).wait().num_hit == 0
