@@ -68,6 +68,10 @@ class BlockManager:
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0
         self.num_collisions = 0
+        # Blocks the running sequences' prompts still need (kept by the scheduler): a restore,
+        # which reserves its whole hit at once, leaves them free (``admit``'s keep_free_blocks),
+        # so it never makes a prompt being prefilled preempt another.
+        self.owed_to_running = 0
         # For --kv-offload (``enable_offload``): evicted (namespace, key) pairs and, for the
         # ``evict`` policy only, cached blocks whose last reference went away; both drained once
         # per step by the offload bridge.
@@ -161,12 +165,14 @@ class BlockManager:
         hits_evictable = sum(1 for b in hit_block_ids if self._ref_counts[b] == 0)
         return (self.num_free_blocks - hits_evictable) * self.block_size
 
-    def admit(self, seq: Sequence, hit_block_ids: list[int], num_new_tokens: int) -> bool:
+    def admit(self, seq: Sequence, hit_block_ids: list[int], num_new_tokens: int,
+              keep_free_blocks: int = 0) -> bool:
         """Give a waiting sequence the hit blocks (shared) plus fresh blocks for
-        ``num_new_tokens`` more tokens; False, changing nothing, if they do not fit."""
+        ``num_new_tokens`` more tokens; False, changing nothing, if they do not fit with
+        ``keep_free_blocks`` left over."""
         num_hit_tokens = len(hit_block_ids) * self.block_size
         needed = _blocks_for(num_hit_tokens + num_new_tokens, self.block_size) - len(hit_block_ids)
-        if needed * self.block_size > self.admittable_tokens(hit_block_ids):
+        if (needed + keep_free_blocks) * self.block_size > self.admittable_tokens(hit_block_ids):
             return False
         for block in hit_block_ids:
             if self._ref_counts[block] == 0:

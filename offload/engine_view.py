@@ -53,14 +53,15 @@ class BlockLedger(Protocol):
 
     num_blocks: int
     block_size: int
+    owed_to_running: int  # blocks running prompts still need: a restore leaves them free
 
     def enable_offload(self, track_released: bool, generations: Generations | None) -> None:
         """Record evictions (and released blocks, and registrations with ``generations``)."""
 
     def match_prefix(self, seq: OffloadSequence) -> list[int]: ...
 
-    def admit(self, seq: OffloadSequence, hit_block_ids: list[int],
-              num_new_tokens: int) -> bool: ...
+    def admit(self, seq: OffloadSequence, hit_block_ids: list[int], num_new_tokens: int,
+              keep_free_blocks: int = 0) -> bool: ...
 
     def free(self, seq: OffloadSequence) -> None: ...
 

@@ -1,7 +1,9 @@
 """kvengine's blocks as the core's ``BlockSite``: its block ledger (the block manager).
 
 A restore lands in blocks reserved for the sequence right after its HBM prefix hit: the
-reservation is the ledger's ``admit`` of the hit, and the slots are the sequence's own block ids,
+reservation is the ledger's ``admit`` of the hit (beside the blocks running prompts still need,
+``owed_to_running``: a restore takes its whole hit at once and must not make a prompt being
+prefilled preempt another), and the slots are the sequence's own block ids,
 so a landed load needs no copy: the loaded blocks become computed tokens and join the prefix
 cache. A save pins the blocks it reads. The daemon writes and reads kvengine's arena in place.
 """
@@ -32,8 +34,9 @@ class LedgerSite(BlockSite[OffloadSequence]):
         if len(hbm_hits) != job.first_block:
             self.counters["restores_prefix_changed"] += 1
             return Reservation.REFUSE
-        if not self.ledger.admit(seq, hbm_hits, job.num_hit * self.block_size):
-            return Reservation.WAIT
+        if not self.ledger.admit(seq, hbm_hits, job.num_hit * self.block_size,
+                                 keep_free_blocks=self.ledger.owed_to_running):
+            return Reservation.WAIT  # no room beside what the running prompts still need
         return Slots(seq.block_ids[job.first_block:job.first_block + job.num_hit])
 
     def reserve_ahead(self, owner: OffloadSequence, first_block: int,
@@ -42,7 +45,8 @@ class LedgerSite(BlockSite[OffloadSequence]):
         for those tokens, whatever part of them the store turns out to hold."""
         hbm_hits = self.ledger.match_prefix(owner)
         if len(hbm_hits) != first_block or not self.ledger.admit(
-                owner, hbm_hits, num_blocks * self.block_size):
+                owner, hbm_hits, num_blocks * self.block_size,
+                keep_free_blocks=self.ledger.owed_to_running):
             return None
         return Slots(owner.block_ids[first_block:first_block + num_blocks])
 

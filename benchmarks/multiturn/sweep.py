@@ -98,8 +98,9 @@ def _daemon_stats(socket_path: Path) -> dict | None:
 
 
 def _engine_offload_events(url: str) -> dict | None:
-    """The engine's --kv-offload counters and the server's TTFT by source (``server_ttft_*``),
-    scraped from its /metrics (a nicety, like above)."""
+    """The engine's --kv-offload counters, the server's TTFT by source (``server_ttft_*``) and
+    its preemptions (``num_preemptions``: prompts computed again), scraped from its /metrics (a
+    nicety, like above)."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except Exception as exc:
@@ -118,6 +119,8 @@ def _engine_offload_events(url: str) -> dict | None:
             source = labels.split('source="', 1)[1].split('"', 1)[0]
             what = "s_sum" if "_sum{" in labels else "count"
             events[f"server_ttft_{what}_{source}"] = float(value)
+        elif line.startswith("vllm:num_preemptions_total"):
+            events["num_preemptions"] = float(line.rsplit(" ", 1)[1])
     return events
 
 
