@@ -9,7 +9,9 @@ method for it (nothing sends a verb by name).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore import Client, Pending
 
@@ -25,6 +27,13 @@ class LinkRequest(ABC):
         """Put the request on the wire (may block while the socket is full: link thread).
         ``timeout_s``: what is left of the caller's deadline; a copy's daemon must not start
         after the engine gave up on it (it may have reused the blocks)."""
+
+    def send_nowait(self, client: Client,
+                    finish: Callable[[Callable[[], None]], Any]) -> Pending | None:
+        """Put the request on the wire from the caller's thread without ever blocking (the
+        rest of a frame the socket took in part goes to ``finish``); None when not sent (the
+        link's thread sends it). Only requests that name no registered memory may."""
+        return None
 
 
 def _left(timeout_s: float | None, deadline_s: float | None) -> float | None:
@@ -52,6 +61,11 @@ class LookupRequest(LinkRequest):
     def send(self, client: Client, registration_id: int | None,
              timeout_s: float | None = None) -> Pending:
         return client.lookup_async(self.namespace, self.hashes, self.idents, self.lease_ttl_s)
+
+    def send_nowait(self, client: Client,
+                    finish: Callable[[Callable[[], None]], Any]) -> Pending | None:
+        return client.lookup_nowait(self.namespace, self.hashes, self.idents, self.lease_ttl_s,
+                                    finish)
 
 
 @dataclass(frozen=True)

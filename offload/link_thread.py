@@ -4,7 +4,9 @@ Everything that can block on the daemon happens here, never on the engine's step
 connect and the registration of the KV memory, sending requests (a stopped daemon stops reading,
 so a send can block once the socket buffer is full), health probes, closing. The step thread
 hands requests over through a bounded queue (``Outgoing``: a request and its ``Transfer``
-handle) and polls the handles.
+handle) and polls the handles. A lookup, when nothing is queued before it, goes out from the
+caller's thread at once if the socket takes it without blocking (``LinkRequest.send_nowait``):
+a request's arrival at an idle engine then waits for no thread hop before it is on the wire.
 
 The state the engine reads (``state``, a ``StoreState`` told by its rule ``while_waiting``):
 ``ok`` (registered, the last probe answered in time), ``hung`` (a probe, the registration or a
@@ -64,6 +66,12 @@ _TICK_S = 0.05
 SEND_MARGIN_S = 0.1
 
 
+def _finish_in_a_thread(complete: Callable[[], None]) -> None:
+    """The rest of a frame the socket took in part: written by a thread of its own, which may
+    block (rare: a lookup is a few KB)."""
+    threading.Thread(target=complete, name="kv-offload-send-rest", daemon=True).start()
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """One request queued for the link's thread and the handle it completes. With ``epoch``,
@@ -94,7 +102,7 @@ class LinkThread:
         self.probe_interval_s = probe_interval_s
         self.probe_deadline_s = probe_deadline_s
         self.counters = counters
-        for key in ("connects", "connect_failures", "probes"):  # this thread's keys, made now
+        for key in ("connects", "connect_failures", "probes", "sent_at_once"):  # made now
             counters[key] += 0
         self.epoch = 0  # connections made; a new one starts with nothing published
         self.daemon_pid: int | None = None  # from the last health answer
@@ -147,14 +155,37 @@ class LinkThread:
         self._drop_wanted.set()
 
     def submit(self, outgoing: Outgoing) -> bool:
-        """Queue a request; False (``outgoing`` untouched) if the queue is full or closing."""
+        """Queue a request (or send it at once, see the module docstring); False
+        (``outgoing`` untouched) if the queue is full or closing."""
         if self._closing.is_set():
             return False
+        if self._send_at_once(outgoing):
+            self._connect_wanted.set()  # as for a queued one: lost, the link comes back at once
+            return True
         try:
             self._queue.put_nowait(outgoing)
         except queue.Full:
             return False
         self._connect_wanted.set()
+        return True
+
+    def _send_at_once(self, outgoing: Outgoing) -> bool:
+        """Send from the caller's thread without blocking; False to queue it instead. Only
+        with nothing queued (requests keep their order) and a live connection. The epoch is
+        read before the client: a connection made meanwhile makes the reply's lease look older
+        than it is, never newer (a load then refuses it, counted)."""
+        epoch, client = self.epoch, self._client
+        if (client is None or not self._up or outgoing.epoch is not None
+                or not self._queue.empty()):
+            return False
+        try:
+            pending = outgoing.request.send_nowait(client, _finish_in_a_thread)
+        except (DaemonUnavailable, ClientError, OSError):
+            return False  # the link's thread finds the connection broken and reconnects
+        if pending is None:
+            return False
+        outgoing.transfer.attach(pending, epoch)
+        self.counters["sent_at_once"] += 1
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -78,6 +78,16 @@ class Client(Connection):
             args["lease_ttl_s"] = lease_ttl_s
         return self.request("lookup", args, convert=lookup_reply)
 
+    def lookup_nowait(self, namespace: bytes, hashes: Sequence[bytes],
+                      idents: Sequence[bytes], lease_ttl_s: float | None,
+                      finish: Callable[[Callable[[], None]], Any]) -> Pending | None:
+        """``lookup_async`` that never blocks the caller (``request_nowait``): None when it
+        was not sent (send it with ``lookup_async`` from a thread that may block)."""
+        args = _chain_args(namespace, hashes, idents)
+        if lease_ttl_s is not None:
+            args["lease_ttl_s"] = lease_ttl_s
+        return self.request_nowait("lookup", args, None, lookup_reply, finish)
+
     def lookup(self, namespace: bytes, hashes: Sequence[bytes], idents: Sequence[bytes],
                lease_ttl_s: float | None = None) -> LookupReply:
         """Longest verified prefix; a hit comes with a lease (``lease_ttl_s`` 0: no lease)."""

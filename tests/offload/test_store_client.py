@@ -4,9 +4,13 @@ the connection it was planned for."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 from daemon_helpers import make_chain, start_daemon, wait_until
 from support.arena import ShmArena
 
+from kvstore import StoreState
 from offload.store_client import StoreClient
 
 BLOCK = 4096
@@ -95,3 +99,36 @@ def test_a_link_without_a_layout_only_looks_up(make_daemon) -> None:
         assert save.wait(5.0) and not save.ok and save.never_sent and not save.answered
     finally:
         client.close()
+
+
+def test_a_lookup_goes_out_from_the_callers_thread_and_a_stopped_daemon_is_still_seen(
+        make_daemon) -> None:
+    daemon = make_daemon()
+    arena = ShmArena(4, BLOCK, seed=2)
+    chain = make_chain("at-once", 2)
+    client = StoreClient(daemon.socket_path, arena.layout, "at-once", timeout_s=2.0,
+                         reconnect_interval_s=0.1)
+    try:
+        assert client.wait_available(5.0)
+        saved = client.save(chain.namespace, [0, 1], chain.hashes, chain.idents,
+                            epoch=client.registration_epoch)
+        assert saved.wait(5.0) and saved.ok
+        lookup = client.lookup(chain.namespace, chain.hashes, chain.idents)
+        assert client.counters["sent_at_once"] == 1  # no hop through the link's thread
+        assert lookup.sent_epoch == client.registration_epoch  # on the live connection
+        assert lookup.wait(5.0) and lookup.ok and lookup.result.num_hit == 2
+        client.release(lookup.result.lease_id)
+        # A stopped daemon: the socket still takes a lookup at once, which then gets no reply
+        # (the store turns hung, the lookup fails by its deadline); never a blocked caller.
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            stuck = client.lookup(chain.namespace, chain.hashes, chain.idents)
+            assert time.monotonic() - started < 0.5
+            assert wait_until(lambda: client.state is StoreState.HUNG, 10.0)
+            assert stuck.wait(10.0) and not stuck.ok
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+    finally:
+        client.close()
+        arena.close()
