@@ -319,6 +319,7 @@ class Scheduler:
         if not seq.reads_prefix_cache:
             return False
         hit_ids = self.block_manager.match_prefix(seq)
+        self._note_owed_blocks()  # sequences admitted earlier in this schedule included
         if self.restores.start_restore(seq, len(hit_ids), bool(self.running)):
             seq.status = SequenceStatus.LOADING  # the offload bridge holds it until it lands
             return True

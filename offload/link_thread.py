@@ -171,17 +171,20 @@ class LinkThread:
 
     def _send_at_once(self, outgoing: Outgoing) -> bool:
         """Send from the caller's thread without blocking; False to queue it instead. Only
-        with nothing queued (requests keep their order) and a live connection. The epoch is
-        read before the client: a connection made meanwhile makes the reply's lease look older
-        than it is, never newer (a load then refuses it, counted)."""
-        epoch, client = self.epoch, self._client
+        with nothing queued and a live connection (a request the link's thread has taken but
+        not yet sent may still be overtaken: only lookups go this way, which name no memory).
+        The client is read before the epoch: a connection made in between labels the request
+        with the new epoch while it went out on the old, closed connection, where it fails;
+        never a lease of the live connection labelled as an older one's."""
+        client = self._client
+        epoch = self.epoch
         if (client is None or not self._up or outgoing.epoch is not None
                 or not self._queue.empty()):
             return False
         try:
             pending = outgoing.request.send_nowait(client, _finish_in_a_thread)
-        except (DaemonUnavailable, ClientError, OSError):
-            return False  # the link's thread finds the connection broken and reconnects
+        except Exception:  # a broken connection, a frame too large: the link's thread decides
+            return False
         if pending is None:
             return False
         outgoing.transfer.attach(pending, epoch)

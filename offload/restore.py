@@ -116,7 +116,10 @@ class EngineRestores(RestoreBridge):
             return False
         hashes = seq.block_hashes[first:servable_blocks(seq.num_tokens, self.block_size)]
         idents = self._idents(seq, first)
-        if may_restore and self._likely_hit(seq, first):
+        # A daemon older than ``lookup_load`` (protocol 1.4) answers it unknown_verb: from
+        # then on this client restores the two-step way.
+        if (may_restore and self._likely_hit(seq, first)
+                and not self.client.counters["errors_unknown_verb"]):
             ahead = self.restorer.look_up_and_load(
                 seq, seq.namespace_digest, hashes, idents, first, busy,
                 self.decider.fewest_worth_loading(Tier.DRAM.value, len(hashes)))
@@ -280,9 +283,9 @@ class EngineRestores(RestoreBridge):
     def _count_stages(self, job: RestoreJob[OffloadSequence]) -> None:
         """Where a landed restore's time went, summed in ms per stage (``restore_ms_*``): the
         lookup's round trip, its reply waiting for the load to be sent, the load, and the
-        landing waiting for this poll (means over ``restores_landed`` less
-        ``restores_landed_ahead``); a restore ahead has ``lookup_load`` (one round trip) and
-        ``landed_to_ready`` (means over ``restores_landed_ahead``; landed_to_ready over all)."""
+        landing waiting for this poll; a restore ahead has ``lookup_load`` (one round trip) and
+        ``landed_to_ready``. Landed restores are ``restores_landed`` plus ``restores_short``,
+        ``restores_landed_ahead`` of them ahead (short ones included)."""
         lookup, load = job.lookup, job.load
         if load is None or lookup.finished_at is None or load.finished_at is None:
             return

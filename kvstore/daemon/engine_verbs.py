@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from functools import partial
 
-from kvstore.daemon.calls import CallContext, Handler, ServiceError
+from kvstore.daemon.calls import CallContext, Deferred, Handler, ServiceError
 from kvstore.daemon.cluster_link import ClusterLink
 from kvstore.daemon.counters import DaemonCounters
 from kvstore.daemon.lease_table import LeaseTable
@@ -119,6 +119,8 @@ class EngineVerbs:
                                               f"{num_asked} hashes")
         reg.check_block_ids(block_ids)  # before anything is leased
         reply = self._lookup(chain, ctx)
+        if isinstance(reply, Deferred):  # only an inline lookup defers; this runs on a worker
+            raise ServiceError("internal", "lookup_load: the lookup was deferred")
         num_hit, lease_id = int(reply["num_hit"]), reply["lease_id"]
         tiers = ({tier for tier, _ in reply["tier_runs"]} if "tier_runs" in reply
                  else set(reply["tiers"][:num_hit]))
@@ -126,8 +128,11 @@ class EngineVerbs:
                  and {Tier(tier) for tier in tiers} <= LOAD_AT_ONCE)
         reply["num_loaded"] = None
         if loads:
-            loaded = self.load({"registration_id": args["registration_id"],
-                                "lease_id": lease_id, "block_ids": block_ids[:num_hit]}, ctx)
+            try:
+                loaded = self.load({"registration_id": args["registration_id"],
+                                    "lease_id": lease_id, "block_ids": block_ids[:num_hit]}, ctx)
+            finally:
+                self._leases.drop(lease_id)  # used up, or refused (registration gone): freed
             reply["lease_id"], reply["num_loaded"] = None, loaded["num_loaded"]
         self._counters.add(lookup_loads_loaded=int(loads), lookup_loads_leased=int(not loads))
         return reply

@@ -513,9 +513,10 @@ class Daemon:
                 ctx.cancel()
                 if request.verb in _COPY_VERBS:
                     # Not a byte may move after the engine hears "failed": wait for the copy to
-                    # stop at its next block boundary.
+                    # stop at its next block boundary (a lookup_load's lease nobody will use is
+                    # released).
                     with contextlib.suppress(Exception):
-                        await future
+                        self.service.release_abandoned(await future)
                 else:
                     future.add_done_callback(self._cleanup_abandoned)
                 return proto.error_reply(rid, proto.DEADLINE_EXCEEDED,

@@ -27,7 +27,8 @@ MAX_IDENT_LEN = 1 << 20  # one packed ident's bytes (lookup's ident_len)
 # 1.2: the ``engines`` verb. 1.3: the hello's answer names the daemon's CLOCK_MONOTONIC
 # (``mono``); a client on the same clock stamps each request with when it was sent
 # (``sent_mono``), and its deadline runs from then, not from when the daemon read it.
-PROTOCOL_VERSION = "1.3"
+# 1.4: the ``lookup_load`` verb.
+PROTOCOL_VERSION = "1.4"
 PRE_HANDSHAKE_VERSION = "1.0"
 
 # Error codes, the complete list a client can see.

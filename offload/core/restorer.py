@@ -245,17 +245,28 @@ class Restorer(Generic[Owner]):
             if lease_id:
                 self.client.release(lease_id)
             job.num_loaded = 0  # an aborted job's loaded blocks are nobody's
-            self.site.unreserve(job, quarantined=False)  # the daemon answered: done with them
+            # The daemon is done with the slots: it answered, the request never went out, or
+            # the connection is gone (the daemon stops a closed connection's copy at its next
+            # block, and unregistering waits for it), as for a load (``_take_load``).
+            self.site.unreserve(job, quarantined=False)
             end = (End.ABORTED if job.aborted else End.LOOKUP_FAILED if reply is None
                    else End.MISS)
             self._end(job, State.GIVEN_UP, end)
             return
         job.lease_id = lease_id
         job.to(State.LEASED)
-        if not self.decider.worth_loading(job):
+        end = None
+        if job.lease_epoch != self.client.registration_epoch:
+            end = End.RECONNECTED  # the lease died with its connection
+        elif hung:
+            self._release_lease_later(job)
+            end = End.STORE_HUNG
+        elif not self.decider.worth_loading(job):
             self._release_lease(job)
+            end = End.DECLINED
+        if end is not None:
             self.site.unreserve(job, quarantined=False)
-            self._end(job, State.GIVEN_UP, End.DECLINED)
+            self._end(job, State.GIVEN_UP, end)
             return
         self._send_load(job, Slots(job.slots.block_ids[:job.num_hit], job.slots.memory))
 

@@ -163,3 +163,27 @@ def test_a_hung_store_requeues_it_and_quarantines_the_blocks_until_it_answers(
         side.restores.poll()
         return side.ledger.num_free_blocks == NUM_BLOCKS and side.num_leases() == 0
     assert wait_until(released, timeout_s=10.0)
+
+
+def test_a_likely_hit_on_ssd_comes_back_leased_and_is_loaded_the_two_step_way(
+        make_daemon, tmp_path) -> None:
+    ssd = dict(ssd_dir=tmp_path / "ssd", ssd_size="16MiB", http=False)
+    first = make_daemon(dram="4MiB", **ssd)
+    store_chain(first.socket_path, 3)
+    assert first.stop() == 0  # the chain is on SSD only now
+    side = Side(make_daemon(dram="4MiB", **ssd))
+    try:
+        seq = sequence("on-ssd", 3)
+        side.likely(seq)
+        assert side.restores.prefetch(seq, busy=False, may_restore=True)
+        ready, requeued = side.poll_until_over(seq)
+        assert ready == [seq] and requeued == []
+        for i, block in enumerate(seq.block_ids[:CHAIN]):
+            assert bytes(side.arena.block(block)) == _stored_block(3, i), f"block {i} differs"
+        c = side.counters
+        assert c["restores_ahead"] == 1 and c["loads"] == 1  # the daemon did not load it
+        assert c["restores_landed_ahead"] == 0 and seq.restored_tokens_by_tier == {
+            "ssd": CHAIN * BLOCK_SIZE}
+        assert side.num_leases() == 0
+    finally:
+        side.close()
