@@ -412,10 +412,15 @@ def test_loading_then_aborted_hands_the_slots_back_when_the_load_ends(side, daem
 
 def test_a_job_ended_before_loading_is_aborted_at_once(side, daemon) -> None:
     r = restorer(side)
-    job = look_up(r, side, "a", 12)
-    r.start(job)
-    assert not r.abort(job)
-    assert (job.state, job.end) == (RestoreState.GIVEN_UP, RestoreEnd.ABORTED)
+    daemon.proc.send_signal(signal.SIGSTOP)  # its reply cannot come before the abort
+    try:
+        job = look_up(r, side, "a", 12)
+        r.start(job)
+        assert job.state is RestoreState.LOOKING_UP
+        assert not r.abort(job)
+        assert (job.state, job.end) == (RestoreState.GIVEN_UP, RestoreEnd.ABORTED)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
     assert r.poll() == [] and r.jobs == []
 
 
