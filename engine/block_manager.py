@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from engine.sequence import Sequence
@@ -68,10 +69,9 @@ class BlockManager:
         self._by_key: dict[bytes, int] = {}
         self.num_evictions = 0
         self.num_collisions = 0
-        # Blocks the running sequences' prompts still need (kept by the scheduler): a restore,
-        # which reserves its whole hit at once, leaves them free (``admit``'s keep_free_blocks),
-        # so it never makes a prompt being prefilled preempt another.
-        self.owed_to_running = 0
+        # Counts the blocks the running sequences' prompts still need (``owed_to_running``,
+        # the scheduler's count: ``count_owed_with``).
+        self._count_owed: Callable[[], int] = lambda: 0
         # For --kv-offload (``enable_offload``): evicted (namespace, key) pairs and, for the
         # ``evict`` policy only, cached blocks whose last reference went away; both drained once
         # per step by the offload bridge.
@@ -157,6 +157,20 @@ class BlockManager:
                 self.num_collisions += 1
                 return hits[:j]
         return hits  # every block passed on its own (the joined compare cannot fail then)
+
+    def count_owed_with(self, count: Callable[[], int]) -> None:
+        """``count()``: the blocks the running sequences still need for the tokens they
+        have (their prompts, mostly) beyond the blocks they hold; the scheduler, which knows
+        them, says how to count once."""
+        self._count_owed = count
+
+    @property
+    def owed_to_running(self) -> int:
+        """Blocks the running prompts still need, counted now: a restore, which reserves
+        its whole hit at once, leaves them free (``admit``'s keep_free_blocks), so it never
+        makes a prompt being prefilled preempt another (a prefill takes a chunk's blocks a
+        step at a time)."""
+        return self._count_owed()
 
     # -- allocation -------------------------------------------------------------------------
 

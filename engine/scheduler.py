@@ -84,6 +84,7 @@ class Scheduler:
         """``restores``: the store's restores (``--kv-offload``); by default none (a null
         bridge: every sequence is admitted without the store)."""
         self.block_manager = block_manager
+        block_manager.count_owed_with(self._owed_blocks)
         self.restores = restores if restores is not None else NullRestores(Counter())
         self.prefill_order = prefill_order or PrefillOrder()
         self.num_steps = 0  # schedule() calls so far: the clock of the aging rule
@@ -109,21 +110,16 @@ class Scheduler:
         # Its lookup goes out now, usually answered by admission; a likely hit is restored at
         # once, its load riding on the lookup, when a restore may start now (see
         # ``_start_restores``). Without prefix reads it computes its whole prompt.
-        self._note_owed_blocks()
         if seq.reads_prefix_cache and self.restores.prefetch(
                 seq, busy=bool(self.running), may_restore=self._may_restore_on_arrival()):
             self.waiting.pop()
             seq.status = SequenceStatus.LOADING
 
-    def _note_owed_blocks(self) -> None:
-        """Tell the block manager what the running sequences still need for the tokens they
-        have (their prompts, mostly) beyond the blocks they hold: a restore reserves its whole
-        hit at once and leaves that much free, so it never makes a prompt being prefilled
-        preempt another (a prefill takes a chunk's blocks a step at a time)."""
-        bm = self.block_manager
-        bs = bm.block_size
-        bm.owed_to_running = sum(max(0, -(-s.num_tokens // bs) - len(s.block_ids))
-                                 for s in self.running)
+    def _owed_blocks(self) -> int:
+        """The blocks the running sequences still need for the tokens they have beyond the
+        blocks they hold (``BlockManager.owed_to_running``)."""
+        bs = self.block_manager.block_size
+        return sum(max(0, -(-s.num_tokens // bs) - len(s.block_ids)) for s in self.running)
 
     def _may_restore_on_arrival(self) -> bool:
         """A restore of the request just queued may start now: the last schedule preempted
@@ -167,7 +163,6 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and allocate the blocks their new tokens need."""
-        self._note_owed_blocks()  # restores waiting for blocks may reserve in the poll
         self._absorb_restores()
         step = _Step(self.max_num_batched_tokens)
         for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
@@ -180,7 +175,6 @@ class Scheduler:
         if self._restores_open:
             # Loads cost no budget: start them whatever the step holds, after this step's
             # chunks have their blocks (a restore reserves blocks too).
-            self._note_owed_blocks()
             self._start_restores()
         self.num_steps += 1
         return step.batch
@@ -193,7 +187,6 @@ class Scheduler:
         The step's blocks are all held by its sequences, so reserving free ones is safe."""
         if not self._restores_open:
             return  # the step preempted: blocks are short, the next schedule decides
-        self._note_owed_blocks()
         depth = 1 if self._head_blocked else RESTORE_SCAN_DEPTH
         asking = [seq for seq in itertools.islice(self.waiting, depth)
                   if not seq.offload_checked and seq.reads_prefix_cache]
@@ -319,7 +312,6 @@ class Scheduler:
         if not seq.reads_prefix_cache:
             return False
         hit_ids = self.block_manager.match_prefix(seq)
-        self._note_owed_blocks()  # sequences admitted earlier in this schedule included
         if self.restores.start_restore(seq, len(hit_ids), bool(self.running)):
             seq.status = SequenceStatus.LOADING  # the offload bridge holds it until it lands
             return True

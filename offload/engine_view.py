@@ -53,7 +53,10 @@ class BlockLedger(Protocol):
 
     num_blocks: int
     block_size: int
-    owed_to_running: int  # blocks running prompts still need: a restore leaves them free
+
+    @property
+    def owed_to_running(self) -> int:
+        """Blocks running prompts still need, counted now: a restore leaves them free."""
 
     def enable_offload(self, track_released: bool, generations: Generations | None) -> None:
         """Record evictions (and released blocks, and registrations with ``generations``)."""

@@ -134,6 +134,11 @@ class LinkThread:
         return StoreState.while_waiting(self._client, (self._busy_since, self._probe_sent_at),
                                         self.deadline_s, connected=self._up)
 
+    def daemon_knows(self, verb: str) -> bool:
+        """Whether the daemon of the connection now has ``verb`` (its hello's protocol)."""
+        client = self._client
+        return client is not None and client.knows_verb(verb)
+
     @property
     def deadline_s(self) -> float:
         """How long a wait on the daemon may last before it counts as hung: ``probe_deadline_s``,

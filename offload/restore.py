@@ -116,10 +116,9 @@ class EngineRestores(RestoreBridge):
             return False
         hashes = seq.block_hashes[first:servable_blocks(seq.num_tokens, self.block_size)]
         idents = self._idents(seq, first)
-        # A daemon older than ``lookup_load`` (protocol 1.4) answers it unknown_verb: from
-        # then on this client restores the two-step way.
+        # A daemon older than ``lookup_load`` (protocol 1.4) is asked the two-step way.
         if (may_restore and self._likely_hit(seq, first)
-                and not self.client.counters["errors_unknown_verb"]):
+                and self.client.daemon_knows("lookup_load")):
             ahead = self.restorer.look_up_and_load(
                 seq, seq.namespace_digest, hashes, idents, first, busy,
                 self.decider.fewest_worth_loading(Tier.DRAM.value, len(hashes)))

@@ -122,6 +122,12 @@ class StoreClient:
     def daemon_pid(self) -> int | None:
         return self._thread.daemon_pid
 
+    def daemon_knows(self, verb: str) -> bool:
+        """Whether the daemon connected now has ``verb`` (by the protocol version it said in
+        the hello): a verb a later minor added goes only to a daemon that speaks it. False
+        while no daemon is connected."""
+        return self._thread.daemon_knows(verb)
+
     def _lost(self, code: str) -> None:
         self.counters[f"errors_{code}"] += 1
         if code == "deadline":  # no reply at all: start over on a fresh connection

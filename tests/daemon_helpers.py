@@ -56,16 +56,27 @@ def _pump(stream, lines: list[str], out: queue.Queue) -> None:
     out.put(None)
 
 
+# ``start_daemon(protocol=...)``: the daemon's hello names another (older) protocol version.
+_CLAIMING_SERVE = ("import sys; import kvstore.wire.protocol as p; p.PROTOCOL_VERSION = {!r}; "
+                   "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
 def start_daemon(workdir: Path, *extra: str, dram: str = "32MiB", ssd_dir: Path | None = None,
                  ssd_size: str | None = None, http: bool = True,
                  env: dict[str, str] | None = None,
                  socket_path: Path | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S) -> RunningDaemon:
-    """Start `python -m kvstore.cli serve` (on a fresh socket unless given); wait until ready."""
+                 start_timeout_s: float = START_TIMEOUT_S,
+                 protocol: str | None = None) -> RunningDaemon:
+    """Start `python -m kvstore.cli serve` (on a fresh socket unless given); wait until ready.
+    ``protocol``: the version the daemon says in its hello, as an older daemon would (its
+    verbs stay this tree's: what a client may ask is the client's choice)."""
     # A short private directory: sun_path holds only 107 bytes, pytest's tmp paths can be long.
     if socket_path is None:
         socket_path = Path(tempfile.mkdtemp(prefix="kvs-")) / "kvstore.sock"
-    args = [sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(socket_path),
+    head = [sys.executable, "-m", "kvstore.cli"]
+    if protocol is not None:
+        head = [sys.executable, "-c", _CLAIMING_SERVE.format(protocol)]
+    args = [*head, "serve", "--socket", str(socket_path),
             "--dram", dram, "--http", "127.0.0.1:0" if http else "off", *extra]
     if ssd_dir is not None:
         args += ["--ssd-dir", str(ssd_dir), "--ssd-size", ssd_size or "64MiB"]

@@ -228,6 +228,11 @@ class Connection:
             self._check_hello(reply)
         self._in_flight.finish(reply)
 
+    def knows_verb(self, verb: str) -> bool:
+        """Whether the daemon's protocol (from the hello's answer) has ``verb``; False while
+        that answer has not come for a verb a later minor added."""
+        return proto.knows_verb(self.daemon_protocol, verb)
+
     def _check_hello(self, reply: dict) -> None:
         """The hello's answer: another major fails every request with one error naming both."""
         self.daemon_protocol, mismatch = read_hello(reply, self.socket_path)

@@ -30,6 +30,9 @@ MAX_IDENT_LEN = 1 << 20  # one packed ident's bytes (lookup's ident_len)
 # 1.4: the ``lookup_load`` verb.
 PROTOCOL_VERSION = "1.4"
 PRE_HANDSHAKE_VERSION = "1.0"
+# The verbs a minor added, by the version that added them: a client asks a daemon that speaks
+# an older minor only what that minor knows.
+VERB_SINCE = {"engines": "1.2", "lookup_load": "1.4"}
 
 # Error codes, the complete list a client can see.
 BAD_REQUEST = "bad_request"
@@ -65,6 +68,21 @@ def protocol_major(version: str) -> int:
     if not (sep and major.isdigit() and minor.isdigit()):
         raise ValueError(f"not a MAJOR.MINOR protocol version: {version[:32]!r}")
     return int(major)
+
+
+def knows_verb(version: str | None, verb: str) -> bool:
+    """Whether a daemon speaking ``version`` (None: not known yet) answers ``verb``: a verb of
+    1.0, or one its minor added (``VERB_SINCE``) at or before ``version``, same major."""
+    since = VERB_SINCE.get(verb)
+    if since is None:
+        return True
+    if version is None:
+        return False
+    try:
+        theirs, ours = protocol_major(version), protocol_major(since)
+    except ValueError:
+        return False
+    return theirs == ours and int(version.partition(".")[2]) >= int(since.partition(".")[2])
 
 
 def kind_of(value: Any) -> str:

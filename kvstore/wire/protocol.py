@@ -86,12 +86,14 @@ from kvstore.wire.framing import (
     STORE_ERROR,
     UNKNOWN_VERB,
     UNSUPPORTED,
+    VERB_SINCE,
     FrameDecoder,
     ProtocolError,
     decode_body,
     encode_frame,
     frame_length,
     kind_of,
+    knows_verb,
     protocol_major,
 )
 from kvstore.wire.verbs import (
@@ -110,7 +112,7 @@ __all__ = [
     "MAX_IDENT_LEN", "MAX_NESTING", "MAX_REQUEST_ID", "NOT_FOUND", "PERMISSION_DENIED",
     "PRE_HANDSHAKE_VERSION", "PROTOCOL_MISMATCH", "PROTOCOL_VERSION", "protocol_major",
     "RESOURCE_EXHAUSTED", "SCHEMAS", "SHUTTING_DOWN", "STORE_ERROR", "UNKNOWN_VERB",
-    "UNSUPPORTED", "FrameDecoder",
+    "UNSUPPORTED", "VERB_SINCE", "FrameDecoder", "knows_verb",
     "ProtocolError", "Request", "decode_body", "encode_frame", "error_reply", "expand_tier_runs",
     "frame_length", "lookup_items", "ok_reply", "pack_lookup", "parse_request", "split_packed",
     "tier_runs", "validate_args",

@@ -187,3 +187,25 @@ def test_a_likely_hit_on_ssd_comes_back_leased_and_is_loaded_the_two_step_way(
         assert side.num_leases() == 0
     finally:
         side.close()
+
+
+def test_a_daemon_older_than_lookup_load_is_asked_the_two_step_way(make_daemon) -> None:
+    daemon = make_daemon(dram="16MiB", protocol="1.3")  # says 1.3 in its hello
+    store_chain(daemon.socket_path, 1)
+    side = Side(daemon)
+    try:
+        assert not side.store.client.daemon_knows("lookup_load")
+        assert side.store.client.daemon_knows("lookup")
+        seq = sequence("older", 1)
+        side.likely(seq)
+        assert not side.restores.prefetch(seq, busy=False, may_restore=True)  # a plain lookup
+        assert seq.request_id in side.restores.prefetched
+        assert side.counters["restores_ahead"] == 0 and side.counters["lookup_loads"] == 0
+        assert side.restores.start_restore(seq, 0, False)
+        ready, requeued = side.poll_until_over(seq)
+        assert ready == [seq] and requeued == []
+        assert side.counters["loads"] == 1 and side.counters["restores_landed"] == 1
+        for i, block in enumerate(seq.block_ids[:CHAIN]):
+            assert bytes(side.arena.block(block)) == _stored_block(1, i), f"block {i} differs"
+    finally:
+        side.close()

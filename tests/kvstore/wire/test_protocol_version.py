@@ -65,3 +65,19 @@ def test_reading_the_answer(reply: dict, version: str, fails: bool) -> None:
     assert theirs == version and (mismatch is not None) == fails
     if fails:
         assert "/run/kvstore.sock" in str(mismatch) and proto.PROTOCOL_VERSION in str(mismatch)
+
+
+@pytest.mark.parametrize(("version", "verb", "knows"), [
+    ("1.4", "lookup_load", True), ("1.9", "lookup_load", True), ("1.3", "lookup_load", False),
+    ("1.3", "engines", True), ("1.1", "engines", False), ("2.5", "lookup_load", False),
+    (None, "lookup_load", False), (None, "lookup", True), ("1.0", "save", True),
+    ("one", "lookup_load", False),
+])
+def test_a_verb_goes_only_to_a_daemon_whose_minor_has_it(version, verb, knows) -> None:
+    assert proto.knows_verb(version, verb) is knows
+
+
+def test_a_connected_client_knows_the_daemons_verbs(daemon) -> None:
+    with Client(daemon.socket_path) as c:
+        c.health()  # the hello is answered before the first reply
+        assert c.knows_verb("lookup_load") and c.knows_verb("engines")
