@@ -92,21 +92,31 @@ def test_hbm_hit_first_then_store_for_the_rest(tiny_model_dir, make_daemon, refe
     assert out.cached_tokens_by_tier["dram"] == 5 * 16
 
 
+def _a_again_after_b(llm, seed: int):
+    """Prompt a, then b (which evicts a's blocks from a 16-block HBM), then a again once the
+    offload is idle (what a left behind has landed in the store); the llm is closed after.
+    (a, a's second output, the engine's kv_offload stats.)"""
+    a = random_prompt(1000, 16 * 10 + 4, seed=seed)
+    b = random_prompt(1000, 16 * 10 + 4, seed=seed + 1)
+    try:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        llm.engine.offload.wait_idle()
+        out = llm.generate([a], GREEDY)[0]
+        stats = llm.engine.stats()["kv_offload"]
+        llm.engine.block_manager.check_integrity()
+    finally:
+        close_llm(llm)
+    return a, out, stats
+
+
 def test_evict_policy_hands_blocks_over_and_gets_them_back(tiny_model_dir, make_daemon,
                                                           reference) -> None:
     daemon = make_daemon(dram="64MiB")
     # 16 blocks of HBM: the second prompt evicts the first one's blocks from this engine.
     llm = offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_policy="evict",
                        kv_offload_restore="always")
-    a = random_prompt(1000, 16 * 10 + 4, seed=4)
-    b = random_prompt(1000, 16 * 10 + 4, seed=5)
-    llm.generate([a], GREEDY)
-    llm.generate([b], GREEDY)
-    llm.engine.offload.wait_idle()  # the hand-over of a's released blocks has landed
-    out = llm.generate([a], GREEDY)[0]
-    stats = llm.engine.stats()["kv_offload"]
-    llm.engine.block_manager.check_integrity()
-    close_llm(llm)
+    a, out, stats = _a_again_after_b(llm, seed=4)
     assert out.token_ids == reference(a)
     assert out.cached_tokens_by_tier["dram"] > 0
     assert stats["evictions_published"] > 0
@@ -118,15 +128,7 @@ def test_a_likely_hit_is_restored_in_the_lookups_round_trip(tiny_model_dir, make
     # 16 blocks of HBM: b evicts a's blocks, which this engine saved (write-through), so a's
     # return is a likely hit: restored ahead, its load riding on the lookup.
     llm = offload_llm(tiny_model_dir, daemon, num_kv_blocks=16, kv_offload_restore="always")
-    a = random_prompt(1000, 16 * 10 + 4, seed=14)
-    b = random_prompt(1000, 16 * 10 + 4, seed=15)
-    llm.generate([a], GREEDY)
-    llm.generate([b], GREEDY)
-    llm.engine.offload.wait_idle()
-    out = llm.generate([a], GREEDY)[0]
-    stats = llm.engine.stats()["kv_offload"]
-    llm.engine.block_manager.check_integrity()
-    close_llm(llm)
+    a, out, stats = _a_again_after_b(llm, seed=14)
     assert out.token_ids == reference(a)
     assert out.cached_tokens_by_tier["dram"] > 0
     assert stats["restores_ahead"] == stats["restores_landed_ahead"] == 1

@@ -9,10 +9,15 @@ Real daemon, tiny CPU model; greedy tokens stay those of a run without any cache
 from __future__ import annotations
 
 import pytest
-from offload_helpers import close_llm, offload_llm, random_prompt, store_through_an_engine
+from offload_helpers import (
+    close_llm,
+    offload_llm,
+    random_prompt,
+    step_until_done,
+    store_through_an_engine,
+)
 
 from engine import LLM, SamplingParams
-from engine.sequence import SequenceStatus
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BUDGET = 64  # four blocks a step
@@ -39,26 +44,13 @@ def test_a_restore_beside_two_long_prefills_preempts_neither(tiny_model_dir,
     llm = offload_llm(tiny_model_dir, daemon, num_kv_blocks=NUM_KV_BLOCKS,
                       max_num_batched_tokens=BUDGET, kv_offload_restore="always")
     engine = llm.engine
-    tokens: dict[str, list[int]] = {}
-    restored = 0
     try:
         for i, prompt in enumerate(longs):
             engine.add_request(f"long{i}", prompt, PARAMS)
         for _ in range(4):  # both long prompts are mid-prefill, holding part of their blocks
             engine.step()
         engine.add_request("turn", turn, PARAMS)
-        for _ in range(400):
-            for out in engine.step():
-                tokens[out.request_id] = out.token_ids
-                if out.request_id == "turn":
-                    restored = out.cached_tokens_by_tier["dram"]
-            seq = engine.scheduler._by_id.get("turn")
-            if seq is not None and seq.status is SequenceStatus.LOADING:
-                engine.offload.restores.wait_for_progress(0.05)
-            if not engine.has_unfinished_requests():
-                break
-        assert not engine.has_unfinished_requests()
-        engine.block_manager.check_integrity()
+        tokens, restored = step_until_done(engine)
         preemptions = engine.scheduler.num_preemptions
         waited = engine.stats()["kv_offload"].get("restores_waited_for_slots", 0)
     finally:

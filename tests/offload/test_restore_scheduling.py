@@ -7,10 +7,15 @@ without any cache. ``fcfs`` (the old order) is the contrast that shows the test 
 from __future__ import annotations
 
 import pytest
-from offload_helpers import close_llm, offload_llm, random_prompt, store_through_an_engine
+from offload_helpers import (
+    close_llm,
+    offload_llm,
+    random_prompt,
+    step_until_done,
+    store_through_an_engine,
+)
 
 from engine import LLM, SamplingParams
-from engine.sequence import SequenceStatus
 
 BUDGET = 64
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -32,33 +37,22 @@ def run_restore_beside_long_prefill(model_dir, daemon, order: str, history, turn
                       prefill_order=order, kv_offload_restore="always")
     engine = llm.engine
     long_prompt = random_prompt(1000, LONG_TOKENS, seed=41)
-    tokens: dict[str, list[int]] = {}
-    restored = 0
-    first_token_after = long_left = None
+    first: list[tuple[int, int]] = []  # (steps to the turn's first token, long tokens left)
+
+    def note_first_token(index: int, outputs: list) -> None:
+        if not first and any(out.request_id == "turn" for out in outputs):
+            long_seq = engine.scheduler._by_id["long"]
+            first.append((index + 1, LONG_TOKENS - long_seq.num_computed_tokens))
     try:
         engine.add_request("long", long_prompt, PARAMS)
         for _ in range(3):  # the long prompt is mid-prefill
             engine.step()
         engine.add_request("turn", turn, PARAMS)
-        for index in range(400):
-            for out in engine.step():
-                tokens[out.request_id] = out.token_ids
-                if out.request_id == "turn":
-                    restored = out.cached_tokens_by_tier["dram"]
-                    if first_token_after is None:
-                        first_token_after = index + 1
-                        long_left = LONG_TOKENS - engine.scheduler._by_id[
-                            "long"].num_computed_tokens
-            turn_seq = engine.scheduler._by_id.get("turn")
-            if turn_seq is not None and turn_seq.status is SequenceStatus.LOADING:
-                for _ in range(40):  # let the load land (bounded): count steps, not CPU speed
-                    engine.offload.restores.wait_for_progress(0.05)  # at once if it landed
-            if not engine.has_unfinished_requests():
-                break
-        assert not engine.has_unfinished_requests()
-        engine.block_manager.check_integrity()
+        tokens, restored = step_until_done(engine, waits_per_step=40,
+                                           on_step=note_first_token)
     finally:
         close_llm(llm)
+    first_token_after, long_left = first[0] if first else (None, None)
     return first_token_after, long_left, tokens, restored, long_prompt
 
 

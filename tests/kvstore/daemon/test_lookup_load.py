@@ -31,14 +31,25 @@ def _saved(c: Client, src: ShmArena, name: str, num_saved: int):
     return chain
 
 
-def test_a_dram_hit_is_loaded_in_the_same_round_trip(daemon: RunningDaemon,
-                                                     arenas: list[ShmArena]) -> None:
-    src = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=3)
+def _source_and_target(arenas: list[ShmArena], seed: int) -> tuple[ShmArena, ShmArena]:
+    """An arena of random blocks to save from and an empty one to load into (closed after the
+    test, with ``arenas``)."""
+    src = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=seed)
     dst = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
     arenas += [src, dst]
+    return src, dst
+
+
+def _saved_for(c: Client, src: ShmArena, dst: ShmArena, name: str, num_saved: int):
+    """``_saved``'s chain and the registration of ``dst`` to load it into."""
+    return _saved(c, src, name, num_saved), c.register(dst.layout, "dst")
+
+
+def test_a_dram_hit_is_loaded_in_the_same_round_trip(daemon: RunningDaemon,
+                                                     arenas: list[ShmArena]) -> None:
+    src, dst = _source_and_target(arenas, seed=3)
     with daemon.client() as c:
-        chain = _saved(c, src, "whole", NUM_BLOCKS)
-        reg = c.register(dst.layout, "dst")
+        chain, reg = _saved_for(c, src, dst, "whole", NUM_BLOCKS)
         before = _leases(c)
         loaded_before = c.stats()["daemon"]["events"].get("lookup_loads_loaded", 0)
         dst_ids = [7, 6, 5, 4, 3, 2, 1, 0]
@@ -55,12 +66,9 @@ def test_a_dram_hit_is_loaded_in_the_same_round_trip(daemon: RunningDaemon,
 
 def test_a_partial_hit_loads_its_prefix_and_touches_nothing_past_it(
         daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
-    src = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=5)
-    dst = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
-    arenas += [src, dst]
+    src, dst = _source_and_target(arenas, seed=5)
     with daemon.client() as c:
-        chain = _saved(c, src, "prefix", 5)
-        reg = c.register(dst.layout, "dst")
+        chain, reg = _saved_for(c, src, dst, "prefix", 5)
         reply = c.lookup_load_async(reg, chain.namespace, chain.hashes, chain.idents,
                                     range(NUM_BLOCKS)).wait()
         assert (reply.num_hit, reply.num_loaded, reply.lease_id) == (5, 5, None)
@@ -76,12 +84,9 @@ def test_a_partial_hit_loads_its_prefix_and_touches_nothing_past_it(
 
 def test_a_hit_shorter_than_min_blocks_comes_back_leased(daemon: RunningDaemon,
                                                          arenas: list[ShmArena]) -> None:
-    src = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=7)
-    dst = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
-    arenas += [src, dst]
+    src, dst = _source_and_target(arenas, seed=7)
     with daemon.client() as c:
-        chain = _saved(c, src, "short", 3)
-        reg = c.register(dst.layout, "dst")
+        chain, reg = _saved_for(c, src, dst, "short", 3)
         before = _leases(c)
         reply = c.lookup_load_async(reg, chain.namespace, chain.hashes, chain.idents,
                                     range(NUM_BLOCKS), min_blocks=4).wait()
@@ -94,9 +99,7 @@ def test_a_hit_shorter_than_min_blocks_comes_back_leased(daemon: RunningDaemon,
 
 def test_an_ssd_hit_comes_back_leased_for_the_engine_to_weigh(make_daemon, tmp_path,
                                                               arenas: list[ShmArena]) -> None:
-    src = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=9)
-    dst = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
-    arenas += [src, dst]
+    src, dst = _source_and_target(arenas, seed=9)
     ssd = dict(ssd_dir=tmp_path / "ssd", ssd_size="16MiB", http=False)
     first = make_daemon(dram="4MiB", **ssd)
     with first.client() as c:
@@ -116,12 +119,9 @@ def test_an_ssd_hit_comes_back_leased_for_the_engine_to_weigh(make_daemon, tmp_p
 
 def test_bad_block_ids_are_refused_before_anything_is_leased(daemon: RunningDaemon,
                                                              arenas: list[ShmArena]) -> None:
-    src = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=11)
-    dst = ShmArena(NUM_BLOCKS, BLOCK_BYTES, seed=None)
-    arenas += [src, dst]
+    src, dst = _source_and_target(arenas, seed=11)
     with daemon.client() as c:
-        chain = _saved(c, src, "refused", NUM_BLOCKS)
-        reg = c.register(dst.layout, "dst")
+        chain, reg = _saved_for(c, src, dst, "refused", NUM_BLOCKS)
         before = _leases(c)
         for block_ids, words in (([0, 1], "2 block ids for 8 hashes"),
                                  ([0, 1, 2, 3, 4, 5, 6, NUM_BLOCKS], "out of range")):
