@@ -191,6 +191,7 @@ class Service:
             **counts,
             "registrations": len(self.registry),
             "copies": self.registry.copier_counts(),
+            "request_ms": self.latency.summary(),
         }
         return merge_stats(store_stats, daemon, self.hbm.stats(),
                            self._cluster.stats(counts["events"]))

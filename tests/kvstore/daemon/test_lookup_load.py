@@ -61,7 +61,13 @@ def test_a_dram_hit_is_loaded_in_the_same_round_trip(daemon: RunningDaemon,
         for i in range(NUM_BLOCKS):
             assert dst.block(dst_ids[i]) == src.block(i), f"block {i} differs"
         assert _leases(c) == before  # the load used the lease up
-        assert c.stats()["daemon"]["events"]["lookup_loads_loaded"] == loaded_before + 1
+        daemon_stats = c.stats()["daemon"]
+        assert daemon_stats["events"]["lookup_loads_loaded"] == loaded_before + 1
+        # Its time, split into lookup and load, and the verb's request time.
+        assert daemon_stats["events"]["lookup_load_us_load"] > 0
+        assert "lookup_load_us_lookup" in daemon_stats["events"]
+        timed = daemon_stats["request_ms"]["lookup_load"]
+        assert timed["count"] >= 1 and timed["sum_ms"] > 0
 
 
 def test_a_partial_hit_loads_its_prefix_and_touches_nothing_past_it(
