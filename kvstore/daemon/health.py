@@ -21,6 +21,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.daemon.stalls import Stalls
 from kvstore.store.ssd.files import data_file_path
 
 if TYPE_CHECKING:
@@ -66,11 +67,14 @@ class RedisState(str, Enum):
 class LoopHeartbeat:
     """Ticked by a task on the control loop (``run``); read from any thread."""
 
-    def __init__(self, interval_s: float = 0.1, stall_after_s: float = 0.5) -> None:
+    def __init__(self, interval_s: float = 0.1, stall_after_s: float = 0.5,
+                 stalls: Stalls | None = None) -> None:
+        """``stalls``: told how late each tick ran."""
         if not 0 < interval_s < stall_after_s:
             raise ValueError("the heartbeat must tick more often than stall_after_s")
         self.interval_s = interval_s
         self.stall_after_s = stall_after_s
+        self.stalls = stalls if stalls is not None else Stalls()
         self._last_tick: float | None = None
         self._stopping = False
 
@@ -78,7 +82,10 @@ class LoopHeartbeat:
         """Tick until cancelled (the daemon's shutdown), then say stopping."""
         try:
             while True:
-                self._last_tick = time.monotonic()
+                now = time.monotonic()
+                if self._last_tick is not None:
+                    self.stalls.loop_ticked(max(0.0, now - self._last_tick - self.interval_s))
+                self._last_tick = now
                 await asyncio.sleep(self.interval_s)
         finally:
             self._stopping = True

@@ -112,7 +112,8 @@ class Daemon:
         """``debug_stall_s`` (tests only, ``KVSTORE_DEBUG_STALL_ON_SIGUSR2``): SIGUSR2 blocks
         the loop this long, as a slow synchronous call on it would."""
         self.service = service
-        self.heartbeat = LoopHeartbeat()  # the admin thread's view of this loop
+        # the admin thread's view of this loop, and each tick's lateness in the stats
+        self.heartbeat = LoopHeartbeat(stalls=self.service.stalls)
         self.debug_stall_s = debug_stall_s
         self.socket_path = Path(socket_path)
         self.max_frame_bytes = max_frame_bytes
@@ -176,6 +177,7 @@ class Daemon:
         if self.debug_stall_s is not None:
             self._loop.add_signal_handler(signal.SIGUSR2, time.sleep, self.debug_stall_s)
         memory.use_mmap_for_large_buffers()  # big replies' memory goes back when freed
+        self.service.stalls.install()  # every garbage collection timed while it serves
         self.service.counters.declare(
             [f"connections_closed_{reason}" for reason in CLOSE_REASONS]
             + ["connections_refused_cap", "connections_refused_no_fds",
@@ -192,6 +194,7 @@ class Daemon:
             await self._stop.wait()
         finally:
             self.heartbeat.stop()
+            self.service.stalls.uninstall()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # the acceptor left the socket

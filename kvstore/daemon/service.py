@@ -29,6 +29,7 @@ from kvstore.daemon.counters import DaemonCounters
 from kvstore.daemon.engine_verbs import EngineVerbs
 from kvstore.daemon.latency import RequestLatency
 from kvstore.daemon.lease_table import LeaseTable
+from kvstore.daemon.stalls import Stalls
 from kvstore.daemon.stats import merge_stats
 from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.hbm.tier import HbmTier
@@ -63,6 +64,7 @@ class Service:
         self.started_at = time.monotonic()
         self.counters = DaemonCounters()
         self.latency = RequestLatency()
+        self.stalls = Stalls()  # the control loop's lateness and the collector's pauses
         self.leases = LeaseTable(store.release)
         self._cluster = ClusterLink(store, self.hbm, self.counters)
         blocks = BlockVerbs(store, self.hbm, self.leases, self._cluster, default_lease_ttl_s,
@@ -192,6 +194,7 @@ class Service:
             "registrations": len(self.registry),
             "copies": self.registry.copier_counts(),
             "request_ms": self.latency.summary(),
+            "stalls": self.stalls.report(),
         }
         return merge_stats(store_stats, daemon, self.hbm.stats(),
                            self._cluster.stats(counts["events"]))

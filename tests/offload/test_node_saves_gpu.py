@@ -136,8 +136,13 @@ def test_two_engines_save_19k_prompts_for_a_minute_then_load_each_others(tmp_pat
             line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
             results[role] = json.loads(line[len("RESULT "):])
         with daemon.client() as c:
-            events = c.stats()["daemon"]["events"]
-        print(json.dumps({"daemon_events": events, "engines": results}, default=str))
+            stats = c.stats()
+        events = stats["daemon"]["events"]
+        # what a late reply would come from (loop lateness, collector pauses), the HBM tier's
+        # copies from the other engine's arena, and the engines' results
+        print(json.dumps({"daemon_events": events, "stalls": stats["daemon"]["stalls"],
+                          "hbm_tier": stats["tiers"].get("hbm"), "engines": results},
+                         default=str))
         assert events.get("blocks_save_failed", 0) == 0, events
         errors = [line for line in daemon.lines if " ERROR " in line or " CRITICAL " in line]
         assert not errors, errors[:5]

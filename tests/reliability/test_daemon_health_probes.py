@@ -77,6 +77,25 @@ def test_a_wedged_control_loop_fails_health_and_readiness(make_daemon) -> None:
         assert c.health()["status"] == "ok"
 
 
+def test_a_stalled_loop_and_the_collectors_pauses_are_counted_in_stats(make_daemon) -> None:
+    """What made a reply late shows afterwards: the loop's lateness (counted, logged) and the
+    garbage collector's pauses (every collection timed)."""
+    daemon = make_daemon(http=False, env={"KVSTORE_DEBUG_STALL_ON_SIGUSR2": "0.6"})
+    with daemon.client() as c:
+        before = c.stats()["daemon"]["stalls"]
+        assert before["loop_lags_long"] == 0 and before["loop_lag_ms_max"] < 100
+        os.kill(daemon.proc.pid, signal.SIGUSR2)
+        time.sleep(1.0)
+        for _ in range(50):  # objects made and dropped: the collector runs
+            c.put(os.urandom(8), os.urandom(64))
+        after = c.stats()["daemon"]["stalls"]
+    assert after["loop_lags_long"] == 1
+    assert 400 <= after["loop_lag_ms_max"] < 5000  # the stall less what was left of a tick
+    assert sum(after["gc_collections"]) > 0 and after["gc_ms_total"] > 0
+    assert after["gc_ms_max"] <= after["gc_ms_total"]
+    assert any("control loop ran" in line and "ms late" in line for line in daemon.lines)
+
+
 def test_the_stall_hook_is_off_by_default(make_daemon) -> None:
     daemon = make_daemon(http=True)
     # Without the variable SIGUSR2 keeps its default action: the process ends (nothing of the

@@ -1,0 +1,102 @@
+"""Stalls: how long the daemon's control loop went without running, and what the cyclic garbage
+collector took, so that a late reply (an engine's probe counting the store as hung) can be told
+apart as a collection, a loop held by a call, or neither.
+
+The loop's heartbeat (``health.LoopHeartbeat``) reports each tick's lateness here; ``install``
+hooks ``gc.callbacks`` for the daemon's lifetime. Both are counted (``report``, in ``stats`` as
+``daemon.stalls``) and a long one is logged, at most once a minute.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+log = logging.getLogger("kvstore.daemon.stalls")
+
+# A pause this long is logged (rate-limited) and counted as long: an engine's probe waits 0.75 s.
+LONG_PAUSE_S = 0.1
+_LOG_INTERVAL_S = 60.0
+
+
+class Stalls:
+    """Loop lateness and collector pauses, counted. Without a lock: the collector's fields are
+    written only inside collections (one at a time, under the GIL, on whichever thread
+    allocates), the loop's only by the loop; a lock taken in a collector callback could be the
+    one its own thread holds."""
+
+    def __init__(self) -> None:
+        self.loop_lag_s_max = 0.0
+        self.loop_lags_long = 0
+        self.gc_collections = [0, 0, 0]  # by generation
+        self.gc_s_total = 0.0
+        self.gc_s_max = 0.0
+        self.gc_pauses_long = 0
+        self._gc_started: float | None = None
+        self._gc_note: str | None = None  # a long collection, logged by the next tick
+        self._next_log_at = 0.0
+        self._installed = False
+
+    # -- the control loop ---------------------------------------------------------------
+
+    def loop_ticked(self, lag_s: float) -> None:
+        """The heartbeat ran ``lag_s`` later than it asked to (and logs what is due)."""
+        self.loop_lag_s_max = max(self.loop_lag_s_max, lag_s)
+        long = lag_s >= LONG_PAUSE_S
+        self.loop_lags_long += long
+        note, self._gc_note = self._gc_note, None
+        if long:
+            self._log(f"the control loop ran {1e3 * lag_s:.0f} ms late")
+        if note is not None:
+            self._log(note)
+
+    # -- the cyclic collector -----------------------------------------------------------
+
+    def install(self) -> None:
+        """Time every collection from now until ``uninstall``."""
+        if not self._installed:
+            gc.callbacks.append(self._on_gc)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._on_gc)
+            self._installed = False
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        # Runs inside the collector on whichever thread collects: count only; a long pause is
+        # logged by the loop's next tick (no logging lock taken in here).
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        started, self._gc_started = self._gc_started, None
+        if started is None:
+            return
+        took = time.perf_counter() - started
+        generation = int(info.get("generation", 2))
+        self.gc_collections[min(2, max(0, generation))] += 1
+        self.gc_s_total += took
+        self.gc_s_max = max(self.gc_s_max, took)
+        if took >= LONG_PAUSE_S:
+            self.gc_pauses_long += 1
+            self._gc_note = (f"a generation-{generation} garbage collection took "
+                             f"{1e3 * took:.0f} ms ({int(info.get('collected', 0))} objects "
+                             "collected)")
+
+    # -- reading ------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        return {"loop_lag_ms_max": round(1e3 * self.loop_lag_s_max, 3),
+                "loop_lags_long": self.loop_lags_long,
+                "gc_collections": list(self.gc_collections),
+                "gc_ms_total": round(1e3 * self.gc_s_total, 3),
+                "gc_ms_max": round(1e3 * self.gc_s_max, 3),
+                "gc_pauses_long": self.gc_pauses_long}
+
+    def _log(self, message: str) -> None:
+        now = time.monotonic()
+        if now < self._next_log_at:
+            return
+        self._next_log_at = now + _LOG_INTERVAL_S
+        log.warning("%s (counted in stats: daemon.stalls)", message)
