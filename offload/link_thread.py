@@ -336,13 +336,16 @@ class LinkThread:
         if self._probe is not None:
             if not self._probe.poll():
                 return  # still out: ``state`` turns hung once it is overdue
+            answer: dict = {}
             with contextlib.suppress(ClientError, DaemonUnavailable):
-                self.daemon_pid = self._probe.wait(0).get("pid")
+                answer = self._probe.wait(0)
+                self.daemon_pid = answer.get("pid")
             assert self._probe_sent_at is not None
             rtt = now - self._probe_sent_at
             self._probe_rtts.append(rtt)
             if rtt > self.probe_deadline_s:
                 self.counters["probes_late"] += 1  # slow, yet not taken for hung
+                self._count_late_side(answer, now)
             self._probe = self._probe_sent_at = None
             self._next_probe_at = now + self.probe_interval_s
         if now < self._next_probe_at:
@@ -356,6 +359,23 @@ class LinkThread:
             self._drop()
         finally:
             self._busy_since = None
+
+    def _count_late_side(self, answer: dict, now: float) -> None:
+        """A late probe, on a clock shared with the daemon: late in the daemon (it answered
+        late) or here (its answer waited for this process: the GIL, a collection, this
+        thread's tick). Counted (``probes_late_daemon`` / ``probes_late_engine``), the first
+        one logged."""
+        mono, client = answer.get("mono"), self._client
+        if (type(mono) not in (int, float) or client is None or not client.clock_shared
+                or self._probe_sent_at is None):
+            return
+        in_daemon, here = mono - self._probe_sent_at, now - mono
+        side = "daemon" if in_daemon >= here else "engine"
+        self.counters[f"probes_late_{side}"] += 1
+        if self.counters[f"probes_late_{side}"] == 1:
+            log.warning("kv offload: a store probe took %.0f ms: %.0f ms to the daemon's "
+                        "answer, %.0f ms from there to this thread", 1e3 * (now -
+                        self._probe_sent_at), 1e3 * in_daemon, 1e3 * here)
 
     def _drop(self) -> None:
         self._up = False

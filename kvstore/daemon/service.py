@@ -175,9 +175,12 @@ class Service:
         """The ``health`` verb's answer: failing, with the reason, once the CUDA context is
         poisoned (no copy runs any more)."""
         cuda_reason = self.registry.cuda_fault.reason
+        now = time.monotonic()
+        # ``mono``: when it answered, on the daemon's CLOCK_MONOTONIC (a client on the same
+        # clock tells a late answer from a late read of it)
         report = {"status": "failing" if cuda_reason else "ok",
-                  "uptime_s": round(time.monotonic() - self.started_at, 3),
-                  "pid": os.getpid(), "version": self.version}
+                  "uptime_s": round(now - self.started_at, 3),
+                  "pid": os.getpid(), "version": self.version, "mono": now}
         if cuda_reason:
             report["reason"] = f"CUDA context poisoned: {cuda_reason}"
         return report

@@ -104,3 +104,45 @@ def test_a_slow_daemon_is_slow_and_a_stopped_one_hung_on_a_busy_machine(make_dae
         assert wait_until(lambda: link.state is StoreState.OK, timeout_s=10.0)
     finally:
         link.close()
+
+
+def test_a_late_probe_is_put_on_the_side_that_was_late(make_daemon) -> None:
+    """The health answer says when the daemon answered (its CLOCK_MONOTONIC): a probe late
+    because the daemon stopped counts as the daemon's, one late because this process held its
+    answer (a thread kept the GIL, as a long collection would) as the engine's."""
+    import sys
+
+    daemon = make_daemon(dram="32MiB")
+    counters: Counter[str] = Counter()
+    link = LinkThread(daemon.socket_path, None, "late-probes", timeout_s=30.0,
+                      reconnect_interval_s=0.5, counters=counters, probe_interval_s=0.1,
+                      probe_deadline_s=0.3)
+    try:
+        assert wait_until(lambda: link.state is StoreState.OK, timeout_s=10.0)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.8)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert wait_until(lambda: counters["probes_late_daemon"] >= 1, timeout_s=5.0)
+        assert counters["probes_late_engine"] == 0
+        # This thread keeps the GIL right after a probe went out: its answer waits here (a
+        # probe read before the hold began is not late: hold again after the next one).
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(5.0)
+        try:
+            for _ in range(5):
+                sent = counters["probes"]
+                while counters["probes"] == sent:
+                    time.sleep(0.001)
+                end = time.monotonic() + 0.8
+                while time.monotonic() < end:
+                    pass
+                if wait_until(lambda: counters["probes_late_engine"] >= 1, timeout_s=1.0):
+                    break
+        finally:
+            sys.setswitchinterval(switch)
+        assert counters["probes_late_engine"] >= 1, counters
+        assert counters["probes_late_daemon"] == 1  # the stop's, only
+    finally:
+        link.close()
