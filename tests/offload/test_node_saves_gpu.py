@@ -129,10 +129,11 @@ def test_two_engines_save_19k_prompts_for_a_minute_then_load_each_others(tmp_pat
             children[role] = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               text=True)
-        results = {}
+        results, warnings = {}, {}
         for role, child in children.items():
             stdout, stderr = child.communicate(timeout=seconds + 900)
             assert child.returncode == 0, stderr[-4000:]
+            warnings[role] = [x for x in stderr.splitlines() if "WARNING" in x][:20]
             line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
             results[role] = json.loads(line[len("RESULT "):])
         with daemon.client() as c:
@@ -141,7 +142,9 @@ def test_two_engines_save_19k_prompts_for_a_minute_then_load_each_others(tmp_pat
         # what a late reply would come from (loop lateness, collector pauses), the HBM tier's
         # copies from the other engine's arena, and the engines' results
         print(json.dumps({"daemon_events": events, "stalls": stats["daemon"]["stalls"],
-                          "hbm_tier": stats["tiers"].get("hbm"), "engines": results},
+                          "hbm_tier": stats["tiers"].get("hbm"), "engines": results,
+                          "warnings": {"daemon": [x for x in daemon.lines
+                                                  if "WARNING" in x][:20], **warnings}},
                          default=str))
         assert events.get("blocks_save_failed", 0) == 0, events
         errors = [line for line in daemon.lines if " ERROR " in line or " CRITICAL " in line]
