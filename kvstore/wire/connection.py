@@ -242,6 +242,15 @@ class Connection:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
 
+    def answer_waiting(self) -> bool:
+        """Bytes from the daemon wait in the socket, not yet read: it is answering, whatever
+        the reader thread's last read says (held up in this process, behind the GIL or a
+        collection, it has not got to them). Peeks; never blocks, never consumes."""
+        try:
+            return bool(self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing there (EAGAIN), or closed: the reader says which
+            return False
+
     @property
     def is_closed(self) -> bool:
         """True once the connection is gone (closed here, or the daemon went away)."""

@@ -44,14 +44,17 @@ class StoreState(str, enum.Enum):
                       deadline_s: float, connected: bool = True) -> StoreState:
         """The state while requests may be out: ``waits`` are when each wait on the daemon
         began (``time.monotonic()``; None: no wait). HUNG once one has lasted past
-        ``deadline_s`` with no reply of any kind heard since it began; DOWN without
+        ``deadline_s`` with no reply of any kind heard since it began, unless an answer
+        waits unread in the socket (this process, not the daemon, was held up); DOWN without
         ``client``, with its connection closed, or not ``connected`` (the caller's own
-        condition, a registration); else OK. Never blocks: it reads timestamps, so it is right
-        even while the waiting thread is stuck."""
+        condition, a registration); else OK. Never blocks: it reads timestamps (and peeks), so
+        it is right even while the waiting thread is stuck."""
         now = time.monotonic()
         heard = client.last_reply_at if client is not None else 0.0
         for since in waits:
             if since is not None and now - max(since, heard) > deadline_s:
+                if client is not None and client.answer_waiting():
+                    break
                 return cls.HUNG
         if client is None or client.is_closed or not connected:
             return cls.DOWN

@@ -23,6 +23,34 @@ def _state(client: Client | None, *waits: float | None, connected: bool = True) 
     return StoreState.while_waiting(client, waits, DEADLINE_S, connected)
 
 
+def test_an_answer_unread_because_this_process_was_held_up_is_not_a_hang(daemon) -> None:
+    """The daemon answered in time; this process kept the GIL (as a long collection would), so
+    the reader thread never read it: the answer waits in the socket, the daemon is not hung."""
+    import sys
+
+    with Client(daemon.socket_path) as client:
+        client.health()  # connected, hello answered
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(5.0)
+        try:
+            for _ in range(5):  # until the hold began before the reader read the answer
+                began = time.monotonic()
+                pending = client.health_async()
+                end = time.monotonic() + 5 * DEADLINE_S
+                while time.monotonic() < end:  # the daemon answers meanwhile; nobody reads
+                    pass
+                unread = client.last_reply_at < began
+                state = _state(client, began)
+                if unread:
+                    break
+                pending.wait(5.0)
+        finally:
+            sys.setswitchinterval(switch)
+        assert unread, "the reader read every answer before the hold began"
+        assert state is OK
+        assert pending.wait(5.0)["status"] == "ok"
+
+
 def test_a_silent_wait_past_the_deadline_is_hung_an_answered_one_slow(daemon) -> None:
     with Client(daemon.socket_path) as client:
         began = time.monotonic()
