@@ -1,24 +1,23 @@
 """``cuMemcpyBatchAsync``: many copies in one driver call (CUDA 12.8+ drivers), through ctypes.
 
-The CUDA 13 form (``cuMemcpyBatchAsync_v2``: no ``failIdx``) is asked of the driver by
-``cuGetProcAddress`` for version 13000, so a CUDA 12.x library beside a newer driver cannot call
-it with the wrong argument list; a driver without it makes ``available()`` False. One attribute
+The CUDA 13 form (``cuMemcpyBatchAsync_v2``: no ``failIdx``) is asked of the driver
+(``cuda_driver``), so a CUDA 12.x library beside a newer driver cannot call it with the wrong
+argument list; a driver without it makes ``available()`` False. One attribute
 entry applies to every copy: source read in stream order, location hints from the direction.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 
+from kvstore.engines.cuda_driver import driver_function
 from kvstore.engines.run_arrays import RunArrays
 
 _SRC_ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE = 1
 _LOCATION_HOST = 2
-_PROC_VERSION = 13000
 
 
 class MemLocation(ctypes.Structure):
@@ -44,22 +43,9 @@ MEMCPY_BATCH_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_vo
                                       ctypes.c_void_p)
 
 
-@functools.cache
 def _batch_fn():
     """The driver's cuMemcpyBatchAsync of the CUDA 13 signature, or None."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        get = lib.cuGetProcAddress_v2
-    except (OSError, AttributeError):
-        return None
-    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                    ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
-    get.restype = ctypes.c_int
-    pfn, status = ctypes.c_void_p(), ctypes.c_int()
-    if get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), _PROC_VERSION, 0,
-           ctypes.byref(status)) != 0 or not pfn.value:
-        return None
-    return MEMCPY_BATCH_ASYNC(pfn.value)
+    return driver_function(b"cuMemcpyBatchAsync", MEMCPY_BATCH_ASYNC)
 
 
 def available() -> bool:

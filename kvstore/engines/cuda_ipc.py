@@ -9,7 +9,11 @@ device-to-device copies), and switches that access on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+
+from kvstore.engines import cuda_driver
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -82,6 +86,17 @@ def can_access_peer(device_id: int, peer_device_id: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _context_of(device_id: int) -> Iterator[None]:
+    """``device_id``'s primary context current on this thread for driver calls (since CUDA 12
+    ``cudaSetDevice`` makes it current; CuPy's ``Device`` skips the call when the device is
+    already this thread's), the previous device restored after."""
+    cp = _cupy()
+    with cp.cuda.Device(device_id):
+        cp.cuda.runtime.setDevice(device_id)
+        yield
+
+
 class CudaIpcMapping:
     """An engine's device buffer opened from its IPC handle; valid until ``close()``.
 
@@ -90,23 +105,21 @@ class CudaIpcMapping:
     """
 
     def __init__(self, handle: bytes, size_bytes: int, device_id: int) -> None:
-        cp = _cupy()
         self.device_id = device_id
         self.size_bytes = size_bytes
-        with cp.cuda.Device(device_id):
-            self.ptr = int(cp.cuda.runtime.ipcOpenMemHandle(bytes(handle),
-                                                            _IPC_LAZY_ENABLE_PEER_ACCESS))
+        with _context_of(device_id):
+            # Through the driver without the GIL: mapping a whole arena takes long.
+            self.ptr = cuda_driver.ipc_open(bytes(handle), _IPC_LAZY_ENABLE_PEER_ACCESS)
             try:
                 base, num_bytes = allocation_range(self.ptr)
             except BaseException:
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+                cuda_driver.ipc_close(self.ptr)
                 raise
         self.mapped_bytes = max(0, base + num_bytes - self.ptr)
         self._open = True
 
     def close(self) -> None:
         if self._open:
-            cp = _cupy()
-            with cp.cuda.Device(self.device_id):
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+            with _context_of(self.device_id):
+                cuda_driver.ipc_close(self.ptr)  # without the GIL, as it was opened
             self._open = False

@@ -39,3 +39,56 @@ def test_allocation_range_finds_the_whole_allocation_from_inside_it() -> None:
             assert base == memory.ptr and size >= num_bytes
         with pytest.raises(RuntimeError, match="cuMemGetAddressRange"):
             allocation_range(16)  # no allocation holds address 16
+
+
+def test_ipc_calls_go_through_the_driver_and_say_when_it_is_missing() -> None:
+    """``cuIpcOpenMemHandle`` / ``cuIpcCloseMemHandle`` through ctypes (the GIL let go): the
+    handle is cuda.h's 64 bytes by value; without a driver (CPU) a clear error, and a handle
+    of another size is refused before any call."""
+    import ctypes
+
+    from kvstore.engines import cuda_driver
+
+    assert ctypes.sizeof(cuda_driver.IpcMemHandle) == 64
+    raw = cuda_driver.IpcMemHandle.from_buffer_copy(bytes(range(64)))
+    assert bytes(raw) == bytes(range(64))  # the zero byte and all after it kept
+    with pytest.raises(ValueError, match="64 bytes"):
+        cuda_driver.ipc_open(b"short", 1)
+    if cuda_driver.driver_function(b"cuIpcOpenMemHandle", cuda_driver._IPC_OPEN) is None:
+        with pytest.raises(RuntimeError, match="no cuIpcOpenMemHandle"):
+            cuda_driver.ipc_open(bytes(64), 1)
+        with pytest.raises(RuntimeError, match="no cuIpcCloseMemHandle"):
+            cuda_driver.ipc_close(1 << 40)
+
+
+@pytest.mark.gpu
+def test_registering_a_large_arena_leaves_the_daemons_loop_running(tmp_path) -> None:
+    """Opening an arena's IPC handle maps all of it; CuPy's ipcOpenMemHandle held the GIL
+    meanwhile (H200s: the control loop 1.5 s late as two engines registered, their probes
+    calling the store hung). Through the driver without the GIL, the loop keeps ticking."""
+    import time
+
+    import cupy as cp
+    from daemon_helpers import start_daemon
+    from support.arena import CudaArena
+
+    block_bytes = 36 * 2 * 16 * 8 * 128 * 2
+    free, _ = cp.cuda.runtime.memGetInfo()
+    num_blocks = int(min(0.6 * free, 64 << 30) // block_bytes)
+    arena = CudaArena(num_blocks, block_bytes, seed=None, generations=False)
+    daemon = start_daemon(tmp_path, dram="256MiB", http=False)
+    try:
+        with daemon.client(timeout_s=120.0) as c:
+            began = time.monotonic()
+            reg = c.register(arena.layout, "large")
+            registered_s = time.monotonic() - began
+            began = time.monotonic()
+            assert c.unregister(reg)
+            unregistered_s = time.monotonic() - began
+            stalls = c.stats()["daemon"]["stalls"]
+        print(f"\n{num_blocks * block_bytes / 2**30:.0f} GiB arena: register "
+              f"{1e3 * registered_s:.0f} ms, unregister {1e3 * unregistered_s:.0f} ms, "
+              f"loop late at most {stalls['loop_lag_ms_max']:.0f} ms")
+        assert stalls["loop_lag_ms_max"] < 250, stalls
+    finally:
+        assert daemon.stop() == 0, "\n".join(daemon.lines)
