@@ -340,12 +340,13 @@ class LinkThread:
             with contextlib.suppress(ClientError, DaemonUnavailable):
                 answer = self._probe.wait(0)
                 self.daemon_pid = answer.get("pid")
+            landed_at = self._probe.landed_at or now
             assert self._probe_sent_at is not None
             rtt = now - self._probe_sent_at
             self._probe_rtts.append(rtt)
             if rtt > self.probe_deadline_s:
                 self.counters["probes_late"] += 1  # slow, yet not taken for hung
-                self._count_late_side(answer, now)
+                self._count_late_side(answer, landed_at, now)
             self._probe = self._probe_sent_at = None
             self._next_probe_at = now + self.probe_interval_s
         if now < self._next_probe_at:
@@ -360,22 +361,26 @@ class LinkThread:
         finally:
             self._busy_since = None
 
-    def _count_late_side(self, answer: dict, now: float) -> None:
-        """A late probe, on a clock shared with the daemon: late in the daemon (it answered
-        late) or here (its answer waited for this process: the GIL, a collection, this
-        thread's tick). Counted (``probes_late_daemon`` / ``probes_late_engine``), the first
-        one logged."""
+    def _count_late_side(self, answer: dict, landed_at: float, now: float) -> None:
+        """A late probe, on a clock shared with the daemon: where most of its time went. To
+        the daemon's answer (``probes_late_daemon``: it answered late), from there until the
+        client's reader thread read it (``probes_late_engine``: this process was held up, by
+        the GIL or a collection), or from there until this thread got to it
+        (``probes_late_link``: it was busy, a send to a daemon that does not read included).
+        The first of each kind is logged with the three spans."""
         mono, client = answer.get("mono"), self._client
         if (type(mono) not in (int, float) or client is None or not client.clock_shared
                 or self._probe_sent_at is None):
             return
-        in_daemon, here = mono - self._probe_sent_at, now - mono
-        side = "daemon" if in_daemon >= here else "engine"
+        spans = {"daemon": mono - self._probe_sent_at, "engine": landed_at - mono,
+                 "link": now - landed_at}
+        side = max(spans, key=spans.__getitem__)
         self.counters[f"probes_late_{side}"] += 1
         if self.counters[f"probes_late_{side}"] == 1:
             log.warning("kv offload: a store probe took %.0f ms: %.0f ms to the daemon's "
-                        "answer, %.0f ms from there to this thread", 1e3 * (now -
-                        self._probe_sent_at), 1e3 * in_daemon, 1e3 * here)
+                        "answer, %.0f ms until it was read, %.0f ms until the link thread "
+                        "took it", 1e3 * (now - self._probe_sent_at), 1e3 * spans["daemon"],
+                        1e3 * spans["engine"], 1e3 * spans["link"])
 
     def _drop(self) -> None:
         self._up = False

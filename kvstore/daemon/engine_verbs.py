@@ -91,13 +91,12 @@ class EngineVerbs:
         try:
             with reg.open_for_copy():
                 if granted.hbm is None:
-                    num_loaded = self._load_from_store(reg, granted.store_lease, ctx, 0,
+                    num_loaded = self._load_from_store(reg, ctx, granted.store_lease, 0,
                                                        block_ids)
                 else:  # runs from other engines' arenas and from the store, in order
-                    num_loaded = self._hbm.load(
-                        granted.hbm, reg, block_ids,
-                        partial(self._load_from_store, reg, granted.store_lease, ctx),
-                        lambda: ctx.cancelled)
+                    num_loaded = self._hbm.load(granted.hbm, reg, block_ids,
+                                                partial(self._load_from_store, reg, ctx),
+                                                lambda: ctx.cancelled)
         finally:
             self._leases.drop(args["lease_id"])
             self._counters.add(blocks_loaded=num_loaded,
@@ -143,7 +142,7 @@ class EngineVerbs:
         self._counters.add(lookup_loads_loaded=int(loads), lookup_loads_leased=int(not loads))
         return reply
 
-    def _load_from_store(self, reg: Registration, lease: Lease | None, ctx: CallContext,
+    def _load_from_store(self, reg: Registration, ctx: CallContext, lease: Lease | None,
                          first_index: int, block_ids: list[int]) -> int:
         """Copy the lease's blocks ``first_index, ...`` into ``block_ids``; how many arrived."""
         if lease is None:

@@ -8,7 +8,9 @@ asked of the driver here runs without the GIL, so the loop and the other workers
 ``driver_function(name, prototype)`` asks ``cuGetProcAddress`` for the CUDA 13 form of ``name``
 (so a CUDA 12.x library beside a newer driver cannot call it with another argument list); None
 when the driver lacks it. ``ipc_open`` / ``ipc_close`` are ``cuIpcOpenMemHandle`` /
-``cuIpcCloseMemHandle``: call them with the device's context current on the calling thread.
+``cuIpcCloseMemHandle`` and ``enable_peer_access`` is ``cuCtxEnablePeerAccess`` (it maps every
+allocation of the peer, engines' arenas included): call them with the device's primary context
+current on the calling thread.
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ _IPC_OPEN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), IpcM
 _IPC_CLOSE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)
 
 
+_DEVICE_GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+_PRIMARY_CTX_RETAIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.c_int)
+_PRIMARY_CTX_RELEASE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+_CTX_ENABLE_PEER_ACCESS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint)
+PEER_ACCESS_ALREADY_ENABLED = 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+
+
 def _required(name: bytes, prototype: type) -> ctypes._CFuncPtr:
     fn = driver_function(name, prototype)
     if fn is None:
@@ -81,3 +91,20 @@ def ipc_close(ptr: int) -> None:
     result = _required(b"cuIpcCloseMemHandle", _IPC_CLOSE)(ptr)
     if result != 0:
         raise RuntimeError(f"cuIpcCloseMemHandle(0x{ptr:x}) failed with CUresult {result}")
+
+
+def enable_peer_access(peer_ordinal: int) -> int:
+    """``cuCtxEnablePeerAccess`` from the current context to ``peer_ordinal``'s primary
+    context: the CUresult (0, or ``PEER_ACCESS_ALREADY_ENABLED``, or the refusal)."""
+    device, peer_ctx = ctypes.c_int(0), ctypes.c_void_p(0)
+    result = _required(b"cuDeviceGet", _DEVICE_GET)(ctypes.byref(device), peer_ordinal)
+    if result != 0:
+        return result
+    result = _required(b"cuDevicePrimaryCtxRetain", _PRIMARY_CTX_RETAIN)(
+        ctypes.byref(peer_ctx), device.value)
+    if result != 0:
+        return result
+    try:
+        return _required(b"cuCtxEnablePeerAccess", _CTX_ENABLE_PEER_ACCESS)(peer_ctx, 0)
+    finally:  # the runtime holds the primary context too: this only drops our reference
+        _required(b"cuDevicePrimaryCtxRelease", _PRIMARY_CTX_RELEASE)(device.value)

@@ -5,7 +5,9 @@ registration holds, then asks the store (DRAM, SSD) for the others, in one lease
 HBM copy is preferred (on GPU a device-to-device copy beats any host-to-device one). The hit is
 the longest prefix every block of which one of them serves. A load walks the hit in runs of one
 source: HBM runs go through ``copy.py`` (generation-checked), store runs through the caller's
-store path; the first short run ends the count (fail closed).
+store path; the first short run ends the count (fail closed). An HBM run cut short because its
+source engine reused or dropped a block (it had published it and saved it too: write-through)
+goes on from the store where the store still holds those blocks, under a lease of its own.
 
 Eligible sources for a requester (its connection's registrations): another connection's
 registration that publishes generations, with the same block pieces, on the host for a host
@@ -47,7 +49,15 @@ _FAILURES = {BlockOutcome.GENERATION: "generation_failures",
 _PATHS = ("blocks_copied_host", "blocks_copied_same_gpu", "blocks_copied_peer_gpu")
 
 COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_PATHS,
-            *_FAILURES.values())  # then the staging's (``staging.COUNTERS``)
+            *_FAILURES.values(), "store_fallbacks", "blocks_from_store_instead")
+# then the staging's (``staging.COUNTERS``). A run that stopped because its source engine
+# reused or dropped a block goes on from the store where the store holds those blocks too
+# (``store_fallbacks``: runs; ``blocks_from_store_instead``: the blocks that came so).
+_FALLS_BACK = frozenset({BlockOutcome.GENERATION, BlockOutcome.OWNER_CLOSED})
+# The lease of such a fallback: taken and used up within one load.
+_FALLBACK_LEASE_TTL_S = 30.0
+# ``load``'s way to the store: (lease, its first index to read, the engine's blocks) -> copied.
+LoadLease = Callable[[Lease, int, Sequence[int]], int]
 LeftListener = Callable[[bytes, list[bytes]], None]
 
 
@@ -178,12 +188,12 @@ class HbmTier:
     # -- loads ------------------------------------------------------------------------------
 
     def load(self, hit: HbmHit, dst: Registration, block_ids: Sequence[int],
-             load_from_store: Callable[[int, Sequence[int]], int],
-             stopped: Callable[[], bool],
+             load_lease: LoadLease, stopped: Callable[[], bool],
              after_copy: Callable[[int], None] | None = None) -> int:
         """Fill ``block_ids`` (a prefix of the hit) in order; returns how many, from the first,
-        arrived intact. ``load_from_store(first_lease_index, block_ids)`` loads a store run and
-        returns its count. Call inside ``dst.open_for_copy()``."""
+        arrived intact. ``load_lease(lease, first_lease_index, block_ids)`` loads a store run
+        of ``lease`` and returns its count (the hit's own lease, or a fallback's). Call inside
+        ``dst.open_for_copy()``."""
         num_blocks = len(block_ids)
         num_loaded, i = 0, 0
         while i < num_blocks:
@@ -205,13 +215,40 @@ class HbmTier:
                         self.counters[_path(src, dst)] += num
                     if out.failure is not None:
                         self.counters[_FAILURES[out.failure]] += 1
+                if out.failure in _FALLS_BACK and not stopped():
+                    got += self._from_store_instead(hit.sources[i + got:j], dst,
+                                                    block_ids[i + got:j], load_lease)
+            elif hit.lease is None:
+                got = 0
             else:
-                got = load_from_store(hit.store_index[i], block_ids[i:j])
+                got = load_lease(hit.lease, hit.store_index[i], block_ids[i:j])
             num_loaded += got
             if got < j - i:
                 break
             i = j
         return num_loaded
+
+    def _from_store_instead(self, entries: Sequence[HbmEntry | None], dst: Registration,
+                            block_ids: Sequence[int], load_lease: LoadLease) -> int:
+        """The blocks of a cut-short HBM run, from the store where it holds them (a lease of
+        their own, used up here); how many arrived, from the first."""
+        sources = [e for e in entries if e is not None]
+        if not sources or len(sources) != len(entries):
+            return 0
+        first = sources[0]
+        found = self.store.lookup(first.namespace, [e.block_hash for e in sources],
+                                  [e.ident for e in sources], lease_ttl_s=_FALLBACK_LEASE_TTL_S,
+                                  owner=dst.owner)
+        if found.lease is None or not found.num_hit:
+            return 0
+        try:
+            got = load_lease(found.lease, 0, block_ids[:found.num_hit])
+        finally:
+            self.store.release(found.lease)
+        with self._lock:
+            self.counters["store_fallbacks"] += 1
+            self.counters["blocks_from_store_instead"] += got
+        return got
 
     # -- staging for peers -------------------------------------------------------------------
 

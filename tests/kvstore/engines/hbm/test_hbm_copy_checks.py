@@ -59,8 +59,24 @@ def _setup(parts, num_blocks: int):
     return owner, reader, owner_arena, reader_arena, chain, hit
 
 
-def _no_store(first_index: int, block_ids) -> int:
+def _no_store(lease, first_index: int, block_ids) -> int:
     raise AssertionError("every block of these hits is in the HBM tier")
+
+
+class _NotCancelled:
+    cancelled = False
+
+    def check(self) -> None:
+        pass
+
+
+def _store_path(store: TieredStore, reader):
+    """The daemon's store path for ``reader``: a lease's blocks copied into its arena."""
+    def load_lease(lease, first_index: int, block_ids) -> int:
+        with store.reading(lease):
+            return reader.load_blocks(store, lease, first_index, list(block_ids),
+                                      _NotCancelled())
+    return load_lease
 
 
 def test_reallocation_during_a_copy_fails_that_block(parts) -> None:
@@ -82,6 +98,50 @@ def test_reallocation_during_a_copy_fails_that_block(parts) -> None:
     assert counters["index_dropped_stale"] == 1  # the entry went with it
     again = tier.lookup(chain.namespace, chain.hashes, chain.idents, "conn-reader", None)
     assert again.num_hit == 2
+
+
+def test_a_block_reused_mid_run_comes_from_the_store_where_it_is_saved_too(parts) -> None:
+    """Write-through: the owner published its blocks and saved them. It reuses block 2 while a
+    reader copies the run: blocks 2-4 come from the store instead, under a lease of their own
+    (released after), and the whole hit lands byte-exact."""
+    store, _, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 5)
+    assert _stage(tier, chain) == 5  # the store holds the five blocks too
+    expected = [owner_arena.block(i) for i in range(5)]
+
+    def owner_reallocates(i: int) -> None:
+        if i == 2:
+            owner_arena.allocate([2])
+            owner_arena.array[2 * BLOCK_BYTES:3 * BLOCK_BYTES] = 0
+
+    with reader.open_for_copy():
+        num = tier.load(hit, reader, [8, 9, 10, 11, 12], _store_path(store, reader),
+                        lambda: False, owner_reallocates)
+    assert num == 5
+    assert [reader_arena.block(8 + i) for i in range(5)] == expected
+    counters = tier.stats()["counters"]
+    assert counters["generation_failures"] == 1 and counters["blocks_copied"] == 2
+    assert counters["store_fallbacks"] == 1 and counters["blocks_from_store_instead"] == 3
+    assert store.stats()["leases"] == 0  # the fallback's lease was released
+    store.check_integrity()
+
+
+def test_a_block_reused_mid_run_and_not_in_the_store_ends_the_count(parts) -> None:
+    store, _, tier, _ = parts
+    owner, reader, owner_arena, reader_arena, chain, hit = _setup(parts, 5)
+    assert _stage(tier, chain, start=3) == 2  # the store holds blocks 3-4, not 2
+
+    def owner_reallocates(i: int) -> None:
+        if i == 2:
+            owner_arena.allocate([2])
+
+    with reader.open_for_copy():
+        num = tier.load(hit, reader, [8, 9, 10, 11, 12], _store_path(store, reader),
+                        lambda: False, owner_reallocates)
+    assert num == 2  # fail closed: the chain breaks at block 2
+    counters = tier.stats()["counters"]
+    assert counters["store_fallbacks"] == 0 and counters["blocks_from_store_instead"] == 0
+    assert store.stats()["leases"] == 0
 
 
 def test_owner_gone_during_a_copy_fails_the_rest(parts) -> None:
