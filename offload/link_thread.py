@@ -12,8 +12,9 @@ The state the engine reads (``state``, a ``StoreState`` told by its rule ``while
 ``ok`` (registered, the last probe answered in time), ``hung`` (a probe, the registration or a
 send has waited on the daemon longer than the deadline, and nothing at all came back meanwhile:
 it is alive enough to hold the socket but does not answer, as under SIGSTOP; the deadline is
-``probe_deadline_s``, longer where recent probes were slow) or ``down`` (not connected). It is
-derived from timestamps, so it is right even while this thread itself is stuck in a send. A
+``probe_deadline_s``, longer where recent probes were slow: ``StoreProbe``) or ``down`` (not
+connected). It is derived from timestamps, so it is right even while this thread itself is
+stuck in a send. A
 lost connection is made again on demand (a request, or the engine asking whether the store is
 available), at most once per ``reconnect_interval_s``; each new connection bumps ``epoch``: the
 daemon met again may have lost what it held, and a request that names registered memory
@@ -35,13 +36,14 @@ import os
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import Client, ClientError, DaemonUnavailable, Pending, StoreState
 from offload.link_requests import LinkRequest
+from offload.store_probe import PROBE_DEADLINE_S, PROBE_INTERVAL_S, StoreProbe
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
 
@@ -49,14 +51,6 @@ log = logging.getLogger("offload")
 # Connected, reconnected: its own logger, which the programs show at their default level.
 connection_log = logging.getLogger("offload.connection")
 
-# How often a connected link asks the daemon for ``health``, and how long an answer (or any
-# other wait on the daemon) may take before the store counts as hung. Generous against a loaded
-# machine; a request waits on a hung store about their sum at most.
-PROBE_INTERVAL_S = 0.25
-PROBE_DEADLINE_S = 0.75
-# Where probes answered slowly, the deadline grows up to this (``LinkThread.deadline_s``).
-MAX_PROBE_DEADLINE_S = 5.0
-_RTT_WINDOW = 20
 # Requests waiting for the link's thread; past this the store is too far behind: refused.
 MAX_QUEUED = 4096
 # The link's thread wakes at least this often (probes, reconnects, closing).
@@ -99,22 +93,17 @@ class LinkThread:
         self.register_timeout_s = timeout_s if register_timeout_s is None else register_timeout_s
         self.on_registered = on_registered
         self.reconnect_interval_s = reconnect_interval_s
-        self.probe_interval_s = probe_interval_s
         self.probe_deadline_s = probe_deadline_s
         self.counters = counters
         for key in ("connects", "connect_failures", "probes", "sent_at_once"):  # made now
             counters[key] += 0
         self.epoch = 0  # connections made; a new one starts with nothing published
-        self.daemon_pid: int | None = None  # from the last health answer
+        self._probe = StoreProbe(counters, probe_interval_s, probe_deadline_s)
         self._queue: queue.Queue[Outgoing | None] = queue.Queue(maxsize=max_queued)
         self._client: Client | None = None
         self._registration_id: int | None = None
         self._up = False  # connected (and registered, if there is a layout)
         self._busy_since: float | None = None  # this thread waits on the daemon since then
-        self._probe: Pending | None = None
-        self._probe_sent_at: float | None = None
-        self._probe_rtts: deque[float] = deque(maxlen=_RTT_WINDOW)  # answered probes' times
-        self._next_probe_at = 0.0
         self._next_attempt = 0.0
         self._connect_wanted = threading.Event()
         self._drop_wanted = threading.Event()
@@ -131,7 +120,7 @@ class LinkThread:
         """OK, HUNG or DOWN (see the module docstring); never blocks. A wait past the deadline
         is a hang only while no reply of any kind has arrived for that long either: a daemon
         that still answers other requests is slow, not stopped."""
-        return StoreState.while_waiting(self._client, (self._busy_since, self._probe_sent_at),
+        return StoreState.while_waiting(self._client, (self._busy_since, self._probe.sent_at),
                                         self.deadline_s, connected=self._up)
 
     def daemon_knows(self, verb: str) -> bool:
@@ -142,10 +131,13 @@ class LinkThread:
     @property
     def deadline_s(self) -> float:
         """How long a wait on the daemon may last before it counts as hung: ``probe_deadline_s``,
-        or more where recent probes took longer (a loaded machine): four times the slowest of
-        the last ``_RTT_WINDOW``, at most ``MAX_PROBE_DEADLINE_S``."""
-        slowest = max(self._probe_rtts, default=0.0)
-        return min(MAX_PROBE_DEADLINE_S, max(self.probe_deadline_s, 4 * slowest))
+        or more where recent probes took longer (``StoreProbe.deadline_s``)."""
+        return self._probe.deadline_s
+
+    @property
+    def daemon_pid(self) -> int | None:
+        """The daemon's pid, from the last health answer."""
+        return self._probe.daemon_pid
 
     def wait_first_attempt(self, timeout_s: float) -> None:
         """Let a caller give the first connect a moment (bounded) before it starts serving."""
@@ -285,7 +277,7 @@ class LinkThread:
         self._client, self._registration_id = client, registration_id
         self._up = True
         self.counters["connects"] += 1
-        self._next_probe_at = time.monotonic()
+        self._probe.start_over(time.monotonic())
         where = client.socket_path
         if self.counters["connects"] > 1:
             connection_log.warning("kv offload: reconnected to kvstore at %s (registration %s)",
@@ -333,59 +325,21 @@ class LinkThread:
     def _probe_step(self) -> None:
         assert self._client is not None
         now = time.monotonic()
-        if self._probe is not None:
-            if not self._probe.poll():
-                return  # still out: ``state`` turns hung once it is overdue
-            answer: dict = {}
-            with contextlib.suppress(ClientError, DaemonUnavailable):
-                answer = self._probe.wait(0)
-                self.daemon_pid = answer.get("pid")
-            landed_at = self._probe.landed_at or now
-            assert self._probe_sent_at is not None
-            rtt = now - self._probe_sent_at
-            self._probe_rtts.append(rtt)
-            if rtt > self.probe_deadline_s:
-                self.counters["probes_late"] += 1  # slow, yet not taken for hung
-                self._count_late_side(answer, landed_at, now)
-            self._probe = self._probe_sent_at = None
-            self._next_probe_at = now + self.probe_interval_s
-        if now < self._next_probe_at:
+        self._probe.collect(self._client, now)
+        if not self._probe.due(now):
             return
         self._busy_since = now
         try:
-            self._probe = self._client.health_async(self.timeout_s)
-            self._probe_sent_at = now
-            self.counters["probes"] += 1
+            self._probe.sent(self._client.health_async(self.timeout_s), now)
         except (DaemonUnavailable, ClientError, OSError):
             self._drop()
         finally:
             self._busy_since = None
 
-    def _count_late_side(self, answer: dict, landed_at: float, now: float) -> None:
-        """A late probe, on a clock shared with the daemon: where most of its time went. To
-        the daemon's answer (``probes_late_daemon``: it answered late), from there until the
-        client's reader thread read it (``probes_late_engine``: this process was held up, by
-        the GIL or a collection), or from there until this thread got to it
-        (``probes_late_link``: it was busy, a send to a daemon that does not read included).
-        The first of each kind is logged with the three spans."""
-        mono, client = answer.get("mono"), self._client
-        if (type(mono) not in (int, float) or client is None or not client.clock_shared
-                or self._probe_sent_at is None):
-            return
-        spans = {"daemon": mono - self._probe_sent_at, "engine": landed_at - mono,
-                 "link": now - landed_at}
-        side = max(spans, key=spans.__getitem__)
-        self.counters[f"probes_late_{side}"] += 1
-        if self.counters[f"probes_late_{side}"] == 1:
-            log.warning("kv offload: a store probe took %.0f ms: %.0f ms to the daemon's "
-                        "answer, %.0f ms until it was read, %.0f ms until the link thread "
-                        "took it", 1e3 * (now - self._probe_sent_at), 1e3 * spans["daemon"],
-                        1e3 * spans["engine"], 1e3 * spans["link"])
-
     def _drop(self) -> None:
         self._up = False
         client, self._client, self._registration_id = self._client, None, None
-        self._probe = self._probe_sent_at = None
+        self._probe.start_over(time.monotonic())
         if client is not None:
             log.warning("kv offload: lost the store; recomputing until it is back")
             client.close()

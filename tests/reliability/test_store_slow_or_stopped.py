@@ -24,7 +24,8 @@ import pytest
 from daemon_helpers import wait_until
 
 from kvstore import StoreState
-from offload.link_thread import MAX_PROBE_DEADLINE_S, LinkThread
+from offload.link_thread import LinkThread
+from offload.store_probe import MAX_PROBE_DEADLINE_S
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # ~18 s
 
