@@ -4,20 +4,29 @@ apart as a collection, a loop held by a call, or neither.
 
 The loop's heartbeat (``health.LoopHeartbeat``) reports each tick's lateness here; ``install``
 hooks ``gc.callbacks`` for the daemon's lifetime. Both are counted (``report``, in ``stats`` as
-``daemon.stalls``) and a long one is logged, at most once a minute.
+``daemon.stalls``) and a long one is logged, at most once a minute. ``watch_stacks`` (``kvstore
+serve`` turns it on) also has every thread's stack written to stderr when the loop has not
+ticked for ``STACKS_AFTER_S``, by ``faulthandler``'s watchdog: a C thread that needs no GIL, so
+it sees a call that holds the GIL too. At most ``MAX_STACK_DUMPS`` per process.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
+import sys
 import time
+from typing import TextIO
 
 log = logging.getLogger("kvstore.daemon.stalls")
 
 # A pause this long is logged (rate-limited) and counted as long: an engine's probe waits 0.75 s.
 LONG_PAUSE_S = 0.1
 _LOG_INTERVAL_S = 60.0
+# ``watch_stacks``: a loop this late has every thread's stack written out, a few times at most.
+STACKS_AFTER_S = 0.5
+MAX_STACK_DUMPS = 3
 
 
 class Stalls:
@@ -37,11 +46,15 @@ class Stalls:
         self._gc_note: str | None = None  # a long collection, logged by the next tick
         self._next_log_at = 0.0
         self._installed = False
+        self._stacks_to: TextIO | None = None  # ``watch_stacks``: armed at every tick
+        self._interval_s = 0.0
+        self.stack_dumps = 0
 
     # -- the control loop ---------------------------------------------------------------
 
     def loop_ticked(self, lag_s: float) -> None:
         """The heartbeat ran ``lag_s`` later than it asked to (and logs what is due)."""
+        self._rearm_stacks(lag_s)
         self.loop_lag_s_max = max(self.loop_lag_s_max, lag_s)
         long = lag_s >= LONG_PAUSE_S
         self.loop_lags_long += long
@@ -50,6 +63,29 @@ class Stalls:
             self._log(f"the control loop ran {1e3 * lag_s:.0f} ms late")
         if note is not None:
             self._log(note)
+
+    def watch_stacks(self, interval_s: float, out: TextIO | None = None) -> None:
+        """From now on, every thread's stack goes to ``out`` (stderr) when the loop, ticking
+        every ``interval_s``, has not ticked for ``STACKS_AFTER_S`` (process-wide: one such
+        watchdog per process, so the daemon's command turns it on, never a library user)."""
+        self._stacks_to = out if out is not None else sys.stderr
+        self._interval_s = interval_s
+        self._rearm_stacks(0.0)
+
+    def stop_watching_stacks(self) -> None:
+        if self._stacks_to is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._stacks_to = None
+
+    def _rearm_stacks(self, lag_s: float) -> None:
+        if self._stacks_to is None:
+            return
+        if lag_s + self._interval_s >= STACKS_AFTER_S:  # the watchdog fired meanwhile
+            self.stack_dumps += 1
+            if self.stack_dumps >= MAX_STACK_DUMPS:
+                self.stop_watching_stacks()
+                return
+        faulthandler.dump_traceback_later(STACKS_AFTER_S, repeat=False, file=self._stacks_to)
 
     # -- the cyclic collector -----------------------------------------------------------
 
@@ -60,6 +96,9 @@ class Stalls:
             self._installed = True
 
     def uninstall(self) -> None:
+        """The daemon stops: collections untimed, the stack watchdog off (a loop shutting
+        down does not tick)."""
+        self.stop_watching_stacks()
         if self._installed:
             gc.callbacks.remove(self._on_gc)
             self._installed = False
@@ -92,7 +131,7 @@ class Stalls:
                 "gc_collections": list(self.gc_collections),
                 "gc_ms_total": round(1e3 * self.gc_s_total, 3),
                 "gc_ms_max": round(1e3 * self.gc_s_max, 3),
-                "gc_pauses_long": self.gc_pauses_long}
+                "gc_pauses_long": self.gc_pauses_long, "stack_dumps": self.stack_dumps}
 
     def _log(self, message: str) -> None:
         now = time.monotonic()

@@ -94,6 +94,9 @@ def test_a_stalled_loop_and_the_collectors_pauses_are_counted_in_stats(make_daem
     assert sum(after["gc_collections"]) > 0 and after["gc_ms_total"] > 0
     assert after["gc_ms_max"] <= after["gc_ms_total"]
     assert any("control loop ran" in line and "ms late" in line for line in daemon.lines)
+    # and every thread's stack, written by faulthandler's watchdog while the loop was held
+    assert after["stack_dumps"] == 1
+    assert any("most recent call first" in line for line in daemon.lines), daemon.lines[-20:]
 
 
 def test_the_stall_hook_is_off_by_default(make_daemon) -> None:
