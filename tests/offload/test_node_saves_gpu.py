@@ -144,7 +144,10 @@ def test_two_engines_save_19k_prompts_for_a_minute_then_load_each_others(tmp_pat
         print(json.dumps({"daemon_events": events, "stalls": stats["daemon"]["stalls"],
                           "hbm_tier": stats["tiers"].get("hbm"), "engines": results,
                           "warnings": {"daemon": [x for x in daemon.lines
-                                                  if "WARNING" in x][:20], **warnings}},
+                                                  if "WARNING" in x][:20], **warnings},
+                          # what the daemon's threads ran while its loop stalled
+                          "stall_stacks": [x.rstrip() for x in daemon.lines if x.startswith(
+                              ("Timeout (", "Thread 0x", "  File "))][:200]},
                          default=str))
         assert events.get("blocks_save_failed", 0) == 0, events
         errors = [line for line in daemon.lines if " ERROR " in line or " CRITICAL " in line]
