@@ -47,6 +47,7 @@ from kvstore.engines.copy_handle import CopyHandle
 from kvstore.engines.copy_method import GATHER_MIN_RUNS, aligned, host_method
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.engines.cuda_fault import CudaFault
+from kvstore.engines.cuda_ipc import hold_primary_context
 
 __all__ = ["CopyHandle", "CudaCopier"]
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
@@ -92,6 +93,7 @@ class CudaCopier:
         self.settings = settings
         self.fault = fault if fault is not None else CudaFault()
         kinds = (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEFAULT)
+        hold_primary_context(device_id)  # made, if new, without the GIL
         with cp.cuda.Device(device_id):
             self._streams = {kind: cp.cuda.Stream(non_blocking=True) for kind in kinds}
             # the staged method's gather/scatter kernels, beside each host <-> device stream

@@ -10,7 +10,8 @@ asked of the driver here runs without the GIL, so the loop and the other workers
 when the driver lacks it. ``ipc_open`` / ``ipc_close`` are ``cuIpcOpenMemHandle`` /
 ``cuIpcCloseMemHandle`` and ``enable_peer_access`` is ``cuCtxEnablePeerAccess`` (it maps every
 allocation of the peer, engines' arenas included): call them with the device's primary context
-current on the calling thread.
+current on the calling thread. ``retain_primary_context`` creates a device's primary context
+(1-2 s on an H200, which CuPy's first ``cudaSetDevice`` on a device spends holding the GIL).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ _IPC_OPEN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), IpcM
 _IPC_CLOSE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)
 
 
+_INIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint)
 _DEVICE_GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
 _PRIMARY_CTX_RETAIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                                        ctypes.c_int)
@@ -108,3 +110,18 @@ def enable_peer_access(peer_ordinal: int) -> int:
         return _required(b"cuCtxEnablePeerAccess", _CTX_ENABLE_PEER_ACCESS)(peer_ctx, 0)
     finally:  # the runtime holds the primary context too: this only drops our reference
         _required(b"cuDevicePrimaryCtxRelease", _PRIMARY_CTX_RELEASE)(device.value)
+
+
+def retain_primary_context(ordinal: int) -> int:
+    """``cuDevicePrimaryCtxRetain`` of device ``ordinal``: creates its primary context if it
+    has none yet, and keeps a reference to it (never dropped: the caller keeps the context for
+    the process's life). The CUresult."""
+    result = _required(b"cuInit", _INIT)(0)
+    if result != 0:
+        return result
+    device, ctx = ctypes.c_int(0), ctypes.c_void_p(0)
+    result = _required(b"cuDeviceGet", _DEVICE_GET)(ctypes.byref(device), ordinal)
+    if result != 0:
+        return result
+    return _required(b"cuDevicePrimaryCtxRetain", _PRIMARY_CTX_RETAIN)(ctypes.byref(ctx),
+                                                                       device.value)

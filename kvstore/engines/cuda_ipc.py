@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 
 from kvstore.engines import cuda_driver
+
+log = logging.getLogger(__name__)
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -82,12 +85,31 @@ def can_access_peer(device_id: int, peer_device_id: int) -> bool:
     return result in (0, cuda_driver.PEER_ACCESS_ALREADY_ENABLED)
 
 
+@functools.cache
+def hold_primary_context(device_id: int) -> bool:
+    """``device_id``'s primary context made (if new) without the GIL and held for the
+    process's life, once per device: the daemon's first CUDA call on the device of a newly
+    registered engine used to create it inside CuPy with the GIL held, and its control loop
+    stalled 1.5-2.3 s on H200s. False (logged) where the driver refuses: CuPy then makes the
+    context as before."""
+    try:
+        result = cuda_driver.retain_primary_context(device_id)
+    except RuntimeError as exc:  # no driver
+        result = str(exc)
+    if result != 0:
+        log.warning("device %d's CUDA context not made ahead (%s): made on first use", device_id,
+                    result)
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _context_of(device_id: int) -> Iterator[None]:
     """``device_id``'s primary context current on this thread for driver calls (since CUDA 12
     ``cudaSetDevice`` makes it current; CuPy's ``Device`` skips the call when the device is
     already this thread's), the previous device restored after."""
     cp = _cupy()
+    hold_primary_context(device_id)
     with cp.cuda.Device(device_id):
         cp.cuda.runtime.setDevice(device_id)
         yield
