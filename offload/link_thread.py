@@ -14,11 +14,10 @@ send has waited on the daemon longer than the deadline, and nothing at all came 
 it is alive enough to hold the socket but does not answer, as under SIGSTOP; the deadline is
 ``probe_deadline_s``, longer where recent probes were slow: ``StoreProbe``) or ``down`` (not
 connected). It is derived from timestamps, so it is right even while this thread itself is
-stuck in a send. A
-lost connection is made again on demand (a request, or the engine asking whether the store is
-available), at most once per ``reconnect_interval_s``; each new connection bumps ``epoch``: the
-daemon met again may have lost what it held, and a request that names registered memory
-(``Outgoing.epoch``) is sent only on the connection it was planned for.
+stuck in a send. A lost connection is made again on demand (a request, or the engine asking
+whether the store is available), at most once per ``reconnect_interval_s``; each new connection
+bumps ``epoch``: the daemon met again may have lost what it held, and a request that names
+registered memory (``Outgoing.epoch``) is sent only on the connection it was planned for.
 
 What is registered: a fixed ``KVLayout`` (kvengine's arena), a callable that makes a fresh one
 on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writes only into

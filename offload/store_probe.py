@@ -45,9 +45,12 @@ class StoreProbe:
         self._pending: Pending | None = None
         self._rtts: deque[float] = deque(maxlen=_RTT_WINDOW)  # answered probes' times
         self._next_at = 0.0
+        for side in ("daemon", "engine", "link"):  # present from the start, at zero
+            counters[f"probes_late_{side}"] += 0
 
     @property
     def deadline_s(self) -> float:
+        """How long a wait on the daemon may last before the store counts as hung."""
         slowest = max(self._rtts, default=0.0)
         return min(MAX_PROBE_DEADLINE_S, max(self.min_deadline_s, 4 * slowest))
 
@@ -56,6 +59,7 @@ class StoreProbe:
         return self._pending is None and now >= self._next_at
 
     def sent(self, pending: Pending, now: float) -> None:
+        """A probe went out at ``now``; ``collect`` takes its answer."""
         self._pending, self.sent_at = pending, now
         self.counters["probes"] += 1
 

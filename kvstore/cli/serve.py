@@ -294,8 +294,8 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
         banner.info("%s", cluster_line)
 
     def ready() -> None:
-        # a stalled loop writes every thread's stack to stderr (a few times at most)
-        service.stalls.watch_stacks(daemon.heartbeat.interval_s)
+        # a stalled loop has every thread's stack written beside the socket (a few times)
+        service.stalls.watch_stacks(daemon.heartbeat.interval_s, daemon.socket_path.parent)
         if admin is not None:
             admin.start()
         banner.info("kvstore: ready (pid %d)", os.getpid())

@@ -177,7 +177,6 @@ class Daemon:
         if self.debug_stall_s is not None:
             self._loop.add_signal_handler(signal.SIGUSR2, time.sleep, self.debug_stall_s)
         memory.use_mmap_for_large_buffers()  # big replies' memory goes back when freed
-        self.service.stalls.install()  # every garbage collection timed while it serves
         self.service.counters.declare(
             [f"connections_closed_{reason}" for reason in CLOSE_REASONS]
             + ["connections_refused_cap", "connections_refused_no_fds",
@@ -189,6 +188,7 @@ class Daemon:
                  asyncio.create_task(self._watch.run(lambda: list(self._connections))),
                  asyncio.create_task(self.heartbeat.run())]
         try:
+            self.service.stalls.install()  # every garbage collection timed while it serves
             if on_ready is not None:
                 on_ready()
             await self._stop.wait()

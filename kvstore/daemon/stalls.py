@@ -5,7 +5,7 @@ apart as a collection, a loop held by a call, or neither.
 The loop's heartbeat (``health.LoopHeartbeat``) reports each tick's lateness here; ``install``
 hooks ``gc.callbacks`` for the daemon's lifetime. Both are counted (``report``, in ``stats`` as
 ``daemon.stalls``) and a long one is logged, at most once a minute. ``watch_stacks`` (``kvstore
-serve`` turns it on) also has every thread's stack written to stderr when the loop has not
+serve`` turns it on) also has every thread's stack written to a file when the loop has not
 ticked for ``STACKS_AFTER_S``, by ``faulthandler``'s watchdog: a C thread that needs no GIL, so
 it sees a call that holds the GIL too. At most ``MAX_STACK_DUMPS`` per process.
 """
@@ -15,8 +15,10 @@ from __future__ import annotations
 import faulthandler
 import gc
 import logging
-import sys
+import os
+import tempfile
 import time
+from pathlib import Path
 from typing import TextIO
 
 log = logging.getLogger("kvstore.daemon.stalls")
@@ -47,6 +49,7 @@ class Stalls:
         self._next_log_at = 0.0
         self._installed = False
         self._stacks_to: TextIO | None = None  # ``watch_stacks``: armed at every tick
+        self.stack_file: str | None = None
         self._interval_s = 0.0
         self.stack_dumps = 0
 
@@ -64,24 +67,43 @@ class Stalls:
         if note is not None:
             self._log(note)
 
-    def watch_stacks(self, interval_s: float, out: TextIO | None = None) -> None:
-        """From now on, every thread's stack goes to ``out`` (stderr) when the loop, ticking
-        every ``interval_s``, has not ticked for ``STACKS_AFTER_S`` (process-wide: one such
-        watchdog per process, so the daemon's command turns it on, never a library user)."""
-        self._stacks_to = out if out is not None else sys.stderr
+    def watch_stacks(self, interval_s: float, directory: Path) -> None:
+        """From now on, every thread's stack is written to a file of its own in ``directory``
+        (``stack_file``) when the loop, ticking every ``interval_s``, has not ticked for
+        ``STACKS_AFTER_S``. A file, not stderr: re-arming waits for a dump in progress with
+        the GIL held, and a pipe nobody reads would stop the whole daemon there. Process-wide
+        (one such watchdog per process), so the daemon's command turns it on, never a library
+        user."""
+        try:
+            fd, path = tempfile.mkstemp(prefix="kvstore-stacks-", suffix=".txt", dir=directory)
+        except OSError as exc:
+            log.warning("no stack dumps of a stalled loop: cannot make a file in %s: %s",
+                        directory, exc)
+            return
+        self._stacks_to = os.fdopen(fd, "w")
+        self.stack_file = path
         self._interval_s = interval_s
         self._rearm_stacks(0.0)
 
     def stop_watching_stacks(self) -> None:
-        if self._stacks_to is not None:
-            faulthandler.cancel_dump_traceback_later()
-            self._stacks_to = None
+        """The watchdog off; its file removed if nothing was written to it."""
+        out, self._stacks_to = self._stacks_to, None
+        if out is None:
+            return
+        faulthandler.cancel_dump_traceback_later()
+        out.close()
+        if self.stack_file is not None and os.path.getsize(self.stack_file) == 0:
+            os.unlink(self.stack_file)
+            self.stack_file = None
 
     def _rearm_stacks(self, lag_s: float) -> None:
         if self._stacks_to is None:
             return
         if lag_s + self._interval_s >= STACKS_AFTER_S:  # the watchdog fired meanwhile
             self.stack_dumps += 1
+            log.warning("every thread's stack, %.0f ms into a stalled loop, is in %s "
+                        "(at most %d such dumps)", 1e3 * lag_s, self.stack_file,
+                        MAX_STACK_DUMPS)
             if self.stack_dumps >= MAX_STACK_DUMPS:
                 self.stop_watching_stacks()
                 return
@@ -126,12 +148,14 @@ class Stalls:
     # -- reading ------------------------------------------------------------------------
 
     def report(self) -> dict:
+        """The counts, for ``stats`` (``daemon.stalls``)."""
         return {"loop_lag_ms_max": round(1e3 * self.loop_lag_s_max, 3),
                 "loop_lags_long": self.loop_lags_long,
                 "gc_collections": list(self.gc_collections),
                 "gc_ms_total": round(1e3 * self.gc_s_total, 3),
                 "gc_ms_max": round(1e3 * self.gc_s_max, 3),
-                "gc_pauses_long": self.gc_pauses_long, "stack_dumps": self.stack_dumps}
+                "gc_pauses_long": self.gc_pauses_long, "stack_dumps": self.stack_dumps,
+                "stack_file": self.stack_file}
 
     def _log(self, message: str) -> None:
         now = time.monotonic()

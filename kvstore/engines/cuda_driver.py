@@ -68,10 +68,22 @@ _CTX_ENABLE_PEER_ACCESS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes
 PEER_ACCESS_ALREADY_ENABLED = 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
 
 
+class CudaDriverError(RuntimeError):
+    """A driver call that failed; ``status`` is its CUresult (``cuda_fault.is_sticky`` reads
+    it), None when there is no driver or it lacks the function."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def _required(name: bytes, prototype: type) -> ctypes._CFuncPtr:
+    """The driver's ``name``; CudaDriverError without a driver or without the function."""
+    if _get_proc_address() is None:
+        raise CudaDriverError("no CUDA driver (libcuda.so.1) on this machine")
     fn = driver_function(name, prototype)
     if fn is None:
-        raise RuntimeError(f"this CUDA driver has no {name.decode()}")
+        raise CudaDriverError(f"this CUDA driver has no {name.decode()}")
     return fn
 
 
@@ -84,7 +96,7 @@ def ipc_open(handle: bytes, flags: int) -> int:
     raw = IpcMemHandle.from_buffer_copy(bytes(handle))  # all 64 bytes, zeros included
     result = _required(b"cuIpcOpenMemHandle", _IPC_OPEN)(ctypes.byref(ptr), raw, flags)
     if result != 0:
-        raise RuntimeError(f"cuIpcOpenMemHandle failed with CUresult {result}")
+        raise CudaDriverError(f"cuIpcOpenMemHandle failed with CUresult {result}", result)
     return int(ptr.value)
 
 
@@ -92,7 +104,8 @@ def ipc_close(ptr: int) -> None:
     """``cuIpcCloseMemHandle``: unmap what ``ipc_open`` mapped."""
     result = _required(b"cuIpcCloseMemHandle", _IPC_CLOSE)(ptr)
     if result != 0:
-        raise RuntimeError(f"cuIpcCloseMemHandle(0x{ptr:x}) failed with CUresult {result}")
+        raise CudaDriverError(f"cuIpcCloseMemHandle(0x{ptr:x}) failed with CUresult {result}",
+                              result)
 
 
 def enable_peer_access(peer_ordinal: int) -> int:

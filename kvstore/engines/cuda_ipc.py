@@ -131,7 +131,8 @@ class CudaIpcMapping:
             try:
                 base, num_bytes = allocation_range(self.ptr)
             except BaseException:
-                cuda_driver.ipc_close(self.ptr)
+                with contextlib.suppress(Exception):  # the first error is the one to see
+                    cuda_driver.ipc_close(self.ptr)
                 raise
         self.mapped_bytes = max(0, base + num_bytes - self.ptr)
         self._open = True

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from kvstore.engines.copier import CudaCopier
 from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.cuda_fault import CudaFault
+from kvstore.engines.cuda_ipc import hold_primary_context
 from kvstore.engines.cuda_registration import CudaRegistration, IpcTable
 from kvstore.engines.memory_claims import MemoryClaims, memory_key
 from kvstore.engines.registration import (  # noqa: F401 (the registry's errors, re-exported)
@@ -137,17 +138,22 @@ class Registry:
         reg.attach_generations(mapping)
 
     def _copier(self, device_id: int) -> CudaCopier:
+        # A device new to the daemon gets its CUDA context (1-2 s) before the lock is taken:
+        # verbs answered on the control loop (resident, evicted, lookups) take the lock too.
+        hold_primary_context(device_id)
         with self._lock:
             copier = self._copiers.get(device_id)
+            made = copier is None
             if copier is None:
                 copier = self._copiers[device_id] = CudaCopier(device_id, self.copy_settings,
                                                                 self.cuda_fault)
-                try:  # once per device: its kernels loaded before the first copy needs them
-                    warm_copier(copier)
-                except Exception as exc:
-                    self.cuda_fault.observe(exc, "warming up the copier")
-                    log.warning("warm-up of device %d's copier failed: %s", device_id, exc)
-            return copier
+        if made:  # once per device, outside the lock: its kernels loaded before a copy needs them
+            try:
+                warm_copier(copier)
+            except Exception as exc:
+                self.cuda_fault.observe(exc, "warming up the copier")
+                log.warning("warm-up of device %d's copier failed: %s", device_id, exc)
+        return copier
 
     def get(self, registration_id: int, owner: str) -> Registration:
         with self._lock:

@@ -53,7 +53,11 @@ class StoreState(str, enum.Enum):
         heard = client.last_reply_at if client is not None else 0.0
         for since in waits:
             if since is not None and now - max(since, heard) > deadline_s:
-                if client is not None and client.answer_waiting():
+                # The peek lets go of the GIL: a reader held up until now may read meanwhile,
+                # so what it heard is read again after it.
+                if client is not None and (client.answer_waiting()
+                                           or now - max(since, client.last_reply_at)
+                                           <= deadline_s):
                     break
                 return cls.HUNG
         if client is None or client.is_closed or not connected:

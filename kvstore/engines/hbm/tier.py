@@ -49,10 +49,13 @@ _FAILURES = {BlockOutcome.GENERATION: "generation_failures",
 _PATHS = ("blocks_copied_host", "blocks_copied_same_gpu", "blocks_copied_peer_gpu")
 
 COUNTERS = ("lookups", "hits", "misses", "copies", "blocks_copied", *_PATHS,
-            *_FAILURES.values(), "store_fallbacks", "blocks_from_store_instead")
+            *_FAILURES.values(), "store_fallbacks", "blocks_from_store_instead",
+            "store_fallbacks_missed", "store_fallback_errors")
 # then the staging's (``staging.COUNTERS``). A run that stopped because its source engine
 # reused or dropped a block goes on from the store where the store holds those blocks too
-# (``store_fallbacks``: runs; ``blocks_from_store_instead``: the blocks that came so).
+# (``store_fallbacks``: runs; ``blocks_from_store_instead``: the blocks that came so;
+# ``store_fallbacks_missed``: the store had none of them; ``store_fallback_errors``: the
+# fallback failed, and the load ends there as it would have without it).
 _FALLS_BACK = frozenset({BlockOutcome.GENERATION, BlockOutcome.OWNER_CLOSED})
 # The lease of such a fallback: taken and used up within one load.
 _FALLBACK_LEASE_TTL_S = 30.0
@@ -236,15 +239,23 @@ class HbmTier:
         if not sources or len(sources) != len(entries):
             return 0
         first = sources[0]
-        found = self.store.lookup(first.namespace, [e.block_hash for e in sources],
-                                  [e.ident for e in sources], lease_ttl_s=_FALLBACK_LEASE_TTL_S,
-                                  owner=dst.owner)
-        if found.lease is None or not found.num_hit:
-            return 0
         try:
-            got = load_lease(found.lease, 0, block_ids[:found.num_hit])
-        finally:
-            self.store.release(found.lease)
+            found = self.store.lookup(first.namespace, [e.block_hash for e in sources],
+                                      [e.ident for e in sources],
+                                      lease_ttl_s=_FALLBACK_LEASE_TTL_S, owner=dst.owner)
+            if found.lease is None or not found.num_hit:
+                with self._lock:
+                    self.counters["store_fallbacks_missed"] += 1
+                return 0
+            try:
+                got = load_lease(found.lease, 0, block_ids[:found.num_hit])
+            finally:
+                self.store.release(found.lease)
+        except Exception as exc:  # the store closing, a copy error: the blocks before stand
+            log.warning("loading a reused block's run from the store failed: %s", exc)
+            with self._lock:
+                self.counters["store_fallback_errors"] += 1
+            return 0
         with self._lock:
             self.counters["store_fallbacks"] += 1
             self.counters["blocks_from_store_instead"] += got

@@ -55,9 +55,9 @@ def test_ipc_calls_go_through_the_driver_and_say_when_it_is_missing() -> None:
     with pytest.raises(ValueError, match="64 bytes"):
         cuda_driver.ipc_open(b"short", 1)
     if cuda_driver.driver_function(b"cuIpcOpenMemHandle", cuda_driver._IPC_OPEN) is None:
-        with pytest.raises(RuntimeError, match="no cuIpcOpenMemHandle"):
+        with pytest.raises(RuntimeError, match="no CUDA driver|no cuIpcOpenMemHandle"):
             cuda_driver.ipc_open(bytes(64), 1)
-        with pytest.raises(RuntimeError, match="no cuIpcCloseMemHandle"):
+        with pytest.raises(RuntimeError, match="no CUDA driver|no cuIpcCloseMemHandle"):
             cuda_driver.ipc_close(1 << 40)
 
 

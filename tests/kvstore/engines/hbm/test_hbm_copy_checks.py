@@ -141,6 +141,7 @@ def test_a_block_reused_mid_run_and_not_in_the_store_ends_the_count(parts) -> No
     assert num == 2  # fail closed: the chain breaks at block 2
     counters = tier.stats()["counters"]
     assert counters["store_fallbacks"] == 0 and counters["blocks_from_store_instead"] == 0
+    assert counters["store_fallbacks_missed"] == 1
     assert store.stats()["leases"] == 0
 
 
