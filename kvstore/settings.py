@@ -19,6 +19,11 @@ class EnvSettings:
     # Tests only: the daemon maps this engine's CUDA regions at a wrong address, past the checks
     # (KVSTORE_DEBUG_CORRUPT_ENGINE), so a real sticky CUDA error can be forced on a GPU.
     debug_corrupt_engine: str | None = None
+    # Diagnosis only (KVSTORE_DEBUG_STALL_STACKS=1): the daemon has every thread's stack written
+    # to a file when its control loop stalls (``daemon.stalls``). Off by default: faulthandler's
+    # watchdog reads the other threads' frames without the GIL, and a stall that ends during
+    # the dump races it (CPython documents the dump as unsafe while other threads run).
+    debug_stall_stacks: bool = False
 
 
 def default_socket_path(env: dict[str, str] | None = None) -> Path:
@@ -54,6 +59,10 @@ def load_env_settings(env: dict[str, str] | None = None) -> EnvSettings:
         if not 0 < debug_stall_s <= 600:
             raise ValueError(f"KVSTORE_DEBUG_STALL_ON_SIGUSR2 must be seconds in (0, 600], got "
                              f"{stall_text!r}")
+    stacks_text = env.get("KVSTORE_DEBUG_STALL_STACKS", "").strip()
+    if stacks_text not in ("", "0", "1"):
+        raise ValueError(f"KVSTORE_DEBUG_STALL_STACKS must be 0 or 1, got {stacks_text!r}")
     return EnvSettings(socket_path=default_socket_path(env), debug_hash_bits=debug_hash_bits,
                        debug_stall_s=debug_stall_s,
-                       debug_corrupt_engine=env.get("KVSTORE_DEBUG_CORRUPT_ENGINE") or None)
+                       debug_corrupt_engine=env.get("KVSTORE_DEBUG_CORRUPT_ENGINE") or None,
+                       debug_stall_stacks=stacks_text == "1")

@@ -294,8 +294,8 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
         banner.info("%s", cluster_line)
 
     def ready() -> None:
-        # a stalled loop has every thread's stack written beside the socket (a few times)
-        service.stalls.watch_stacks(daemon.heartbeat.interval_s, daemon.socket_path.parent)
+        if env.debug_stall_stacks:  # diagnosis: a stalled loop's stacks beside the socket
+            service.stalls.watch_stacks(daemon.heartbeat.interval_s, daemon.socket_path.parent)
         if admin is not None:
             admin.start()
         banner.info("kvstore: ready (pid %d)", os.getpid())

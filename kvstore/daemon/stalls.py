@@ -5,9 +5,11 @@ apart as a collection, a loop held by a call, or neither.
 The loop's heartbeat (``health.LoopHeartbeat``) reports each tick's lateness here; ``install``
 hooks ``gc.callbacks`` for the daemon's lifetime. Both are counted (``report``, in ``stats`` as
 ``daemon.stalls``) and a long one is logged, at most once a minute. ``watch_stacks`` (``kvstore
-serve`` turns it on) also has every thread's stack written to a file when the loop has not
-ticked for ``STACKS_AFTER_S``, by ``faulthandler``'s watchdog: a C thread that needs no GIL, so
-it sees a call that holds the GIL too. At most ``MAX_STACK_DUMPS`` per process.
+serve`` with ``KVSTORE_DEBUG_STALL_STACKS=1``, for diagnosis) also has every thread's stack
+written to a file when the loop has not ticked for ``STACKS_AFTER_S``, by ``faulthandler``'s
+watchdog: a C thread that needs no GIL, so it sees a call that holds the GIL too. It reads the
+other threads' frames without the GIL, which is unsafe while they run (a stall that ends during
+the dump), hence off by default. At most ``MAX_STACK_DUMPS`` per process.
 """
 
 from __future__ import annotations

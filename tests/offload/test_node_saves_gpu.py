@@ -126,7 +126,8 @@ def test_two_engines_save_19k_prompts_for_a_minute_then_load_each_others(tmp_pat
     model = tmp_path / "model"
     write_checkpoint(model, "qwen3-0.6b", seed=0)
     daemon = start_daemon(tmp_path, dram=f"{POOL_BYTES // GiB}GiB", http=False,
-                          start_timeout_s=120.0)
+                          start_timeout_s=120.0,  # a stall's stacks, for the report
+                          env={"KVSTORE_DEBUG_STALL_STACKS": "1"})
     children = {}
     try:
         for role, other, device in (("a", "b", "cuda:0"), ("b", "a", "cuda:1")):

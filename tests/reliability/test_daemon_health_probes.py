@@ -83,7 +83,8 @@ def test_a_stalled_loop_and_the_collectors_pauses_are_counted_in_stats(make_daem
     """What made a reply late shows afterwards: the loop's lateness (counted, logged), the
     garbage collector's pauses (every collection timed) and every thread's stack, written to a
     file beside the socket by faulthandler's watchdog while the loop was held."""
-    daemon = make_daemon(http=False, env={"KVSTORE_DEBUG_STALL_ON_SIGUSR2": "0.8"})
+    daemon = make_daemon(http=False, env={"KVSTORE_DEBUG_STALL_ON_SIGUSR2": "0.8",
+                                          "KVSTORE_DEBUG_STALL_STACKS": "1"})
     with daemon.client() as c:
         before = c.stats()["daemon"]["stalls"]
         os.kill(daemon.proc.pid, signal.SIGUSR2)
@@ -105,8 +106,12 @@ def test_a_stalled_loop_and_the_collectors_pauses_are_counted_in_stats(make_daem
     assert stacks.exists()  # kept: it has what the operator needs
 
 
-def test_a_daemon_whose_loop_never_stalled_leaves_no_stack_file(make_daemon) -> None:
-    daemon = make_daemon(http=False)
+def test_stack_dumps_are_asked_for_and_leave_nothing_when_the_loop_never_stalled(
+        make_daemon) -> None:
+    plain = make_daemon(http=False)
+    with plain.client() as c:
+        assert c.stats()["daemon"]["stalls"]["stack_file"] is None  # off by default
+    daemon = make_daemon(http=False, env={"KVSTORE_DEBUG_STALL_STACKS": "1"})
     with daemon.client() as c:
         path = c.stats()["daemon"]["stalls"]["stack_file"]
     assert path is not None and Path(path).exists()
