@@ -15,7 +15,12 @@ import numpy as np
 from kvstore.engines.cuda_driver import driver_function
 from kvstore.engines.run_arrays import RunArrays
 
-_SRC_ACCESS_ORDER_STREAM = 1
+# CUmemcpySrcAccessOrder: STREAM (read in stream order) or ANY (the driver may read the source
+# out of stream order, even after the call returns; no earlier work on the stream may touch it)
+SRC_ACCESS_ORDER_STREAM = 1
+SRC_ACCESS_ORDER_ANY = 3
+# CUmemcpyFlags: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
 _LOCATION_DEVICE = 1
 _LOCATION_HOST = 2
 
@@ -54,9 +59,12 @@ def available() -> bool:
 
 
 def memcpy_batch(runs: RunArrays, stream_ptr: int, src_on_device: bool, dst_on_device: bool,
-                 device_id: int) -> None:
+                 device_id: int, src_order: int = SRC_ACCESS_ORDER_STREAM,
+                 flags: int = 0) -> None:
     """Enqueue every run on ``stream_ptr`` (not the legacy NULL stream) in one driver call;
-    RuntimeError with the CUresult if the driver refuses the batch (nothing was enqueued)."""
+    RuntimeError with the CUresult if the driver refuses the batch (nothing was enqueued).
+    ``src_order`` / ``flags``: the batch's one attribute entry (``benchmarks.batch_order``
+    compares them)."""
     fn = _batch_fn()
     if fn is None:
         raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync")
@@ -70,7 +78,7 @@ def memcpy_batch(runs: RunArrays, stream_ptr: int, src_on_device: bool, dst_on_d
         return MemLocation(_LOCATION_DEVICE, device_id) if on_device else \
             MemLocation(_LOCATION_HOST, 0)
 
-    attrs = MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, hint(src_on_device), hint(dst_on_device), 0)
+    attrs = MemcpyAttributes(src_order, hint(src_on_device), hint(dst_on_device), flags)
     first = ctypes.c_size_t(0)
     result = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
                 ctypes.byref(attrs), ctypes.byref(first), 1, ctypes.c_void_p(stream_ptr))
