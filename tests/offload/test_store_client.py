@@ -132,3 +132,49 @@ def test_a_lookup_goes_out_from_the_callers_thread_and_a_stopped_daemon_is_still
     finally:
         client.close()
         arena.close()
+
+
+def test_a_registration_slower_than_a_probe_is_not_a_hang(make_daemon) -> None:
+    """A registration has its own bound: on an H200 a device new to the daemon first gets its
+    CUDA context (a second or more), past a probe's deadline. The store is ``down`` (not yet
+    connected) meanwhile, never counted hung, and ``ok`` once it is answered; past the
+    registration's bound it is hung."""
+    daemon = make_daemon()
+    arena = ShmArena(4, BLOCK, seed=3)
+    stop_s = 1.5  # twice the probe deadline (0.75 s)
+    daemon.proc.send_signal(signal.SIGSTOP)  # the daemon answers the registration late
+    try:
+        client = StoreClient(daemon.socket_path, arena.layout, "slow-register", timeout_s=2.0,
+                             reconnect_interval_s=0.1, connect_wait_s=0.0,
+                             register_timeout_s=10.0)
+        try:
+            deadline = time.monotonic() + stop_s
+            seen = set()
+            while time.monotonic() < deadline:
+                seen.add(client.state)
+                time.sleep(0.05)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert seen == {StoreState.DOWN}, seen
+        assert wait_until(lambda: client.available, 10.0)
+        assert client.counters["store_hung"] == 0 and client.counters["connects"] == 1
+        assert client.counters["connect_failures"] == 0
+    finally:
+        client.close()
+        arena.close()
+    # Past its own bound, a registration nobody answers is a hang.
+    stopped = make_daemon()
+    daemon_arena = ShmArena(4, BLOCK, seed=4)
+    stopped.proc.send_signal(signal.SIGSTOP)
+    try:
+        client = StoreClient(stopped.socket_path, daemon_arena.layout, "never-registers",
+                             timeout_s=2.0, reconnect_interval_s=0.1, connect_wait_s=0.0,
+                             register_timeout_s=0.5)
+        try:
+            assert wait_until(lambda: client.state is StoreState.HUNG, 5.0)
+            assert client.counters["store_hung"] == 1
+        finally:
+            stopped.proc.send_signal(signal.SIGCONT)
+            client.close()
+    finally:
+        daemon_arena.close()
