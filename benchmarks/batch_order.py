@@ -9,7 +9,11 @@ slots, both directions. Ways:
 - ``any``: the driver may read the source out of stream order (``SRC_ACCESS_ORDER_ANY``);
 - ``stream_overlap`` / ``any_overlap``: the same with ``PREFER_OVERLAP_WITH_COMPUTE``;
 - ``any_2streams`` / ``any_4streams``: the blocks dealt round-robin to 2 / 4 streams of the same
-  direction, a batch each, joined by events.
+  direction, a batch each, joined by events;
+- ``stream_blocking``: ``stream`` with a blocking-sync event (``cudaEventBlockingSync``, what the
+  copier records: the waiting thread sleeps instead of spinning);
+- ``copier``: the daemon's ``CudaCopier`` submitting the same blocks (its own runs, method choice
+  and blocking-sync event), waited on as the daemon waits.
 
 Timed two ways, median of reps after a warm-up: device time by CUDA events around the
 submission(s) (``gbps``) and wall clock from the call to the last event (``wall_gbps``, what a
@@ -28,11 +32,12 @@ import numpy as np
 from benchmarks.common import command, cuda_median_ms, machine_info, now_iso, today, write_result
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
-WAYS = ("stream", "any", "stream_overlap", "any_overlap", "any_2streams", "any_4streams")
+WAYS = ("stream", "any", "stream_overlap", "any_overlap", "any_2streams", "any_4streams",
+        "stream_blocking")
 
 
-def _rows(cp, cuda_batch, run_arrays, streams, dev, host, to_device: bool, raw_ends, reps: int
-          ) -> list[dict]:
+def _rows(cp, cuda_batch, run_arrays, streams, copier, dev, host, to_device: bool, raw_ends,
+          reps: int) -> list[dict]:
     """One direction of one batch size: raw, then every way of ``WAYS``."""
     n = len(dev)
     nbytes = n * BLOCK_BYTES
@@ -50,12 +55,13 @@ def _rows(cp, cuda_batch, run_arrays, streams, dev, host, to_device: bool, raw_e
         pieces = [run_arrays(runs.src_ptrs[i::parts], runs.dst_ptrs[i::parts],
                              runs.num_bytes[i::parts]) for i in range(parts)]
 
-        def submit(pieces=pieces, order=order, flags=flags) -> list:
+        def submit(pieces=pieces, order=order, flags=flags,
+                   blocking="blocking" in way) -> list:
             events = []
             for piece, stream in zip(pieces, streams):
                 cuda_batch.memcpy_batch(piece, stream.ptr, not to_device, to_device, 0,
                                         src_order=order, flags=flags)
-                event = cp.cuda.Event(disable_timing=True)
+                event = cp.cuda.Event(block=blocking, disable_timing=True)
                 event.record(stream)
                 events.append(event)
             return events
@@ -79,6 +85,18 @@ def _rows(cp, cuda_batch, run_arrays, streams, dev, host, to_device: bool, raw_e
                      "wall_vs_raw": wall_gbps / raw})
         print(f"{n:5d} blocks {way_name} {way:>15}: {gbps:5.1f} GB/s = {gbps / raw:.3f} "
               f"of raw {raw:.1f} (wall {wall_gbps / raw:.3f})", flush=True)
+    walls = []
+    submit = copier.host_to_device if to_device else copier.device_to_host
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        submit(runs).wait()
+        if rep:
+            walls.append(time.perf_counter() - t0)
+    wall_gbps = nbytes / float(np.median(walls)) / 1e9
+    rows.append({"blocks": n, "way": way_name, "method": "copier", "wall_gbps": wall_gbps,
+                 "raw_gbps": raw, "wall_vs_raw": wall_gbps / raw})
+    print(f"{n:5d} blocks {way_name} {'copier':>15}: wall {wall_gbps:5.1f} GB/s = "
+          f"{wall_gbps / raw:.3f} of raw {raw:.1f}", flush=True)
     return rows
 
 
@@ -92,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     from kvstore.engines import cuda_batch
+    from kvstore.engines.copier import CudaCopier
     from kvstore.engines.run_arrays import RunArrays
     from kvstore.store.dram.pool import HostPool
 
@@ -102,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     arena = cp.empty(num_blocks * BLOCK_BYTES, dtype=cp.uint8)
     pool = HostPool(num_blocks * BLOCK_BYTES, pin=True)
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    copier = CudaCopier(0)
     rng = np.random.default_rng(0)
     rows = []
     for n in counts:
@@ -110,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for to_device in (False, True):
             sides = (pool.base_address, arena.data.ptr)
             raw_dst, raw_src = sides[::-1] if to_device else sides
-            rows.extend(_rows(cp, cuda_batch, RunArrays, streams, dev, host, to_device,
+            rows.extend(_rows(cp, cuda_batch, RunArrays, streams, copier, dev, host, to_device,
                               (raw_dst, raw_src), args.reps))
     pool.close()
     out = {"benchmark": "batch_order", "rows": rows, "machine": machine_info(), "date": now_iso(),

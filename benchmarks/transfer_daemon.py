@@ -144,6 +144,7 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
     """Median wall-clock ms of save, lookup and load of ``block_ids`` through the daemon."""
     n = len(block_ids)
     save_ms, lookup_ms, load_ms = [], [], []
+    before = client.stats()["daemon"].get("request_ms", {})
     for rep in range(reps + 1):  # the first rep warms up
         hashes = [os.urandom(16) for _ in range(n)]
         idents = [os.urandom(IDENT_BYTES) for _ in range(n)]
@@ -162,8 +163,18 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
             save_ms.append((t1 - t0) * 1e3)
             lookup_ms.append((t2 - t1) * 1e3)
             load_ms.append((t3 - t2) * 1e3)
-    return {"save_ms": float(np.median(save_ms)), "lookup_ms": float(np.median(lookup_ms)),
-            "load_ms": float(np.median(load_ms))}
+    row = {"save_ms": float(np.median(save_ms)), "lookup_ms": float(np.median(lookup_ms)),
+           "load_ms": float(np.median(load_ms))}
+    # The daemon's own time per request, from reading the frame to the reply ready (its
+    # ``request_ms``; a mean over the reps, the warm-up included): the rest of the client's
+    # time is the socket, the reply's way out and the client.
+    after = client.stats()["daemon"].get("request_ms", {})
+    for verb in ("save", "lookup", "load"):
+        num = after.get(verb, {}).get("count", 0) - before.get(verb, {}).get("count", 0)
+        total = after.get(verb, {}).get("sum_ms", 0.0) - before.get(verb, {}).get("sum_ms", 0.0)
+        if num > 0:
+            row[f"daemon_{verb}_ms"] = total / num
+    return row
 
 
 def _streamed_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: int,
@@ -306,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                     row["ratio_load"] = row["daemon_load_gbps"] / row["raw_h2d_gbps"]
                     rows.append(row)
                     lookup = f" | lookup {row['lookup_ms']:.2f} ms" if "lookup_ms" in row else ""
+                    if "daemon_save_ms" in row:
+                        lookup += (f" | client / daemon ms: save {row['save_ms']:.2f} / "
+                                   f"{row['daemon_save_ms']:.2f}, load {row['load_ms']:.2f} / "
+                                   f"{row.get('daemon_load_ms', float('nan')):.2f}")
                     print(f"{variant:>14} {mode:>18} {n:5d} blocks | save "
                           f"{row['daemon_save_gbps']:5.1f} GB/s = {row['ratio_save']:.2f} of raw"
                           f" | load {row['daemon_load_gbps']:5.1f} GB/s = "
