@@ -196,6 +196,7 @@ class Service:
             **counts,
             "registrations": len(self.registry),
             "copies": self.registry.copier_counts(),
+            "copy_ms": self.registry.copy_timing(),
             "request_ms": self.latency.summary(),
             "stalls": self.stalls.report(),
         }

@@ -46,6 +46,7 @@ from kvstore.engines.copy_bounds import check_block_ids
 from kvstore.engines.copy_handle import CopyHandle
 from kvstore.engines.copy_method import GATHER_MIN_RUNS, aligned, host_method
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
+from kvstore.engines.copy_timing import CopyTiming
 from kvstore.engines.cuda_fault import CudaFault
 from kvstore.engines.cuda_ipc import hold_primary_context
 
@@ -106,6 +107,7 @@ class CudaCopier:
         self._regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._regions_lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # how whole-block batches went
+        self.timing = CopyTiming()  # where the pipelines' saves and loads spent their time
 
     def _submit(self, runs: RunArrays, kind: int, method: CopyMethod) -> CopyHandle:
         """Enqueue the (coalesced) runs on the ``kind`` stream by ``method``; an event after

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.engines.copier import CopyHandle, CudaCopier
 from kvstore.engines.copy_bounds import HostSpans
+from kvstore.engines.copy_timing import CopyTiming
 from kvstore.engines.registration import host_address
 from kvstore.engines.run_arrays import PieceTable
 from kvstore.store.block_store import BlockStore, Lease, StoreError, WriteSlot
@@ -49,6 +51,35 @@ class _Chunk:
     slots: list[tuple[int, WriteSlot]] = field(default_factory=list)  # save: (index, slot)
     start: int = 0  # load: the chunk carries request indices start .. start + num_blocks - 1
     num_blocks: int = 0
+
+
+@dataclass(eq=False)
+class _Clock:
+    """One call's phases (``CopyTiming``), by ``time.perf_counter``."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first_submit: float | None = None  # when the first chunk was enqueued
+    last_submit: float | None = None
+    store_s: float = 0.0  # in the store's per-block verbs
+    submit_s: float = 0.0  # in submissions
+    chunks: int = 0
+
+    def submitted(self, began: float) -> None:
+        """A submission that began at ``began`` has just returned."""
+        now = time.perf_counter()
+        self.submit_s += now - began
+        self.chunks += 1
+        if self.first_submit is None:
+            self.first_submit = now
+        self.last_submit = now
+
+    def report(self, timing: CopyTiming, way: str) -> None:
+        end = time.perf_counter()
+        first = end if self.first_submit is None else self.first_submit
+        last = end if self.last_submit is None else self.last_submit
+        timing.add(way, self.chunks, total=end - self.start,
+                   to_first_submit=first - self.start, after_last_submit=end - last,
+                   store=self.store_s, submitting=self.submit_s)
 
 
 def chunk_spans(num_items: int, block_bytes: int, chunk_bytes: int) -> Iterator[range]:
@@ -88,7 +119,7 @@ def _drain(chunks: Sequence[_Chunk]) -> None:
 
 
 def _publish_done(pending: deque[_Chunk], outcomes: list[str], num_bytes: int,
-                  max_unpublished_bytes: int) -> bool:
+                  max_unpublished_bytes: int, clock: _Clock) -> bool:
     """Publish the leading chunks whose copies completed, waiting for them while more than
     ``max_unpublished_bytes`` are pending (0: wait for all). True when a copy failed: that chunk
     and the ones after it stay pending, to be aborted."""
@@ -99,8 +130,10 @@ def _publish_done(pending: deque[_Chunk], outcomes: list[str], num_bytes: int,
             return False
         if not done:
             return True
+        began = time.perf_counter()
         for i, slot in pending.popleft().slots:
             outcomes[i] = "saved" if slot.commit() else "duplicate"
+        clock.store_s += time.perf_counter() - began
     return False
 
 
@@ -144,6 +177,7 @@ class CopyPipeline:
         Call inside ``open_for_copy``.
         """
         num_bytes = self.block_bytes
+        clock = _Clock()
         spans = HostSpans(store.host_spans())
         outcomes: list[str] = ["failed"] * len(block_ids)
         pending: deque[_Chunk] = deque()  # submitted, not yet published, oldest first
@@ -153,17 +187,21 @@ class CopyPipeline:
                     break
                 chunk, ids, addrs = _Chunk(), [], []
                 for i in span:
+                    began = time.perf_counter()
                     try:
                         slot = store.begin_write(namespace, hashes[i], idents[i], num_bytes)
                     except StoreError:
                         # The pool may be full of this request's own unpublished blocks: publish
                         # them (they become evictable or demotable) and try once more.
-                        if not pending or _publish_done(pending, outcomes, num_bytes, 0):
+                        if not pending or _publish_done(pending, outcomes, num_bytes, 0, clock):
                             continue  # stays "failed"
+                        began = time.perf_counter()
                         try:
                             slot = store.begin_write(namespace, hashes[i], idents[i], num_bytes)
                         except StoreError:
                             continue  # stays "failed": the pool is full of pinned blocks
+                    finally:
+                        clock.store_s += time.perf_counter() - began
                     if slot is None:
                         outcomes[i] = "duplicate"
                         continue
@@ -173,20 +211,23 @@ class CopyPipeline:
                 chunk.num_blocks = len(chunk.slots)
                 pending.append(chunk)
                 if ids:
+                    began = time.perf_counter()
                     try:
                         chunk.handle = self._copy_checked(spans, ids, addrs, to_device=False)
                     except Exception as exc:  # the copier has waited out what it had enqueued
                         log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                         return outcomes
-                if _publish_done(pending, outcomes, num_bytes, MAX_UNPUBLISHED_BYTES):
+                    clock.submitted(began)
+                if _publish_done(pending, outcomes, num_bytes, MAX_UNPUBLISHED_BYTES, clock):
                     return outcomes
-            _publish_done(pending, outcomes, num_bytes, 0)
+            _publish_done(pending, outcomes, num_bytes, 0, clock)
             return outcomes
         finally:
             _drain(pending)
             for chunk in pending:  # unpublished: a copy failed or the call was stopped
                 for _, slot in chunk.slots:
                     slot.abort()
+            clock.report(self.copier.timing, "save")
 
     def load(self, store: BlockStore, lease: Lease, block_ids: Sequence[int],
              stopped: Callable[[], bool], first_index: int = 0) -> int:
@@ -200,6 +241,7 @@ class CopyPipeline:
         returns only once no copy is in flight.
         """
         num_bytes = self.block_bytes
+        clock = _Clock()
         spans = HostSpans(store.host_spans())
         pending: deque[_Chunk] = deque()  # submitted, oldest first (counted in this order)
         num_loaded, failed = 0, False
@@ -215,8 +257,10 @@ class CopyPipeline:
                     failed = True  # this chunk and the ones after it count for nothing
                     break
                 chunk = pending.popleft()
+                began = time.perf_counter()
                 for i in range(chunk.start, chunk.start + chunk.num_blocks):
                     store.done(lease, first_index + i)
+                clock.store_s += time.perf_counter() - began
                 num_loaded += chunk.num_blocks
             return not failed
 
@@ -227,6 +271,7 @@ class CopyPipeline:
                     break
                 chunk, ids, addrs = _Chunk(start=span.start), [], []
                 for i in span:
+                    began = time.perf_counter()
                     try:
                         data = store.read(lease, first_index + i)
                     except StoreError:  # BlockUnavailable included: the hit shrinks here
@@ -235,11 +280,14 @@ class CopyPipeline:
                         if not pending or not retire(block=True):
                             stop = True
                             break
+                        began = time.perf_counter()
                         try:
                             data = store.read(lease, first_index + i)
                         except StoreError:
                             stop = True
                             break
+                    finally:
+                        clock.store_s += time.perf_counter() - began
                     if data.nbytes != num_bytes:
                         stop = True  # stored under another layout; never copy a partial block
                         break
@@ -247,11 +295,13 @@ class CopyPipeline:
                     addrs.append(host_address(data))
                     chunk.num_blocks += 1
                 if ids:
+                    began = time.perf_counter()
                     try:
                         chunk.handle = self._copy_checked(spans, ids, addrs, to_device=True)
                     except Exception as exc:  # nothing of this chunk is in flight any more
                         log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                         break
+                    clock.submitted(began)
                     pending.append(chunk)
                 if stop or not retire(block=False):
                     break
@@ -259,3 +309,4 @@ class CopyPipeline:
             return num_loaded
         finally:
             _drain(pending)
+            clock.report(self.copier.timing, "load")

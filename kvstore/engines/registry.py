@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.engines.copier import CudaCopier
 from kvstore.engines.copy_settings import CopySettings
+from kvstore.engines.copy_timing import CopyTiming
 from kvstore.engines.cuda_fault import CudaFault
 from kvstore.engines.cuda_ipc import hold_primary_context
 from kvstore.engines.cuda_registration import CudaRegistration, IpcTable
@@ -218,6 +219,13 @@ class Registry:
         for copier in copiers:
             total.update(copier.counts)
         return dict(total)
+
+    def copy_timing(self) -> dict[str, dict[str, float]]:
+        """Where the devices' whole-block saves and loads spent their time (``CopyTiming``),
+        summed over devices; empty where no GPU engine registered."""
+        with self._lock:
+            copiers = list(self._copiers.values())
+        return CopyTiming.merged([copier.timing.snapshot() for copier in copiers])
 
     def describe(self) -> list[dict]:
         with self._lock:

@@ -155,6 +155,14 @@ def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> 
         stats = c.stats()
         assert stats["leases"] == 0 and stats["daemon"]["leases_active"] == 0
         assert stats["tiers"]["dram"]["in_flight_blocks"] == 0
+        # The saves and the load timed by phase (``daemon.copy_ms``).
+        timing = stats["daemon"]["copy_ms"]
+        assert timing["save"]["calls"] >= 1 and timing["load"]["calls"] == 1
+        assert timing["load"]["chunks"] >= 1 and timing["load"]["ms_total"] > 0
+        for way in ("save", "load"):
+            parts = timing[way]
+            assert parts["ms_to_first_submit"] <= parts["ms_total"]
+            assert parts["ms_store"] + parts["ms_submitting"] <= parts["ms_total"]
         assert c.unregister(reg) is True
         assert c.stats()["daemon"]["registrations"] == 0
 
