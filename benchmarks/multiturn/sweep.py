@@ -93,10 +93,12 @@ def _daemon_stats(socket_path: Path) -> dict | None:
         with Client(str(socket_path), timeout_s=10.0) as c:
             stats = c.stats()
         daemon = stats.get("daemon") or {}
-        # the daemon's own side: its events (lookup_load's lookup/load split, in µs) and each
-        # timed verb's count and total request time (received to reply sent)
+        # the daemon's own side: its events (lookup_load's lookup/load split, in µs), each
+        # timed verb's count and total request time (received to reply sent), and where its
+        # saves' and loads' copies spent their time (copy_ms: phases summed, GPU only)
         return {"tiers": stats.get("tiers"), "counters": stats.get("counters"),
-                "events": daemon.get("events"), "request_ms": daemon.get("request_ms")}
+                "events": daemon.get("events"), "request_ms": daemon.get("request_ms"),
+                "copy_ms": daemon.get("copy_ms")}
     except Exception as exc:  # stats are a nicety; the point's numbers stand without them
         return {"error": f"{type(exc).__name__}: {exc}"}
 
