@@ -144,7 +144,9 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
     """Median wall-clock ms of save, lookup and load of ``block_ids`` through the daemon."""
     n = len(block_ids)
     save_ms, lookup_ms, load_ms = [], [], []
-    before = client.stats()["daemon"].get("request_ms", {})
+    before_stats = client.stats()["daemon"]
+    before = before_stats.get("request_ms", {})
+    before_copy = before_stats.get("copy_ms", {})
     for rep in range(reps + 1):  # the first rep warms up
         hashes = [os.urandom(16) for _ in range(n)]
         idents = [os.urandom(IDENT_BYTES) for _ in range(n)]
@@ -168,12 +170,20 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
     # The daemon's own time per request, from reading the frame to the reply ready (its
     # ``request_ms``; a mean over the reps, the warm-up included): the rest of the client's
     # time is the socket, the reply's way out and the client.
-    after = client.stats()["daemon"].get("request_ms", {})
+    after_stats = client.stats()["daemon"]
+    after = after_stats.get("request_ms", {})
     for verb in ("save", "lookup", "load"):
         num = after.get(verb, {}).get("count", 0) - before.get(verb, {}).get("count", 0)
         total = after.get(verb, {}).get("sum_ms", 0.0) - before.get(verb, {}).get("sum_ms", 0.0)
         if num > 0:
             row[f"daemon_{verb}_ms"] = total / num
+    # The copies' phases per call (``daemon.copy_ms``, means over the reps).
+    for way, sums in after_stats.get("copy_ms", {}).items():
+        old = before_copy.get(way, {})
+        calls = sums.get("calls", 0) - old.get("calls", 0)
+        if calls > 0:
+            row[f"daemon_{way}_phases_ms"] = {k: (v - old.get(k, 0)) / calls
+                                              for k, v in sums.items() if k != "calls"}
     return row
 
 
@@ -325,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['daemon_save_gbps']:5.1f} GB/s = {row['ratio_save']:.2f} of raw"
                           f" | load {row['daemon_load_gbps']:5.1f} GB/s = "
                           f"{row['ratio_load']:.2f} of raw{lookup}", flush=True)
+                    for way in ("save", "load"):
+                        phases = row.get(f"daemon_{way}_phases_ms")
+                        if phases:
+                            print(f"{variant:>14} {mode:>18} {n:5d} blocks | {way} phases, ms "
+                                  "per call: " + " ".join(f"{k}={v:.3f}"
+                                                          for k, v in phases.items()),
+                                  flush=True)
                 if variant == "default":
                     exact = _byte_exact(cp, client, reg, namespace, kv, shuffled[max_blocks])
                 client.unregister(reg)
