@@ -17,7 +17,8 @@ all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large`` (b
 by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of the default's one
 ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the GPU into a staging
 slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs`` / by
-``copy_pieces``), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
+``copy_pieces``), ``batch_releases_gil`` (the batch call lets go of the interpreter's lock,
+as before 2026-11-30), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
 that many bytes instead of 32 MiB: fewer submissions against a later first copy).
 ``--trace``: a timeline of every daemon save and load (``copy_trace``). Per variant also the
 round trip of a request that moves nothing (``health``): the floor under every save/load.
@@ -56,6 +57,7 @@ _VARIANTS = {"default": [],
              "kernel_large": ["--copy-large-runs", "kernel", "--copy-save-kernels"],
              "staged_large": ["--copy-large-runs", "staged", "--copy-save-kernels"],
              "packed_large": ["--copy-packed-min-pieces", "1", "--copy-save-kernels"],
+             "batch_releases_gil": ["--copy-batch-releases-gil"],
              "chunk_16m": ["--copy-chunk-size", "16MiB"],
              "chunk_64m": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
              "chunk_128m": ["--copy-chunk-size", "128MiB", "--copy-staging-slot-size",

@@ -62,6 +62,7 @@ class PointSetup:
     progress: bool
     client: str  # the load's chat client (chat_client.CLIENTS)
     plan_cache: str = "per-point"  # PLAN_CACHES
+    daemon_args: str = ""  # more `kvstore serve` flags, one string (offload on)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PointSetup:
@@ -71,7 +72,7 @@ class PointSetup:
                    engine_args=args.engine_args, start_timeout_s=args.start_timeout,
                    request_timeout_s=args.request_timeout, duration_s=args.duration_s,
                    progress=not args.no_progress, client=args.client,
-                   plan_cache=args.plan_cache)
+                   plan_cache=args.plan_cache, daemon_args=args.daemon_args)
 
 
 PLAN_CACHES = ("per-point", "machine")
@@ -144,7 +145,8 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
         if offload:
             daemon = ServerProcess([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
                                     str(socket_path), "--dram", str(sizing["dram_bytes"]),
-                                    "--http", "off"], "kvstore serve")
+                                    "--http", "off", *shlex.split(setup.daemon_args)],
+                                   "kvstore serve")
             daemon.wait_for(r"kvstore: ready", setup.start_timeout_s)
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(setup.model_dir),
                "--device", setup.device, "--port", "0", "--num-kv-blocks",
@@ -238,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-offload-policy", choices=("write-through", "evict"),
                    default="write-through")
     s.add_argument("--engine-args", default="", help="more `kvengine serve` flags, one string")
+    s.add_argument("--daemon-args", default="",
+                   help="more `kvstore serve` flags, one string (offload on)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
     add_client_arg(p)

@@ -151,7 +151,8 @@ class CudaCopier:
         stream = self._streams[kind]
         if batch and len(runs) > 1:
             cuda_batch.memcpy_batch(runs, stream.ptr, kind != _MEMCPY_HOST_TO_DEVICE,
-                                    kind != _MEMCPY_DEVICE_TO_HOST, self.device_id)
+                                    kind != _MEMCPY_DEVICE_TO_HOST, self.device_id,
+                                    keep_gil=self.settings.batch_keeps_gil)
             return
         for src, dst, num_bytes in runs.triples():
             _cupy().cuda.runtime.memcpyAsync(dst, src, num_bytes, kind, stream.ptr)

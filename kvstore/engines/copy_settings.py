@@ -48,6 +48,9 @@ class CopySettings:
     (vLLM's prefill step with saves 1.113x a step without them, against 1.025x with every save
     on the copy engines: ``benchmarks.vllm_store.step``, H200, 2026-11-29), and a save, unlike
     a load, is something no request waits for.
+    ``batch_keeps_gil``: the ``cuMemcpyBatchAsync`` call (an enqueue of microseconds) holds the
+    interpreter's lock instead of letting go of it, so a save or load does not wait to get the
+    lock back behind the daemon's other threads once per chunk.
     """
 
     small_runs: CopyMethod = CopyMethod.STAGED
@@ -57,6 +60,7 @@ class CopySettings:
     staging_slot_bytes: int = DEFAULT_STAGING_SLOT_BYTES
     kernel_unroll: int = UNROLL
     save_kernels: bool = False
+    batch_keeps_gil: bool = True
 
     def __post_init__(self) -> None:
         for name in ("small_runs", "large_runs"):
@@ -71,8 +75,9 @@ class CopySettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
-        if not isinstance(self.save_kernels, bool):
-            raise ValueError(f"save_kernels must be True or False, got {self.save_kernels!r}")
+        for name in ("save_kernels", "batch_keeps_gil"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.kernel_unroll, bool) or self.kernel_unroll not in UNROLLS:
             raise ValueError(f"kernel_unroll must be one of {', '.join(map(str, UNROLLS))}, "
                              f"got {self.kernel_unroll!r}")

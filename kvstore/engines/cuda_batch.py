@@ -41,16 +41,20 @@ class MemcpyAttributes(ctypes.Structure):
 
 # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, hStream); 12.8's form had a
 # size_t* failIdx before hStream.
-MEMCPY_BATCH_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_size_t,
-                                      ctypes.POINTER(MemcpyAttributes),
-                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
-                                      ctypes.c_void_p)
+_ARGS = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+         ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+         ctypes.c_void_p)
+MEMCPY_BATCH_ASYNC = ctypes.CFUNCTYPE(*_ARGS)  # lets go of the GIL for the call
+# Keeps the GIL: the call only enqueues (microseconds), and a thread that lets go of the GIL
+# waits to get it back behind any other runnable thread of the daemon, up to the interpreter's
+# switch interval, once per chunk of a save or load.
+MEMCPY_BATCH_ASYNC_HOLDING_GIL = ctypes.PYFUNCTYPE(*_ARGS)
 
 
-def _batch_fn():
+def _batch_fn(keep_gil: bool = False):
     """The driver's cuMemcpyBatchAsync of the CUDA 13 signature, or None."""
-    return driver_function(b"cuMemcpyBatchAsync", MEMCPY_BATCH_ASYNC)
+    return driver_function(b"cuMemcpyBatchAsync", MEMCPY_BATCH_ASYNC_HOLDING_GIL if keep_gil
+                           else MEMCPY_BATCH_ASYNC)
 
 
 def available() -> bool:
@@ -60,12 +64,12 @@ def available() -> bool:
 
 def memcpy_batch(runs: RunArrays, stream_ptr: int, src_on_device: bool, dst_on_device: bool,
                  device_id: int, src_order: int = SRC_ACCESS_ORDER_STREAM,
-                 flags: int = 0) -> None:
+                 flags: int = 0, keep_gil: bool = False) -> None:
     """Enqueue every run on ``stream_ptr`` (not the legacy NULL stream) in one driver call;
     RuntimeError with the CUresult if the driver refuses the batch (nothing was enqueued).
     ``src_order`` / ``flags``: the batch's one attribute entry (``benchmarks.batch_order``
-    compares them)."""
-    fn = _batch_fn()
+    compares them); ``keep_gil``: call it holding the GIL (``CopySettings.batch_keeps_gil``)."""
+    fn = _batch_fn(keep_gil)
     if fn is None:
         raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync")
     if not len(runs):

@@ -38,7 +38,8 @@ def _get_proc_address():
 @functools.cache
 def driver_function(name: bytes, prototype: type) -> ctypes._CFuncPtr | None:
     """The driver's ``name`` (its CUDA 13 form) as a ``prototype`` (a ``ctypes.CFUNCTYPE``:
-    called without the GIL), or None when there is no driver or it lacks the function."""
+    called without the GIL; a ``ctypes.PYFUNCTYPE``: called holding it), or None when there is
+    no driver or it lacks the function."""
     get = _get_proc_address()
     if get is None:
         return None

@@ -38,7 +38,7 @@ def test_methods_by_name_become_members_and_the_value_is_frozen() -> None:
     ("packed_min_pieces", True), ("packed_min_pieces", 2.0), ("chunk_bytes", -1),
     ("save_kernels", "yes"), ("save_kernels", 1),
     ("staging_slot_bytes", 0), ("kernel_unroll", 5), ("kernel_unroll", True),
-    ("kernel_unroll", "8"),
+    ("kernel_unroll", "8"), ("batch_keeps_gil", 1),
 ])
 def test_bad_values_are_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -55,11 +55,11 @@ def test_every_copy_flag_sets_its_field() -> None:
         "serve", "--copy-small-runs", "kernel", "--copy-large-runs", "staged",
         "--copy-packed-min-pieces", "1073741824", "--copy-chunk-size", "0",
         "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16",
-        "--copy-save-kernels"])
+        "--copy-save-kernels", "--copy-batch-releases-gil"])
     assert copy_settings_from_args(args) == CopySettings(
         small_runs=CopyMethod.KERNEL, large_runs=CopyMethod.STAGED,
         packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20,
-        kernel_unroll=16, save_kernels=True)
+        kernel_unroll=16, save_kernels=True, batch_keeps_gil=False)
 
 
 @pytest.mark.parametrize("flags", [["--copy-small-runs", "fast"],
