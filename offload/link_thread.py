@@ -12,13 +12,13 @@ The state the engine reads (``state``, a ``StoreState`` told by its rule ``while
 (registered, the last probe answered in time), ``hung`` (a probe or a send has waited on the daemon
 longer than the deadline, and nothing at all came back meanwhile: it is alive enough to hold the
 socket but does not answer, as under SIGSTOP; the deadline is ``probe_deadline_s``, longer where
-recent probes were slow: ``StoreProbe``; a connect and registration has its own bound,
-``register_timeout_s``) or ``down`` (not connected, the registration still running included). It is
-derived from timestamps, so it is right even while this thread itself is stuck in a send. A lost
-connection is made again on demand (a request, or the engine asking whether the store is
-available), at most once per ``reconnect_interval_s``; each new connection bumps ``epoch``: the
-daemon met again may have lost what it held, and a request that names registered memory
-(``Outgoing.epoch``) is sent only on the connection it was planned for.
+recent probes were slow: ``StoreProbe``; a registration, sent once the daemon has answered a first
+probe on the new connection, has its own bound, ``register_timeout_s``) or ``down`` (not connected,
+the registration still running included). It is derived from timestamps, so it is right even while
+this thread itself is stuck in a send. A lost connection is made again on demand (a request, or the
+engine asking whether the store is available), at most once per ``reconnect_interval_s``; each new
+connection bumps ``epoch``: the daemon met again may have lost what it held, and a request that
+names registered memory (``Outgoing.epoch``) is sent only on the connection it was planned for.
 
 What is registered: a fixed ``KVLayout`` (kvengine's arena), a callable that makes a fresh one
 on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writes only into
@@ -104,7 +104,7 @@ class LinkThread:
         self._registration_id: int | None = None
         self._up = False  # connected (and registered, if there is a layout)
         self._busy_since: float | None = None  # this thread waits on the daemon since then
-        self._registering_since: float | None = None  # a connect and registration since then
+        self._registering_since: float | None = None  # a registration runs since then
         self._next_attempt = 0.0
         self._connect_wanted = threading.Event()
         self._drop_wanted = threading.Event()
@@ -123,9 +123,9 @@ class LinkThread:
         that still answers other requests is slow, not stopped."""
         registering = self._registering_since
         if registering is not None:
-            # A registration maps the engine's memory, and on a device new to the daemon first
-            # makes that device's CUDA context (a second or more on an H200): not connected yet
-            # (DOWN) until its own bound has passed, not a probe's.
+            # The daemon answered our first request and is registering us: that maps the
+            # engine's memory, and on a device new to the daemon first makes its CUDA context
+            # (a second or more on an H200), so it has its own bound, not a probe's.
             return StoreState.while_waiting(None, (registering,), self.register_timeout_s,
                                             connected=False)
         return StoreState.while_waiting(self._client, (self._busy_since, self._probe.sent_at),
@@ -265,10 +265,15 @@ class LinkThread:
             return
         self._next_attempt = now + self.reconnect_interval_s
         self._connect_wanted.clear()
-        self._registering_since = now
+        self._busy_since = now
         client = None
         try:
             client = Client(self.socket_path, timeout_s=self.timeout_s)
+            # The daemon answers first (the hello and a health probe, judged as any wait is: a
+            # stopped daemon is hung after a probe's deadline); only then the registration,
+            # under its own bound.
+            self._await(client.health_async(self.timeout_s), self.timeout_s)
+            self._busy_since, self._registering_since = None, time.monotonic()
             registration_id = self._register(client)
         except (DaemonUnavailable, ClientError, OSError) as exc:
             if client is not None:
@@ -279,7 +284,7 @@ class LinkThread:
             self.counters["connect_failures"] += 1
             return
         finally:
-            self._registering_since = None
+            self._busy_since = self._registering_since = None
             self._first_attempt_done.set()
         self.epoch += 1  # before ``_up``: a request planned on the old connection never goes out
         self._client, self._registration_id = client, registration_id

@@ -134,47 +134,74 @@ def test_a_lookup_goes_out_from_the_callers_thread_and_a_stopped_daemon_is_still
         arena.close()
 
 
+def _stopping_layout(daemon, arena: ShmArena, stopped: list[bool]):
+    """A layout made per connect that stops the daemon as it is made: after the daemon answered
+    the link's first probe, before the registration goes out."""
+
+    def make():
+        daemon.proc.send_signal(signal.SIGSTOP)
+        stopped.append(True)
+        return arena.layout
+
+    return make
+
+
+def _states_for(client: StoreClient, seconds: float) -> set[StoreState]:
+    seen = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.add(client.state)
+        time.sleep(0.02)
+    return seen
+
+
 def test_a_registration_slower_than_a_probe_is_not_a_hang(make_daemon) -> None:
     """A registration has its own bound: on an H200 a device new to the daemon first gets its
-    CUDA context (a second or more), past a probe's deadline. The store is ``down`` (not yet
-    connected) meanwhile, never counted hung, and ``ok`` once it is answered; past the
-    registration's bound it is hung."""
+    CUDA context (a second or more), past a probe's deadline. A daemon that answered the
+    link's first probe and then registers slowly leaves the store ``down`` (not yet connected),
+    never counted hung, and ``ok`` once it answers; past the registration's bound it is hung."""
     daemon = make_daemon()
     arena = ShmArena(4, BLOCK, seed=3)
-    stop_s = 1.5  # twice the probe deadline (0.75 s)
-    daemon.proc.send_signal(signal.SIGSTOP)  # the daemon answers the registration late
+    stopped: list[bool] = []
+    client = None
     try:
-        client = StoreClient(daemon.socket_path, arena.layout, "slow-register", timeout_s=2.0,
-                             reconnect_interval_s=0.1, connect_wait_s=0.0,
-                             register_timeout_s=10.0)
-        try:
-            deadline = time.monotonic() + stop_s
-            seen = set()
-            while time.monotonic() < deadline:
-                seen.add(client.state)
-                time.sleep(0.05)
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
+        client = StoreClient(daemon.socket_path, _stopping_layout(daemon, arena, stopped),
+                             "slow-register", timeout_s=2.0, reconnect_interval_s=0.1,
+                             connect_wait_s=0.0, register_timeout_s=10.0)
+        assert wait_until(lambda: bool(stopped), 5.0)
+        seen = _states_for(client, 1.5)  # twice a probe's deadline (0.75 s)
+        daemon.proc.send_signal(signal.SIGCONT)
         assert seen == {StoreState.DOWN}, seen
         assert wait_until(lambda: client.available, 10.0)
         assert client.counters["store_hung"] == 0 and client.counters["connects"] == 1
         assert client.counters["connect_failures"] == 0
     finally:
-        client.close()
-        arena.close()
-    # Past its own bound, a registration nobody answers is a hang.
-    stopped = make_daemon()
-    daemon_arena = ShmArena(4, BLOCK, seed=4)
-    stopped.proc.send_signal(signal.SIGSTOP)
-    try:
-        client = StoreClient(stopped.socket_path, daemon_arena.layout, "never-registers",
-                             timeout_s=2.0, reconnect_interval_s=0.1, connect_wait_s=0.0,
-                             register_timeout_s=0.5)
-        try:
-            assert wait_until(lambda: client.state is StoreState.HUNG, 5.0)
-            assert client.counters["store_hung"] == 1
-        finally:
-            stopped.proc.send_signal(signal.SIGCONT)
+        daemon.proc.send_signal(signal.SIGCONT)
+        if client is not None:
             client.close()
+        arena.close()
+
+
+def test_a_registration_past_its_bound_and_a_daemon_that_never_answers_are_hangs(
+        make_daemon) -> None:
+    daemon = make_daemon()
+    arena = ShmArena(4, BLOCK, seed=4)
+    stopped: list[bool] = []
+    clients: list[StoreClient] = []
+    try:
+        # Registering for longer than its 0.5 s bound.
+        clients.append(StoreClient(daemon.socket_path, _stopping_layout(daemon, arena, stopped),
+                                   "never-registers", timeout_s=2.0, reconnect_interval_s=5.0,
+                                   connect_wait_s=0.0, register_timeout_s=0.5))
+        assert wait_until(lambda: clients[0].state is StoreState.HUNG, 5.0)
+        assert clients[0].counters["store_hung"] == 1
+        # A daemon stopped before it answered anything: hung after a probe's deadline, as it
+        # was before registrations had a bound of their own.
+        clients.append(StoreClient(daemon.socket_path, arena.layout, "stopped-daemon",
+                                   timeout_s=3.0, reconnect_interval_s=5.0, connect_wait_s=0.0))
+        assert wait_until(lambda: clients[1].state is StoreState.HUNG, 2.5)
     finally:
-        daemon_arena.close()
+        daemon.proc.send_signal(signal.SIGCONT)
+        for client in clients:
+            client.close()
+        arena.close()
