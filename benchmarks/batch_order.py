@@ -60,7 +60,7 @@ def _rows(cp, cuda_batch, run_arrays, streams, copier, dev, host, to_device: boo
             events = []
             for piece, stream in zip(pieces, streams):
                 cuda_batch.memcpy_batch(piece, stream.ptr, not to_device, to_device, 0,
-                                        src_order=order, flags=flags)
+                                        src_order=order, flags=flags, keep_gil=False)
                 event = cp.cuda.Event(block=blocking, disable_timing=True)
                 event.record(stream)
                 events.append(event)

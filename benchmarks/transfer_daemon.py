@@ -17,8 +17,8 @@ all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large`` (b
 by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of the default's one
 ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the GPU into a staging
 slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs`` / by
-``copy_pieces``), ``batch_releases_gil`` (the batch call lets go of the interpreter's lock,
-as before 2026-11-30), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
+``copy_pieces``), ``batch_keeps_gil`` (the batch call holds the interpreter's lock instead of
+letting go of it), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
 that many bytes instead of 32 MiB: fewer submissions against a later first copy).
 ``--trace``: a timeline of every daemon save and load (``copy_trace``). Per variant also the
 round trip of a request that moves nothing (``health``): the floor under every save/load.
@@ -57,7 +57,7 @@ _VARIANTS = {"default": [],
              "kernel_large": ["--copy-large-runs", "kernel", "--copy-save-kernels"],
              "staged_large": ["--copy-large-runs", "staged", "--copy-save-kernels"],
              "packed_large": ["--copy-packed-min-pieces", "1", "--copy-save-kernels"],
-             "batch_releases_gil": ["--copy-batch-releases-gil"],
+             "batch_keeps_gil": ["--copy-batch-keeps-gil"],
              "chunk_16m": ["--copy-chunk-size", "16MiB"],
              "chunk_64m": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
              "chunk_128m": ["--copy-chunk-size", "128MiB", "--copy-staging-slot-size",
@@ -146,10 +146,13 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
     """Median wall-clock ms of save, lookup and load of ``block_ids`` through the daemon."""
     n = len(block_ids)
     save_ms, lookup_ms, load_ms = [], [], []
-    before_stats = client.stats()["daemon"]
-    before = before_stats.get("request_ms", {})
-    before_copy = before_stats.get("copy_ms", {})
+    before: dict = {}
+    before_copy: dict = {}
     for rep in range(reps + 1):  # the first rep warms up
+        if rep == 1:  # the daemon's own figures below leave the warm-up out too
+            before_stats = client.stats()["daemon"]
+            before = before_stats.get("request_ms", {})
+            before_copy = before_stats.get("copy_ms", {})
         hashes = [os.urandom(16) for _ in range(n)]
         idents = [os.urandom(IDENT_BYTES) for _ in range(n)]
         t0 = time.perf_counter()
@@ -170,8 +173,8 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
     row = {"save_ms": float(np.median(save_ms)), "lookup_ms": float(np.median(lookup_ms)),
            "load_ms": float(np.median(load_ms))}
     # The daemon's own time per request, from reading the frame to the reply ready (its
-    # ``request_ms``; a mean over the reps, the warm-up included): the rest of the client's
-    # time is the socket, the reply's way out and the client.
+    # ``request_ms``; a mean over the timed reps, where the client's figures are medians): the
+    # rest of the client's time is the socket, the reply's way out and the client.
     after_stats = client.stats()["daemon"]
     after = after_stats.get("request_ms", {})
     for verb in ("save", "lookup", "load"):
@@ -179,7 +182,7 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
         total = after.get(verb, {}).get("sum_ms", 0.0) - before.get(verb, {}).get("sum_ms", 0.0)
         if num > 0:
             row[f"daemon_{verb}_ms"] = total / num
-    # The copies' phases per call (``daemon.copy_ms``, means over the reps).
+    # The copies' phases per call (``daemon.copy_ms``, means over the timed reps).
     for way, sums in after_stats.get("copy_ms", {}).items():
         old = before_copy.get(way, {})
         calls = sums.get("calls", 0) - old.get("calls", 0)

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="write-through")
     p.add_argument("--engine-args", default="", help="more `kvengine serve` flags, one string")
     p.add_argument("--daemon-args", default="",
-                    help="more `kvstore serve` flags, one string (offload on)")
+                   help="more `kvstore serve` flags, one string (offload on)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
     add_client_arg(p)

@@ -53,11 +53,11 @@ def add_copy_flags(serve: argparse.ArgumentParser) -> None:
                        help="let saves pack, stage or copy with GPU kernels as loads do (faster "
                             "for many small pieces, but a kernel time-slices against the "
                             "engine's step); by default saves stay on the copy engines")
-    group.add_argument("--copy-batch-releases-gil", action="store_true",
-                       help="let the copy-engine batch call (cuMemcpyBatchAsync) release the "
-                            "interpreter's lock, as before 2026-11-30; by default it holds it "
-                            "(the call only enqueues, and getting the lock back waits behind the "
-                            "daemon's other threads)")
+    group.add_argument("--copy-batch-keeps-gil", action="store_true",
+                       help="the copy-engine batch call (cuMemcpyBatchAsync) holds the "
+                            "interpreter's lock instead of releasing it (getting it back waits "
+                            "behind the daemon's other threads; but a call that blocks stops "
+                            "the whole daemon)")
     group.add_argument("--copy-kernel-unroll", type=int, choices=UNROLLS, metavar="N",
                        default=defaults.kernel_unroll,
                        help="16-byte loads each thread of the copy kernels keeps in flight, one "
@@ -72,4 +72,4 @@ def copy_settings_from_args(args: argparse.Namespace) -> CopySettings:
                         staging_slot_bytes=args.copy_staging_slot_size,
                         kernel_unroll=args.copy_kernel_unroll,
                         save_kernels=args.copy_save_kernels,
-                        batch_keeps_gil=not args.copy_batch_releases_gil)
+                        batch_keeps_gil=args.copy_batch_keeps_gil)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvstore.engines.copier import CopyHandle, CudaCopier
 from kvstore.engines.copy_bounds import HostSpans
-from kvstore.engines.copy_timing import CopyTiming
+from kvstore.engines.copy_timing import CopyTiming, CopyWay
 from kvstore.engines.registration import host_address
 from kvstore.engines.run_arrays import PieceTable
 from kvstore.store.block_store import BlockStore, Lease, StoreError, WriteSlot
@@ -57,28 +57,38 @@ class _Chunk:
 class _Clock:
     """One call's phases (``CopyTiming``), by ``time.perf_counter``."""
 
-    start: float = field(default_factory=time.perf_counter)
-    first_submit: float | None = None  # when the first chunk was enqueued
-    last_submit: float | None = None
+    start_at: float = field(default_factory=time.perf_counter)
+    first_submit_at: float | None = None  # when the first submission returned
+    last_submit_at: float | None = None
     store_s: float = 0.0  # in the store's per-block verbs
     submit_s: float = 0.0  # in submissions
-    chunks: int = 0
+    num_chunks: int = 0
 
-    def submitted(self, began: float) -> None:
-        """A submission that began at ``began`` has just returned."""
+    def store_verb(self, verb: Callable, *args):
+        """``verb(*args)`` (one of the store's per-block verbs), its time counted."""
+        began = time.perf_counter()
+        try:
+            return verb(*args)
+        finally:
+            self.store_s += time.perf_counter() - began
+
+    def submitted(self, began_at: float) -> None:
+        """A submission that began at ``began_at`` has just returned (or failed)."""
         now = time.perf_counter()
-        self.submit_s += now - began
-        self.chunks += 1
-        if self.first_submit is None:
-            self.first_submit = now
-        self.last_submit = now
+        self.submit_s += now - began_at
+        self.num_chunks += 1
+        if self.first_submit_at is None:
+            self.first_submit_at = now
+        self.last_submit_at = now
 
-    def report(self, timing: CopyTiming, way: str) -> None:
+    def report(self, timing: CopyTiming, way: CopyWay) -> None:
+        """The call is over: its phases into ``timing`` (a call that enqueued nothing has
+        every phase but ``total``, ``store`` and ``submitting`` zero)."""
         end = time.perf_counter()
-        first = end if self.first_submit is None else self.first_submit
-        last = end if self.last_submit is None else self.last_submit
-        timing.add(way, self.chunks, total=end - self.start,
-                   to_first_submit=first - self.start, after_last_submit=end - last,
+        first = end if self.first_submit_at is None else self.first_submit_at
+        last = end if self.last_submit_at is None else self.last_submit_at
+        timing.add(way, self.num_chunks, total=end - self.start_at,
+                   to_first_submit=first - self.start_at, after_last_submit=end - last,
                    store=self.store_s, submitting=self.submit_s)
 
 
@@ -130,10 +140,8 @@ def _publish_done(pending: deque[_Chunk], outcomes: list[str], num_bytes: int,
             return False
         if not done:
             return True
-        began = time.perf_counter()
         for i, slot in pending.popleft().slots:
-            outcomes[i] = "saved" if slot.commit() else "duplicate"
-        clock.store_s += time.perf_counter() - began
+            outcomes[i] = "saved" if clock.store_verb(slot.commit) else "duplicate"
     return False
 
 
@@ -187,21 +195,18 @@ class CopyPipeline:
                     break
                 chunk, ids, addrs = _Chunk(), [], []
                 for i in span:
-                    began = time.perf_counter()
+                    write = (store.begin_write, namespace, hashes[i], idents[i], num_bytes)
                     try:
-                        slot = store.begin_write(namespace, hashes[i], idents[i], num_bytes)
+                        slot = clock.store_verb(*write)
                     except StoreError:
                         # The pool may be full of this request's own unpublished blocks: publish
                         # them (they become evictable or demotable) and try once more.
                         if not pending or _publish_done(pending, outcomes, num_bytes, 0, clock):
                             continue  # stays "failed"
-                        began = time.perf_counter()
                         try:
-                            slot = store.begin_write(namespace, hashes[i], idents[i], num_bytes)
+                            slot = clock.store_verb(*write)
                         except StoreError:
                             continue  # stays "failed": the pool is full of pinned blocks
-                    finally:
-                        clock.store_s += time.perf_counter() - began
                     if slot is None:
                         outcomes[i] = "duplicate"
                         continue
@@ -211,13 +216,14 @@ class CopyPipeline:
                 chunk.num_blocks = len(chunk.slots)
                 pending.append(chunk)
                 if ids:
-                    began = time.perf_counter()
+                    began_at = time.perf_counter()
                     try:
                         chunk.handle = self._copy_checked(spans, ids, addrs, to_device=False)
                     except Exception as exc:  # the copier has waited out what it had enqueued
                         log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                         return outcomes
-                    clock.submitted(began)
+                    finally:
+                        clock.submitted(began_at)
                 if _publish_done(pending, outcomes, num_bytes, MAX_UNPUBLISHED_BYTES, clock):
                     return outcomes
             _publish_done(pending, outcomes, num_bytes, 0, clock)
@@ -227,7 +233,7 @@ class CopyPipeline:
             for chunk in pending:  # unpublished: a copy failed or the call was stopped
                 for _, slot in chunk.slots:
                     slot.abort()
-            clock.report(self.copier.timing, "save")
+            clock.report(self.copier.timing, CopyWay.SAVE)
 
     def load(self, store: BlockStore, lease: Lease, block_ids: Sequence[int],
              stopped: Callable[[], bool], first_index: int = 0) -> int:
@@ -257,10 +263,8 @@ class CopyPipeline:
                     failed = True  # this chunk and the ones after it count for nothing
                     break
                 chunk = pending.popleft()
-                began = time.perf_counter()
                 for i in range(chunk.start, chunk.start + chunk.num_blocks):
-                    store.done(lease, first_index + i)
-                clock.store_s += time.perf_counter() - began
+                    clock.store_verb(store.done, lease, first_index + i)
                 num_loaded += chunk.num_blocks
             return not failed
 
@@ -271,23 +275,19 @@ class CopyPipeline:
                     break
                 chunk, ids, addrs = _Chunk(start=span.start), [], []
                 for i in span:
-                    began = time.perf_counter()
                     try:
-                        data = store.read(lease, first_index + i)
+                        data = clock.store_verb(store.read, lease, first_index + i)
                     except StoreError:  # BlockUnavailable included: the hit shrinks here
                         # DRAM may be full of this load's pinned blocks: let the copies out of
                         # them finish, hand them back, and ask once more.
                         if not pending or not retire(block=True):
                             stop = True
                             break
-                        began = time.perf_counter()
                         try:
-                            data = store.read(lease, first_index + i)
+                            data = clock.store_verb(store.read, lease, first_index + i)
                         except StoreError:
                             stop = True
                             break
-                    finally:
-                        clock.store_s += time.perf_counter() - began
                     if data.nbytes != num_bytes:
                         stop = True  # stored under another layout; never copy a partial block
                         break
@@ -295,13 +295,14 @@ class CopyPipeline:
                     addrs.append(host_address(data))
                     chunk.num_blocks += 1
                 if ids:
-                    began = time.perf_counter()
+                    began_at = time.perf_counter()
                     try:
                         chunk.handle = self._copy_checked(spans, ids, addrs, to_device=True)
                     except Exception as exc:  # nothing of this chunk is in flight any more
                         log.error("submitting %d block copies failed: %s", chunk.num_blocks, exc)
                         break
-                    clock.submitted(began)
+                    finally:
+                        clock.submitted(began_at)
                     pending.append(chunk)
                 if stop or not retire(block=False):
                     break
@@ -309,4 +310,4 @@ class CopyPipeline:
             return num_loaded
         finally:
             _drain(pending)
-            clock.report(self.copier.timing, "load")
+            clock.report(self.copier.timing, CopyWay.LOAD)

@@ -48,9 +48,11 @@ class CopySettings:
     (vLLM's prefill step with saves 1.113x a step without them, against 1.025x with every save
     on the copy engines: ``benchmarks.vllm_store.step``, H200, 2026-11-29), and a save, unlike
     a load, is something no request waits for.
-    ``batch_keeps_gil``: the ``cuMemcpyBatchAsync`` call (an enqueue of microseconds) holds the
-    interpreter's lock instead of letting go of it, so a save or load does not wait to get the
-    lock back behind the daemon's other threads once per chunk.
+    ``batch_keeps_gil``: the ``cuMemcpyBatchAsync`` call holds the interpreter's lock instead of
+    letting go of it, so a save or load does not wait to get it back behind the daemon's other
+    threads once per chunk. Off by default: the gain measured within noise (README, s19), and
+    the call can block (a full stream queue, pageable host memory, a driver lock another thread
+    holds while it makes a device's context), which would stop the whole daemon meanwhile.
     """
 
     small_runs: CopyMethod = CopyMethod.STAGED
@@ -60,7 +62,7 @@ class CopySettings:
     staging_slot_bytes: int = DEFAULT_STAGING_SLOT_BYTES
     kernel_unroll: int = UNROLL
     save_kernels: bool = False
-    batch_keeps_gil: bool = True
+    batch_keeps_gil: bool = False
 
     def __post_init__(self) -> None:
         for name in ("small_runs", "large_runs"):

@@ -1,22 +1,32 @@
 """CopyTiming: where a device's whole-block saves and loads spend their time, summed.
 
 A copy pipeline (``copy_pipeline``) times each save and load it runs in phases and adds them
-here, per way (``save`` / ``load``): the call's wall time, the time before its first chunk was
-handed to the copier (the bus idle meanwhile), the time after its last submission (the copies
-still in flight, then publishing or handing back), the time in the store's per-block verbs
-(``begin_write`` and ``commit`` for a save, ``read`` and ``done`` for a load) and in
-submissions (building runs, the driver call, and any wait for the interpreter's lock behind
-another thread). The daemon's ``stats`` show the sums (``daemon.copy_ms``), so a workload's own
+here, per way (``CopyWay``): the call's wall time, the time until its first chunk was enqueued
+(the first submission returned; the bus idle until then), the time after its last submission
+returned (the copies still in flight, then publishing or handing back), the time in the
+store's per-block verbs (``begin_write`` and ``commit`` for a save, ``read`` and ``done`` for a
+load) and in submissions (building runs, the driver call, and any wait for the interpreter's
+lock behind another thread; a failed one included). The phases overlap: the first
+submission counts in ``to_first_submit`` and in ``submitting``, and every verb and submission
+in ``total``. The daemon's ``stats`` show the sums (``daemon.copy_ms``), so a workload's own
 restores can be split without a tracer: a load whose submissions take far longer than in
 ``benchmarks.transfer_daemon`` was held up by other work in the daemon.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections import Counter
 
 PHASES = ("total", "to_first_submit", "after_last_submit", "store", "submitting")
+
+
+class CopyWay(str, enum.Enum):
+    """Which way a pipeline call moved blocks (the key in ``daemon.copy_ms``)."""
+
+    SAVE = "save"  # engine HBM -> the pinned pool
+    LOAD = "load"  # the pinned pool -> engine HBM
 
 
 class CopyTiming:
@@ -24,18 +34,18 @@ class CopyTiming:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sums: dict[str, Counter[str]] = {"save": Counter(), "load": Counter()}
+        self._sums: dict[str, Counter[str]] = {way.value: Counter() for way in CopyWay}
 
-    def add(self, way: str, chunks: int, **phase_s: float) -> None:
-        """One call of ``way`` that ran ``chunks`` submissions; ``phase_s``: seconds by
+    def add(self, way: CopyWay, num_chunks: int, **phase_s: float) -> None:
+        """One call of ``way`` that ran ``num_chunks`` submissions; ``phase_s``: seconds by
         ``PHASES`` name (unknown names are a programming error)."""
         unknown = set(phase_s) - set(PHASES)
         if unknown:
             raise ValueError(f"unknown copy phases {sorted(unknown)}")
         with self._lock:
-            sums = self._sums[way]
+            sums = self._sums[CopyWay(way).value]
             sums["calls"] += 1
-            sums["chunks"] += chunks
+            sums["chunks"] += num_chunks
             for name, seconds in phase_s.items():
                 sums[f"ms_{name}"] += seconds * 1e3
 
@@ -48,7 +58,7 @@ class CopyTiming:
     @staticmethod
     def merged(snapshots: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
         """Several copiers' snapshots summed (a daemon with engines on several devices)."""
-        total: dict[str, Counter] = {}
+        total: dict[str, Counter[str]] = {}
         for snap in snapshots:
             for way, sums in snap.items():
                 total.setdefault(way, Counter()).update(sums)

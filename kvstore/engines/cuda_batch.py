@@ -3,7 +3,8 @@
 The CUDA 13 form (``cuMemcpyBatchAsync_v2``: no ``failIdx``) is asked of the driver
 (``cuda_driver``), so a CUDA 12.x library beside a newer driver cannot call it with the wrong
 argument list; a driver without it makes ``available()`` False. One attribute
-entry applies to every copy: source read in stream order, location hints from the direction.
+entry applies to every copy: source read in stream order unless the caller names another order
+(``benchmarks.batch_order`` compares them), location hints from the direction.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ _ARGS = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes
          ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
          ctypes.c_void_p)
 MEMCPY_BATCH_ASYNC = ctypes.CFUNCTYPE(*_ARGS)  # lets go of the GIL for the call
-# Keeps the GIL: the call only enqueues (microseconds), and a thread that lets go of the GIL
-# waits to get it back behind any other runnable thread of the daemon, up to the interpreter's
-# switch interval, once per chunk of a save or load.
+# Keeps the GIL (``CopySettings.batch_keeps_gil``): a thread that lets go of it waits to get it
+# back behind any other runnable thread, once per chunk of a save or load; but a call that
+# blocks then stops every thread.
 MEMCPY_BATCH_ASYNC_HOLDING_GIL = ctypes.PYFUNCTYPE(*_ARGS)
 
 
@@ -64,7 +65,7 @@ def available() -> bool:
 
 def memcpy_batch(runs: RunArrays, stream_ptr: int, src_on_device: bool, dst_on_device: bool,
                  device_id: int, src_order: int = SRC_ACCESS_ORDER_STREAM,
-                 flags: int = 0, keep_gil: bool = False) -> None:
+                 flags: int = 0, *, keep_gil: bool) -> None:
     """Enqueue every run on ``stream_ptr`` (not the legacy NULL stream) in one driver call;
     RuntimeError with the CUresult if the driver refuses the batch (nothing was enqueued).
     ``src_order`` / ``flags``: the batch's one attribute entry (``benchmarks.batch_order``

@@ -55,11 +55,11 @@ def test_every_copy_flag_sets_its_field() -> None:
         "serve", "--copy-small-runs", "kernel", "--copy-large-runs", "staged",
         "--copy-packed-min-pieces", "1073741824", "--copy-chunk-size", "0",
         "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16",
-        "--copy-save-kernels", "--copy-batch-releases-gil"])
+        "--copy-save-kernels", "--copy-batch-keeps-gil"])
     assert copy_settings_from_args(args) == CopySettings(
         small_runs=CopyMethod.KERNEL, large_runs=CopyMethod.STAGED,
         packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20,
-        kernel_unroll=16, save_kernels=True, batch_keeps_gil=False)
+        kernel_unroll=16, save_kernels=True, batch_keeps_gil=True)
 
 
 @pytest.mark.parametrize("flags", [["--copy-small-runs", "fast"],

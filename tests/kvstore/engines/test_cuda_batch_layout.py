@@ -47,4 +47,4 @@ def test_without_a_driver_the_batch_is_unavailable_and_refuses() -> None:
         pytest.skip("this machine has a CUDA driver")
     assert not cuda_batch.available()
     with pytest.raises(RuntimeError):
-        cuda_batch.memcpy_batch(RunArrays.of([]), 1, True, False, 0)
+        cuda_batch.memcpy_batch(RunArrays.of([]), 1, True, False, 0, keep_gil=False)

@@ -135,6 +135,7 @@ def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> 
     expect = arena.blocks(save_ids)
     with daemon.client() as c:
         assert c.stats()["tiers"]["dram"]["pinned"] is True
+        timed_before = c.stats()["daemon"]["copy_ms"]  # the daemon serves other tests too
         reg = c.register(arena.layout, "gpu-engine")
         reply = c.save(reg, namespace, save_ids, hashes, idents)
         assert reply.outcomes == ["saved"] * len(save_ids)
@@ -157,12 +158,14 @@ def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> 
         assert stats["tiers"]["dram"]["in_flight_blocks"] == 0
         # The saves and the load timed by phase (``daemon.copy_ms``).
         timing = stats["daemon"]["copy_ms"]
-        assert timing["save"]["calls"] >= 1 and timing["load"]["calls"] == 1
-        assert timing["load"]["chunks"] >= 1 and timing["load"]["ms_total"] > 0
+        added = {way: {k: v - timed_before.get(way, {}).get(k, 0) for k, v in sums.items()}
+                 for way, sums in timing.items()}
+        assert added["save"]["calls"] == 2 and added["load"]["calls"] == 1
+        assert added["load"]["chunks"] >= 1 and added["load"]["ms_total"] > 0
         for way in ("save", "load"):
-            parts = timing[way]
-            assert parts["ms_to_first_submit"] <= parts["ms_total"]
-            assert parts["ms_store"] + parts["ms_submitting"] <= parts["ms_total"]
+            parts = added[way]
+            assert parts["ms_to_first_submit"] <= parts["ms_total"] + 1e-3
+            assert parts["ms_store"] <= parts["ms_total"] + 1e-3
         assert c.unregister(reg) is True
         assert c.stats()["daemon"]["registrations"] == 0
 
