@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_daemon import start_daemon, stop_daemon
 from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
-from benchmarks.transfer_daemon import IDENT_BYTES, start_daemon, stop_daemon
+from benchmarks.transfer_daemon import IDENT_BYTES
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         cases[(n, "consecutive")] = (list(range(n)), list(range(n)))
     namespace = Namespace(name="hbm-copy").digest
     rows = []
-    proc, socket_path = start_daemon(256 << 20, "default", profile=args.profile)
+    proc, socket_path = start_daemon(256 << 20, profile=args.profile)
     try:
         with Client(socket_path, timeout_s=120.0) as owner, \
                 Client(socket_path, timeout_s=120.0) as reader:

@@ -32,20 +32,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import queue
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_daemon import start_daemon, stop_daemon
 from benchmarks.common import command, cuda_median_ms, names_arg, now_iso, today, write_result
 from benchmarks.transfer_pipeline import pipeline_rows
-from kvstore.testing.processes import stop_process
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
@@ -62,50 +56,6 @@ _VARIANTS = {"default": [],
              "chunk_64m": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
              "chunk_128m": ["--copy-chunk-size", "128MiB", "--copy-staging-slot-size",
                             "128MiB"]}
-# --trace: the daemon runs with benchmarks/copy_trace.py's hooks installed first.
-_TRACED_SERVE = ("import sys, benchmarks.copy_trace as ct; ct.install({!r}); "
-                 "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
-_PROFILED_SERVE = ("import sys, benchmarks.stack_sampler as ss; ss.install({!r}); "
-                   "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
-
-
-def start_daemon(dram_bytes: int, variant: str, trace: Path | None = None,
-                 profile: Path | None = None) -> tuple[subprocess.Popen, Path]:
-    """``trace``: a timeline of every save/load into this file (benchmarks/copy_trace.py);
-    ``profile``: the daemon's sampled stacks into this file (benchmarks/stack_sampler.py)."""
-    socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
-    head = [sys.executable, "-m", "kvstore.cli"]
-    if trace is not None:
-        head = [sys.executable, "-c", _TRACED_SERVE.format(str(trace))]
-    elif profile is not None:
-        head = [sys.executable, "-c", _PROFILED_SERVE.format(str(profile))]
-    proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram",
-                             str(dram_bytes), "--http", "off", *_VARIANTS[variant]],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"})
-    lines: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            sys.stdout.write("  daemon| " + line)
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    while True:
-        line = lines.get(timeout=120)
-        if line is None:
-            raise RuntimeError(f"daemon exited with {proc.wait()}")
-        if "kvstore: ready" in line:
-            return proc, socket_path
-
-
-def stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:
-    stop_process(proc, timeout_s=60)
-    shutil.rmtree(socket_path.parent, ignore_errors=True)
-
-
 def _raw_row(cp, n: int, dev: int, alloc_host: int, pool_host: int, reps: int) -> dict:
     """Raw single-memcpy bandwidth (GB/s) of n blocks, both directions, both kinds of pinning."""
     nbytes = n * BLOCK_BYTES
@@ -176,20 +126,25 @@ def _daemon_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: 
     # ``request_ms``; a mean over the timed reps, where the client's figures are medians): the
     # rest of the client's time is the socket, the reply's way out and the client.
     after_stats = client.stats()["daemon"]
-    after = after_stats.get("request_ms", {})
-    for verb in ("save", "lookup", "load"):
-        num = after.get(verb, {}).get("count", 0) - before.get(verb, {}).get("count", 0)
-        total = after.get(verb, {}).get("sum_ms", 0.0) - before.get(verb, {}).get("sum_ms", 0.0)
-        if num > 0:
-            row[f"daemon_{verb}_ms"] = total / num
+    for verb, sums in _per_call(after_stats.get("request_ms", {}), before, "count").items():
+        if verb in ("save", "lookup", "load"):
+            row[f"daemon_{verb}_ms"] = sums["sum_ms"]
     # The copies' phases per call (``daemon.copy_ms``, means over the timed reps).
-    for way, sums in after_stats.get("copy_ms", {}).items():
-        old = before_copy.get(way, {})
-        calls = sums.get("calls", 0) - old.get("calls", 0)
-        if calls > 0:
-            row[f"daemon_{way}_phases_ms"] = {k: (v - old.get(k, 0)) / calls
-                                              for k, v in sums.items() if k != "calls"}
+    for way, phases in _per_call(after_stats.get("copy_ms", {}), before_copy, "calls").items():
+        row[f"daemon_{way}_phases_ms"] = phases
     return row
+
+
+def _per_call(after: dict, before: dict, calls_key: str) -> dict[str, dict[str, float]]:
+    """Per key of two snapshots of summed counters (``{key: {calls_key: n, name: sum}}``), what
+    was added between them divided by the calls added; keys without a call left out."""
+    out = {}
+    for key, sums in after.items():
+        old = before.get(key, {})
+        calls = sums.get(calls_key, 0) - old.get(calls_key, 0)
+        if calls > 0:
+            out[key] = {k: (v - old.get(k, 0)) / calls for k, v in sums.items() if k != calls_key}
+    return out
 
 
 def _streamed_row(client, reg: int, namespace: bytes, block_ids: list[int], reps: int,
@@ -300,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace:
             trace.parent.mkdir(parents=True, exist_ok=True)
             trace.unlink(missing_ok=True)
-        proc, socket_path = start_daemon(depth * total + (256 << 20), variant,
+        proc, socket_path = start_daemon(depth * total + (256 << 20), _VARIANTS[variant],
                                          trace if args.trace else None)
         try:
             with Client(socket_path, timeout_s=120.0) as client:

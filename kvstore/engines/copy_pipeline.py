@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvstore.engines.copier import CopyHandle, CudaCopier
 from kvstore.engines.copy_bounds import HostSpans
-from kvstore.engines.copy_timing import CopyTiming, CopyWay
+from kvstore.engines.copy_timing import CallClock, CopyWay
 from kvstore.engines.registration import host_address
 from kvstore.engines.run_arrays import PieceTable
 from kvstore.store.block_store import BlockStore, Lease, StoreError, WriteSlot
@@ -51,45 +51,6 @@ class _Chunk:
     slots: list[tuple[int, WriteSlot]] = field(default_factory=list)  # save: (index, slot)
     start: int = 0  # load: the chunk carries request indices start .. start + num_blocks - 1
     num_blocks: int = 0
-
-
-@dataclass(eq=False)
-class _Clock:
-    """One call's phases (``CopyTiming``), by ``time.perf_counter``."""
-
-    start_at: float = field(default_factory=time.perf_counter)
-    first_submit_at: float | None = None  # when the first submission returned
-    last_submit_at: float | None = None
-    store_s: float = 0.0  # in the store's per-block verbs
-    submit_s: float = 0.0  # in submissions
-    num_chunks: int = 0
-
-    def store_verb(self, verb: Callable, *args):
-        """``verb(*args)`` (one of the store's per-block verbs), its time counted."""
-        began = time.perf_counter()
-        try:
-            return verb(*args)
-        finally:
-            self.store_s += time.perf_counter() - began
-
-    def submitted(self, began_at: float) -> None:
-        """A submission that began at ``began_at`` has just returned (or failed)."""
-        now = time.perf_counter()
-        self.submit_s += now - began_at
-        self.num_chunks += 1
-        if self.first_submit_at is None:
-            self.first_submit_at = now
-        self.last_submit_at = now
-
-    def report(self, timing: CopyTiming, way: CopyWay) -> None:
-        """The call is over: its phases into ``timing`` (a call that enqueued nothing has
-        every phase but ``total``, ``store`` and ``submitting`` zero)."""
-        end = time.perf_counter()
-        first = end if self.first_submit_at is None else self.first_submit_at
-        last = end if self.last_submit_at is None else self.last_submit_at
-        timing.add(way, self.num_chunks, total=end - self.start_at,
-                   to_first_submit=first - self.start_at, after_last_submit=end - last,
-                   store=self.store_s, submitting=self.submit_s)
 
 
 def chunk_spans(num_items: int, block_bytes: int, chunk_bytes: int) -> Iterator[range]:
@@ -129,7 +90,7 @@ def _drain(chunks: Sequence[_Chunk]) -> None:
 
 
 def _publish_done(pending: deque[_Chunk], outcomes: list[str], num_bytes: int,
-                  max_unpublished_bytes: int, clock: _Clock) -> bool:
+                  max_unpublished_bytes: int, clock: CallClock) -> bool:
     """Publish the leading chunks whose copies completed, waiting for them while more than
     ``max_unpublished_bytes`` are pending (0: wait for all). True when a copy failed: that chunk
     and the ones after it stay pending, to be aborted."""
@@ -185,7 +146,7 @@ class CopyPipeline:
         Call inside ``open_for_copy``.
         """
         num_bytes = self.block_bytes
-        clock = _Clock()
+        clock = CallClock()
         spans = HostSpans(store.host_spans())
         outcomes: list[str] = ["failed"] * len(block_ids)
         pending: deque[_Chunk] = deque()  # submitted, not yet published, oldest first
@@ -247,7 +208,7 @@ class CopyPipeline:
         returns only once no copy is in flight.
         """
         num_bytes = self.block_bytes
-        clock = _Clock()
+        clock = CallClock()
         spans = HostSpans(store.host_spans())
         pending: deque[_Chunk] = deque()  # submitted, oldest first (counted in this order)
         num_loaded, failed = 0, False

@@ -213,19 +213,19 @@ class Registry:
     def copier_counts(self) -> dict[str, int]:
         """How the device copiers' whole-block batches went (packed or not, and why), summed
         over devices; empty where no GPU engine registered."""
-        with self._lock:
-            copiers = list(self._copiers.values())
         total: Counter[str] = Counter()
-        for copier in copiers:
+        for copier in self._copiers_now():
             total.update(copier.counts)
         return dict(total)
 
     def copy_timing(self) -> dict[str, dict[str, float]]:
         """Where the devices' whole-block saves and loads spent their time (``CopyTiming``),
         summed over devices; empty where no GPU engine registered."""
+        return CopyTiming.merged([copier.timing.snapshot() for copier in self._copiers_now()])
+
+    def _copiers_now(self) -> list[CudaCopier]:
         with self._lock:
-            copiers = list(self._copiers.values())
-        return CopyTiming.merged([copier.timing.snapshot() for copier in copiers])
+            return list(self._copiers.values())
 
     def describe(self) -> list[dict]:
         with self._lock:
