@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, cuda_median_ms, machine_info, now_iso, today, write_result
+from benchmarks.common import cuda_median_ms, finish
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 WAYS = ("stream", "any", "stream_overlap", "any_overlap", "any_2streams", "any_4streams",
@@ -133,12 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(_rows(cp, cuda_batch, RunArrays, streams, copier, dev, host, to_device,
                               (raw_dst, raw_src), args.reps))
     pool.close()
-    out = {"benchmark": "batch_order", "rows": rows, "machine": machine_info(), "date": now_iso(),
-           "timing": "device: CUDA events around the submissions; wall: the call to the last "
-                     "event; medians of reps after a warm-up; raw: one cudaMemcpyAsync",
-           "command": command("python -m benchmarks.batch_order", argv)}
-    path = write_result(args.out, f"batch-order-{today()}.json", out)
-    print(f"wrote {path}")
+    finish("batch_order", {"rows": rows,
+                           "timing": "device: CUDA events around the submissions; wall: the call "
+                                     "to the last event; medians of reps after a warm-up; raw: "
+                                     "one cudaMemcpyAsync"}, args.out, argv)
     return 0
 
 

@@ -113,6 +113,18 @@ def write_result(out_dir: str | Path, name: str, result: dict, indent: int = 2,
     return path
 
 
+def finish(benchmark: str, fields: dict, out_dir: str | Path, argv: Sequence[str] | None,
+           name: str | None = None, machine: dict | None = None) -> Path:
+    """Write benchmark ``benchmark``'s result (``fields`` with the machine, the date and the
+    command ``python -m benchmarks.<benchmark>`` that made it) into ``out_dir`` as ``name``
+    (default ``<benchmark, dashed>-<today>.json``); prints and returns its path."""
+    result = {"benchmark": benchmark, **fields, "machine": machine or machine_info(),
+              "date": now_iso(), "command": command(f"python -m benchmarks.{benchmark}", argv)}
+    path = write_result(out_dir, name or f"{benchmark.replace('_', '-')}-{today()}.json", result)
+    print(f"wrote {path}")
+    return path
+
+
 def raw_h2d_gbps(num_bytes: int, device: str) -> float | None:
     """GB/s of one pinned host-to-device cudaMemcpyAsync of ``num_bytes`` (median of 4 after a
     warm-up, CUDA events); None off CUDA."""

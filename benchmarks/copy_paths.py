@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, cuda_median_ms, machine_info, now_iso, today, write_result
+from benchmarks.common import cuda_median_ms, finish
 
 PIECE = 16 * 8 * 128 * 2
 NUM_LAYERS = 36
@@ -100,12 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{layout:>11} {n:5d} blocks {method:>10} {way}: {gbps:5.1f} GB/s = "
                           f"{gbps / raw[way]:.2f} of raw {raw[way]:.1f}", flush=True)
     pool.close()
-    out = {"benchmark": "copy_paths", "rows": rows, "machine": machine_info(), "date": now_iso(),
-           "timing": "wall clock from building the runs to the event, one submission per batch, "
-                     "median of reps after a warm-up; raw: CUDA events, one cudaMemcpyAsync",
-           "command": command("python -m benchmarks.copy_paths", argv)}
-    path = write_result(args.out, f"copy-paths-{today()}.json", out)
-    print(f"wrote {path}")
+    finish("copy_paths", {"rows": rows,
+                          "timing": "wall clock from building the runs to the event, one "
+                                    "submission per batch, median of reps after a warm-up; raw: "
+                                    "CUDA events, one cudaMemcpyAsync"}, args.out, argv)
     return 0
 
 

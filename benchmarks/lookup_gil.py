@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import command, machine_info, now_iso, today, write_result
+from benchmarks.common import finish, today
 from benchmarks.vllm_store.store_process import REPO_ROOT, start_store, stop_store
 from kvstore.keys import Namespace, chain_hashes, chain_idents
 from kvstore.layout import KVLayout, Region
@@ -239,12 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(_row(rnd, "own_save", ms, behind))
                 _say(rows[-1], f"right behind its own save of {args.save_blocks} blocks",
                      args.blocks)
-    result = {"benchmark": "lookup_gil", "date": now_iso(), "machine": machine_info(),
-              "blocks": args.blocks, "save_blocks": args.save_blocks,
-              "save_block_bytes": SAVE_BLOCK_BYTES, "rows": rows,
-              "command": command("python -m benchmarks.lookup_gil", argv)}
-    path = write_result(args.out, f"lookup_gil-{'-'.join(busy_kinds)}-{today()}.json", result)
-    print(f"wrote {path}")
+    finish("lookup_gil", {"blocks": args.blocks, "save_blocks": args.save_blocks,
+                          "save_block_bytes": SAVE_BLOCK_BYTES, "rows": rows}, args.out, argv,
+           name=f"lookup_gil-{'-'.join(busy_kinds)}-{today()}.json")
     return 0
 
 

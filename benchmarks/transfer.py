@@ -16,7 +16,7 @@ import platform
 
 import numpy as np
 
-from benchmarks.common import command, cuda_median_ms, now_iso, today, write_result
+from benchmarks.common import cuda_median_ms, finish
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 
@@ -115,17 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     beside = cuda_median_ms(cp, decode_like, 3, compute)
     stream.synchronize()
     out = {
-        "benchmark": "transfer", "block_bytes": BLOCK_BYTES, "rows": rows, "byte_exact": exact,
+        "block_bytes": BLOCK_BYTES, "rows": rows, "byte_exact": exact,
         "decode_gemm_ms_alone": alone, "decode_gemm_ms_during_save": beside,
-        "machine": {"node": platform.node(),
-                    "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()},
-        "date": now_iso(),
-        "command": command("python -m benchmarks.transfer", argv),
     }
     print(f"byte-exact round trip: {exact}; decode GEMM loop {alone:.2f} ms alone, "
           f"{beside:.2f} ms during a save")
-    path = write_result(args.out, f"transfer-{today()}.json", out)
-    print(f"wrote {path}")
+    finish("transfer", out, args.out, argv, machine={
+        "node": platform.node(), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()})
     return 0 if exact else 1
 
 

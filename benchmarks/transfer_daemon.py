@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_daemon import start_daemon, stop_daemon
-from benchmarks.common import command, cuda_median_ms, names_arg, now_iso, today, write_result
+from benchmarks.common import cuda_median_ms, finish, names_arg
 from benchmarks.transfer_pipeline import pipeline_rows
 
 BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
@@ -318,22 +318,19 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     out = {
-        "benchmark": "transfer_daemon", "block_bytes": BLOCK_BYTES, "rows": rows,
+        "block_bytes": BLOCK_BYTES, "rows": rows,
         "byte_exact": exact, "daemon_pool_pinned": daemon_pinned,
         "health_round_trip_ms_p50": round_trip_ms,
         "timing": "daemon: wall clock around Client.save/load (socket, msgpack, worker thread "
                   "included; streamed: depth requests in flight, bytes of all of them), median "
                   "of reps after one warm-up; raw: CUDA events around one cudaMemcpyAsync of "
                   "the blocks' bytes; ratio = daemon / raw (cudaHostAlloc) of the same row",
-        "machine": {"node": platform.node(), "gpu": gpu.decode() if isinstance(gpu, bytes)
-                    else str(gpu), "cpus": os.cpu_count()},
-        "date": now_iso(),
-        "command": command("python -m benchmarks.transfer_daemon", argv),
     }
     print(f"byte-exact save/scramble/load through the daemon: {exact}; daemon pool pinned: "
           f"{daemon_pinned}")
-    path = write_result(args.out, f"transfer-daemon-{today()}.json", out)
-    print(f"wrote {path}")
+    finish("transfer_daemon", out, args.out, argv, machine={
+        "node": platform.node(), "gpu": gpu.decode() if isinstance(gpu, bytes) else str(gpu),
+        "cpus": os.cpu_count()})
     return 0 if exact else 1
 
 
