@@ -45,6 +45,17 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(llm: LLM) -> None:
         assert g.token_ids == k.token_ids == p.token_ids
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token(llm: LLM) -> None:
+    """2**31 and more (an int32 overflow in the step, which failed every request of the
+    engine) sample as top_k off, as vLLM's do."""
+    prompts = random_prompts(4000, [5, 21], seed=4)
+    off = llm.generate(prompts, sample(seed=8))
+    for huge in (2**31, 10**30):
+        assert [o.token_ids for o in llm.generate(prompts, sample(seed=8, top_k=huge))] == \
+            [o.token_ids for o in off]
+    assert llm.generate(prompts, sample(seed=8))[0].token_ids == off[0].token_ids
+
+
 def test_stop_string_trims_the_text(llm: LLM) -> None:
     prompt = random_prompts(4000, [7], seed=4)[0]
     full = llm.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]

@@ -103,6 +103,18 @@ def test_out_of_vocabulary_token_id_is_400(http: httpx.Client, server) -> None:
     assert_healthy(server.url)
 
 
+def test_a_top_k_past_int32_is_served_and_the_engine_stays_up(http: httpx.Client,
+                                                               server) -> None:
+    """It overflowed the step's int32 array, which failed every request and stopped the
+    engine; now it samples as top_k off, as vLLM's does."""
+    for top_k in (2**31, 2**63):
+        body = {"prompt": "x", "max_tokens": 2, "temperature": 1.0, "top_k": top_k}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+    assert_healthy(server.url)
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 def test_unknown_model_is_404(http: httpx.Client, server) -> None:
     _assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404,
                   param="model", code="model_not_found")
