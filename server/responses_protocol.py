@@ -145,7 +145,10 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     raise ValueError(f"tool_choice {choice!r} is not supported")
 
 
-def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ValueError(f"text.format must be an object such as {{\"type\": \"json_object\"}}, "
+                         f"got {type(fmt).__name__}")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

@@ -78,7 +78,10 @@ def test_what_is_refused_says_why(http: httpx.Client) -> None:
     for body, needle in (({"previous_response_id": "resp_1"}, "stores no responses"),
                          ({"tools": [{"type": "web_search"}]}, "only function tools"),
                          ({"input": [{"type": "image_generation_call"}]}, "not supported"),
-                         ({"frobnicate": 1}, "frobnicate")):
+                         ({"frobnicate": 1}, "frobnicate"),
+                         ({"text": {"format": "json_object"}}, "text.format must be an object"),
+                         ({"text": {"format": ["x"]}}, "text.format must be an object"),
+                         ({"text": {"format": 5}}, "text.format must be an object")):
         response = http.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
         assert response.status_code == 400, response.text
         assert needle in response.json()["error"]["message"]
