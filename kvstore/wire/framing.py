@@ -15,6 +15,9 @@ import msgpack
 HEADER = struct.Struct("<I")
 HEADER_BYTES = HEADER.size
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+# A put's value is at most this: its get's reply (the value and an envelope of well under 100
+# bytes) must fit one frame, or the value could be stored and never read back.
+MAX_VALUE_BYTES = MAX_FRAME_BYTES - 4096
 MAX_NESTING = 32
 MAX_REQUEST_ID = 2**63 - 1
 DEFAULT_DEADLINE_MS = 30_000

@@ -18,6 +18,7 @@ from kvstore.keys import HASH_BYTES
 from kvstore.wire.framing import (
     BAD_REQUEST,
     MAX_IDENT_LEN,
+    MAX_VALUE_BYTES,
     ProtocolError,
     ensure_plain,
     kind_of,
@@ -48,6 +49,10 @@ def _is_str(v: Any) -> bool:
 
 def _is_bytes(v: Any) -> bool:
     return isinstance(v, bytes)
+
+
+def _is_value(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) <= MAX_VALUE_BYTES
 
 
 def _is_hash(v: Any) -> bool:
@@ -115,7 +120,8 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "put": {
         "namespace": Field(_is_str, "str", required=False),
         "key": Field(_is_bytes, "bin"),
-        "value": Field(_is_bytes, "bin"),
+        "value": Field(_is_value, f"bin of at most {MAX_VALUE_BYTES} bytes (a get's reply must "
+                                  "fit one frame)"),
     },
     "get": {
         "namespace": Field(_is_str, "str", required=False),
