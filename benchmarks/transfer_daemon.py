@@ -52,7 +52,6 @@ _VARIANTS = {"default": [],
              "staged_large": ["--copy-large-runs", "staged", "--copy-save-kernels"],
              "packed_large": ["--copy-packed-min-pieces", "1", "--copy-save-kernels"],
              "batch_keeps_gil": ["--copy-batch-keeps-gil"],
-             "replies_via_loop": ["--replies-via-loop"],  # before a worker wrote its reply
              "chunk_16m": ["--copy-chunk-size", "16MiB"],
              "chunk_64m": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
              "chunk_128m": ["--copy-chunk-size", "128MiB", "--copy-staging-slot-size",
