@@ -38,10 +38,6 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
                        default=DEFAULT_SLOW_READER_TIMEOUT_S, metavar="SECONDS",
                        help="close a connection whose unread replies do not shrink for this "
                             f"long (default {DEFAULT_SLOW_READER_TIMEOUT_S:g})")
-    serve.add_argument("--replies-via-loop", action="store_true",
-                       help="every reply goes back through the event loop; by default the "
-                            "worker thread that ran a call writes its small reply itself, a "
-                            "thread hop sooner")
 
 
 def limits_from_args(args: argparse.Namespace) -> Any:

@@ -268,7 +268,7 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
                       copy_settings=copy_settings, debug_corrupt_engine=env.debug_corrupt_engine,
                       max_registered_connections=limits.max_registered_connections)
     daemon = Daemon(service, socket_path, limits=limits, debug_stall_s=env.debug_stall_s,
-                    access=access, direct_replies=not args.replies_via_loop)
+                    access=access)
     health = DaemonHealth(service, daemon.heartbeat,
                           config.ssd_dir if config.ssd_bytes > 0 else None)
     admin = None

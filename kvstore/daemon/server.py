@@ -33,7 +33,6 @@ from kvstore.daemon import memory
 from kvstore.daemon.accept import Acceptor, RateLimitedLog
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
 from kvstore.daemon.connection import BULK_REPLY_VERBS, FD_VERBS, Connection, encode_reply
-from kvstore.daemon.direct_reply import SENT, ReplyGate, call_and_reply
 from kvstore.daemon.frame_body import read_body
 from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
@@ -109,11 +108,9 @@ class Daemon:
                  flush_on_exit: bool = True,
                  limits: ConnectionLimits | None = None,
                  debug_stall_s: float | None = None,
-                 access: SocketAccess | None = None, direct_replies: bool = True) -> None:
+                 access: SocketAccess | None = None) -> None:
         """``debug_stall_s`` (tests only, ``KVSTORE_DEBUG_STALL_ON_SIGUSR2``): SIGUSR2 blocks
-        the loop this long, as a slow synchronous call on it would. ``direct_replies``: a
-        worker writes its call's small reply itself (``direct_reply.py``); False: the loop
-        writes every reply."""
+        the loop this long, as a slow synchronous call on it would."""
         self.service = service
         # the admin thread's view of this loop, and each tick's lateness in the stats
         self.heartbeat = LoopHeartbeat(stalls=self.service.stalls)
@@ -124,7 +121,6 @@ class Daemon:
         self.lease_sweep_s = lease_sweep_s
         self.max_inflight = max_inflight_per_connection
         self.inline_verbs = inline_verbs
-        self.direct_replies = direct_replies
         self.flush_on_exit = flush_on_exit
         self.allowed_uids = allowed_uids if allowed_uids is not None else frozenset({os.getuid()})
         self.access = access or SocketAccess.of()  # with a group, its processes are let in too
@@ -185,8 +181,7 @@ class Daemon:
             [f"connections_closed_{reason}" for reason in CLOSE_REASONS]
             + ["connections_refused_cap", "connections_refused_no_fds",
                "accept_out_of_resources", "accept_errors", "frames_timed_out",
-               "frames_refused_budget", "connections_reclaimed", "replies_from_worker",
-               "replies_handed_to_loop"])
+               "frames_refused_budget", "connections_reclaimed"])
         acceptor = Acceptor(self._sock, self.limits.connection_cap, lambda: self._num_open,
                             self._on_accept, self._count_event, reclaim=self._reclaim_idle)
         tasks = [asyncio.create_task(acceptor.run()), asyncio.create_task(self._sweep_leases()),
@@ -294,8 +289,7 @@ class Daemon:
     async def _serve_connection(self, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter,
                                 fd_socket: FdSocket | None = None) -> None:
-        conn = Connection(next(self._conn_ids), reader, writer, self.max_inflight, fd_socket,
-                          direct_replies=self.direct_replies)
+        conn = Connection(next(self._conn_ids), reader, writer, self.max_inflight, fd_socket)
         sock = writer.get_extra_info("socket")
         uid = peer_uid(sock)
         if uid not in self.allowed_uids and not self.access.admits_group(sock):
@@ -321,7 +315,6 @@ class Daemon:
             # Leases and mappings go now; copies still running finish their current block first.
             await asyncio.get_running_loop().run_in_executor(
                 None, self.service.drop_owner, conn.owner)
-            conn.close_direct()
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -465,7 +458,7 @@ class Daemon:
             conn.contexts.add(ctx)
             try:
                 handed_fds = True
-                reply = await self._execute(request, ctx, timeout_s, fds, conn)
+                reply = await self._execute(request, ctx, timeout_s, fds)
             except Exception as exc:  # never leave a client waiting on a reply
                 self._log_failure(f"{request.verb} failed")
                 reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
@@ -473,11 +466,9 @@ class Daemon:
                 conn.contexts.discard(ctx)
                 conn.body_bytes -= body_bytes  # the request's bytes are consumed
                 body_bytes = 0
-            error = None if reply is SENT or reply["ok"] else reply["error"]["code"]
+            error = reply["error"]["code"] if not reply["ok"] else None
             self.service.count(request.verb, error, time.monotonic() - received_at)
             counted = True
-            if reply is SENT:  # its worker wrote it
-                return
             frame = encode_reply(reply, self.max_frame_bytes)
             del reply  # a get's value: only the frame holds its bytes from here
             await conn.send_frame(frame)
@@ -497,13 +488,11 @@ class Daemon:
             conn.slots.release()
 
     async def _execute(self, request: proto.Request, ctx: CallContext, timeout_s: float,
-                       fds: FrameFds, conn: Connection) -> dict[str, Any] | object:
-        """The call's reply, or SENT when the worker that ran it wrote it; ``fds`` are closed
-        once the call is done (a call past its deadline may still be mapping them on its
-        worker)."""
+                       fds: FrameFds) -> dict[str, Any]:
+        """The call's reply; ``fds`` are closed once the call is done (a call past its
+        deadline may still be mapping them on its worker)."""
         rid = request.request_id
         future: asyncio.Future | None = None
-        gate: ReplyGate | None = None
         try:
             if ctx.on_loop:
                 result = self.service.call(request.verb, request.args, ctx)
@@ -516,22 +505,14 @@ class Daemon:
                     result.abandon()
                     raise
             else:
-                work = partial(self.service.call, request.verb, request.args, ctx)
-                if self.direct_replies:
-                    conn.open_direct()
-                    gate = ReplyGate()
-                    work = partial(call_and_reply, work, conn, request, gate,
-                                   self.max_frame_bytes, self._count_event)
-                future = asyncio.get_running_loop().run_in_executor(self.executor, work)
+                future = asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.service.call, request.verb, request.args, ctx)
             try:
                 result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
             except asyncio.CancelledError:  # the connection closed: its outcome is nobody's
                 future.add_done_callback(self._cleanup_abandoned)
                 raise
             except asyncio.TimeoutError:
-                if gate is not None and not gate.take():  # the worker answered in time
-                    result = await future  # it has returned from the call already
-                    return result if result is SENT else proto.ok_reply(rid, result)
                 ctx.cancel()
                 if request.verb in _COPY_VERBS:
                     # Not a byte may move after the engine hears "failed": wait for the copy to
@@ -544,7 +525,7 @@ class Daemon:
                 return proto.error_reply(rid, proto.DEADLINE_EXCEEDED,
                                          f"{request.verb} missed its {request.deadline_ms} ms "
                                          "deadline")
-            return result if result is SENT else proto.ok_reply(rid, result)
+            return proto.ok_reply(rid, result)
         except ServiceError as exc:
             return proto.error_reply(rid, exc.code, exc.message)
         except RuntimeError as exc:
@@ -564,7 +545,7 @@ class Daemon:
     def _cleanup_abandoned(self, future: asyncio.Future) -> None:
         """A call whose reply nobody reads: its exception retrieved (not logged as lost), the
         lease a late lookup took released."""
-        if future.cancelled() or future.exception() is not None or future.result() is SENT:
+        if future.cancelled() or future.exception() is not None:
             return
         with contextlib.suppress(RuntimeError):  # shutting down: service.close() releases all
             self.executor.submit(self.service.release_abandoned, future.result())
