@@ -6,7 +6,6 @@ program's ``listening on`` line printed once it listens."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import resource
 import signal
@@ -15,7 +14,13 @@ from typing import Any
 
 import uvicorn
 
-from server.connection_guard import ConnectionGuard, ConnectionLimits, fit_to_open_files
+from kvstore.http_guard.connection_guard import (
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedServer,
+    fit_to_open_files,
+)
+from server.errors import error_body
 from server.log_setup import BANNER_LOGGER
 
 _BANNER = logging.getLogger(BANNER_LOGGER)
@@ -47,6 +52,11 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def _openai_error(status: int, message: str, code: str) -> dict[str, Any]:
+    """The guard's own answers (a 503 past the cap, a 408) in the OpenAI error shape."""
+    return error_body(status, message, code=code)
+
+
 class _Stopped(Exception):
     """A stop signal arrived after uvicorn's graceful shutdown."""
 
@@ -55,16 +65,14 @@ def _raise_stop(signum: int, _frame: Any) -> None:
     raise _Stopped(signum)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, printing our startup line once the socket is bound."""
+class _Server(GuardedServer):
+    """uvicorn's server behind the guard, printing our startup line once the socket is bound."""
 
     def __init__(self, config: uvicorn.Config, line: Any, guard: ConnectionGuard) -> None:
-        super().__init__(config)
+        super().__init__(config, guard)
         self._line = line
-        self._guard = guard
 
     async def startup(self, sockets: list | None = None) -> None:
-        self._guard.install(asyncio.get_running_loop())
         await super().startup(sockets)
         if self.started:
             port = self.config.port
@@ -77,7 +85,7 @@ def run_app(app: Any, args: argparse.Namespace, limits: ConnectionLimits,
              listener: socket.socket, line: Any) -> int:
     """Serve ``app`` on ``listener`` until a stop signal; ``line(port)`` is printed once it
     listens. 0 if it served, 1 if it did not start."""
-    guard = ConnectionGuard(limits)
+    guard = ConnectionGuard(limits, error_shape=_openai_error)
     uv_level = args.uvicorn_log_level or args.log_level
     # log_config None: uvicorn's loggers propagate to the handler configure_logging set up.
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,

@@ -91,11 +91,12 @@ def test_engine_and_offload_use_only_kvstores_shared_vocabulary_and_client() -> 
 
 
 def test_the_server_takes_no_part_of_the_daemons_command_line() -> None:
-    """`kvengine`'s CLI shares argparse pieces with `kvstore`'s through `kvstore.cli.args` (and
-    the log line formats through `kvstore.log_lines`), never by importing the daemon's CLI
-    modules."""
+    """`kvengine`'s CLI shares argparse pieces with `kvstore`'s through `kvstore.cli.args` (the
+    log line formats through `kvstore.log_lines`, the HTTP connection guard through
+    `kvstore.http_guard`), never by importing the daemon's CLI modules."""
     shared = {"kvstore", "kvstore.keys", "kvstore.layout", "kvstore.sizes", "kvstore.cli.args",
-              "kvstore.log_lines", "kvstore.process_guard"}
+              "kvstore.log_lines", "kvstore.process_guard",
+              "kvstore.http_guard.connection_guard"}
     bad = [f"{name} imports {module}" for name, path in MODULES.items()
            if name.split(".")[0] == "server"
            for module, _, _ in _imports(path)

@@ -20,6 +20,7 @@ from kvstore.cli.args import (
     add_config_option,
     package_version,
     positive_float_arg,
+    positive_int_arg,
     size_arg,
 )
 from kvstore.cli.banner import describe_cluster, describe_start
@@ -72,6 +73,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--http", default=None, metavar="HOST:PORT",
                        help=f"admin HTTP address, or 'off' (default {DEFAULT_HTTP}, or a free "
                             "port on 127.0.0.1 when another daemon holds it)")
+    serve.add_argument("--http-max-connections", type=positive_int_arg, default=64, metavar="N",
+                       help="cap on the admin HTTP app's open connections: past it a new one "
+                            "gets a 503; one that sends no request for 5 s is closed "
+                            "(default 64)")
     serve.add_argument("--lease-ttl", type=positive_float_arg, default=30.0, metavar="SECONDS",
                        help="default lifetime of a lookup's lease (default 30)")
     serve.add_argument("--eviction", choices=("lru", "fifo"), default="lru",
@@ -197,15 +202,16 @@ def _start_cluster(config: Any, store: Any) -> tuple[Any, bool]:
 
 
 def _admin_server(factory: Any, service: Any, addr: tuple[str, int], explicit: bool,
-                  health: Any = None) -> Any:
-    """The admin app on ``addr``; when the address is the default (not asked for) and another
-    daemon holds it, on a free port of the same host instead, with a warning."""
+                  **kwargs: Any) -> Any:
+    """The admin app on ``addr`` (``kwargs`` to ``factory``); when the address is the default
+    (not asked for) and another daemon holds it, on a free port of the same host instead, with
+    a warning."""
     try:
-        return factory(service, *addr, health=health)
+        return factory(service, *addr, **kwargs)
     except OSError as exc:
         if explicit:
             raise
-        admin = factory(service, addr[0], 0, health=health)
+        admin = factory(service, addr[0], 0, **kwargs)
         logging.getLogger("kvstore.cli").warning(
             "%s (another daemon?); admin HTTP on %s instead (--http picks one)", exc, admin.url)
         return admin
@@ -277,7 +283,7 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
         daemon.bind()
         if http_addr is not None:
             admin = _admin_server(AdminServer, service, http_addr, explicit=args.http is not None,
-                                  health=health)
+                                  health=health, max_connections=args.http_max_connections)
         if cluster_config is not None:  # last: nothing after it can fail before serving
             node, registered = _start_cluster(cluster_config, store)
             service.attach_cluster(node)  # stopped by service.close(), before the store closes

@@ -9,6 +9,8 @@ uvicorn on its own thread, so a slow scrape never delays the control socket.
 
 from __future__ import annotations
 
+import logging
+import resource
 import socket
 import threading
 import time
@@ -23,6 +25,21 @@ from pydantic import BaseModel
 from kvstore.daemon.health import DaemonHealth
 from kvstore.daemon.metrics import DeclaredCollector
 from kvstore.daemon.service import Service
+from kvstore.http_guard.connection_guard import (
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedServer,
+    fit_to_open_files,
+)
+from kvstore.http_guard.rate_limited_log import RateLimitedLog
+
+# The admin app answers health checks and metric scrapers: a few clients. Past this many open
+# connections a new one gets a 503 at once; one that sends no request for 5 s, or not a whole
+# one in 10 s, is closed. Without a bound, any local user (the port is TCP) could hold every
+# descriptor of the daemon and lock its engines out.
+DEFAULT_ADMIN_MAX_CONNECTIONS = 64
+ADMIN_TIMEOUT_KEEP_ALIVE_S = 5.0
+ADMIN_REQUEST_READ_TIMEOUT_S = 10.0
 
 
 class LoopReport(BaseModel):
@@ -125,7 +142,8 @@ class AdminServer:
     """uvicorn serving ``create_app(service)`` on a thread; binds in the constructor."""
 
     def __init__(self, service: Service, host: str, port: int,
-                 health: DaemonHealth | None = None) -> None:
+                 health: DaemonHealth | None = None,
+                 max_connections: int = DEFAULT_ADMIN_MAX_CONNECTIONS) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP named: asyncio sets TCP_NODELAY only then (else ~40 ms Nagle stalls)
         self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -135,17 +153,27 @@ class AdminServer:
         except OSError as exc:
             self._sock.close()
             raise OSError(f"cannot listen for HTTP on {host}:{port}: {exc.strerror}") from None
-        self._sock.listen(128)
+        limits = ConnectionLimits(max_connections=max_connections,
+                                  timeout_keep_alive_s=ADMIN_TIMEOUT_KEEP_ALIVE_S,
+                                  request_read_timeout_s=ADMIN_REQUEST_READ_TIMEOUT_S,
+                                  accept_backlog=128)
+        fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if fds != resource.RLIM_INFINITY:  # its connections and accept bursts: a quarter of
+            limits = fit_to_open_files(limits, fds // 4)  # the descriptors, at most
+        self._sock.listen(limits.accept_backlog)
         self.host, self.port = self._sock.getsockname()[:2]
+        self.guard = ConnectionGuard(limits, RateLimitedLog(logging.getLogger("kvstore.admin")))
         # asyncio's loop, also where uvloop is installed: under descriptor exhaustion uvloop's
         # server stopped answering /health for good (tests/reliability/test_daemon_fd_exhaustion).
         config = uvicorn.Config(create_app(service, health), log_level="warning",
-                                access_log=False,
-                                lifespan="off", loop="asyncio")
+                                access_log=False, lifespan="off", loop="asyncio",
+                                http=self.guard.protocol_factory,
+                                timeout_keep_alive=round(ADMIN_TIMEOUT_KEEP_ALIVE_S),
+                                backlog=limits.accept_backlog)
         # Now, not lazily on the thread: its imports need file descriptors, and a daemon out of
         # them (clients holding every one) must not lose its admin app for good.
         config.load()
-        self._server = uvicorn.Server(config)
+        self._server = GuardedServer(config, self.guard)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._sock]},
                                         name="kvstore-admin", daemon=True)

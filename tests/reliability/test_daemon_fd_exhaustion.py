@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from daemon_helpers import REPO_ROOT, raw_connect, recv_message
+from daemon_helpers import REPO_ROOT, raw_connect, recv_message, wait_until
 from process_stats import cpu_seconds
 
 from kvstore.testing.processes import stop_process
@@ -36,12 +36,13 @@ NUM_IDLE = 300
 
 
 @contextmanager
-def _daemon(*flags: str) -> Iterator[tuple[subprocess.Popen, Path, str, list[str]]]:
-    """`kvstore serve` under RLIMIT_NOFILE=FD_LIMIT: (process, socket, admin URL, its lines)."""
+def _daemon(*flags: str, fd_limit: int = FD_LIMIT
+            ) -> Iterator[tuple[subprocess.Popen, Path, str, list[str]]]:
+    """`kvstore serve` under RLIMIT_NOFILE=fd_limit: (process, socket, admin URL, its lines)."""
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-")) / "kvstore.sock"
 
     def low_fd_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(socket_path), "--dram",
@@ -165,4 +166,76 @@ def test_out_of_fds_backs_off_and_recovers(tmp_path: Path) -> None:
         assert events["accept_out_of_resources"] > 0
         assert events["connections_closed_idle"] > 0
         assert cpu_share < 0.5, f"{cpu_share:.2f} of a core"
+        assert len(log_lines) <= 5, "\n".join(log_lines)
+
+
+def _open_idle_tcp(url: str, num: int) -> list[socket.socket]:
+    """``num`` TCP clients of the admin app that never send a byte, 16 every 20 ms (a burst
+    past the listen backlog would leave the kernel retrying handshakes for seconds)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    socks: list[socket.socket] = []
+    for i in range(num):
+        if i % 16 == 15:
+            time.sleep(0.02)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        if sock.connect_ex((host, int(port))) not in (0, errno.EINPROGRESS):
+            sock.close()
+            break
+        socks.append(sock)
+    return socks
+
+
+def _closed_by_server(sock: socket.socket) -> bytes | None:
+    """What the server sent before closing, or None while it keeps the connection open."""
+    sock.setblocking(True)
+    sock.settimeout(0.05)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except (TimeoutError, BlockingIOError):
+        return None
+    except OSError:
+        pass
+    return data
+
+
+def test_idle_admin_http_connections_are_capped_and_closed(tmp_path: Path) -> None:
+    """Any local user can reach the admin port (TCP). 300 connections that never send a byte
+    held every descriptor of the daemon: engines were locked out, /health timed out, and
+    asyncio logged a traceback per failed accept. Now past --http-max-connections a connection
+    gets a 503 and is closed at once, an idle one is closed after 5 s, and the log stays short.
+    """
+    with _daemon("--http-max-connections", "8", fd_limit=1024) as (proc, socket_path, url,
+                                                                    lines):
+        num_lines = len(lines)
+        socks = _open_idle_tcp(url, NUM_IDLE)
+        answers: dict[int, bytes] = {}
+
+        def all_closed() -> bool:
+            for i, sock in enumerate(socks):
+                if i not in answers and (answer := _closed_by_server(sock)) is not None:
+                    answers[i] = answer
+            return len(answers) == len(socks)
+
+        try:
+            time.sleep(1.0)
+            with Client(socket_path, timeout_s=5.0) as c:  # an engine is not locked out
+                assert c.health()["status"] == "ok"
+            # every one is closed: at once past the cap, or once the 5 s keep-alive bound
+            # has passed for it
+            assert wait_until(all_closed, timeout_s=30.0, interval_s=0.5), \
+                f"{len(socks) - len(answers)} of {len(socks)} still open"
+            after_s = _health_ok(socket_path, url)
+        finally:
+            for sock in socks:
+                sock.close()
+        log_lines = lines[num_lines:]
+        refused = sum(a.startswith(b"HTTP/1.1 503") for a in answers.values())
+        print(f"\nadmin HTTP: {len(socks)} idle, {refused} refused with a 503, the rest "
+              f"closed idle; fresh client + /health {after_s * 1000:.0f} ms; "
+              f"{len(log_lines)} log line(s)")
+        assert all(a == b"" or a.startswith(b"HTTP/1.1 503") for a in answers.values())
+        assert refused >= len(socks) - 8, f"{refused} of {len(socks)} refused"
         assert len(log_lines) <= 5, "\n".join(log_lines)

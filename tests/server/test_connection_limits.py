@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from server.connection_guard import (
+from kvstore.http_guard.connection_guard import (
     FDS_KEPT_FOR_THE_PROCESS,
     MAX_ACCEPT_BACKLOG,
     ConnectionLimits,
     fit_to_open_files,
 )
-from server.rate_limited_log import RateLimitedLog
+from kvstore.http_guard.rate_limited_log import RateLimitedLog
 
 
 @pytest.mark.parametrize("max_open_files", [64, 100, 256, 1024, 4096, 1 << 16])

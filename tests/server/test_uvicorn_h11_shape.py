@@ -1,4 +1,5 @@
-"""What `server/connection_guard.py` takes from uvicorn's H11Protocol, which is not public API.
+"""What `kvstore/http_guard/connection_guard.py` takes from uvicorn's H11Protocol, which is not
+public API.
 
 pyproject.toml pins uvicorn below its next minor release; before the pin is lifted these tests
 must pass on the new release. Each failure names what changed, so the guard can follow it:
@@ -16,14 +17,14 @@ import h11
 import pytest
 import uvicorn
 
-from server.connection_guard import ConnectionGuard, ConnectionLimits
+from kvstore.http_guard.connection_guard import ConnectionGuard, ConnectionLimits
 
 PIN = "pyproject.toml pins uvicorn below the release that changed it"
 
 
 def _changed(what: str) -> str:
-    return (f"uvicorn {uvicorn.__version__} changed what server/connection_guard.py relies on: "
-            f"{what}. Adapt the guard before lifting the pin ({PIN}).")
+    return (f"uvicorn {uvicorn.__version__} changed what kvstore/http_guard/connection_guard.py "
+            f"relies on: {what}. Adapt the guard before lifting the pin ({PIN}).")
 
 
 def _h11_protocol() -> type:

@@ -27,31 +27,33 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import error_body
-from server.rate_limited_log import RateLimitedLog
+from kvstore.http_guard.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger("kvengine.server")
 
+# (status, message, code) -> the JSON body of the guard's own answers (a 503, a 408)
+ErrorShape = Callable[[int, str, str], dict[str, Any]]
 
 
-def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:
-    """A whole HTTP/1.1 response in the OpenAI error shape that closes the connection."""
-    body = json.dumps(error_body(status, message, code=code)).encode()
+def plain_error(status: int, message: str, code: str) -> dict[str, Any]:
+    """``{"error": {"message", "code"}}``: the guard's answers where the app has no shape."""
+    return {"error": {"message": message, "code": code}}
+
+
+def _raw_response(status: int, reason: str, body: dict[str, Any]) -> bytes:
+    """A whole HTTP/1.1 response with a JSON body that closes the connection."""
+    data = json.dumps(body).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n")
-    return head.encode() + body
-
-
-_REFUSED = _raw_response(503, "Service Unavailable", "too many open connections; retry later",
-                         "overloaded")
-_TIMED_OUT = _raw_response(408, "Request Timeout", "the request did not arrive in time",
-                           "request_timeout")
+            f"connection: close\r\ncontent-length: {len(data)}\r\n\r\n")
+    return head.encode() + data
 
 
 FDS_KEPT_FOR_THE_PROCESS = 64  # model files, shared memory, the store's socket, device nodes
@@ -113,7 +115,7 @@ class GuardedConnection(asyncio.Protocol):
         # uvloop is installed) is no subclass of it.
         self._transport = transport
         if not self._guard.admit(self):
-            transport.write(_REFUSED)
+            transport.write(self._guard.refusal)
             transport.close()
             return
         self._admitted = True
@@ -173,7 +175,7 @@ class GuardedConnection(asyncio.Protocol):
         # IDLE: headers incomplete; SEND_RESPONSE: a request came, no byte of an answer yet.
         if self.bytes_while_owing and self._inner.conn.our_state in (h11.IDLE,
                                                                      h11.SEND_RESPONSE):
-            transport.write(_TIMED_OUT)
+            transport.write(self._guard.late_answer)
         transport.close()
 
 
@@ -181,9 +183,14 @@ class ConnectionGuard:
     """Builds uvicorn's connection protocols (`protocol_factory` as `uvicorn.Config(http=...)`)
     and enforces `limits` on them from one timer on the event loop."""
 
-    def __init__(self, limits: ConnectionLimits, log: RateLimitedLog | None = None) -> None:
+    def __init__(self, limits: ConnectionLimits, log: RateLimitedLog | None = None,
+                 error_shape: ErrorShape = plain_error) -> None:
         self.limits = limits
         self._log = log or RateLimitedLog(logger)
+        self.refusal = _raw_response(503, "Service Unavailable", error_shape(
+            503, "too many open connections; retry later", "overloaded"))
+        self.late_answer = _raw_response(408, "Request Timeout", error_shape(
+            408, "the request did not arrive in time", "request_timeout"))
         self._live: set[GuardedConnection] = set()
         self._timer: asyncio.TimerHandle | None = None
         self.num_refused = 0
@@ -254,3 +261,16 @@ class ConnectionGuard:
             connection.close_timed_out()
         if self._live:
             self._schedule()
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server whose loop reports failed accepts through the guard's log (build its
+    ``uvicorn.Config`` with ``http=guard.protocol_factory``)."""
+
+    def __init__(self, config: uvicorn.Config, guard: ConnectionGuard) -> None:
+        super().__init__(config)
+        self.guard = guard
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self.guard.install(asyncio.get_running_loop())
+        await super().startup(sockets)
