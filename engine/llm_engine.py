@@ -7,6 +7,7 @@ moves the inbox into the scheduler, so the scheduler, block manager and runner a
 
 from __future__ import annotations
 
+import logging
 import operator
 import struct
 import threading
@@ -27,6 +28,8 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.step_timing import StepTiming
 from offload.vocab import Namespace
+
+log = logging.getLogger("engine")
 
 # A step with nothing to run but restores waits at most this long for one of their replies (then
 # steps again): no busy loop. A request or an abort that arrives meanwhile ends the wait at once.
@@ -295,7 +298,11 @@ class LLMEngine:
             reason = "stop"
             seq.stop_reason = seq.detokenizer.matched_stop
         elif seq.grammar is not None and seq.grammar.advance(token_id):
-            reason = "stop"  # the grammar is complete (or broken): nothing more may follow
+            reason = "stop"  # the grammar is complete: nothing more may follow
+            if seq.grammar.error:  # or broken: the answer is cut, and says so (vLLM's "error")
+                reason = "error"
+                log.warning("request %s: its structured output's grammar failed, the answer is "
+                            "cut (finish_reason error): %s", seq.request_id, seq.grammar.error)
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.max_model_len):
             reason = "length"

@@ -8,7 +8,7 @@ from engine.logprobs import TokenLogprobs
 from offload.vocab import Tier
 
 TIERS = tuple(t.value for t in Tier)  # hbm: this engine's own; hbm_peer: another's
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's, less "repetition"
 
 
 def empty_tier_counts() -> dict[str, int]:
@@ -28,8 +28,10 @@ class RequestOutput:
     """``token_ids``/``text`` are everything generated so far; ``new_*`` what this step added.
 
     ``finish_reason`` is None until ``finished``, then "stop" (eos or a stop string), "length"
-    (max_tokens or the model length) or "abort". ``num_cached_tokens`` prompt tokens were served
-    from cache instead of computed, split by where they came from in ``cached_tokens_by_tier``.
+    (max_tokens or the model length), "abort", or "error" (its structured output's grammar
+    failed, e.g. past a parser limit: the answer is cut, as vLLM's "error").
+    ``num_cached_tokens`` prompt tokens were served from cache instead of computed, split by
+    where they came from in ``cached_tokens_by_tier``.
     ``prompt_token_ids`` is one list shared by all of a request's outputs (not copied per step):
     read it, do not mutate it. ``logprobs`` (requests with ``params.logprobs``) has one entry per
     generated token; it is the request's own list, growing while it runs (read, do not mutate);

@@ -16,11 +16,10 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.outputs import prefix_source
+from engine.outputs import FINISH_REASONS, prefix_source
 from server.engine_metrics import ENGINE_INDEX, LABELS, EngineCollector
 from server.engine_protocol import EngineOutput, ServedEngine
 
-FINISH_REASONS = ("stop", "length", "abort")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

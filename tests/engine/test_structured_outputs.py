@@ -63,6 +63,24 @@ def test_choice_regex_and_json_object(llm: LLM) -> None:
         assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out.text
 
 
+def test_a_grammar_that_breaks_while_decoding_ends_the_answer_as_an_error(llm: LLM) -> None:
+    """A valid schema past one of llguidance's parser limits (an anyOf of 3,000 objects: a row
+    of 3,000 items, the most is 2,000) compiles, then breaks at the answer's second token. That
+    ended as "stop" with "{" for text, a success that was not JSON; now finish_reason "error",
+    as vLLM's, beside a free request that is not touched."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                         "required": [f"k{i}"]} for i in range(3000)]}
+    broken, free = llm.generate(PROMPTS[:2], [
+        SamplingParams(max_tokens=32, structured_outputs={"json": schema}),
+        SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert broken.finish_reason == "error", (broken.finish_reason, broken.text)
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    small = {**schema, "anyOf": schema["anyOf"][:100]}  # under the limit: a valid answer
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=32,
+                                                   structured_outputs={"json": small}))[0]
+    assert out.finish_reason in ("stop", "length"), out.finish_reason
+
+
 def test_free_requests_are_unchanged_beside_constrained_ones(llm: LLM) -> None:
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = [o.token_ids for o in llm.generate(PROMPTS[:2], free)]

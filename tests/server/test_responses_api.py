@@ -88,6 +88,25 @@ def test_what_is_refused_says_why(http: httpx.Client) -> None:
     assert http.post("/v1/responses", json={"model": "other", "input": "hi"}).status_code == 404
 
 
+def test_an_answer_cut_by_a_broken_grammar_is_an_error_not_a_success(
+        http: httpx.Client) -> None:
+    """A schema past a parser limit of llguidance's breaks the grammar at the answer's second
+    token: chat says finish_reason "error" (vLLM's), a response is "failed"."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                         "required": [f"k{i}"]} for i in range(3000)]}
+    chat = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                   "schema": schema}}})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] == "error"
+    reply = http.post("/v1/responses", json={
+        "model": "tiny", "input": "hi", "max_output_tokens": 32,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["status"] == "failed" and reply.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("field", ["max_output_tokens", "temperature"])
 def test_bad_numbers_are_400(http: httpx.Client, field: str) -> None:
     assert http.post("/v1/responses", json={"model": "tiny", "input": "hi",
