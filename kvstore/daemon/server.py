@@ -7,7 +7,7 @@ request may be answered out of order: replies carry the request's id. SIGTERM/SI
 loop, drop every connection, and close the store.
 
 What clients may hold is bounded (``limits.py``): connections are capped at accept
-(``accept.py``), a frame's body counts against a global buffer budget before it is read and
+(``accept.py``), a frame's body counts against a global buffer budget as it arrives and
 must arrive within a timeout, a connection runs one ``get`` at a time until its value is
 written out, and the watch (``watch.py``) closes slow readers, idle connections and,
 when the budget is spent, those holding more than their share.
@@ -33,7 +33,7 @@ from kvstore.daemon import memory
 from kvstore.daemon.accept import Acceptor, RateLimitedLog
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
 from kvstore.daemon.connection import BULK_REPLY_VERBS, FD_VERBS, Connection, encode_reply
-from kvstore.daemon.frame_body import read_body
+from kvstore.daemon.frame_body import BodyRoom, NoRoom, read_body
 from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
@@ -334,15 +334,26 @@ class Daemon:
             except proto.ProtocolError as exc:  # oversized: the body is never read
                 await self._refuse(conn, None, exc.code, exc.message)
                 return
-            problem = await self._take_body_room(conn, length)
-            if problem is not None:
-                await self._refuse(conn, None, proto.RESOURCE_EXHAUSTED, problem)
-                return
+            give_up_at = received_at + self.limits.frame_timeout_s
+            room = None  # frames up to 64 KiB are requests, not payloads: never asked to wait
+            if length <= _SMALL_FRAME_BYTES:
+                conn.body_bytes += length
+            else:  # counted as it arrives, not as announced
+                conn.held_large = True
+                room = BodyRoom(conn, lambda: self._watch.buffered_bytes(self._connections),
+                                self.limits.max_buffered_bytes, self._watch.wait_for_room,
+                                give_up_at)
             try:
-                body = await asyncio.wait_for(read_body(reader, length, _INLINE_FRAME_BYTES),
-                                              self.limits.frame_timeout_s)
+                body = await read_body(reader, length, _INLINE_FRAME_BYTES, room, give_up_at)
             except asyncio.IncompleteReadError:
                 return  # the peer went away mid-frame; nobody to answer
+            except NoRoom:
+                self._count_event("frames_refused_budget")
+                await self._refuse(conn, None, proto.RESOURCE_EXHAUSTED,
+                                   f"a {length}-byte frame does not fit the daemon's buffer "
+                                   f"budget ({self.limits.max_buffered_bytes} bytes, "
+                                   "--max-buffered-bytes) now")
+                return
             except asyncio.TimeoutError:
                 self._count_event("frames_timed_out")
                 await self._refuse(conn, None, proto.RESOURCE_EXHAUSTED,
@@ -397,25 +408,6 @@ class Daemon:
         except BaseException:
             fds.close()
             raise
-
-    async def _take_body_room(self, conn: Connection, length: int) -> str | None:
-        """Count a frame's body against the buffer budget, waiting (at most the frame timeout)
-        for room if it is spent; None when taken, else why not (the frame is refused)."""
-        budget = self.limits.max_buffered_bytes
-        give_up_at = time.monotonic() + self.limits.frame_timeout_s
-        while length > _SMALL_FRAME_BYTES:
-            held = self._watch.buffered_bytes(self._connections)
-            if held == 0 or held + length <= budget:  # alone, a frame over budget still goes
-                break
-            left_s = give_up_at - time.monotonic()
-            if left_s <= 0:
-                self._count_event("frames_refused_budget")
-                return (f"a {length}-byte frame does not fit the daemon's buffer budget "
-                        f"({budget} bytes, --max-buffered-bytes) now")
-            await self._watch.wait_for_room(left_s)
-        conn.body_bytes += length
-        conn.held_large = conn.held_large or length > _SMALL_FRAME_BYTES
-        return None
 
     async def _wait_for_reply_room(self, conn: Connection, received_at: float,
                                    deadline_ms: int) -> None:

@@ -43,3 +43,28 @@ def test_a_small_body_is_bytes_and_a_large_one_a_mapping_with_the_same_bytes() -
 def test_a_body_cut_short_is_an_incomplete_read(small_max: int) -> None:
     with pytest.raises(asyncio.IncompleteReadError):
         _read(os.urandom(5000), 8000, small_max)
+
+
+@pytest.mark.parametrize("small_max", [0, 1 << 30])
+def test_room_counts_the_whole_body_never_more_than_a_piece_ahead(small_max: int) -> None:
+    """What ``room`` is asked for adds up to the body, each piece asked for before it is read:
+    what a header announces and never sends is never counted."""
+    data = os.urandom(2 * PIECE_BYTES + 777)
+    counted: list[int] = []
+
+    async def run():
+        reader = asyncio.StreamReader(limit=2**16)
+        reader.feed_data(data[:PIECE_BYTES // 2])
+
+        async def room(num_bytes: int) -> None:
+            counted.append(num_bytes)
+
+        task = asyncio.create_task(read_body(reader, len(data), small_max, room))
+        await asyncio.sleep(0.01)  # half a piece arrived, the rest has not
+        # what arrived and the piece being read, not the announced length
+        assert sum(counted) <= PIECE_BYTES // 2 + PIECE_BYTES
+        reader.feed_data(data[PIECE_BYTES // 2:])
+        return await task
+
+    body = asyncio.run(run())
+    assert bytes(body) == data and sum(counted) == len(data)
