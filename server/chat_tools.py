@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.chat_template import RESERVED_TEMPLATE_NAMES
 from server.errors import APIError
 from server.tool_parsers import TOOL_PARSERS, ToolParser
 
@@ -53,7 +54,7 @@ def tool_request(tools: list[Any] | None, tool_choice: Any, parallel: bool | Non
             raise APIError(400, f"tool_choice {_shown(tool_choice)} needs tools",
                            param="tool_choice")
         return None
-    checked = [_checked_tool(tool, i) for i, tool in enumerate(tools)]
+    checked = checked_tools(tools)
     configured = (TOOL_PARSERS[settings.tool_call_parser]()
                   if settings.tool_call_parser else None)
     choice = "auto" if tool_choice is None else tool_choice
@@ -101,6 +102,28 @@ def _checked_tool(tool: Any, index: int) -> dict[str, Any]:
         raise APIError(400, f"{where}.function.parameters must be a JSON schema (an object)",
                        param="tools")
     return {**tool, "type": "function"}
+
+
+def checked_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """A request's ``tools``, each a function tool with a name (APIError 400 otherwise)."""
+    return [_checked_tool(tool, i) for i, tool in enumerate(tools)]
+
+
+def template_inputs(messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None,
+                    tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]],
+                                                                 dict[str, Any]]:
+    """What a chat's template renders, the same for /v1/chat/completions, /tokenize and the
+    router's view of a prompt: the messages (``template_messages``) and the template's
+    variables (``chat_template_kwargs``, APIError 400 if they set a name that is a request
+    field of its own, and the checked ``tools``)."""
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = RESERVED_TEMPLATE_NAMES & kwargs.keys()
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}: they are "
+                       "request fields of their own", param="chat_template_kwargs")
+    if tools:
+        kwargs["tools"] = tools
+    return template_messages(messages), kwargs
 
 
 def _shown(value: Any) -> str:

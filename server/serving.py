@@ -11,7 +11,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.chat_template import RESERVED_TEMPLATE_NAMES
 from server import responses as R
 from server.async_engine import (
     AsyncEngine,
@@ -22,7 +21,7 @@ from server.async_engine import (
 )
 from server.auth import KEY_SALT_SCOPE, tenant_salt
 from server.chat_output import ChatShape
-from server.chat_tools import ToolSettings, template_messages, tool_request
+from server.chat_tools import ToolSettings, template_inputs, tool_request
 from server.constraint_compiler import ConstraintCompiler
 from server.engine_protocol import EngineOutput, ServedEngine
 from server.errors import APIError
@@ -145,14 +144,9 @@ class OpenAIServing:
         if constraint is not None and self.reasoning_end is not None:  # think first, then obey
             constraint = Constraint({**constraint.spec, "reasoning_end": self.reasoning_end},
                                     constraint.param)
-        template_kwargs = body.chat_template_kwargs or {}
-        reserved = RESERVED_TEMPLATE_NAMES & template_kwargs.keys()
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}: they are "
-                           "request fields of their own", param="chat_template_kwargs")
-        messages = template_messages([m.template_fields() for m in body.messages])
-        if tools is not None:
-            template_kwargs = {**template_kwargs, "tools": tools.tools}
+        messages, template_kwargs = template_inputs(
+            [m.template_fields() for m in body.messages], body.chat_template_kwargs,
+            tools.tools if tools is not None else None)
         salt = self._tenant(body, request)
         prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt,
                                            template_kwargs,

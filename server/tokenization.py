@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.requests import Request
 
 from server.auth import KEY_SALT_SCOPE, tenant_salt
+from server.chat_tools import checked_tools, template_inputs
 from server.engine_protocol import PromptCodec
 from server.errors import APIError
 from server.prompt_builder import PromptBuilder
@@ -49,6 +50,9 @@ class TokenizeChatRequest(BaseModel):
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool | None = False
+    # vLLM's too: the template renders them as the chat endpoint does
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -93,9 +97,11 @@ class TokenizationServing:
         # The endpoints' own paths: checked on characters first, tokenized on the bounded pool
         # when large (never on the loop, never by an unbounded number of threads).
         if isinstance(body, TokenizeChatRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages, kwargs = template_inputs(
+                [m.template_fields() for m in body.messages], body.chat_template_kwargs,
+                checked_tools(body.tools) if body.tools else None)
             tokens = await self._prompts.chat(messages, body.add_generation_prompt, tenant,
-                                              add_special_tokens=body.add_special_tokens)
+                                              kwargs, add_special_tokens=body.add_special_tokens)
         else:
             tokens = await self._prompts.text(body.prompt, tenant, body.add_special_tokens)
         out: dict[str, Any] = {"count": len(tokens), "max_model_len": self._max_model_len,

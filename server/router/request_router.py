@@ -21,12 +21,11 @@ import json
 import logging
 import time
 from collections.abc import Collection
-from typing import Any
 
 from pydantic import ValidationError
 
-from engine.chat_template import RESERVED_TEMPLATE_NAMES
 from server.auth import tenant_salt
+from server.chat_tools import checked_tools, template_inputs
 from server.errors import APIError
 from server.prompt_builder import PromptBuilder
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -183,12 +182,12 @@ class RequestRouter:
         try:
             if kind == CHAT:
                 chat = ChatCompletionRequest.model_validate_json(body)
-                kwargs: dict[str, Any] = chat.chat_template_kwargs or {}
-                if RESERVED_TEMPLATE_NAMES & kwargs.keys():
-                    return None
+                # as the engine renders it: tools and tool calls' arguments included
+                messages, kwargs = template_inputs(
+                    [m.template_fields() for m in chat.messages], chat.chat_template_kwargs,
+                    checked_tools(chat.tools) if chat.tools else None)
                 salt = (chat.cache_salt or "") if vllm else tenant_salt(key_salt,
                                                                          chat.cache_salt)
-                messages = [m.template_fields() for m in chat.messages]
                 return await self.prompts.chat(messages, chat.add_generation_prompt, salt,
                                                kwargs), salt
             completion = CompletionRequest.model_validate_json(body)

@@ -37,6 +37,32 @@ def test_tokenize_a_chat_as_the_chat_endpoint_does(http: httpx.Client) -> None:
     assert without["count"] < body["count"]
 
 
+def test_tokenize_an_agent_chat_with_tools_as_the_chat_endpoint_does(http: httpx.Client) -> None:
+    """An agent's conversation: tools, an assistant's tool call, its result, template variables.
+    vLLM's /tokenize takes tools and chat_template_kwargs; this one refused them (with an error
+    about a missing prompt) and rendered a tool call's message without its call."""
+    tools = [{"type": "function", "function": {
+        "name": "weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}]
+    messages = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    fields = {"tools": tools, "chat_template_kwargs": {"enable_thinking": False}}
+    r = http.post("/tokenize", json={"messages": messages, **fields})
+    assert r.status_code == 200, r.text
+    done = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                   "tool_choice": "none", **fields}).json()
+    assert r.json()["count"] == done["usage"]["prompt_tokens"]
+    bare = http.post("/tokenize", json={"messages": messages}).json()
+    assert bare["count"] < r.json()["count"]  # the tools are in the prompt
+    bad = http.post("/tokenize", json={"messages": messages,
+                                       "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400 and "chat_template_kwargs" in bad.text
+
+
 def test_detokenize_round_trip(http: httpx.Client) -> None:
     text = "a round trip of plain words"
     tokens = http.post("/tokenize", json={"prompt": text}).json()["tokens"]

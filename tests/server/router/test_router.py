@@ -171,6 +171,39 @@ def test_a_second_turn_lands_where_the_first_was_served(node: Node) -> None:
     assert by_tier["hbm"] >= 16 * (num_blocks - 1), by_tier
 
 
+def test_an_agents_next_turn_with_tools_goes_where_its_blocks_are(node: Node) -> None:
+    """The router renders a chat as the engine does, tools and tool calls included: it left
+    the tools out, so its chain of an agent's prompt never matched the blocks an engine had
+    computed (its own memory of where it sent a conversation hid that). The first turn goes to
+    the second engine directly, outside the router; the next, through the router, follows it
+    by the daemon's view of that engine's HBM."""
+    tools = [{"type": "function", "function": {
+        "name": "lookup", "description": _text("tool doc", 40),
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    first = [{"role": "user", "content": _text("agent turn")}]
+    engine = node.engine_urls()[1]
+    published = _hbm_blocks(node)
+    response = _chat(_Direct(engine), first, tools=tools, tool_choice="none")
+    assert response.status_code == 200, response.text
+    num_blocks = response.json()["usage"]["prompt_tokens"] // 16
+    assert wait_until(lambda: _hbm_blocks(node) >= published + num_blocks, 10)
+    hits_before = _routed(node, "hbm_hit", engine)
+    second = [*first, {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "lookup", "arguments": "{\"q\": \"river\"}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": _text("result", 20)}]
+    again, _ = _served_by(node, lambda: _chat(node, second, tools=tools, tool_choice="none"))
+    assert again == engine
+    assert _routed(node, "hbm_hit", engine) == hits_before + 1
+
+
+@dataclass
+class _Direct:
+    """An engine addressed as ``_chat`` addresses the router."""
+
+    url: str
+
+
 def test_new_conversations_spread_over_the_engines(node: Node) -> None:
     served = {url: 0 for url in node.engine_urls()}
     misses = _routed(node, "miss")
