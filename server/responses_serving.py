@@ -46,7 +46,7 @@ class ResponsesServing:
         try:
             chat = self._prepare(body.chat_request())
         except (ValueError, ValidationError) as exc:
-            raise APIError(400, str(exc).splitlines()[0] if isinstance(exc, ValidationError)
+            raise APIError(400, _problems(exc) if isinstance(exc, ValidationError)
                            else str(exc)) from None
         shape = _Shape(body, self.serving.model_name)
         reply = await self.serving.chat(chat, request)
@@ -76,9 +76,7 @@ class _Shape:
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": self.model, "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "error": {"code": "server_error", "message": "the answer was cut: its structured "
-                      "output's grammar failed"} if status == "failed" else None,
-            "instructions": b.instructions, "metadata": b.metadata or {},
+            "error": None, "instructions": b.instructions, "metadata": b.metadata or {},
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
             "temperature": b.temperature, "top_p": b.top_p,
@@ -100,7 +98,8 @@ class _Shape:
         for call in message.get("tool_calls") or []:
             output.append(_call_item(_id("fc"), call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
-        return self.response(_status(choice.get("finish_reason")), output, chat.get("usage"))
+        status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+        return self.response(status, output, chat.get("usage"))
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -193,14 +192,14 @@ class _Shape:
                 yield self._event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, arguments=item["arguments"])
             yield self._event("response.output_item.done", output_index=index, item=item)
-        status = _status(finish)
+        status = "incomplete" if finish == "length" else "completed"
         yield self._event(f"response.{status}", response=self.response(status, items, usage))
 
 
-def _status(finish_reason: str | None) -> str:
-    """A response's status from its chat answer's finish_reason: cut by max_output_tokens is
-    incomplete, cut by a broken grammar ("error") failed."""
-    return {"length": "incomplete", "error": "failed"}.get(finish_reason or "", "completed")
+def _problems(exc: ValidationError) -> str:
+    """What the chat request made of a response's fields refused, by field (pydantic's first
+    line names only the model)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
 
 
 def _data(chunk: bytes) -> dict[str, Any] | None:

@@ -271,6 +271,9 @@ class OpenAIServing:
             choice.stop_reason = getattr(out, "stop_reason", None)
             self.metrics.request_finished(choice.finish_reason, now - job.arrival)
             self.timing_log.finished(job.response_id, out.request_id, choice, job.arrival, now, out)
+            if choice.finish_reason == "error":  # as vLLM: a 500, or an error event in a stream
+                raise APIError(500, "generating failed: the structured output's grammar broke "
+                               "(the server's log says how)", code="generation_failed")
         return choice
 
     def _close(self, job: _Job, group: RequestGroup) -> None:
@@ -386,6 +389,8 @@ class OpenAIServing:
         except EngineDead as exc:
             yield R.sse({"error": {"message": str(exc), "type": "server_error", "param": None,
                                    "code": "engine_dead"}})
+        except APIError as exc:  # a request that failed while it ran
+            yield R.sse(exc.body())
         finally:
             self._close(job, group)
         yield R.SSE_DONE

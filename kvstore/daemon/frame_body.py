@@ -15,6 +15,7 @@ frame waiting or refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -81,21 +82,32 @@ async def _pieces(reader: asyncio.StreamReader, length: int, room: Room,
 
 
 class BodyRoom:
-    """``read_body``'s ``room`` for one frame of a connection: counts what arrives into the
-    connection's ``body_bytes``, first waiting (a sweep of the watch at a time, until
+    """``read_body``'s ``room`` for one large frame of a connection: counts what arrives into
+    the connection's ``body_bytes``, first waiting (a sweep of the watch at a time, until
     ``give_up_at``: then NoRoom) while all connections together would hold more than
-    ``budget`` and some of it is others'. Alone, a frame larger than the budget still goes."""
+    ``budget``. The oldest large frame being read never waits (``frames``: those being read,
+    oldest first; ``close`` takes this one out): frames that each hold part of a spent budget
+    cannot all wait for each other, and at most one frame's worth goes past the budget, as a
+    frame alone that is larger than the budget does."""
 
     def __init__(self, conn: Any, held_by_all: Callable[[], int], budget: int,
-                 wait_for_room: Callable[[float], Awaitable[None]], give_up_at: float) -> None:
+                 wait_for_room: Callable[[float], Awaitable[None]], give_up_at: float,
+                 frames: list[BodyRoom]) -> None:
         self._conn = conn  # a Connection: buffered_bytes(), body_bytes
         self._held_by_all = held_by_all
         self._budget = budget
         self._wait_for_room = wait_for_room
         self._give_up_at = give_up_at
+        self._frames = frames
+        frames.append(self)
+
+    def close(self) -> None:
+        """The frame is read, refused or cut off."""
+        with contextlib.suppress(ValueError):
+            self._frames.remove(self)
 
     async def __call__(self, num_bytes: int) -> None:
-        while True:
+        while self._frames[0] is not self:
             held = self._held_by_all()
             if held == self._conn.buffered_bytes() or held + num_bytes <= self._budget:
                 break

@@ -130,6 +130,7 @@ class Daemon:
         self._watch = ConnectionWatch(self.limits, self._count_event)
         self._conn_ids = itertools.count(1)
         self._connections: set[Connection] = set()
+        self._large_frames: list[BodyRoom] = []  # being read, oldest first (BodyRoom)
         self._num_open = 0  # accepted and not yet closed, counted from accept on
         self._handlers: set[asyncio.Task] = set()
         # Whatever clients do, the log grows by a few lines per interval at most: one
@@ -342,9 +343,13 @@ class Daemon:
                 conn.held_large = True
                 room = BodyRoom(conn, lambda: self._watch.buffered_bytes(self._connections),
                                 self.limits.max_buffered_bytes, self._watch.wait_for_room,
-                                give_up_at)
+                                give_up_at, self._large_frames)
             try:
-                body = await read_body(reader, length, _INLINE_FRAME_BYTES, room, give_up_at)
+                try:
+                    body = await read_body(reader, length, _INLINE_FRAME_BYTES, room, give_up_at)
+                finally:  # read or not, it holds back no other frame from here on
+                    if room is not None:
+                        room.close()
             except asyncio.IncompleteReadError:
                 return  # the peer went away mid-frame; nobody to answer
             except NoRoom:

@@ -91,20 +91,39 @@ def test_what_is_refused_says_why(http: httpx.Client) -> None:
 def test_an_answer_cut_by_a_broken_grammar_is_an_error_not_a_success(
         http: httpx.Client) -> None:
     """A schema past a parser limit of llguidance's breaks the grammar at the answer's second
-    token: chat says finish_reason "error" (vLLM's), a response is "failed"."""
+    token; the engine ends it with finish_reason "error", which the server answers as vLLM's
+    does: a 500, or an error event in a stream (then [DONE]); a response fails likewise."""
     schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
                          "required": [f"k{i}"]} for i in range(3000)]}
-    chat = http.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                   "schema": schema}}})
-    assert chat.status_code == 200, chat.text
-    assert chat.json()["choices"][0]["finish_reason"] == "error"
-    reply = http.post("/v1/responses", json={
-        "model": "tiny", "input": "hi", "max_output_tokens": 32,
-        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["status"] == "failed" and reply.json()["error"]["message"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                       "schema": schema}}}
+    reply = http.post("/v1/chat/completions", json=chat)
+    assert reply.status_code == 500, reply.text
+    assert reply.json()["error"]["code"] == "generation_failed"
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as stream:
+        events = [line[len("data: "):] for line in stream.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "generation_failed"
+    assert all(json.loads(e).get("choices", [{}])[0].get("finish_reason") != "error"
+               for e in events[:-2])
+    response = {"model": "tiny", "input": "hi", "max_output_tokens": 32,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+    assert http.post("/v1/responses", json=response).status_code == 500
+    with http.stream("POST", "/v1/responses", json={**response, "stream": True}) as stream:
+        kinds = [line[len("event: "):] for line in stream.iter_lines()
+                 if line.startswith("event: ")]
+    assert kinds[-2:] == ["error", "response.failed"]
+
+
+def test_a_refused_item_is_named(http: httpx.Client) -> None:
+    """An input item the chat request cannot take: the 400 names where (it said only "1
+    validation error for ChatCompletionRequest")."""
+    reply = http.post("/v1/responses", json={"model": "tiny", "input": [
+        {"type": "message", "content": "hi"}]})
+    assert reply.status_code == 400, reply.text
+    assert "messages" in reply.json()["error"]["message"], reply.text
 
 
 @pytest.mark.parametrize("field", ["max_output_tokens", "temperature"])
