@@ -75,9 +75,9 @@ class Sampler:
         probs = ops.sampling_probs(
             logits[ops.to_device(rows)],
             ops.to_device(np.array([p.temperature for p in params], dtype=np.float32)),
-            # a top_k past the vocabulary keeps every token, as vLLM's does (and fits int32)
-            ops.to_device(np.array([min(p.top_k, logits.shape[-1]) for p in params],
-                                   dtype=np.int32)),
+            # a top_k past the vocabulary keeps every token: off, as vLLM's (and fits int32)
+            ops.to_device(np.array([p.top_k if p.top_k < logits.shape[-1] else 0
+                                    for p in params], dtype=np.int32)),
             ops.to_device(np.array([p.top_p for p in params], dtype=np.float32)),
         )
         uniforms = np.array([seqs[i].generator.random(dtype=np.float32) for i in rows],

@@ -20,6 +20,7 @@ from kvstore.http_guard.connection_guard import (
     GuardedServer,
     fit_to_open_files,
 )
+from kvstore.http_guard.rate_limited_log import RateLimitedLog
 from server.errors import error_body
 from server.log_setup import BANNER_LOGGER
 
@@ -85,7 +86,8 @@ def run_app(app: Any, args: argparse.Namespace, limits: ConnectionLimits,
              listener: socket.socket, line: Any) -> int:
     """Serve ``app`` on ``listener`` until a stop signal; ``line(port)`` is printed once it
     listens. 0 if it served, 1 if it did not start."""
-    guard = ConnectionGuard(limits, error_shape=_openai_error)
+    guard = ConnectionGuard(limits, RateLimitedLog(logging.getLogger("kvengine.server")),
+                            error_shape=_openai_error)
     uv_level = args.uvicorn_log_level or args.log_level
     # log_config None: uvicorn's loggers propagate to the handler configure_logging set up.
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,

@@ -72,7 +72,8 @@ class PromptBuilder:
         """The prompt of a chat: the template rendered (with `template_kwargs` as variables),
         checked, then tokenized (the post-processor's specials added if asked: /tokenize)."""
         kwargs = template_kwargs or {}
-        num_chars = sum(len(m["content"]) for m in messages)
+        # the template renders the tools too: a large list of them goes to the pool as well
+        num_chars = sum(len(m["content"]) for m in messages) + len(str(kwargs.get("tools", "")))
         if len(messages) > INLINE_TEMPLATE_MESSAGES or num_chars > INLINE_TEMPLATE_CHARS:
             return await self._run(self._chat_job, messages, add_generation_prompt, tenant,
                                    kwargs, add_special_tokens)

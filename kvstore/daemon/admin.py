@@ -40,6 +40,7 @@ from kvstore.http_guard.rate_limited_log import RateLimitedLog
 DEFAULT_ADMIN_MAX_CONNECTIONS = 64
 ADMIN_TIMEOUT_KEEP_ALIVE_S = 5.0
 ADMIN_REQUEST_READ_TIMEOUT_S = 10.0
+ADMIN_EVENTS = ("refused", "timed_out", "idle_closed")  # counted as admin_connections_<event>
 
 
 class LoopReport(BaseModel):
@@ -162,7 +163,11 @@ class AdminServer:
             limits = fit_to_open_files(limits, fds // 4)  # the descriptors, at most
         self._sock.listen(limits.accept_backlog)
         self.host, self.port = self._sock.getsockname()[:2]
-        self.guard = ConnectionGuard(limits, RateLimitedLog(logging.getLogger("kvstore.admin")))
+        self.guard = ConnectionGuard(
+            limits, RateLimitedLog(logging.getLogger("kvstore.admin")),
+            cap_flag="--http-max-connections", timeout_flags="",
+            on_event=lambda kind: service.counters.add(**{f"admin_connections_{kind}": 1}))
+        service.counters.declare(f"admin_connections_{kind}" for kind in ADMIN_EVENTS)
         # asyncio's loop, also where uvloop is installed: under descriptor exhaustion uvloop's
         # server stopped answering /health for good (tests/reliability/test_daemon_fd_exhaustion).
         config = uvicorn.Config(create_app(service, health), log_level="warning",

@@ -37,7 +37,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvstore.http_guard.rate_limited_log import RateLimitedLog
 
-logger = logging.getLogger("kvengine.server")
+logger = logging.getLogger("kvstore.http_guard")
 
 # (status, message, code) -> the JSON body of the guard's own answers (a 503, a 408)
 ErrorShape = Callable[[int, str, str], dict[str, Any]]
@@ -184,9 +184,17 @@ class ConnectionGuard:
     and enforces `limits` on them from one timer on the event loop."""
 
     def __init__(self, limits: ConnectionLimits, log: RateLimitedLog | None = None,
-                 error_shape: ErrorShape = plain_error) -> None:
+                 error_shape: ErrorShape = plain_error, cap_flag: str = "--max-connections",
+                 timeout_flags: str = "--timeout-keep-alive, --request-read-timeout",
+                 on_event: Callable[[str], None] | None = None) -> None:
+        """``cap_flag`` / ``timeout_flags``: the program's names of the limits, for its log
+        lines ("" for bounds no flag sets); ``on_event``: told ``refused``, ``timed_out`` or
+        ``idle_closed`` as each happens (the program's counters)."""
         self.limits = limits
         self._log = log or RateLimitedLog(logger)
+        self._cap_flag = cap_flag
+        self._timeout_flags = f"; {timeout_flags}" if timeout_flags else ""
+        self._on_event = on_event or (lambda _kind: None)
         self.refusal = _raw_response(503, "Service Unavailable", error_shape(
             503, "too many open connections; retry later", "overloaded"))
         self.late_answer = _raw_response(408, "Request Timeout", error_shape(
@@ -228,8 +236,9 @@ class ConnectionGuard:
         """Take `connection` into account, or refuse it (False) when the cap is reached."""
         if len(self._live) >= self.limits.max_connections:
             self.num_refused += 1
+            self._on_event("refused")
             self._log.event("refused", f"refused a connection: {len(self._live)} are open, "
-                            f"the limit is {self.limits.max_connections} (--max-connections)")
+                            f"the limit is {self.limits.max_connections} ({self._cap_flag})")
             return False
         self._live.add(connection)
         if self._timer is None:
@@ -252,12 +261,14 @@ class ConnectionGuard:
                 continue
             if not connection.bytes_while_owing:
                 self.num_idle_closed += 1
+                self._on_event("idle_closed")
             else:
                 self.num_timed_out += 1
+                self._on_event("timed_out")
                 self._log.event("timed_out", "closed a connection that did not send a whole "
                                 f"request in time ({self.limits.timeout_keep_alive_s:g} s idle, "
-                                f"{self.limits.request_read_timeout_s:g} s for a request; "
-                                "--timeout-keep-alive, --request-read-timeout)")
+                                f"{self.limits.request_read_timeout_s:g} s for a request"
+                                f"{self._timeout_flags})")
             connection.close_timed_out()
         if self._live:
             self._schedule()

@@ -228,11 +228,15 @@ def test_idle_admin_http_connections_are_capped_and_closed(tmp_path: Path) -> No
             assert wait_until(all_closed, timeout_s=30.0, interval_s=0.5), \
                 f"{len(socks) - len(answers)} of {len(socks)} still open"
             after_s = _health_ok(socket_path, url)
+            events = _events(socket_path)
         finally:
             for sock in socks:
                 sock.close()
         log_lines = lines[num_lines:]
         refused = sum(a.startswith(b"HTTP/1.1 503") for a in answers.values())
+        assert events["admin_connections_refused"] == refused  # counted in the stats
+        assert events["admin_connections_idle_closed"] == len(socks) - refused
+        assert all("--http-max-connections" in line for line in log_lines if "refused" in line)
         print(f"\nadmin HTTP: {len(socks)} idle, {refused} refused with a 503, the rest "
               f"closed idle; fresh client + /health {after_s * 1000:.0f} ms; "
               f"{len(log_lines)} log line(s)")
