@@ -18,7 +18,8 @@ system resource" (which it logs with a traceback for every failed accept of a bu
 retries: megabytes of log a second once descriptors run out).
 
 uvicorn's `H11Protocol` is not its public API: pyproject.toml pins uvicorn below its next minor
-release, and tests/server/test_uvicorn_h11_shape.py names what changed if a newer one moves it.
+release, and tests/kvstore/http_guard/test_uvicorn_h11_shape.py names what changed if a newer
+one moves it.
 """
 
 from __future__ import annotations
