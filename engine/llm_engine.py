@@ -301,8 +301,10 @@ class LLMEngine:
             reason = "stop"  # the grammar is complete: nothing more may follow
             if seq.grammar.error:  # or broken: the answer is cut, and says so (vLLM's "error")
                 reason = "error"
+                # its first line: the rest dumps the whole grammar (100 KB for a large schema)
                 log.warning("request %s: its structured output's grammar failed, the answer is "
-                            "cut (finish_reason error): %s", seq.request_id, seq.grammar.error)
+                            "cut (finish_reason error): %.300s", seq.request_id,
+                            seq.grammar.error.splitlines()[0])
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.max_model_len):
             reason = "length"
