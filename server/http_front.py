@@ -20,7 +20,7 @@ from kvstore.http_guard.connection_guard import (
     GuardedServer,
     fit_to_open_files,
 )
-from kvstore.http_guard.rate_limited_log import RateLimitedLog
+from kvstore.rate_limited_log import RateLimitedLog
 from server.errors import error_body
 from server.log_setup import BANNER_LOGGER
 

@@ -18,9 +18,9 @@ import errno
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 
+from kvstore.rate_limited_log import RateLimitedLog
 from kvstore.wire import protocol as proto
 
 log = logging.getLogger("kvstore.daemon.accept")
@@ -29,37 +29,6 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
 _SHED_PER_ROUND = 64
-
-
-class RateLimitedLog:
-    """One warning per ``interval_s`` at most, saying how many times it happened meanwhile."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
-        self._log = logger
-        self._interval_s = interval_s
-        self._last = -float("inf")
-        self._num_since = 0
-
-    def warning(self, message: str, *args: object) -> None:
-        self.log(logging.WARNING, message, *args)
-
-    def log(self, level: int, message: str, *args: object, exc_info: bool = False) -> None:
-        """``message % args`` at ``level`` (with the exception being handled if ``exc_info``),
-        unless one was logged less than ``interval_s`` ago: then only counted."""
-        self._num_since += 1
-        now = time.monotonic()
-        if now - self._last < self._interval_s:
-            return
-        if args:  # formatted only for a line that goes out
-            message = message % args
-        if self._num_since == 1:
-            self._log.log(level, "%s (logged at most every %.0f s, with a count)", message,
-                          self._interval_s, exc_info=exc_info)
-        else:
-            self._log.log(level, "%s (%d times in the last %.0f s)", message, self._num_since,
-                          now - self._last, exc_info=exc_info)
-        self._last = now
-        self._num_since = 0
 
 
 def refusal_frame(message: str) -> bytes:
@@ -99,20 +68,20 @@ class Acceptor:
                 except OSError as exc:  # never fatal: the daemon must go on accepting
                     if exc.errno in _OUT_OF_RESOURCES:
                         self._count("accept_out_of_resources")
-                        self._log.warning("accept failed: %s; refusing new clients and "
-                                          "backing off", exc.strerror)
+                        self._log.event("out_of_resources", "accept failed: %s; refusing new "
+                                        "clients and backing off", exc.strerror)
                         self._shed_waiting()
                     else:
                         self._count("accept_errors")
-                        self._log.warning("accept failed: %s; backing off", exc)
+                        self._log.event("accept_failed", "accept failed: %s; backing off", exc)
                     backoff_s = min(_MAX_BACKOFF_S, max(_MIN_BACKOFF_S, 2 * backoff_s))
                     await asyncio.sleep(backoff_s)
                     continue
                 backoff_s = 0.0
                 if self._num_open() >= self.cap and not (self._reclaim and self._reclaim()):
                     self._count("connections_refused_cap")
-                    self._log.warning("connection refused: %d connections open "
-                                      "(--max-connections)", self.cap)
+                    self._log.event("refused", "connection refused: %d connections open "
+                                    "(--max-connections)", self.cap)
                     _refuse(conn, self._full_frame)
                     continue
                 self._on_accept(conn)

@@ -31,7 +31,7 @@ from kvstore.http_guard.connection_guard import (
     GuardedServer,
     fit_to_open_files,
 )
-from kvstore.http_guard.rate_limited_log import RateLimitedLog
+from kvstore.rate_limited_log import RateLimitedLog
 
 # The admin app answers health checks and metric scrapers: a few clients. Past this many open
 # connections a new one gets a 503 at once; one that sends no request for 5 s, or not a whole

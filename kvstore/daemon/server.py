@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.daemon import memory
-from kvstore.daemon.accept import Acceptor, RateLimitedLog
+from kvstore.daemon.accept import Acceptor
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
 from kvstore.daemon.connection import BULK_REPLY_VERBS, FD_VERBS, Connection, encode_reply
 from kvstore.daemon.frame_body import BodyRoom, NoRoom, read_body
@@ -39,6 +39,7 @@ from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
 from kvstore.daemon.watch import CLOSE_REASONS, ConnectionWatch
 from kvstore.engines.cuda_fault import EXIT_CUDA_POISONED
+from kvstore.rate_limited_log import RateLimitedLog
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import FdError, FdSocket, FrameFds
 from kvstore.wire.listener import bind_unix_socket, peer_uid, socket_identity, unlink_if_ours
@@ -135,8 +136,7 @@ class Daemon:
         self._handlers: set[asyncio.Task] = set()
         # Whatever clients do, the log grows by a few lines per interval at most: one
         # rate-limited log per verb (a fixed set) and one for the lease sweep.
-        self._failure_logs: dict[str, RateLimitedLog] = {}
-        self._reclaim_log = RateLimitedLog(log, _LOG_INTERVAL_S)
+        self._log = RateLimitedLog(log, _LOG_INTERVAL_S)  # failures by what failed, reclaims
         self._sock = None
         self._sock_identity: tuple[int, int] | None = None
         self._stop: asyncio.Event | None = None
@@ -208,9 +208,7 @@ class Daemon:
 
     def _log_failure(self, what: str) -> None:
         """An unexpected exception being handled: its traceback, at most once per interval."""
-        if what not in self._failure_logs:
-            self._failure_logs[what] = RateLimitedLog(log, _LOG_INTERVAL_S)
-        self._failure_logs[what].log(logging.ERROR, what, exc_info=True)
+        self._log.event(what, what, level=logging.ERROR, exc_info=True)
 
     def _count_event(self, name: str) -> None:
         self.service.counters.add(**{name: 1})
@@ -259,9 +257,9 @@ class Daemon:
             if self.service.num_leases(conn.owner) or self.service.registry.of_owner(conn.owner):
                 continue
             self._count_event("connections_reclaimed")
-            self._reclaim_log.warning(
-                "at the cap of %d connections (--max-connections): closed the longest-idle "
-                "one (%s, idle %.0f s, holding nothing) to take a new one",
+            self._log.event(
+                "reclaimed", "at the cap of %d connections (--max-connections): closed the "
+                "longest-idle one (%s, idle %.0f s, holding nothing) to take a new one",
                 self.limits.connection_cap, conn.owner, now - conn.last_activity)
             conn.abort("reclaimed")
             return True

@@ -36,7 +36,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvstore.http_guard.rate_limited_log import RateLimitedLog
+from kvstore.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger("kvstore.http_guard")
 

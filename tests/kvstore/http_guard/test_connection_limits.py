@@ -3,8 +3,6 @@ rate-limited log (the live behaviour is in tests/reliability/test_http_slow_clie
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from kvstore.http_guard.connection_guard import (
@@ -13,7 +11,6 @@ from kvstore.http_guard.connection_guard import (
     ConnectionLimits,
     fit_to_open_files,
 )
-from kvstore.http_guard.rate_limited_log import RateLimitedLog
 
 
 @pytest.mark.parametrize("max_open_files", [64, 100, 256, 1024, 4096, 1 << 16])
@@ -37,22 +34,3 @@ def test_a_generous_limit_changes_nothing() -> None:
 def test_bad_limits_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         ConnectionLimits(**kwargs)
-
-
-def test_rate_limited_log_counts_what_it_does_not_print(caplog) -> None:
-    now = [100.0]
-    log = RateLimitedLog(logging.getLogger("kvengine.test"), interval_s=10.0,
-                         clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="kvengine.test"):
-        for _ in range(1000):
-            log.event("refused", "refused one")
-            now[0] += 0.01  # 1000 events over 10 s
-        log.event("timed_out", "timed out one")
-        now[0] += 0.5
-        log.event("refused", "refused one")
-    messages = [r.getMessage() for r in caplog.records]
-    assert messages[0] == "refused one"
-    assert messages[1] == "timed out one"
-    assert messages[2].startswith("refused one (and 999 more like it")
-    assert len(messages) == 3
-    assert log.counts == {"refused": 1001, "timed_out": 1}

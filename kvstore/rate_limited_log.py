@@ -1,7 +1,9 @@
 """RateLimitedLog: at most one log line per kind of event per interval, with a count of the rest.
 
 An attack repeats one event thousands of times a second (connections refused, requests timed
-out); logging each one turned a file-descriptor flood into half a gigabyte of log in minutes.
+out, accepts failing for lack of descriptors); logging each one turned a file-descriptor flood
+into half a gigabyte of log in minutes. The daemon's socket, its admin port and the engine's HTTP
+front all log through one of these.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from collections.abc import Callable
 
 
 class RateLimitedLog:
-    """Logs the first event of a kind at once, then at most one line per `interval_s`, saying
-    how many events of that kind the line stands for. Not thread-safe: one event loop's use."""
+    """Logs the first event of a kind at once, then at most one line per ``interval_s`` for that
+    kind, saying how many events the line stands for. ``message % args`` is formatted only for a
+    line that goes out. ``counts`` holds every event counted, by kind. Not thread-safe: one
+    event loop's (or one lock's) use."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -24,8 +28,10 @@ class RateLimitedLog:
         self._suppressed: dict[str, int] = {}
         self.counts: dict[str, int] = {}
 
-    def event(self, kind: str, message: str, level: int = logging.WARNING) -> None:
-        """Count one event of `kind`; log `message` unless a line for `kind` went out lately."""
+    def event(self, kind: str, message: str, *args: object, level: int = logging.WARNING,
+              exc_info: bool = False) -> None:
+        """Count one event of ``kind``; log ``message % args`` at ``level`` (with the exception
+        being handled if ``exc_info``) unless a line for ``kind`` went out lately."""
         self.counts[kind] = self.counts.get(kind, 0) + 1
         now = self._clock()
         last = self._last_s.get(kind)
@@ -33,7 +39,9 @@ class RateLimitedLog:
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
             return
         self._last_s[kind] = now
+        if args:
+            message = message % args
         skipped = self._suppressed.pop(kind, 0)
         if skipped:
             message += f" (and {skipped} more like it in the last {now - last:.0f} s)"
-        self._logger.log(level, message)
+        self._logger.log(level, message, exc_info=exc_info)
