@@ -23,7 +23,7 @@ from engine.engine_stats import EngineCounters
 from engine.grammar import GrammarMatcher
 from engine.kv_cache import KVCache
 from engine.logprobs import TokenLogprobs
-from engine.outputs import RequestOutput, empty_tier_counts, prefix_source
+from engine.outputs import FinishReason, RequestOutput, empty_tier_counts, prefix_source
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.step_timing import StepTiming
@@ -288,26 +288,26 @@ class LLMEngine:
         reason = None
         if (token_id in self._eos_token_ids and not params.ignore_eos
                 or params.stop_token_ids and token_id in params.stop_token_ids):
-            reason = "stop"  # the token stays in token_ids; its text only on request
+            reason = FinishReason.STOP  # the token stays in token_ids; its text only on request
             if token_id not in self._eos_token_ids or params.ignore_eos:
                 seq.stop_reason = token_id  # a stop token, not eos (vLLM's stop_reason)
             if params.include_stop_str_in_output:
                 seq.detokenizer.update(seq.output_token_ids, check_stop=False)
         elif seq.detokenizer.update(seq.output_token_ids,
                                     check_stop=seq.num_output_tokens > params.min_tokens):
-            reason = "stop"
+            reason = FinishReason.STOP
             seq.stop_reason = seq.detokenizer.matched_stop
         elif seq.grammar is not None and seq.grammar.advance(token_id):
-            reason = "stop"  # the grammar is complete: nothing more may follow
+            reason = FinishReason.STOP  # the grammar is complete: nothing more may follow
             if seq.grammar.error:  # or broken: the answer is cut, and says so (vLLM's "error")
-                reason = "error"
+                reason = FinishReason.ERROR
                 # its first line: the rest dumps the whole grammar (100 KB for a large schema)
                 log.warning("request %s: its structured output's grammar failed, the answer is "
                             "cut (finish_reason error): %.300s", seq.request_id,
                             seq.grammar.error.splitlines()[0])
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._output(seq)

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.logprobs import TokenLogprobs
 from offload.vocab import Tier
 
 TIERS = tuple(t.value for t in Tier)  # hbm: this engine's own; hbm_peer: another's
-FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's, less "repetition"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended: vLLM's reasons, less "repetition". A ``str``, so it compares equal
+    to its value and is written as it (JSON, metrics' labels, logs)."""
+
+    STOP = "stop"  # eos, a stop token or a stop string, or a structured output complete
+    LENGTH = "length"  # max_tokens or the model length
+    ABORT = "abort"  # the client went away, or the engine was asked to end it
+    ERROR = "error"  # its structured output's grammar failed: the answer is cut, as vLLM's
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def empty_tier_counts() -> dict[str, int]:
@@ -27,9 +40,7 @@ def prefix_source(cached_tokens_by_tier: dict[str, int]) -> str:
 class RequestOutput:
     """``token_ids``/``text`` are everything generated so far; ``new_*`` what this step added.
 
-    ``finish_reason`` is None until ``finished``, then "stop" (eos or a stop string), "length"
-    (max_tokens or the model length), "abort", or "error" (its structured output's grammar
-    failed, e.g. past a parser limit: the answer is cut, as vLLM's "error").
+    ``finish_reason`` is None until ``finished``, then a ``FinishReason``.
     ``num_cached_tokens`` prompt tokens were served from cache instead of computed, split by
     where they came from in ``cached_tokens_by_tier``.
     ``prompt_token_ids`` is one list shared by all of a request's outputs (not copied per step):
@@ -45,7 +56,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=empty_tier_counts)
     new_token_ids: list[int] = field(default_factory=list)

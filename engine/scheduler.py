@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.outputs import FinishReason
 from engine.prefill_order import PrefillOrder
 from engine.sequence import Sequence, SequenceStatus
 from offload.bridge import RestoreBridge
@@ -332,7 +333,7 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed_blocks(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take the sequence out of the queues and release its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -350,5 +351,5 @@ class Scheduler:
         """Finish the request with reason "abort"; None if it is not in the engine."""
         seq = self._by_id.get(request_id)
         if seq is not None:
-            self.finish(seq, "abort")
+            self.finish(seq, FinishReason.ABORT)
         return seq

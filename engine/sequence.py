@@ -10,6 +10,7 @@ import numpy as np
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarMatcher
 from engine.logprobs import TokenLogprobs
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from offload.vocab import TOKEN_ID_BYTES, encode_tokens
 
@@ -49,7 +50,7 @@ class Sequence:
     # where those cached tokens came from ("hbm", "dram", ...), frozen with them: a preempted
     # request restored again later keeps the split it was admitted with
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # vLLM's stop_reason: the stop string or stop token id that ended it (None: eos or length)
     stop_reason: int | str | None = None
     num_emitted_tokens: int = 0

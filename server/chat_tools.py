@@ -39,7 +39,6 @@ class ToolSettings:
 class ToolRequest:
     """What the serving path does with a request's tools."""
 
-    tools: list[dict[str, Any]]  # for the chat template
     parser: ToolParser | None  # reads the output's calls (None: tool_choice none)
     grammar: str | None  # the constraint of required / named choices
     named: bool  # a named function: the answer's finish_reason stays "stop", as OpenAI's
@@ -59,23 +58,22 @@ def tool_request(tools: list[Any] | None, tool_choice: Any, parallel: bool | Non
                   if settings.tool_call_parser else None)
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
-        return ToolRequest(checked, None, None, False)
+        return ToolRequest(None, None, False)
     if choice == "auto":
         if not settings.enable_auto_tool_choice or configured is None:
             raise APIError(400, '"auto" tool choice needs the server started with '
                            "--enable-auto-tool-choice and --tool-call-parser",
                            param="tool_choice")
-        return ToolRequest(checked, configured, None, False)
+        return ToolRequest(configured, None, False)
     parser = configured or TOOL_PARSERS["hermes"]()
     if choice == "required":
-        return ToolRequest(checked, parser, parser.grammar(checked, parallel is not False),
-                           False)
+        return ToolRequest(parser, parser.grammar(checked, parallel is not False), False)
     name = _named(choice)
     chosen = [t for t in checked if t["function"]["name"] == name]
     if not chosen:
         raise APIError(400, f"tool_choice names function {name!r}, which is not among the "
                        "tools", param="tool_choice")
-    return ToolRequest(checked, parser, parser.grammar(chosen[:1], False), True)
+    return ToolRequest(parser, parser.grammar(chosen[:1], False), True)
 
 
 def _named(choice: Any) -> str:
@@ -110,19 +108,18 @@ def checked_tools(tools: list[Any]) -> list[dict[str, Any]]:
 
 
 def template_inputs(messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None,
-                    tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]],
-                                                                 dict[str, Any]]:
+                    tools: list[Any] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """What a chat's template renders, the same for /v1/chat/completions, /tokenize and the
     router's view of a prompt: the messages (``template_messages``) and the template's
     variables (``chat_template_kwargs``, APIError 400 if they set a name that is a request
-    field of its own, and the checked ``tools``)."""
+    field of its own, and the request's ``tools``, checked: ``checked_tools``)."""
     kwargs = dict(chat_template_kwargs or {})
     reserved = RESERVED_TEMPLATE_NAMES & kwargs.keys()
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}: they are "
                        "request fields of their own", param="chat_template_kwargs")
     if tools:
-        kwargs["tools"] = tools
+        kwargs["tools"] = checked_tools(tools)
     return template_messages(messages), kwargs
 
 

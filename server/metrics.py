@@ -16,7 +16,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.outputs import FINISH_REASONS, prefix_source
+from engine.outputs import FinishReason, prefix_source
 from server.engine_metrics import ENGINE_INDEX, LABELS, EngineCollector
 from server.engine_protocol import EngineOutput, ServedEngine
 
@@ -95,8 +95,8 @@ class ServerMetrics:
         if self.engine is not None:
             reg.register(self.engine)
         # Touch every labelled child so a scrape lists zeros before the first request.
-        for reason in FINISH_REASONS:
-            self._requests.labels(*self._ids, reason)
+        for reason in FinishReason:
+            self._requests.labels(*self._ids, reason.value)
         self._rejected.labels(*self._ids, "overloaded")
         for source in ("restored", "hbm_hit", "cold"):
             self._ttft_by_source.labels(*self._ids, source)

@@ -98,7 +98,8 @@ class _Shape:
         for call in message.get("tool_calls") or []:
             output.append(_call_item(_id("fc"), call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
-        status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+        status = _status(choice.get("finish_reason"))
+        _close_items(output, status)
         return self.response(status, output, chat.get("usage"))
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -175,8 +176,9 @@ class _Shape:
                                               delta=function["arguments"])
         finally:
             await chunks.aclose()
+        status = _status(finish)
+        _close_items(items, status)
         for index, item in enumerate(items):
-            item["status"] = "completed"
             if item is text:
                 part = item["content"][0]
                 yield self._event("response.output_text.done", item_id=item["id"],
@@ -192,8 +194,20 @@ class _Shape:
                 yield self._event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, arguments=item["arguments"])
             yield self._event("response.output_item.done", output_index=index, item=item)
-        status = "incomplete" if finish == "length" else "completed"
         yield self._event(f"response.{status}", response=self.response(status, items, usage))
+
+
+def _status(finish_reason: str | None) -> str:
+    """A response cut by its token limit is incomplete (OpenAI's), else completed."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _close_items(items: list[dict[str, Any]], status: str) -> None:
+    """The items' final status: in an incomplete response the last one, where the limit cut
+    the answer, is incomplete too (as OpenAI's); the ones before it completed."""
+    for index, item in enumerate(items):
+        last = index == len(items) - 1
+        item["status"] = "incomplete" if status == "incomplete" and last else "completed"
 
 
 def _problems(exc: ValidationError) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.outputs import FinishReason
 from server import responses as R
 from server.async_engine import (
     AsyncEngine,
@@ -145,8 +146,7 @@ class OpenAIServing:
             constraint = Constraint({**constraint.spec, "reasoning_end": self.reasoning_end},
                                     constraint.param)
         messages, template_kwargs = template_inputs(
-            [m.template_fields() for m in body.messages], body.chat_template_kwargs,
-            tools.tools if tools is not None else None)
+            [m.template_fields() for m in body.messages], body.chat_template_kwargs, body.tools)
         salt = self._tenant(body, request)
         prompts = [await self.prompts.chat(messages, body.add_generation_prompt, salt,
                                            template_kwargs,
@@ -267,11 +267,11 @@ class OpenAIServing:
         if out.prompt_logprobs is not None:  # complete from the first output with a token
             choice.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            choice.finish_reason = out.finish_reason or "stop"
+            choice.finish_reason = (out.finish_reason or FinishReason.STOP).value
             choice.stop_reason = getattr(out, "stop_reason", None)
             self.metrics.request_finished(choice.finish_reason, now - job.arrival)
             self.timing_log.finished(job.response_id, out.request_id, choice, job.arrival, now, out)
-            if choice.finish_reason == "error":  # as vLLM: a 500, or an error event in a stream
+            if choice.finish_reason == FinishReason.ERROR:  # as vLLM: a 500, or a stream's error
                 raise APIError(500, "generating failed: the structured output's grammar broke "
                                "(the server's log says how)", code="generation_failed")
         return choice
@@ -279,8 +279,8 @@ class OpenAIServing:
     def _close(self, job: _Job, group: RequestGroup) -> None:
         now = time.perf_counter()
         for request_id in group.close():
-            job.choices[request_id].finish_reason = "abort"
-            self.metrics.request_finished("abort", now - job.arrival)
+            job.choices[request_id].finish_reason = FinishReason.ABORT.value
+            self.metrics.request_finished(FinishReason.ABORT.value, now - job.arrival)
             self.timing_log.finished(job.response_id, request_id, job.choices[request_id],
                                      job.arrival, now)
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.requests import Request
 
 from server.auth import KEY_SALT_SCOPE, tenant_salt
-from server.chat_tools import checked_tools, template_inputs
+from server.chat_tools import template_inputs
 from server.engine_protocol import PromptCodec
 from server.errors import APIError
 from server.prompt_builder import PromptBuilder
@@ -99,7 +99,7 @@ class TokenizationServing:
         if isinstance(body, TokenizeChatRequest):
             messages, kwargs = template_inputs(
                 [m.template_fields() for m in body.messages], body.chat_template_kwargs,
-                checked_tools(body.tools) if body.tools else None)
+                body.tools)
             tokens = await self._prompts.chat(messages, body.add_generation_prompt, tenant,
                                               kwargs, add_special_tokens=body.add_special_tokens)
         else:

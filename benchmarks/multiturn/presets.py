@@ -277,6 +277,9 @@ def print_report(result: dict) -> None:
               f"(target <= {result['targets']['fits_overhead']:.0%})")
     if result["note"]:
         print(f"NOTE: {result['note']}")
+    for p in result["points"]:
+        if p.get("attention_backend"):
+            print(f"{p['label']}: attention {p['attention_backend']}")
 
 
 def main(argv: list[str] | None = None) -> int:

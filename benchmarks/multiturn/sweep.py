@@ -104,14 +104,9 @@ def _daemon_stats(socket_path: Path) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _engine_offload_events(url: str) -> dict | None:
+def _engine_offload_events(text: str) -> dict:
     """The engine's --kv-offload counters, the server's TTFT by source (``server_ttft_*``) and
-    its preemptions (``num_preemptions``: prompts computed again), scraped from its /metrics (a
-    nicety, like above)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    its preemptions (``num_preemptions``: prompts computed again), from its /metrics text."""
     events = {}
     for line in text.splitlines():
         if line.startswith(("kvengine:kv_offload_events_total{", "kvengine:kv_offload_in_flight{",
@@ -129,6 +124,31 @@ def _engine_offload_events(url: str) -> dict | None:
         elif line.startswith("vllm:num_preemptions_total"):
             events["num_preemptions"] = float(line.rsplit(" ", 1)[1])
     return events
+
+
+def attention_backend(metrics_text: str) -> str | None:
+    """Which attention the engine ran (``prefill=cudnn decode=cudnn``), from its /metrics
+    (``kvengine:attention_backend_info``): a run whose GPU image lacked cuDNN's frontend ran
+    every phase with our kernels, slower by a third, and said so only in its own log."""
+    for line in metrics_text.splitlines():
+        if line.startswith("kvengine:attention_backend_info{"):
+            labels = line.split("{", 1)[1].rsplit("}", 1)[0]
+            pairs = dict(part.split("=", 1) for part in labels.split(",") if "=" in part)
+            return " ".join(f"{phase}={pairs[phase].strip(chr(34))}"
+                            for phase in ("prefill", "decode") if phase in pairs)
+    return None
+
+
+def _scrape_engine(point: dict, url: str) -> None:
+    """The point's ``engine_offload_events`` and ``attention_backend`` from the engine's
+    /metrics (a nicety, like the daemon's stats: the numbers stand without them)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except Exception as exc:
+        point["engine_offload_events"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return
+    point["engine_offload_events"] = _engine_offload_events(text)
+    point["attention_backend"] = attention_backend(text)
 
 
 def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime: str,
@@ -178,7 +198,7 @@ def run_point(setup: PointSetup, workload: WorkloadConfig, sizing: dict, regime:
         if offload:
             point["daemon_stats"] = _daemon_stats(socket_path)
         # offload off has no offload counters, but the server's TTFT by source is there too
-        point["engine_offload_events"] = _engine_offload_events(url)
+        _scrape_engine(point, url)
     except Exception as exc:  # a point that cannot run is reported, the sweep goes on
         point["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
     finally:

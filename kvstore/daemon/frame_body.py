@@ -19,7 +19,7 @@ import contextlib
 import mmap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Protocol
 
 PIECE_BYTES = 1 << 20  # the most one read copies (the reader's buffer holds less, usually)
 
@@ -81,6 +81,15 @@ async def _pieces(reader: asyncio.StreamReader, length: int, room: Room,
         yield piece
 
 
+class HoldsBodies(Protocol):
+    """What ``BodyRoom`` needs of a connection (``connection.Connection`` keeps it): the bytes
+    it holds in all (buffered replies and bodies included) and the frame bodies it holds."""
+
+    body_bytes: int
+
+    def buffered_bytes(self) -> int: ...
+
+
 class BodyRoom:
     """``read_body``'s ``room`` for one large frame of a connection: counts what arrives into
     the connection's ``body_bytes``, first waiting (a sweep of the watch at a time, until
@@ -90,10 +99,10 @@ class BodyRoom:
     cannot all wait for each other, and at most one frame's worth goes past the budget, as a
     frame alone that is larger than the budget does."""
 
-    def __init__(self, conn: Any, held_by_all: Callable[[], int], budget: int,
+    def __init__(self, conn: HoldsBodies, held_by_all: Callable[[], int], budget: int,
                  wait_for_room: Callable[[float], Awaitable[None]], give_up_at: float,
                  frames: list[BodyRoom]) -> None:
-        self._conn = conn  # a Connection: buffered_bytes(), body_bytes
+        self._conn = conn
         self._held_by_all = held_by_all
         self._budget = budget
         self._wait_for_room = wait_for_room

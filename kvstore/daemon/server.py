@@ -131,7 +131,7 @@ class Daemon:
         self._watch = ConnectionWatch(self.limits, self._count_event)
         self._conn_ids = itertools.count(1)
         self._connections: set[Connection] = set()
-        self._large_frames: list[BodyRoom] = []  # being read, oldest first (BodyRoom)
+        self._large_frames: list[BodyRoom] = []  # being read, oldest first
         self._num_open = 0  # accepted and not yet closed, counted from accept on
         self._handlers: set[asyncio.Task] = set()
         # Whatever clients do, the log grows by a few lines per interval at most: one

@@ -25,7 +25,7 @@ from collections.abc import Collection
 from pydantic import ValidationError
 
 from server.auth import tenant_salt
-from server.chat_tools import checked_tools, template_inputs
+from server.chat_tools import template_inputs
 from server.errors import APIError
 from server.prompt_builder import PromptBuilder
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -185,7 +185,7 @@ class RequestRouter:
                 # as the engine renders it: tools and tool calls' arguments included
                 messages, kwargs = template_inputs(
                     [m.template_fields() for m in chat.messages], chat.chat_template_kwargs,
-                    checked_tools(chat.tools) if chat.tools else None)
+                    chat.tools)
                 salt = (chat.cache_salt or "") if vllm else tenant_salt(key_salt,
                                                                          chat.cache_salt)
                 return await self.prompts.chat(messages, chat.add_generation_prompt, salt,

@@ -36,6 +36,8 @@ def test_agent_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> N
     for point in result["points"]:
         assert point["figures"]["num_ok"] == 6
         assert point["figures"]["ttft_ms"]["mean_later_turns"] > 0
+        # which attention ran is on record (a GPU run without cuDNN shows here, not only in logs)
+        assert point["attention_backend"] == "prefill=reference decode=reference"
     assert result["points"][0]["figures"]["hits"]["hit_rate"] > 0  # the loop's prefix reused
 
 

@@ -31,6 +31,7 @@ def test_text_in_text_out(oai: openai.OpenAI) -> None:
     assert reply.object == "response" and reply.id.startswith("resp_")
     assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
     assert reply.output[0].type == "message" and reply.output_text
+    assert reply.output[-1].status == "incomplete"  # the item the limit cut, as OpenAI's
     assert reply.usage.output_tokens == 12 and reply.usage.input_tokens > 0
     assert reply.store is False
 
@@ -58,6 +59,7 @@ def test_a_json_schema_answer(oai: openai.OpenAI) -> None:
                                     text={"format": {"type": "json_schema", "name": "n",
                                                      "schema": schema, "strict": True}})
     assert reply.status == "completed", reply.output
+    assert [item.status for item in reply.output] == ["completed"] * len(reply.output)
     assert json.loads(reply.output_text)["n"] in (1, 2, 3)
 
 
@@ -72,6 +74,8 @@ def test_a_stream_of_events(oai: openai.OpenAI) -> None:
     done = next(e for e in events if e.type == "response.output_text.done")
     assert text and done.text == text == events[-1].response.output_text
     assert events[-1].response.usage.output_tokens == 10
+    item_done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert item_done[-1].status == events[-1].response.output[-1].status == "incomplete"
 
 
 def test_what_is_refused_says_why(http: httpx.Client) -> None:
