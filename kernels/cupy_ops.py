@@ -72,7 +72,8 @@ class CupyOps(Ops):
                 self.attention_backends = {phase: "ours" for phase in self.attention_backends}
                 self.attention_note = str(exc)
                 # a degraded engine says so where operators look: an H200 run without the
-                # frontend served agent turns 1.6x slower (README, s21), logged only at info
+                # frontend served agent turns' first tokens 1.5-1.7x later and each next token
+                # 1.2x later (README, s21), and said so only at info
                 log.warning("cuDNN is not available (%s): our kernels serve every attention "
                             "phase, slower than cuDNN's; install the cuDNN frontend, or set "
                             "KVSTORE_ATTENTION=ours to choose this", exc)

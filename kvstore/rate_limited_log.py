@@ -14,10 +14,13 @@ from collections.abc import Callable
 
 
 class RateLimitedLog:
-    """Logs the first event of a kind at once, then at most one line per ``interval_s`` for that
-    kind, saying how many events the line stands for. ``message % args`` is formatted only for a
-    line that goes out. ``counts`` holds every event counted, by kind. Not thread-safe: one
-    event loop's (or one lock's) use."""
+    """Logs the first event of a kind at once (saying that repeats are counted), then at most one
+    line per ``interval_s`` for that kind, saying how many events the line stands for. A kind is
+    one failure, not a family of them: callers fold what tells failures apart (an errno, an
+    exception's type) into it. ``message % args`` is formatted only for a line that goes out.
+    ``counts`` holds every event counted, by kind. Not thread-safe: one event loop's (or one
+    lock's) use. A count suppressed at the end of a flood is written only with the kind's next
+    line."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -44,4 +47,6 @@ class RateLimitedLog:
         skipped = self._suppressed.pop(kind, 0)
         if skipped:
             message += f" (and {skipped} more like it in the last {now - last:.0f} s)"
+        elif last is None:
+            message += f" (repeats: one line per {self._interval_s:g} s, with a count)"
         self._logger.log(level, message, exc_info=exc_info)

@@ -118,7 +118,7 @@ class EngineOutput(Protocol):
     new_token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # once finished: engine.outputs.FinishReason (a str) or its value
     stop_reason: int | str | None  # once finished: the stop string or token id (vLLM's)
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int]

@@ -204,10 +204,22 @@ def _status(finish_reason: str | None) -> str:
 
 def _close_items(items: list[dict[str, Any]], status: str) -> None:
     """The items' final status: in an incomplete response the last one, where the limit cut
-    the answer, is incomplete too (as OpenAI's); the ones before it completed."""
+    the answer, is incomplete too (as OpenAI's), and so is a function call whose arguments the
+    limit left unfinished (a stream announces a call before its arguments are whole); the
+    others completed."""
     for index, item in enumerate(items):
-        last = index == len(items) - 1
-        item["status"] = "incomplete" if status == "incomplete" and last else "completed"
+        cut = index == len(items) - 1 or _unfinished_call(item)
+        item["status"] = "incomplete" if status == "incomplete" and cut else "completed"
+
+
+def _unfinished_call(item: dict[str, Any]) -> bool:
+    if item.get("type") != "function_call":
+        return False
+    try:
+        json.loads(item.get("arguments") or "")
+    except ValueError:
+        return True
+    return False
 
 
 def _problems(exc: ValidationError) -> str:

@@ -267,7 +267,7 @@ class OpenAIServing:
         if out.prompt_logprobs is not None:  # complete from the first output with a token
             choice.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            choice.finish_reason = (out.finish_reason or FinishReason.STOP).value
+            choice.finish_reason = str(out.finish_reason or FinishReason.STOP)  # a plain str
             choice.stop_reason = getattr(out, "stop_reason", None)
             self.metrics.request_finished(choice.finish_reason, now - job.arrival)
             self.timing_log.finished(job.response_id, out.request_id, choice, job.arrival, now, out)

@@ -73,7 +73,8 @@ class Acceptor:
                         self._shed_waiting()
                     else:
                         self._count("accept_errors")
-                        self._log.event("accept_failed", "accept failed: %s; backing off", exc)
+                        self._log.event(f"accept_failed:{exc.errno}",
+                                        "accept failed: %s; backing off", exc)
                     backoff_s = min(_MAX_BACKOFF_S, max(_MIN_BACKOFF_S, 2 * backoff_s))
                     await asyncio.sleep(backoff_s)
                     continue

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -134,9 +135,9 @@ class Daemon:
         self._large_frames: list[BodyRoom] = []  # being read, oldest first
         self._num_open = 0  # accepted and not yet closed, counted from accept on
         self._handlers: set[asyncio.Task] = set()
-        # Whatever clients do, the log grows by a few lines per interval at most: one
-        # rate-limited log per verb (a fixed set) and one for the lease sweep.
-        self._log = RateLimitedLog(log, _LOG_INTERVAL_S)  # failures by what failed, reclaims
+        # Whatever clients do, the log grows by a few lines per interval at most: one line per
+        # kind of failure (a verb or the lease sweep, and the exception's type) and of reclaim.
+        self._log = RateLimitedLog(log, _LOG_INTERVAL_S)
         self._sock = None
         self._sock_identity: tuple[int, int] | None = None
         self._stop: asyncio.Event | None = None
@@ -207,8 +208,10 @@ class Daemon:
             self._close_store()
 
     def _log_failure(self, what: str) -> None:
-        """An unexpected exception being handled: its traceback, at most once per interval."""
-        self._log.event(what, what, level=logging.ERROR, exc_info=True)
+        """An unexpected exception being handled: its traceback, at most once per interval for
+        each ``what`` and type of exception (one failing verb does not hide another failure)."""
+        kind = f"{what}:{type(sys.exc_info()[1]).__name__}"
+        self._log.event(kind, what, level=logging.ERROR, exc_info=True)
 
     def _count_event(self, name: str) -> None:
         self.service.counters.add(**{name: 1})
