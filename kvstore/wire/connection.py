@@ -238,6 +238,9 @@ class Connection:
         self.daemon_protocol, mismatch = read_hello(reply, self.socket_path)
         self.clock_shared = same_clock(reply, self._hello_sent_at, time.monotonic())
         if mismatch is not None:
+            # the connection's refusal: a request whose send then fails on the closed socket
+            # reports it, not "Broken pipe" (``_broken``)
+            self._refusal = mismatch
             self._in_flight.fail_all(mismatch)
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)

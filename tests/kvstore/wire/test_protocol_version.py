@@ -6,13 +6,16 @@ daemon; the other major is this client told to claim 2.0."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from daemon_helpers import raw_connect, recv_message, send_message
 
+from kvstore.wire import connection as wire_connection
 from kvstore.wire import protocol as proto
 from kvstore.wire.client import Client, ProtocolMismatch
+from kvstore.wire.fds import send_with_fds
 from kvstore.wire.handshake import read_hello
 
 
@@ -28,6 +31,26 @@ def test_a_client_of_another_major_gets_one_error_naming_both(daemon, monkeypatc
         c.stats()
     message = str(info.value)
     assert "2.0" in message and "1." in message and "upgrade the older one" in message
+
+
+def test_the_mismatch_is_the_error_even_when_the_next_send_finds_the_socket_closed(
+        daemon, monkeypatch) -> None:
+    """The hello's answer can come (and the connection close) before the first request is
+    written: that write then fails, and it used to report "Broken pipe" (a README test run,
+    s21). Here every frame after the hello waits until the answer has been read."""
+    monkeypatch.setattr(proto, "PROTOCOL_VERSION", "2.0")
+    sent = []
+
+    def late_send(sock, frame, fds):
+        if sent:
+            time.sleep(0.3)  # the reader thread reads the refusal and shuts the socket
+        sent.append(frame)
+        return send_with_fds(sock, frame, fds)
+
+    monkeypatch.setattr(wire_connection, "send_with_fds", late_send)
+    with Client(daemon.socket_path) as c, pytest.raises(ProtocolMismatch) as info:
+        c.stats()
+    assert len(sent) == 2 and "2.0" in str(info.value)
 
 
 def test_the_daemon_refuses_another_major_by_name(daemon) -> None:
