@@ -9,6 +9,9 @@ history: a short prefill over an HBM hit, and a miss at the store. Scenarios, ea
 - ``after-prefill``: it arrives right after another request's fresh prefill step (``--writer-len``
   tokens), whose blocks the engine with write-through saves has just sent to its daemon: their
   device-to-host copies run during the first turn's prefill.
+- ``lookup-after-prefill`` (engines with a store): as ``after-prefill``, but only the lookup sent
+  on arrival is timed, from ``add_request`` to its reply, with no step in between; whether it
+  went out at once or queued behind the saves is counted (``sent_at_once``).
 
 Configurations: ``off`` (no store), ``write-through``, ``evict`` (a store, lookups and resident
 blocks published, but no saves while HBM holds everything), and any in ``CONFIGS``. Reported per
@@ -40,6 +43,7 @@ CONFIGS = {  # name: EngineConfig overrides
     "evict": {"kv_offload": True, "kv_offload_policy": "evict"},
 }
 SCENARIOS = ("alone", "after-prefill")
+LOOKUP = "lookup-after-prefill"
 
 
 class _Arm:
@@ -59,7 +63,10 @@ class _Arm:
             str(args.model_dir), device=args.device, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, max_num_seqs=8, **overrides))
         self.engine.warm_up()
+        self.socket_path = overrides.get("kv_store_socket")
         self.samples: dict[str, list[dict]] = {s: [] for s in SCENARIOS}
+        if self.daemon is not None:
+            self.samples[LOOKUP] = []
 
     def run(self, tag: str, prompt: list[int]) -> dict:
         """Add one request (one output token) and step until its token; its timings."""
@@ -82,6 +89,36 @@ class _Arm:
                         "execute_ms": timing.execute_s * 1e3, "steps": steps,
                         "cached_tokens": cached}
 
+    def time_lookup(self, tag: str, prompt: list[int]) -> dict:
+        """Add a request and wait, without stepping, for the reply to its arrival's lookup (the
+        scheduler takes the request as a step would first)."""
+        from engine import SamplingParams
+
+        engine = self.engine
+        counters = engine.offload.stats()["connector"]
+        at_once = counters.get("sent_at_once", 0)
+        started = time.perf_counter()
+        engine.add_request(tag, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        engine._take_inbox()  # what a step does first: the scheduler takes it, its lookup goes
+        added = time.perf_counter()
+        job = engine.offload.restores.prefetched.get(tag)
+        if job is None:
+            raise RuntimeError(f"{tag}: no lookup went out on arrival")
+        job.lookup.wait(10.0)
+        replied = time.perf_counter()
+        sent_at_once = engine.offload.stats()["connector"].get("sent_at_once", 0) > at_once
+        return {"add_ms": (added - started) * 1e3, "reply_ms": (replied - added) * 1e3,
+                "sent_at_once": sent_at_once}
+
+    def daemon_request_ms(self) -> dict | None:
+        """The daemon's own time per verb (count, sum), from its stats."""
+        if self.socket_path is None:
+            return None
+        from kvstore import Client
+
+        with Client(socket_path=self.socket_path) as client:
+            return client.stats().get("daemon", {}).get("request_ms")
+
     def quiesce(self) -> None:
         """Finish what is in flight and let the daemon's copies end."""
         while self.engine.has_unfinished_requests():
@@ -94,6 +131,11 @@ class _Arm:
         if self.daemon is not None:
             self.daemon.terminate()
             self.daemon.wait(60)
+
+
+def _shifted(tokens: list[int], vocab: int) -> list[int]:
+    """Fresh token ids of the same length (no block in common with ``tokens``)."""
+    return [10 + (t - 9) % (vocab - 10) for t in tokens]
 
 
 def _stats(values: list[float]) -> dict:
@@ -118,24 +160,38 @@ def measure(args: argparse.Namespace, configs: list[str]) -> dict:
                 arm.samples["alone"].append(arm.run(f"alone-{rep}", turn))
                 arm.quiesce()
             # the same prompts once more, each engine having forgotten them: a fresh turn
-            later = [t + 1 for t in turn[len(system):]]
+            later = _shifted(turn[len(system):], vocab)
             turn = system + later
             for arm in order:
                 arm.run(f"writer-{rep}", writer)  # its saves go out as it returns
                 arm.samples["after-prefill"].append(arm.run(f"after-{rep}", turn))
                 arm.quiesce()
+            later = _shifted(later, vocab)
+            turn = system + later
+            for arm in order:
+                if LOOKUP in arm.samples:
+                    arm.run(f"writer2-{rep}", _shifted(writer, vocab))
+                    arm.samples[LOOKUP].append(arm.time_lookup(f"lookup-{rep}", turn))
+                    arm.quiesce()
             if rep == 0:
                 for arm in arms:  # the first rep warms what the engines build on first use
-                    for scenario in SCENARIOS:
-                        arm.samples[scenario].clear()
+                    for samples in arm.samples.values():
+                        samples.clear()
         out = {}
         for arm in arms:
             out[arm.name] = {
-                scenario: {key: _stats([s[key] for s in samples])
+                scenario: {key: _stats([s[key] for s in arm.samples[scenario]])
                            for key in ("ttft_ms", "schedule_ms", "execute_ms", "steps")}
-                for scenario, samples in arm.samples.items()}
+                for scenario in SCENARIOS}
+            if LOOKUP in arm.samples:
+                looks = arm.samples[LOOKUP]
+                out[arm.name][LOOKUP] = {
+                    "add_ms": _stats([s["add_ms"] for s in looks]),
+                    "reply_ms": _stats([s["reply_ms"] for s in looks]),
+                    "sent_at_once": sum(s["sent_at_once"] for s in looks)}
             out[arm.name]["samples"] = arm.samples
             out[arm.name]["offload"] = arm.engine.stats().get("kv_offload")
+            out[arm.name]["daemon_request_ms"] = arm.daemon_request_ms()
         return out
     finally:
         for arm in arms:
@@ -181,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['schedule_ms']['median']:6.2f}  execute p50 "
                   f"{s['execute_ms']['median']:7.2f} (mean {s['execute_ms']['mean']:7.2f})  "
                   f"steps {s['steps']['median']:.0f}", flush=True)
+    for name in configs:
+        look = points[name].get(LOOKUP)
+        if look is not None:
+            print(f"{LOOKUP} {name:>14}: add p50 {look['add_ms']['median']:.2f} ms, reply p50 "
+                  f"{look['reply_ms']['median']:.2f} ms (max {look['reply_ms']['max']:.2f}), "
+                  f"sent at once {look['sent_at_once']} of {args.reps - 1}", flush=True)
     result = {"benchmark": "first_turn_cost", "model_dir": str(args.model_dir),
               "device": args.device, "args": vars(args) | {"model_dir": str(args.model_dir)},
               "machine": machine_info(), "date": now_iso(),

@@ -20,6 +20,9 @@ class LinkRequest(ABC):
     """A request the link's thread sends on the connection it holds."""
 
     copies = False  # True: the daemon moves bytes in or out of the engine's blocks
+    # True: a request waits on its reply and it names no memory, so it may overtake what is
+    # queued (``offload/link_queue.py``); only such requests have a ``send_nowait``.
+    urgent = False
 
     @abstractmethod
     def send(self, client: Client, registration_id: int | None,
@@ -52,6 +55,8 @@ def _registered(registration_id: int | None, verb: str) -> int:
 @dataclass(frozen=True)
 class LookupRequest(LinkRequest):
     """The longest verified prefix of a chain; a hit comes with a lease."""
+
+    urgent = True
 
     namespace: bytes
     hashes: list[bytes]

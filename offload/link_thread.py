@@ -3,10 +3,15 @@
 Everything that can block on the daemon happens here, never on the engine's step thread: the
 connect and the registration of the KV memory, sending requests (a stopped daemon stops reading,
 so a send can block once the socket buffer is full), health probes, closing. The step thread
-hands requests over through a bounded queue (``Outgoing``: a request and its ``Transfer``
-handle) and polls the handles. A lookup, when nothing is queued before it, goes out from the
-caller's thread at once if the socket takes it without blocking (``LinkRequest.send_nowait``):
-a request's arrival at an idle engine then waits for no thread hop before it is on the wire.
+hands requests over through a bounded queue (``LinkQueue`` of ``Outgoing``: a request and its
+``Transfer`` handle) and polls the handles. A lookup goes out from the caller's thread at once if
+the socket takes it without blocking (``LinkRequest.send_nowait``), whatever is queued: it names
+no memory, so it may overtake saves and publications (``link_queue``), and a request's arrival
+then waits for no thread hop, nor for the saves of the step before, before it is on the wire.
+When the link's thread holds the socket, the lookup queues ahead of everything but other
+lookups (``LinkRequest.urgent``). Measured on one H200 (``benchmarks.first_turn_cost``): a first
+turn arriving right after another request's 2,048-token prefill waited for its lookup behind
+that prefill's saves and lost a step.
 
 The state the engine reads (``state``, a ``StoreState`` told by its rule ``while_waiting``): ``ok``
 (registered, the last probe answered in time), ``hung`` (a probe or a send has waited on the daemon
@@ -33,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from collections import Counter
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import Client, ClientError, DaemonUnavailable, Pending, StoreState
+from offload.link_queue import LinkQueue, QueueFull
 from offload.link_requests import LinkRequest
 from offload.store_probe import PROBE_DEADLINE_S, PROBE_INTERVAL_S, StoreProbe
 from offload.transfer import Transfer
@@ -99,7 +104,7 @@ class LinkThread:
             counters[key] += 0
         self.epoch = 0  # connections made; a new one starts with nothing published
         self._probe = StoreProbe(counters, probe_interval_s, probe_deadline_s)
-        self._queue: queue.Queue[Outgoing | None] = queue.Queue(maxsize=max_queued)
+        self._queue: LinkQueue[Outgoing] = LinkQueue(max_queued)
         self._client: Client | None = None
         self._registration_id: int | None = None
         self._up = False  # connected (and registered, if there is a layout)
@@ -168,23 +173,23 @@ class LinkThread:
             self._connect_wanted.set()  # as for a queued one: lost, the link comes back at once
             return True
         try:
-            self._queue.put_nowait(outgoing)
-        except queue.Full:
+            self._queue.put(outgoing, urgent=outgoing.request.urgent)
+        except QueueFull:
             return False
         self._connect_wanted.set()
         return True
 
     def _send_at_once(self, outgoing: Outgoing) -> bool:
-        """Send from the caller's thread without blocking; False to queue it instead. Only
-        with nothing queued and a live connection (a request the link's thread has taken but
-        not yet sent may still be overtaken: only lookups go this way, which name no memory).
+        """Send from the caller's thread without blocking; False to queue it instead. Only on
+        a live connection, and only what may overtake the queue (``LinkRequest.urgent``:
+        lookups, which name no memory).
         The client is read before the epoch: a connection made in between labels the request
         with the new epoch while it went out on the old, closed connection, where it fails;
         never a lease of the live connection labelled as an older one's."""
         client = self._client
         epoch = self.epoch
         if (client is None or not self._up or outgoing.epoch is not None
-                or not self._queue.empty()):
+                or not outgoing.request.urgent):
             return False
         try:
             pending = outgoing.request.send_nowait(client, _finish_in_a_thread)
@@ -199,8 +204,7 @@ class LinkThread:
     def close(self, timeout_s: float = 5.0) -> None:
         """Unregister (bounded), close the connection and stop the thread. Idempotent."""
         self._closing.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)  # wake the thread
+        self._queue.wake()
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # stuck in a send to a stopped daemon: cut the socket
             client = self._client
@@ -214,10 +218,7 @@ class LinkThread:
         try:
             while not self._closing.is_set():
                 self._maintain()
-                try:
-                    outgoing = self._queue.get(timeout=_TICK_S)
-                except queue.Empty:
-                    outgoing = None
+                outgoing = self._queue.get(_TICK_S)
                 if outgoing is not None:
                     self._send(outgoing)
         finally:
@@ -359,13 +360,8 @@ class LinkThread:
 
     def _shutdown(self) -> None:
         """Give back what is queued, unregister (bounded) and close."""
-        while True:
-            try:
-                outgoing = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if outgoing is not None:
-                outgoing.transfer.abandon()
+        for outgoing in self._queue.take_all():
+            outgoing.transfer.abandon()
         client, registration_id = self._client, self._registration_id
         if client is None:
             return

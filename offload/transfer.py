@@ -41,6 +41,7 @@ class Transfer:
         self.answered = False  # the daemon replied (ok or an error reply)
         self.timed_out = False  # no reply at all: the daemon may still touch the blocks
         self.sent_epoch: int | None = None  # the link's connection it went out on
+        self.request_id: int | None = None  # its id there (given as the link sends)
         self.result: Any = fallback
         if not queued:
             self.finished_at = self.started_at
@@ -49,6 +50,7 @@ class Transfer:
 
     def attach(self, pending: Pending, epoch: int | None = None) -> None:
         self.sent_epoch = epoch
+        self.request_id = pending.request_id
         self._pending = pending
         self._handled.set()
 

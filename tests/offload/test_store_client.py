@@ -205,3 +205,35 @@ def test_a_registration_past_its_bound_and_a_daemon_that_never_answers_are_hangs
         for client in clients:
             client.close()
         arena.close()
+
+
+def test_a_lookup_overtakes_saves_queued_before_it(make_daemon) -> None:
+    """The step thread queues a step's saves, then a new request's lookup: the lookup goes out
+    before the saves still queued (``LinkQueue``), so the request does not wait behind them.
+    Here the link's thread is held in its first save's send (its connection's send lock taken)
+    while two more saves and then the lookup are queued; the lookup goes out second."""
+    daemon = make_daemon()
+    arena = ShmArena(8, BLOCK, seed=5)
+    chains = [make_chain(f"queued-save-{i}", 2) for i in range(3)]
+    wanted = make_chain("overtaking-lookup", 2)
+    client = StoreClient(daemon.socket_path, arena.layout, "overtake", timeout_s=2.0)
+    try:
+        assert client.wait_available(5.0)
+        connection = client._thread._client  # the link's connection
+        assert connection is not None
+        with connection._send_lock:  # the link's thread blocks in its first send
+            saves = [client.save(c.namespace, [2 * i, 2 * i + 1], c.hashes, c.idents,
+                                 epoch=client.registration_epoch)
+                     for i, c in enumerate(chains)]
+            time.sleep(0.2)  # the link's thread has taken the first save and waits to send it
+            lookup = client.lookup(wanted.namespace, wanted.hashes, wanted.idents)
+            assert client.counters["sent_at_once"] == 0  # the socket was held: it queued
+        assert lookup.wait(5.0) and lookup.ok and lookup.result.num_hit == 0
+        assert all(s.wait(5.0) and s.ok for s in saves)
+        order = sorted([("lookup", lookup.request_id)]
+                       + [(f"save-{i}", s.request_id) for i, s in enumerate(saves)],
+                       key=lambda item: item[1])
+        assert [name for name, _ in order] == ["save-0", "lookup", "save-1", "save-2"]
+    finally:
+        client.close()
+        arena.close()
