@@ -22,22 +22,29 @@ from kvstore.testing.processes import stop_process
 # --trace: the daemon runs with benchmarks/copy_trace.py's hooks installed first.
 _TRACED_SERVE = ("import sys, benchmarks.copy_trace as ct; ct.install({!r}); "
                  "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
+# request_trace: with benchmarks/request_trace.py's stage stamps installed first.
+_REQUEST_TRACED_SERVE = ("import sys, benchmarks.request_trace as rt; rt.install({!r}); "
+                         "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 _PROFILED_SERVE = ("import sys, benchmarks.stack_sampler as ss; ss.install({!r}); "
                    "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def start_daemon(dram_bytes: int, flags: Sequence[str] = (), trace: Path | None = None,
-                 profile: Path | None = None) -> tuple[subprocess.Popen, Path]:
+                 profile: Path | None = None, request_trace: Path | None = None
+                 ) -> tuple[subprocess.Popen, Path]:
     """A ready daemon on a fresh socket (its process and socket path), started with more
     ``kvstore serve`` ``flags``; ``trace``: a timeline of every save/load into this file
     (benchmarks/copy_trace.py); ``profile``: the daemon's sampled stacks into this file
-    (benchmarks/stack_sampler.py)."""
+    (benchmarks/stack_sampler.py); ``request_trace``: each request's stages into this file
+    (benchmarks/request_trace.py)."""
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
     head = [sys.executable, "-m", "kvstore.cli"]
     if trace is not None:
         head = [sys.executable, "-c", _TRACED_SERVE.format(str(trace))]
     elif profile is not None:
         head = [sys.executable, "-c", _PROFILED_SERVE.format(str(profile))]
+    elif request_trace is not None:
+        head = [sys.executable, "-c", _REQUEST_TRACED_SERVE.format(str(request_trace))]
     proc = subprocess.Popen([*head, "serve", "--socket", str(socket_path), "--dram",
                              str(dram_bytes), "--http", "off", *flags],
                             stdout=subprocess.PIPE,

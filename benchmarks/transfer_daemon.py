@@ -20,7 +20,8 @@ slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs
 ``copy_pieces``), ``batch_keeps_gil`` (the batch call holds the interpreter's lock instead of
 letting go of it), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
 that many bytes instead of 32 MiB: fewer submissions against a later first copy).
-``--trace``: a timeline of every daemon save and load (``copy_trace``). Per variant also the
+``--trace``: a timeline of every daemon save and load (``copy_trace``); ``--request-trace``: each
+request's stages from socket to reply (``request_trace``), median gaps printed. Per variant also the
 round trip of a request that moves nothing (``health``): the floor under every save/load.
 
     python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
@@ -200,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--trace", action="store_true",
                         help="a timeline of every daemon save/load (benchmarks/copy_trace.py)")
+    parser.add_argument("--request-trace", action="store_true",
+                        help="each request's stages, socket to reply "
+                             "(benchmarks/request_trace.py)")
     args = parser.parse_args(argv)
+    if args.trace and args.request_trace:
+        parser.error("--trace and --request-trace wrap the same calls: one at a time")
 
     import cupy as cp
 
@@ -252,11 +258,14 @@ def main(argv: list[str] | None = None) -> int:
             ["single"]
         depth = args.depth if "streamed" in modes else 1
         trace = Path(args.out).resolve() / f"transfer_daemon-trace-{variant}.jsonl"
-        if args.trace:
-            trace.parent.mkdir(parents=True, exist_ok=True)
-            trace.unlink(missing_ok=True)
+        stages = trace.with_name(f"transfer_daemon-stages-{variant}.jsonl")
+        for path, wanted in ((trace, args.trace), (stages, args.request_trace)):
+            if wanted:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.unlink(missing_ok=True)
         proc, socket_path = start_daemon(depth * total + (256 << 20), _VARIANTS[variant],
-                                         trace if args.trace else None)
+                                         trace if args.trace else None,
+                                         request_trace=stages if args.request_trace else None)
         try:
             with Client(socket_path, timeout_s=120.0) as client:
                 daemon_pinned = client.stats()["tiers"]["dram"]["pinned"]
@@ -314,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{variant:>14} trace " + " ".join(
                     f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in row.items()), flush=True)
+        if args.request_trace:
+            from benchmarks.request_trace import summarize as stage_gaps
+
+            for what, gaps in stage_gaps(stages).items():
+                print(f"{variant:>14} stages, us p50, {what}: " + " ".join(
+                    f"{k}={v}" for k, v in gaps.items()), flush=True)
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     out = {

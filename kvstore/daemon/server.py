@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.service import Service
 from kvstore.daemon.watch import CLOSE_REASONS, ConnectionWatch
+from kvstore.daemon.worker_call import WorkerCall
 from kvstore.engines.cuda_fault import EXIT_CUDA_POISONED
 from kvstore.rate_limited_log import RateLimitedLog
 from kvstore.wire import protocol as proto
@@ -490,25 +491,24 @@ class Daemon:
         """The call's reply; ``fds`` are closed once the call is done (a call past its
         deadline may still be mapping them on its worker)."""
         rid = request.request_id
-        future: asyncio.Future | None = None
+        call: WorkerCall | None = None
         try:
             if ctx.on_loop:
                 result = self.service.call(request.verb, request.args, ctx)
                 if not isinstance(result, Deferred):
                     return proto.ok_reply(rid, result)
                 try:
-                    future = asyncio.get_running_loop().run_in_executor(self.executor,
-                                                                        result.run)
+                    call = WorkerCall(self.executor, result.run)
                 except BaseException:  # shutting down: nobody will run it
                     result.abandon()
                     raise
             else:
-                future = asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.service.call, request.verb, request.args, ctx)
+                call = WorkerCall(self.executor, self.service.call, request.verb,
+                                  request.args, ctx)
             try:
-                result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+                result = await call.wait(timeout_s)
             except asyncio.CancelledError:  # the connection closed: its outcome is nobody's
-                future.add_done_callback(self._cleanup_abandoned)
+                call.add_done_callback(self._cleanup_abandoned)
                 raise
             except asyncio.TimeoutError:
                 ctx.cancel()
@@ -517,9 +517,9 @@ class Daemon:
                     # stop at its next block boundary (a lookup_load's lease nobody will use is
                     # released).
                     with contextlib.suppress(Exception):
-                        self.service.release_abandoned(await future)
+                        self.service.release_abandoned(await call.wait())
                 else:
-                    future.add_done_callback(self._cleanup_abandoned)
+                    call.add_done_callback(self._cleanup_abandoned)
                 return proto.error_reply(rid, proto.DEADLINE_EXCEEDED,
                                          f"{request.verb} missed its {request.deadline_ms} ms "
                                          "deadline")
@@ -535,18 +535,27 @@ class Daemon:
             self._log_failure(f"{request.verb} failed")
             return proto.error_reply(rid, proto.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
-            if future is None or future.done():
+            if call is None or call.done():
                 fds.close()
-            else:
-                future.add_done_callback(lambda _: fds.close())
+            else:  # closed on the loop, which counts the connection's descriptors
+                loop = asyncio.get_running_loop()
+                call.add_done_callback(lambda _: _soon(loop, fds.close))
 
-    def _cleanup_abandoned(self, future: asyncio.Future) -> None:
+    def _cleanup_abandoned(self, future: Future) -> None:
         """A call whose reply nobody reads: its exception retrieved (not logged as lost), the
         lease a late lookup took released."""
         if future.cancelled() or future.exception() is not None:
             return
         with contextlib.suppress(RuntimeError):  # shutting down: service.close() releases all
             self.executor.submit(self.service.release_abandoned, future.result())
+
+
+def _soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """``fn()`` on ``loop`` from any thread; at once if the loop is closed already."""
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:
+        fn()
 
 
 async def _reap(tasks: set[asyncio.Task]) -> None:
