@@ -92,10 +92,12 @@ def pipeline_rows(arena_ptr: int, block_bytes: int, block_ids: list[int], reps: 
 
 
 class _Store:
-    """The store with its per-block verbs timed."""
+    """The store with the verbs a pipeline calls per block or per chunk timed."""
 
     def __init__(self, store, phases: _Phases) -> None:
         self.begin_write = phases.wrap("begin_write", store.begin_write)
         self.read = phases.wrap("read", store.read)
+        self.read_addresses = phases.wrap("read", store.read_addresses)
         self.done = phases.wrap("done", store.done)
+        self.done_range = phases.wrap("done", store.done_range)
         self.host_spans = store.host_spans  # the pipeline's bounds check (not timed: once a call)

@@ -173,7 +173,7 @@ class CopyPipeline:
                         continue
                     chunk.slots.append((i, slot))
                     ids.append(block_ids[i])
-                    addrs.append(host_address(slot.buffer))
+                    addrs.append(slot.address)
                 chunk.num_blocks = len(chunk.slots)
                 pending.append(chunk)
                 if ids:
@@ -224,38 +224,48 @@ class CopyPipeline:
                     failed = True  # this chunk and the ones after it count for nothing
                     break
                 chunk = pending.popleft()
-                for i in range(chunk.start, chunk.start + chunk.num_blocks):
-                    clock.store_verb(store.done, lease, first_index + i)
+                clock.store_verb(store.done_range, lease, first_index + chunk.start,
+                                 chunk.num_blocks)
                 num_loaded += chunk.num_blocks
             return not failed
+
+        def read_one(i: int) -> int | None:
+            """Block ``i``'s address the slow way (``read``: an SSD promotion, an error), or
+            None where the load stops."""
+            try:
+                data = clock.store_verb(store.read, lease, first_index + i)
+            except StoreError:  # BlockUnavailable included: the hit shrinks here
+                # DRAM may be full of this load's pinned blocks: let the copies out of them
+                # finish, hand them back, and ask once more.
+                if not pending or not retire(block=True):
+                    return None
+                try:
+                    data = clock.store_verb(store.read, lease, first_index + i)
+                except StoreError:
+                    return None
+            if data.nbytes != num_bytes:
+                return None  # stored under another layout; never copy a partial block
+            return host_address(data)
 
         try:
             stop = False
             for span in chunk_spans(len(block_ids), num_bytes, self.chunk_bytes):
                 if stopped():
                     break
-                chunk, ids, addrs = _Chunk(start=span.start), [], []
-                for i in span:
-                    try:
-                        data = clock.store_verb(store.read, lease, first_index + i)
-                    except StoreError:  # BlockUnavailable included: the hit shrinks here
-                        # DRAM may be full of this load's pinned blocks: let the copies out of
-                        # them finish, hand them back, and ask once more.
-                        if not pending or not retire(block=True):
-                            stop = True
-                            break
-                        try:
-                            data = clock.store_verb(store.read, lease, first_index + i)
-                        except StoreError:
-                            stop = True
-                            break
-                    if data.nbytes != num_bytes:
-                        stop = True  # stored under another layout; never copy a partial block
+                try:
+                    addrs = clock.store_verb(store.read_addresses, lease,
+                                             first_index + span.start, len(span), num_bytes)
+                except StoreError:  # released or expired: ``read`` says so, block by block
+                    addrs = []
+                for i in span[len(addrs):]:  # the batch stopped at a block not simply in DRAM
+                    addr = read_one(i)
+                    if addr is None:
+                        stop = True
                         break
-                    ids.append(block_ids[i])
-                    addrs.append(host_address(data))
-                    chunk.num_blocks += 1
-                if ids:
+                    addrs.append(addr)
+                chunk = _Chunk(start=span.start, num_blocks=len(addrs))
+                ids = block_ids[span.start:span.start + len(addrs)]
+                if addrs:
                     began_at = time.perf_counter()
                     try:
                         chunk.handle = self._copy_checked(spans, ids, addrs, to_device=True)

@@ -4,13 +4,14 @@ A copy pipeline (``copy_pipeline``) times each save and load it runs in phases (
 adds them here, per way (``CopyWay``): the call's wall time, the time until its first chunk was
 enqueued (the first submission returned; the bus idle until then), the time after its last
 submission returned (the copies still in flight, then publishing or handing back), the time in the
-store's per-block verbs (``begin_write`` and ``commit`` for a save, ``read`` and ``done`` for a
-load) and in submissions (building runs, the driver call, and any wait for the interpreter's lock
-behind another thread; a failed one included). The phases overlap: the first submission counts in
-``to_first_submit`` and in ``submitting``, and every verb and submission in ``total``. The daemon's
-``stats`` show the sums (``daemon.copy_ms``), so a workload's own restores can be split without a
-tracer: a load whose submissions take far longer than in ``benchmarks.transfer_daemon`` was held up
-by other work in the daemon. """
+store's verbs (``begin_write`` and ``commit`` per block for a save, ``read_addresses`` and
+``done_range`` per chunk for a load) and in submissions (building runs, the driver call, and any
+wait for the interpreter's lock behind another thread; a failed one included). The phases overlap:
+the first submission counts in ``to_first_submit`` and in ``submitting``, and every verb and
+submission in ``total``. The daemon's ``stats`` show the sums (``daemon.copy_ms``), so a workload's
+own restores can be split without a tracer: a load whose submissions take far longer than in
+``benchmarks.transfer_daemon`` was held up by other work in the daemon.
+"""
 
 from __future__ import annotations
 

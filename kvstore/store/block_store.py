@@ -76,6 +76,7 @@ class WriteSlot(ABC):
     """
 
     buffer: memoryview
+    address: int  # the host address of ``buffer``'s first byte (for a device copy into it)
 
     @abstractmethod
     def commit(self) -> bool:
@@ -112,6 +113,15 @@ class BlockStore(ABC):
         """
 
     @abstractmethod
+    def read_addresses(self, lease: Lease, start: int, count: int, num_bytes: int) -> list[int]:
+        """Host addresses of the lease's blocks ``start`` .. ``start + count - 1`` that are in
+        DRAM and ``num_bytes`` long, from the first: the list stops before the first block that is
+        not (one on SSD, one already done, one of another size), which ``read`` then produces or
+        explains. One lock for the whole range: a device copy's batch, not a Python view per
+        block. Each address is valid as long as ``read``'s view would be. StoreError if the lease
+        was released or expired, or the range is not the lease's."""
+
+    @abstractmethod
     def done(self, lease: Lease, index: int) -> None:
         """The reader has copied block ``index`` of the lease out: its pin goes now, not at release.
 
@@ -122,6 +132,10 @@ class BlockStore(ABC):
         The other blocks stay pinned until they are done, or the lease is released or expires.
         Idempotent; a no-op on a released lease.
         """
+
+    @abstractmethod
+    def done_range(self, lease: Lease, start: int, count: int) -> None:
+        """``done`` for blocks ``start`` .. ``start + count - 1`` of the lease, under one lock."""
 
     @abstractmethod
     def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,

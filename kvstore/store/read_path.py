@@ -167,18 +167,45 @@ class ReadPath:
             if self._drops.pending:  # a promotion made room, or found its SSD copy damaged
                 self._drops.report()
 
+    def read_addresses(self, lease: Lease, start: int, count: int, num_bytes: int) -> list[int]:
+        """The addresses of the range's leading DRAM blocks of ``num_bytes`` (``read`` does the
+        rest: promotions and errors)."""
+        base = self._dram.pool.base_address
+        addresses: list[int] = []
+        with self._guard.cond:
+            held = self._leases.live(lease)
+            _check_range(lease, start, count, len(held.dram))
+            for block in held.dram[start:start + count]:
+                if block is None or block.alloc.num_bytes != num_bytes:
+                    break
+                addresses.append(base + block.alloc.offset)
+        return addresses
+
     def done(self, lease: Lease, index: int) -> None:
         """The reader copied block ``index``: the lease stops pinning it."""
+        self.done_range(lease, index, 1)
+
+    def done_range(self, lease: Lease, start: int, count: int) -> None:
+        """The reader copied blocks ``start`` .. ``start + count - 1``: the lease stops pinning
+        them."""
         with self._guard.cond:
             held = self._leases.find(lease)
             if held is None:
                 return  # released or expired: nothing of it is pinned any more
-            if not 0 <= index < len(held.dram):
-                raise StoreError(f"lease {lease.lease_id} has no block {index}")
+            _check_range(lease, start, count, len(held.dram))
             self._dram.count_lease_pins(held)
-            block, entry = held.dram[index], held.ssd[index]
-            held.dram[index] = held.ssd[index] = None
-            if block is not None:
-                self._dram.unpin(block)
-            if entry is not None:
-                self._backing.unpin(entry)
+            for index in range(start, start + count):
+                block, entry = held.dram[index], held.ssd[index]
+                held.dram[index] = held.ssd[index] = None
+                if block is not None:
+                    self._dram.unpin(block)
+                if entry is not None:
+                    self._backing.unpin(entry)
+
+
+def _check_range(lease: Lease, start: int, count: int, num_blocks: int) -> None:
+    """StoreError unless ``start .. start + count - 1`` are blocks of a ``num_blocks`` lease."""
+    if count < 1 or not 0 <= start <= start + count <= num_blocks:
+        last = start + count - 1
+        raise StoreError(f"lease {lease.lease_id} has no blocks {start}..{last} "
+                         f"(it has {num_blocks})")

@@ -118,8 +118,14 @@ class TieredStore(BlockStore):
     def read(self, lease: Lease, index: int) -> memoryview:
         return self._reads.read(lease, index)
 
+    def read_addresses(self, lease: Lease, start: int, count: int, num_bytes: int) -> list[int]:
+        return self._reads.read_addresses(lease, start, count, num_bytes)
+
     def done(self, lease: Lease, index: int) -> None:
         self._reads.done(lease, index)
+
+    def done_range(self, lease: Lease, start: int, count: int) -> None:
+        self._reads.done_range(lease, start, count)
 
     def begin_write(self, namespace: bytes, block_hash: bytes, ident: bytes,
                     num_bytes: int) -> WriteSlot | None:

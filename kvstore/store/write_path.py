@@ -13,8 +13,8 @@ from kvstore.store.parts import StoreParts
 
 
 class _Slot(WriteSlot):
-    def __init__(self, writes: WritePath, block: Block, buffer: memoryview) -> None:
-        self._writes, self._block, self.buffer = writes, block, buffer
+    def __init__(self, writes: WritePath, block: Block, buffer: memoryview, address: int) -> None:
+        self._writes, self._block, self.buffer, self.address = writes, block, buffer, address
 
     def commit(self) -> bool:
         published = self._writes.commit(self._block)
@@ -77,7 +77,7 @@ class WritePath:
                     break
                 alloc = self._demoter.allocate_locked(num_bytes)  # may drop the lock: again
             block = self._dram.reserve(key, bytes(ident), alloc)
-            return _Slot(self, block, self._pool.view(alloc))
+            return _Slot(self, block, self._pool.view(alloc), self._pool.address(alloc))
 
     def _admit_locked(self, key: bytes, ident: bytes) -> str | None:
         """None when a new block may be written under ``key``; else the counter saying why not."""

@@ -13,9 +13,12 @@ def test_host_ranges_must_lie_inside_one_span():
     spans = HostSpans([(2000, 3000), (1000, 2000)])  # unsorted, touching
     spans.check([1000, 1500, 2000, 2900], 100)
     spans.check([], 100)
+    spans.check([1000, 2000] * 40, 100)  # past a chunk's few: the vectorised check
     for bad in ([1950], [999], [2950], [3000], [0]):
         with pytest.raises(CopyOutOfBounds, match="outside|across"):
             spans.check(bad, 100)
+        with pytest.raises(CopyOutOfBounds, match=f"{bad[0]:#x}"):
+            spans.check([1000] * 40 + bad + [2000], 100)
 
 
 def test_every_pool_allocation_passes_its_own_spans():

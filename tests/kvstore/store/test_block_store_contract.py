@@ -123,6 +123,50 @@ def test_done_lets_go_of_one_block_and_a_later_read_of_it_fails(store) -> None:
     store.check_integrity()
 
 
+def test_read_addresses_are_the_views_and_stop_where_read_must_go_on(store) -> None:
+    for i in range(4):
+        put(store, i)
+    lease = store.lookup(NS, *chain(range(4)), lease_ttl_s=60).lease
+    views = [memoryview_address(store.read(lease, i)) for i in range(4)]
+    assert store.read_addresses(lease, 0, 4, BLOCK) == views
+    assert store.read_addresses(lease, 2, 2, BLOCK) == views[2:]
+    assert store.read_addresses(lease, 0, 4, BLOCK + 1) == []  # stored under another size
+    store.done(lease, 1)
+    assert store.read_addresses(lease, 0, 4, BLOCK) == views[:1]  # done: read says why
+    for start, count in ((3, 2), (-1, 1), (0, 0), (4, 1)):
+        with pytest.raises(StoreError, match="has no blocks"):
+            store.read_addresses(lease, start, count, BLOCK)
+    store.release(lease)
+    with pytest.raises(StoreError):
+        store.read_addresses(lease, 0, 1, BLOCK)
+    store.check_integrity()
+
+
+def test_done_range_lets_go_of_a_range_at_once(store) -> None:
+    for i in range(4):
+        put(store, i)
+    lease = store.lookup(NS, *chain(range(4)), lease_ttl_s=60).lease
+    with pytest.raises(StoreError, match="has no blocks"):
+        store.done_range(lease, 2, 3)
+    store.done_range(lease, 1, 2)
+    store.done_range(lease, 1, 2)  # idempotent
+    for i in (1, 2):
+        with pytest.raises(StoreError):
+            store.read(lease, i)
+    assert bytes(store.read(lease, 3)) == block_bytes(3, BLOCK)
+    assert store.stats()["tiers"]["dram"]["pinned_blocks"] == 2
+    store.release(lease)
+    store.done_range(lease, 0, 4)  # a no-op on a released lease
+    assert store.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+    store.check_integrity()
+
+
+def test_a_write_slot_names_its_buffer_address(store) -> None:
+    slot = store.begin_write(NS, *block_key(5), BLOCK)
+    assert slot.address == memoryview_address(slot.buffer)
+    slot.abort()
+
+
 def test_expired_leases_are_released(store) -> None:
     put(store, 0)
     lease = store.lookup(NS, *chain([0]), lease_ttl_s=5).lease

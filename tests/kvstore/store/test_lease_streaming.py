@@ -55,6 +55,17 @@ def test_a_lease_over_more_ssd_blocks_than_dram_reads_through_with_done(make_sto
         assert store.get(NS, *block_key(i)) == block_bytes(i, BLOCK)
 
 
+def test_read_addresses_stop_at_a_block_on_ssd_until_read_promotes_it(make_store, tmp_path):
+    store = _restarted_with_all_on_ssd(make_store, tmp_path / "ssd")
+    with _lookup_all(store).lease as lease:
+        assert store.read_addresses(lease, 0, 3, BLOCK) == []  # on SSD: read promotes it
+        store.read(lease, 0)
+        assert len(store.read_addresses(lease, 0, 3, BLOCK)) == 1
+        store.done_range(lease, 0, 1)
+        assert store.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+    store.check_integrity()
+
+
 def test_without_done_the_same_lease_runs_out_of_dram(make_store, tmp_path):
     store = _restarted_with_all_on_ssd(make_store, tmp_path / "ssd")
     with _lookup_all(store).lease as lease:
