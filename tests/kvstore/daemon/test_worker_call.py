@@ -66,10 +66,13 @@ def test_cancelling_the_wait_does_not_cancel_the_call(executor):
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        seen = []
-        call.add_done_callback(lambda f: seen.append(f.result()))
+        seen, called = [], threading.Event()
+        call.add_done_callback(lambda f: (seen.append(f.result()), called.set()))
         release.set()
         assert await call.wait(5.0) == 1
+        # the caller's callback runs on the worker after the wake-up was scheduled: it may
+        # still be on its way when the wait returns
+        assert called.wait(5.0)
         return seen
 
     assert asyncio.run(main()) == [1]
