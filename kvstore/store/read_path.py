@@ -156,8 +156,7 @@ class ReadPath:
         try:
             with self._guard.cond:
                 held = self._leases.live(lease)
-                if not 0 <= index < len(held.dram):
-                    raise StoreError(f"lease {lease.lease_id} has no block {index}")
+                _check_range(lease, index, 1, len(held.dram))
                 if held.dram[index] is not None:
                     return self._dram.view(held.dram[index])
                 if held.ssd[index] is None:
@@ -170,7 +169,7 @@ class ReadPath:
     def read_addresses(self, lease: Lease, start: int, count: int, num_bytes: int) -> list[int]:
         """The addresses of the range's leading DRAM blocks of ``num_bytes`` (``read`` does the
         rest: promotions and errors)."""
-        base = self._dram.pool.base_address
+        address = self._dram.pool.address
         addresses: list[int] = []
         with self._guard.cond:
             held = self._leases.live(lease)
@@ -178,7 +177,7 @@ class ReadPath:
             for block in held.dram[start:start + count]:
                 if block is None or block.alloc.num_bytes != num_bytes:
                     break
-                addresses.append(base + block.alloc.offset)
+                addresses.append(address(block.alloc))
         return addresses
 
     def done(self, lease: Lease, index: int) -> None:
