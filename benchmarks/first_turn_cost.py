@@ -43,6 +43,11 @@ CONFIGS = {  # name: EngineConfig overrides
     "evict": {"kv_offload": True, "kv_offload_policy": "evict"},
 }
 SCENARIOS = ("alone", "after-prefill")
+# Per first turn: its TTFT, ``add_request``'s own time, and its first-token step's phases
+# (``StepTiming``: the previous step's saves flushed, arrivals taken, scheduling, execute, the
+# whole step).
+STEP_KEYS = ("ttft_ms", "add_request_ms", "flush_ms", "add_ms", "schedule_ms", "execute_ms",
+             "step_ms", "steps")
 LOOKUP = "lookup-after-prefill"
 
 
@@ -76,6 +81,7 @@ class _Arm:
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         started = time.perf_counter()
         engine.add_request(tag, prompt, params)
+        added = time.perf_counter()
         steps = 0
         while True:
             outputs = engine.step()
@@ -85,8 +91,11 @@ class _Arm:
                 timing = engine.last_step
                 engine.flush_offload()  # as the server does once the outputs are out
                 cached = next(o.num_cached_tokens for o in outputs if o.request_id == tag)
-                return {"ttft_ms": ttft * 1e3, "schedule_ms": timing.schedule_s * 1e3,
-                        "execute_ms": timing.execute_s * 1e3, "steps": steps,
+                return {"ttft_ms": ttft * 1e3, "add_request_ms": (added - started) * 1e3,
+                        "flush_ms": timing.flush_s * 1e3,
+                        "add_ms": timing.add_s * 1e3, "schedule_ms": timing.schedule_s * 1e3,
+                        "execute_ms": timing.execute_s * 1e3, "step_ms": timing.total_s * 1e3,
+                        "steps": steps,
                         "cached_tokens": cached}
 
     def time_lookup(self, tag: str, prompt: list[int]) -> dict:
@@ -181,7 +190,7 @@ def measure(args: argparse.Namespace, configs: list[str]) -> dict:
         for arm in arms:
             out[arm.name] = {
                 scenario: {key: _stats([s[key] for s in arm.samples[scenario]])
-                           for key in ("ttft_ms", "schedule_ms", "execute_ms", "steps")}
+                           for key in STEP_KEYS}
                 for scenario in SCENARIOS}
             if LOOKUP in arm.samples:
                 looks = arm.samples[LOOKUP]
@@ -236,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"(mean {s['ttft_ms']['mean']:7.2f}, {ratio:.3f}x off)  schedule p50 "
                   f"{s['schedule_ms']['median']:6.2f}  execute p50 "
                   f"{s['execute_ms']['median']:7.2f} (mean {s['execute_ms']['mean']:7.2f})  "
-                  f"steps {s['steps']['median']:.0f}", flush=True)
+                  f"steps {s['steps']['median']:.0f}; p50 add_request "
+                  f"{s['add_request_ms']['median']:.2f} flush {s['flush_ms']['median']:.2f} "
+                  f"take {s['add_ms']['median']:.2f} step {s['step_ms']['median']:.2f}",
+                  flush=True)
     for name in configs:
         look = points[name].get(LOOKUP)
         if look is not None:
