@@ -45,15 +45,19 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ table, long l
 // is just the block ids (int64[num_blocks], may live in mapped pinned memory): a launch does not
 // need a run per piece (vLLM's layout: 72 per block). CTA b copies part b % blocks_per_piece of
 // piece b / blocks_per_piece (piece p: block p / R, region p % R), as copy_runs does.
+// slots (int64[num_blocks], or null): block j goes to packed position slots[j] instead of j (a
+// staging buffer whose free slots are not consecutive).
 extern "C" __global__ void copy_pieces(const long long* __restrict__ regions, int num_regions,
-                                       const long long* __restrict__ blocks, char* packed,
+                                       const long long* __restrict__ blocks,
+                                       const long long* __restrict__ slots, char* packed,
                                        long long block_bytes, int blocks_per_piece, int pack) {
     const long long piece = blockIdx.x / blocks_per_piece;
     const int part = blockIdx.x % blocks_per_piece;
     const long long j = piece / num_regions;
     const int r = (int)(piece % num_regions);
+    const long long at = slots ? slots[j] : j;
     char* engine = reinterpret_cast<char*>(regions[r] + blocks[j] * regions[num_regions + r]);
-    char* host_side = packed + j * block_bytes + regions[3 * num_regions + r];
+    char* host_side = packed + at * block_bytes + regions[3 * num_regions + r];
     const uint4* src = reinterpret_cast<const uint4*>(pack ? engine : host_side);
     uint4* dst = reinterpret_cast<uint4*>(pack ? host_side : engine);
     const long long num_words = regions[2 * num_regions + r] / 16;

@@ -121,11 +121,13 @@ def region_table(device_base: np.ndarray, device_stride: np.ndarray, piece_bytes
 
 def launch_pieces(regions_ptr: int, num_regions: int, block_ids_ptr: int, num_blocks: int,
                   packed_ptr: int, block_bytes: int, max_piece_bytes: int, pack: bool,
-                  stream, unroll: int | None = None) -> None:
+                  stream, unroll: int | None = None, slots_ptr: int = 0) -> None:
     """Launch ``copy_pieces`` on ``stream``: ``num_blocks`` blocks (int64 ids at
     ``block_ids_ptr``, device readable) between the engine and ``packed_ptr`` (``block_bytes``
     a block, 16-byte aligned); ``pack``: engine -> packed. The region table at ``regions_ptr``
-    is a device copy of a ``region_table``. Asynchronous, like ``launch_table``."""
+    is a device copy of a ``region_table``. ``slots_ptr`` (0: none): int64 packed positions,
+    one per block, device readable (block ``j`` at ``packed_ptr + slots[j] * block_bytes``
+    instead of ``j * block_bytes``). Asynchronous, like ``launch_table``."""
     if num_blocks <= 0:
         return
     if block_bytes % 16 or packed_ptr % 16:
@@ -139,20 +141,22 @@ def launch_pieces(regions_ptr: int, num_regions: int, block_ids_ptr: int, num_bl
     kernel("block_copy", "copy_pieces", UNROLL=unroll)(
         (num_blocks * num_regions * blocks_per_piece,), (THREADS,),
         (np.uint64(regions_ptr), np.int32(num_regions), np.uint64(block_ids_ptr),
-         np.uint64(packed_ptr), np.int64(block_bytes), np.int32(blocks_per_piece),
+         np.uint64(slots_ptr), np.uint64(packed_ptr), np.int64(block_bytes),
+         np.int32(blocks_per_piece),
          np.int32(1 if pack else 0)), stream=stream)
 
 
 def copy_pieces_reference(memory: np.ndarray, regions: np.ndarray,
                           block_ids: Sequence[int], packed_offset: int, block_bytes: int,
-                          pack: bool) -> None:
+                          pack: bool, slots: Sequence[int] | None = None) -> None:
     """NumPy reference of ``copy_pieces`` inside one flat uint8 ``memory``: the region table's
-    addresses and ``packed_offset`` are offsets into it."""
+    addresses and ``packed_offset`` are offsets into it; ``slots`` as the launch's."""
     base, stride, size, offset = (regions[i] for i in range(4))
     for j, block in enumerate(block_ids):
+        at = j if slots is None else int(slots[j])
         for r in range(regions.shape[1]):
             engine = int(base[r] + block * stride[r])
-            packed = int(packed_offset + j * block_bytes + offset[r])
+            packed = int(packed_offset + at * block_bytes + offset[r])
             n = int(size[r])
             if pack:
                 memory[packed:packed + n] = memory[engine:engine + n]

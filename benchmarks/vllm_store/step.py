@@ -20,8 +20,11 @@ copy's bandwidth.
 measured as its own mode (``daemon`` is the shipped default, whose saves stay on the copy
 engines: vLLM's 32 KiB pieces in one driver batch): ``save_kernels`` lets saves pack on the GPU
 as loads do (the default before 2026-11-29), ``dma_only`` also keeps loads off kernels,
-``memcpy_small`` a ``cudaMemcpyAsync`` per piece. A daemon's kernels run in their own CUDA
-context, which the GPU time-slices against the step's; copy engines work beside it.
+``memcpy_small`` a ``cudaMemcpyAsync`` per piece, ``staged`` the default daemon with the
+connector's device staging (``--staging-blocks`` slots: the worker packs each save's pieces into
+whole blocks on its stream, behind the step, and the daemon moves whole blocks). A daemon's
+kernels run in their own CUDA context, which the GPU time-slices against the step's; copy
+engines work beside it.
 
     python -m benchmarks.vllm_store.step [--steps 30] [--warmup 5] [--tokens 2048] [--out DIR]
                                    [--modes daemon,engine] [--daemon-variants default,save_kernels]
@@ -50,7 +53,10 @@ HIDDEN, INTERMEDIATE, Q_DIM, KV_DIM = 2560, 9728, 4096, 1024  # Qwen3-4B
 _NEVER_PACKED = ["--copy-packed-min-pieces", "1000000"]
 DAEMON_VARIANTS = {"default": [], "save_kernels": ["--copy-save-kernels"],
                    "dma_only": [*_NEVER_PACKED, "--copy-small-runs", "batch"],
-                   "memcpy_small": [*_NEVER_PACKED, "--copy-small-runs", "memcpy"]}
+                   "memcpy_small": [*_NEVER_PACKED, "--copy-small-runs", "memcpy"],
+                   "staged": []}
+# Variants whose connector packs through device staging (``--staging-blocks`` slots).
+STAGED_VARIANTS = {"staged"}
 
 
 class Step:
@@ -147,7 +153,9 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
     dram = int(step_bytes * (args.warmup + args.steps) * 1.1) + (1 << 30)
     proc, socket_path = start_store(str(dram), flags=DAEMON_VARIANTS[variant])
     try:
-        mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {})
+        staging = args.staging_blocks if variant in STAGED_VARIANTS else 0
+        mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {},
+                           device_staging_slots=staging)
         worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
                             retry_interval_s=1.0)
         if not worker.connect(wait_s=60.0):
@@ -156,7 +164,8 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
         times = _timed(torch, step, pick, worker, plan_for, args.steps)
         worker.drain(120.0)
         saved = worker.counters["blocks_saved"]
-        failed = worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
+        failed = (worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
+                  + worker.counters["blocks_save_skipped_no_room"])
         worker.close()
         return times, (saved, failed)
     finally:
@@ -171,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--modes", default="daemon,engine",
                         help="daemon (the connector's saves), engine (the engine's own copies)")
+    parser.add_argument("--staging-blocks", type=int, default=512,
+                        help="device staging slots of the staged variant")
     parser.add_argument("--daemon-variants", default="default",
                         type=names_arg(DAEMON_VARIANTS),
                         help="comma-separated: " + ", ".join(DAEMON_VARIANTS))

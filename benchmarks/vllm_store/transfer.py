@@ -17,7 +17,9 @@ Variants, each a daemon started with other ``kvstore serve --copy-*`` options: `
 shipped: blocks packed on the GPU by ``copy_pieces`` from a table of block ids into a staging
 buffer that crosses the bus a run per block or fewer), ``runs`` (the same staging, gathered by
 ``copy_runs`` from a run per piece), ``kernel`` (one ``copy_runs`` launch reading or writing the
-mapped pinned pool directly) and ``chunk64`` (the default with 64 MiB chunks and staging slots).
+mapped pinned pool directly), ``chunk64`` (the default with 64 MiB chunks and staging slots) and
+``staged`` (the default daemon, the connector's device staging: the worker packs the pieces into
+whole blocks in its own device memory on its stream, the daemon moves whole blocks).
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ _VARIANTS = {"default": [],  # loads packed on the GPU, saves one driver batch o
              "save_kernels": ["--copy-save-kernels"],  # saves packed too
              "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED, "--copy-save-kernels"],
              "runs": _NEVER_PACKED,
-             "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"]}
+             "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
+             "staged": []}
+# Variants whose connector goes through device staging (the worker packs, the daemon moves
+# whole blocks): room for one whole save and one whole load.
+_STAGED = {"staged"}
 
 
 def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # CPU: staging room for one whole save and one whole load.
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
-                               2 * num_blocks, {})
+                               2 * num_blocks, {}, device_staging_slots=2 * num_blocks
+                               if cuda and variant in _STAGED else 0)
             if args.save_request_blocks is not None:
                 mover.max_save_blocks = args.save_request_blocks
             worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,
@@ -242,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     t2 = time.perf_counter()
                     worker.start(StepPlan(loads=[t]))
                     failed = _wait_load(worker, t.request_id)
+                    if cuda:  # a staged load is in the engine's blocks once its scatter ran
+                        torch.cuda.current_stream().synchronize()
                     t3 = time.perf_counter()
                     client_epochs.append({"blocks": n, "save": (e0, e1), "load": (e2, time.time())})
                     if failed:

@@ -24,6 +24,14 @@ _COUNTER = {SaveOutcome.SAVED: "blocks_saved", SaveOutcome.DUPLICATE: "blocks_sa
             SaveOutcome.FAILED: "blocks_save_failed"}
 
 
+def _both(first: Callable[[], bool] | None,
+          second: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """Ready once both are (None: no condition)."""
+    if first is None or second is None:
+        return first or second
+    return lambda: first() and second()
+
+
 class Saver:
     """Owns the saves of one engine's store client, pinned or in flight (step thread only)."""
 
@@ -39,8 +47,8 @@ class Saver:
     def pin(self, namespace: bytes, block_ids: list[int], hashes: list[bytes],
             idents: list[bytes], ready: Callable[[], bool] | None = None) -> SaveJob | None:
         """Have the site hold ``block_ids`` for a save (sent by ``send_pinned`` once
-        ``ready``); None if the store is unavailable or the site has no room (counted, the
-        blocks are not saved)."""
+        ``ready`` and the slots' own ``ready``); None if the store is unavailable or the site
+        has no room (counted, the blocks are not saved)."""
         if not len(block_ids) == len(hashes) == len(idents):
             raise ValueError(f"{len(block_ids)} block ids, {len(hashes)} hashes, "
                              f"{len(idents)} idents")
@@ -52,7 +60,8 @@ class Saver:
         if slots is None:
             self.counters["blocks_save_skipped_no_room"] += len(block_ids)
             return None
-        job = SaveJob(namespace, list(hashes), list(idents), slots, epoch, ready=ready)
+        job = SaveJob(namespace, list(hashes), list(idents), slots, epoch,
+                      ready=_both(ready, slots.ready))
         self.pinned.append(job)
         return job
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,10 +11,13 @@ from typing import Any
 @dataclass
 class Slots:
     """Daemon-side block ids lent to one transfer, and the memory they belong to (a site that
-    makes new memory per registration, as vLLM's staging buffer, tells them apart by it)."""
+    makes new memory per registration, as vLLM's staging buffer, tells them apart by it).
+    ``ready``: for slots a save's blocks are still being copied into on the device (vLLM's
+    device staging), whether that copy has completed; None: complete when lent."""
 
     block_ids: list[int]
     memory: Any = None
+    ready: Callable[[], bool] | None = None
 
 
 class Reservation(enum.Enum):

@@ -254,7 +254,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         config = self._kv_transfer_config
         num_slots = (self.settings.load_blocks * config.is_kv_consumer
                      + self.settings.save_blocks * config.is_kv_producer)
-        return make_mover(names, tensors, self._num_blocks, num_slots, meta)
+        return make_mover(names, tensors, self._num_blocks, num_slots, meta,
+                          device_staging_slots=self.settings.device_staging_blocks or 0)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

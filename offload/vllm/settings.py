@@ -44,6 +44,11 @@ class ConnectorSettings:
     register_timeout_s: float = 30.0  # a (re)registration's deadline; made off vLLM's steps
     load_blocks: int = 64  # staging room for loads (CPU) and the budget of blocks loading
     save_blocks: int = 64  # staging room for saves (CPU); a save that does not fit is skipped
+    # GPU: whole-block slots of staging in device memory (None: the daemon reads and writes the
+    # engine's pieces in place). The worker packs a save's pieces into slots on its stream and
+    # the daemon moves whole blocks; a load lands in slots and is scattered. A save that finds no
+    # free slot is skipped (counted); a load waits for room (bounded by load_timeout_s).
+    device_staging_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "retry_interval_s",

@@ -49,8 +49,9 @@ def _layers(seed: int | None, heads_major: bool = False) -> list:
     return out
 
 
-def _instance(socket_path, layers):
-    mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, 1, {})
+def _instance(socket_path, layers, staging_slots: int = 0):
+    mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, 1, {},
+                       device_staging_slots=staging_slots)
     worker = WorkerSide(socket_path, mover, "vllm-gpu-test", 30.0, 30.0, retry_interval_s=1.0)
     # The daemon's first CUDA registration sets up its copier: allow it time.
     assert worker.connect(wait_s=60.0), "could not register the CUDA tensors with the daemon"
@@ -63,12 +64,24 @@ def _block(layers, block_id: int) -> list:
     return [t[:, block_id].contiguous() for t in layers]
 
 
-@pytest.mark.parametrize("heads_major", [False, True], ids=["NHD", "HND"])
-def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool) -> None:
+STAGING_SLOTS = 48  # device staging: room for one 40-block save or load
+
+
+@pytest.mark.parametrize(("heads_major", "a_staged", "b_staged"), [
+    (False, False, False), (True, False, False), (False, True, True), (True, True, True),
+    (False, True, False), (False, False, True)],
+    ids=["NHD", "HND", "NHD-staged", "HND-staged", "NHD-staged-save-direct-load",
+         "NHD-direct-save-staged-load"])
+def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool, a_staged: bool,
+                                                   b_staged: bool) -> None:
+    """Saved by one instance, loaded by another, whichever way each moves its blocks (the
+    daemon reading the pieces in place, or the worker packing them in device staging): a
+    block's bytes are the same either way."""
     daemon = start_daemon(tmp_path, dram="512MiB", http=False)
     try:
         a_layers, b_layers = _layers(1, heads_major), _layers(None, heads_major)
-        a_sched, a_worker = _instance(daemon.socket_path, a_layers)
+        a_sched, a_worker = _instance(daemon.socket_path, a_layers,
+                                      STAGING_SLOTS if a_staged else 0)
         num_blocks = 40
         tokens = [random.Random(3).randrange(10, 5000) for _ in range(num_blocks * BLOCK_SIZE + 1)]
         a_ids = random.Random(1).sample(range(NUM_BLOCKS), num_blocks + 1)
@@ -83,7 +96,8 @@ def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool) 
         # both instances' tensors in one cudaMalloc segment, and a CUDA IPC handle is registered
         # once while its registration lives (possession, issue 32).
         a_worker.close()
-        b_sched, b_worker = _instance(daemon.socket_path, b_layers)
+        b_sched, b_worker = _instance(daemon.socket_path, b_layers,
+                                      STAGING_SLOTS if b_staged else 0)
 
         n = b_sched.match("r", tokens, 0, None, None)
         assert n == num_blocks * BLOCK_SIZE
@@ -103,6 +117,13 @@ def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool) 
         untouched = sorted(set(range(NUM_BLOCKS)) - set(b_ids[:num_blocks]))
         for t in b_layers:
             assert not bool((t[:, untouched].view(torch.int16) != 0).any())
+        for worker in (a_worker, b_worker):  # every slot lent came back
+            staging = getattr(worker.mover, "staging", None)
+            if staging is not None:
+                deadline = time.monotonic() + 5.0
+                while staging.num_free < STAGING_SLOTS and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert staging.num_free == STAGING_SLOTS
         a_worker.close()
         b_worker.close()
     finally:

@@ -276,7 +276,8 @@ def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
 
 def test_copy_pieces_matches_its_numpy_reference() -> None:
     """The kernel against ``copy_pieces_reference`` on one flat buffer: odd piece sizes (all
-    multiples of 16), strides and offsets, pack then unpack into other blocks."""
+    multiples of 16), strides and offsets, pack then unpack into other blocks, in order and
+    into or out of named packed slots."""
     import cupy as cp
 
     from kernels.block_copy import copy_pieces_reference, launch_pieces, region_table
@@ -295,13 +296,16 @@ def test_copy_pieces_matches_its_numpy_reference() -> None:
     regions = cp.asarray(table)
     cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
-    for ids, pack in (([7, 2, 5, 0, 8], True), ([1, 3, 6, 4, 2], False)):
+    for ids, pack, slots in (([7, 2, 5, 0, 8], True, None), ([1, 3, 6, 4, 2], False, None),
+                             ([4, 1, 8], True, [3, 0, 4]), ([0, 6, 2], False, [4, 2, 1])):
         want = cp.asnumpy(dev)
         copy_pieces_reference(want, region_table(base, strides, sizes, offsets), ids, packed_at,
-                              block_bytes, pack)
+                              block_bytes, pack, slots)
         ids_dev = cp.asarray(np.array(ids, dtype=np.int64))
+        slots_dev = None if slots is None else cp.asarray(np.array(slots, dtype=np.int64))
         cp.cuda.Device().synchronize()  # uploaded on CuPy's stream, launched on another
         launch_pieces(regions.data.ptr, len(sizes), ids_dev.data.ptr, len(ids),
-                      dev.data.ptr + packed_at, block_bytes, int(sizes.max()), pack, stream)
+                      dev.data.ptr + packed_at, block_bytes, int(sizes.max()), pack, stream,
+                      slots_ptr=0 if slots_dev is None else slots_dev.data.ptr)
         stream.synchronize()
-        assert np.array_equal(cp.asnumpy(dev), want), f"pack={pack}"
+        assert np.array_equal(cp.asnumpy(dev), want), f"pack={pack} slots={slots}"

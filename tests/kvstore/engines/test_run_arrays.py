@@ -199,6 +199,34 @@ def test_packed_pieces_move_the_same_bytes_as_the_direct_runs(name: str) -> None
     assert np.array_equal(memory, want)
 
 
+def test_packed_slots_name_where_each_block_goes() -> None:
+    """With ``slots``, block ``j`` is packed at slot ``slots[j]`` (and unpacked from it): the
+    same bytes as packing in order into a buffer and moving each block to its slot."""
+    from kernels.block_copy import copy_pieces_reference, region_table
+
+    layout, table, device_bytes = _flat_table("vllm", num_blocks=9)
+    regions = region_table(table.device_base, table.device_stride, table.piece_bytes,
+                           table.host_offset)
+    ids, slots, bb = [7, 2, 5], [4, 0, 2], layout.block_bytes
+    memory = np.random.default_rng(8).integers(0, 256, device_bytes + 5 * bb, dtype=np.uint8)
+    in_order = memory.copy()
+    copy_pieces_reference(in_order, regions, ids, device_bytes, bb, pack=True)
+    copy_pieces_reference(memory, regions, ids, device_bytes, bb, pack=True, slots=slots)
+    for j, slot in enumerate(slots):
+        got = memory[device_bytes + slot * bb:device_bytes + (slot + 1) * bb]
+        assert np.array_equal(got, in_order[device_bytes + j * bb:device_bytes + (j + 1) * bb])
+
+    targets = [1, 8, 3]
+    want = memory.copy()
+    for j, slot in enumerate(slots):  # unpacking slot s into block t = the in-order unpack
+        want[device_bytes + j * bb:device_bytes + (j + 1) * bb] = \
+            memory[device_bytes + slot * bb:device_bytes + (slot + 1) * bb]
+    copy_pieces_reference(want, regions, targets, device_bytes, bb, pack=False)
+    copy_pieces_reference(memory, regions, targets, device_bytes, bb, pack=False, slots=slots)
+    engine = slice(0, device_bytes)
+    assert np.array_equal(memory[engine], want[engine])
+
+
 def test_region_table_refuses_unaligned_or_empty_pieces() -> None:
     from kernels.block_copy import region_table
 

@@ -1,0 +1,127 @@
+"""A staging buffer in the engine's own device memory: vLLM's many small pieces packed there.
+
+vLLM's flash-attention layout splits a 2.36 MB block into 72 pieces of 32 KiB (K and V of each
+layer). The daemon copying them itself moves them as 72 small DMA runs a block (a third of the
+bus at 64 blocks), or packs them with a kernel in its own CUDA context, which time-slices against
+the engine's step. Here the worker packs a save's blocks into whole-block slots with one
+``copy_pieces`` launch on its own current stream (behind the step that computed them; one
+context, no time-slicing), and the daemon moves each slot as one run; a load lands in slots and
+one launch scatters them into the engine's blocks, queued before the engine's next forward on
+the same stream.
+
+The buffer is one torch allocation registered with the daemon by CUDA IPC as a one-region,
+block-major layout (slot ``i`` is block ``i``). Slots are taken and given back explicitly; a
+slot given back while a launch that reads or writes it may still run on the device goes back to
+the free list only once an event recorded after that launch has completed. CuPy launches the
+kernel (the project's ``cuda12``/``cuda13`` extra), on torch's stream.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kernels.block_copy import launch_pieces, region_table
+from kvstore.layout import KVLayout, Region
+from offload.external.ipc_handle import cuda_ipc_handle
+
+
+class DeviceStaging:
+    """``num_slots`` whole blocks of ``block_bytes`` on ``device`` (torch's), packed from and
+    scattered to the engine's pieces, whose absolute device addresses of block 0, strides and
+    sizes (in a block's byte order) are ``piece_base``, ``piece_stride``, ``piece_bytes``."""
+
+    def __init__(self, num_slots: int, piece_base: Sequence[int], piece_stride: Sequence[int],
+                 piece_bytes: Sequence[int], device: Any) -> None:
+        import cupy
+        import torch
+
+        if num_slots <= 0:
+            raise ValueError("a staging buffer needs at least one slot")
+        sizes = np.asarray(piece_bytes, dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        table = region_table(piece_base, piece_stride, sizes, offsets)  # ValueError: unaligned
+        self.num_slots = num_slots
+        self.block_bytes = int(sizes.sum())
+        self.max_piece_bytes = int(sizes.max())
+        self.num_regions = len(sizes)
+        self._torch, self._cupy = torch, cupy
+        self.device = torch.device(device)
+        self.buffer = torch.empty(num_slots * self.block_bytes, dtype=torch.uint8,
+                                  device=self.device)
+        self.handle, self.offset = cuda_ipc_handle(int(self.buffer.data_ptr()))
+        with cupy.cuda.Device(self.device.index or 0):
+            self._regions = cupy.asarray(table)
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._returning: deque[tuple[Any, list[int]]] = deque()  # (event, slots), in order
+
+    def layout(self, dtype: str, meta: dict) -> KVLayout:
+        """The registration: one region over the buffer, slot ``i`` at ``i * block_bytes``."""
+        size = self.num_slots * self.block_bytes
+        region = Region(handle=self.handle, size_bytes=self.offset + size, offset=self.offset,
+                        block_stride=self.block_bytes, block_bytes=self.block_bytes)
+        return KVLayout(num_blocks=self.num_slots, regions=(region,),
+                        device=f"cuda:{self.device.index or 0}", dtype=dtype, meta=meta)
+
+    @property
+    def num_free(self) -> int:
+        """Slots free now (those whose last launch has not completed yet not counted)."""
+        self._reclaim()
+        return len(self._free)
+
+    def take(self, num_slots: int) -> list[int] | None:
+        """``num_slots`` free slots, or None when fewer are free (nothing taken)."""
+        self._reclaim()
+        if num_slots > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(num_slots)]
+
+    def give_back(self, slots: list[int]) -> None:
+        """The slots are free once every launch queued on the current stream so far (one that
+        reads or writes them included) has completed."""
+        if slots:
+            self._returning.append((self._record(), list(slots)))
+
+    def pack(self, block_ids: Sequence[int], slots: Sequence[int]) -> Callable[[], bool]:
+        """Queue, on torch's current stream, the copy of the engine's ``block_ids`` into
+        ``slots``; returns whether it (and everything queued before it) has completed."""
+        event = self._launch(block_ids, slots, pack=True)
+        return event.query
+
+    def unpack(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Queue, on torch's current stream, the copy of ``slots`` into the engine's
+        ``block_ids``: a forward queued after it on that stream reads the blocks."""
+        self._launch(block_ids, slots, pack=False)
+
+    def _launch(self, block_ids: Sequence[int], slots: Sequence[int], pack: bool) -> Any:
+        if len(block_ids) != len(slots):
+            raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
+        if any(not 0 <= s < self.num_slots for s in slots):
+            raise ValueError(f"a slot outside 0..{self.num_slots - 1}")
+        cupy, torch = self._cupy, self._torch
+        stream = torch.cuda.current_stream(self.device)
+        if len(block_ids):
+            ids = np.empty((2, len(block_ids)), dtype=np.int64)
+            ids[0], ids[1] = block_ids, slots
+            with cupy.cuda.Device(self.device.index or 0):
+                on = cupy.cuda.ExternalStream(int(stream.cuda_stream), self.device.index or 0)
+                with on:
+                    table = cupy.asarray(ids)  # stream-ordered: freed after the launch ran
+                    launch_pieces(int(self._regions.data.ptr), self.num_regions,
+                                  int(table.data.ptr), len(block_ids),
+                                  int(self.buffer.data_ptr()), self.block_bytes,
+                                  self.max_piece_bytes, pack, on,
+                                  slots_ptr=int(table.data.ptr) + 8 * len(block_ids))
+        return self._record()
+
+    def _record(self) -> Any:
+        event = self._torch.cuda.Event()
+        event.record(self._torch.cuda.current_stream(self.device))
+        return event
+
+    def _reclaim(self) -> None:
+        while self._returning and self._returning[0][0].query():
+            self._free.extend(self._returning.popleft()[1])
