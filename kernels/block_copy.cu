@@ -46,30 +46,37 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ table, long l
 // need a run per piece (vLLM's layout: 72 per block). CTA b copies part b % blocks_per_piece of
 // piece b / blocks_per_piece (piece p: block p / R, region p % R), as copy_runs does.
 // slots (int64[num_blocks], or null): block j goes to packed position slots[j] instead of j (a
-// staging buffer whose free slots are not consecutive).
+// staging buffer whose free slots are not consecutive). A grid of fewer than num_pieces *
+// blocks_per_piece CTAs (a whole multiple of blocks_per_piece) loops over the pieces: a pack
+// beside an engine's compute takes a few SMs, not all of them.
 extern "C" __global__ void copy_pieces(const long long* __restrict__ regions, int num_regions,
                                        const long long* __restrict__ blocks,
                                        const long long* __restrict__ slots, char* packed,
-                                       long long block_bytes, int blocks_per_piece, int pack) {
-    const long long piece = blockIdx.x / blocks_per_piece;
+                                       long long block_bytes, int blocks_per_piece, int pack,
+                                       long long num_pieces) {
     const int part = blockIdx.x % blocks_per_piece;
-    const long long j = piece / num_regions;
-    const int r = (int)(piece % num_regions);
-    const long long at = slots ? slots[j] : j;
-    char* engine = reinterpret_cast<char*>(regions[r] + blocks[j] * regions[num_regions + r]);
-    char* host_side = packed + at * block_bytes + regions[3 * num_regions + r];
-    const uint4* src = reinterpret_cast<const uint4*>(pack ? engine : host_side);
-    uint4* dst = reinterpret_cast<uint4*>(pack ? host_side : engine);
-    const long long num_words = regions[2 * num_regions + r] / 16;
-    const long long stride = (long long)blocks_per_piece * blockDim.x;
-    long long i = (long long)part * blockDim.x + threadIdx.x;
-    for (; i < num_words; i += UNROLL * stride) {
-        uint4 v[UNROLL];
+    const long long pieces_per_pass = gridDim.x / blocks_per_piece;
+    // A grid smaller than num_pieces * blocks_per_piece (a capped launch) loops over pieces.
+    for (long long piece = blockIdx.x / blocks_per_piece; piece < num_pieces;
+         piece += pieces_per_pass) {
+        const long long j = piece / num_regions;
+        const int r = (int)(piece % num_regions);
+        const long long at = slots ? slots[j] : j;
+        char* engine = reinterpret_cast<char*>(regions[r] + blocks[j] * regions[num_regions + r]);
+        char* host_side = packed + at * block_bytes + regions[3 * num_regions + r];
+        const uint4* src = reinterpret_cast<const uint4*>(pack ? engine : host_side);
+        uint4* dst = reinterpret_cast<uint4*>(pack ? host_side : engine);
+        const long long num_words = regions[2 * num_regions + r] / 16;
+        const long long stride = (long long)blocks_per_piece * blockDim.x;
+        long long i = (long long)part * blockDim.x + threadIdx.x;
+        for (; i < num_words; i += UNROLL * stride) {
+            uint4 v[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (i + u * stride < num_words) v[u] = src[i + u * stride];
+            for (int u = 0; u < UNROLL; ++u)
+                if (i + u * stride < num_words) v[u] = src[i + u * stride];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (i + u * stride < num_words) dst[i + u * stride] = v[u];
+            for (int u = 0; u < UNROLL; ++u)
+                if (i + u * stride < num_words) dst[i + u * stride] = v[u];
+        }
     }
 }

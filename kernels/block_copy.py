@@ -121,29 +121,36 @@ def region_table(device_base: np.ndarray, device_stride: np.ndarray, piece_bytes
 
 def launch_pieces(regions_ptr: int, num_regions: int, block_ids_ptr: int, num_blocks: int,
                   packed_ptr: int, block_bytes: int, max_piece_bytes: int, pack: bool,
-                  stream, unroll: int | None = None, slots_ptr: int = 0) -> None:
+                  stream, unroll: int | None = None, slots_ptr: int = 0,
+                  max_ctas: int | None = None) -> None:
     """Launch ``copy_pieces`` on ``stream``: ``num_blocks`` blocks (int64 ids at
     ``block_ids_ptr``, device readable) between the engine and ``packed_ptr`` (``block_bytes``
     a block, 16-byte aligned); ``pack``: engine -> packed. The region table at ``regions_ptr``
     is a device copy of a ``region_table``. ``slots_ptr`` (0: none): int64 packed positions,
     one per block, device readable (block ``j`` at ``packed_ptr + slots[j] * block_bytes``
-    instead of ``j * block_bytes``). Asynchronous, like ``launch_table``."""
+    instead of ``j * block_bytes``). ``max_ctas``: at most that many CTAs (rounded down to
+    whole pieces' worth, at least one piece's), each looping over pieces: a copy that shares
+    the device with an engine's compute. Asynchronous, like ``launch_table``."""
     if num_blocks <= 0:
         return
     if block_bytes % 16 or packed_ptr % 16:
         raise ValueError("a packed buffer needs 16-byte aligned blocks")
     unroll = UNROLL if unroll is None else unroll
     blocks_per_piece = blocks_per_run_for(max_piece_bytes, unroll)
-    if num_blocks * num_regions * blocks_per_piece > _MAX_GRID:
+    num_pieces = num_blocks * num_regions
+    grid = num_pieces * blocks_per_piece
+    if max_ctas is not None:
+        grid = min(grid, max(1, max_ctas // blocks_per_piece) * blocks_per_piece)
+    if grid > _MAX_GRID:
         raise ValueError(f"{num_blocks} blocks x {num_regions} pieces is no launchable grid")
     from kernels.cuda_module import kernel  # lazily: it needs ml_dtypes, the daemon does not
 
     kernel("block_copy", "copy_pieces", UNROLL=unroll)(
-        (num_blocks * num_regions * blocks_per_piece,), (THREADS,),
+        (grid,), (THREADS,),
         (np.uint64(regions_ptr), np.int32(num_regions), np.uint64(block_ids_ptr),
          np.uint64(slots_ptr), np.uint64(packed_ptr), np.int64(block_bytes),
-         np.int32(blocks_per_piece),
-         np.int32(1 if pack else 0)), stream=stream)
+         np.int32(blocks_per_piece), np.int32(1 if pack else 0), np.int64(num_pieces)),
+        stream=stream)
 
 
 def copy_pieces_reference(memory: np.ndarray, regions: np.ndarray,

@@ -28,6 +28,10 @@ from kernels.block_copy import launch_pieces, region_table
 from kvstore.layout import KVLayout, Region
 from offload.external.ipc_handle import cuda_ipc_handle
 
+# A save's pack runs beside the engine's compute in at most this many CTAs (256 threads each):
+# enough to move a few hundred GB/s, several times what the bus that follows takes.
+PACK_CTAS = 32
+
 
 class DeviceStaging:
     """``num_slots`` whole blocks of ``block_bytes`` on ``device`` (torch's), packed from and
@@ -55,6 +59,9 @@ class DeviceStaging:
         self.handle, self.offset = cuda_ipc_handle(int(self.buffer.data_ptr()))
         with cupy.cuda.Device(self.device.index or 0):
             self._regions = cupy.asarray(table)
+        # Saves pack on a stream of their own, at CUDA's lowest priority (0, the default's: an
+        # engine that raises its compute streams' priority keeps it ahead).
+        self._side = torch.cuda.Stream(device=self.device, priority=0)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._returning: deque[tuple[Any, list[int]]] = deque()  # (event, slots), in order
 
@@ -86,17 +93,26 @@ class DeviceStaging:
             self._returning.append((self._record(), list(slots)))
 
     def pack(self, block_ids: Sequence[int], slots: Sequence[int]) -> Callable[[], bool]:
-        """Queue, on torch's current stream, the copy of the engine's ``block_ids`` into
-        ``slots``; returns whether it (and everything queued before it) has completed."""
-        event = self._launch(block_ids, slots, pack=True)
+        """Queue the copy of the engine's ``block_ids`` into ``slots``, behind everything queued
+        on torch's current stream so far (the step that wrote them) but on a low-priority stream
+        of its own, in at most ``PACK_CTAS`` CTAs: it runs beside the next steps' compute
+        instead of in front of it, and needs only a few SMs to outrun the bus. Returns whether
+        it has completed."""
+        behind = self._record()
+        with self._torch.cuda.stream(self._side):
+            self._side.wait_event(behind)
+            event = self._launch(block_ids, slots, pack=True, max_ctas=PACK_CTAS)
         return event.query
 
     def unpack(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Queue, on torch's current stream, the copy of ``slots`` into the engine's
-        ``block_ids``: a forward queued after it on that stream reads the blocks."""
+        ``block_ids``, with the whole device: a forward queued after it on that stream reads
+        the blocks."""
         self._launch(block_ids, slots, pack=False)
 
-    def _launch(self, block_ids: Sequence[int], slots: Sequence[int], pack: bool) -> Any:
+    def _launch(self, block_ids: Sequence[int], slots: Sequence[int], pack: bool,
+                max_ctas: int | None = None) -> Any:
+        """Launch on torch's current stream; an event recorded after it."""
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
         if any(not 0 <= s < self.num_slots for s in slots):
@@ -114,7 +130,8 @@ class DeviceStaging:
                                   int(table.data.ptr), len(block_ids),
                                   int(self.buffer.data_ptr()), self.block_bytes,
                                   self.max_piece_bytes, pack, on,
-                                  slots_ptr=int(table.data.ptr) + 8 * len(block_ids))
+                                  slots_ptr=int(table.data.ptr) + 8 * len(block_ids),
+                                  max_ctas=max_ctas)
         return self._record()
 
     def _record(self) -> Any:

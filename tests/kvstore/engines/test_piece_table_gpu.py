@@ -277,7 +277,7 @@ def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
 def test_copy_pieces_matches_its_numpy_reference() -> None:
     """The kernel against ``copy_pieces_reference`` on one flat buffer: odd piece sizes (all
     multiples of 16), strides and offsets, pack then unpack into other blocks, in order and
-    into or out of named packed slots."""
+    into or out of named packed slots, with a whole grid and with a few CTAs looping."""
     import cupy as cp
 
     from kernels.block_copy import copy_pieces_reference, launch_pieces, region_table
@@ -296,8 +296,12 @@ def test_copy_pieces_matches_its_numpy_reference() -> None:
     regions = cp.asarray(table)
     cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
-    for ids, pack, slots in (([7, 2, 5, 0, 8], True, None), ([1, 3, 6, 4, 2], False, None),
-                             ([4, 1, 8], True, [3, 0, 4]), ([0, 6, 2], False, [4, 2, 1])):
+    for ids, pack, slots, ctas in (([7, 2, 5, 0, 8], True, None, None),
+                                   ([1, 3, 6, 4, 2], False, None, None),
+                                   ([4, 1, 8], True, [3, 0, 4], None),
+                                   ([0, 6, 2], False, [4, 2, 1], None),
+                                   ([5, 3, 7, 1], True, [1, 4, 0, 2], 2),  # CTAs loop
+                                   ([2, 8, 0, 6], False, [2, 0, 4, 1], 3)):
         want = cp.asnumpy(dev)
         copy_pieces_reference(want, region_table(base, strides, sizes, offsets), ids, packed_at,
                               block_bytes, pack, slots)
@@ -306,6 +310,6 @@ def test_copy_pieces_matches_its_numpy_reference() -> None:
         cp.cuda.Device().synchronize()  # uploaded on CuPy's stream, launched on another
         launch_pieces(regions.data.ptr, len(sizes), ids_dev.data.ptr, len(ids),
                       dev.data.ptr + packed_at, block_bytes, int(sizes.max()), pack, stream,
-                      slots_ptr=0 if slots_dev is None else slots_dev.data.ptr)
+                      slots_ptr=0 if slots_dev is None else slots_dev.data.ptr, max_ctas=ctas)
         stream.synchronize()
-        assert np.array_equal(cp.asnumpy(dev), want), f"pack={pack} slots={slots}"
+        assert np.array_equal(cp.asnumpy(dev), want), f"pack={pack} slots={slots} ctas={ctas}"
