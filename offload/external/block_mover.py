@@ -66,6 +66,11 @@ class BlockMover(BlockSite[BlockTransfer]):
         slots = self.slots_for(job.owner.block_ids[:job.num_hit], copy_out=False)
         return Reservation.WAIT if slots is None else slots
 
+    def reserve_ahead(self, owner: BlockTransfer, first_block: int,
+                      num_blocks: int) -> Slots | None:
+        return self.slots_for(owner.block_ids[first_block:first_block + num_blocks],
+                              copy_out=False)
+
     def land(self, job: RestoreJob[BlockTransfer], num_loaded: int) -> None:
         assert job.slots is not None
         self.copy_in(job.slots, job.owner.block_ids, num_loaded)

@@ -97,9 +97,18 @@ class WorkerSide:
     # ---------------------------------------------------------------------------------- loads
 
     def start(self, plan: StepPlan) -> None:
-        """Send the lookups of the plan's loads (non-blocking)."""
+        """Send the plan's loads (non-blocking): each a lookup the daemon loads at once into
+        slots the mover lends now (one round trip), or, where the mover has no room yet or
+        the daemon predates ``lookup_load``, a lookup whose hit is loaded once slots are
+        lent."""
+        ahead = self.client.daemon_knows("lookup_load")
         for t in plan.loads:
-            job = self.restorer.look_up(t, self._namespace(t.namespace), t.hashes, t.idents)
+            namespace = self._namespace(t.namespace)
+            if ahead and self.restorer.look_up_and_load(
+                    t, namespace, t.hashes, t.idents, 0, busy=True, min_blocks=1) is not None:
+                self.counters["loads_ahead"] += 1
+                continue  # tracked: ``poll`` advances it
+            job = self.restorer.look_up(t, namespace, t.hashes, t.idents)
             if self.restorer.start(job):  # ended at once (the store is hung)
                 self._report(job)
 
