@@ -146,6 +146,9 @@ def test_blocks_saved_by_one_instance_load_byte_exact_into_another(daemon, flash
         assert b.block(b_ids[i]) == a.block(a_ids[i])
     assert b.block(b_ids[10]) == bytes(len(a.block(0)))  # the partial block was not touched
     assert b.worker.counters["blocks_loaded"] == 10
+    # One round trip: the worker's lookup was loaded at once into slots lent ahead.
+    assert b.worker.counters["loads_ahead"] == 1
+    assert b.worker.client.counters["lookup_loads"] == 1
 
 
 def test_a_producer_only_saves_and_a_consumer_only_loads(daemon) -> None:
