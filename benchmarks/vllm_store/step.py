@@ -22,7 +22,8 @@ engines: vLLM's 32 KiB pieces in one driver batch): ``save_kernels`` lets saves 
 as loads do (the default before 2026-11-29), ``dma_only`` also keeps loads off kernels,
 ``memcpy_small`` a ``cudaMemcpyAsync`` per piece, ``staged`` the default daemon with the
 connector's device staging (``--staging-blocks`` slots: the worker packs each save's pieces into
-whole blocks on its stream, behind the step, and the daemon moves whole blocks). A daemon's
+whole blocks on a stream of its own behind the step, in at most 32 CTAs; ``staged_wide``: 128),
+and the daemon moves whole blocks). A daemon's
 kernels run in their own CUDA context, which the GPU time-slices against the step's; copy
 engines work beside it.
 
@@ -54,9 +55,10 @@ _NEVER_PACKED = ["--copy-packed-min-pieces", "1000000"]
 DAEMON_VARIANTS = {"default": [], "save_kernels": ["--copy-save-kernels"],
                    "dma_only": [*_NEVER_PACKED, "--copy-small-runs", "batch"],
                    "memcpy_small": [*_NEVER_PACKED, "--copy-small-runs", "memcpy"],
-                   "staged": []}
-# Variants whose connector packs through device staging (``--staging-blocks`` slots).
-STAGED_VARIANTS = {"staged"}
+                   "staged": [], "staged_wide": []}
+# Variants whose connector packs through device staging (``--staging-blocks`` slots), and the
+# CTAs its saves' packing may use (None: the connector's default, ``PACK_CTAS``).
+STAGED_VARIANTS = {"staged": None, "staged_wide": 128}
 
 
 class Step:
@@ -156,6 +158,8 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
         staging = args.staging_blocks if variant in STAGED_VARIANTS else 0
         mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {},
                            device_staging_slots=staging)
+        if STAGED_VARIANTS.get(variant):
+            mover.staging.pack_ctas = STAGED_VARIANTS[variant]
         worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
                             retry_interval_s=1.0)
         if not worker.connect(wait_s=60.0):

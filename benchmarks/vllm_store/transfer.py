@@ -19,7 +19,8 @@ buffer that crosses the bus a run per block or fewer), ``runs`` (the same stagin
 ``copy_runs`` from a run per piece), ``kernel`` (one ``copy_runs`` launch reading or writing the
 mapped pinned pool directly), ``chunk64`` (the default with 64 MiB chunks and staging slots) and
 ``staged`` (the default daemon, the connector's device staging: the worker packs the pieces into
-whole blocks in its own device memory on its stream, the daemon moves whole blocks).
+whole blocks in its own device memory, in at most 32 CTAs, ``staged_wide`` 128; the daemon
+moves whole blocks).
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ _VARIANTS = {"default": [],  # loads packed on the GPU, saves one driver batch o
              "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED, "--copy-save-kernels"],
              "runs": _NEVER_PACKED,
              "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
-             "staged": []}
+             "staged": [], "staged_wide": []}
 # Variants whose connector goes through device staging (the worker packs, the daemon moves
-# whole blocks): room for one whole save and one whole load.
-_STAGED = {"staged"}
+# whole blocks; room for one whole save and one whole load), and the CTAs a save's packing may
+# use (None: the connector's default).
+_STAGED = {"staged": None, "staged_wide": 128}
 
 
 def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
                                2 * num_blocks, {}, device_staging_slots=2 * num_blocks
                                if cuda and variant in _STAGED else 0)
+            if cuda and _STAGED.get(variant):
+                mover.staging.pack_ctas = _STAGED[variant]
             if args.save_request_blocks is not None:
                 mover.max_save_blocks = args.save_request_blocks
             worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,
