@@ -22,8 +22,8 @@ engines: vLLM's 32 KiB pieces in one driver batch): ``save_kernels`` lets saves 
 as loads do (the default before 2026-11-29), ``dma_only`` also keeps loads off kernels,
 ``memcpy_small`` a ``cudaMemcpyAsync`` per piece, ``staged`` the default daemon with the
 connector's device staging (``--staging-blocks`` slots: the worker packs each save's pieces into
-whole blocks on a stream of its own behind the step, in at most 32 CTAs; ``staged_wide``: 128),
-and the daemon moves whole blocks). A daemon's
+whole blocks on a stream of its own behind the step, in at most 128 CTAs; ``staged_narrow``:
+32), and the daemon moves whole blocks). A daemon's
 kernels run in their own CUDA context, which the GPU time-slices against the step's; copy
 engines work beside it.
 
@@ -55,10 +55,10 @@ _NEVER_PACKED = ["--copy-packed-min-pieces", "1000000"]
 DAEMON_VARIANTS = {"default": [], "save_kernels": ["--copy-save-kernels"],
                    "dma_only": [*_NEVER_PACKED, "--copy-small-runs", "batch"],
                    "memcpy_small": [*_NEVER_PACKED, "--copy-small-runs", "memcpy"],
-                   "staged": [], "staged_wide": []}
+                   "staged": [], "staged_narrow": []}
 # Variants whose connector packs through device staging (``--staging-blocks`` slots), and the
 # CTAs its saves' packing may use (None: the connector's default, ``PACK_CTAS``).
-STAGED_VARIANTS = {"staged": None, "staged_wide": 128}
+STAGED_VARIANTS = {"staged": None, "staged_narrow": 32}
 
 
 class Step:

@@ -19,7 +19,7 @@ buffer that crosses the bus a run per block or fewer), ``runs`` (the same stagin
 ``copy_runs`` from a run per piece), ``kernel`` (one ``copy_runs`` launch reading or writing the
 mapped pinned pool directly), ``chunk64`` (the default with 64 MiB chunks and staging slots) and
 ``staged`` (the default daemon, the connector's device staging: the worker packs the pieces into
-whole blocks in its own device memory, in at most 32 CTAs, ``staged_wide`` 128; the daemon
+whole blocks in its own device memory, in at most 128 CTAs, ``staged_narrow`` 32; the daemon
 moves whole blocks).
 """
 
@@ -52,11 +52,11 @@ _VARIANTS = {"default": [],  # loads packed on the GPU, saves one driver batch o
              "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED, "--copy-save-kernels"],
              "runs": _NEVER_PACKED,
              "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
-             "staged": [], "staged_wide": []}
+             "staged": [], "staged_narrow": []}
 # Variants whose connector goes through device staging (the worker packs, the daemon moves
 # whole blocks; room for one whole save and one whole load), and the CTAs a save's packing may
 # use (None: the connector's default).
-_STAGED = {"staged": None, "staged_wide": 128}
+_STAGED = {"staged": None, "staged_narrow": 32}
 
 
 def _raw_gbps(torch, nbytes: int, reps: int, device: str) -> tuple[float, float]:
