@@ -50,7 +50,9 @@ def test_the_mismatch_is_the_error_even_when_the_next_send_finds_the_socket_clos
     monkeypatch.setattr(wire_connection, "send_with_fds", late_send)
     with Client(daemon.socket_path) as c, pytest.raises(ProtocolMismatch) as info:
         c.stats()
-    assert len(sent) == 2 and "2.0" in str(info.value)
+    # Mostly the request goes out (two frames) into a socket the refusal then shut; on a busy
+    # machine the refusal may be read before the request is written, which then never is.
+    assert len(sent) in (1, 2) and "2.0" in str(info.value)
 
 
 def test_the_daemon_refuses_another_major_by_name(daemon) -> None:
