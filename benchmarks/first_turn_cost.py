@@ -20,8 +20,9 @@ scenario and configuration: TTFT and the first-token step's scheduling and execu
 and means, and the ratio to ``off`` of the same scenario. JSON to benchmarks/results/.
 
     python -m benchmarks.first_turn_cost --model-dir DIR --device cuda --reps 12
-    python -m benchmarks.first_turn_cost --model-dir /tmp/tiny --device cpu --reps 2 \\
-        --system-len 64 --turn-len 32 --writer-len 64       # smoke
+    python -m benchmarks.first_turn_cost --model-dir /tmp/small --device cpu --reps 2 \\
+        --system-len 1024 --turn-len 256 --writer-len 512 --max-model-len 2048 \\
+        --num-kv-blocks 512 --dram 1GiB       # smoke (make-model --preset small)
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ class _Arm:
             workdir = Path(tempfile.mkdtemp(prefix="first-turn-"))
             self.daemon, socket_path = start_embedded_daemon(workdir, args.dram, "0")
             overrides["kv_store_socket"] = str(socket_path)
-        self.engine = LLMEngine(EngineConfig(
-            str(args.model_dir), device=args.device, num_kv_blocks=args.num_kv_blocks,
-            max_model_len=args.max_model_len, max_num_seqs=8, **overrides))
-        self.engine.warm_up()
+        try:
+            self.engine = LLMEngine(EngineConfig(
+                str(args.model_dir), device=args.device, num_kv_blocks=args.num_kv_blocks,
+                max_model_len=args.max_model_len, max_num_seqs=8, **overrides))
+            self.engine.warm_up()
+        except BaseException:
+            self._stop_daemon()  # no daemon outlives an arm that did not start
+            raise
         self.socket_path = overrides.get("kv_store_socket")
         self.samples: dict[str, list[dict]] = {s: [] for s in SCENARIOS}
         if self.daemon is not None:
@@ -136,7 +141,12 @@ class _Arm:
         self.engine.offload.wait_idle(30.0)
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            self._stop_daemon()
+
+    def _stop_daemon(self) -> None:
         if self.daemon is not None:
             self.daemon.terminate()
             self.daemon.wait(60)
@@ -153,8 +163,10 @@ def _stats(values: list[float]) -> dict:
 
 
 def measure(args: argparse.Namespace, configs: list[str]) -> dict:
-    arms = [_Arm(args, name) for name in configs]
+    arms: list[_Arm] = []
     try:
+        for name in configs:  # an arm that fails to start leaves none of the others running
+            arms.append(_Arm(args, name))
         vocab = arms[0].engine.vocab_size
         rng = np.random.default_rng(args.seed)
         system = rng.integers(10, vocab, args.system_len).tolist()
