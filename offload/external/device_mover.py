@@ -2,9 +2,9 @@
 
 The daemon sees the staging buffer as the registration (slot ids are its block ids) and moves
 whole blocks between the slots and its DRAM pool, one DMA run a block. The worker packs a save's
-blocks into slots on its current stream, behind the step that computed them (the save goes out
+blocks into slots on a stream of its own, behind the step that computed them (the save goes out
 once that launch completed: ``Slots.ready``), and scatters a load's slots into the engine's
-blocks on the same stream, before any later forward; slots go back once the launch that used
+blocks on its current stream, before any later forward; slots go back once the launch that used
 them completed. Slots lent on a connection that was lost without a reply are never given back
 (the daemon may still write them): like a quarantined restore's, their room is lost.
 """

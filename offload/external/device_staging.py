@@ -4,10 +4,10 @@ vLLM's flash-attention layout splits a 2.36 MB block into 72 pieces of 32 KiB (K
 layer). The daemon copying them itself moves them as 72 small DMA runs a block (a third of the
 bus at 64 blocks), or packs them with a kernel in its own CUDA context, which time-slices against
 the engine's step. Here the worker packs a save's blocks into whole-block slots with one
-``copy_pieces`` launch on its own current stream (behind the step that computed them; one
-context, no time-slicing), and the daemon moves each slot as one run; a load lands in slots and
-one launch scatters them into the engine's blocks, queued before the engine's next forward on
-the same stream.
+``copy_pieces`` launch on a stream of its own, behind the step that computed them (one
+context, no time-slicing; a few SMs beside the next steps), and the daemon moves each slot as
+one run; a load lands in slots and one launch scatters them into the engine's blocks on the
+engine's current stream, queued before its next forward.
 
 The buffer is one torch allocation registered with the daemon by CUDA IPC as a one-region,
 block-major layout (slot ``i`` is block ``i``). Slots are taken and given back explicitly; a
@@ -89,8 +89,10 @@ class DeviceStaging:
         return [self._free.pop() for _ in range(num_slots)]
 
     def give_back(self, slots: list[int]) -> None:
-        """The slots are free once every launch queued on the current stream so far (one that
-        reads or writes them included) has completed."""
+        """The slots are free once every launch queued on the current stream so far (a load's
+        scatter from them included) has completed. A save's slots come back only after the
+        save ended, and a save is sent only once its pack completed (``Slots.ready``), so the
+        pack's own stream needs no event here."""
         if slots:
             self._returning.append((self._record(), list(slots)))
 
