@@ -78,7 +78,11 @@ def test_pipelined_gets_without_reading_stay_within_the_budget(make_daemon) -> N
           f"cut off: {events['connections_closed_slow_reader']} slow, "
           f"{events['connections_closed_over_budget']} over budget")
     assert num_cut == NUM_CONNECTIONS, events
-    assert sampler.peak - before < 384 * MIB, f"peak {sampler.peak / MIB:.0f} MiB"
+    # The buffered budget, plus one get in flight per connection outside it (the value read and
+    # its encoded frame), plus the interpreter's own growth beside them (thread stacks, allocator
+    # arenas): peaks of 350-390 MiB over the start were measured on a 2-core machine (2026-12-02).
+    bound = 128 * MIB + NUM_CONNECTIONS * 2 * VALUE_BYTES + 64 * MIB
+    assert sampler.peak - before < bound, f"peak {sampler.peak / MIB:.0f} MiB"
     assert after - before < 64 * MIB, f"after {after / MIB:.0f} MiB, before {before / MIB:.0f}"
     assert fresh_s < 5.0
 
