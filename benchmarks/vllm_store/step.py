@@ -44,6 +44,7 @@ import numpy as np
 from benchmarks.common import command, names_arg, now_iso, today, write_result
 from benchmarks.vllm_store.store_process import start_store, stop_store
 from offload.external.block_keys import KeyMaker
+from offload.external.device_staging import PACK_CTAS
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
@@ -157,9 +158,8 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
     try:
         staging = args.staging_blocks if variant in STAGED_VARIANTS else 0
         mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {},
-                           device_staging_slots=staging)
-        if STAGED_VARIANTS.get(variant):
-            mover.staging.pack_ctas = STAGED_VARIANTS[variant]
+                           device_staging_slots=staging,
+                           pack_ctas=STAGED_VARIANTS.get(variant) or PACK_CTAS)
         worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
                             retry_interval_s=1.0)
         if not worker.connect(wait_s=60.0):

@@ -40,6 +40,7 @@ from benchmarks.vllm_store.store_process import start_store, stop_store
 from kvstore import Client
 from kvstore.cli.args import positive_int_arg
 from offload.external.block_keys import KeyMaker
+from offload.external.device_staging import PACK_CTAS
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
@@ -225,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             # CPU: staging room for one whole save and one whole load.
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
                                2 * num_blocks, {}, device_staging_slots=2 * num_blocks
-                               if cuda and variant in _STAGED else 0)
-            if cuda and _STAGED.get(variant):
-                mover.staging.pack_ctas = _STAGED[variant]
+                               if cuda and variant in _STAGED else 0,
+                               pack_ctas=_STAGED.get(variant) or PACK_CTAS)
             if args.save_request_blocks is not None:
                 mover.max_save_blocks = args.save_request_blocks
             worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,

@@ -40,12 +40,18 @@ class DeviceStaging:
     sizes (in a block's byte order) are ``piece_base``, ``piece_stride``, ``piece_bytes``."""
 
     def __init__(self, num_slots: int, piece_base: Sequence[int], piece_stride: Sequence[int],
-                 piece_bytes: Sequence[int], device: Any) -> None:
-        import cupy
+                 piece_bytes: Sequence[int], device: Any, pack_ctas: int = PACK_CTAS) -> None:
+        try:
+            import cupy
+        except ImportError as exc:
+            raise RuntimeError("device staging (device_staging_blocks) launches its copies with "
+                               "CuPy, which this environment lacks: pip install cupy-cuda13x "
+                               "(the project's cuda13 extra; cuda12 for CUDA 12), or leave "
+                               "device_staging_blocks unset") from exc
         import torch
 
-        if num_slots <= 0:
-            raise ValueError("a staging buffer needs at least one slot")
+        if num_slots <= 0 or pack_ctas <= 0:
+            raise ValueError("a staging buffer needs at least one slot and one CTA to pack")
         sizes = np.asarray(piece_bytes, dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         table = region_table(piece_base, piece_stride, sizes, offsets)  # ValueError: unaligned
@@ -63,7 +69,7 @@ class DeviceStaging:
         # Saves pack on a stream of their own, at CUDA's lowest priority (0, the default's: an
         # engine that raises its compute streams' priority keeps it ahead).
         self._side = torch.cuda.Stream(device=self.device, priority=0)
-        self.pack_ctas = PACK_CTAS  # benchmarks compare others
+        self.pack_ctas = pack_ctas
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._returning: deque[tuple[Any, list[int]]] = deque()  # (event, slots), in order
 

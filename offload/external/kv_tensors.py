@@ -15,7 +15,7 @@ import numpy as np
 
 from offload.external.block_mover import BlockMover, DirectMover, StagedMover, direct_layout
 from offload.external.device_mover import DeviceStagedMover
-from offload.external.device_staging import DeviceStaging
+from offload.external.device_staging import PACK_CTAS, DeviceStaging
 from offload.external.ipc_handle import cuda_ipc_handle
 from offload.external.tensor_layout import TensorSpec, layout_signature, name_dims, regions_of
 
@@ -44,15 +44,16 @@ def host_bytes(t: Any, num_bytes: int) -> np.ndarray:
 
 
 def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, num_slots: int,
-               meta: dict, device_staging_slots: int = 0) -> BlockMover:
+               meta: dict, device_staging_slots: int = 0,
+               pack_ctas: int = PACK_CTAS) -> BlockMover:
     """The mover for these layers (in this order, which is the order of a block's bytes).
 
     GPU: each layer's regions name the CUDA IPC handle of the allocation its storage lives in
     and the storage's offset inside it (``cuda_ipc_handle``; one handle per allocation, however
     many layers share it); with ``device_staging_slots``, blocks go through that many slots of
     device staging instead (``DeviceStagedMover``: the worker packs the pieces, the daemon moves
-    whole blocks). CPU: byte views of each layer's memory and a ``num_slots``-block staging
-    buffer.
+    whole blocks; ``pack_ctas``: the CTAs a save's packing may use). CPU: byte views of each
+    layer's memory and a ``num_slots``-block staging buffer.
     """
     if not tensors or len(names) != len(tensors):
         raise ValueError("one name per KV tensor, at least one tensor")
@@ -82,7 +83,8 @@ def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, nu
     if on_cuda and device_staging_slots > 0:
         flat = [(base + p.offset, p.block_stride, p.block_bytes)
                 for base, layer in zip(bases, pieces) for p in layer]
-        staging = DeviceStaging(device_staging_slots, *zip(*flat), device=tensors[0].device)
+        staging = DeviceStaging(device_staging_slots, *zip(*flat), device=tensors[0].device,
+                                pack_ctas=pack_ctas)
         # Two saves of half the slots each may be in flight at once.
         return DeviceStagedMover(staging, num_blocks, dtype, meta,
                                  max_save_blocks=max(1, min(1024, device_staging_slots // 2)))

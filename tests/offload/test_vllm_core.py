@@ -491,3 +491,19 @@ def test_a_preempted_requests_saves_end_before_the_next_forward(daemon) -> None:
     assert time.monotonic() - start >= 0.25
     assert a.worker.counters["blocks_saved"] == 10 and a.worker.counters["save_flushes"] == 1
     assert a.worker.num_in_flight == 0
+
+
+def test_device_staging_without_cupy_names_the_fix() -> None:
+    """``device_staging_blocks`` on a machine without CuPy: one clear error, before any memory
+    is taken (CuPy launches the staging's copies)."""
+    import importlib.util
+
+    from offload.external.device_staging import DeviceStaging
+    from offload.vllm.settings import ConnectorSettings, SettingsError
+
+    with pytest.raises(SettingsError, match="device_staging_blocks must be a positive integer"):
+        ConnectorSettings.from_extra_config({"device_staging_blocks": 0})
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    with pytest.raises(RuntimeError, match="CuPy.*cuda13 extra.*device_staging_blocks unset"):
+        DeviceStaging(4, [0], [4096], [4096], device="cpu")
