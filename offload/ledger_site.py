@@ -67,7 +67,7 @@ class LedgerSite(BlockSite[OffloadSequence]):
     def release(self, slots: Slots) -> None:
         self.ledger.unpin(slots.block_ids)
 
-    def pin_for_save(self, block_ids: list[int]) -> Slots | None:
+    def pin_for_save(self, block_ids: list[int]) -> Slots:
         self.ledger.pin(block_ids)  # not reused before the store has the bytes
         return Slots(list(block_ids))
 

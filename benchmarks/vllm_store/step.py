@@ -21,7 +21,8 @@ measured as its own mode (``daemon`` is the shipped default, whose saves stay on
 engines: vLLM's 32 KiB pieces in one driver batch): ``save_kernels`` lets saves pack on the GPU
 as loads do (the default before 2026-11-29), ``dma_only`` also keeps loads off kernels,
 ``memcpy_small`` a ``cudaMemcpyAsync`` per piece, ``staged`` the default daemon with the
-connector's device staging (``--staging-blocks`` slots: the worker packs each save's pieces into
+connector's device staging (its default room of 128 slots, 64 for saves, or ``--staging-blocks``
+slots: the worker packs each save's pieces into
 whole blocks on a stream of its own behind the step, in at most 128 CTAs; ``staged_narrow``:
 32), and the daemon moves whole blocks). A daemon's
 kernels run in their own CUDA context, which the GPU time-slices against the step's; copy
@@ -44,11 +45,13 @@ import numpy as np
 from benchmarks.common import command, names_arg, now_iso, today, write_result
 from benchmarks.vllm_store.store_process import start_store, stop_store
 from offload.external.block_keys import KeyMaker
-from offload.external.device_staging import PACK_CTAS
+from offload.external.device_staging import PACK_CTAS, cupy_missing
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
 from offload.vllm.model_identity import vllm_identity
+from offload.vllm.settings import ConnectorSettings
+from offload.vllm.staging_room import StagingRoom
 
 HIDDEN, INTERMEDIATE, Q_DIM, KV_DIM = 2560, 9728, 4096, 1024  # Qwen3-4B
 # Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
@@ -156,10 +159,15 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
     dram = int(step_bytes * (args.warmup + args.steps) * 1.1) + (1 << 30)
     proc, socket_path = start_store(str(dram), flags=DAEMON_VARIANTS[variant])
     try:
-        staging = args.staging_blocks if variant in STAGED_VARIANTS else 0
+        # The connector's room: by default 128 slots, 64 for saves (requests of 32 blocks: a
+        # step's saves beyond two requests wait for room)
+        room = StagingRoom.of(ConnectorSettings(
+            device_staging_blocks=args.staging_blocks if variant in STAGED_VARIANTS else 0),
+            True, True, True, step_bytes // max(1, step.num_blocks), cupy_missing)
         mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {},
-                           device_staging_slots=staging,
-                           pack_ctas=STAGED_VARIANTS.get(variant) or PACK_CTAS)
+                           device_staging_slots=room.device_slots,
+                           pack_ctas=STAGED_VARIANTS.get(variant) or PACK_CTAS,
+                           save_slots=room.save_slots)
         worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
                             retry_interval_s=1.0)
         if not worker.connect(wait_s=60.0):
@@ -168,8 +176,9 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
         times = _timed(torch, step, pick, worker, plan_for, args.steps)
         worker.drain(120.0)
         saved = worker.counters["blocks_saved"]
-        failed = (worker.counters["blocks_save_failed"] + worker.counters["blocks_save_dropped"]
-                  + worker.counters["blocks_save_skipped_no_room"])
+        failed = sum(n for name, n in worker.counters.items()
+                     if name == "blocks_save_failed" or name.startswith("blocks_save_dropped")
+                     or name.startswith("blocks_save_skipped"))
         worker.close()
         return times, (saved, failed)
     finally:
@@ -184,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--modes", default="daemon,engine",
                         help="daemon (the connector's saves), engine (the engine's own copies)")
-    parser.add_argument("--staging-blocks", type=int, default=512,
-                        help="device staging slots of the staged variant")
+    parser.add_argument("--staging-blocks", type=int, default=None,
+                        help="device staging slots of the staged variants (default: the "
+                             "connector's, load_blocks + save_blocks)")
     parser.add_argument("--daemon-variants", default="default",
                         type=names_arg(DAEMON_VARIANTS),
                         help="comma-separated: " + ", ".join(DAEMON_VARIANTS))

@@ -40,11 +40,13 @@ from benchmarks.vllm_store.store_process import start_store, stop_store
 from kvstore import Client
 from kvstore.cli.args import positive_int_arg
 from offload.external.block_keys import KeyMaker
-from offload.external.device_staging import PACK_CTAS
+from offload.external.device_staging import PACK_CTAS, cupy_missing
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
 from offload.vllm.model_identity import vllm_identity
+from offload.vllm.settings import ConnectorSettings
+from offload.vllm.staging_room import StagingRoom
 
 # Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
 _NEVER_PACKED = ["--copy-packed-min-pieces", str(1 << 30)]  # more pieces than any layout has
@@ -223,11 +225,16 @@ def main(argv: list[str] | None = None) -> int:
             preamble = f"import benchmarks.copy_trace as ct; ct.install({str(trace)!r})"
         proc, socket_path = start_store(str(dram), preamble=preamble, flags=_VARIANTS[variant])
         try:
-            # CPU: staging room for one whole save and one whole load.
+            # Staging room for one whole save and one whole load, split as the connector splits
+            # it (saves in requests of half the saves' room: one packs while one moves).
+            room = StagingRoom.of(ConnectorSettings(
+                load_blocks=num_blocks, save_blocks=num_blocks,
+                device_staging_blocks=2 * num_blocks if variant in _STAGED else 0),
+                True, True, cuda, block_bytes, cupy_missing)
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
-                               2 * num_blocks, {}, device_staging_slots=2 * num_blocks
-                               if cuda and variant in _STAGED else 0,
-                               pack_ctas=_STAGED.get(variant) or PACK_CTAS)
+                               room.num_slots, {}, device_staging_slots=room.device_slots,
+                               pack_ctas=_STAGED.get(variant) or PACK_CTAS,
+                               save_slots=room.save_slots)
             if args.save_request_blocks is not None:
                 mover.max_save_blocks = args.save_request_blocks
             worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,

@@ -32,7 +32,8 @@ class BlockSite(ABC, Generic[Owner]):
       reserve ahead (the default). Undone like a ``reserve``'s.
     - ``release(slots)``: the daemon is done with quarantined slots; they may be reused.
     - ``pin_for_save(block_ids)``: slots holding the owner's ``block_ids`` (pinned, or copied
-      out) for a save, or None (no room: the save is skipped, counted).
+      out) for a save; or WAIT: no room now, ask again later (the owner keeps the blocks
+      meanwhile); or REFUSE: never (the save is skipped, counted).
     - ``unpin_after_save(slots, daemon_done)``: the save ended; ``daemon_done`` is False when
       no reply came (the daemon may still read the slots)."""
 
@@ -52,7 +53,7 @@ class BlockSite(ABC, Generic[Owner]):
     def release(self, slots: Slots) -> None: ...
 
     @abstractmethod
-    def pin_for_save(self, block_ids: list[int]) -> Slots | None: ...
+    def pin_for_save(self, block_ids: list[int]) -> Slots | Reservation: ...
 
     @abstractmethod
     def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None: ...

@@ -12,19 +12,23 @@ from offload.transfer import Transfer
 
 @dataclass(eq=False)
 class SaveJob:
-    """``slots`` hold the blocks (pinned, or a copy) from PINNED until the job ends; ``epoch``
-    is the link connection the slots were taken on (the save goes out on that one or not at
-    all); ``outcomes`` are known once ENDED (all FAILED when no reply came)."""
+    """``slots`` hold the blocks (pinned, or a copy) from PINNED until the job ends (None while
+    WAITING_FOR_ROOM: the site had none for the owner's ``block_ids`` yet, and is asked again
+    until ``room_deadline``, a ``time.monotonic()``); ``epoch`` is the link connection the slots
+    were taken on (the save goes out on that one or not at all); ``outcomes`` are known once
+    ENDED (all FAILED when no reply came)."""
 
     namespace: bytes
     hashes: list[bytes]
     idents: list[bytes]
-    slots: Slots
+    slots: Slots | None
     epoch: int
     state: SaveState = SaveState.PINNED
     call: Transfer | None = None
     outcomes: list[SaveOutcome] = field(default_factory=list)
     ready: Callable[[], bool] | None = None
+    block_ids: list[int] = field(default_factory=list)
+    room_deadline: float = 0.0
 
     @property
     def over(self) -> bool:

@@ -5,7 +5,15 @@ inside the step (before the engine may free them); ``send_pinned`` puts them on 
 it (a job whose blocks are not ready yet, behind the step's compute, waits pinned for a later
 call); ``poll`` ends the saves that were answered (or failed, or timed out), hands the slots back
 and counts every block once: ``blocks_saved``, ``blocks_save_duplicate``, ``blocks_save_failed``,
-``blocks_save_dropped`` (never sent) or ``blocks_save_skipped_*`` (never pinned).
+``blocks_save_dropped`` (never sent), ``blocks_save_dropped_no_room`` (waited for room past the
+save deadline), ``blocks_save_dropped_preempted`` (waited for room until the engine took the
+blocks back) or ``blocks_save_skipped_*`` (never pinned).
+
+A site whose slots are a bounded staging buffer (vLLM's) may have no room when a save is pinned:
+the job then waits for room (``WAITING_FOR_ROOM``, counted ``saves_waited_for_room``), and each
+``send_pinned`` asks the site again, oldest job first, as the saves in flight give their slots
+back. The engine keeps the blocks meanwhile (vLLM: until ``finished_sending``), so nothing is
+copied out of memory that was reused.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ from collections.abc import Callable
 from kvstore import StoreState
 from offload.core.block_site import BlockSite
 from offload.core.save_job import SaveJob
+from offload.core.slots import Reservation, Slots
 from offload.core.states import SaveOutcome, SaveState
 from offload.store_client import StoreClient
 
+_UNSENT = (SaveState.WAITING_FOR_ROOM, SaveState.PINNED)
 _COUNTER = {SaveOutcome.SAVED: "blocks_saved", SaveOutcome.DUPLICATE: "blocks_save_duplicate",
             SaveOutcome.FAILED: "blocks_save_failed"}
 
@@ -47,40 +57,90 @@ class Saver:
     def pin(self, namespace: bytes, block_ids: list[int], hashes: list[bytes],
             idents: list[bytes], ready: Callable[[], bool] | None = None) -> SaveJob | None:
         """Have the site hold ``block_ids`` for a save (sent by ``send_pinned`` once
-        ``ready`` and the slots' own ``ready``); None if the store is unavailable or the site
-        has no room (counted, the blocks are not saved)."""
+        ``ready`` and the slots' own ``ready``), or have the job wait for room where the site
+        says WAIT (or older jobs still wait: room goes to them first). None if the store is
+        unavailable or the site refuses (counted, the blocks are not saved)."""
         if not len(block_ids) == len(hashes) == len(idents):
             raise ValueError(f"{len(block_ids)} block ids, {len(hashes)} hashes, "
                              f"{len(idents)} idents")
         if not self.client.available:
             self.counters["blocks_save_skipped_unavailable"] += len(block_ids)
             return None
-        epoch = self.client.registration_epoch  # before the slots: they belong to this one
-        slots = self.site.pin_for_save(list(block_ids))
-        if slots is None:
+        job = SaveJob(namespace, list(hashes), list(idents), None,
+                      self.client.registration_epoch, SaveState.WAITING_FOR_ROOM, ready=ready,
+                      block_ids=list(block_ids),
+                      room_deadline=time.monotonic() + self._room_wait_s)
+        got = Reservation.WAIT if self._anyone_waiting() else self._pin(job)
+        if got is Reservation.REFUSE:
             self.counters["blocks_save_skipped_no_room"] += len(block_ids)
             return None
-        job = SaveJob(namespace, list(hashes), list(idents), slots, epoch,
-                      ready=_both(ready, slots.ready))
+        if got is Reservation.WAIT:
+            self.counters["saves_waited_for_room"] += 1
         self.pinned.append(job)
         return job
 
+    @property
+    def _room_wait_s(self) -> float:
+        """How long a save may wait for room: its deadline at the daemon."""
+        return self.deadline_s if self.deadline_s is not None else self.client.timeout_s
+
+    def _anyone_waiting(self) -> bool:
+        return any(job.state is SaveState.WAITING_FOR_ROOM for job in self.pinned)
+
+    def _pin(self, job: SaveJob) -> Slots | Reservation:
+        """Ask the site for the job's slots; with them, the job is PINNED on the connection
+        they were taken on."""
+        epoch = self.client.registration_epoch  # before the slots: they belong to this one
+        got = self.site.pin_for_save(job.block_ids)
+        if isinstance(got, Slots):
+            job.slots, job.epoch = got, epoch
+            job.ready = _both(job.ready, got.ready)
+            job.to(SaveState.PINNED)
+        return got
+
     def send_pinned(self) -> None:
-        """Send every pinned save that is ready (the link's thread writes them; nothing waits
-        here)."""
+        """Pin the jobs waiting for room that the site has room for now (oldest first: a job
+        waits behind older ones), drop those waiting past their deadline, and send every
+        pinned save that is ready (the link's thread writes them; nothing waits here)."""
         pinned, self.pinned = self.pinned, []
+        blocked = False  # an older job still waits for room: younger ones wait behind it
+        now = time.monotonic()
         for job in pinned:
+            if job.state is SaveState.WAITING_FOR_ROOM:
+                if not self.client.available:  # its slots would belong to a lost connection
+                    self._drop(job)
+                    continue
+                got = Reservation.WAIT if blocked else self._pin(job)
+                if got is Reservation.REFUSE:
+                    self._drop(job, "blocks_save_dropped_no_room")
+                    continue
+                if got is Reservation.WAIT:
+                    blocked = True
+                    if now >= job.room_deadline:
+                        self._drop(job, "blocks_save_dropped_no_room")
+                    else:
+                        self.pinned.append(job)
+                    continue
             if job.ready is not None and not job.ready():
                 self.pinned.append(job)
                 continue
             if not self.client.available:  # gone since: nothing would land
                 self._drop(job)
                 continue
+            assert job.slots is not None
             job.call = self.client.save(job.namespace, job.slots.block_ids, job.hashes,
                                       job.idents, self.deadline_s, epoch=job.epoch)
             job.to(SaveState.SENT)
             self.counters["saves"] += 1
             self.in_flight.append(job)
+
+    def drop_waiting(self, jobs: list[SaveJob]) -> None:
+        """The engine takes these jobs' blocks back (a preemption): those still waiting for
+        room are dropped (counted), as packing them later would read reused blocks."""
+        waiting = [job for job in jobs if job.state is SaveState.WAITING_FOR_ROOM]
+        for job in waiting:
+            self.pinned.remove(job)
+            self._drop(job, "blocks_save_dropped_preempted")
 
     def poll(self) -> list[SaveJob]:
         """End the saves that finished since; their slots go back to the site."""
@@ -104,11 +164,12 @@ class Saver:
         self.in_flight = still
         return ended
 
-    def _drop(self, job: SaveJob) -> None:
+    def _drop(self, job: SaveJob, counter: str = "blocks_save_dropped") -> None:
         job.outcomes = [SaveOutcome.FAILED] * job.num_blocks
         job.to(SaveState.DROPPED)
-        self.counters["blocks_save_dropped"] += job.num_blocks
-        self.site.unpin_after_save(job.slots, daemon_done=True)
+        self.counters[counter] += job.num_blocks
+        if job.slots is not None:
+            self.site.unpin_after_save(job.slots, daemon_done=True)
 
     def wait(self, jobs: list[SaveJob], timeout_s: float) -> list[SaveJob]:
         """Block until ``jobs`` ended (sending those pinned once ready) or ``timeout_s``
@@ -119,11 +180,18 @@ class Saver:
         for job in jobs:
             while (not job.over and self.client.state is not StoreState.HUNG
                    and time.monotonic() < deadline):
-                if job.state is SaveState.PINNED:
+                if job.state in _UNSENT:
                     self.send_pinned()
-                    if job.state is SaveState.PINNED:  # not ready yet: the device is busy
-                        time.sleep(0.0005)
-                        continue
+                if job.state is SaveState.WAITING_FOR_ROOM and self.in_flight:
+                    # room comes back as the saves in flight end: wait for the oldest
+                    oldest = self.in_flight[0].call
+                    assert oldest is not None
+                    oldest.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                    ended += self.poll()
+                    continue
+                if job.state in _UNSENT:  # not ready yet (the device is busy), or no room
+                    time.sleep(0.0005)
+                    continue
                 assert job.call is not None
                 job.call.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                 ended += self.poll()

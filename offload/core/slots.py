@@ -21,7 +21,7 @@ class Slots:
 
 
 class Reservation(enum.Enum):
-    """``BlockSite.reserve``'s answer when it has no slots to give."""
+    """``BlockSite.reserve``'s and ``pin_for_save``'s answer when it has no slots to give."""
 
-    WAIT = "wait"  # no room now; ask again next poll (bounded by the restorer's slot wait)
-    REFUSE = "refuse"  # never: the restore is given up
+    WAIT = "wait"  # no room now; ask again next poll (bounded by the slot wait or save deadline)
+    REFUSE = "refuse"  # never: the restore is given up, the save skipped

@@ -1,9 +1,9 @@
 """The named states of a restore and a save, their transitions, and how each one ends.
 
 A restore: ``LOOKING_UP -> LEASED -> [WAITING_FOR_SLOTS ->] LOADING -> LANDED``, or ``GIVEN_UP``
-from any state before ``LANDED``. A save: ``PINNED -> SENT -> ENDED``, or ``PINNED -> DROPPED``
-(never sent). The tables below are the only place transitions are written down;
-``RestoreJob.to`` and ``SaveJob.to`` refuse any other.
+from any state before ``LANDED``. A save: ``[WAITING_FOR_ROOM ->] PINNED -> SENT -> ENDED``, or
+``DROPPED`` from any state before ``ENDED`` (never sent). The tables below are the only place
+transitions are written down; ``RestoreJob.to`` and ``SaveJob.to`` refuse any other.
 """
 
 from __future__ import annotations
@@ -56,13 +56,15 @@ class RestoreEnd(_Named):
 
 
 class SaveState(_Named):
+    WAITING_FOR_ROOM = "waiting_for_room"  # the site had no slots yet: pinned once it has
     PINNED = "pinned"  # the site holds the blocks (or a copy of them); not sent yet
     SENT = "sent"  # the save is out
     ENDED = "ended"  # answered, failed or timed out: per-block outcomes known
-    DROPPED = "dropped"  # never reached the daemon (store unavailable, link refused it)
+    DROPPED = "dropped"  # never reached the daemon (store unavailable, no room in time...)
 
 
 SAVE_TRANSITIONS: dict[SaveState, frozenset[SaveState]] = {
+    SaveState.WAITING_FOR_ROOM: frozenset({SaveState.PINNED, SaveState.DROPPED}),
     SaveState.PINNED: frozenset({SaveState.SENT, SaveState.DROPPED}),
     SaveState.SENT: frozenset({SaveState.ENDED, SaveState.DROPPED}),
     SaveState.ENDED: frozenset(),

@@ -39,6 +39,10 @@ class BlockMover(BlockSite[BlockTransfer]):
     #: own blocks: one request per step and engine request, up to this bound (many short requests in
     #: flight at once move far less than one long one: docs/measurements.md).
     max_save_blocks: int = 64
+    #: The most slots saves may hold at once (None: no bound, the direct mover's own blocks):
+    #: the rest of a staging buffer stays for loads. A save past it waits for room.
+    save_room: int | None = None
+    _save_slots: int = 0  # slots saves hold now
 
     @abstractmethod
     def open(self) -> KVLayout: ...
@@ -83,10 +87,26 @@ class BlockMover(BlockSite[BlockTransfer]):
     def release(self, slots: Slots) -> None:
         self.give_back(slots)
 
-    def pin_for_save(self, block_ids: list[int]) -> Slots | None:
-        return self.slots_for(block_ids, copy_out=True)
+    def pin_for_save(self, block_ids: list[int]) -> Slots | Reservation:
+        """Slots holding a copy (staged) or naming the blocks (direct); WAIT while saves hold
+        ``save_room`` or the buffer has no free slot (saves and loads in flight give theirs
+        back); REFUSE for more blocks than ``save_room`` could ever hold."""
+        room = self.save_room
+        if room is not None:
+            if len(block_ids) > room:
+                return Reservation.REFUSE
+            if self._save_slots + len(block_ids) > room:
+                return Reservation.WAIT
+        slots = self.slots_for(block_ids, copy_out=True)
+        if slots is None:
+            return Reservation.WAIT
+        if room is not None:
+            self._save_slots += len(slots.block_ids)
+        return slots
 
     def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None:
+        if self.save_room is not None:
+            self._save_slots -= len(slots.block_ids)
         if daemon_done:  # else the daemon may still read them: their memory is abandoned
             self.give_back(slots)
 
@@ -125,11 +145,15 @@ class StagedMover(BlockMover):
     slots."""
 
     def __init__(self, layer_bytes: list[np.ndarray], layer_pieces: list[list[Piece]],
-                 num_blocks: int, num_slots: int, dtype: str, meta: dict) -> None:
+                 num_blocks: int, num_slots: int, dtype: str, meta: dict,
+                 save_room: int | None = None) -> None:
+        """``save_room``: the slots saves may hold at once (default: all of them)."""
         if len(layer_bytes) != len(layer_pieces) or not layer_bytes:
             raise ValueError("one byte view and one piece list per layer")
         self.num_blocks = num_blocks
         self.num_slots = num_slots
+        self.save_room = num_slots if save_room is None else min(save_room, num_slots)
+        self.max_save_blocks = max(1, min(BlockMover.max_save_blocks, self.save_room))
         self.dtype = dtype
         self.meta = meta
         # Per piece: a [num_blocks, piece_bytes] strided view of the engine's memory and its columns

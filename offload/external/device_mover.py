@@ -21,13 +21,17 @@ class DeviceStagedMover(BlockMover):
     """The engine's device blocks through ``staging`` (one buffer for the mover's life)."""
 
     def __init__(self, staging: DeviceStaging, num_blocks: int, dtype: str, meta: dict,
-                 max_save_blocks: int) -> None:
+                 save_room: int) -> None:
+        """``save_room``: the slots saves may hold at once (the rest stays for loads); two
+        saves of half of it each may be in flight, so one packs while the daemon moves the
+        other."""
         self.staging = staging
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.meta = meta
         self.block_bytes = staging.block_bytes
-        self.max_save_blocks = max_save_blocks
+        self.save_room = max(1, min(save_room, staging.num_slots))
+        self.max_save_blocks = max(1, min(1024, self.save_room // 2))
 
     def open(self) -> KVLayout:
         return self.staging.layout(self.dtype, self.meta)

@@ -34,6 +34,25 @@ from offload.external.ipc_handle import cuda_ipc_handle
 PACK_CTAS = 128
 
 
+def cupy_missing() -> str | None:
+    """Why this environment cannot launch the staging's copies (CuPy does not import), or
+    None."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError as exc:
+        return str(exc) or "no module named cupy"
+    return None
+
+
+def cupy_stream(cupy: Any, stream: Any, device_index: int) -> Any:
+    """Torch's ``stream`` as CuPy's: through the CUDA stream protocol where both know it
+    (``ExternalStream`` is deprecated in CuPy 14), else by its handle."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(int(stream.cuda_stream), device_index)
+
+
 class DeviceStaging:
     """``num_slots`` whole blocks of ``block_bytes`` on ``device`` (torch's), packed from and
     scattered to the engine's pieces, whose absolute device addresses of block 0, strides and
@@ -41,13 +60,13 @@ class DeviceStaging:
 
     def __init__(self, num_slots: int, piece_base: Sequence[int], piece_stride: Sequence[int],
                  piece_bytes: Sequence[int], device: Any, pack_ctas: int = PACK_CTAS) -> None:
-        try:
-            import cupy
-        except ImportError as exc:
-            raise RuntimeError("device staging (device_staging_blocks) launches its copies with "
-                               "CuPy, which this environment lacks: pip install cupy-cuda13x "
-                               "(the project's cuda13 extra; cuda12 for CUDA 12), or leave "
-                               "device_staging_blocks unset") from exc
+        reason = cupy_missing()
+        if reason is not None:
+            raise RuntimeError(f"device staging (device_staging_blocks) launches its copies "
+                               f"with CuPy, which this environment lacks ({reason}): pip "
+                               f"install cupy-cuda13x (the project's cuda13 extra; cuda12 for "
+                               f"CUDA 12), or set device_staging_blocks to 0")
+        import cupy
         import torch
 
         if num_slots <= 0 or pack_ctas <= 0:
@@ -133,7 +152,7 @@ class DeviceStaging:
             ids = np.empty((2, len(block_ids)), dtype=np.int64)
             ids[0], ids[1] = block_ids, slots
             with cupy.cuda.Device(self.device.index or 0):
-                on = cupy.cuda.ExternalStream(int(stream.cuda_stream), self.device.index or 0)
+                on = cupy_stream(cupy, stream, self.device.index or 0)
                 with on:
                     table = cupy.asarray(ids)  # stream-ordered: freed after the launch ran
                     launch_pieces(int(self._regions.data.ptr), self.num_regions,

@@ -44,8 +44,8 @@ def host_bytes(t: Any, num_bytes: int) -> np.ndarray:
 
 
 def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, num_slots: int,
-               meta: dict, device_staging_slots: int = 0,
-               pack_ctas: int = PACK_CTAS) -> BlockMover:
+               meta: dict, device_staging_slots: int = 0, pack_ctas: int = PACK_CTAS,
+               save_slots: int | None = None) -> BlockMover:
     """The mover for these layers (in this order, which is the order of a block's bytes).
 
     GPU: each layer's regions name the CUDA IPC handle of the allocation its storage lives in
@@ -53,7 +53,9 @@ def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, nu
     many layers share it); with ``device_staging_slots``, blocks go through that many slots of
     device staging instead (``DeviceStagedMover``: the worker packs the pieces, the daemon moves
     whole blocks; ``pack_ctas``: the CTAs a save's packing may use). CPU: byte views of each
-    layer's memory and a ``num_slots``-block staging buffer.
+    layer's memory and a ``num_slots``-block staging buffer. ``save_slots``: of a staging
+    buffer's slots, how many saves may hold at once (default: half of device staging, all of
+    the CPU buffer); a save past it waits for room.
     """
     if not tensors or len(names) != len(tensors):
         raise ValueError("one name per KV tensor, at least one tensor")
@@ -85,12 +87,11 @@ def make_mover(names: Sequence[str], tensors: Sequence[Any], num_blocks: int, nu
                 for base, layer in zip(bases, pieces) for p in layer]
         staging = DeviceStaging(device_staging_slots, *zip(*flat), device=tensors[0].device,
                                 pack_ctas=pack_ctas)
-        # Two saves of half the slots each may be in flight at once.
-        return DeviceStagedMover(staging, num_blocks, dtype, meta,
-                                 max_save_blocks=max(1, min(1024, device_staging_slots // 2)))
+        return DeviceStagedMover(staging, num_blocks, dtype, meta, save_room=(
+            device_staging_slots // 2 if save_slots is None else save_slots))
     if on_cuda:
         device = f"cuda:{tensors[0].device.index or 0}"
         return DirectMover(direct_layout(handles, sizes, pieces, num_blocks, device, dtype,
                                          meta))
     views = [host_bytes(t, s.buffer_bytes) for t, s in zip(tensors, specs)]
-    return StagedMover(views, pieces, num_blocks, num_slots, dtype, meta)
+    return StagedMover(views, pieces, num_blocks, num_slots, dtype, meta, save_room=save_slots)

@@ -9,9 +9,10 @@ even steps without a forward). The engine's scheduler decided each load when it 
 every hit is loaded (``Always``). Whatever does not arrive (a shorter hit, a short load, an
 error, a deadline, a hung or lost daemon) is reported as failed block ids of the engine, which
 recomputes them; the request is reported finished either way. Saves go through the core's
-``Saver`` and never hold up a step: staged ones are copied out at once and sent; direct ones
-(the daemon reads the engine's blocks) are sent once the step's compute wrote the blocks
-(``ready``, an event). A request with saves keeps its blocks (the scheduler side said so when
+``Saver`` and never hold up a step: staged ones are copied out into free slots (a save that
+finds the saves' share of the slots taken waits for room, in order) and sent once copied;
+direct ones (the daemon reads the engine's blocks) are sent once the step's compute wrote the
+blocks (``ready``, an event). A request with saves keeps its blocks (the scheduler side said so when
 it finished) until ``finished_saving`` reports it, once its saves ended; a preempted one's
 saves are flushed (waited for, bounded) before the next forward may reuse its blocks. Under
 tensor parallelism every rank has its own worker side, registration and shard namespace
@@ -153,8 +154,11 @@ class WorkerSide:
 
     def flush(self, request_ids: Iterable[str]) -> None:
         """Wait (bounded by the save deadline) until these requests' saves ended: the engine
-        is about to hand their blocks to others."""
+        is about to hand their blocks to others. Saves still waiting for staging room are
+        dropped instead (counted): they would copy the blocks out only after that."""
         jobs = [job for rid in request_ids for job in self._save_jobs.get(rid, ())]
+        self.saver.drop_waiting(jobs)
+        jobs = [job for job in jobs if not job.over]
         if jobs:
             self.counters["save_flushes"] += 1
             self.saver.wait(jobs, self.save_timeout_s)  # a miss drops the connection

@@ -43,6 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.external.block_keys import KeyMaker
 from offload.external.block_mover import BlockMover
+from offload.external.device_staging import cupy_missing
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import StepPlan
 from offload.external.worker_side import WorkerSide
@@ -57,6 +58,7 @@ from offload.vllm.reports import (
 )
 from offload.vllm.scheduler_side import ScheduledRequest, SchedulerSide
 from offload.vllm.settings import ConnectorSettings, check_extra_config
+from offload.vllm.staging_room import StagingRoom
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -250,12 +252,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "namespace_layout": kv_format(self.identity),
                 "model_identity": asdict(self.identity),
                 "num_shards": self._num_shards}
-        # Staging room (CPU) for the directions this instance's kv_role uses.
+        # Staging room for the directions this instance's kv_role uses.
         config = self._kv_transfer_config
-        num_slots = (self.settings.load_blocks * config.is_kv_consumer
-                     + self.settings.save_blocks * config.is_kv_producer)
-        return make_mover(names, tensors, self._num_blocks, num_slots, meta,
-                          device_staging_slots=self.settings.device_staging_blocks or 0)
+        block_bytes = sum(t.numel() * t.element_size() for t in tensors) // self._num_blocks
+        room = StagingRoom.of(self.settings, bool(config.is_kv_consumer),
+                              bool(config.is_kv_producer), bool(tensors[0].is_cuda),
+                              block_bytes, cupy_missing)
+        if room.note is not None:
+            log.info("%s", room.note)
+        return make_mover(names, tensors, self._num_blocks, room.num_slots, meta,
+                          device_staging_slots=room.device_slots, save_slots=room.save_slots)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

@@ -22,6 +22,8 @@ log = logging.getLogger("offload.vllm")
 
 KEY = "kv_connector_extra_config"
 DOCS = "docs/vllm.md"
+# Integer keys where 0 turns the thing off (the others must be positive).
+_ZERO_IS_OFF = frozenset({"device_staging_blocks"})
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes on Linux, its terminating NUL included
 
 
@@ -42,12 +44,13 @@ class ConnectorSettings:
     save_timeout_s: float = 10.0
     retry_interval_s: float = 2.0  # a lost connection is tried again at most this often
     register_timeout_s: float = 30.0  # a (re)registration's deadline; made off vLLM's steps
-    load_blocks: int = 64  # staging room for loads (CPU) and the budget of blocks loading
-    save_blocks: int = 64  # staging room for saves (CPU); a save that does not fit is skipped
-    # GPU: whole-block slots of staging in device memory (None: the daemon reads and writes the
-    # engine's pieces in place). The worker packs a save's pieces into slots on its stream and
-    # the daemon moves whole blocks; a load lands in slots and is scattered. A save that finds no
-    # free slot is skipped (counted); a load waits for room (bounded by load_timeout_s).
+    load_blocks: int = 64  # staging room for loads and the budget of blocks loading
+    save_blocks: int = 64  # staging room for saves; a save waits for room (save_timeout_s)
+    # GPU: whole-block slots of staging in device memory. The worker packs a save's pieces into
+    # slots on a stream of its own and the daemon moves whole blocks; a load lands in slots and
+    # is scattered. None: load_blocks + save_blocks slots where CuPy is importable, else none;
+    # 0: none (the daemon reads and writes the engine's pieces in place). The slots are split
+    # between loads and saves as load_blocks : save_blocks.
     device_staging_blocks: int | None = None
 
     def __post_init__(self) -> None:
@@ -133,17 +136,17 @@ def _value(key: str, value: Any, kind: Any) -> Any:
             raise SettingsError(f"{KEY}.{key} must be a path (a string), got {value!r}")
         return value
     if "int" in str(kind):
+        least = 0 if key in _ZERO_IS_OFF else 1
+        wanted = f"{KEY}.{key} must be a {'non-negative' if least == 0 else 'positive'} " \
+                 f"integer{' (0: off)' if least == 0 else ''}, got {value!r}"
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise SettingsError(f"{KEY}.{key} must be a positive integer, got {value!r}")
+            raise SettingsError(wanted)
         try:
             number = float(value)
-            if number != int(number):
-                raise ValueError
-            if number <= 0:
+            if number != int(number) or number < least:
                 raise ValueError
         except (TypeError, ValueError, OverflowError):
-            raise SettingsError(f"{KEY}.{key} must be a positive integer, got {value!r}") \
-                from None
+            raise SettingsError(wanted) from None
         return int(number)
     seconds = f"{KEY}.{key} must be a positive number of seconds, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):

@@ -487,14 +487,69 @@ def test_pinned_to_dropped_when_the_store_is_gone_before_sending(side, daemon) -
     assert side.num_free() == free
 
 
-def test_a_save_is_skipped_when_the_site_has_no_room_or_the_store_is_away(side, daemon) -> None:
+def test_a_save_is_skipped_when_the_store_is_away_or_could_never_fit(side, daemon) -> None:
     saver = Saver(side.client, side.site, side.counters)
     ids, hashes, idents, namespace = side.save_blocks(22)
-    if side.name == "external":  # staged: a save needs free staging slots
-        with side.full():
-            assert saver.pin(namespace, ids, hashes, idents) is None
-        assert side.counters["blocks_save_skipped_no_room"] == CHAIN
+    if side.name == "external":  # more blocks than the saves' room could ever hold
+        room = side.mover.save_room
+        many = (ids * room)[:room + 1]
+        assert saver.pin(namespace, many, (hashes * room)[:room + 1],
+                         (idents * room)[:room + 1]) is None
+        assert side.counters["blocks_save_skipped_no_room"] == room + 1
     daemon.stop()
     assert wait_until(lambda: not side.client.available, 5.0)
     assert saver.pin(namespace, ids, hashes, idents) is None
     assert side.counters["blocks_save_skipped_unavailable"] == CHAIN
+
+
+@pytest.fixture
+def external(daemon) -> Iterator[ExternalSide]:
+    """vLLM's staged site alone: kvengine's ledger pins blocks in place and always has room."""
+    made = ExternalSide(daemon.socket_path)
+    assert made.client.wait_available(5.0)
+    yield made
+    made.close()
+
+
+def test_a_save_without_room_waits_for_it_in_order_and_saves_what_the_owner_held(
+        external, daemon) -> None:
+    saver = Saver(external.client, external.site, external.counters)
+    first = external.save_blocks(23)
+    second = (first[0], *chain_of("save-24", 24)[1:], first[3])  # same blocks, another chain
+    with external.full():
+        a = saver.pin(first[3], *first[:3])
+        saver.send_pinned()
+        assert a is not None and a.state is SaveState.WAITING_FOR_ROOM and a.slots is None
+    # room came back, but a younger save waits behind the older one
+    b = saver.pin(second[3], *second[:3])
+    assert b is not None and b.state is SaveState.WAITING_FOR_ROOM
+    assert external.counters["saves_waited_for_room"] == 2
+    saver.send_pinned()  # the buffer's 8 slots take the first save's 6, not both
+    assert a.state is SaveState.SENT and b.state is SaveState.WAITING_FOR_ROOM
+    ended = saver.wait([a, b], 10.0)
+    assert {id(j) for j in ended} == {id(a), id(b)}
+    assert a.outcomes == b.outcomes == [SaveOutcome.SAVED] * CHAIN
+    assert external.counters["blocks_saved"] == 2 * CHAIN
+    assert external.num_free() == CHAIN + 2 and external.mover._save_slots == 0
+    # each saved the bytes its blocks held: a restore of the first chain lands them
+    job = run(r := restorer(external), r.look_up(*external.request("c", 23)[:1], first[3],
+                                                 first[1], first[2]))
+    assert external.landed(job.owner, CHAIN - 1) == stored_bytes(23)[CHAIN - 1].tobytes()
+
+
+def test_a_save_waiting_past_its_deadline_or_preempted_is_dropped_and_counted(
+        external, daemon) -> None:
+    saver = Saver(external.client, external.site, external.counters, deadline_s=0.2)
+    ids, hashes, idents, namespace = external.save_blocks(25)
+    with external.full():
+        late = saver.pin(namespace, ids, hashes, idents)
+        preempted = saver.pin(namespace, ids, hashes, idents)
+        time.sleep(0.25)
+        saver.drop_waiting([preempted])
+        saver.send_pinned()
+    assert late.state is preempted.state is SaveState.DROPPED and not saver.pinned
+    assert external.counters["blocks_save_dropped_no_room"] == CHAIN
+    assert external.counters["blocks_save_dropped_preempted"] == CHAIN
+    assert external.num_free() == CHAIN + 2 and external.mover._save_slots == 0
+    with Client(daemon.socket_path) as c:  # nothing of it reached the daemon
+        assert c.lookup(namespace, hashes, idents, lease_ttl_s=0).num_hit == 0

@@ -493,17 +493,29 @@ def test_a_preempted_requests_saves_end_before_the_next_forward(daemon) -> None:
     assert a.worker.num_in_flight == 0
 
 
-def test_device_staging_without_cupy_names_the_fix() -> None:
-    """``device_staging_blocks`` on a machine without CuPy: one clear error, before any memory
-    is taken (CuPy launches the staging's copies)."""
-    import importlib.util
 
-    from offload.external.device_staging import DeviceStaging
-    from offload.vllm.settings import ConnectorSettings, SettingsError
-
-    with pytest.raises(SettingsError, match="device_staging_blocks must be a positive integer"):
-        ConnectorSettings.from_extra_config({"device_staging_blocks": 0})
-    if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("CuPy is installed here")
-    with pytest.raises(RuntimeError, match="CuPy.*cuda13 extra.*device_staging_blocks unset"):
-        DeviceStaging(4, [0], [4096], [4096], device="cpu")
+def test_a_save_without_staging_room_waits_holding_the_blocks_and_a_preempted_one_is_dropped(
+        daemon) -> None:
+    """The staging buffer full (loads hold it): a finished request's save waits for room
+    and vLLM keeps its blocks until it went out (finished_sending); a preempted request's
+    waiting save is dropped at the flush, not waited for (its blocks go to others)."""
+    a = make_instance(daemon.socket_path, 12)
+    buffer = a.worker.mover.buffer
+    hog = buffer.take(buffer.num_free)
+    a.worker.save(_plan_saves(a, "done", prompt(12), list(range(11))))
+    a.worker.save(_plan_saves(a, "gone", prompt(13), list(range(11, 22))))
+    assert a.scheduler.finished("done") is True
+    assert a.worker.finished_saving({"done"}) == set()  # waiting for room: blocks held
+    assert a.worker.counters["saves_waited_for_room"] == 2
+    start = time.monotonic()
+    a.worker.flush(a.scheduler.plan_step([], preempted={"gone"}).flush)
+    assert time.monotonic() - start < 0.1
+    assert a.worker.counters["blocks_save_dropped_preempted"] == 10
+    buffer.give_back(hog)
+    assert wait_until(lambda: "done" in a.worker.finished_saving(()), 5.0)
+    assert a.worker.counters["blocks_saved"] == 10
+    assert a.worker.counters["blocks_save_skipped_no_room"] == 0
+    b = make_instance(daemon.socket_path, None)
+    n, failed, _ = b.load("r", prompt(12), list(range(3, 14)))
+    assert n == 10 * BLOCK_SIZE and not failed
+    assert [b.block(i) for i in range(3, 13)] == [a.block(i) for i in range(10)]
