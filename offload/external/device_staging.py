@@ -151,16 +151,19 @@ class DeviceStaging:
         if len(block_ids):
             ids = np.empty((2, len(block_ids)), dtype=np.int64)
             ids[0], ids[1] = block_ids, slots
+            # Up through pinned memory, queued on the stream: a copy from pageable memory (what
+            # cupy.asarray does) first waits on the host for everything queued on the stream,
+            # the step included. Torch keeps the pinned buffer until the copy ran, and the
+            # device table is freed in the stream's order, after the launch.
+            table = torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
             with cupy.cuda.Device(self.device.index or 0):
                 on = cupy_stream(cupy, stream, self.device.index or 0)
-                with on:
-                    table = cupy.asarray(ids)  # stream-ordered: freed after the launch ran
-                    launch_pieces(int(self._regions.data.ptr), self.num_regions,
-                                  int(table.data.ptr), len(block_ids),
-                                  int(self.buffer.data_ptr()), self.block_bytes,
-                                  self.max_piece_bytes, pack, on,
-                                  slots_ptr=int(table.data.ptr) + 8 * len(block_ids),
-                                  max_ctas=max_ctas)
+                launch_pieces(int(self._regions.data.ptr), self.num_regions,
+                              int(table.data_ptr()), len(block_ids),
+                              int(self.buffer.data_ptr()), self.block_bytes,
+                              self.max_piece_bytes, pack, on,
+                              slots_ptr=int(table.data_ptr()) + 8 * len(block_ids),
+                              max_ctas=max_ctas)
         return self._record()
 
     def _record(self) -> Any:
