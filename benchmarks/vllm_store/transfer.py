@@ -124,15 +124,15 @@ def _trace_client_requests() -> None:
 
     send = WireClient.request
 
-    def request(self, verb, args=None, timeout_s=None, convert=None):
+    def request(self, verb, args=None, timeout_s=None, convert=None, fds=()):
         landed: list = []
 
         def noted(reply):
             landed.append(time.time())
             return convert(reply) if convert is not None else reply
 
-        pending = send(self, verb, args, timeout_s, noted)
-        if verb in ("save", "load"):
+        pending = send(self, verb, args, timeout_s, noted, fds)
+        if verb in ("save", "load", "lookup_load"):
             _SENT.append((verb, time.time(), landed))
         return pending
 
@@ -148,13 +148,14 @@ def _print_overheads(variant: str, trace: str, client_epochs: list[dict]) -> Non
     marks: dict[str, dict[str, list]] = {"save": {}, "load": {}}
     for r in rows:
         if r["way"] == "span":
-            marks[r["verb"]].setdefault(r["name"], []).append((r["enter_epoch"],
-                                                               r["exit_epoch"]))
+            verb = "load" if r["verb"] == "lookup_load" else r["verb"]  # a load in one trip
+            marks.setdefault(verb, {}).setdefault(r["name"], []).append((r["enter_epoch"],
+                                                                         r["exit_epoch"]))
         else:
             marks[r["way"]].setdefault("copy", []).append((r["enter_epoch"], r["exit_epoch"]))
     for verb in ("save", "load"):
         sent = [(at, landed[0] if landed else float("nan")) for v, at, landed in _SENT
-                if v == verb]
+                if v == verb or verb == "load" and v == "lookup_load"]
         marks[verb]["wire"] = sent
     steps = ("bench>send", "send>loop", "loop>worker", "worker>copy", "copy", "copy>worker",
              "worker>loop", "loop>landed", "landed>bench")
