@@ -10,6 +10,7 @@ vLLM itself cannot be installed on the GPU machine; the CPU end-to-end tests cov
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -126,5 +127,104 @@ def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool, 
                 assert staging.num_free == STAGING_SLOTS
         a_worker.close()
         b_worker.close()
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.timeout(300)
+def test_two_engines_save_at_once_through_default_staging_at_a_users_size(tmp_path) -> None:
+    """Two vLLM instances of the Qwen3-4B shape (36 layers, 2.36 MB blocks), each with the
+    connector's default device staging (128 slots, 64 for saves, requests of 32), save a
+    4,096-token prompt (256 blocks) at once, from their own threads, into one daemon: the
+    saves beyond the room wait for it instead of being skipped, and a third instance (pieces
+    moved in place) loads every block byte-exact."""
+    from offload.external.device_staging import cupy_missing
+    from offload.vllm.settings import ConnectorSettings
+    from offload.vllm.staging_room import StagingRoom
+
+    layers, heads, num_blocks, saved = 36, 8, 272, 256
+    model = vllm_identity("Qwen3ForCausalLM", layers, heads, HEAD_DIM, "bfloat16", BLOCK_SIZE,
+                          "gpu-test-4b", "cuda:LBNHC:kvheads8:head128/128")
+    block_bytes = layers * 2 * BLOCK_SIZE * heads * HEAD_DIM * 2
+    room = StagingRoom.of(ConnectorSettings(), True, True, True, block_bytes, cupy_missing)
+    assert (room.device_slots, room.save_slots) == (128, 64)
+
+    def kv(seed: int | None) -> list:
+        out = [torch.zeros(2, num_blocks, BLOCK_SIZE, heads, HEAD_DIM, dtype=torch.bfloat16,
+                           device="cuda") for _ in range(layers)]
+        if seed is not None:
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            for t in out:
+                t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        torch.cuda.synchronize()
+        return out
+
+    def instance(name: str, tensors: list, staged: bool):
+        mover = make_mover([f"l{i}" for i in range(layers)], tensors, num_blocks,
+                           room.num_slots, {}, device_staging_slots=room.device_slots
+                           if staged else 0, save_slots=room.save_slots)
+        worker = WorkerSide(daemon.socket_path, mover, name, 60.0, 60.0, retry_interval_s=1.0)
+        assert worker.connect(wait_s=60.0), "could not register with the daemon"
+        sched = SchedulerSide(KeyMaker(model), StoreClient(daemon.socket_path, None,
+                                                           f"{name}-sched", 30.0), saved, 5.0)
+        return sched, worker
+
+    daemon = start_daemon(tmp_path, dram="2GiB", http=False)
+    try:
+        prompts = {name: [random.Random(seed).randrange(10, 5000)
+                          for _ in range(saved * BLOCK_SIZE + 1)]
+                   for name, seed in (("a", 11), ("b", 12))}
+        ids = {name: random.Random(seed).sample(range(num_blocks), saved + 1)
+               for name, seed in (("a", 21), ("b", 22))}
+        tensors = {"a": kv(1), "b": kv(2)}
+        engines = {name: instance(f"vllm-gpu-{name}", tensors[name], staged=True)
+                   for name in ("a", "b")}
+        errors: list[BaseException] = []
+
+        def save(name: str) -> None:
+            try:
+                sched, worker = engines[name]
+                sched.match("r", prompts[name], 0, None, None)
+                sched.after_alloc("r", ids[name], 0)
+                worker.save(sched.plan_step([ScheduledRequest("r", 0, saved * BLOCK_SIZE + 1,
+                                                              None)]))
+                worker.drain(120.0)
+            except BaseException as exc:  # reported below, on the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=save, args=(name,)) for name in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180.0)
+        assert not errors, errors
+        for name, (_, worker) in engines.items():
+            c = worker.counters
+            assert c["blocks_saved"] == saved, (name, c)
+            assert c["saves_waited_for_room"] > 0, (name, c)  # 8 requests, room for 2
+            assert not any(c[k] for k in c if k.startswith(("blocks_save_dropped",
+                                                            "blocks_save_skipped"))), c
+            assert worker.mover.staging.num_free == room.device_slots
+            worker.close()
+        loader_kv = kv(None)
+        sched, worker = instance("vllm-gpu-loader", loader_kv, staged=False)
+        for name, seed in (("a", 31), ("b", 32)):
+            into = random.Random(seed).sample(range(num_blocks), saved + 1)
+            assert sched.match(name, prompts[name], 0, None, None) == saved * BLOCK_SIZE
+            sched.after_alloc(name, into, saved * BLOCK_SIZE)
+            worker.start(sched.plan_step([]))
+            deadline, done, failed = time.monotonic() + 60.0, set(), set()
+            while name not in done and time.monotonic() < deadline:
+                got, bad = worker.poll()
+                done |= got
+                failed |= bad
+            assert name in done and not failed
+            sched.loads_finished({name})
+            torch.cuda.synchronize()
+            src, dst = torch.tensor(ids[name][:saved]), torch.tensor(into[:saved])
+            for want, got in zip(tensors[name], loader_kv):
+                assert torch.equal(got[:, dst.cuda()].view(torch.int16),
+                                   want[:, src.cuda()].view(torch.int16)), name
+        worker.close()
     finally:
         daemon.stop()
