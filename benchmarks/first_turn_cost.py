@@ -9,6 +9,9 @@ history: a short prefill over an HBM hit, and a miss at the store. Scenarios, ea
 - ``after-prefill``: it arrives right after another request's fresh prefill step (``--writer-len``
   tokens), whose blocks the engine with write-through saves has just sent to its daemon: their
   device-to-host copies run during the first turn's prefill.
+- ``cold``: a fresh prompt of ``--system-len + --turn-len`` tokens, nothing of it in HBM or
+  the store (an agent's very first request): its prefill steps and, with write-through, the
+  saves of each chunk's blocks while the next chunk computes.
 - ``lookup-after-prefill`` (engines with a store): as ``after-prefill``, but only the lookup sent
   on arrival is timed, from ``add_request`` to its reply, with no step in between; whether it
   went out at once or queued behind the saves is counted (``sent_at_once``).
@@ -43,7 +46,7 @@ CONFIGS = {  # name: EngineConfig overrides
     "write-through": {"kv_offload": True, "kv_offload_policy": "write-through"},
     "evict": {"kv_offload": True, "kv_offload_policy": "evict"},
 }
-SCENARIOS = ("alone", "after-prefill")
+SCENARIOS = ("alone", "after-prefill", "cold")
 # Per first turn: its TTFT, ``add_request``'s own time, and its first-token step's phases
 # (``StepTiming``: the previous step's saves flushed, arrivals taken, scheduling, execute, the
 # whole step).
@@ -75,6 +78,7 @@ class _Arm:
             raise
         self.socket_path = overrides.get("kv_store_socket")
         self.samples: dict[str, list[dict]] = {s: [] for s in SCENARIOS}
+        self.first_rep: dict[str, list[dict]] = {}
         if self.daemon is not None:
             self.samples[LOOKUP] = []
 
@@ -187,6 +191,10 @@ def measure(args: argparse.Namespace, configs: list[str]) -> dict:
                 arm.run(f"writer-{rep}", writer)  # its saves go out as it returns
                 arm.samples["after-prefill"].append(arm.run(f"after-{rep}", turn))
                 arm.quiesce()
+            cold = rng.integers(10, vocab, args.system_len + args.turn_len).tolist()
+            for arm in order:
+                arm.samples["cold"].append(arm.run(f"cold-{rep}", cold))
+                arm.quiesce()
             later = _shifted(later, vocab)
             turn = system + later
             for arm in order:
@@ -196,6 +204,7 @@ def measure(args: argparse.Namespace, configs: list[str]) -> dict:
                     arm.quiesce()
             if rep == 0:
                 for arm in arms:  # the first rep warms what the engines build on first use
+                    arm.first_rep = {k: list(v) for k, v in arm.samples.items()}
                     for samples in arm.samples.values():
                         samples.clear()
         out = {}
@@ -211,6 +220,7 @@ def measure(args: argparse.Namespace, configs: list[str]) -> dict:
                     "reply_ms": _stats([s["reply_ms"] for s in looks]),
                     "sent_at_once": sum(s["sent_at_once"] for s in looks)}
             out[arm.name]["samples"] = arm.samples
+            out[arm.name]["first_rep"] = arm.first_rep  # first use included
             out[arm.name]["offload"] = arm.engine.stats().get("kv_offload")
             out[arm.name]["daemon_request_ms"] = arm.daemon_request_ms()
         return out
@@ -261,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['add_request_ms']['median']:.2f} flush {s['flush_ms']['median']:.2f} "
                   f"take {s['add_ms']['median']:.2f} step {s['step_ms']['median']:.2f}",
                   flush=True)
+    for name in configs:
+        first = points[name]["first_rep"].get("cold")
+        if first:
+            print(f"{'cold, rep 0':>14} {name:>14}: TTFT {first[0]['ttft_ms']:7.2f} ms in "
+                  f"{first[0]['steps']} steps (first use included)", flush=True)
     for name in configs:
         look = points[name].get(LOOKUP)
         if look is not None:
