@@ -129,12 +129,14 @@ class ModelRunner:
         return self.model.forward(forward_batch, self.kv_cache.array)
 
     def execute(self, batch: ScheduledBatch,
-                while_device_runs: Callable[[Callable[[], bool]], None] | None = None
+                while_device_runs: Callable[[Callable[[], bool], bool], None] | None = None
                 ) -> StepResult:
         """Run the step: sample, and compute the prompt logprobs the batch's chunks owe.
         ``while_device_runs``: called once the forward is queued and before anything waits for
         it (host work that then overlaps the device's), with a check of whether the device has
-        finished the forward (always True on a backend that runs synchronously)."""
+        finished the forward (always True on a backend that runs synchronously) and whether
+        this step will wait for it (it reads sampled tokens or prompt logprobs; a step of
+        mid-prompt chunks only does not, and the host queues the next step meanwhile)."""
         owed = [(seq, positions) for seq, n in zip(batch.seqs, batch.num_new_tokens)
                 if (positions := seq.prompt_logprob_positions(n))]
         result = StepResult()
@@ -142,7 +144,7 @@ class ModelRunner:
         logits, sampling = (self._eager(batch) if owed else
                             self._replayed(batch) or self._eager(batch))
         if while_device_runs is not None:
-            while_device_runs(self.ops.work_done_marker() or _done)
+            while_device_runs(self.ops.work_done_marker() or _done, bool(sampling or owed))
         if owed:
             result.prompt_logprobs = self._prompt_logprobs(logits[len(sampling):], owed)
             logits = logits[: len(sampling)]

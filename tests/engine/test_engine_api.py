@@ -303,13 +303,13 @@ def test_requests_arriving_while_the_device_runs_join_that_step(engine: LLMEngin
     calls: list[int] = []
 
     def arriving_mid_step(batch, while_device_runs=None):
-        def hook(device_done):
+        def hook(device_done, host_waits=True):
             assert device_done()  # the CPU backend ran the forward before returning
             calls.append(len(calls))
             if len(calls) == 1:  # the server adds two requests while the device runs
                 engine.add_request("b", prompts[1], params)
                 engine.add_request("c", prompts[2], params)
-            while_device_runs(device_done)
+            while_device_runs(device_done, host_waits)
         return execute(batch, while_device_runs=hook)
 
     engine.runner.execute = arriving_mid_step
@@ -325,3 +325,24 @@ def test_requests_arriving_while_the_device_runs_join_that_step(engine: LLMEngin
                 finished[out.request_id] = out.finish_reason
     assert finished == {"a": "length", "b": "length", "c": "abort"}
     assert len(calls) >= 3  # once per step that ran a batch
+
+
+def test_the_step_hook_says_whether_the_host_will_wait_for_the_device(tiny_model_dir) -> None:
+    """A step of mid-prompt chunks only reads nothing back, so the host does not wait for it
+    (and queues the next chunk meanwhile); the step that samples does."""
+    with LLMEngine(EngineConfig(str(tiny_model_dir), device="cpu", num_kv_blocks=64,
+                                max_num_batched_tokens=64)) as eng:
+        eng.add_request("long", random_prompts(eng.vocab_size, [150], seed=13)[0],
+                        SamplingParams(max_tokens=2, ignore_eos=True))
+        execute = eng.runner.execute
+        waits: list[bool] = []
+
+        def noting(batch, while_device_runs=None):
+            def hook(device_done, host_waits):
+                waits.append(host_waits)
+                while_device_runs(device_done, host_waits)
+            return execute(batch, while_device_runs=hook)
+
+        eng.runner.execute = noting
+        run_to_end(eng)
+        assert waits == [False, False, True, True]  # chunks of 64, 64, 22 + sample; a decode

@@ -71,3 +71,21 @@ def test_without_a_store_the_step_does_not_watch(tiny_model_dir) -> None:
         started = time.monotonic()
         llm.engine._during_step(lambda: False)
         assert time.monotonic() - started < 1.0  # not the 8 s a store's watch would take
+
+
+def test_a_step_the_host_does_not_wait_for_is_not_watched(tiny_model_dir, make_daemon) -> None:
+    """Mid-prompt chunks: the step takes what arrived (its lookup goes out) and returns at
+    once, so the host queues the next chunk while the device computes this one."""
+    daemon = make_daemon()
+    llm = offload_llm(tiny_model_dir, daemon)
+    try:
+        engine = llm.engine
+        assert engine.offload.client.wait_available(10.0)
+        engine.last_step = _previous_step(10.0)
+        engine.add_request("early", random_prompt(1000, 16 * 6, seed=5), PARAMS)
+        started = time.monotonic()
+        engine._during_step(lambda: False, host_waits=False)
+        assert time.monotonic() - started < 1.0  # not the 8 s a watch would take
+        assert "early" in engine.scheduler._by_id  # taken in: its lookup is out
+    finally:
+        close_llm(llm)

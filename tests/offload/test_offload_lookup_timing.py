@@ -122,12 +122,12 @@ def test_a_restore_starts_during_the_step_its_request_arrived_in(tiny_model_dir,
     restores = engine.offload.restores
 
     def arriving(batch, while_device_runs=None):
-        def hook(device_done):
+        def hook(device_done, host_waits=True):
             engine.runner.execute = execute  # once
             engine.add_request("x", stored + [7, 8, 9], PARAMS)
             engine._take_inbox()  # what the hook does first: the lookup goes out
             assert restores.prefetched["x"].lookup.wait(10.0)
-            while_device_runs(device_done)
+            while_device_runs(device_done, host_waits)
         return execute(batch, while_device_runs=hook)
 
     engine.runner.execute = arriving
