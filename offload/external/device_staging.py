@@ -18,7 +18,6 @@ kernel (the project's ``cuda12``/``cuda13`` extra), on torch's stream.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 from kernels.block_copy import launch_pieces, region_table
 from kvstore.layout import KVLayout, Region
 from offload.external.ipc_handle import cuda_ipc_handle
+from offload.external.slot_pool import SlotPool
 
 # A save's pack runs beside the engine's compute in at most this many CTAs (256 threads each):
 # of 32 and 128 on an H200, 128 saved faster (0.53 against 0.46 of raw at 64 blocks) at no
@@ -89,8 +89,7 @@ class DeviceStaging:
         # engine that raises its compute streams' priority keeps it ahead).
         self._side = torch.cuda.Stream(device=self.device, priority=0)
         self.pack_ctas = pack_ctas
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._returning: deque[tuple[Any, list[int]]] = deque()  # (event, slots), in order
+        self.pool = SlotPool(num_slots)
 
     def layout(self, dtype: str, meta: dict) -> KVLayout:
         """The registration: one region over the buffer, slot ``i`` at ``i * block_bytes``."""
@@ -103,15 +102,11 @@ class DeviceStaging:
     @property
     def num_free(self) -> int:
         """Slots free now (those whose last launch has not completed yet not counted)."""
-        self._reclaim()
-        return len(self._free)
+        return self.pool.num_free
 
     def take(self, num_slots: int) -> list[int] | None:
         """``num_slots`` free slots, or None when fewer are free (nothing taken)."""
-        self._reclaim()
-        if num_slots > len(self._free):
-            return None
-        return [self._free.pop() for _ in range(num_slots)]
+        return self.pool.take(num_slots)
 
     def give_back(self, slots: list[int]) -> None:
         """The slots are free once every launch queued on the current stream so far (a load's
@@ -119,7 +114,7 @@ class DeviceStaging:
         save ended, and a save is sent only once its pack completed (``Slots.ready``), so the
         pack's own stream needs no event here."""
         if slots:
-            self._returning.append((self._record(), list(slots)))
+            self.pool.give_back(slots, after=self._record())
 
     def pack(self, block_ids: Sequence[int], slots: Sequence[int]) -> Callable[[], bool]:
         """Queue the copy of the engine's ``block_ids`` into ``slots``, behind everything queued
@@ -171,6 +166,3 @@ class DeviceStaging:
         event.record(self._torch.cuda.current_stream(self.device))
         return event
 
-    def _reclaim(self) -> None:
-        while self._returning and self._returning[0][0].query():
-            self._free.extend(self._returning.popleft()[1])

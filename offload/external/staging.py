@@ -18,6 +18,7 @@ import numpy as np
 
 from kvstore.layout import KVLayout, Region
 from offload.anon_memory import AnonymousMemory
+from offload.external.slot_pool import SlotPool
 
 
 class StagingBuffer:
@@ -31,7 +32,7 @@ class StagingBuffer:
         self.memory = AnonymousMemory(num_slots * block_bytes, name)
         self.slots = np.frombuffer(self.memory.buf, dtype=np.uint8).reshape(num_slots,
                                                                             block_bytes)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.pool = SlotPool(num_slots)
 
     def layout(self, dtype: str, meta: dict) -> KVLayout:
         """The registration: one region, slot ``i`` at ``i * block_bytes``, in the memory of
@@ -45,16 +46,14 @@ class StagingBuffer:
     @property
     def num_free(self) -> int:
         """Slots not lent to a transfer (the contract tests check slots come back)."""
-        return len(self._free)
+        return self.pool.num_free
 
     def take(self, num_slots: int) -> list[int] | None:
         """``num_slots`` free slots, or None when fewer are free (nothing taken)."""
-        if num_slots > len(self._free):
-            return None
-        return [self._free.pop() for _ in range(num_slots)]
+        return self.pool.take(num_slots)
 
     def give_back(self, slots: list[int]) -> None:
-        self._free.extend(slots)
+        self.pool.give_back(slots)
 
     def drop_fd(self) -> None:
         """Close this process's descriptor (the daemon keeps its mapping until it unregisters;
