@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from offload_helpers import close_llm, offload_llm, random_prompt
 
 from engine import LLM, SamplingParams
@@ -50,19 +51,23 @@ def test_an_arrival_during_the_step_is_looked_up_during_it(tiny_model_dir, make_
         close_llm(llm)
 
 
-def test_the_watch_ends_with_its_share_of_the_last_step(tiny_model_dir, make_daemon) -> None:
-    daemon = make_daemon()
-    llm = offload_llm(tiny_model_dir, daemon)
+@pytest.fixture
+def store_engine(tiny_model_dir, make_daemon):
+    """An engine with a store (a real daemon), registered."""
+    llm = offload_llm(tiny_model_dir, make_daemon())
     try:
-        engine = llm.engine
-        assert engine.offload.client.wait_available(10.0)
-        engine.last_step = _previous_step(0.5)
-        started = time.monotonic()
-        engine._during_step(lambda: False)  # a device that never ends: the share bounds it
-        waited = time.monotonic() - started
-        assert 0.35 <= waited < 1.5, waited  # 0.8 x 0.5 s, and not for ever
+        assert llm.engine.offload.client.wait_available(10.0)
+        yield llm.engine
     finally:
         close_llm(llm)
+
+
+def test_the_watch_ends_with_its_share_of_the_last_step(store_engine) -> None:
+    store_engine.last_step = _previous_step(0.5)
+    started = time.monotonic()
+    store_engine._during_step(lambda: False)  # a device that never ends: the share bounds it
+    waited = time.monotonic() - started
+    assert 0.35 <= waited < 1.5, waited  # 0.8 x 0.5 s, and not for ever
 
 
 def test_without_a_store_the_step_does_not_watch(tiny_model_dir) -> None:
@@ -73,19 +78,12 @@ def test_without_a_store_the_step_does_not_watch(tiny_model_dir) -> None:
         assert time.monotonic() - started < 1.0  # not the 8 s a store's watch would take
 
 
-def test_a_step_the_host_does_not_wait_for_is_not_watched(tiny_model_dir, make_daemon) -> None:
+def test_a_step_the_host_does_not_wait_for_is_not_watched(store_engine) -> None:
     """Mid-prompt chunks: the step takes what arrived (its lookup goes out) and returns at
     once, so the host queues the next chunk while the device computes this one."""
-    daemon = make_daemon()
-    llm = offload_llm(tiny_model_dir, daemon)
-    try:
-        engine = llm.engine
-        assert engine.offload.client.wait_available(10.0)
-        engine.last_step = _previous_step(10.0)
-        engine.add_request("early", random_prompt(1000, 16 * 6, seed=5), PARAMS)
-        started = time.monotonic()
-        engine._during_step(lambda: False, host_waits=False)
-        assert time.monotonic() - started < 1.0  # not the 8 s a watch would take
-        assert "early" in engine.scheduler._by_id  # taken in: its lookup is out
-    finally:
-        close_llm(llm)
+    store_engine.last_step = _previous_step(10.0)
+    store_engine.add_request("early", random_prompt(1000, 16 * 6, seed=5), PARAMS)
+    started = time.monotonic()
+    store_engine._during_step(lambda: False, host_waits=False)
+    assert time.monotonic() - started < 1.0  # not the 8 s a watch would take
+    assert "early" in store_engine.scheduler._by_id  # taken in: its lookup is out
