@@ -35,7 +35,9 @@ class BlockSite(ABC, Generic[Owner]):
       out) for a save; or WAIT: no room now, ask again later (the owner keeps the blocks
       meanwhile); or REFUSE: never (the save is skipped, counted).
     - ``unpin_after_save(slots, daemon_done)``: the save ended; ``daemon_done`` is False when
-      no reply came (the daemon may still read the slots)."""
+      no reply came (the daemon may still read the slots).
+    - ``never_fits(num_blocks)``: a save of that many blocks would be refused whatever is free
+      (``pin_for_save`` says REFUSE); by default never."""
 
     @abstractmethod
     def reserve(self, job: RestoreJob[Owner]) -> Slots | Reservation: ...
@@ -57,3 +59,6 @@ class BlockSite(ABC, Generic[Owner]):
 
     @abstractmethod
     def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None: ...
+
+    def never_fits(self, num_blocks: int) -> bool:
+        return False

@@ -70,7 +70,8 @@ class Saver:
                       self.client.registration_epoch, SaveState.WAITING_FOR_ROOM, ready=ready,
                       block_ids=list(block_ids),
                       room_deadline=time.monotonic() + self._room_wait_s)
-        got = Reservation.WAIT if self._anyone_waiting() else self._pin(job)
+        got = self._pin(job) if not self._anyone_waiting() else (
+            Reservation.REFUSE if self.site.never_fits(len(block_ids)) else Reservation.WAIT)
         if got is Reservation.REFUSE:
             self.counters["blocks_save_skipped_no_room"] += len(block_ids)
             return None
@@ -101,38 +102,47 @@ class Saver:
     def send_pinned(self) -> None:
         """Pin the jobs waiting for room that the site has room for now (oldest first: a job
         waits behind older ones), drop those waiting past their deadline, and send every
-        pinned save that is ready (the link's thread writes them; nothing waits here)."""
+        pinned save that is ready (the link's thread writes them; nothing waits here). A job
+        that raises (the site's copy, the client) leaves the ones after it pinned."""
         pinned, self.pinned = self.pinned, []
         blocked = False  # an older job still waits for room: younger ones wait behind it
         now = time.monotonic()
-        for job in pinned:
-            if job.state is SaveState.WAITING_FOR_ROOM:
-                if not self.client.available:  # its slots would belong to a lost connection
-                    self._drop(job)
-                    continue
-                got = Reservation.WAIT if blocked else self._pin(job)
-                if got is Reservation.REFUSE:
-                    self._drop(job, "blocks_save_dropped_no_room")
-                    continue
-                if got is Reservation.WAIT:
-                    blocked = True
-                    if now >= job.room_deadline:
-                        self._drop(job, "blocks_save_dropped_no_room")
-                    else:
-                        self.pinned.append(job)
-                    continue
-            if job.ready is not None and not job.ready():
-                self.pinned.append(job)
-                continue
-            if not self.client.available:  # gone since: nothing would land
+        for i, job in enumerate(pinned):
+            try:
+                self._advance(job, blocked, now)
+            except BaseException:
+                self.pinned.extend(j for j in pinned[i:] if not j.over)
+                raise
+            blocked = blocked or job.state is SaveState.WAITING_FOR_ROOM
+
+    def _advance(self, job: SaveJob, blocked: bool, now: float) -> None:
+        """One pinned job: given room, dropped, sent, or kept in ``pinned`` for later."""
+        if job.state is SaveState.WAITING_FOR_ROOM:
+            if not self.client.available:  # its slots would belong to a lost connection
                 self._drop(job)
-                continue
-            assert job.slots is not None
-            job.call = self.client.save(job.namespace, job.slots.block_ids, job.hashes,
-                                      job.idents, self.deadline_s, epoch=job.epoch)
-            job.to(SaveState.SENT)
-            self.counters["saves"] += 1
-            self.in_flight.append(job)
+                return
+            got = Reservation.WAIT if blocked else self._pin(job)
+            if got is Reservation.REFUSE:
+                self._drop(job, "blocks_save_dropped_no_room")
+                return
+            if got is Reservation.WAIT:
+                if now >= job.room_deadline:
+                    self._drop(job, "blocks_save_dropped_no_room")
+                else:
+                    self.pinned.append(job)
+                return
+        if job.ready is not None and not job.ready():
+            self.pinned.append(job)
+            return
+        if not self.client.available:  # gone since: nothing would land
+            self._drop(job)
+            return
+        assert job.slots is not None
+        job.call = self.client.save(job.namespace, job.slots.block_ids, job.hashes,
+                                    job.idents, self.deadline_s, epoch=job.epoch)
+        job.to(SaveState.SENT)
+        self.counters["saves"] += 1
+        self.in_flight.append(job)
 
     def drop_waiting(self, jobs: list[SaveJob]) -> None:
         """The engine takes these jobs' blocks back (a preemption): those still waiting for
@@ -182,6 +192,9 @@ class Saver:
                    and time.monotonic() < deadline):
                 if job.state in _UNSENT:
                     self.send_pinned()
+                    if job.over:  # dropped: past its room's deadline, or the store went
+                        ended.append(job)
+                        continue
                 if job.state is SaveState.WAITING_FOR_ROOM and self.in_flight:
                     # room comes back as the saves in flight end: wait for the oldest
                     oldest = self.in_flight[0].call

@@ -92,17 +92,19 @@ class BlockMover(BlockSite[BlockTransfer]):
         ``save_room`` or the buffer has no free slot (saves and loads in flight give theirs
         back); REFUSE for more blocks than ``save_room`` could ever hold."""
         room = self.save_room
-        if room is not None:
-            if len(block_ids) > room:
-                return Reservation.REFUSE
-            if self._save_slots + len(block_ids) > room:
-                return Reservation.WAIT
+        if self.never_fits(len(block_ids)):
+            return Reservation.REFUSE
+        if room is not None and self._save_slots + len(block_ids) > room:
+            return Reservation.WAIT
         slots = self.slots_for(block_ids, copy_out=True)
         if slots is None:
             return Reservation.WAIT
         if room is not None:
             self._save_slots += len(slots.block_ids)
         return slots
+
+    def never_fits(self, num_blocks: int) -> bool:
+        return self.save_room is not None and num_blocks > self.save_room
 
     def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None:
         if self.save_room is not None:
@@ -153,7 +155,8 @@ class StagedMover(BlockMover):
         self.num_blocks = num_blocks
         self.num_slots = num_slots
         self.save_room = num_slots if save_room is None else min(save_room, num_slots)
-        self.max_save_blocks = max(1, min(BlockMover.max_save_blocks, self.save_room))
+        # two saves of half the room each may be in flight: one copies while one is sent
+        self.max_save_blocks = max(1, min(BlockMover.max_save_blocks, self.save_room // 2))
         self.dtype = dtype
         self.meta = meta
         # Per piece: a [num_blocks, piece_bytes] strided view of the engine's memory and its columns

@@ -553,3 +553,18 @@ def test_a_save_waiting_past_its_deadline_or_preempted_is_dropped_and_counted(
     assert external.num_free() == CHAIN + 2 and external.mover._save_slots == 0
     with Client(daemon.socket_path) as c:  # nothing of it reached the daemon
         assert c.lookup(namespace, hashes, idents, lease_ttl_s=0).num_hit == 0
+
+
+def test_waiting_on_a_save_that_runs_out_of_time_for_room_ends_with_it(external,
+                                                                     daemon) -> None:
+    """``wait`` (a drain, a flush) on a save still waiting for room: the save is dropped at
+    its deadline and the wait returns it, ended (it used to fail an assertion there)."""
+    saver = Saver(external.client, external.site, external.counters, deadline_s=0.2)
+    ids, hashes, idents, namespace = external.save_blocks(26)
+    with external.full():
+        job = saver.pin(namespace, ids, hashes, idents)
+        started = time.monotonic()
+        ended = saver.wait([job], 5.0)
+    assert time.monotonic() - started < 2.0
+    assert job.state is SaveState.DROPPED and [id(j) for j in ended] == [id(job)]
+    assert external.counters["blocks_save_dropped_no_room"] == CHAIN
