@@ -69,6 +69,9 @@ class LLMEngine:
         # A mid-prefill chunk samples nothing, so its step returns before the device finished it
         # and the next step's time includes the rest: only steps between syncs are timed.
         self._last_step_synced = True
+        # The last step the host waited for the device in: the arrival watch's measure (a step
+        # of mid-prompt chunks only returns once its launches are queued).
+        self.last_waited_step: StepTiming | None = None
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -235,6 +238,8 @@ class LLMEngine:
             schedule_s=t_scheduled - t_added, execute_s=elapsed,
             total_s=time.perf_counter() - t_start, num_seqs=len(batch.seqs),
             num_tokens=batch.num_tokens, num_loading=self.scheduler.num_loading)
+        if batch and self._last_step_synced:
+            self.last_waited_step = self.last_step
         finished_ids = [out.request_id for out in outputs if out.finished]
         with self._lock:
             self._live_ids.difference_update(finished_ids)
@@ -246,12 +251,12 @@ class LLMEngine:
         (their store lookups go out now), and restores whose lookups are answered start their
         loads, so they cross the bus during this step rather than after the next schedule.
         With a store, requests arriving later in the step are taken as they come (for
-        ``ARRIVAL_WATCH_STEP_SHARE`` of the previous step's time), but only in a step the host
-        waits for anyway (``host_waits``): a step of mid-prompt chunks returns at once, so the
-        host queues the next chunk while the device computes this one (watching there cost a
-        4,864-token cold prefill 1.17x its time on an H200: the chunks ran one after another
-        with the host's launches in between)."""
-        last = self.last_step
+        ``ARRIVAL_WATCH_STEP_SHARE`` of the last waited-for step's time), but only in a step
+        the host waits for anyway (``host_waits``): a step of mid-prompt chunks returns at
+        once, so the host queues the next chunk while the device computes this one (watching
+        there cost a 4,864-token cold prefill 1.17x its time on an H200: the chunks ran one
+        after another with the host's launches in between)."""
+        last = self.last_waited_step
         watch_until = time.perf_counter() + ARRIVAL_WATCH_STEP_SHARE * (
             last.execute_s if last is not None else 0.0)
         self._arrived.clear()

@@ -45,7 +45,7 @@ import numpy as np
 from benchmarks.common import command, names_arg, now_iso, today, write_result
 from benchmarks.vllm_store.store_process import start_store, stop_store
 from offload.external.block_keys import KeyMaker
-from offload.external.device_staging import PACK_CTAS, cupy_missing
+from offload.external.device_staging import PACK_CTAS, packing_unavailable
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
@@ -163,7 +163,9 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
         # step's saves beyond two requests wait for room)
         room = StagingRoom.of(ConnectorSettings(
             device_staging_blocks=args.staging_blocks if variant in STAGED_VARIANTS else 0),
-            True, True, True, step_bytes // max(1, step.num_blocks), cupy_missing)
+            True, True, True, step_bytes // max(1, step.num_blocks), packing_unavailable)
+        if variant in STAGED_VARIANTS and not room.device_slots:
+            raise RuntimeError(f"{variant}: {room.note}")  # never a staged row measured unstaged
         mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {},
                            device_staging_slots=room.device_slots,
                            pack_ctas=STAGED_VARIANTS.get(variant) or PACK_CTAS,

@@ -40,7 +40,7 @@ from benchmarks.vllm_store.store_process import start_store, stop_store
 from kvstore import Client
 from kvstore.cli.args import positive_int_arg
 from offload.external.block_keys import KeyMaker
-from offload.external.device_staging import PACK_CTAS, cupy_missing
+from offload.external.device_staging import PACK_CTAS, packing_unavailable
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             room = StagingRoom.of(ConnectorSettings(
                 load_blocks=num_blocks, save_blocks=num_blocks,
                 device_staging_blocks=2 * num_blocks if variant in _STAGED else 0),
-                True, True, cuda, block_bytes, cupy_missing)
+                True, True, cuda, block_bytes, packing_unavailable)
             mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
                                room.num_slots, {}, device_staging_slots=room.device_slots,
                                pack_ctas=_STAGED.get(variant) or PACK_CTAS,

@@ -34,13 +34,14 @@ from offload.external.slot_pool import SlotPool
 PACK_CTAS = 128
 
 
-def cupy_missing() -> str | None:
-    """Why this environment cannot launch the staging's copies (CuPy does not import), or
-    None."""
-    try:
-        import cupy  # noqa: F401
-    except ImportError as exc:
-        return str(exc) or "no module named cupy"
+def packing_unavailable() -> str | None:
+    """Why this environment cannot launch the staging's copies (CuPy, or the kernel module's
+    ``ml_dtypes``, does not import), or None. Both come with the cuda12/cuda13 extras."""
+    for module in ("cupy", "ml_dtypes"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            return str(exc) or f"no module named {module}"
     return None
 
 
@@ -60,12 +61,12 @@ class DeviceStaging:
 
     def __init__(self, num_slots: int, piece_base: Sequence[int], piece_stride: Sequence[int],
                  piece_bytes: Sequence[int], device: Any, pack_ctas: int = PACK_CTAS) -> None:
-        reason = cupy_missing()
+        reason = packing_unavailable()
         if reason is not None:
             raise RuntimeError(f"device staging (device_staging_blocks) launches its copies "
-                               f"with CuPy, which this environment lacks ({reason}): pip "
-                               f"install cupy-cuda13x (the project's cuda13 extra; cuda12 for "
-                               f"CUDA 12), or set device_staging_blocks to 0")
+                               f"with CuPy, which this environment cannot ({reason}): install "
+                               f"the project's cuda13 extra (cuda12 for CUDA 12), or set "
+                               f"device_staging_blocks to 0")
         import cupy
         import torch
 
@@ -90,6 +91,16 @@ class DeviceStaging:
         self._side = torch.cuda.Stream(device=self.device, priority=0)
         self.pack_ctas = pack_ctas
         self.pool = SlotPool(num_slots)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile (or load from CuPy's cache) and run the copy kernel once, packing the
+        engine's block 0 into slot 0 (it only reads the engine's memory; one function packs
+        and scatters): a module that cannot build fails here, at registration, and the first
+        save or load does not wait for a compile inside a step."""
+        with self._torch.cuda.device(self.device):
+            self._launch([0], [0], pack=True)
+            self._torch.cuda.current_stream(self.device).synchronize()
 
     def layout(self, dtype: str, meta: dict) -> KVLayout:
         """The registration: one region over the buffer, slot ``i`` at ``i * block_bytes``."""

@@ -43,7 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.external.block_keys import KeyMaker
 from offload.external.block_mover import BlockMover
-from offload.external.device_staging import cupy_missing
+from offload.external.device_staging import packing_unavailable
 from offload.external.kv_tensors import make_mover
 from offload.external.plan import StepPlan
 from offload.external.worker_side import WorkerSide
@@ -257,11 +257,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         block_bytes = sum(t.numel() * t.element_size() for t in tensors) // self._num_blocks
         room = StagingRoom.of(self.settings, bool(config.is_kv_consumer),
                               bool(config.is_kv_producer), bool(tensors[0].is_cuda),
-                              block_bytes, cupy_missing)
+                              block_bytes, packing_unavailable)
         if room.note is not None:
             log.info("%s", room.note)
-        return make_mover(names, tensors, self._num_blocks, room.num_slots, meta,
-                          device_staging_slots=room.device_slots, save_slots=room.save_slots)
+        try:
+            return make_mover(names, tensors, self._num_blocks, room.num_slots, meta,
+                              device_staging_slots=room.device_slots,
+                              save_slots=room.save_slots)
+        except Exception as exc:  # the staging's memory or its kernel's build
+            if not room.device_slots or self.settings.device_staging_blocks is not None:
+                raise  # asked for by size: its failure is the answer
+            log.warning("kvstore connector: device staging could not start (%s); the daemon "
+                        "moves vLLM's pieces in place", exc)
+            return make_mover(names, tensors, self._num_blocks, room.num_slots, meta)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

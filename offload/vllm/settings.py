@@ -48,9 +48,10 @@ class ConnectorSettings:
     save_blocks: int = 64  # staging room for saves; a save waits for room (save_timeout_s)
     # GPU: whole-block slots of staging in device memory. The worker packs a save's pieces into
     # slots on a stream of its own and the daemon moves whole blocks; a load lands in slots and
-    # is scattered. None: load_blocks + save_blocks slots where CuPy is importable, else none;
-    # 0: none (the daemon reads and writes the engine's pieces in place). The slots are split
-    # between loads and saves as load_blocks : save_blocks.
+    # is scattered. None: load_blocks + save_blocks slots on a GPU where the packing's modules
+    # import and that is at most 1 GiB, else none; 0: none (the daemon reads and writes the
+    # engine's pieces in place); N: N slots, load_blocks of them for loads, the rest for saves
+    # (offload/vllm/staging_room.py).
     device_staging_blocks: int | None = None
 
     def __post_init__(self) -> None:

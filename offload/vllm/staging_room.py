@@ -35,10 +35,10 @@ class StagingRoom:
 
     @classmethod
     def of(cls, settings: ConnectorSettings, loads: bool, saves: bool, on_cuda: bool,
-           block_bytes: int, cupy_missing: Callable[[], str | None]) -> StagingRoom:
+           block_bytes: int, packing_unavailable: Callable[[], str | None]) -> StagingRoom:
         """The room for an instance that ``loads`` and/or ``saves`` blocks of ``block_bytes``,
-        its KV on a GPU or not; ``cupy_missing`` says why CuPy cannot launch the packing (None:
-        it can). SettingsError for a device staging too small for ``load_blocks``."""
+        its KV on a GPU or not; ``packing_unavailable`` says why CuPy cannot launch the
+        packing (None: it can). SettingsError for a device staging too small for ``load_blocks``."""
         load_room = settings.load_blocks * loads
         save_room = settings.save_blocks * saves
         num_slots = load_room + save_room
@@ -53,9 +53,10 @@ class StagingRoom:
                     f"loads take load_blocks ({load_room}) of them, saves the rest; give at "
                     f"least {load_room + saves}, or 0 for none")
             return cls(num_slots, asked, asked - load_room)
-        reason = cupy_missing()
+        reason = packing_unavailable()
         if reason is not None:
-            reason = f"CuPy does not import ({reason}); the cuda13 or cuda12 extra brings it"
+            reason = (f"the packing's modules do not import ({reason}); the cuda13 or cuda12 "
+                      f"extra brings them")
         elif num_slots * block_bytes > DEFAULT_MAX_DEVICE_BYTES:
             reason = (f"load_blocks + save_blocks = {num_slots} blocks of {block_bytes} bytes "
                       f"would take more than {DEFAULT_MAX_DEVICE_BYTES >> 20} MiB of the GPU; "

@@ -336,13 +336,17 @@ def test_the_step_hook_says_whether_the_host_will_wait_for_the_device(tiny_model
                         SamplingParams(max_tokens=2, ignore_eos=True))
         execute = eng.runner.execute
         waits: list[bool] = []
+        bases: list = []  # the arrival watch's measure as each step ran
 
         def noting(batch, while_device_runs=None):
             def hook(device_done, host_waits):
                 waits.append(host_waits)
+                bases.append(eng.last_waited_step)
                 while_device_runs(device_done, host_waits)
             return execute(batch, while_device_runs=hook)
 
         eng.runner.execute = noting
         run_to_end(eng)
         assert waits == [False, False, True, True]  # chunks of 64, 64, 22 + sample; a decode
+        # the watch is measured by steps the host waited for, not by a chunk's launches
+        assert bases[:3] == [None, None, None] and bases[3].num_tokens == 22

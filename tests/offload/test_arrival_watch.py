@@ -30,7 +30,7 @@ def test_an_arrival_during_the_step_is_looked_up_during_it(tiny_model_dir, make_
     try:
         engine = llm.engine
         assert engine.offload.client.wait_available(10.0)
-        engine.last_step = _previous_step(2 * DEVICE_S)  # the watch covers the whole step
+        engine.last_waited_step = _previous_step(2 * DEVICE_S)  # the watch covers the whole step
         device = threading.Event()
         adder = threading.Timer(ARRIVES_AFTER_S, engine.add_request,
                                 ("late", random_prompt(1000, 16 * 6, seed=4), PARAMS))
@@ -63,7 +63,7 @@ def store_engine(tiny_model_dir, make_daemon):
 
 
 def test_the_watch_ends_with_its_share_of_the_last_step(store_engine) -> None:
-    store_engine.last_step = _previous_step(0.5)
+    store_engine.last_waited_step = _previous_step(0.5)
     started = time.monotonic()
     store_engine._during_step(lambda: False)  # a device that never ends: the share bounds it
     waited = time.monotonic() - started
@@ -72,7 +72,7 @@ def test_the_watch_ends_with_its_share_of_the_last_step(store_engine) -> None:
 
 def test_without_a_store_the_step_does_not_watch(tiny_model_dir) -> None:
     with LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64) as llm:
-        llm.engine.last_step = _previous_step(10.0)
+        llm.engine.last_waited_step = _previous_step(10.0)
         started = time.monotonic()
         llm.engine._during_step(lambda: False)
         assert time.monotonic() - started < 1.0  # not the 8 s a store's watch would take
@@ -81,7 +81,7 @@ def test_without_a_store_the_step_does_not_watch(tiny_model_dir) -> None:
 def test_a_step_the_host_does_not_wait_for_is_not_watched(store_engine) -> None:
     """Mid-prompt chunks: the step takes what arrived (its lookup goes out) and returns at
     once, so the host queues the next chunk while the device computes this one."""
-    store_engine.last_step = _previous_step(10.0)
+    store_engine.last_waited_step = _previous_step(10.0)
     store_engine.add_request("early", random_prompt(1000, 16 * 6, seed=5), PARAMS)
     started = time.monotonic()
     store_engine._during_step(lambda: False, host_waits=False)

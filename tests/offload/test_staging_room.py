@@ -40,7 +40,7 @@ def test_device_staging_is_the_default_on_a_gpu_sized_as_the_cpu_room() -> None:
 def test_the_default_stays_off_without_cupy_or_past_its_bytes_and_says_why() -> None:
     got = room(missing=no_cupy)
     assert (got.device_slots, got.save_slots) == (0, 64)
-    assert "CuPy does not import (No module named 'cupy')" in got.note
+    assert "the packing's modules do not import (No module named 'cupy')" in got.note
     assert "cuda13" in got.note
     big = room(load_blocks=400)  # 464 blocks of 2.36 MB: past 1 GiB
     assert big.device_slots == 0 and "464 blocks of 2359296 bytes" in big.note

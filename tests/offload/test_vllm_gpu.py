@@ -138,7 +138,7 @@ def test_two_engines_save_at_once_through_default_staging_at_a_users_size(tmp_pa
     4,096-token prompt (256 blocks) at once, from their own threads, into one daemon: the
     saves beyond the room wait for it instead of being skipped, and a third instance (pieces
     moved in place) loads every block byte-exact."""
-    from offload.external.device_staging import cupy_missing
+    from offload.external.device_staging import packing_unavailable
     from offload.vllm.settings import ConnectorSettings
     from offload.vllm.staging_room import StagingRoom
 
@@ -146,7 +146,7 @@ def test_two_engines_save_at_once_through_default_staging_at_a_users_size(tmp_pa
     model = vllm_identity("Qwen3ForCausalLM", layers, heads, HEAD_DIM, "bfloat16", BLOCK_SIZE,
                           "gpu-test-4b", "cuda:LBNHC:kvheads8:head128/128")
     block_bytes = layers * 2 * BLOCK_SIZE * heads * HEAD_DIM * 2
-    room = StagingRoom.of(ConnectorSettings(), True, True, True, block_bytes, cupy_missing)
+    room = StagingRoom.of(ConnectorSettings(), True, True, True, block_bytes, packing_unavailable)
     assert (room.device_slots, room.save_slots) == (128, 64)
 
     def kv(seed: int | None) -> list:
