@@ -37,11 +37,11 @@ PACK_CTAS = 128
 def packing_unavailable() -> str | None:
     """Why this environment cannot launch the staging's copies (CuPy, or the kernel module's
     ``ml_dtypes``, does not import), or None. Both come with the cuda12/cuda13 extras."""
-    for module in ("cupy", "ml_dtypes"):
-        try:
-            __import__(module)
-        except ImportError as exc:
-            return str(exc) or f"no module named {module}"
+    try:
+        import cupy  # noqa: F401
+        import ml_dtypes  # noqa: F401
+    except ImportError as exc:
+        return str(exc) or "CuPy or ml_dtypes does not import"
     return None
 
 
