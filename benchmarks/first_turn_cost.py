@@ -91,10 +91,11 @@ class _Arm:
         started = time.perf_counter()
         engine.add_request(tag, prompt, params)
         added = time.perf_counter()
-        steps = 0
+        steps, step_ms = 0, []
         while True:
             outputs = engine.step()
             steps += 1
+            step_ms.append(engine.last_step.total_s * 1e3)
             if any(out.request_id == tag and out.token_ids for out in outputs):
                 ttft = time.perf_counter() - started
                 timing = engine.last_step
@@ -104,7 +105,7 @@ class _Arm:
                         "flush_ms": timing.flush_s * 1e3,
                         "add_ms": timing.add_s * 1e3, "schedule_ms": timing.schedule_s * 1e3,
                         "execute_ms": timing.execute_s * 1e3, "step_ms": timing.total_s * 1e3,
-                        "steps": steps,
+                        "steps": steps, "step_ms_each": step_ms,
                         "cached_tokens": cached}
 
     def time_lookup(self, tag: str, prompt: list[int]) -> dict:
@@ -276,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             print(f"{'cold, rep 0':>14} {name:>14}: TTFT {first[0]['ttft_ms']:7.2f} ms in "
                   f"{first[0]['steps']} steps (first use included)", flush=True)
+        each = [s["step_ms_each"] for s in points[name]["samples"]["cold"]]
+        if each and all(len(e) == len(each[0]) for e in each):
+            print(f"{'cold steps':>14} {name:>14}: p50 ms each "
+                  + " ".join(f"{statistics.median(col):.2f}" for col in zip(*each)), flush=True)
     for name in configs:
         look = points[name].get(LOOKUP)
         if look is not None:

@@ -181,6 +181,8 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
         failed = sum(n for name, n in worker.counters.items()
                      if name == "blocks_save_failed" or name.startswith("blocks_save_dropped")
                      or name.startswith("blocks_save_skipped"))
+        print(f"  {variant}: {worker.counters['saves']} save requests, "
+              f"{worker.counters['saves_waited_for_room']} waited for staging room", flush=True)
         worker.close()
         return times, (saved, failed)
     finally:
