@@ -258,7 +258,7 @@ class LLMEngine:
         after another with the host's launches in between)."""
         last = self.last_waited_step
         watch_until = time.perf_counter() + ARRIVAL_WATCH_STEP_SHARE * (
-            last.execute_s if last is not None else 0.0)
+            last.execute_s if last is not None else 0.0)  # from the forward's queueing on
         self._arrived.clear()
         self._take_inbox()
         self.scheduler.start_restores_during_step(device_done)

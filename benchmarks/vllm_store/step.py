@@ -46,7 +46,6 @@ from benchmarks.common import command, names_arg, now_iso, today, write_result
 from benchmarks.vllm_store.store_process import start_store, stop_store
 from offload.external.block_keys import KeyMaker
 from offload.external.device_staging import PACK_CTAS, packing_unavailable
-from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
 from offload.vllm.model_identity import vllm_identity
@@ -166,10 +165,8 @@ def _daemon_mode(torch, step: Step, pick, plan_for, kv: list, args: argparse.Nam
             True, True, True, step_bytes // max(1, step.num_blocks), packing_unavailable)
         if variant in STAGED_VARIANTS and not room.device_slots:
             raise RuntimeError(f"{variant}: {room.note}")  # never a staged row measured unstaged
-        mover = make_mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], 1, {},
-                           device_staging_slots=room.device_slots,
-                           pack_ctas=STAGED_VARIANTS.get(variant) or PACK_CTAS,
-                           save_slots=room.save_slots)
+        mover = room.mover([f"l{i}" for i in range(args.layers)], kv, kv[0].shape[1], {},
+                           pack_ctas=STAGED_VARIANTS.get(variant) or PACK_CTAS)
         worker = WorkerSide(socket_path, mover, "vllm-step-bench", 120.0, 120.0,
                             retry_interval_s=1.0)
         if not worker.connect(wait_s=60.0):

@@ -41,7 +41,6 @@ from kvstore import Client
 from kvstore.cli.args import positive_int_arg
 from offload.external.block_keys import KeyMaker
 from offload.external.device_staging import PACK_CTAS, packing_unavailable
-from offload.external.kv_tensors import make_mover
 from offload.external.plan import BlockTransfer, StepPlan
 from offload.external.worker_side import WorkerSide
 from offload.vllm.model_identity import vllm_identity
@@ -232,10 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 load_blocks=num_blocks, save_blocks=num_blocks,
                 device_staging_blocks=2 * num_blocks if variant in _STAGED else 0),
                 True, True, cuda, block_bytes, packing_unavailable)
-            mover = make_mover([f"l{i}" for i in range(args.layers)], layers, num_blocks,
-                               room.num_slots, {}, device_staging_slots=room.device_slots,
-                               pack_ctas=_STAGED.get(variant) or PACK_CTAS,
-                               save_slots=room.save_slots)
+            mover = room.mover([f"l{i}" for i in range(args.layers)], layers, num_blocks, {},
+                               pack_ctas=_STAGED.get(variant) or PACK_CTAS)
             if args.save_request_blocks is not None:
                 mover.max_save_blocks = args.save_request_blocks
             worker = WorkerSide(socket_path, mover, "vllm-bench", 120.0, 120.0,

@@ -103,6 +103,12 @@ class BlockMover(BlockSite[BlockTransfer]):
             self._save_slots += len(slots.block_ids)
         return slots
 
+    def _size_saves(self, room: int, most: int) -> None:
+        """Saves may hold ``room`` slots at once, in requests of half of it (at most
+        ``most`` blocks): one is copied while the other is sent."""
+        self.save_room = room
+        self.max_save_blocks = max(1, min(most, room // 2))
+
     def never_fits(self, num_blocks: int) -> bool:
         return self.save_room is not None and num_blocks > self.save_room
 
@@ -154,9 +160,8 @@ class StagedMover(BlockMover):
             raise ValueError("one byte view and one piece list per layer")
         self.num_blocks = num_blocks
         self.num_slots = num_slots
-        self.save_room = num_slots if save_room is None else min(save_room, num_slots)
-        # two saves of half the room each may be in flight: one copies while one is sent
-        self.max_save_blocks = max(1, min(BlockMover.max_save_blocks, self.save_room // 2))
+        self._size_saves(num_slots if save_room is None else min(save_room, num_slots),
+                         BlockMover.max_save_blocks)
         self.dtype = dtype
         self.meta = meta
         # Per piece: a [num_blocks, piece_bytes] strided view of the engine's memory and its columns

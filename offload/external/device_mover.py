@@ -30,8 +30,7 @@ class DeviceStagedMover(BlockMover):
         self.dtype = dtype
         self.meta = meta
         self.block_bytes = staging.block_bytes
-        self.save_room = max(1, min(save_room, staging.num_slots))
-        self.max_save_blocks = max(1, min(1024, self.save_room // 2))
+        self._size_saves(max(1, min(save_room, staging.num_slots)), 1024)
 
     def open(self) -> KVLayout:
         return self.staging.layout(self.dtype, self.meta)

@@ -261,9 +261,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if room.note is not None:
             log.info("%s", room.note)
         try:
-            return make_mover(names, tensors, self._num_blocks, room.num_slots, meta,
-                              device_staging_slots=room.device_slots,
-                              save_slots=room.save_slots)
+            return room.mover(names, tensors, self._num_blocks, meta)
         except Exception as exc:  # the staging's memory or its kernel's build
             if not room.device_slots or self.settings.device_staging_blocks is not None:
                 raise  # asked for by size: its failure is the answer

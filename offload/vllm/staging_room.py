@@ -13,9 +13,13 @@ for saves. A save that finds the saves' room full waits for it (``offload.core.s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from offload.external.block_mover import BlockMover
+from offload.external.device_staging import PACK_CTAS
+from offload.external.kv_tensors import make_mover
 from offload.vllm.settings import KEY, ConnectorSettings, SettingsError
 
 # Device staging by default takes at most this much of vLLM's GPU: 128 Qwen3-4B blocks are 302 MB.
@@ -66,3 +70,10 @@ class StagingRoom:
                        f"kvstore connector: no device staging: {reason}. The daemon moves "
                        f"vLLM's pieces in place, a fraction of the bus for small pieces")
         return cls(num_slots, num_slots, save_room)
+
+    def mover(self, names: Sequence[str], tensors: Sequence[Any], num_blocks: int, meta: dict,
+              pack_ctas: int = PACK_CTAS) -> BlockMover:
+        """The block mover of these KV tensors with this room (``make_mover``)."""
+        return make_mover(names, tensors, num_blocks, self.num_slots, meta,
+                          device_staging_slots=self.device_slots, pack_ctas=pack_ctas,
+                          save_slots=self.save_slots)
