@@ -67,6 +67,10 @@ class LedgerSite(BlockSite[OffloadSequence]):
     def release(self, slots: Slots) -> None:
         self.ledger.unpin(slots.block_ids)
 
+    #: kvengine's own blocks: given back at once (``unpin_after_save``), not held for a
+    #: registration that may never come (a store gone for good would keep them from serving).
+    holds_unanswered_saves = False
+
     def pin_for_save(self, block_ids: list[int]) -> Slots:
         self.ledger.pin(block_ids)  # not reused before the store has the bytes
         return Slots(list(block_ids))

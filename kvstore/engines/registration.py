@@ -15,7 +15,7 @@ import contextlib
 import mmap
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -78,6 +78,8 @@ class Registration(ABC):
         self._generations: np.ndarray | None = None  # uint64[num_blocks]
         self._num_copies = 0
         self._closed = False
+        self._unmapped = False
+        self._on_unmapped: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
     # -- memory, per implementation ---------------------------------------------------------
@@ -188,6 +190,16 @@ class Registration(ABC):
         if unmap:
             self.unmap()
 
+    def when_unmapped(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the mappings are gone (at once if they are already): the
+        registry gives the memory's claims back then, not at ``close``, so a registration of
+        the same memory accepted later means no copy of this one still reads or writes it."""
+        with self._lock:
+            if not self._unmapped:
+                self._on_unmapped.append(callback)
+                return
+        callback()
+
     def unmap(self) -> None:
         """Release every mapping now (also for a registration that failed to open)."""
         generation_map, self._generation_map = self._generation_map, None
@@ -197,4 +209,11 @@ class Registration(ABC):
             # ago); the mapping then goes with that array.
             with contextlib.suppress(BufferError):
                 generation_map.close()
-        self._unmap_memory()
+        try:
+            self._unmap_memory()
+        finally:
+            with self._lock:
+                self._unmapped = True
+                callbacks, self._on_unmapped = self._on_unmapped, []
+            for callback in callbacks:
+                callback()

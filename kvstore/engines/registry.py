@@ -3,7 +3,9 @@
 A CPU layout opens a ``ShmRegistration`` over the file descriptors sent with its frame, a GPU one
 a ``CudaRegistration`` (one ``CudaCopier`` per device, all with the daemon's ``CopySettings``; one
 IPC table for the process). Any piece of engine memory, a CUDA IPC handle or host memory behind a
-descriptor (``MemoryClaims``), is held by one live registration at a time. Owners are connection
+descriptor (``MemoryClaims``), is held by one registration at a time, until that registration
+is closed and its last copy done: an engine that registers the same memory again (a reconnect)
+is accepted only once no copy of its old registration reads or writes it. Owners are connection
 names: a disconnect closes every registration of its connection, and only the owning connection
 may use, publish or unregister a registration. What a connection keeps mapped is bounded
 (``max_mappings_per_owner``): each mapping holds a descriptor of the daemon.
@@ -11,6 +13,7 @@ may use, publish or unregister a registration. What a connection keeps mapped is
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -105,10 +108,12 @@ class Registry:
             reg = ShmRegistration.open(next(self._ids), engine_id, layout, owner, fds)
         try:
             self._claims.claim(keys, reg.registration_id)
+            # Given back once the last copy is done, not at close (see ``when_unmapped``).
+            reg.when_unmapped(functools.partial(self._claims.release, reg.registration_id))
             if layout.generations is not None:
                 self._map_generations(reg, fd_of(layout.generations, fds, "block generations"))
         except BaseException:  # never listed: nobody else needs to hear of it
-            reg.close()
+            reg.close()  # no copy ran: unmapped now, its claims with it
             self._claims.release(reg.registration_id)
             raise
         with self._lock:
@@ -202,9 +207,8 @@ class Registry:
         self._close_listeners.add(listener)
 
     def _close(self, reg: Registration) -> None:
-        reg.close()  # first: a copy that checks ``closed`` after this fails its block
-        self._claims.release(reg.registration_id)
-        self._close_listeners.tell(reg)
+        reg.close()  # a copy that checks ``closed`` after this fails its block; the memory's
+        self._close_listeners.tell(reg)  # claims go back once the last copy is done
 
     def __len__(self) -> int:
         with self._lock:

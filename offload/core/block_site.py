@@ -30,14 +30,21 @@ class BlockSite(ABC, Generic[Owner]):
       the owner's chain from ``first_block``, before the lookup is answered (the daemon loads
       the hit into them in the same round trip), or None: no room, or a site that does not
       reserve ahead (the default). Undone like a ``reserve``'s.
-    - ``release(slots)``: the daemon is done with quarantined slots; they may be reused.
+    - ``release(slots)``: the daemon is done with quarantined slots; they may be reused (the
+      quarantine calls it once the request was answered, or once a newer registration of
+      the site's memory was accepted: the daemon then has no copy of the old one running).
     - ``pin_for_save(block_ids)``: slots holding the owner's ``block_ids`` (pinned, or copied
       out) for a save; or WAIT: no room now, ask again later (the owner keeps the blocks
       meanwhile); or REFUSE: never (the save is skipped, counted).
     - ``unpin_after_save(slots, daemon_done)``: the save ended; ``daemon_done`` is False when
-      no reply came (the daemon may still read the slots).
+      no reply came (the daemon may still read the slots). With ``holds_unanswered_saves``
+      (the default) a save without a reply is unpinned only later, with ``daemon_done``
+      True, once the daemon cannot read its slots any more (see ``Quarantine``).
     - ``never_fits(num_blocks)``: a save of that many blocks would be refused whatever is free
       (``pin_for_save`` says REFUSE); by default never."""
+
+    #: A save's slots stay out of use while the daemon may still read them (see the contract).
+    holds_unanswered_saves: bool = True
 
     @abstractmethod
     def reserve(self, job: RestoreJob[Owner]) -> Slots | Reservation: ...

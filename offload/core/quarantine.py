@@ -1,14 +1,19 @@
-"""Slots a load may still write: held out of use until the daemon has answered for them.
+"""Slots a request may still touch: held out of use until the daemon is done with them.
 
 A load given up before its reply (the store hung, the deadline passed) leaves the daemon free to
-write into its slots later. They stay here; once the reply does come in (or the request turns
-out never to have been sent) the daemon is done with them and the site gets them back. A load
-that ends with no reply at all keeps them for good: counted, never reused.
+write into its slots later; a save that got no reply, to read them. They stay here. Once the
+reply does come in (or the request turns out never to have been sent) the daemon is done with
+them and the site gets them back. A request that ended with no reply at all (its connection
+lost, its deadline passed) holds them until a later registration of the engine's memory has
+been accepted: the daemon holds a registration's memory until its last copy is done (a second
+registration of it is refused meanwhile), so by then no copy of the old one reads or writes the
+slots. The link's ``registration_epoch`` counts those accepted registrations.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from offload.core.block_site import BlockSite
 from offload.core.slots import Slots
@@ -16,32 +21,46 @@ from offload.transfer import Transfer
 
 
 class Quarantine:
-    """Held slots per abandoned load (step thread only)."""
+    """Held slots per request given up (step thread only)."""
 
-    def __init__(self, site: BlockSite, counters: Counter[str]) -> None:
+    def __init__(self, site: BlockSite, counters: Counter[str],
+                 registration_epoch: Callable[[], int]) -> None:
         self.site = site
         self.counters = counters
-        self._held: list[tuple[Transfer, Slots]] = []
+        self.registration_epoch = registration_epoch
+        # (request, slots, how to give them back, counted as unanswered yet)
+        self._held: list[tuple[Transfer, Slots, Callable[[Slots], None], bool]] = []
 
-    def hold(self, load: Transfer, slots: Slots) -> None:
+    def hold(self, request: Transfer, slots: Slots,
+             release: Callable[[Slots], None] | None = None) -> None:
+        """Keep ``slots`` out of use until the daemon is done with them; then ``release``
+        them (default: the site's ``release``)."""
         self.counters["blocks_quarantined"] += len(slots.block_ids)
-        self._held.append((load, slots))
+        self._held.append((request, slots, release or self.site.release, False))
         self.poll()
 
     def poll(self) -> None:
-        """Give back the slots of loads the daemon has answered since."""
+        """Give back the slots of requests the daemon has answered since, or whose connection
+        a newer accepted registration replaced."""
         still = []
-        for load, slots in self._held:
-            if not load.poll():
-                still.append((load, slots))
-            elif load.answered or load.never_sent:
-                self.site.release(slots)
-                self.counters["blocks_quarantine_released"] += len(slots.block_ids)
+        for request, slots, release, unanswered in self._held:
+            num = len(slots.block_ids)
+            if not request.poll():
+                still.append((request, slots, release, unanswered))
+            elif request.answered or request.never_sent:
+                release(slots)
+                self.counters["blocks_quarantine_released"] += num
+            elif (request.sent_epoch is not None
+                  and self.registration_epoch() > request.sent_epoch):
+                release(slots)
+                self.counters["blocks_quarantine_released_after_reconnect"] += num
             else:
-                self.counters["blocks_quarantined_for_good"] += len(slots.block_ids)
+                if not unanswered:
+                    self.counters["blocks_quarantined_until_reconnect"] += num
+                still.append((request, slots, release, True))
         self._held = still
 
     @property
     def num_held(self) -> int:
-        """Blocks waiting for their load's reply (not those held for good)."""
-        return sum(len(slots.block_ids) for _, slots in self._held)
+        """Blocks held now (waiting for a reply or for a newer registration)."""
+        return sum(len(slots.block_ids) for _, slots, _, _ in self._held)

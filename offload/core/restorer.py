@@ -9,7 +9,8 @@ Both engines restore through this class; they differ only in their ``BlockSite``
 land) and their ``RestoreDecider`` (whether a hit is worth loading). ``poll`` advances every
 tracked job without waiting; a store that hangs, drops the connection, or never answers ends
 the jobs that wait on it (``GIVEN_UP``, with the reason counted), and slots the daemon may still
-write stay quarantined until it answers. Each job ends exactly once, counted as
+write stay quarantined until it answers, or until a newer registration replaced its connection
+(``Quarantine``). Each job ends exactly once, counted as
 ``restores_<end>``.
 """
 
@@ -84,7 +85,7 @@ class Restorer(Generic[Owner]):
         self.decider = decider
         self.counters = counters
         self.settings = settings or RestoreSettings()
-        self.quarantine = Quarantine(site, counters)
+        self.quarantine = Quarantine(site, counters, lambda: client.registration_epoch)
         self._jobs: list[RestoreJob[Owner]] = []  # tracked: advanced by ``poll``
 
     # -- starting and stopping ----------------------------------------------------------------

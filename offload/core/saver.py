@@ -13,7 +13,10 @@ A site whose slots are a bounded staging buffer (vLLM's) may have no room when a
 the job then waits for room (``WAITING_FOR_ROOM``, counted ``saves_waited_for_room``), and each
 ``send_pinned`` asks the site again, oldest job first, as the saves in flight give their slots
 back. The engine keeps the blocks meanwhile (vLLM: until ``finished_sending``), so nothing is
-copied out of memory that was reused.
+copied out of memory that was reused. A save that got no reply (its connection lost, its
+deadline passed) leaves such a site's slots in a ``Quarantine`` until a newer registration of
+the same memory was accepted (``BlockSite.holds_unanswered_saves``): the daemon may read them
+until then, and they come back after, not never.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable
 
 from kvstore import StoreState
 from offload.core.block_site import BlockSite
+from offload.core.quarantine import Quarantine
 from offload.core.save_job import SaveJob
 from offload.core.slots import Reservation, Slots
 from offload.core.states import SaveOutcome, SaveState
@@ -53,6 +57,7 @@ class Saver:
         self.deadline_s = deadline_s  # the daemon's deadline for a save (None: the client's)
         self.pinned: list[SaveJob] = []
         self.in_flight: list[SaveJob] = []
+        self.quarantine = Quarantine(site, counters, lambda: client.registration_epoch)
 
     def pin(self, namespace: bytes, block_ids: list[int], hashes: list[bytes],
             idents: list[bytes], ready: Callable[[], bool] | None = None) -> SaveJob | None:
@@ -154,6 +159,7 @@ class Saver:
 
     def poll(self) -> list[SaveJob]:
         """End the saves that finished since; their slots go back to the site."""
+        self.quarantine.poll()
         ended, still = [], []
         for job in self.in_flight:
             assert job.call is not None
@@ -169,10 +175,16 @@ class Saver:
                 job.to(SaveState.ENDED)
                 for outcome in job.outcomes:
                     self.counters[_COUNTER[outcome]] += 1
-                self.site.unpin_after_save(job.slots, daemon_done=call.answered)
+                if call.answered or not self.site.holds_unanswered_saves:
+                    self.site.unpin_after_save(job.slots, daemon_done=call.answered)
+                else:  # the daemon may still read them: back once it cannot
+                    self.quarantine.hold(call, job.slots, self._unpin_answered)
             ended.append(job)
         self.in_flight = still
         return ended
+
+    def _unpin_answered(self, slots: Slots) -> None:
+        self.site.unpin_after_save(slots, daemon_done=True)
 
     def _drop(self, job: SaveJob, counter: str = "blocks_save_dropped") -> None:
         job.outcomes = [SaveOutcome.FAILED] * job.num_blocks

@@ -29,8 +29,9 @@ class BlockMover(BlockSite[BlockTransfer]):
     ``copy_out``, holding their bytes for a save), or None when there is no room;
     ``copy_in(slots, ids, n)`` makes the first ``n`` loaded blocks visible in the engine's
     blocks ``ids``; ``give_back(slots)`` returns ids once
-    the daemon is done with them. A ``Slots`` of a lost connection is never given back (its
-    memory is abandoned instead)."""
+    the daemon is done with them. Slots a request without a reply holds come back once a newer
+    registration was accepted (``Quarantine``); a mover that registers fresh memory per
+    connection (``StagedMover``) ignores those of memory it abandoned."""
 
     meta: dict  # what the registration's meta says (num_layers, tensor_layout...)
 

@@ -5,8 +5,10 @@ whole blocks between the slots and its DRAM pool, one DMA run a block. The worke
 blocks into slots on a stream of its own, behind the step that computed them (the save goes out
 once that launch completed: ``Slots.ready``), and scatters a load's slots into the engine's
 blocks on its current stream, before any later forward; slots go back once the launch that used
-them completed. Slots lent on a connection that was lost without a reply are never given back
-(the daemon may still write them): like a quarantined restore's, their room is lost.
+them completed. Slots lent to a request that got no reply (its connection lost, its deadline
+passed) stay out of use until the same buffer's next registration was accepted: the daemon
+holds a registered IPC handle until its last copy is done, so no copy of the old registration
+still reads or writes them then (``Quarantine``).
 """
 
 from __future__ import annotations

@@ -358,6 +358,37 @@ def test_loading_to_given_up_when_the_store_hangs_keeps_the_slots_until_it_answe
     assert side.counters["blocks_quarantine_released"] == CHAIN
 
 
+def test_slots_of_a_load_that_never_got_a_reply_come_back_after_a_reconnect(
+        side, daemon) -> None:
+    """A load whose connection was dropped at its deadline never gets a reply: its slots
+    stay quarantined (the daemon may still write them) until the link's next registration of
+    the same memory is accepted, which the daemon allows only once no copy of the old
+    registration runs. They used to be held for good (vLLM's default device staging lost its
+    room that way, a reconnect at a time)."""
+    store_chain(daemon.socket_path, 16)
+    r = restorer(side, load_deadline_s=0.2)
+    job = look_up(r, side, "a", 16)
+    free = side.num_free()
+    epoch = side.client.registration_epoch
+    with side.full():
+        r.start(job)
+        assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
+        daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        r.poll()  # the load goes out to a stopped daemon, is given up, then runs out of time
+        assert job.state is RestoreState.LOADING
+        assert wait_until(
+            lambda: (r.poll(), side.counters["blocks_quarantined_until_reconnect"])[1] == CHAIN,
+            10.0)
+        assert side.num_free() == free - CHAIN and r.quarantine.num_held == CHAIN
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: (r.poll(), side.num_free())[1] == free, 15.0)
+    assert side.client.registration_epoch > epoch and r.quarantine.num_held == 0
+    assert side.counters["blocks_quarantine_released_after_reconnect"] == CHAIN
+    assert side.counters["blocks_quarantine_released"] == 0
+
+
 def test_waiting_for_slots_to_given_up_when_the_store_hangs(side, daemon) -> None:
     """A leased hit waiting for slots when the store hangs is given up at the next poll, not
     after the slot wait (found by benchmarks.faults.soak: requests waited out a whole SIGSTOP,
@@ -485,6 +516,38 @@ def test_pinned_to_dropped_when_the_store_is_gone_before_sending(side, daemon) -
         daemon.proc.send_signal(signal.SIGCONT)
     assert job.state is SaveState.DROPPED and side.counters["blocks_save_dropped"] == CHAIN
     assert side.num_free() == free
+
+
+def test_a_save_that_never_got_a_reply_holds_its_slots_until_a_reconnect(side,
+                                                                         daemon) -> None:
+    """A save whose connection was dropped at its deadline: vLLM's mover keeps its slots (and
+    the saves' room) out of use until the next registration was accepted, then has them back;
+    kvengine's ledger unpins its own blocks at once (a store gone for good would keep them)."""
+    saver = Saver(side.client, side.site, side.counters, deadline_s=0.2)
+    ids, hashes, idents, namespace = side.save_blocks(27)
+    free = side.num_free()
+    epoch = side.client.registration_epoch
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        job = saver.pin(namespace, ids, hashes, idents)
+        saver.send_pinned()
+        assert job is not None and job.state is SaveState.SENT
+        assert wait_until(lambda: (saver.poll(), job.state)[1] is SaveState.ENDED, 10.0)
+        assert job.outcomes == [SaveOutcome.FAILED] * CHAIN
+        if side.name == "external":
+            assert saver.quarantine.num_held == CHAIN and side.mover._save_slots == CHAIN
+            assert side.num_free() == free - CHAIN
+        else:
+            assert saver.quarantine.num_held == 0 and side.num_free() == free
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: (saver.poll(), side.client.registration_epoch)[1] > epoch, 15.0)
+    saver.poll()
+    assert saver.quarantine.num_held == 0 and side.num_free() == free
+    released = side.counters["blocks_quarantine_released_after_reconnect"]
+    assert released == (CHAIN if side.name == "external" else 0)
+    if side.name == "external":
+        assert side.mover._save_slots == 0
 
 
 def test_a_save_is_skipped_when_the_store_is_away_or_could_never_fit(side, daemon) -> None:

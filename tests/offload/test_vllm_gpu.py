@@ -10,6 +10,7 @@ vLLM itself cannot be installed on the GPU machine; the CPU end-to-end tests cov
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 
@@ -127,6 +128,61 @@ def test_flash_layout_save_and_load_are_byte_exact(tmp_path, heads_major: bool, 
                 assert staging.num_free == STAGING_SLOTS
         a_worker.close()
         b_worker.close()
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.timeout(120)
+def test_device_staging_slots_of_a_save_without_a_reply_come_back_after_a_reconnect(
+        tmp_path) -> None:
+    """A staged save sent to a stopped daemon runs out of time with no reply: its slots stay
+    out of use (the daemon may still read them) until the worker's next registration of the
+    buffer is accepted, then come back, and the next save goes through them. They used to be
+    lost for the process's life, the saves' room shrinking with each such loss."""
+    daemon = start_daemon(tmp_path, dram="512MiB", http=False)
+    try:
+        layers = _layers(4)
+        mover = make_mover([f"l{i}" for i in range(LAYERS)], layers, NUM_BLOCKS, 1, {},
+                           device_staging_slots=STAGING_SLOTS)
+        worker = WorkerSide(daemon.socket_path, mover, "vllm-gpu-lost", 1.0, 1.0,
+                            retry_interval_s=0.5)
+        assert worker.connect(wait_s=60.0)
+        sched = SchedulerSide(KeyMaker(MODEL), StoreClient(daemon.socket_path, None, "sched",
+                                                           30.0), 256, 5.0)
+        staging = mover.staging
+        epoch = worker.client.registration_epoch
+
+        def save(name: str, seed: int, num_blocks: int = 8) -> None:
+            rng = random.Random(seed)
+            tokens = [rng.randrange(10, 5000) for _ in range(num_blocks * BLOCK_SIZE + 1)]
+            sched.match(name, tokens, 0, None, None)
+            sched.after_alloc(name, rng.sample(range(NUM_BLOCKS), num_blocks + 1), 0)
+            torch.cuda.synchronize()
+            worker.save(sched.plan_step([ScheduledRequest(name, 0, len(tokens), None)]))
+
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            save("lost", 5)
+            deadline = time.monotonic() + 20.0
+            while (worker.counters["blocks_quarantined_until_reconnect"] < 8
+                   and time.monotonic() < deadline):
+                worker.poll()
+                time.sleep(0.01)
+            assert worker.counters["blocks_quarantined_until_reconnect"] == 8, worker.counters
+            assert staging.num_free == STAGING_SLOTS - 8
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30.0
+        while staging.num_free < STAGING_SLOTS and time.monotonic() < deadline:
+            worker.poll()
+            time.sleep(0.01)
+        assert staging.num_free == STAGING_SLOTS and mover._save_slots == 0
+        assert worker.client.registration_epoch > epoch
+        assert worker.counters["blocks_quarantine_released_after_reconnect"] == 8
+        save("after", 6)
+        worker.drain(30.0)
+        assert worker.counters["blocks_saved"] == 8, worker.counters
+        worker.close()
     finally:
         daemon.stop()
 

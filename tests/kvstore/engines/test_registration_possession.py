@@ -198,3 +198,27 @@ def test_connections_holding_registrations_are_bounded(arenas: list[ShmArena]) -
     register(made[2], "e3", "conn-3")
     assert registry.unregister(first.registration_id, "conn-1")
     registry.close_all()
+
+
+def test_memory_is_held_until_the_last_copy_of_a_closed_registration_is_done(
+        arenas: list[ShmArena]) -> None:
+    """A reconnecting engine registers the same memory again; that is accepted only once no
+    copy of its old registration still reads or writes it, so an engine that sees the new
+    registration accepted may reuse what it lent a request that got no reply."""
+    registry = Registry()
+    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES, 5, generations=True)
+    arenas.append(arena)
+
+    def register(owner: str):
+        return registry.register(arena.layout.to_wire(), "engine", owner, arena.layout.fds)
+
+    old = register("conn-1")
+    with old.open_for_copy():  # a copy still runs when the connection goes
+        assert registry.drop_owner("conn-1") == 1
+        assert old.closed
+        with pytest.raises(RegistryError) as info:
+            register("conn-2")
+        assert info.value.code == "permission_denied" and "registered already" in str(info.value)
+    again = register("conn-2")  # the copy is done: the memory is free
+    assert again.registration_id != old.registration_id
+    registry.close_all()
