@@ -14,10 +14,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from offload.core.block_site import BlockSite
 from offload.core.slots import Slots
 from offload.transfer import Transfer
+
+
+@dataclass
+class _Held:
+    request: Transfer
+    slots: Slots
+    release: Callable[[Slots], None]  # how the slots go back
+    unanswered: bool = False  # ended without a reply (counted once): waits for a registration
 
 
 class Quarantine:
@@ -28,39 +37,39 @@ class Quarantine:
         self.site = site
         self.counters = counters
         self.registration_epoch = registration_epoch
-        # (request, slots, how to give them back, counted as unanswered yet)
-        self._held: list[tuple[Transfer, Slots, Callable[[Slots], None], bool]] = []
+        self._held: list[_Held] = []
 
     def hold(self, request: Transfer, slots: Slots,
              release: Callable[[Slots], None] | None = None) -> None:
         """Keep ``slots`` out of use until the daemon is done with them; then ``release``
         them (default: the site's ``release``)."""
         self.counters["blocks_quarantined"] += len(slots.block_ids)
-        self._held.append((request, slots, release or self.site.release, False))
+        self._held.append(_Held(request, slots, release or self.site.release))
         self.poll()
 
     def poll(self) -> None:
         """Give back the slots of requests the daemon has answered since, or whose connection
         a newer accepted registration replaced."""
         still = []
-        for request, slots, release, unanswered in self._held:
-            num = len(slots.block_ids)
+        for held in self._held:
+            request, num = held.request, len(held.slots.block_ids)
             if not request.poll():
-                still.append((request, slots, release, unanswered))
+                still.append(held)
             elif request.answered or request.never_sent:
-                release(slots)
+                held.release(held.slots)
                 self.counters["blocks_quarantine_released"] += num
             elif (request.sent_epoch is not None
                   and self.registration_epoch() > request.sent_epoch):
-                release(slots)
+                held.release(held.slots)
                 self.counters["blocks_quarantine_released_after_reconnect"] += num
             else:
-                if not unanswered:
+                if not held.unanswered:
+                    held.unanswered = True
                     self.counters["blocks_quarantined_until_reconnect"] += num
-                still.append((request, slots, release, True))
+                still.append(held)
         self._held = still
 
     @property
     def num_held(self) -> int:
         """Blocks held now (waiting for a reply or for a newer registration)."""
-        return sum(len(slots.block_ids) for _, slots, _, _ in self._held)
+        return sum(len(held.slots.block_ids) for held in self._held)
