@@ -112,6 +112,13 @@ class Transfer:
         return self._abandoned
 
     @property
+    def lost(self) -> bool:
+        """Ended after it went out, with no reply: its deadline passed or its connection was
+        lost. The daemon may still touch the memory it named until a newer registration of that
+        memory is accepted (``sent_epoch``)."""
+        return self.done and not self.answered and not self._abandoned
+
+    @property
     def elapsed_s(self) -> float:
         end = self.finished_at if self.finished_at is not None else time.monotonic()
         return end - self.started_at

@@ -222,8 +222,9 @@ class Restorer(Generic[Owner]):
             if hung:
                 self._abandon_ahead(job, End.STORE_HUNG, now)
             return
-        if lookup.timed_out:
-            self._abandon_ahead(job, End.LOAD_TIMEOUT, now)
+        if lookup.lost:
+            self._abandon_ahead(job, End.LOAD_TIMEOUT if lookup.timed_out else End.LOAD_LOST,
+                                now)
             return
         reply = lookup.result if lookup.ok else None
         ended_at = lookup.finished_at or now
@@ -246,9 +247,8 @@ class Restorer(Generic[Owner]):
             if lease_id:
                 self.client.release(lease_id)
             job.num_loaded = 0  # an aborted job's loaded blocks are nobody's
-            # The daemon is done with the slots: it answered, the request never went out, or
-            # the connection is gone (the daemon stops a closed connection's copy at its next
-            # block, and unregistering waits for it), as for a load (``_take_load``).
+            # The daemon is done with the slots: it answered or the request never went out
+            # (one that went out and got no reply was quarantined above).
             self.site.unreserve(job, quarantined=False)
             end = (End.ABORTED if job.aborted else End.LOOKUP_FAILED if reply is None
                    else End.MISS)
@@ -323,8 +323,8 @@ class Restorer(Generic[Owner]):
             if hung:  # the owner recomputes now; the slots wait for the daemon's answer
                 self._abandon_load(job, End.STORE_HUNG, now)
             return
-        if load.timed_out:
-            self._abandon_load(job, End.LOAD_TIMEOUT, now)
+        if load.lost:  # the daemon may still write the slots: quarantined
+            self._abandon_load(job, End.LOAD_TIMEOUT if load.timed_out else End.LOAD_LOST, now)
             return
         if not load.ok:
             self.counters["load_errors"] += 1

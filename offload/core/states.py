@@ -52,6 +52,7 @@ class RestoreEnd(_Named):
     RECONNECTED = "reconnected"  # the lease belonged to a connection since lost
     STORE_HUNG = "store_hung"  # the store stopped answering while the restore waited on it
     LOAD_TIMEOUT = "load_timeout"  # no reply to the load: its slots stay quarantined
+    LOAD_LOST = "load_lost"  # its connection went before the reply: slots quarantined too
     ABORTED = "aborted"  # the engine dropped the request
 
 

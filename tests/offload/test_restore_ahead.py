@@ -165,6 +165,36 @@ def test_a_hung_store_requeues_it_and_quarantines_the_blocks_until_it_answers(
     assert wait_until(released, timeout_s=10.0)
 
 
+def test_a_lost_connection_quarantines_the_blocks_until_the_link_registers_again(
+        side: Side) -> None:
+    """The lookup_load went out, then its connection was lost before the reply (the daemon
+    lives on and may still be loading): the blocks stay out of use until a newer registration
+    was accepted, which the daemon allows only once the old one's copies are done. They used to
+    go back at once, ended as a failed lookup."""
+    seq = sequence("lost", 1)
+    side.likely(seq)
+    epoch = side.store.client.registration_epoch
+    side.daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert side.restores.prefetch(seq, busy=False, may_restore=True)
+        lookup = side.restores.restores[seq.request_id].lookup
+        assert wait_until(lambda: lookup.sent_epoch is not None, 2.0)  # it went out
+        side.store.client._thread.want_drop()
+        ready, requeued = side.poll_until_over(seq)
+        assert ready == [] and requeued == [seq]
+        assert side.counters["restores_load_lost"] == 1
+        assert side.ledger.num_free_blocks == NUM_BLOCKS - CHAIN  # quarantined
+    finally:
+        side.daemon.proc.send_signal(signal.SIGCONT)
+
+    def released() -> bool:
+        side.restores.poll()
+        return side.ledger.num_free_blocks == NUM_BLOCKS
+    assert wait_until(released, timeout_s=15.0)
+    assert side.store.client.registration_epoch > epoch
+    assert side.counters["blocks_quarantine_released_after_reconnect"] == CHAIN
+
+
 def test_a_likely_hit_on_ssd_comes_back_leased_and_is_loaded_the_two_step_way(
         make_daemon, tmp_path) -> None:
     ssd = dict(ssd_dir=tmp_path / "ssd", ssd_size="16MiB", http=False)

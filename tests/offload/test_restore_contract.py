@@ -389,6 +389,37 @@ def test_slots_of_a_load_that_never_got_a_reply_come_back_after_a_reconnect(
     assert side.counters["blocks_quarantine_released"] == 0
 
 
+def test_slots_of_a_load_whose_connection_was_lost_stay_quarantined_until_a_reconnect(
+        side, daemon) -> None:
+    """A load sent, then its connection lost before the reply (the link drops it; the daemon
+    lives on): the daemon may still be writing the slots, so they are quarantined like a timed
+    out load's and come back only once a newer registration was accepted. They used to go back
+    at once (ended as a failed load), free for another sequence while a late copy could still
+    land in them."""
+    store_chain(daemon.socket_path, 17)
+    r = restorer(side, load_deadline_s=30.0)
+    job = look_up(r, side, "a", 17)
+    free = side.num_free()
+    epoch = side.client.registration_epoch
+    with side.full():
+        r.start(job)
+        assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
+        daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        r.poll()  # the load goes out to a stopped daemon
+        assert job.state is RestoreState.LOADING
+        side.client._thread.want_drop()  # then its connection is lost
+        assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.GIVEN_UP, 5.0)
+        assert job.end is RestoreEnd.LOAD_LOST
+        assert side.num_free() == free - CHAIN and r.quarantine.num_held == CHAIN
+        assert side.counters["blocks_quarantined_until_reconnect"] == CHAIN
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: (r.poll(), side.num_free())[1] == free, 15.0)
+    assert side.client.registration_epoch > epoch and r.quarantine.num_held == 0
+    assert side.counters["blocks_quarantine_released_after_reconnect"] == CHAIN
+
+
 def test_waiting_for_slots_to_given_up_when_the_store_hangs(side, daemon) -> None:
     """A leased hit waiting for slots when the store hangs is given up at the next poll, not
     after the slot wait (found by benchmarks.faults.soak: requests waited out a whole SIGSTOP,
