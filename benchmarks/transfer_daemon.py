@@ -13,13 +13,14 @@ Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process: the co
 without the daemon (``transfer_pipeline``: a ``TieredStore`` here, time per phase).
 Daemon variants, each a daemon started with other ``kvstore serve --copy-*`` options:
 ``default`` (as shipped: pipelined chunks), ``one_submission`` (each request one batch: reserve
-all, one copy submission, wait, publish), ``memcpy_large`` / ``kernel_large`` (block-major runs
+all, one copy submission, wait, publish), ``load_save_ramp`` (loads chunked as saves are: 2, 4,
+8 ... blocks up to 32 MiB, as before s28), ``memcpy_large`` / ``kernel_large`` (block-major runs
 by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of the default's one
 ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the GPU into a staging
 slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs`` / by
 ``copy_pieces``), ``batch_keeps_gil`` (the batch call holds the interpreter's lock instead of
-letting go of it), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (pipelined chunks of at most
-that many bytes instead of 32 MiB: fewer submissions against a later first copy).
+letting go of it), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (a save's pipelined chunks of at
+most that many bytes instead of 32 MiB: fewer submissions against a later first copy).
 ``--trace``: a timeline of every daemon save and load (``copy_trace``); ``--request-trace``: each
 request's stages from socket to reply (``request_trace``), median gaps printed. Per variant also the
 round trip of a request that moves nothing (``health``): the floor under every save/load.
@@ -46,7 +47,9 @@ BLOCK_BYTES = 36 * 2 * 16 * 8 * 128 * 2
 IDENT_BYTES = 16 + 16 * 4  # parent hash + 16 int32 token ids, as the engine sends them
 # Daemon variants: the `kvstore serve` options each starts its daemon with ([] = as shipped).
 _VARIANTS = {"default": [],
-             "one_submission": ["--copy-chunk-size", "0"],
+             "one_submission": ["--copy-chunk-size", "0", "--copy-load-chunk-size", "0"],
+             # loads chunked as saves are (2, 4, 8 ... blocks up to 32 MiB): before s28
+             "load_save_ramp": ["--copy-load-growth", "2", "--copy-load-chunk-size", "32MiB"],
              "memcpy_large": ["--copy-large-runs", "memcpy"],
              # the kernel ways for saves too (by default a save runs no kernel)
              "kernel_large": ["--copy-large-runs", "kernel", "--copy-save-kernels"],

@@ -17,7 +17,9 @@ Variants, each a daemon started with other ``kvstore serve --copy-*`` options: `
 shipped: blocks packed on the GPU by ``copy_pieces`` from a table of block ids into a staging
 buffer that crosses the bus a run per block or fewer), ``runs`` (the same staging, gathered by
 ``copy_runs`` from a run per piece), ``kernel`` (one ``copy_runs`` launch reading or writing the
-mapped pinned pool directly), ``chunk64`` (the default with 64 MiB chunks and staging slots) and
+mapped pinned pool directly), ``chunk64`` (the default with 64 MiB save chunks and staging
+slots), ``load_save_ramp`` (loads chunked as saves are: 2, 4, 8 ... blocks up to 32 MiB, as
+before s28) and
 ``staged`` (the default daemon, the connector's device staging: the worker packs the pieces into
 whole blocks in its own device memory, in at most 128 CTAs, ``staged_narrow`` 32; the daemon
 moves whole blocks).
@@ -54,6 +56,8 @@ _VARIANTS = {"default": [],  # loads packed on the GPU, saves one driver batch o
              "kernel": ["--copy-small-runs", "kernel", *_NEVER_PACKED, "--copy-save-kernels"],
              "runs": _NEVER_PACKED,
              "chunk64": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
+             # loads chunked as saves are (2, 4, 8 ... blocks up to 32 MiB): before s28
+             "load_save_ramp": ["--copy-load-growth", "2", "--copy-load-chunk-size", "32MiB"],
              "staged": [], "staged_narrow": []}
 # Variants whose connector goes through device staging (the worker packs, the daemon moves
 # whole blocks; room for one whole save and one whole load), and the CTAs a save's packing may

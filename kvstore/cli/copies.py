@@ -20,6 +20,14 @@ def _positive_size_arg(text: str) -> int:
     return value
 
 
+def _growth_arg(text: str) -> int:
+    """argparse type: a load's chunk growth, a whole number >= 2."""
+    value = positive_int_arg(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {text!r}")
+    return value
+
+
 def add_copy_flags(serve: argparse.ArgumentParser) -> None:
     defaults = CopySettings()
     group = serve.add_argument_group(
@@ -41,9 +49,18 @@ def add_copy_flags(serve: argparse.ArgumentParser) -> None:
                             f"layout has turns packing off (default {defaults.packed_min_pieces})")
     group.add_argument("--copy-chunk-size", type=size_arg, metavar="SIZE",
                        default=defaults.chunk_bytes,
-                       help="a save or load is submitted in chunks of at most SIZE, the next "
-                            "prepared while one copies; 0: one submission per request "
+                       help="a save is submitted in chunks of at most SIZE, the next "
+                            "prepared while one copies; 0: one submission per save "
                             f"(default {format_bytes(defaults.chunk_bytes)})")
+    group.add_argument("--copy-load-chunk-size", type=size_arg, metavar="SIZE",
+                       default=defaults.load_chunk_bytes,
+                       help="a load is submitted in chunks of at most SIZE; 0: one submission "
+                            f"per load (default {format_bytes(defaults.load_chunk_bytes)})")
+    group.add_argument("--copy-load-growth", type=_growth_arg, metavar="N",
+                       default=defaults.load_growth,
+                       help="a load's chunks are N, N*N, ... blocks up to its chunk size (a "
+                            "save's: 2, 4, 8, ...); 2 gives loads a save's ramp "
+                            f"(default {defaults.load_growth})")
     group.add_argument("--copy-staging-slot-size", type=_positive_size_arg, metavar="SIZE",
                        default=defaults.staging_slot_bytes,
                        help="each of the GPU staging slots (4 per direction, on the engine's "
@@ -69,6 +86,8 @@ def copy_settings_from_args(args: argparse.Namespace) -> CopySettings:
     return CopySettings(small_runs=args.copy_small_runs, large_runs=args.copy_large_runs,
                         packed_min_pieces=args.copy_packed_min_pieces,
                         chunk_bytes=args.copy_chunk_size,
+                        load_growth=args.copy_load_growth,
+                        load_chunk_bytes=args.copy_load_chunk_size,
                         staging_slot_bytes=args.copy_staging_slot_size,
                         kernel_unroll=args.copy_kernel_unroll,
                         save_kernels=args.copy_save_kernels,

@@ -3,14 +3,17 @@
 The registration owns it (built once its regions are mapped) and hands it its saves and loads.
 A save reserves store slots, copies engine HBM into them (device to host) and publishes each block
 only after the copy that filled it completed; a load reads the leased blocks (promoting SSD ones)
-and copies them into the engine's blocks (host to device). Both cut the request into chunks of at
-most the copier's ``settings.chunk_bytes``, growing from two blocks: while one chunk copies on the
-copier's streams, the next chunk's slots are reserved (a few us of Python per block, a tenth of
-the copy time of a 2.36 MB block), so the copy engine never waits for the whole batch to be
-reserved first. A chunk goes to the copier as block ids and host addresses (``copy_blocks``): it
-packs a layout's pieces on the GPU from a table of block ids, or builds the chunk's runs in one
-go from the piece table, never a Python object per piece. ``chunk_bytes = 0`` makes each request
-one submission. A save keeps at most ``MAX_UNPUBLISHED_BYTES`` reserved but unpublished, and when
+and copies them into the engine's blocks (host to device). Both cut the request into chunks: a
+save's of at most the copier's ``settings.chunk_bytes``, growing from two blocks by doubling; a
+load's of at most ``settings.load_chunk_bytes``, growing from ``settings.load_growth`` blocks by
+that factor. While one chunk copies on the copier's streams, the next is prepared (a save's
+slots reserved: a few us of Python per block, a tenth of the copy time of a 2.36 MB block; a
+load's addresses read in one store call), so the copy engine never waits for the whole batch to
+be reserved first, and a load, whose next chunk costs only its submission, goes in few chunks.
+A chunk goes to the copier as block ids and host addresses (``copy_blocks``): it packs a
+layout's pieces on the GPU from a table of block ids, or builds the chunk's runs in one go from
+the piece table, never a Python object per piece. A chunk size of 0 makes each request one
+submission. A save keeps at most ``MAX_UNPUBLISHED_BYTES`` reserved but unpublished, and when
 the pool is full it publishes what it has copied before giving up on a block, so a batch larger
 than free DRAM still goes through.
 
@@ -40,7 +43,7 @@ log = logging.getLogger(__name__)
 # A save waits for its oldest copies once this much is reserved but unpublished: enough to keep
 # the copy engine busy (~5 ms at 55 GB/s) without filling the pool with invisible blocks.
 MAX_UNPUBLISHED_BYTES = 256 << 20
-_FIRST_CHUNK_BLOCKS = 2
+_SAVE_GROWTH = 2  # a save's chunks: 2, 4, 8 ... blocks (each reserves a slot per block)
 
 
 @dataclass(eq=False)
@@ -53,18 +56,19 @@ class _Chunk:
     num_blocks: int = 0
 
 
-def chunk_spans(num_items: int, block_bytes: int, chunk_bytes: int) -> Iterator[range]:
-    """Request indices ``0 .. num_items - 1`` in chunks of two blocks, doubling up to
-    ``chunk_bytes`` of blocks each (one chunk of all where ``chunk_bytes`` <= 0)."""
+def chunk_spans(num_items: int, block_bytes: int, chunk_bytes: int,
+                growth: int = _SAVE_GROWTH) -> Iterator[range]:
+    """Request indices ``0 .. num_items - 1`` in chunks of ``growth`` blocks, growing by that
+    factor up to ``chunk_bytes`` of blocks each (one chunk of all where ``chunk_bytes`` <= 0)."""
     if chunk_bytes <= 0:
         yield range(num_items)
         return
     most = max(1, chunk_bytes // max(1, block_bytes))
-    size, start = min(_FIRST_CHUNK_BLOCKS, most), 0
+    size, start = min(growth, most), 0
     while start < num_items:
         yield range(start, min(num_items, start + size))
         start += size
-        size = min(most, size * 2)
+        size = min(most, size * growth)
 
 
 def _finished(chunk: _Chunk, block: bool) -> bool | None:
@@ -115,6 +119,8 @@ class CopyPipeline:
         self.copier = copier
         self.table = table
         self.chunk_bytes = copier.settings.chunk_bytes
+        self.load_growth = copier.settings.load_growth
+        self.load_chunk_bytes = copier.settings.load_chunk_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -249,7 +255,8 @@ class CopyPipeline:
 
         try:
             stop = False
-            for span in chunk_spans(len(block_ids), num_bytes, self.chunk_bytes):
+            for span in chunk_spans(len(block_ids), num_bytes, self.load_chunk_bytes,
+                                    self.load_growth):
                 if stopped():
                     break
                 try:

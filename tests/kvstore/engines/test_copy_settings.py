@@ -22,6 +22,7 @@ def test_the_defaults_are_the_shipped_tuning() -> None:
     assert settings.small_runs is CopyMethod.STAGED and settings.large_runs is CopyMethod.BATCH
     assert settings.packed_min_pieces == 2
     assert settings.chunk_bytes == 32 << 20 and settings.staging_slot_bytes == 32 << 20
+    assert settings.load_chunk_bytes == 128 << 20 and settings.load_growth == 4
     assert settings.save_kernels is False  # saves stay on the copy engines
 
 
@@ -38,7 +39,8 @@ def test_methods_by_name_become_members_and_the_value_is_frozen() -> None:
     ("packed_min_pieces", True), ("packed_min_pieces", 2.0), ("chunk_bytes", -1),
     ("save_kernels", "yes"), ("save_kernels", 1),
     ("staging_slot_bytes", 0), ("kernel_unroll", 5), ("kernel_unroll", True),
-    ("kernel_unroll", "8"), ("batch_keeps_gil", 1),
+    ("kernel_unroll", "8"), ("batch_keeps_gil", 1), ("load_growth", 1),
+    ("load_growth", 2.0), ("load_chunk_bytes", -1),
 ])
 def test_bad_values_are_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -55,18 +57,21 @@ def test_every_copy_flag_sets_its_field() -> None:
         "serve", "--copy-small-runs", "kernel", "--copy-large-runs", "staged",
         "--copy-packed-min-pieces", "1073741824", "--copy-chunk-size", "0",
         "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16",
-        "--copy-save-kernels", "--copy-batch-keeps-gil"])
+        "--copy-save-kernels", "--copy-batch-keeps-gil", "--copy-load-growth", "2",
+        "--copy-load-chunk-size", "0"])
     assert copy_settings_from_args(args) == CopySettings(
         small_runs=CopyMethod.KERNEL, large_runs=CopyMethod.STAGED,
         packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20,
-        kernel_unroll=16, save_kernels=True, batch_keeps_gil=True)
+        kernel_unroll=16, save_kernels=True, batch_keeps_gil=True, load_growth=2,
+        load_chunk_bytes=0)
 
 
 @pytest.mark.parametrize("flags", [["--copy-small-runs", "fast"],
                                    ["--copy-staging-slot-size", "0"],
                                    ["--copy-packed-min-pieces", "0"],
                                    ["--copy-chunk-size", "lots"],
-                                   ["--copy-kernel-unroll", "5"]])
+                                   ["--copy-kernel-unroll", "5"],
+                                   ["--copy-load-growth", "1"]])
 def test_serve_refuses_a_bad_copy_flag_in_one_line_before_starting(flags: list[str],
                                                                    tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
