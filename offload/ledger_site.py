@@ -67,16 +67,9 @@ class LedgerSite(BlockSite[OffloadSequence]):
     def release(self, slots: Slots) -> None:
         self.ledger.unpin(slots.block_ids)
 
-    #: kvengine's own blocks: given back at once (``unpin_after_save``), not held for a
-    #: registration that may never come (a store gone for good would keep them from serving).
-    holds_unanswered_saves = False
-
     def pin_for_save(self, block_ids: list[int]) -> Slots:
         self.ledger.pin(block_ids)  # not reused before the store has the bytes
         return Slots(list(block_ids))
 
-    def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None:
-        # Unpinned either way: a save given no reply has its connection dropped, and the
-        # daemon stops copying from a registration whose connection is gone (unregistering
-        # waits for the copy in progress).
+    def unpin_after_save(self, slots: Slots) -> None:
         self.ledger.unpin(slots.block_ids)

@@ -36,15 +36,12 @@ class BlockSite(ABC, Generic[Owner]):
     - ``pin_for_save(block_ids)``: slots holding the owner's ``block_ids`` (pinned, or copied
       out) for a save; or WAIT: no room now, ask again later (the owner keeps the blocks
       meanwhile); or REFUSE: never (the save is skipped, counted).
-    - ``unpin_after_save(slots, daemon_done)``: the save ended; ``daemon_done`` is False when
-      no reply came (the daemon may still read the slots). With ``holds_unanswered_saves``
-      (the default) a save without a reply is unpinned only later, with ``daemon_done``
-      True, once the daemon cannot read its slots any more (see ``Quarantine``).
+    - ``unpin_after_save(slots)``: the save ended and the daemon reads the slots no more: it
+      answered, or the save got no reply and a newer registration of the site's memory has
+      been accepted since (``Quarantine``; the daemon publishes the copies it had in flight
+      when a connection went, so slots reused before then could be stored torn).
     - ``never_fits(num_blocks)``: a save of that many blocks would be refused whatever is free
       (``pin_for_save`` says REFUSE); by default never."""
-
-    #: A save's slots stay out of use while the daemon may still read them (see the contract).
-    holds_unanswered_saves: bool = True
 
     @abstractmethod
     def reserve(self, job: RestoreJob[Owner]) -> Slots | Reservation: ...
@@ -65,7 +62,7 @@ class BlockSite(ABC, Generic[Owner]):
     def pin_for_save(self, block_ids: list[int]) -> Slots | Reservation: ...
 
     @abstractmethod
-    def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None: ...
+    def unpin_after_save(self, slots: Slots) -> None: ...
 
     def never_fits(self, num_blocks: int) -> bool:
         return False

@@ -14,9 +14,10 @@ the job then waits for room (``WAITING_FOR_ROOM``, counted ``saves_waited_for_ro
 ``send_pinned`` asks the site again, oldest job first, as the saves in flight give their slots
 back. The engine keeps the blocks meanwhile (vLLM: until ``finished_sending``), so nothing is
 copied out of memory that was reused. A save that got no reply (its connection lost, its
-deadline passed) leaves such a site's slots in a ``Quarantine`` until a newer registration of
-the same memory was accepted (``BlockSite.holds_unanswered_saves``): the daemon may read them
-until then, and they come back after, not never.
+deadline passed) leaves its slots, on either engine, in a ``Quarantine`` until a newer
+registration of the same memory was accepted: the daemon may read them until then (it
+publishes the copies it had in flight when the connection went), and they come back after,
+not never.
 """
 
 from __future__ import annotations
@@ -175,23 +176,20 @@ class Saver:
                 job.to(SaveState.ENDED)
                 for outcome in job.outcomes:
                     self.counters[_COUNTER[outcome]] += 1
-                if call.answered or not self.site.holds_unanswered_saves:
-                    self.site.unpin_after_save(job.slots, daemon_done=call.answered)
+                if call.answered:
+                    self.site.unpin_after_save(job.slots)
                 else:  # the daemon may still read them: back once it cannot
-                    self.quarantine.hold(call, job.slots, self._unpin_answered)
+                    self.quarantine.hold(call, job.slots, self.site.unpin_after_save)
             ended.append(job)
         self.in_flight = still
         return ended
-
-    def _unpin_answered(self, slots: Slots) -> None:
-        self.site.unpin_after_save(slots, daemon_done=True)
 
     def _drop(self, job: SaveJob, counter: str = "blocks_save_dropped") -> None:
         job.outcomes = [SaveOutcome.FAILED] * job.num_blocks
         job.to(SaveState.DROPPED)
         self.counters[counter] += job.num_blocks
         if job.slots is not None:
-            self.site.unpin_after_save(job.slots, daemon_done=True)
+            self.site.unpin_after_save(job.slots)
 
     def wait(self, jobs: list[SaveJob], timeout_s: float) -> list[SaveJob]:
         """Block until ``jobs`` ended (sending those pinned once ready) or ``timeout_s``

@@ -113,11 +113,10 @@ class BlockMover(BlockSite[BlockTransfer]):
     def never_fits(self, num_blocks: int) -> bool:
         return self.save_room is not None and num_blocks > self.save_room
 
-    def unpin_after_save(self, slots: Slots, daemon_done: bool) -> None:
+    def unpin_after_save(self, slots: Slots) -> None:
         if self.save_room is not None:
             self._save_slots -= len(slots.block_ids)
-        if daemon_done:  # else the daemon may still read them: their memory is abandoned
-            self.give_back(slots)
+        self.give_back(slots)
 
 
 class DirectMover(BlockMover):

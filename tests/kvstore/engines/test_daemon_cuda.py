@@ -173,8 +173,8 @@ def test_save_scramble_load_into_other_blocks_is_byte_exact(daemon: _Daemon) -> 
 def test_copy_flags_reach_the_daemons_copier(daemon: _Daemon) -> None:
     """``--copy-packed-min-pieces 1 --copy-chunk-size 0 --copy-load-chunk-size 0
     --copy-save-kernels``: kvengine's one-piece blocks go packed (by default only layouts of 2+
-    pieces do, and saves never), each request as one submission: one packed batch for the save and one for the load, byte-exact;
-    the default daemon packs none of them."""
+    pieces do, and saves never), each request as one submission: one packed batch for the save
+    and one for the load, byte-exact; the default daemon packs none of them."""
     arena = _arena(NUM_BLOCKS, seed=6)
     save_ids = [int(b) for b in np.random.default_rng(7).permutation(NUM_BLOCKS)[:24]]
     load_ids = [int(b) for b in np.random.default_rng(8).permutation(NUM_BLOCKS)[:24]]
