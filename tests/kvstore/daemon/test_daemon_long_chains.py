@@ -53,8 +53,8 @@ def test_a_long_lookup_does_not_stall_the_other_clients(daemon: RunningDaemon) -
     assert took and len(probes) >= 5, (took, len(probes))
     # On the loop, the decode and the lookup held the probes for about half the lookup's time
     # (the rest is the client's encoding and the transfer); on a worker, for a few switch
-    # intervals of the GIL.
-    assert max(probes) < 0.25 * took[0], (max(probes), took[0])
+    # intervals of the GIL: 0.08-0.11 of it on an idle 2-core runner, 0.30 once on a loaded one.
+    assert max(probes) < 0.4 * took[0], (max(probes), took[0])
 
 
 def test_a_long_publication_and_the_eviction_after_it_apply_in_the_order_sent(
