@@ -14,8 +14,9 @@ from kernels.block_copy import UNROLL, UNROLLS
 
 DEFAULT_CHUNK_BYTES = 32 << 20
 DEFAULT_LOAD_CHUNK_BYTES = 128 << 20
-# A staging slot holds one default save/load chunk: 4 slots per direction are at most 128 MiB of
-# the engine's HBM, whatever size of batch the copier is handed.
+# A staging slot holds one default save chunk (a load's larger chunks go through it in parts): 4
+# slots per direction are at most 128 MiB of the engine's HBM, whatever size of batch the copier
+# is handed.
 DEFAULT_STAGING_SLOT_BYTES = 32 << 20
 
 
@@ -39,10 +40,10 @@ class CopySettings:
     block-major 2+ MB blocks, which the copy engines move near the bus's rate).
     ``packed_min_pieces``: whole blocks of a layout with at least this many pieces per block are
     packed on the GPU from a table of block ids (``copy_pieces``), never a run built per piece.
-    ``chunk_bytes``: a save or load is cut into submissions of at most this many bytes, so the
-    next chunk is prepared while one copies (0: each request is one submission).
-    ``chunk_bytes`` is a save's; a load's chunks are ``load_growth``, ``load_growth``² ...
-    blocks up to ``load_chunk_bytes`` (0: one submission), a save's 2, 4, 8 ...: a load's next
+    ``chunk_bytes``: a save is cut into submissions of at most this many bytes, 2, 4, 8 ...
+    blocks, so the next chunk is prepared while one copies (0: each save is one submission).
+    ``load_growth``, ``load_chunk_bytes``: a load's chunks are ``load_growth``,
+    ``load_growth``² ... blocks up to ``load_chunk_bytes`` (0: one submission): its next
     chunk costs only its submission (its blocks' addresses come from one store call), which a
     chunk that many times smaller hides behind its copy, where a save's also reserves a slot per
     block. Fewer submissions leave the copy engine fewer gaps: a 64-block load of 2.36 MB blocks
