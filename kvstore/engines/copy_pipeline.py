@@ -118,9 +118,7 @@ class CopyPipeline:
     def __init__(self, copier: CudaCopier, table: PieceTable) -> None:
         self.copier = copier
         self.table = table
-        self.chunk_bytes = copier.settings.chunk_bytes
-        self.load_growth = copier.settings.load_growth
-        self.load_chunk_bytes = copier.settings.load_chunk_bytes
+        self.settings = copier.settings
 
     @property
     def block_bytes(self) -> int:
@@ -157,7 +155,7 @@ class CopyPipeline:
         outcomes: list[str] = ["failed"] * len(block_ids)
         pending: deque[_Chunk] = deque()  # submitted, not yet published, oldest first
         try:
-            for span in chunk_spans(len(block_ids), num_bytes, self.chunk_bytes):
+            for span in chunk_spans(len(block_ids), num_bytes, self.settings.chunk_bytes):
                 if stopped():
                     break
                 chunk, ids, addrs = _Chunk(), [], []
@@ -255,8 +253,8 @@ class CopyPipeline:
 
         try:
             stop = False
-            for span in chunk_spans(len(block_ids), num_bytes, self.load_chunk_bytes,
-                                    self.load_growth):
+            for span in chunk_spans(len(block_ids), num_bytes, self.settings.load_chunk_bytes,
+                                    self.settings.load_growth):
                 if stopped():
                     break
                 try:

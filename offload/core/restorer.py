@@ -30,6 +30,7 @@ from offload.core.restore_job import Owner, RestoreJob
 from offload.core.slots import Reservation, Slots
 from offload.core.states import RestoreEnd, RestoreState
 from offload.store_client import StoreClient
+from offload.transfer import Transfer
 
 State, End = RestoreState, RestoreEnd
 # While nothing but restores is left to run, the step thread waits for their replies in slices
@@ -73,6 +74,11 @@ def known_tiers(names: list[str]) -> list[Tier]:
             break
         out.append(tier)
     return out
+
+
+def _unanswered(request: Transfer) -> RestoreEnd:
+    """How a load or lookup_load that went out and got no reply ended (its slots quarantined)."""
+    return End.LOAD_TIMEOUT if request.timed_out else End.LOAD_LOST
 
 
 class Restorer(Generic[Owner]):
@@ -223,8 +229,7 @@ class Restorer(Generic[Owner]):
                 self._abandon_ahead(job, End.STORE_HUNG, now)
             return
         if lookup.lost:
-            self._abandon_ahead(job, End.LOAD_TIMEOUT if lookup.timed_out else End.LOAD_LOST,
-                                now)
+            self._abandon_ahead(job, _unanswered(lookup), now)
             return
         reply = lookup.result if lookup.ok else None
         ended_at = lookup.finished_at or now
@@ -324,7 +329,7 @@ class Restorer(Generic[Owner]):
                 self._abandon_load(job, End.STORE_HUNG, now)
             return
         if load.lost:  # the daemon may still write the slots: quarantined
-            self._abandon_load(job, End.LOAD_TIMEOUT if load.timed_out else End.LOAD_LOST, now)
+            self._abandon_load(job, _unanswered(load), now)
             return
         if not load.ok:
             self.counters["load_errors"] += 1
