@@ -71,7 +71,8 @@ def test_every_copy_flag_sets_its_field() -> None:
                                    ["--copy-packed-min-pieces", "0"],
                                    ["--copy-chunk-size", "lots"],
                                    ["--copy-kernel-unroll", "5"],
-                                   ["--copy-load-growth", "1"]])
+                                   ["--copy-load-growth", "1"],
+                                   ["--copy-load-chunk-size", "lots"]])
 def test_serve_refuses_a_bad_copy_flag_in_one_line_before_starting(flags: list[str],
                                                                    tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
