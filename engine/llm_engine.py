@@ -250,6 +250,8 @@ class LLMEngine:
         """While the device runs the step: requests that arrived meanwhile join the scheduler
         (their store lookups go out now), and restores whose lookups are answered start their
         loads, so they cross the bus during this step rather than after the next schedule.
+        In a step the host waits for, attention graphs the background builder has finished are
+        loaded while the device is still busy (``Ops.load_built_plans``).
         With a store, requests arriving later in the step are taken as they come (for
         ``ARRIVAL_WATCH_STEP_SHARE`` of the last waited-for step's time), but only in a step
         the host waits for anyway (``host_waits``): a step of mid-prompt chunks returns at
@@ -262,6 +264,8 @@ class LLMEngine:
         self._arrived.clear()
         self._take_inbox()
         self.scheduler.start_restores_during_step(device_done)
+        if host_waits:  # attention graphs built since: loaded now, not in a request's path
+            self.runner.ops.load_built_plans(lambda: not device_done())
         if self.offload.store_state is None or not host_waits:
             return  # no lookups to send early, or a wait the step would not have made
         while not device_done():

@@ -252,9 +252,12 @@ class Scheduler:
         """The priority key of the waiting head if it may be admitted now."""
         if not (step.admitting and self.waiting and len(self.running) < self.max_num_seqs):
             return None
-        if self.restores.num_waiting_for_blocks:
-            return None  # an earlier request's restore waits for blocks: nobody overtakes it
         seq = self.waiting[0]
+        restoring = self.restores.first_waiting_for_blocks
+        if restoring is not None and restoring.arrival_time <= seq.arrival_time:
+            # an earlier request's restore waits for blocks: nobody who came after overtakes
+            # it (one that came before, waiting for the step's budget, goes first)
+            return None
         hit_ids = self.block_manager.match_prefix(seq)
         num_hit_tokens = len(hit_ids) * self.block_manager.block_size
         return self.prefill_order.waiting_key(seq, num_hit_tokens, self.num_steps)

@@ -5,7 +5,9 @@ A capture or a cuDNN build costs tens to hundreds of milliseconds, and a request
 waits for it. The engine builds what it can before it says ready (``warm_up``) and then
 ``seal``s the log: every build after that is a first-use cost a request paid, logged once per
 build with its kind, key and time, and counted, so a test or an operator can see that none
-happened (``/metrics``: ``kvengine:first_use_builds_total``).
+happened (``/metrics``: ``kvengine:first_use_builds_total``). A build after ready that ran while
+the step thread waited for the device anyway, and ended before the device did, is counted
+apart (``hidden``): no request waited for it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class BuildLog:
         self.after: Counter[BuildKind] = Counter()  # first-use builds: after seal, by kind
         self.seconds_before: Counter[BuildKind] = Counter()
         self.seconds_after: Counter[BuildKind] = Counter()
+        self.hidden: Counter[BuildKind] = Counter()  # after seal, inside a device step's time
+        self.seconds_hidden: Counter[BuildKind] = Counter()
 
     @contextmanager
     def building(self, kind: BuildKind, key: object) -> Iterator[None]:
@@ -57,6 +61,7 @@ class BuildLog:
         self.record(kind, key, self._clock() - start)
 
     def record(self, kind: BuildKind, key: object, seconds: float) -> None:
+        """A build of ``seconds`` that whoever asked for it waited for."""
         with self._lock:
             late = self.sealed
             (self.after if late else self.before)[kind] += 1
@@ -65,18 +70,30 @@ class BuildLog:
             log.warning("first-use build after ready: %s %s took %.1f ms (a request waited)",
                         kind.value, key, seconds * 1e3)
 
+    def record_hidden(self, kind: BuildKind, key: object, seconds: float) -> None:
+        """After the seal, a build that ran while the device ran a step and ended before it
+        (the step thread would have waited for the device anyway): counted, not a stall."""
+        with self._lock:
+            self.hidden[kind] += 1
+            self.seconds_hidden[kind] += seconds
+        log.debug("build beside a device step: %s %s took %.1f ms", kind.value, key,
+                  seconds * 1e3)
+
     def seal(self) -> None:
         """From now on every build is a first-use cost (logged, counted in ``after``)."""
         with self._lock:
             self.sealed = True
 
     def snapshot(self) -> dict:
-        """Counts and seconds by kind's name: ``before`` / ``after`` the seal, ``seconds_*``
-        alike."""
+        """Counts and seconds by kind's name: ``before`` / ``after`` the seal, ``hidden``
+        beside a device step after it, ``seconds_*`` alike."""
         with self._lock:
             return {"before": {k.value: n for k, n in self.before.items()},
                     "after": {k.value: n for k, n in self.after.items()},
+                    "hidden": {k.value: n for k, n in self.hidden.items()},
                     "seconds_before": {k.value: round(v, 4)
                                        for k, v in self.seconds_before.items()},
                     "seconds_after": {k.value: round(v, 4)
-                                      for k, v in self.seconds_after.items()}}
+                                      for k, v in self.seconds_after.items()},
+                    "seconds_hidden": {k.value: round(v, 4)
+                                       for k, v in self.seconds_hidden.items()}}

@@ -4,7 +4,10 @@ shapes cuDNN refuses are remembered with the reason (the caller's kernel serves 
 
 Once the build log is sealed (the engine is ready), a shape with no graph is not built in a
 request's path: it goes to the background builder (``kernels/plan_builder.py``) and ``get``
-answers None, so the caller's kernel serves it until the graph comes back and is loaded."""
+answers None, so the caller's kernel serves it until the graph comes back and is loaded. The
+engine loads the graphs that came back while the device runs a step (``load_built``), so the
+next request of the shape finds it in memory; ``get`` loads one in line only when no step has
+had the time since."""
 
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class CudnnPlans:
         self.cudnn, self._handle = cudnn, handle
         self.builds, self.plan_cache, self.background = builds, plan_cache, background
         self._plans: dict[tuple, Plan | None] = {}
+        self._building: dict[str, tuple] = {}  # keys handed to the background builder, by name
         self.refusals: dict[tuple, str] = {}
         self.shapes: PlanShapes | None = None  # set by ``preload``: the keys this scope used
         device = cp.cuda.Device()
@@ -72,6 +76,9 @@ class CudnnPlans:
             return self._from_background(name, key)
         plan = self._load(name, key)
         if plan is None and background is not None and background.submit(name, key):
+            if len(self._building) >= MAX_GRAPHS:  # names whose result never came (dropped)
+                self._building.pop(next(iter(self._building)))
+            self._building[name] = key
             log.debug("cuDNN graph %s is not built: our kernel serves it while the builder "
                       "process builds it", key[:5])
             return None
@@ -117,19 +124,46 @@ class CudnnPlans:
                 loaded += 1
         return loaded
 
-    def _from_background(self, name: str, key: tuple) -> Plan | None:
+    def load_built(self, device_busy: Callable[[], bool]) -> int:
+        """While ``device_busy()``: load the graphs the background builder has sent back,
+        oldest first (a few ms each, in this thread: cuDNN holds the GIL). A load that ends
+        before the device does is counted as hidden (``BuildLog.record_hidden``), one that
+        outlasts it as a first-use build. How many were taken."""
+        background = self.background
+        if background is None or not self._building:
+            return 0
+        taken = 0
+        for name in background.finished():
+            key = self._building.get(name)
+            if key is None:
+                continue  # not ours to load (``get`` takes it)
+            if not device_busy():
+                break
+            self._from_background(name, key, device_busy)
+            taken += 1
+        return taken
+
+    def _from_background(self, name: str, key: tuple,
+                         device_busy: Callable[[], bool] | None = None) -> Plan | None:
         """The builder's graph for ``key`` once it is back (loaded, and kept on disk), its
-        refusal (remembered), or None while it is still being built."""
+        refusal (remembered), or None while it is still being built. ``device_busy``: the load
+        runs beside a device step (see ``load_built``); without it a request waits for it."""
         outcome = self.background.take(name)
         if outcome is None:
             return None
+        self._building.pop(name, None)
         if not isinstance(outcome, Built):
             self.refusals[key] = outcome.reason
             log.warning("cuDNN SDPA refuses %s, our kernel serves it: %s", key, outcome.reason)
             return self._remember(key, None)
         try:
-            with self.builds.building(CUDNN_BACKGROUND, key[:5]):
-                plan = self._deserialize(outcome.blob)
+            start = time.perf_counter()
+            plan = self._deserialize(outcome.blob)
+            seconds = time.perf_counter() - start
+            if device_busy is not None and device_busy():
+                self.builds.record_hidden(CUDNN_BACKGROUND, key[:5], seconds)
+            else:
+                self.builds.record(CUDNN_BACKGROUND, key[:5], seconds)
         except Exception as exc:  # cannot load what the child built: never ask it again
             self.refusals[key] = f"the builder's graph does not load: {exc}"
             log.warning("cuDNN: the builder's graph for %s does not load (%s); our kernel "

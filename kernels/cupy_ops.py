@@ -100,6 +100,9 @@ class CupyOps(Ops):
         return {outcome.value: n for outcome, n in builder.counts.items()} \
             if builder is not None else {}
 
+    def load_built_plans(self, device_busy: Callable[[], bool]) -> int:
+        return self._cudnn.plans.load_built(device_busy) if self._cudnn is not None else 0
+
     @property
     def attention_backend(self) -> str:
         line = super().attention_backend

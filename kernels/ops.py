@@ -97,6 +97,12 @@ class Ops(ABC):
         where none runs."""
         return {}
 
+    def load_built_plans(self, device_busy: Callable[[], bool]) -> int:
+        """While ``device_busy()`` (the device runs a step the host waits for anyway): load the
+        attention graphs a background builder has finished, so no request loads one in its
+        path. How many were taken; the base has no builder."""
+        return 0
+
     @property
     def num_attention_graphs(self) -> int:
         """Attention graphs built so far (cuDNN builds one per shape bucket on first use, a

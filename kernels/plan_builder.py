@@ -210,6 +210,11 @@ class PlanBuilder:
             return True
         return False
 
+    def finished(self) -> list[str]:
+        """The names whose result is in and not taken yet, oldest first."""
+        with self._lock:
+            return list(self._results)
+
     def take(self, name: str) -> Built | Refused | None:
         """``name``'s result once (None while it is still being built, or was dropped)."""
         self._check_timeouts()

@@ -20,8 +20,8 @@ The contract, in step order:
   the queue (in arrival order, every step, whatever the step's token budget: a load costs none)
   whose ``seq.offload_checked`` is false: True means the bridge now holds it (the scheduler
   marks it LOADING and takes it off the queue until ``poll`` gives it back); False means admit it
-  without the store. While ``num_waiting_for_blocks`` is non-zero nobody else is admitted and no
-  other restore is started.
+  without the store. While a restore waits for blocks, nobody who arrived after its sequence
+  (``first_waiting_for_blocks``) is admitted, and no other restore is started.
 - While the device runs a step, ``restores.answered_lookups(seqs, ...)`` for the same waiting
   sequences (those that arrived during the step included), then ``start_restore`` for the
   answered ones: their loads cross the bus during the step, not after the next schedule.
@@ -57,6 +57,11 @@ class RestoreBridge(ABC):
     @abstractmethod
     def num_waiting_for_blocks(self) -> int:
         """Restores with a hit whose blocks could not be reserved yet."""
+
+    @property
+    @abstractmethod
+    def first_waiting_for_blocks(self) -> OffloadSequence | None:
+        """Of the sequences whose restore waits for blocks, the one that arrived first."""
 
     @property
     @abstractmethod

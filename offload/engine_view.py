@@ -41,6 +41,7 @@ class OffloadSequence(Protocol):
     abort_requested: bool
     num_saved_blocks: int
     restored_tokens_by_tier: dict[str, int]
+    arrival_time: float  # when the request arrived (first come, first served)
 
     @property
     def num_tokens(self) -> int: ...

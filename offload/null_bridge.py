@@ -29,6 +29,10 @@ class NullRestores(RestoreBridge):
         return 0
 
     @property
+    def first_waiting_for_blocks(self) -> OffloadSequence | None:
+        return None
+
+    @property
     def hit_tokens_by_tier(self) -> Counter[str]:
         return self._hit_tokens
 

@@ -102,6 +102,12 @@ class EngineRestores(RestoreBridge):
         return self.restorer.num_in(RestoreState.WAITING_FOR_SLOTS)
 
     @property
+    def first_waiting_for_blocks(self) -> OffloadSequence | None:
+        waiting = [job.owner for job in self.restorer.jobs
+                   if job.state is RestoreState.WAITING_FOR_SLOTS]
+        return min(waiting, key=lambda seq: seq.arrival_time, default=None)
+
+    @property
     def hit_tokens_by_tier(self) -> Counter[str]:
         return self._hit_tokens_by_tier
 

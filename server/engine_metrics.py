@@ -223,6 +223,10 @@ class EngineCollector:
             "said ready (0 when the warm-up covered them).", "kind",
             runner.ops.builds.snapshot()["after"])
         yield self._by_label(
+            CounterMetricFamily, P + "hidden_builds", "Builds or plan loads after ready that "
+            "ran while the device ran a step and ended before it (no request waited).", "kind",
+            runner.ops.builds.snapshot()["hidden"])
+        yield self._by_label(
             CounterMetricFamily, P + "cudnn_background_builds", "What the cuDNN plan builder "
             "process did after ready, by outcome (our kernel serves a shape until its graph is "
             "back).", "outcome", runner.ops.background_builds)

@@ -220,3 +220,49 @@ def test_after_the_seal_a_new_shape_is_built_beside_and_our_kernel_serves_meanwh
         assert any((tmp_path / "plans").iterdir())  # kept on disk for the next start
     finally:
         builder.close()
+
+
+def test_a_graph_built_beside_is_loaded_while_the_device_is_busy_not_in_a_request(
+        cp, bf16, tmp_path) -> None:
+    """The engine loads what the builder sent back during a device step it waits for anyway
+    (``load_built``): the next call of the shape finds the graph in memory, and the load is
+    counted as hidden, not as a first-use build. With the device idle nothing is loaded."""
+    from kernels.build_log import CUDNN_BACKGROUND, BuildLog
+    from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
+    from kernels.plan_builder import PlanBuilder
+    from kernels.plan_cache import PlanCache
+
+    builds = BuildLog()
+    builder = PlanBuilder(cp.cuda.Device().id)
+    try:
+        attn = CudnnAttention(builds, PlanCache(tmp_path / "plans"), builder)
+    except CudnnUnavailable as exc:
+        pytest.skip(f"cuDNN is not available here: {exc}")
+    try:
+        builds.seal()
+        rng = np.random.default_rng(6)
+        lens, q_lens = [1300, 600], [260, 180]
+        kv, tables = paged_case(rng, bf16, 16, lens, 8, 128)
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        q = rng.standard_normal((int(cu[-1]), 32, 128)).astype(bf16)
+        ctx = np.array(lens, dtype=np.int32)
+        args = (cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables), cp.asarray(cu),
+                cp.asarray(ctx), 128 ** -0.5)
+        assert attn.run_prefill(*args, max(q_lens)) is None  # handed to the builder
+        deadline = time.monotonic() + 120
+        while not builder.finished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert builder.finished(), f"never built: {builder.counts} {attn.refusals}"
+        assert attn.plans.load_built(lambda: False) == 0  # the device is idle: not now
+        assert attn.plans.load_built(lambda: True) == 1
+        assert builder.finished() == []
+        got = attn.run_prefill(*args, max(q_lens))
+        assert got is not None
+        want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1,
+                                           tables, cu, ctx, 128 ** -0.5)
+        assert rel_err(cp.asnumpy(got), want) < 1e-2
+        snap = builds.snapshot()
+        assert snap["after"].get(CUDNN_BACKGROUND, 0) == 0  # no request loaded it
+        assert snap["hidden"].get(CUDNN_BACKGROUND, 0) == 1
+    finally:
+        builder.close()

@@ -98,7 +98,23 @@ def test_shapes_are_built_in_a_child_and_taken_once(targets: str) -> None:
         assert isinstance(outcome, Built)
         assert json.loads(outcome.blob) == {"key": encode_key(key), "device": 2}
         assert builder.take("n1") is None and not builder.knows("n1")
+        assert builder.finished() == []
         assert builder.counts["submitted"] == 1 and builder.counts["built"] == 1
+    finally:
+        builder.close()
+
+
+def test_finished_names_the_results_waiting_to_be_taken_oldest_first(targets: str) -> None:
+    builder = PlanBuilder(device=0, target=f"{targets}:echo", idle_s=10.0)
+    try:
+        for name in ("a", "b"):
+            assert builder.submit(name, ("split", name))
+            deadline = time.monotonic() + 20
+            while name not in builder.finished() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert builder.finished() == ["a", "b"]
+        assert isinstance(builder.take("a"), Built)
+        assert builder.finished() == ["b"]
     finally:
         builder.close()
 

@@ -102,6 +102,17 @@ def test_builds_after_the_seal_are_first_use_costs(caplog) -> None:
     assert "first-use build after ready" in caplog.text and "('decode', 4, 64)" in caplog.text
 
 
+def test_a_build_beside_a_device_step_is_counted_apart_and_not_a_stall(caplog) -> None:
+    log = BuildLog()
+    log.seal()
+    with caplog.at_level("WARNING", logger="kernels.builds"):
+        log.record_hidden(CUDNN_GRAPH, ("prefill", 2, 1024), 0.006)
+    snap = log.snapshot()
+    assert snap["after"] == {} and snap["hidden"] == {CUDNN_GRAPH: 1}
+    assert snap["seconds_hidden"][CUDNN_GRAPH] == pytest.approx(0.006)
+    assert "first-use build after ready" not in caplog.text
+
+
 def test_a_failed_build_is_not_counted() -> None:
     log = BuildLog()
     with pytest.raises(RuntimeError), log.building(CUDNN_GRAPH, "refused"):

@@ -46,3 +46,51 @@ def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daem
     close_llm(reader)
     assert stats["restores_waited_for_slots"] >= 1
     assert got_blocks["a"] < got_blocks["b"] <= got_blocks["c"]  # b got blocks before c did
+
+
+def test_a_restore_waiting_for_blocks_does_not_hold_back_an_earlier_request(
+        tiny_model_dir, make_daemon) -> None:
+    """The other way round: a request that arrived first and waits only for the step's budget
+    is admitted as soon as it fits, though a later request's restore (started while the first
+    waited) still waits for blocks. (It used to wait for that restore's blocks too: in the
+    long-context preset on an H200 a first turn queued 1.9 s behind a later turn's restore.)"""
+    daemon = make_daemon(dram="64MiB")
+    y = random_prompt(1000, 16 * 9 + 3, seed=31)  # in the store: its restore needs 10 blocks
+    store_through_an_engine(tiny_model_dir, daemon, [y])
+    reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=14, max_num_batched_tokens=32,
+                         prefill_order="fcfs")
+    engine = reader.engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    a = random_prompt(1000, 16 * 8 + 3, seed=32)  # new, prefilled 32 tokens a step: 9 blocks
+    x = random_prompt(1000, 16 * 2 + 3, seed=33)  # new and short: fits beside a
+    got_blocks: dict[str, int] = {}
+    steps = iter(range(10**6))
+
+    def step() -> None:
+        index = next(steps)
+        engine.step()
+        for name in ("a", "x", "y"):
+            seq = engine.scheduler._by_id.get(name)
+            if seq is not None and seq.block_ids and name not in got_blocks:
+                got_blocks[name] = index
+
+    engine.add_request("a", a, params)
+    step()  # a runs and takes the step's whole budget from now on (fcfs: running first)
+    engine.add_request("x", x, params)
+    engine.add_request("y", y, params)
+    for _ in range(200):  # until y's restore found no free blocks (a holds them)
+        step()
+        if engine.offload.restores.num_waiting_for_blocks:
+            break
+    assert engine.offload.restores.num_waiting_for_blocks == 1
+    assert "x" not in got_blocks  # still behind a's chunks
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        step()
+    stats = engine.stats()["kv_offload"]
+    engine.block_manager.check_integrity()
+    close_llm(reader)
+    assert stats["restores_waited_for_slots"] >= 1
+    assert stats["restores_landed"] == 1  # y was restored, not recomputed
+    assert got_blocks["a"] < got_blocks["x"] < got_blocks["y"]  # x did not wait for y's blocks
