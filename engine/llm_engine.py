@@ -182,6 +182,14 @@ class LLMEngine:
 
     # -- the step loop (one thread) ---------------------------------------------------------
 
+    def use_idle_time(self) -> None:
+        """No request is left: load the attention graphs the background builder finished
+        meanwhile, until a request arrives (``Ops.load_built_plans``), so a later request does
+        not load one in its path. Returns at once when nothing waits to be loaded."""
+        if self._cuda_index is not None:  # CUDA's current device is per thread
+            use_cuda_device(self._cuda_index)
+        self.runner.ops.load_built_plans(lambda: not self.has_unfinished_requests())
+
     def flush_offload(self) -> None:
         """The store work the last step left for after its outputs (``--kv-offload``): send its
         saves, publish evictions and resident blocks. ``step`` runs it first if nobody did; a

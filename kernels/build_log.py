@@ -5,9 +5,9 @@ A capture or a cuDNN build costs tens to hundreds of milliseconds, and a request
 waits for it. The engine builds what it can before it says ready (``warm_up``) and then
 ``seal``s the log: every build after that is a first-use cost a request paid, logged once per
 build with its kind, key and time, and counted, so a test or an operator can see that none
-happened (``/metrics``: ``kvengine:first_use_builds_total``). A build after ready that ran while
-the step thread waited for the device anyway, and ended before the device did, is counted
-apart (``hidden``): no request waited for it.
+happened (``/metrics``: ``kvengine:first_use_builds_total``). A build after ready that no
+request waited for (beside a device step the step thread waits for anyway, ending before it,
+or while the engine was idle) is counted apart (``hidden``).
 """
 
 from __future__ import annotations
@@ -71,12 +71,13 @@ class BuildLog:
                         kind.value, key, seconds * 1e3)
 
     def record_hidden(self, kind: BuildKind, key: object, seconds: float) -> None:
-        """After the seal, a build that ran while the device ran a step and ended before it
-        (the step thread would have waited for the device anyway): counted, not a stall."""
+        """After the seal, a build that no request waited for (it ran while the device ran a
+        step the step thread waits for anyway and ended before it, or while the engine was
+        idle): counted, not a stall."""
         with self._lock:
             self.hidden[kind] += 1
             self.seconds_hidden[kind] += seconds
-        log.debug("build beside a device step: %s %s took %.1f ms", kind.value, key,
+        log.debug("build no request waited for: %s %s took %.1f ms", kind.value, key,
                   seconds * 1e3)
 
     def seal(self) -> None:

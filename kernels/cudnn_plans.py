@@ -5,9 +5,10 @@ shapes cuDNN refuses are remembered with the reason (the caller's kernel serves 
 Once the build log is sealed (the engine is ready), a shape with no graph is not built in a
 request's path: it goes to the background builder (``kernels/plan_builder.py``) and ``get``
 answers None, so the caller's kernel serves it until the graph comes back and is loaded. The
-engine loads the graphs that came back while the device runs a step (``load_built``), so the
-next request of the shape finds it in memory; ``get`` loads one in line only when no step has
-had the time since."""
+engine loads the graphs that came back while no request waits for its step thread (the device
+runs a step the host waits for anyway, or the engine is idle: ``load_built``), so the next
+request of the shape finds it in memory; ``get`` loads one in line only when no such moment
+came since."""
 
 from __future__ import annotations
 
@@ -124,11 +125,12 @@ class CudnnPlans:
                 loaded += 1
         return loaded
 
-    def load_built(self, device_busy: Callable[[], bool]) -> int:
-        """While ``device_busy()``: load the graphs the background builder has sent back,
-        oldest first (a few ms each, in this thread: cuDNN holds the GIL). A load that ends
-        before the device does is counted as hidden (``BuildLog.record_hidden``), one that
-        outlasts it as a first-use build. How many were taken."""
+    def load_built(self, nobody_waits: Callable[[], bool]) -> int:
+        """While ``nobody_waits()`` (no request waits for this thread): load the graphs the
+        background builder has sent back, oldest first (a few ms each, in this thread: cuDNN
+        holds the GIL). A load after which nobody waits yet is counted as hidden
+        (``BuildLog.record_hidden``), one that outlasts the moment as a first-use build. How
+        many were taken."""
         background = self.background
         if background is None or not self._building:
             return 0
@@ -137,17 +139,17 @@ class CudnnPlans:
             key = self._building.get(name)
             if key is None:
                 continue  # not ours to load (``get`` takes it)
-            if not device_busy():
+            if not nobody_waits():
                 break
-            self._from_background(name, key, device_busy)
+            self._from_background(name, key, nobody_waits)
             taken += 1
         return taken
 
     def _from_background(self, name: str, key: tuple,
-                         device_busy: Callable[[], bool] | None = None) -> Plan | None:
+                         nobody_waits: Callable[[], bool] | None = None) -> Plan | None:
         """The builder's graph for ``key`` once it is back (loaded, and kept on disk), its
-        refusal (remembered), or None while it is still being built. ``device_busy``: the load
-        runs beside a device step (see ``load_built``); without it a request waits for it."""
+        refusal (remembered), or None while it is still being built. ``nobody_waits``: the load
+        runs while no request waits (see ``load_built``); without it a request waits for it."""
         outcome = self.background.take(name)
         if outcome is None:
             return None
@@ -160,7 +162,7 @@ class CudnnPlans:
             start = time.perf_counter()
             plan = self._deserialize(outcome.blob)
             seconds = time.perf_counter() - start
-            if device_busy is not None and device_busy():
+            if nobody_waits is not None and nobody_waits():
                 self.builds.record_hidden(CUDNN_BACKGROUND, key[:5], seconds)
             else:
                 self.builds.record(CUDNN_BACKGROUND, key[:5], seconds)

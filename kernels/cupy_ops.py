@@ -100,8 +100,8 @@ class CupyOps(Ops):
         return {outcome.value: n for outcome, n in builder.counts.items()} \
             if builder is not None else {}
 
-    def load_built_plans(self, device_busy: Callable[[], bool]) -> int:
-        return self._cudnn.plans.load_built(device_busy) if self._cudnn is not None else 0
+    def load_built_plans(self, nobody_waits: Callable[[], bool]) -> int:
+        return self._cudnn.plans.load_built(nobody_waits) if self._cudnn is not None else 0
 
     @property
     def attention_backend(self) -> str:

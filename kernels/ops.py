@@ -97,10 +97,10 @@ class Ops(ABC):
         where none runs."""
         return {}
 
-    def load_built_plans(self, device_busy: Callable[[], bool]) -> int:
-        """While ``device_busy()`` (the device runs a step the host waits for anyway): load the
-        attention graphs a background builder has finished, so no request loads one in its
-        path. How many were taken; the base has no builder."""
+    def load_built_plans(self, nobody_waits: Callable[[], bool]) -> int:
+        """While ``nobody_waits()`` (the device runs a step the host waits for anyway, or the
+        engine is idle): load the attention graphs a background builder has finished, so no
+        request loads one in its path. How many were taken; the base has no builder."""
         return 0
 
     @property

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvengine.server")
 
+# An idle step thread wakes this often to do what the engine leaves for idle time
+# (``ServedEngine.use_idle_time``: cuDNN graphs built in the background, loaded before a request
+# meets them); it returns at once when there is nothing to do.
+IDLE_WORK_INTERVAL_S = 0.05
+
 
 class EngineOverloaded(Exception):
     """Admitting the request would exceed the bounded queue; the client should retry later."""
@@ -215,10 +220,15 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not self._stop and not self.engine.has_unfinished_requests():
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_WORK_INTERVAL_S):
+                        break
                 if self._stop:
                     return
+                idle = not self.engine.has_unfinished_requests()
             try:
+                if idle:  # outside the lock: an arrival's notify never waits for it
+                    self.engine.use_idle_time()
+                    continue
                 outputs = self.engine.step()
                 last_step = getattr(self.engine, "last_step", None)
                 if self._on_step is not None and last_step is not None:

@@ -157,8 +157,9 @@ class EngineStats(TypedDict, total=False):
 
 class ServedEngine(Protocol):
     """An engine the server can serve. Threading contract: `add_request`, `abort_request`,
-    `has_unfinished_requests` and `stats` are safe from any thread; `step`, `flush_offload` and
-    `close` run on one thread (the server's step thread, then the owner at shutdown)."""
+    `has_unfinished_requests` and `stats` are safe from any thread; `step`, `flush_offload`,
+    `use_idle_time` and `close` run on one thread (the server's step thread, then the owner at
+    shutdown)."""
 
     model_name: str
     max_model_len: int
@@ -199,6 +200,11 @@ class ServedEngine(Protocol):
 
     def flush_offload(self) -> None:
         """The store work the last step left for after its outputs (a no-op without offload)."""
+        ...
+
+    def use_idle_time(self) -> None:
+        """No request is left: do what the engine leaves for idle time (graphs built in the
+        background loaded), returning soon after a request arrives."""
         ...
 
     def stats(self) -> EngineStats:

@@ -20,6 +20,14 @@ def _after(llm: LLM) -> dict:
     return dict(llm.engine.runner.ops.builds.snapshot()["after"])
 
 
+def _from_builder(llm: LLM) -> int:
+    """Graphs of the background builder loaded so far: in a request's path or not."""
+    from kernels.build_log import CUDNN_BACKGROUND
+
+    snap = llm.engine.runner.ops.builds.snapshot()
+    return snap["after"].get(CUDNN_BACKGROUND, 0) + snap["hidden"].get(CUDNN_BACKGROUND, 0)
+
+
 def test_turns_after_the_warm_up_wait_for_no_build(tiny_model_dir, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
     rng = np.random.default_rng(0)
@@ -106,7 +114,7 @@ def test_no_request_compiles_a_kernel_after_the_warm_up(tiny_model_dir, tmp_path
 def test_a_warm_restart_loads_the_graphs_its_requests_met(tiny_model_dir, tmp_path,
                                                           monkeypatch) -> None:
     """A long cold prefill's shape is not the warm-up's: the first start meets it after ready
-    (built by the builder process, loaded in a step). The next start with the same arena loads
+    (built by the builder process, loaded beside a step). The next start with the same arena loads
     it before ready (``kernels/plan_shapes.py``): its requests then load no graph at all."""
     import time
 
@@ -122,16 +130,49 @@ def test_a_warm_restart_loads_the_graphs_its_requests_met(tiny_model_dir, tmp_pa
         llm.engine.warm_up()
         vocab = llm.engine.vocab_size
         deadline = time.monotonic() + 120
-        while _after(llm).get(CUDNN_BACKGROUND, 0) == 0:  # fresh tokens: a cold prefill each
+        while _from_builder(llm) == 0:  # fresh tokens: a cold prefill each
             assert time.monotonic() < deadline, _after(llm)
             llm.generate([rng.integers(0, vocab, 1500).tolist()], params)
             time.sleep(0.2)
-        met = _after(llm)
+        met = _from_builder(llm)
     with LLM(str(tiny_model_dir), **kwargs) as llm:
         llm.engine.warm_up()
-        assert llm.engine.runner.num_preloaded_plans >= met[CUDNN_BACKGROUND]
+        assert llm.engine.runner.num_preloaded_plans >= met
         for _ in range(3):
             llm.generate([rng.integers(0, vocab, 1500).tolist()], params)
         after = _after(llm)
     assert after.get(CUDNN_LOAD, 0) == after.get(CUDNN_BACKGROUND, 0) == 0, after
     assert after.get(CUDNN_GRAPH, 0) == 0, after
+
+
+def test_a_graph_built_after_ready_is_loaded_in_idle_time_not_by_a_request(
+        tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """A cold prefill's new shape goes to the builder process; once its graph is back, the
+    idle engine loads it (``use_idle_time``, which the server's step thread calls while no
+    request is left), counted as hidden: the next request of that shape loads nothing."""
+    import time
+
+    from kernels.build_log import CUDNN_BACKGROUND
+
+    monkeypatch.setenv("KVSTORE_CUDNN_PLAN_CACHE", str(tmp_path / "plans"))
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=1)  # no decode step that could load it first
+    kwargs = dict(device="cuda", max_num_seqs=4, max_model_len=4096, num_kv_blocks=1024)
+    with LLM(str(tiny_model_dir), **kwargs) as llm:
+        if "cudnn" not in llm.engine.runner.attention_backend:
+            pytest.skip(f"no cuDNN attention: {llm.engine.runner.attention_backend}")
+        llm.engine.warm_up()
+        vocab = llm.engine.vocab_size
+        llm.generate([rng.integers(0, vocab, 1500).tolist()], params)
+        ops = llm.engine.runner.ops
+        deadline = time.monotonic() + 120
+        while ops.background_builds.get("built", 0) == 0:
+            assert time.monotonic() < deadline, ops.background_builds
+            time.sleep(0.05)
+        assert _from_builder(llm) == 0  # back, not loaded yet
+        llm.engine.use_idle_time()
+        snap = ops.builds.snapshot()
+        assert snap["hidden"].get(CUDNN_BACKGROUND, 0) >= 1, snap
+        llm.generate([rng.integers(0, vocab, 1500).tolist()], params)
+        after = _after(llm)
+    assert after.get(CUDNN_BACKGROUND, 0) == after.get(CUDNN_GRAPH, 0) == 0, after
