@@ -5,7 +5,8 @@ holds the GIL all that time (its module never releases it), so a thread would st
 loop as much as a build in line. After ``/ready`` the engine therefore runs our own attention
 kernel for a shape it has no graph for, and hands the shape to this builder: a child process
 with its own CUDA context and cuDNN handle that builds the graph, serializes it, and sends the
-bytes back. The next step that meets the shape loads them (a few ms) and runs cuDNN.
+bytes back. The engine loads them (a few ms) while no request waits for its step thread
+(``CudnnPlans.load_built``), else the next step that meets the shape does; then cuDNN runs it.
 
 The child starts on the first shape, exits after ``idle_s`` without work (its CUDA context is
 given back), and again on the next shape. Every wait has a bound: a build that runs past
