@@ -34,17 +34,12 @@ log = logging.getLogger("engine")
 # A step with nothing to run but restores waits at most this long for one of their replies (then
 # steps again): no busy loop. A request or an abort that arrives meanwhile ends the wait at once.
 IDLE_RESTORE_WAIT_S = 0.005
-# With a store: while the device runs a step, requests that arrive are taken at once (their
-# lookups sent, their restores started where the reply is in), for this share of the previous
-# step's time after the forward was queued. Taken at the next step's start instead, a request
-# waits there for its lookup's reply, and one not answered within that step's bounded wait
-# loses a whole step: a first turn arriving 30 ms after another waited about 10 ms more with
-# offload in two H200 runs of three, and in neither of two with the watch (one request a run,
-# the `queued` phase of benchmarks/results/multiturn-agent-tools-h200-120s-http-{timed,watch}-*
-# -s16-*: thin evidence, but the mechanism is plain). A request
-# arriving at an idle engine still waits the round trip (about 1 ms there). Not up to the
-# step's end: the device's end is noticed between waits, and a step that ends before the share
-# is over is noticed at most ARRIVAL_POLL_S late.
+# With a store: while the device runs a step, requests that arrive are taken at once (lookups
+# sent, restores started where the reply is in), for this share of the previous step's time
+# after the forward was queued; taken at the next step's start, one whose reply is late loses a
+# step (a first turn 30 ms after another waited ~10 ms more in two H200 runs of three, in none
+# of two with the watch: `queued` in benchmarks/results/multiturn-agent-tools-h200-120s-http-
+# {timed,watch}-*-s16-*). The device's end is noticed at most ARRIVAL_POLL_S late.
 ARRIVAL_WATCH_STEP_SHARE = 0.8
 ARRIVAL_POLL_S = 0.0002
 
@@ -183,11 +178,9 @@ class LLMEngine:
     # -- the step loop (one thread) ---------------------------------------------------------
 
     def use_idle_time(self) -> None:
-        """No request is left: load the attention graphs the background builder finished
-        meanwhile, until a request arrives (``Ops.load_built_plans``), so a later request does
-        not load one in its path. Returns at once when nothing waits to be loaded."""
-        if self._cuda_index is not None:  # CUDA's current device is per thread
-            use_cuda_device(self._cuda_index)
+        """No request left: load the attention graphs built in the background meanwhile."""
+        if self._cuda_index is not None:
+            use_cuda_device(self._cuda_index)  # CUDA's current device is per thread
         self.runner.ops.load_built_plans(lambda: not self.has_unfinished_requests())
 
     def flush_offload(self) -> None:
@@ -257,15 +250,13 @@ class LLMEngine:
     def _during_step(self, device_done: Callable[[], bool], host_waits: bool = True) -> None:
         """While the device runs the step: requests that arrived meanwhile join the scheduler
         (their store lookups go out now), and restores whose lookups are answered start their
-        loads, so they cross the bus during this step rather than after the next schedule.
-        In a step the host waits for, attention graphs the background builder has finished are
-        loaded while the device is still busy (``Ops.load_built_plans``).
-        With a store, requests arriving later in the step are taken as they come (for
-        ``ARRIVAL_WATCH_STEP_SHARE`` of the last waited-for step's time), but only in a step
-        the host waits for anyway (``host_waits``): a step of mid-prompt chunks returns at
-        once, so the host queues the next chunk while the device computes this one (watching
-        there cost a 4,864-token cold prefill 1.17x its time on an H200: the chunks ran one
-        after another with the host's launches in between)."""
+        loads, so they cross the bus during this step rather than after the next schedule. In a
+        step the host waits for anyway (``host_waits``), finished attention graphs are loaded
+        while the device is busy (``Ops.load_built_plans``), and with a store requests arriving
+        later are taken as they come (for ``ARRIVAL_WATCH_STEP_SHARE`` of the last waited-for
+        step's time); a step of mid-prompt chunks returns at once, so the host queues the next
+        chunk while the device computes this one (watching there cost a 4,864-token cold
+        prefill 1.17x its time on an H200)."""
         last = self.last_waited_step
         watch_until = time.perf_counter() + ARRIVAL_WATCH_STEP_SHARE * (
             last.execute_s if last is not None else 0.0)  # from the forward's queueing on

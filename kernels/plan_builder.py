@@ -1,22 +1,21 @@
 """Builds cuDNN graphs in a child process while the engine serves (``CudnnPlans`` after the seal).
 
 A cuDNN graph that the warm-up did not build costs 40 ms to 1.2 s to build, and the frontend
-holds the GIL all that time (its module never releases it), so a thread would stall the step
-loop as much as a build in line. After ``/ready`` the engine therefore runs our own attention
-kernel for a shape it has no graph for, and hands the shape to this builder: a child process
-with its own CUDA context and cuDNN handle that builds the graph, serializes it, and sends the
-bytes back. The engine loads them (a few ms) while no request waits for its step thread
-(``CudnnPlans.load_built``), else the next step that meets the shape does; then cuDNN runs it.
+holds the GIL all that time, so a thread would stall the step loop as much as a build in line.
+After ``/ready`` the engine runs our own attention kernel for a shape it has no graph for and
+hands the shape to this builder: a child process with its own CUDA context and cuDNN handle
+that builds the graph, serializes it, and sends the bytes back. The engine loads them (a few
+ms) while no request waits for its step thread (``CudnnPlans.load_built``), else the next
+step that meets the shape does; then cuDNN runs it.
 
 The child starts on the first shape, exits after ``idle_s`` without work (its CUDA context is
-given back), and again on the next shape. Every wait has a bound: a build that runs past
+given back), and again on the next shape. Every wait has a bound: a build past
 ``build_timeout_s`` kills the child and the shape is refused (our kernel keeps serving it); a
-child that dies ``max_crashes`` times turns the builder off, and the caller builds in line as
-before. Frames both ways: a 4-byte big-endian length, a JSON header, then ``size`` raw bytes.
+child that dies ``max_crashes`` times turns the builder off (the caller builds in line).
+Frames both ways: ``kernels/plan_frames.py``.
 
-Worker: ``python -m kernels.plan_builder --device N --target module:function``, where the target
-is ``function(key: tuple, device: int) -> bytes`` (cuDNN's is
-``kernels.cudnn_build_target:serialized_plan``).
+Worker: ``python -m kernels.plan_builder --device N --target module:function``, the target
+``function(key: tuple, device: int) -> bytes`` (``kernels.cudnn_build_target:serialized_plan``).
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib
-import json
 import logging
 import os
 import select
-import struct
 import subprocess
 import sys
 import threading
@@ -36,14 +33,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
+
+from kernels.plan_frames import decode_key, encode_frame, encode_key, read_frame, write_frame
 
 log = logging.getLogger("kernels.plan_builder")
 
 ENV = "KVSTORE_CUDNN_BUILDER"  # "off": build in line after ready (a request waits)
 CUDNN_TARGET = "kernels.cudnn_build_target:serialized_plan"
-MAX_HEADER_BYTES = 1 << 16
-MAX_BLOB_BYTES = 16 << 20  # a serialized SDPA plan is tens of KiB
 
 
 class Outcome(str, enum.Enum):
@@ -86,64 +83,6 @@ class _Child:
     pending: dict[str, float] = field(default_factory=dict)  # name -> when it was sent, in order
     busy_since: float = 0.0  # when the build now running began (the oldest pending one's)
     failure: str | None = None  # why the reader gave up on it
-
-
-# -- frames ------------------------------------------------------------------------------------
-
-def encode_key(key: tuple) -> Any:
-    """A plan key as JSON (tuples become lists; ``decode_key`` turns them back)."""
-    return [encode_key(part) if isinstance(part, tuple) else part for part in key]
-
-
-def decode_key(value: Any) -> tuple:
-    if not isinstance(value, list):
-        raise ValueError(f"a plan key is a list, not {type(value).__name__}")
-    return tuple(decode_key(part) if isinstance(part, list) else part for part in value)
-
-
-def encode_frame(header: dict, blob: bytes = b"") -> bytes:
-    """One frame's bytes; TypeError where the header holds what JSON cannot carry."""
-    head = json.dumps(dict(header, size=len(blob))).encode()
-    return struct.pack(">I", len(head)) + head + blob
-
-
-def write_frame(stream: IO[bytes], header: dict, blob: bytes = b"") -> None:
-    stream.write(encode_frame(header, blob))
-    stream.flush()
-
-
-def read_frame(stream: IO[bytes]) -> tuple[dict, bytes] | None:
-    """The next frame, or None at the end of the stream; ValueError on a malformed one."""
-    prefix = _read_exactly(stream, 4)
-    if prefix is None:
-        return None
-    (length,) = struct.unpack(">I", prefix)
-    if not 0 < length <= MAX_HEADER_BYTES:
-        raise ValueError(f"a frame header of {length} bytes")
-    head = _read_exactly(stream, length)
-    if head is None:
-        raise ValueError("the stream ended inside a frame header")
-    header = json.loads(head)
-    size = header.get("size", 0) if isinstance(header, dict) else -1
-    if not isinstance(size, int) or not 0 <= size <= MAX_BLOB_BYTES:
-        raise ValueError(f"a frame of {size!r} bytes")
-    blob = _read_exactly(stream, size) if size else b""
-    if blob is None:
-        raise ValueError("the stream ended inside a frame")
-    return header, blob
-
-
-def _read_exactly(stream: IO[bytes], n: int) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        chunk = stream.read(n - got)
-        if not chunk:
-            if got:
-                raise ValueError(f"the stream ended after {got} of {n} bytes")
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
 
 
 # -- the engine's side -------------------------------------------------------------------------

@@ -177,12 +177,10 @@ def test_one_long_sequence_runs_at_its_exact_sizes(cp, bf16, cudnn_attn, lens, q
     assert cudnn_attn.calls.get(("exact",), 0) == before + 1
 
 
-def test_after_the_seal_a_new_shape_is_built_beside_and_our_kernel_serves_meanwhile(
-        cp, bf16, tmp_path) -> None:
-    """No request waits for a build after ready: the first call of a new shape answers None
-    (the caller's kernel serves), the builder process builds the graph, and a later call
-    loads it and runs cuDNN, matching the reference."""
-    from kernels.build_log import CUDNN_BACKGROUND, CUDNN_GRAPH, BuildLog
+def _sealed_attention_with_builder(cp, tmp_path):
+    """A cuDNN attention after the seal, with its builder process and build log (skips where
+    cuDNN is missing); the caller closes the builder."""
+    from kernels.build_log import BuildLog
     from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
     from kernels.plan_builder import PlanBuilder
     from kernels.plan_cache import PlanCache
@@ -192,17 +190,38 @@ def test_after_the_seal_a_new_shape_is_built_beside_and_our_kernel_serves_meanwh
     try:
         attn = CudnnAttention(builds, PlanCache(tmp_path / "plans"), builder)
     except CudnnUnavailable as exc:
+        builder.close()
         pytest.skip(f"cuDNN is not available here: {exc}")
+    builds.seal()
+    return builds, builder, attn
+
+
+def _prefill_case(cp, bf16, seed: int, lens: list[int], q_lens: list[int]):
+    """``run_prefill``'s arguments but the last (Qwen3-4B heads, shuffled blocks) and the
+    reference output."""
+    rng = np.random.default_rng(seed)
+    kv, tables = paged_case(rng, bf16, 16, lens, 8, 128)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), 32, 128)).astype(bf16)
+    ctx = np.array(lens, dtype=np.int32)
+    args = (cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables), cp.asarray(cu),
+            cp.asarray(ctx), 128 ** -0.5)
+    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1, tables,
+                                       cu, ctx, 128 ** -0.5)
+    return args, want
+
+
+def test_after_the_seal_a_new_shape_is_built_beside_and_our_kernel_serves_meanwhile(
+        cp, bf16, tmp_path) -> None:
+    """No request waits for a build after ready: the first call of a new shape answers None
+    (the caller's kernel serves), the builder process builds the graph, and a later call
+    loads it and runs cuDNN, matching the reference."""
+    from kernels.build_log import CUDNN_BACKGROUND, CUDNN_GRAPH
+
+    builds, builder, attn = _sealed_attention_with_builder(cp, tmp_path)
     try:
-        builds.seal()
-        rng = np.random.default_rng(5)
-        lens, q_lens = [1500, 700, 900], [300, 200, 250]
-        kv, tables = paged_case(rng, bf16, 16, lens, 8, 128)
-        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        q = rng.standard_normal((int(cu[-1]), 32, 128)).astype(bf16)
-        ctx = np.array(lens, dtype=np.int32)
-        args = (cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables), cp.asarray(cu),
-                cp.asarray(ctx), 128 ** -0.5)
+        q_lens = [300, 200, 250]
+        args, want = _prefill_case(cp, bf16, 5, [1500, 700, 900], q_lens)
         assert attn.run_prefill(*args, max(q_lens)) is None  # not built: the caller's kernel
         assert builds.snapshot()["after"] == {}  # and nobody waited for a build (the wall
         # clock is no witness here: alone in a process, this first call took 0.96 s on an H200)
@@ -211,8 +230,6 @@ def test_after_the_seal_a_new_shape_is_built_beside_and_our_kernel_serves_meanwh
             time.sleep(0.05)
             got = attn.run_prefill(*args, max(q_lens))
         assert got is not None, f"never built: {builder.counts} {attn.refusals}"
-        want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1,
-                                           tables, cu, ctx, 128 ** -0.5)
         assert rel_err(cp.asnumpy(got), want) < 1e-2
         after = builds.snapshot()["after"]
         assert after.get(CUDNN_GRAPH, 0) == 0 and after.get(CUDNN_BACKGROUND, 0) >= 1
@@ -227,27 +244,12 @@ def test_a_graph_built_beside_is_loaded_while_the_device_is_busy_not_in_a_reques
     """The engine loads what the builder sent back during a device step it waits for anyway
     (``load_built``): the next call of the shape finds the graph in memory, and the load is
     counted as hidden, not as a first-use build. With the device idle nothing is loaded."""
-    from kernels.build_log import CUDNN_BACKGROUND, BuildLog
-    from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
-    from kernels.plan_builder import PlanBuilder
-    from kernels.plan_cache import PlanCache
+    from kernels.build_log import CUDNN_BACKGROUND
 
-    builds = BuildLog()
-    builder = PlanBuilder(cp.cuda.Device().id)
+    builds, builder, attn = _sealed_attention_with_builder(cp, tmp_path)
     try:
-        attn = CudnnAttention(builds, PlanCache(tmp_path / "plans"), builder)
-    except CudnnUnavailable as exc:
-        pytest.skip(f"cuDNN is not available here: {exc}")
-    try:
-        builds.seal()
-        rng = np.random.default_rng(6)
-        lens, q_lens = [1300, 600], [260, 180]
-        kv, tables = paged_case(rng, bf16, 16, lens, 8, 128)
-        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        q = rng.standard_normal((int(cu[-1]), 32, 128)).astype(bf16)
-        ctx = np.array(lens, dtype=np.int32)
-        args = (cp.asarray(q), cp.asarray(kv), 1, cp.asarray(tables), cp.asarray(cu),
-                cp.asarray(ctx), 128 ** -0.5)
+        q_lens = [260, 180]
+        args, want = _prefill_case(cp, bf16, 6, [1300, 600], q_lens)
         assert attn.run_prefill(*args, max(q_lens)) is None  # handed to the builder
         deadline = time.monotonic() + 120
         while not builder.finished() and time.monotonic() < deadline:
@@ -258,8 +260,6 @@ def test_a_graph_built_beside_is_loaded_while_the_device_is_busy_not_in_a_reques
         assert builder.finished() == []
         got = attn.run_prefill(*args, max(q_lens))
         assert got is not None
-        want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 1,
-                                           tables, cu, ctx, 128 ** -0.5)
         assert rel_err(cp.asnumpy(got), want) < 1e-2
         snap = builds.snapshot()
         assert snap["after"].get(CUDNN_BACKGROUND, 0) == 0  # no request loaded it

@@ -11,15 +11,8 @@ import time
 
 import pytest
 
-from kernels.plan_builder import (
-    Built,
-    PlanBuilder,
-    Refused,
-    decode_key,
-    encode_key,
-    read_frame,
-    write_frame,
-)
+from kernels.plan_builder import Built, PlanBuilder, Refused
+from kernels.plan_frames import decode_key, encode_key, read_frame, write_frame
 
 TARGETS = '''
 import json, os, time

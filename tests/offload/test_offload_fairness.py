@@ -9,6 +9,29 @@ from offload_helpers import close_llm, offload_llm, random_prompt, store_through
 from engine import SamplingParams
 
 
+class _BlockWatch:
+    """Steps an engine and notes the step at which each named request first held blocks."""
+
+    def __init__(self, engine, names: tuple[str, ...]) -> None:
+        self.engine, self.names = engine, names
+        self.got_blocks: dict[str, int] = {}
+        self.steps = 0
+
+    def step(self) -> None:
+        self.engine.step()
+        for name in self.names:
+            seq = self.engine.scheduler._by_id.get(name)
+            if seq is not None and seq.block_ids and name not in self.got_blocks:
+                self.got_blocks[name] = self.steps
+        self.steps += 1
+
+    def until_done(self) -> None:
+        for _ in range(500):
+            if not self.engine.has_unfinished_requests():
+                return
+            self.step()
+
+
 def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daemon) -> None:
     daemon = make_daemon(dram="64MiB")
     a = random_prompt(1000, 16 * 9 + 3, seed=21)
@@ -20,27 +43,15 @@ def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daem
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request("a", a, params)
     engine.add_request("b", b, params)
-    got_blocks: dict[str, int] = {}  # the step at which each request first held blocks
-    steps = iter(range(10**6))
-
-    def step() -> None:
-        index = next(steps)
-        engine.step()
-        for name in ("a", "b", "c"):
-            seq = engine.scheduler._by_id.get(name)
-            if seq is not None and seq.block_ids and name not in got_blocks:
-                got_blocks[name] = index
-
+    watch = _BlockWatch(engine, ("a", "b", "c"))
     for _ in range(200):  # until b's restore found no free blocks (a holds them)
         if engine.offload.restores.num_waiting_for_blocks:
             break
-        step()
+        watch.step()
     assert engine.offload.restores.num_waiting_for_blocks == 1
     engine.add_request("c", c, params)  # fits beside a right now, but arrived after b
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        step()
+    watch.until_done()
+    got_blocks = watch.got_blocks
     stats = engine.stats()["kv_offload"]
     engine.block_manager.check_integrity()
     close_llm(reader)
@@ -63,31 +74,19 @@ def test_a_restore_waiting_for_blocks_does_not_hold_back_an_earlier_request(
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     a = random_prompt(1000, 16 * 8 + 3, seed=32)  # new, prefilled 32 tokens a step: 9 blocks
     x = random_prompt(1000, 16 * 2 + 3, seed=33)  # new and short: fits beside a
-    got_blocks: dict[str, int] = {}
-    steps = iter(range(10**6))
-
-    def step() -> None:
-        index = next(steps)
-        engine.step()
-        for name in ("a", "x", "y"):
-            seq = engine.scheduler._by_id.get(name)
-            if seq is not None and seq.block_ids and name not in got_blocks:
-                got_blocks[name] = index
-
+    watch = _BlockWatch(engine, ("a", "x", "y"))
     engine.add_request("a", a, params)
-    step()  # a runs and takes the step's whole budget from now on (fcfs: running first)
+    watch.step()  # a runs and takes the step's whole budget from now on (fcfs: running first)
     engine.add_request("x", x, params)
     engine.add_request("y", y, params)
     for _ in range(200):  # until y's restore found no free blocks (a holds them)
-        step()
+        watch.step()
         if engine.offload.restores.num_waiting_for_blocks:
             break
     assert engine.offload.restores.num_waiting_for_blocks == 1
-    assert "x" not in got_blocks  # still behind a's chunks
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        step()
+    assert "x" not in watch.got_blocks  # still behind a's chunks
+    watch.until_done()
+    got_blocks = watch.got_blocks
     stats = engine.stats()["kv_offload"]
     engine.block_manager.check_integrity()
     close_llm(reader)
