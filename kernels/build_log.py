@@ -50,7 +50,7 @@ class BuildLog:
         self.after: Counter[BuildKind] = Counter()  # first-use builds: after seal, by kind
         self.seconds_before: Counter[BuildKind] = Counter()
         self.seconds_after: Counter[BuildKind] = Counter()
-        self.hidden: Counter[BuildKind] = Counter()  # after seal, inside a device step's time
+        self.hidden: Counter[BuildKind] = Counter()  # after seal, no request waited for them
         self.seconds_hidden: Counter[BuildKind] = Counter()
 
     @contextmanager
@@ -87,7 +87,7 @@ class BuildLog:
 
     def snapshot(self) -> dict:
         """Counts and seconds by kind's name: ``before`` / ``after`` the seal, ``hidden``
-        beside a device step after it, ``seconds_*`` alike."""
+        (after it, no request waited), ``seconds_*`` alike."""
         with self._lock:
             return {"before": {k.value: n for k, n in self.before.items()},
                     "after": {k.value: n for k, n in self.after.items()},

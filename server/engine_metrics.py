@@ -223,8 +223,8 @@ class EngineCollector:
             "said ready (0 when the warm-up covered them).", "kind",
             runner.ops.builds.snapshot()["after"])
         yield self._by_label(
-            CounterMetricFamily, P + "hidden_builds", "Builds or plan loads after ready that "
-            "ran while the device ran a step and ended before it (no request waited).", "kind",
+            CounterMetricFamily, P + "hidden_builds", "Builds or plan loads after ready that no "
+            "request waited for (beside a device step, ending before it, or while idle).", "kind",
             runner.ops.builds.snapshot()["hidden"])
         yield self._by_label(
             CounterMetricFamily, P + "cudnn_background_builds", "What the cuDNN plan builder "
