@@ -8,8 +8,6 @@ moves the inbox into the scheduler, so the scheduler, block manager and runner a
 from __future__ import annotations
 
 import logging
-import operator
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +22,7 @@ from engine.grammar import GrammarMatcher
 from engine.kv_cache import KVCache
 from engine.logprobs import TokenLogprobs
 from engine.outputs import FinishReason, RequestOutput, empty_tier_counts, prefix_source
+from engine.prompt_ids import checked_prompt
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.step_timing import StepTiming
@@ -34,12 +33,17 @@ log = logging.getLogger("engine")
 # A step with nothing to run but restores waits at most this long for one of their replies (then
 # steps again): no busy loop. A request or an abort that arrives meanwhile ends the wait at once.
 IDLE_RESTORE_WAIT_S = 0.005
-# With a store: while the device runs a step, requests that arrive are taken at once (lookups
-# sent, restores started where the reply is in), for this share of the previous step's time
-# after the forward was queued; taken at the next step's start, one whose reply is late loses a
-# step (a first turn 30 ms after another waited ~10 ms more in two H200 runs of three, in none
-# of two with the watch: `queued` in benchmarks/results/multiturn-agent-tools-h200-120s-http-
-# {timed,watch}-*-s16-*). The device's end is noticed at most ARRIVAL_POLL_S late.
+# With a store: while the device runs a step, requests that arrive are taken at once (their
+# lookups sent, their restores started where the reply is in), for this share of the previous
+# step's time after the forward was queued. Taken at the next step's start instead, a request
+# waits there for its lookup's reply, and one not answered within that step's bounded wait
+# loses a whole step: a first turn arriving 30 ms after another waited about 10 ms more with
+# offload in two H200 runs of three, and in neither of two with the watch (one request a run,
+# the `queued` phase of benchmarks/results/multiturn-agent-tools-h200-120s-http-{timed,watch}-*
+# -s16-*: thin evidence, but the mechanism is plain). A request
+# arriving at an idle engine still waits the round trip (about 1 ms there). Not up to the
+# step's end: the device's end is noticed between waits, and a step that ends before the share
+# is over is noticed at most ARRIVAL_POLL_S late.
 ARRIVAL_WATCH_STEP_SHARE = 0.8
 ARRIVAL_POLL_S = 0.0002
 
@@ -106,7 +110,8 @@ class LLMEngine:
             raise ValueError(f"token id {params.max_token_id()} in stop_token_ids or logit_bias "
                              f"is out of range: the vocabulary has "
                              f"{self.model_config.vocab_size} tokens")
-        ids, token_bytes = self._check_prompt(prompt_token_ids)
+        ids, token_bytes = checked_prompt(prompt_token_ids, self.model_config.vocab_size,
+                                          self.max_model_len)
         seed = params.seed
         if seed is None:
             with self._lock:
@@ -128,37 +133,6 @@ class LLMEngine:
             self._inbox.append(seq)
         self._arrived.set()
 
-    def _check_prompt(self, prompt_token_ids: list[int]) -> tuple[list[int], bytes]:
-        """The prompt as a fresh list of ints plus its int32-LE bytes (what block hashes are
-        made of); ValueError unless it is 1..max_model_len integers in [0, vocab_size)."""
-        vocab_size = self.model_config.vocab_size
-        if not isinstance(prompt_token_ids, (list, tuple)):
-            try:
-                prompt_token_ids = list(prompt_token_ids)
-            except TypeError:
-                raise ValueError("prompt_token_ids must be a list of integers") from None
-        # One C-level pass converts and checks every id (an integer that fits int32).
-        try:
-            token_bytes: bytes | None = struct.pack(f"<{len(prompt_token_ids)}i",
-                                                    *prompt_token_ids)
-        except (struct.error, TypeError, ValueError, OverflowError):
-            try:  # which error to report: not integers, or out of range (vocab ids fit int32)
-                for t in prompt_token_ids:
-                    operator.index(t)
-            except TypeError:
-                raise ValueError("prompt_token_ids must be a list of integers") from None
-            token_bytes = None
-        num_tokens = len(prompt_token_ids)
-        if not num_tokens:
-            raise ValueError("the prompt is empty")
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"the prompt has {num_tokens} tokens, more than max_model_len "
-                             f"{self.max_model_len}")
-        tokens = np.frombuffer(token_bytes or b"", dtype="<i4")
-        if token_bytes is None or int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        return tokens.tolist(), token_bytes
-
     def abort_request(self, request_id: str) -> None:
         """Ask for the request to end with reason "abort" at the next step; unknown ids are
         ignored (the request may have just finished)."""
@@ -178,10 +152,16 @@ class LLMEngine:
     # -- the step loop (one thread) ---------------------------------------------------------
 
     def use_idle_time(self) -> None:
-        """No request left: load the attention graphs built in the background meanwhile."""
-        if self._cuda_index is not None:
-            use_cuda_device(self._cuda_index)  # CUDA's current device is per thread
+        """No request is left: load the attention graphs the background builder finished
+        meanwhile, until a request arrives (``Ops.load_built_plans``), so a later request does
+        not load one in its path. Returns at once when nothing waits to be loaded."""
+        self._use_device()
         self.runner.ops.load_built_plans(lambda: not self.has_unfinished_requests())
+
+    def _use_device(self) -> None:
+        """Make the engine's GPU current on this thread (CUDA's current device is per thread)."""
+        if self._cuda_index is not None:
+            use_cuda_device(self._cuda_index)
 
     def flush_offload(self) -> None:
         """The store work the last step left for after its outputs (``--kv-offload``): send its
@@ -194,8 +174,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of requests that got a token or ended."""
         t_start = time.perf_counter()
-        if self._cuda_index is not None:  # CUDA's current device is per thread
-            use_cuda_device(self._cuda_index)
+        self._use_device()
         self.flush_offload()
         t_flushed = time.perf_counter()
         with self._lock:

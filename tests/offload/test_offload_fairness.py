@@ -25,11 +25,17 @@ class _BlockWatch:
                 self.got_blocks[name] = self.steps
         self.steps += 1
 
-    def until_done(self) -> None:
+    def finish(self, llm) -> dict:
+        """Step until no request is left, check the block manager, close ``llm``; its store
+        counters."""
         for _ in range(500):
             if not self.engine.has_unfinished_requests():
-                return
+                break
             self.step()
+        stats = self.engine.stats()["kv_offload"]
+        self.engine.block_manager.check_integrity()
+        close_llm(llm)
+        return stats
 
 
 def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daemon) -> None:
@@ -50,11 +56,8 @@ def test_a_restore_waiting_for_blocks_is_not_overtaken(tiny_model_dir, make_daem
         watch.step()
     assert engine.offload.restores.num_waiting_for_blocks == 1
     engine.add_request("c", c, params)  # fits beside a right now, but arrived after b
-    watch.until_done()
+    stats = watch.finish(reader)
     got_blocks = watch.got_blocks
-    stats = engine.stats()["kv_offload"]
-    engine.block_manager.check_integrity()
-    close_llm(reader)
     assert stats["restores_waited_for_slots"] >= 1
     assert got_blocks["a"] < got_blocks["b"] <= got_blocks["c"]  # b got blocks before c did
 
@@ -85,11 +88,8 @@ def test_a_restore_waiting_for_blocks_does_not_hold_back_an_earlier_request(
             break
     assert engine.offload.restores.num_waiting_for_blocks == 1
     assert "x" not in watch.got_blocks  # still behind a's chunks
-    watch.until_done()
+    stats = watch.finish(reader)
     got_blocks = watch.got_blocks
-    stats = engine.stats()["kv_offload"]
-    engine.block_manager.check_integrity()
-    close_llm(reader)
     assert stats["restores_waited_for_slots"] >= 1
     assert stats["restores_landed"] == 1  # y was restored, not recomputed
     assert got_blocks["a"] < got_blocks["x"] < got_blocks["y"]  # x did not wait for y's blocks
