@@ -192,7 +192,7 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
             self._ref_counts[block] += 1
-        seq.block_ids = list(hit_block_ids) + [self._allocate() for _ in range(needed)]
+        seq.block_ids = list(hit_block_ids) + self._allocate_many(needed)
         seq.num_computed_tokens = num_hit_tokens
         seq.num_registered_blocks = len(hit_block_ids)
         return True
@@ -203,7 +203,7 @@ class BlockManager:
         needed = _blocks_for(num_tokens, self.block_size) - len(seq.block_ids)
         if needed > self.num_free_blocks:
             return False
-        seq.block_ids.extend(self._allocate() for _ in range(needed))
+        seq.block_ids.extend(self._allocate_many(needed))
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -315,6 +315,12 @@ class BlockManager:
                 if registered is not None:
                     registered.append((block, cached))
         seq.num_registered_blocks = num_full
+
+    def _allocate_many(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` fresh blocks in ascending order: consecutive positions then often
+        get consecutive ids (a finished sequence's blocks come back tail first), and a copy to
+        or from the store moves such a run as one transfer, not one per block."""
+        return sorted(self._allocate() for _ in range(num_blocks))
 
     def _allocate(self) -> int:
         if self._free:

@@ -264,6 +264,7 @@ class LLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for seq in inbox:
+            seq.taken_time = time.perf_counter()
             self.scheduler.add(seq)
 
     def _append_token(self, seq: Sequence, token_id: int,
@@ -335,7 +336,8 @@ class LLMEngine:
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None
             else None, arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
-            output_time=time.perf_counter(),
+            output_time=time.perf_counter(), taken_time=seq.taken_time,
+            restore_times=seq.restore_times,
         )
 
     def warm_up(self) -> int:

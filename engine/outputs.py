@@ -69,6 +69,9 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_time: float = 0.0
+    # the step thread took it; a restore's (sent, landed, ready) (``Sequence``'s)
+    taken_time: float | None = None
+    restore_times: tuple[float, float, float] | None = None
     # Once finished by "stop": the stop string or stop token id that ended it, None for eos
     # (vLLM's stop_reason).
     stop_reason: int | str | None = None

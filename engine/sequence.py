@@ -75,6 +75,11 @@ class Sequence:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # where a queued request waited (the timing log): the step thread took it (its store
+    # lookup goes out from here), and for a restored one its restore's round trip sent, its
+    # load landed and the restore ready to run (CLOCK_MONOTONIC, as perf_counter on Linux)
+    taken_time: float | None = None
+    restore_times: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

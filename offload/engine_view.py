@@ -42,6 +42,8 @@ class OffloadSequence(Protocol):
     num_saved_blocks: int
     restored_tokens_by_tier: dict[str, int]
     arrival_time: float  # when the request arrived (first come, first served)
+    # its last landed restore: round trip sent, load landed, ready (time.monotonic())
+    restore_times: tuple[float, float, float] | None
 
     @property
     def num_tokens(self) -> int: ...

@@ -295,6 +295,7 @@ class EngineRestores(RestoreBridge):
         if load is None or lookup.finished_at is None or load.finished_at is None:
             return
         now = time.monotonic()
+        job.owner.restore_times = (lookup.started_at, load.finished_at, now)
         stages = (("lookup", lookup.started_at, lookup.finished_at),
                   ("reply_to_load", lookup.finished_at, load.started_at),
                   ("load", load.started_at, load.finished_at),

@@ -131,6 +131,9 @@ class EngineOutput(Protocol):
     first_scheduled_time: float | None
     first_token_time: float | None
     output_time: float
+    # the engine's thread took it; a restore's (sent, landed, ready) stamps, where restored
+    taken_time: float | None
+    restore_times: tuple[float, float, float] | None
 
 
 class OffloadStats(TypedDict, total=False):

@@ -6,9 +6,12 @@ response's ``id`` (which carries a client's ``request_id``), the engine's reques
 counts, and ``time.perf_counter()`` stamps in seconds: ``received`` (the handler had the parsed
 body), ``added`` (the engine took it), ``scheduled`` (first in a batch), ``first_token`` (the
 engine produced it), ``first_token_seen`` (the server's loop turned it into a chunk) and
-``finished``. On Linux ``perf_counter`` is CLOCK_MONOTONIC, one clock for every process of the
-host, so a client on the same host can set these against its own send and receive times
-(``benchmarks.multiturn`` does). Aborted requests are logged too (``finish_reason`` abort).
+``finished``; where the engine says, ``taken`` (its step thread took the request: a store
+lookup goes out from there) and ``restore`` (a restored one's round trip sent, its load landed,
+the restore ready to run). On Linux ``perf_counter`` is CLOCK_MONOTONIC, one clock for every
+process of the host, so a client on the same host can set these against its own send and
+receive times (``benchmarks.multiturn`` does). Aborted requests are logged too
+(``finish_reason`` abort).
 
 The file is bounded: past ``max_bytes`` nothing more is written and the lines left out are
 counted (``num_dropped``, logged once). A write that fails (a full disk) closes the log with one
@@ -97,7 +100,9 @@ class RequestTimingLog(TimingLog):
             "received": received, "added": out.arrival_time if out is not None else None,
             "scheduled": out.first_scheduled_time if out is not None else None,
             "first_token": out.first_token_time if out is not None else None,
-            "first_token_seen": choice.first_token_time, "finished": now})
+            "first_token_seen": choice.first_token_time, "finished": now,
+            "taken": out.taken_time if out is not None else None,
+            "restore": list(out.restore_times) if out is not None and out.restore_times else None})
 
     def record(self, row: dict[str, Any]) -> None:
         """Append ``row`` as one line (dropped and counted once the file is full or closed)."""

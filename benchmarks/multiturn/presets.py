@@ -46,7 +46,7 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.multiturn.chat_client import add_client_arg
-from benchmarks.multiturn.server_timing import mean_phases
+from benchmarks.multiturn.server_timing import mean_phases, mean_queued_parts
 from benchmarks.multiturn.summary import fmt_num
 from benchmarks.multiturn.sweep import PointSetup, add_plan_cache_arg, run_point
 from benchmarks.multiturn.targets import PRESET_TARGETS, compare, first_minute_max_ttft_ms
@@ -115,15 +115,16 @@ def summarize_point(point: dict, kv_bytes_per_token: float, h2d_gbps: float,
         if r["round"] > 0 and restored:
             floor_s = restored * kv_bytes_per_token / (h2d_gbps * 1e9)
             restores.append({"ttft_ms": r["ttft_s"] * 1e3, "load_floor_ms": floor_s * 1e3,
-                             "restored_tokens": restored})
+                             "restored_tokens": restored, "record": r})
     over = [x["ttft_ms"] - x["load_floor_ms"] for x in restores]
     # The bound for a restored turn: 1.1 x its load floor + an HBM-hit turn's TTFT. HBM
     # hits of this run: later turns that found nearly all their prompt in the engine (a hit on the
     # shared system prompt alone is a recompute). Under pressure there are few or none, and they
     # queue like the rest: ``hbm_hit_ms`` (an idle engine's, from benchmarks.serve) replaces them.
-    hbm_hits = [r["ttft_s"] * 1e3 for r in ok if r["round"] > 0 and r.get("prompt_tokens")
-                and (r["cached_tokens_by_tier"] or {}).get("hbm", 0)
-                >= HBM_HIT_SHARE * r["prompt_tokens"]]
+    hbm_hit_records = [r for r in ok if r["round"] > 0 and r.get("prompt_tokens")
+                       and (r["cached_tokens_by_tier"] or {}).get("hbm", 0)
+                       >= HBM_HIT_SHARE * r["prompt_tokens"]]
+    hbm_hits = [r["ttft_s"] * 1e3 for r in hbm_hit_records]
     hbm_hit_ms = hbm_hit_ms if hbm_hit_ms is not None else percentile(hbm_hits, 0.5)
     bound_ratios = ([x["ttft_ms"] / (RESTORE_FLOOR_FACTOR * x["load_floor_ms"] + hbm_hit_ms)
                      for x in restores] if hbm_hit_ms is not None else [])
@@ -137,7 +138,10 @@ def summarize_point(point: dict, kv_bytes_per_token: float, h2d_gbps: float,
         # machine's, either configuration) left out of the first turns
         "server_phases_ms": {
             "first_turns": mean_phases([r for r in ok[1:] if r["round"] == 0]),
-            "later_turns": mean_phases([r for r in ok if r["round"] > 0])},
+            "later_turns": mean_phases([r for r in ok if r["round"] > 0]),
+            # the queued phase of restored turns and of HBM hits, cut where the engine stamped
+            "restored_turns_queued": mean_queued_parts([x["record"] for x in restores]),
+            "hbm_hit_turns_queued": mean_queued_parts(hbm_hit_records)},
         "hits": point["summary"]["hits"],
         "restores": {"num": len(restores),
                      "load_floor_ms_mean": (statistics.fmean(x["load_floor_ms"] for x in restores)

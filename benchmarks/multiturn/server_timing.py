@@ -13,6 +13,12 @@ clock):
 - ``prefill``: its first step to its first token;
 - ``to_loop``: the engine's first token to the server's loop making it a chunk;
 - ``to_client``: that chunk to the client reading its content.
+
+``queued`` is cut further where the engine stamped it (``QUEUED_PARTS``, in
+``record["server_queued"]``): ``to_take`` (the engine's step thread taking it), then for a
+restored request ``to_send`` (its store round trip sent), ``restore`` (sent to its load having
+landed), ``to_ready`` (the step seeing it landed) and ``to_schedule``; for the others
+``to_schedule`` from being taken.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import statistics
 from pathlib import Path
 
 PHASES = ("to_server", "to_engine", "queued", "prefill", "to_loop", "to_client")
+QUEUED_PARTS = ("to_take", "to_send", "restore", "to_ready", "to_schedule")
 _STAMPS = ("received", "added", "scheduled", "first_token", "first_token_seen")
 
 
@@ -51,6 +58,20 @@ def phases_ms(record: dict, row: dict) -> dict[str, float] | None:
     return {name: 1e3 * (b - a) for name, a, b in zip(PHASES, times, times[1:])}
 
 
+def queued_parts_ms(row: dict) -> dict[str, float] | None:
+    """The ``queued`` phase cut into ``QUEUED_PARTS`` (ms; only the parts that apply), or None
+    when the engine did not stamp it."""
+    added, taken, scheduled = row.get("added"), row.get("taken"), row.get("scheduled")
+    if added is None or taken is None or scheduled is None:
+        return None
+    restore = row.get("restore")
+    stamps = ([("to_take", added), ("to_send", taken), ("restore", restore[0]),
+               ("to_ready", restore[1]), ("to_schedule", restore[2])] if restore
+              else [("to_take", added), ("to_schedule", taken)])
+    ends = [t for _, t in stamps[1:]] + [scheduled]
+    return {name: 1e3 * (end - start) for (name, start), end in zip(stamps, ends)}
+
+
 def join(records: list[dict], path: Path, id_prefix: str = "chatcmpl-") -> int:
     """Give each record found in the log at ``path`` its ``server`` phases; how many were."""
     rows = read_log(path)
@@ -59,6 +80,7 @@ def join(records: list[dict], path: Path, id_prefix: str = "chatcmpl-") -> int:
         rid = record.get("request_id")
         row = rows.get(id_prefix + rid) if rid else None
         record["server"] = phases_ms(record, row) if row is not None else None
+        record["server_queued"] = queued_parts_ms(row) if row is not None else None
         found += record["server"] is not None
     return found
 
@@ -69,3 +91,13 @@ def mean_phases(records: list[dict]) -> dict[str, float] | None:
     if not timed:
         return None
     return {name: statistics.fmean(t[name] for t in timed) for name in PHASES}
+
+
+def mean_queued_parts(records: list[dict]) -> dict[str, float] | None:
+    """Mean ms per part of ``queued`` over the records that have it (a part missing from a
+    record counts as 0 there); None if none has."""
+    timed = [r["server_queued"] for r in records if r.get("server_queued")]
+    if not timed:
+        return None
+    return {name: statistics.fmean(t.get(name, 0.0) for t in timed) for name in QUEUED_PARTS
+            if any(name in t for t in timed)}

@@ -97,10 +97,11 @@ def _daemon_stats(socket_path: Path) -> dict | None:
         daemon = stats.get("daemon") or {}
         # the daemon's own side: its events (lookup_load's lookup/load split, in µs), each
         # timed verb's count and total request time (received to reply sent), and where its
-        # saves' and loads' copies spent their time (copy_ms: phases summed, GPU only)
+        # saves' and loads' copies spent their time (copy_ms: phases summed, GPU only) and
+        # how they went (copies: blocks asked for and the copies made of them, GPU only)
         return {"tiers": stats.get("tiers"), "counters": stats.get("counters"),
                 "events": daemon.get("events"), "request_ms": daemon.get("request_ms"),
-                "copy_ms": daemon.get("copy_ms")}
+                "copy_ms": daemon.get("copy_ms"), "copies": daemon.get("copies")}
     except Exception as exc:  # stats are a nicety; the point's numbers stand without them
         return {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -106,7 +106,9 @@ class CudaCopier:
         # a piece table's copy_pieces region table on this device (None: not packable)
         self._regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._regions_lock = threading.Lock()
-        self.counts: Counter[str] = Counter()  # how whole-block batches went
+        # how whole-block batches went: per way (save, load, device) the blocks asked for
+        # (``*_blocks``), the copies made of them and of other runs (``*_runs``), the methods
+        self.counts: Counter[str] = Counter()
         self.timing = CopyTiming()  # where the pipelines' saves and loads spent their time
 
     def _submit(self, runs: RunArrays, kind: int, method: CopyMethod) -> CopyHandle:
@@ -116,7 +118,10 @@ class CudaCopier:
         stream = self._streams[kind]
         self.fault.check()
         with cp.cuda.Device(self.device_id), self._locks[kind]:
-            self.counts[f"{_DIRECTIONS[kind]}_{method.value}"] += 1
+            way = _DIRECTIONS[kind]
+            self.counts[f"{way}_{method.value}"] += 1
+            # the copies it makes after coalescing (adjacent blocks on both sides make one)
+            self.counts[f"{way}_runs"] += len(runs)
             try:
                 if method is CopyMethod.STAGED:
                     # A part per staging slot; the streams keep the parts in order, so the last
@@ -228,6 +233,8 @@ class CudaCopier:
         if len(ids) != len(host):
             raise ValueError(f"{len(host)} host addresses for {len(ids)} blocks")
         check_block_ids(ids, table.num_blocks)
+        with self._locks[kind]:  # the submission takes it after this
+            self.counts[f"{_DIRECTIONS[kind]}_blocks"] += len(ids)
         regions = self._packable(table, host, kind)
         if regions is None:
             runs = table.runs(ids, host, to_device=kind == _MEMCPY_HOST_TO_DEVICE)

@@ -7,6 +7,7 @@ daemon, kvengine's bridge over its block ledger."""
 from __future__ import annotations
 
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -100,6 +101,8 @@ def test_a_likely_hit_lands_from_one_round_trip(side: Side) -> None:
     assert c["loads"] == 0  # no load of its own: it rode on the lookup
     assert c["restore_ms_lookup_load"] > 0 and "restore_ms_reply_to_load" not in c
     assert seq.restored_tokens_by_tier == {"dram": CHAIN * BLOCK_SIZE}
+    sent, landed, ready = seq.restore_times  # its stamps, in order
+    assert sent <= landed <= ready <= time.monotonic()
     assert side.num_leases() == 0
 
 

@@ -132,6 +132,14 @@ def test_a_scaled_down_preset_runs_end_to_end(tiny_model_dir: Path, tmp_path: Pa
         for r in point["records"]:
             assert set(r["server"]) == set(PHASES) and min(r["server"].values()) >= 0
             assert sum(r["server"].values()) == pytest.approx(r["ttft_s"] * 1e3, rel=1e-6)
+            # its queued phase cut where the engine stamped it, adding up to the phase; a
+            # restored request's has its store round trip
+            parts = r["server_queued"]
+            restored = sum((r["cached_tokens_by_tier"] or {}).get(t, 0) for t in ("dram", "ssd"))
+            assert set(parts) == ({"to_take", "to_send", "restore", "to_ready", "to_schedule"}
+                                  if restored else {"to_take", "to_schedule"})
+            assert min(parts.values()) >= 0
+            assert sum(parts.values()) == pytest.approx(r["server"]["queued"], abs=1e-6)
         assert set(figures["server_phases_ms"]["later_turns"]) == set(PHASES)
     [on] = [p["figures"] for p in result["points"] if p["offload"]]
     assert on["hits"]["hit_rate"] > 0  # later turns hit a cache

@@ -313,3 +313,32 @@ def test_copy_pieces_matches_its_numpy_reference() -> None:
                       slots_ptr=0 if slots_dev is None else slots_dev.data.ptr, max_ctas=ctas)
         stream.synchronize()
         assert np.array_equal(cp.asnumpy(dev), want), f"pack={pack} slots={slots} ctas={ctas}"
+
+
+def test_adjacent_blocks_on_both_sides_cross_the_bus_as_one_copy() -> None:
+    """kvengine's block-major layout (one piece a block) by the shipped settings: a load of
+    consecutive block ids from consecutive slots is one copy, counted (``load_blocks``,
+    ``load_runs``); shuffled ones stay a copy each; both byte-exact."""
+    import cupy as cp
+
+    layout, buffers, ptrs, block = _buffers(cp, "block_major")
+    table = PieceTable(layout, ptrs)
+    pinned = cp.cuda.alloc_pinned_memory(16 * layout.block_bytes)
+    host = np.frombuffer(pinned, dtype=np.uint8, count=16 * layout.block_bytes)
+    addrs = [host.ctypes.data + i * layout.block_bytes for i in range(16)]
+    expect = {b: block(b) for b in range(NUM_BLOCKS)}
+    copier = CudaCopier(0, CopySettings())
+    copier.blocks_to_host(table, list(range(3, 11)), addrs[:8]).wait()  # slots 0-7: blocks 3-10
+    assert (copier.counts["save_blocks"], copier.counts["save_runs"]) == (8, 1)
+    rows = host.reshape(16, layout.block_bytes)
+    assert all(np.array_equal(rows[i], expect[3 + i]) for i in range(8))
+    for t in buffers:
+        t.fill(0)
+    cp.cuda.Device().synchronize()
+    copier.blocks_to_device(table, list(range(20, 28)), addrs[:8]).wait()
+    assert (copier.counts["load_blocks"], copier.counts["load_runs"]) == (8, 1)
+    shuffled = [int(b) for b in np.random.default_rng(4).permutation(8)]
+    copier.blocks_to_device(table, [30 - b for b in shuffled], [addrs[b] for b in shuffled]).wait()
+    assert (copier.counts["load_blocks"], copier.counts["load_runs"]) == (16, 9)
+    assert all(np.array_equal(block(20 + i), expect[3 + i]) for i in range(8))
+    assert all(np.array_equal(block(30 - i), expect[3 + i]) for i in range(8))
