@@ -15,6 +15,7 @@ before and after it read the bytes that were published.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import struct
 from collections import OrderedDict, deque
@@ -45,6 +46,12 @@ _CHECK = operator.itemgetter(CachedBlock._fields.index("check"))
 _TOKEN_BYTES = operator.itemgetter(CachedBlock._fields.index("token_bytes"))
 
 
+# The prefix cache's versions, unique across block managers: a new one whenever a key joins or
+# leaves a cache, so a sequence's remembered match (``Sequence.prefix_match``) from another
+# version, or another manager, is never taken for current.
+_CACHE_VERSIONS = itertools.count(1)
+
+
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -67,6 +74,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._cached: dict[int, CachedBlock] = {}
         self._by_key: dict[bytes, int] = {}
+        self._version = next(_CACHE_VERSIONS)  # see _CACHE_VERSIONS
         self.num_evictions = 0
         self.num_collisions = 0
         # Counts the blocks the running sequences' prompts still need (``owed_to_running``,
@@ -138,6 +146,18 @@ class BlockManager:
         recomputes its prompt for their logits (its blocks are still registered as computed)."""
         if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
+        # A request is matched several times while it waits (its lookup, the queue's head,
+        # admission, a restore's reservation); verifying a long prefix each time cost ~0.2 ms
+        # a call. The match stands while no key joined or left the cache and no token was added.
+        memo = seq.prefix_match
+        if memo is not None and memo[0] == self._version and memo[1] == seq.num_tokens:
+            return list(memo[2])
+        hits = self._verified_prefix(seq)
+        seq.prefix_match = (self._version, seq.num_tokens, tuple(hits))
+        return hits
+
+    def _verified_prefix(self, seq: Sequence) -> list[int]:
+        """``match_prefix`` without its memo."""
         self.update_hashes(seq)
         num_blocks = servable_blocks(seq.num_tokens, self.block_size)
         # The candidates are the leading blocks whose keys are cached; they are verified all at
@@ -232,6 +252,7 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             cached = self._cached.pop(block)
             del self._by_key[cached.key]
+            self._version = next(_CACHE_VERSIONS)
             if self._track_offload:
                 self._evicted.append((cached.namespace, cached.key))
             self._free.append(block)
@@ -303,6 +324,7 @@ class BlockManager:
         by_key, cached_blocks = self._by_key, self._cached
         hashes, checks, namespace = seq.block_hashes, seq.block_checks, seq.namespace_digest
         registered = self._registered if self._track_resident else None
+        num_keys = len(by_key)
         for j in range(start, num_full):
             key = hashes[j]
             # Another sequence may have registered the same content first: keep that one.
@@ -314,6 +336,8 @@ class BlockManager:
                 by_key[key] = block
                 if registered is not None:
                     registered.append((block, cached))
+        if len(by_key) != num_keys:  # keys joined: earlier matches may be too short
+            self._version = next(_CACHE_VERSIONS)
         seq.num_registered_blocks = num_full
 
     def _allocate_many(self, num_blocks: int) -> list[int]:
@@ -329,6 +353,7 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             cached = self._cached.pop(block)
             del self._by_key[cached.key]
+            self._version = next(_CACHE_VERSIONS)
             self.num_evictions += 1
             if self._track_offload:
                 self._evicted.append((cached.namespace, cached.key))

@@ -126,6 +126,11 @@ class LLMEngine:
                        # or ValueError; the prompt may have ended a reasoning already
                        grammar=self.grammars.request_matcher(params.structured_outputs, ids,
                                                              grammar))
+        if self.block_manager.enable_prefix_caching:
+            # Its blocks' hash chain, made here on the caller's thread (while the step thread
+            # waits on the device), not by the step thread's first prefix match, ahead of the
+            # request's store lookup: ~0.2 ms for a 7k-token prompt on an H200 host.
+            self.block_manager.update_hashes(seq)
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")

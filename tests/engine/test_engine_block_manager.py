@@ -108,3 +108,31 @@ def test_integrity_check_catches_corruption() -> None:
     bm._free.append(0)
     with pytest.raises(AssertionError, match="twice"):
         bm.check_integrity()
+
+
+def test_a_remembered_match_follows_the_cache(monkeypatch) -> None:
+    """A waiting request is matched several times; the match is verified once and then
+    remembered only while no key joined or left the cache and no token was added."""
+    bm = BlockManager(6, 4)
+    verified = []
+    real = bm._verified_prefix
+    monkeypatch.setattr(bm, "_verified_prefix", lambda seq: verified.append(seq) or real(seq))
+    a = make_seq("a", list(range(13)))
+    assert bm.admit(a, [], 13)
+    a.num_computed_tokens = 8
+    bm.register_computed_blocks(a)
+    waiting = make_seq("w", list(range(13)))
+    assert bm.match_prefix(waiting) == bm.match_prefix(waiting) == a.block_ids[:2]
+    assert len(verified) == 1  # the second call took the remembered match
+    a.num_computed_tokens = 12
+    bm.register_computed_blocks(a)  # a key joined: the match grows
+    assert bm.match_prefix(waiting) == a.block_ids[:3] and len(verified) == 2
+    waiting.token_ids.append(99)  # a token added (a preempted request's output)
+    assert bm.match_prefix(waiting) == a.block_ids[:3] and len(verified) == 3
+    held = list(a.block_ids)
+    bm.free(a)
+    other = make_seq("o", [50 + i for i in range(24)])
+    assert bm.admit(other, [], 24)  # every block: the cached ones are evicted
+    assert bm.match_prefix(waiting) == [] and len(verified) == 4
+    assert sorted(other.block_ids) == other.block_ids and set(held) <= set(other.block_ids)
+    bm.check_integrity()
