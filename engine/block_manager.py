@@ -122,7 +122,8 @@ class BlockManager:
     # -- hashing and lookup -----------------------------------------------------------------
 
     def update_hashes(self, seq: Sequence) -> None:
-        """Extend the sequence's hash chain over every full block of its tokens."""
+        """Extend the sequence's hash chain over every full block of its tokens. Touches only
+        ``seq``: any thread may call it for a sequence the step thread does not hold yet."""
         bs = self.block_size
         start, end = len(seq.block_hashes), seq.num_tokens // bs
         if end <= start:

@@ -79,9 +79,9 @@ class Sequence:
     # lookup goes out from here), and for a restored one its restore's round trip sent, its
     # load landed and the restore ready to run (CLOCK_MONOTONIC, as perf_counter on Linux)
     taken_time: float | None = None
+    restore_times: tuple[float, float, float] | None = None
     # the block manager's last prefix match: (its cache's version, num_tokens, block ids)
     prefix_match: tuple[int, int, tuple[int, ...]] | None = field(default=None, repr=False)
-    restore_times: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
