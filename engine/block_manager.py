@@ -167,12 +167,15 @@ class BlockManager:
         if None in hits:
             hits = hits[: hits.index(None)]
         cached = list(map(self._cached.__getitem__, hits))
-        tokens = block_token_bytes(seq.encoded_tokens(len(hits) * self.block_size),
-                                   self.block_size, range(len(hits)))
+        num_bytes = len(hits) * self.block_size * TOKEN_ID_BYTES
+        token_bytes = seq.encoded_tokens(len(hits) * self.block_size)
         checks = seq.block_checks
+        # The cached blocks' tokens (one full block's bytes each) joined are one compare;
+        # slicing the sequence's bytes per block instead cost a 7k-token prompt's match ~50 us.
         if (list(map(_CHECK, cached)) == checks[: len(hits)]
-                and list(map(_TOKEN_BYTES, cached)) == tokens):
+                and b"".join(map(_TOKEN_BYTES, cached)) == token_bytes[:num_bytes]):
             return hits
+        tokens = block_token_bytes(token_bytes, self.block_size, range(len(hits)))
         for j, block in enumerate(cached):
             if block.check != checks[j] or block.token_bytes != tokens[j]:
                 self.num_collisions += 1
@@ -344,24 +347,36 @@ class BlockManager:
     def _allocate_many(self, num_blocks: int) -> list[int]:
         """``num_blocks`` fresh blocks in ascending order: consecutive positions then often
         get consecutive ids (a finished sequence's blocks come back tail first), and a copy to
-        or from the store moves such a run as one transfer, not one per block."""
-        return sorted(self._allocate() for _ in range(num_blocks))
+        or from the store moves such a run as one transfer, not one per block. Free blocks go
+        first, then the least recently freed cached ones are evicted (one loop each, no call
+        a block: a restore's 164 blocks under pressure cost ~0.2 ms that way)."""
+        free = self._free
+        blocks = [free.popleft() for _ in range(min(num_blocks, len(free)))]
+        if len(blocks) < num_blocks:
+            blocks += self._evict(num_blocks - len(blocks))
+        refs, generations = self._ref_counts, self._generations
+        for block in blocks:
+            if generations is not None:  # before anything can write the block again
+                generations.bump(block)
+            refs[block] = 1
+        blocks.sort()
+        return blocks
 
-    def _allocate(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            cached = self._cached.pop(block)
-            del self._by_key[cached.key]
-            self._version = next(_CACHE_VERSIONS)
-            self.num_evictions += 1
-            if self._track_offload:
-                self._evicted.append((cached.namespace, cached.key))
-        if self._generations is not None:  # before anything can write the block again
-            self._generations.bump(block)
-        self._ref_counts[block] = 1
-        return block
+    def _evict(self, num_blocks: int) -> list[int]:
+        """Take the ``num_blocks`` least recently freed cached blocks out of the cache."""
+        evictable, cached, by_key = self._evictable, self._cached, self._by_key
+        evicted = self._evicted if self._track_offload else None
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = evictable.popitem(last=False)
+            gone = cached.pop(block)
+            del by_key[gone.key]
+            if evicted is not None:
+                evicted.append((gone.namespace, gone.key))
+            blocks.append(block)
+        self._version = next(_CACHE_VERSIONS)
+        self.num_evictions += num_blocks
+        return blocks
 
     # -- checks -----------------------------------------------------------------------------
 

@@ -275,6 +275,8 @@ class EngineRestores(RestoreBridge):
         seq, n, bs = job.owner, job.num_loaded, self.block_size
         if job.end is RestoreEnd.SHORT:
             self.counters["loads_short"] += 1
+        if job.load is not None and job.load.finished_at is not None:  # sent, landed, ready
+            seq.restore_times = (job.lookup.started_at, job.load.finished_at, time.monotonic())
         self._count_stages(job)
         # The store's HBM tier is always another engine's arena (this engine's own blocks are
         # its prefix hit): usage calls those tokens hbm_peer, apart from its own hbm.
@@ -295,7 +297,6 @@ class EngineRestores(RestoreBridge):
         if load is None or lookup.finished_at is None or load.finished_at is None:
             return
         now = time.monotonic()
-        job.owner.restore_times = (lookup.started_at, load.finished_at, now)
         stages = (("lookup", lookup.started_at, lookup.finished_at),
                   ("reply_to_load", lookup.finished_at, load.started_at),
                   ("load", load.started_at, load.finished_at),

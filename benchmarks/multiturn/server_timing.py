@@ -52,7 +52,7 @@ def phases_ms(record: dict, row: dict) -> dict[str, float] | None:
     """The record's TTFT cut into ``PHASES`` (ms), or None when a stamp is missing."""
     sent, ttft = record.get("sent_clock_s"), record.get("ttft_s")
     stamps = [row.get(k) for k in _STAMPS]
-    if sent is None or ttft is None or any(t is None for t in stamps):
+    if not _numbers([sent, ttft, *stamps]):
         return None
     times = [sent, *stamps, sent + ttft]
     return {name: 1e3 * (b - a) for name, a, b in zip(PHASES, times, times[1:])}
@@ -60,16 +60,22 @@ def phases_ms(record: dict, row: dict) -> dict[str, float] | None:
 
 def queued_parts_ms(row: dict) -> dict[str, float] | None:
     """The ``queued`` phase cut into ``QUEUED_PARTS`` (ms; only the parts that apply), or None
-    when the engine did not stamp it."""
+    when the engine did not stamp it (or a stamp is not a number: a line edited by hand)."""
     added, taken, scheduled = row.get("added"), row.get("taken"), row.get("scheduled")
-    if added is None or taken is None or scheduled is None:
-        return None
     restore = row.get("restore")
+    if not _numbers([added, taken, scheduled]) or restore is not None and not (
+            isinstance(restore, list) and len(restore) == 3 and _numbers(restore)):
+        return None
     stamps = ([("to_take", added), ("to_send", taken), ("restore", restore[0]),
                ("to_ready", restore[1]), ("to_schedule", restore[2])] if restore
               else [("to_take", added), ("to_schedule", taken)])
     ends = [t for _, t in stamps[1:]] + [scheduled]
     return {name: 1e3 * (end - start) for (name, start), end in zip(stamps, ends)}
+
+
+def _numbers(values: list) -> bool:
+    """Every value is an int or a float (a JSON number; not a bool, not None)."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
 def join(records: list[dict], path: Path, id_prefix: str = "chatcmpl-") -> int:
