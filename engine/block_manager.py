@@ -16,35 +16,13 @@ before and after it read the bytes that were published.
 from __future__ import annotations
 
 import itertools
-import operator
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import NamedTuple
 
+from engine.cached_block import CHECK, TOKEN_BYTES, CachedBlock
 from engine.sequence import Sequence
 from offload.engine_view import Generations
 from offload.vocab import TOKEN_ID_BYTES, block_token_bytes, chain_hashes, servable_blocks
-
-
-class CachedBlock(NamedTuple):
-    """What the prefix cache keeps beside a registered block to verify a hit (a tuple: one is
-    made per registered block, so construction must be cheap)."""
-
-    key: bytes
-    check: bytes
-    token_bytes: bytes  # the block's token ids as int32-LE, as the sequence encodes them
-    namespace: bytes = b""
-    parent_check: bytes = b""  # the previous block's full-strength hash (or the namespace)
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return struct.unpack(f"<{len(self.token_bytes) // TOKEN_ID_BYTES}i", self.token_bytes)
-
-
-_CHECK = operator.itemgetter(CachedBlock._fields.index("check"))
-_TOKEN_BYTES = operator.itemgetter(CachedBlock._fields.index("token_bytes"))
-
 
 # The prefix cache's versions, unique across block managers: a new one whenever a key joins or
 # leaves a cache, so a sequence's remembered match (``Sequence.prefix_match``) from another
@@ -172,8 +150,8 @@ class BlockManager:
         checks = seq.block_checks
         # The cached blocks' tokens (one full block's bytes each) joined are one compare;
         # slicing the sequence's bytes per block instead cost a 7k-token prompt's match ~50 us.
-        if (list(map(_CHECK, cached)) == checks[: len(hits)]
-                and b"".join(map(_TOKEN_BYTES, cached)) == token_bytes[:num_bytes]):
+        if (list(map(CHECK, cached)) == checks[: len(hits)]
+                and b"".join(map(TOKEN_BYTES, cached)) == token_bytes[:num_bytes]):
             return hits
         tokens = block_token_bytes(token_bytes, self.block_size, range(len(hits)))
         for j, block in enumerate(cached):

@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 
 
 class CachedEntry(Protocol):
-    """A registered block as the prefix cache keeps it (``engine.block_manager.CachedBlock``)."""
+    """A registered block as the prefix cache keeps it (``engine.cached_block.CachedBlock``)."""
 
     key: bytes
     token_bytes: bytes
