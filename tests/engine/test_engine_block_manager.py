@@ -136,3 +136,39 @@ def test_a_remembered_match_follows_the_cache(monkeypatch) -> None:
     assert bm.match_prefix(waiting) == [] and len(verified) == 4
     assert sorted(other.block_ids) == other.block_ids and set(held) <= set(other.block_ids)
     bm.check_integrity()
+
+
+def test_a_colliding_key_is_a_miss_from_the_block_whose_tokens_differ() -> None:
+    """With 6-bit keys another prompt's second block collides with the cached one; the match
+    (one joined compare first, then block by block) stops before it and counts a collision."""
+    bm = BlockManager(12, 4, debug_hash_bits=6)
+    a = make_seq("a", list(range(13)))
+    assert bm.admit(a, [], 13)
+    a.num_computed_tokens = 12
+    bm.register_computed_blocks(a)
+    for first in range(100, 5000):  # a second block whose truncated key equals a's
+        b = make_seq("b", [*range(4), first, 5, 6, 7, *range(8, 13)])
+        bm.update_hashes(b)
+        if b.block_hashes[1] == a.block_hashes[1]:
+            break
+    else:
+        pytest.fail("no colliding second block among 4,900 tries of 6-bit keys")
+    assert bm.match_prefix(b) == a.block_ids[:1]
+    assert bm.num_collisions == 1
+    same = make_seq("same", list(range(13)))
+    assert bm.match_prefix(same) == a.block_ids[:3] and bm.num_collisions == 1
+    bm.check_integrity()
+
+
+def test_a_cached_block_whose_stored_tokens_differ_is_a_miss() -> None:
+    """The tokens are compared as well as the full-strength hash: a cached block whose stored
+    tokens were altered ends the hit there (the joined compare fails, the block check finds it)."""
+    bm = BlockManager(8, 4)
+    a = make_seq("a", list(range(13)))
+    assert bm.admit(a, [], 13)
+    a.num_computed_tokens = 12
+    bm.register_computed_blocks(a)
+    second = a.block_ids[1]
+    bm._cached[second] = bm._cached[second]._replace(token_bytes=bytes(16))
+    assert bm.match_prefix(make_seq("b", list(range(13)))) == a.block_ids[:1]
+    assert bm.num_collisions == 1
