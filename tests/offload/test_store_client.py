@@ -225,7 +225,10 @@ def test_a_lookup_overtakes_saves_queued_before_it(make_daemon) -> None:
             saves = [client.save(c.namespace, [2 * i, 2 * i + 1], c.hashes, c.idents,
                                  epoch=client.registration_epoch)
                      for i, c in enumerate(chains)]
-            time.sleep(0.2)  # the link's thread has taken the first save and waits to send it
+            # The link's thread has taken the first save and waits to send it (a fixed sleep
+            # was too short under a loaded CI machine: the lookup then overtook all three).
+            queue = client._thread._queue
+            assert wait_until(lambda: len(queue) == len(saves) - 1, timeout_s=10.0)
             lookup = client.lookup(wanted.namespace, wanted.hashes, wanted.idents)
             assert client.counters["sent_at_once"] == 0  # the socket was held: it queued
         assert lookup.wait(5.0) and lookup.ok and lookup.result.num_hit == 0
