@@ -221,12 +221,16 @@ def test_a_lookup_overtakes_saves_queued_before_it(make_daemon) -> None:
         assert client.wait_available(5.0)
         connection = client._thread._client  # the link's connection
         assert connection is not None
+        # No health probe from here on: one due while the send lock is held would block the
+        # link's thread in its send, before it takes the first save (then the lookup overtook
+        # all three: CI, twice, on a loaded two-worker run).
+        probe = client._thread._probe
+        probe.interval_s, probe._next_at = 3600.0, time.monotonic() + 3600.0
         with connection._send_lock:  # the link's thread blocks in its first send
             saves = [client.save(c.namespace, [2 * i, 2 * i + 1], c.hashes, c.idents,
                                  epoch=client.registration_epoch)
                      for i, c in enumerate(chains)]
-            # The link's thread has taken the first save and waits to send it (a fixed sleep
-            # was too short under a loaded CI machine: the lookup then overtook all three).
+            # The link's thread has taken the first save and waits to send it.
             queue = client._thread._queue
             assert wait_until(lambda: len(queue) == len(saves) - 1, timeout_s=10.0)
             lookup = client.lookup(wanted.namespace, wanted.hashes, wanted.idents)
