@@ -373,6 +373,8 @@ def test_slots_of_a_load_that_never_got_a_reply_come_back_after_a_reconnect(
     job = look_up(r, side, "a", 16)
     free = side.num_free()
     epoch = side.client.registration_epoch
+    connection = side.client._thread._client  # the one the load goes out on
+    assert connection is not None
     with side.full():
         r.start(job)
         assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
@@ -388,10 +390,12 @@ def test_slots_of_a_load_that_never_got_a_reply_come_back_after_a_reconnect(
         assert side.num_free() == free - CHAIN and r.quarantine.num_held == CHAIN
         if lost_by == "connection":
             assert job.end is RestoreEnd.LOAD_LOST
-        # The link has let go of the connection the load went out on: else the daemon, woken,
-        # answers the load on it and the slots come back without a reconnect (right too, but
-        # not this test's case; seen once in CI on a loaded runner).
+        # The link has let go of the connection the load went out on, and closed it: else the
+        # daemon, woken, answers the load on it and the slots come back without a reconnect
+        # (right too, but not this test's case; seen in CI on loaded runners, once between the
+        # link's DOWN and its close of the old connection).
         assert wait_until(lambda: side.client.live_state is StoreState.DOWN, 10.0)
+        assert wait_until(lambda: connection.is_closed, 10.0)
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     assert wait_until(lambda: (r.poll(), side.num_free())[1] == free, 15.0)
