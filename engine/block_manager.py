@@ -332,10 +332,11 @@ class BlockManager:
         blocks = [free.popleft() for _ in range(min(num_blocks, len(free)))]
         if len(blocks) < num_blocks:
             blocks += self._evict(num_blocks - len(blocks))
-        refs, generations = self._ref_counts, self._generations
+        if self._generations is not None:  # before anything can write the blocks again
+            for block in blocks:
+                self._generations.bump(block)
+        refs = self._ref_counts
         for block in blocks:
-            if generations is not None:  # before anything can write the block again
-                generations.bump(block)
             refs[block] = 1
         blocks.sort()
         return blocks
