@@ -197,7 +197,7 @@ class LinkThread:
             return False
         if pending is None:
             return False
-        outgoing.transfer.attach(pending, epoch)
+        outgoing.transfer.attach(pending, epoch, client.daemon_process)
         self.counters["sent_at_once"] += 1
         return True
 
@@ -251,7 +251,7 @@ class LinkThread:
         self._busy_since = time.monotonic()
         try:
             outgoing.transfer.attach(outgoing.request.send(client, registration_id, left_s),
-                                     self.epoch)
+                                     self.epoch, client.daemon_process)
         except (DaemonUnavailable, ClientError, OSError):
             outgoing.transfer.abandon()
             self._drop()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import ClientError, DaemonUnavailable, Pending
+from kvstore.wire.peer_process import PeerProcess
 
 
 class Transfer:
@@ -41,6 +42,7 @@ class Transfer:
         self.answered = False  # the daemon replied (ok or an error reply)
         self.timed_out = False  # no reply at all: the daemon may still touch the blocks
         self.sent_epoch: int | None = None  # the link's connection it went out on
+        self.sent_to: PeerProcess | None = None  # the daemon's process on that connection
         self.request_id: int | None = None  # its id there (given as the link sends)
         self.result: Any = fallback
         if not queued:
@@ -48,8 +50,9 @@ class Transfer:
 
     # -- the link's thread ------------------------------------------------------------------
 
-    def attach(self, pending: Pending, epoch: int | None = None) -> None:
-        self.sent_epoch = epoch
+    def attach(self, pending: Pending, epoch: int | None = None,
+               daemon: PeerProcess | None = None) -> None:
+        self.sent_epoch, self.sent_to = epoch, daemon
         self.request_id = pending.request_id
         self._pending = pending
         self._handled.set()
@@ -115,8 +118,13 @@ class Transfer:
     def lost(self) -> bool:
         """Ended after it went out, with no reply: its deadline passed or its connection was
         lost. The daemon may still touch the memory it named until a newer registration of that
-        memory is accepted (``sent_epoch``)."""
+        memory is accepted (``sent_epoch``), or its process has exited (``daemon_exited``)."""
         return self.done and not self.answered and not self._abandoned
+
+    @property
+    def daemon_exited(self) -> bool:
+        """The process of the daemon it went out to has exited: it touches nothing any more."""
+        return self.sent_to is not None and self.sent_to.exited
 
     @property
     def elapsed_s(self) -> float:

@@ -22,6 +22,7 @@ from kvstore.settings import default_socket_path
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import send_with_fds
 from kvstore.wire.handshake import hello_args, read_hello, same_clock
+from kvstore.wire.peer_process import PeerProcess
 from kvstore.wire.pending_table import PendingTable
 from kvstore.wire.replies import ClientError, DaemonUnavailable, Pending, error_of
 
@@ -57,6 +58,8 @@ class Connection:
         self._hello_sent_at = 0.0
         self.last_reply_at = time.monotonic()  # when the reader last got a frame (any reply)
         self._sock = self._connect()
+        # The daemon's process, watched from before the first request (``PeerProcess``).
+        self.daemon_process = PeerProcess.of_socket(self._sock)
         self._reader = threading.Thread(target=self._read_loop, name="kvstore-client-reader",
                                         daemon=True)
         self._reader.start()

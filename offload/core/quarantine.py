@@ -7,7 +7,9 @@ them and the site gets them back. A request that ended with no reply at all (its
 lost, its deadline passed) holds them until a later registration of the engine's memory has
 been accepted: the daemon holds a registration's memory until its last copy is done (a second
 registration of it is refused meanwhile), so by then no copy of the old one reads or writes the
-slots. The link's ``registration_epoch`` counts those accepted registrations.
+slots. The link's ``registration_epoch`` counts those accepted registrations. Or until the
+daemon's process has exited (``Transfer.daemon_exited``): a daemon killed outright never
+registers the engine again, and its copies ended with it.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ class Quarantine:
         self.poll()
 
     def poll(self) -> None:
-        """Give back the slots of requests the daemon has answered since, or whose connection
-        a newer accepted registration replaced."""
+        """Give back the slots of requests the daemon has answered since, whose connection
+        a newer accepted registration replaced, or whose daemon's process has exited."""
         still = []
         for held in self._held:
             request, num = held.request, len(held.slots.block_ids)
@@ -62,6 +64,9 @@ class Quarantine:
                   and self.registration_epoch() > request.sent_epoch):
                 held.release(held.slots)
                 self.counters["blocks_quarantine_released_after_reconnect"] += num
+            elif request.daemon_exited:
+                held.release(held.slots)
+                self.counters["blocks_quarantine_released_daemon_exited"] += num
             else:
                 if not held.unanswered:
                     held.unanswered = True

@@ -404,6 +404,36 @@ def test_slots_of_a_load_that_never_got_a_reply_come_back_after_a_reconnect(
     assert side.counters["blocks_quarantine_released"] == 0
 
 
+def test_slots_of_a_load_whose_daemon_died_come_back_without_a_reconnect(side, daemon) -> None:
+    """A load went out, its connection was lost, then the daemon was killed: no registration
+    will ever come (nothing to reconnect to), and the slots used to stay quarantined for as
+    long. A dead daemon copies nothing: once its process has exited they come back. Seen in CI:
+    an engine's restore in flight when the daemon was killed could never run again (its
+    request waited for blocks held for the dead daemon)."""
+    store_chain(daemon.socket_path, 17)
+    r = restorer(side, load_deadline_s=30.0)
+    job = look_up(r, side, "a", 17)
+    free = side.num_free()
+    epoch = side.client.registration_epoch
+    with side.full():
+        r.start(job)
+        assert wait_until(lambda: (r.poll(), job.state)[1] is RestoreState.WAITING_FOR_SLOTS)
+        daemon.proc.send_signal(signal.SIGSTOP)
+    r.poll()  # the load goes out to a stopped daemon
+    assert job.state is RestoreState.LOADING
+    side.client._thread.want_drop()
+    assert wait_until(
+        lambda: (r.poll(), side.counters["blocks_quarantined_until_reconnect"])[1] == CHAIN,
+        10.0)
+    assert side.num_free() == free - CHAIN  # the daemon lives (stopped): it may still write
+    assert job.load.sent_to is not None and job.load.sent_to.watched
+    daemon.kill9()
+    assert wait_until(lambda: (r.poll(), side.num_free())[1] == free, 10.0)
+    assert r.quarantine.num_held == 0
+    assert side.counters["blocks_quarantine_released_daemon_exited"] == CHAIN
+    assert side.client.registration_epoch == epoch  # no reconnect gave them back
+
+
 def test_waiting_for_slots_to_given_up_when_the_store_hangs(side, daemon) -> None:
     """A leased hit waiting for slots when the store hangs is given up at the next poll, not
     after the slot wait (found by benchmarks.faults.soak: requests waited out a whole SIGSTOP,
