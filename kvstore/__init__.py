@@ -18,6 +18,7 @@ __all__ = [
     "LocateReply",
     "MAX_LOCATE_BLOCKS",
     "Pending",
+    "PeerProcess",
     "StoreState",
     "Tier",
 ]
@@ -36,6 +37,10 @@ def __getattr__(name: str) -> Any:
         from kvstore.wire.verbs import MAX_LOCATE_BLOCKS
 
         return MAX_LOCATE_BLOCKS
+    if name == "PeerProcess":  # the daemon's process behind a client's socket: exited yet?
+        from kvstore.wire import peer_process
+
+        return peer_process.PeerProcess
     if name == "StoreState":  # the daemon's health as a client sees it
         from kvstore.wire import store_state
 

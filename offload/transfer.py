@@ -15,8 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore import ClientError, DaemonUnavailable, Pending
-from kvstore.wire.peer_process import PeerProcess
+from kvstore import ClientError, DaemonUnavailable, PeerProcess, Pending
 
 
 class Transfer:

@@ -245,7 +245,6 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
         raise UsageError(str(exc)) from None
     socket_path = args.socket if args.socket is not None else default_socket_path()
 
-    from kvstore.daemon.admin import AdminServer
     from kvstore.daemon.health import DaemonHealth
     from kvstore.daemon.server import Daemon
     from kvstore.daemon.service import Service
@@ -281,7 +280,9 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
     cluster_line = None
     try:
         daemon.bind()
-        if http_addr is not None:
+        if http_addr is not None:  # FastAPI's import is half a start: only when serving it
+            from kvstore.daemon.admin import AdminServer
+
             admin = _admin_server(AdminServer, service, http_addr, explicit=args.http is not None,
                                   health=health, max_connections=args.http_max_connections)
         if cluster_config is not None:  # last: nothing after it can fail before serving

@@ -31,6 +31,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
 
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
-    """Start dedicated daemons (own flags, own SSD dir); all are stopped after the test."""
-    with daemon_factory(tmp_path) as make:
+    """Start dedicated daemons (own flags, own SSD dir; no admin HTTP unless asked: FastAPI's
+    import is half a daemon's start); all are stopped after the test."""
+    with daemon_factory(tmp_path, http=False) as make:
         yield make
