@@ -12,12 +12,10 @@ import errno
 import os
 import socket
 import stat
-import struct
 from pathlib import Path
 
-from kvstore.wire.socket_access import SocketAccess
+from kvstore.wire.socket_access import SocketAccess, peer_credentials
 
-_UCRED = struct.Struct("3i")  # pid, uid, gid
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
 
@@ -141,9 +139,5 @@ def unlink_if_ours(path: Path, identity: tuple[int, int] | None) -> None:
 
 def peer_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of a Unix socket, or None if it cannot be read."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    except (OSError, AttributeError):
-        return None
-    _, uid, _ = _UCRED.unpack(raw)
-    return uid
+    credentials = peer_credentials(sock)
+    return None if credentials is None else credentials[1]

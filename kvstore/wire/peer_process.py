@@ -19,10 +19,9 @@ import contextlib
 import os
 import select
 import socket
-import struct
 import weakref
 
-_UCRED = struct.Struct("3i")  # pid, uid, gid
+from kvstore.wire.socket_access import peer_credentials
 
 
 class PeerProcess:
@@ -41,12 +40,8 @@ class PeerProcess:
     @classmethod
     def of_socket(cls, sock: socket.socket) -> PeerProcess:
         """The process that made the listening end of the connected Unix socket ``sock``."""
-        try:
-            pid, _, _ = _UCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        except (OSError, AttributeError, struct.error):
-            pid = 0
-        return cls(pid)
+        credentials = peer_credentials(sock)
+        return cls(0 if credentials is None else credentials[0])
 
     @property
     def watched(self) -> bool:

@@ -52,12 +52,21 @@ class SocketAccess:
         """Whether the peer of ``sock`` is a process of the group (False without one)."""
         if self.group_id is None:
             return False
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-        except (OSError, AttributeError):
+        credentials = peer_credentials(sock)
+        if credentials is None:
             return False
-        pid, _, gid = _UCRED.unpack(raw)
+        pid, _, gid = credentials
         return gid == self.group_id or self.group_id in _peer_groups(sock, pid)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of the process at the other end of the Unix socket ``sock``, as this
+    process's namespaces see it (pid 0: not visible here), or None if they cannot be read."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except (OSError, AttributeError):
+        return None
+    return _UCRED.unpack(raw)
 
 
 def _peer_groups(sock: socket.socket, pid: int) -> set[int]:
