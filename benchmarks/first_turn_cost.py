@@ -71,7 +71,8 @@ class _Arm:
         try:
             self.engine = LLMEngine(EngineConfig(
                 str(args.model_dir), device=args.device, num_kv_blocks=args.num_kv_blocks,
-                max_model_len=args.max_model_len, max_num_seqs=8, **overrides))
+                max_model_len=args.max_model_len, max_num_seqs=8,
+                max_prefill_graph_tokens=args.max_prefill_graph_tokens, **overrides))
             self.engine.warm_up()
         except BaseException:
             self._stop_daemon()  # no daemon outlives an arm that did not start
@@ -243,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--dram", default="16GiB")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=256)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     return p

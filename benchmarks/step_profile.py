@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=256)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 3 * -(-max_len // 16) + 64
     engine = LLMEngine(EngineConfig(str(args.model_dir), device=args.device, num_kv_blocks=blocks,
                                     max_model_len=max_len, max_num_batched_tokens=max_len,
-                                    enforce_eager=args.enforce_eager))
+                                    enforce_eager=args.enforce_eager,
+                                    max_prefill_graph_tokens=args.max_prefill_graph_tokens))
     rng = np.random.default_rng(0)
     rows = []
     try:

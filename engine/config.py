@@ -65,6 +65,9 @@ class EngineConfig:
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
+    # GPU: prefill steps (every sequence sampling, at most 4) of up to this many new tokens
+    # replay from CUDA graphs (engine/prefill_graphs.py); vLLM's max_cudagraph_capture_size.
+    max_prefill_graph_tokens: int = 256
     cpu_kv_cache_bytes: int = 2 * 1024**3
     debug_hash_bits: int | None = None  # truncate block hashes (collision tests only)
     dtype: str = "auto"
@@ -77,10 +80,14 @@ class EngineConfig:
             raise ValueError("model_dir must be a non-empty path")
         object.__setattr__(self, "model_dir", str(self.model_dir))
         check_device(self.device)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
+                     "max_prefill_graph_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_prefill_graph_tokens < 16:
+            raise ValueError(f"max_prefill_graph_tokens must be at least 16, "
+                             f"got {self.max_prefill_graph_tokens}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
         for name in ("num_kv_blocks", "max_model_len", "latency_chunk_tokens"):

@@ -84,7 +84,8 @@ class EngineParts:
         runner.allocate_kv_cache(device, num_kv_blocks)
         if ops.supports_graphs and not config.enforce_eager:
             runner.enable_decode_graphs(config.max_num_seqs,
-                                        -(-max_model_len // config.block_size))
+                                        -(-max_model_len // config.block_size),
+                                        config.max_prefill_graph_tokens)
         block_manager = BlockManager(num_kv_blocks, config.block_size,
                                      config.enable_prefix_caching, config.debug_hash_bits)
         offload: StoreBridge = NullStore()

@@ -13,7 +13,7 @@ from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.models.rope import cos_sin_cache
-from engine.prefill_graphs import PrefillGraphs
+from engine.prefill_graphs import DEFAULT_MAX_TOKENS, PrefillGraphs
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -79,13 +79,15 @@ class ModelRunner:
         self.kv_cache = make_kv_cache(device, shape, self.ops.kv_dtype)
         self.num_preloaded_plans = 0  # attention graphs the warm-up loaded for earlier starts
 
-    def enable_decode_graphs(self, max_rows: int, max_table_width: int) -> None:
+    def enable_decode_graphs(self, max_rows: int, max_table_width: int,
+                             max_prefill_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         """Replay decode steps and short prefill steps from CUDA graphs (after
         ``allocate_kv_cache``; GPU only)."""
         self.decode_graphs = DecodeGraphs(self.ops, self.model, self.kv_cache.array, max_rows,
                                           max_table_width)
         self.prefill_graphs = PrefillGraphs(self.ops, self.model, self.kv_cache.array,
-                                            max_table_width, self.block_size)
+                                            max_table_width, self.block_size,
+                                            max_prefill_tokens)
 
     def warm_up(self) -> int:
         """Compile the kernels any request can reach (``Ops.warm_kernels``, the sampler's),

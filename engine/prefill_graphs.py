@@ -3,7 +3,9 @@ restore (a few dozen new tokens over a long cached history) cost ~470 kernel lau
 of Python at 16k context where the device needs a few ms; a graph replays them for ~1.3 us each.
 
 Buckets: the exact number of sequences (1 to ``MAX_SEQS``) and the padded token count (16, 32,
-..., ``MAX_TOKENS``), one table width for all (the longest context plus the padding), so the
+..., 256, then steps of 256 up to the engine's ``max_prefill_graph_tokens``: a first turn's few
+hundred tokens over a cached system prompt are launch-bound as well), one table width for all
+(the longest context plus the padding), so the
 split attention's cuDNN graphs and our captures do not multiply with context lengths. Padding
 rows join the last sequence without writing KV or touching the real rows
 (``engine/step_inputs.pack_prefill``). A step qualifies when every sequence samples (no
@@ -20,17 +22,24 @@ from engine.step_inputs import StepLayout
 from kernels.ops import Array, CapturedGraph, Ops
 
 MAX_SEQS = 4
-MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 256
 _MIN_TOKENS = 16
-_WARM_TOKENS = (MAX_TOKENS,)
+_STEP_TOKENS = 256  # past it, buckets grow by this much (padding at most 255 rows)
+_WARM_TOKENS = (_STEP_TOKENS,)
 
 
-def token_buckets() -> list[int]:
-    """The padded token counts, ascending: powers of two from 16 to ``MAX_TOKENS``."""
+def token_buckets(max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int]:
+    """The padded token counts, ascending: powers of two from 16 to 256, then multiples of 256,
+    up to ``max_tokens`` (rounded up to a bucket)."""
+    if max_tokens < _MIN_TOKENS:
+        raise ValueError(f"prefill graphs need at least {_MIN_TOKENS} tokens, got {max_tokens}")
     sizes, size = [], _MIN_TOKENS
-    while size <= MAX_TOKENS:
+    while size < min(max_tokens, _STEP_TOKENS):
         sizes.append(size)
         size *= 2
+    sizes.append(size)
+    while sizes[-1] < max_tokens:
+        sizes.append(sizes[-1] + _STEP_TOKENS)
     return sizes
 
 
@@ -69,13 +78,13 @@ class PrefillGraphs:
     """Owns the captured short prefill steps of one model on one KV arena."""
 
     def __init__(self, ops: Ops, model: DecoderModel, kv_cache: Array, max_table_width: int,
-                 block_size: int) -> None:
+                 block_size: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if not ops.supports_graphs:
             raise ValueError(f"the {ops.name} backend has no graphs")
         self.ops, self.model, self.kv_cache = ops, model, kv_cache
-        self.tokens = token_buckets()
+        self.tokens = token_buckets(max_tokens)
         # room for the padding rows' keys past the longest context
-        self.table_width = max_table_width + -(-MAX_TOKENS // block_size) + 1
+        self.table_width = max_table_width + -(-self.tokens[-1] // block_size) + 1
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self.sealed = False
         self.num_replays = 0
@@ -94,8 +103,8 @@ class PrefillGraphs:
 
     def warm_buckets(self) -> list[tuple[int, int]]:
         """The buckets the warm-up captures: one sequence at every token count, several at
-        ``MAX_TOKENS`` only (a padded 256-token step costs a few ms, each capture ~60 ms of
-        start time on an H200)."""
+        256 tokens only (a padded 256-token step costs a few ms, each capture ~60 ms of start
+        time on an H200)."""
         return warm_buckets(self.tokens)
 
     def seal(self) -> None:

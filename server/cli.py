@@ -80,6 +80,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path, tokenizer_dir: Pat
         "served_model_name": args.served_model_name[0] if args.served_model_name else None,
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
+        "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
         "kv_offload_share_hbm": args.kv_offload_share_hbm,
         "prefill_order": args.prefill_order,
         "max_prefill_wait_steps": args.max_prefill_wait_steps,

@@ -31,6 +31,13 @@ def _tensor_parallel_size(text: str) -> int:
     return value
 
 
+def _at_least_16(text: str) -> int:
+    value = positive_int_arg(text)
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"{value} is below 16, the smallest graph")
+    return value
+
+
 def _device(text: str) -> str:
     try:
         return check_device(text)
@@ -110,6 +117,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        action="store_false", help="turn the HBM prefix cache off")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="GPU: launch every decode kernel from Python (no CUDA graphs)")
+    serve.add_argument("--max-prefill-graph-tokens", type=_at_least_16, default=256,
+                       help="GPU: prefill steps of up to this many new tokens (at most 4 "
+                       "sequences, all finishing their prompt) replay from CUDA graphs "
+                       "captured before /ready; past 256 in steps of 256 (default: 256)")
     serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                        help="GPU: skip capturing the short prefill and decode graphs (and the "
                        "cuDNN graphs they use) before listening; the first requests pay for it")

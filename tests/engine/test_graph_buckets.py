@@ -45,5 +45,15 @@ def test_short_prefills_warm_one_sequence_at_every_size_several_at_the_largest()
     tokens = prefill_graphs.token_buckets()
     captured = prefill_graphs.warm_buckets(tokens)
     assert [(1, t) for t in tokens] == captured[:len(tokens)]
-    assert captured[len(tokens):] == [(s, prefill_graphs.MAX_TOKENS)
-                                      for s in range(2, prefill_graphs.MAX_SEQS + 1)]
+    assert captured[len(tokens):] == [(s, 256) for s in range(2, prefill_graphs.MAX_SEQS + 1)]
+
+
+def test_prefill_buckets_past_256_tokens_grow_by_256() -> None:
+    assert prefill_graphs.token_buckets(256) == [16, 32, 64, 128, 256]
+    assert prefill_graphs.token_buckets(100) == [16, 32, 64, 128]
+    assert prefill_graphs.token_buckets(700) == [16, 32, 64, 128, 256, 512, 768]
+    tokens = prefill_graphs.token_buckets(1024)
+    captured = prefill_graphs.warm_buckets(tokens)
+    assert (1, 1024) in captured and (2, 1024) not in captured and (4, 256) in captured
+    with pytest.raises(ValueError, match="at least 16"):
+        prefill_graphs.token_buckets(8)
