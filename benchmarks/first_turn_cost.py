@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
+from engine.config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
 from server.demo import start_embedded_daemon
 
 CONFIGS = {  # name: EngineConfig overrides
@@ -244,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--dram", default="16GiB")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-prefill-graph-tokens", type=int, default=256)
+    p.add_argument("--max-prefill-graph-tokens", type=int,
+                   default=DEFAULT_MAX_PREFILL_GRAPH_TOKENS)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     return p

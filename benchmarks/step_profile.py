@@ -25,6 +25,7 @@ import numpy as np
 
 from benchmarks.common import command, machine_info, now_iso, today, write_result
 from benchmarks.ttft_ladder import ttft
+from engine.config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
 
 
 def _device_ms(engine, prompt: list[int], tag: str, params) -> float | None:
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--max-prefill-graph-tokens", type=int, default=256)
+    p.add_argument("--max-prefill-graph-tokens", type=int,
+                   default=DEFAULT_MAX_PREFILL_GRAPH_TOKENS)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)

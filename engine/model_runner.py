@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_arena import make_kv_cache
 from engine.kv_cache import KVCache
@@ -13,7 +14,7 @@ from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.models.rope import cos_sin_cache
-from engine.prefill_graphs import DEFAULT_MAX_TOKENS, PrefillGraphs
+from engine.prefill_graphs import PrefillGraphs
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -80,7 +81,7 @@ class ModelRunner:
         self.num_preloaded_plans = 0  # attention graphs the warm-up loaded for earlier starts
 
     def enable_decode_graphs(self, max_rows: int, max_table_width: int,
-                             max_prefill_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                             max_prefill_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS) -> None:
         """Replay decode steps and short prefill steps from CUDA graphs (after
         ``allocate_kv_cache``; GPU only)."""
         self.decode_graphs = DecodeGraphs(self.ops, self.model, self.kv_cache.array, max_rows,

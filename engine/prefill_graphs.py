@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import bisect
 
+from engine.config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.step_inputs import StepLayout
 from kernels.ops import Array, CapturedGraph, Ops
 
 MAX_SEQS = 4
-DEFAULT_MAX_TOKENS = 256
 _MIN_TOKENS = 16
 _STEP_TOKENS = 256  # past it, buckets grow by this much (padding at most 255 rows)
 _WARM_TOKENS = (_STEP_TOKENS,)
 
 
-def token_buckets(max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int]:
+def token_buckets(max_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS) -> list[int]:
     """The padded token counts, ascending: powers of two from 16 to 256, then multiples of 256,
     up to ``max_tokens`` (rounded up to a bucket)."""
     if max_tokens < _MIN_TOKENS:
@@ -78,7 +78,8 @@ class PrefillGraphs:
     """Owns the captured short prefill steps of one model on one KV arena."""
 
     def __init__(self, ops: Ops, model: DecoderModel, kv_cache: Array, max_table_width: int,
-                 block_size: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 block_size: int,
+                 max_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS) -> None:
         if not ops.supports_graphs:
             raise ValueError(f"the {ops.name} backend has no graphs")
         self.ops, self.model, self.kv_cache = ops, model, kv_cache

@@ -296,7 +296,7 @@ class CudnnAttention:
         key = (True, dense, num_seqs, max_rows, width, num_q_heads, shape[4], head_dim,
                shape[3], block_stride, float(scale))
         if dense:
-            k, v = gather_kv(kv_cache, layer, meta.table)
+            k, v = gather_kv(kv_cache, layer, meta.table, context_lens)
             k_ptr, v_ptr = k.data.ptr, v.data.ptr
             if num_seqs == 1 and max_query_len == num_tokens and max_context_len and \
                     self._run_exact(q, k, v, out, max_rows, max_context_len, scale):

@@ -10,7 +10,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.config import DTYPES, OFFLOAD_POLICIES, PREFILL_ORDERS, check_device
+from engine.config import (
+    DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
+    DTYPES,
+    OFFLOAD_POLICIES,
+    PREFILL_ORDERS,
+    check_device,
+)
 from kvstore.cli.args import (
     fraction_arg,
     non_negative_int_arg,
@@ -117,10 +123,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        action="store_false", help="turn the HBM prefix cache off")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="GPU: launch every decode kernel from Python (no CUDA graphs)")
-    serve.add_argument("--max-prefill-graph-tokens", type=_at_least_16, default=256,
+    serve.add_argument("--max-prefill-graph-tokens", type=_at_least_16,
+                       default=DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
                        help="GPU: prefill steps of up to this many new tokens (at most 4 "
                        "sequences, all finishing their prompt) replay from CUDA graphs "
-                       "captured before /ready; past 256 in steps of 256 (default: 256)")
+                       "captured before /ready; past 256 in steps of 256 (default: %(default)s)")
     serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                        help="GPU: skip capturing the short prefill and decode graphs (and the "
                        "cuDNN graphs they use) before listening; the first requests pay for it")

@@ -155,6 +155,62 @@ def test_gather_kv_copies_the_tabled_blocks_bit_exact(cp, bf16) -> None:
     np.testing.assert_array_equal(cp.asnumpy(v).view(np.uint16), want_v.view(np.uint16))
 
 
+def _bf16_nan(cp, shape):
+    return cp.full(shape, 0x7FC0, dtype=cp.uint16)  # a quiet NaN's bits in bfloat16
+
+
+def test_gather_kv_copies_only_the_rows_attention_reads(cp, bf16) -> None:
+    """With context lengths, each sequence's blocks up to its length plus the margin are copied
+    and the rest of a wide (graph-sized) table is not touched."""
+    from kernels.gather_kv import copied_keys, gather_kv, gather_kv_reference
+
+    rng = np.random.default_rng(15)
+    lens = [40, 700, 3]
+    kv, tables = paged_case(rng, bf16, 16, lens, 8, 128, spare_width=64)
+    width_keys = tables.shape[1] * 16
+    shape = (len(lens), width_keys, 8, 128)
+    k_out, v_out = (_bf16_nan(cp, shape).view(cp.asarray(kv).dtype) for _ in range(2))
+    k, v = gather_kv(cp.asarray(kv), 1, cp.asarray(tables), cp.asarray(lens, dtype=cp.int32),
+                     k_out, v_out)
+    want_k, want_v = gather_kv_reference(kv, 1, tables)
+    for b, n in enumerate(lens):
+        rows = copied_keys(n, 16, tables.shape[1])
+        assert n + 256 <= rows < width_keys
+        for got, want in ((k, want_k), (v, want_v)):
+            got = cp.asnumpy(got[b]).view(np.uint16)
+            np.testing.assert_array_equal(got[:rows], want[b, :rows].view(np.uint16))
+            assert (got[rows:] == 0x7FC0).all()
+
+
+def test_dense_prefill_over_a_wide_table_reads_no_row_past_the_copy(cp, bf16,
+                                                                    cudnn_attn) -> None:
+    """A graph's table is as wide as max_model_len: the dense path copies a short sequence's
+    rows only, and cuDNN's padding mask keeps it from the rest (here NaN, left in the memory
+    pool where the gather's buffers come from: one read of them would poison the output)."""
+    from kernels.gather_kv import copied_keys
+
+    cudnn_attn.gather = True
+    rng = np.random.default_rng(16)
+    lens = [700]
+    kv, tables = paged_case(rng, bf16, 16, lens, 8, 128, spare_width=200)
+    width = 1 << (tables.shape[1] - 1).bit_length()  # the attention pads its table to this
+    shape = (1, width * 16, 8, 128)
+    poison = [_bf16_nan(cp, shape) for _ in range(2)]
+    del poison  # back to the pool: the gather's two buffers of this size reuse the NaN bytes
+    q = rng.standard_normal((700, 32, 128)).astype(bf16)
+    cu, ctx = np.array([0, 700], dtype=np.int32), np.array(lens, dtype=np.int32)
+    got = cudnn_attn.run_prefill(cp.asarray(q), cp.asarray(kv), 0, cp.asarray(tables),
+                                 cp.asarray(cu), cp.asarray(ctx), 0.08, 700)
+    assert got is not None, f"cuDNN refused the shape: {cudnn_attn.refusals}"
+    assert cudnn_attn.calls.get((True, True), 0) > 0  # the dense path ran
+    assert copied_keys(700, 16, width) < width * 16
+    got = cp.asnumpy(got).astype(np.float32)
+    assert np.isfinite(got).all()
+    want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 0, tables,
+                                       cu, ctx, 0.08)
+    assert rel_err(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("lens,q_len", [([1000], 1000), ([2100], 700)])
 def test_one_long_sequence_runs_at_its_exact_sizes(cp, bf16, cudnn_attn, lens, q_len) -> None:
     """With the host's bounds, one long sequence (cold, or a long turn over a cached prefix)
