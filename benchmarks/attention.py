@@ -118,7 +118,8 @@ def _bench_prefill(cp, bf16, torch, rng, cudnn_attn, length: int, q_len: int, re
         width = 1 << max(0, tables.shape[1] - 1).bit_length()
         padded = cp.zeros((1, width), dtype=cp.int32)
         padded[:, :tables.shape[1]] = tables
-        row["gather_ms"] = cuda_median_ms(cp, lambda: gather_kv(kv, 0, padded), reps)
+        # as the engine's dense path gathers: the context's blocks (and a margin), not the width
+        row["gather_ms"] = cuda_median_ms(cp, lambda: gather_kv(kv, 0, padded, ctx), reps)
     F = torch.nn.functional
     tq = torch.randn(1, NUM_Q_HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     tk = torch.randn(1, NUM_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

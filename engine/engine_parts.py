@@ -83,9 +83,11 @@ class EngineParts:
         num_kv_blocks, max_model_len = plan_capacity(config, limit, block_bytes, budget)
         runner.allocate_kv_cache(device, num_kv_blocks)
         if ops.supports_graphs and not config.enforce_eager:
+            # no bucket larger than a step can be (each costs a capture before ready)
+            graph_tokens = max(16, min(config.max_prefill_graph_tokens,
+                                       config.max_num_batched_tokens))
             runner.enable_decode_graphs(config.max_num_seqs,
-                                        -(-max_model_len // config.block_size),
-                                        config.max_prefill_graph_tokens)
+                                        -(-max_model_len // config.block_size), graph_tokens)
         block_manager = BlockManager(num_kv_blocks, config.block_size,
                                      config.enable_prefix_caching, config.debug_hash_bits)
         offload: StoreBridge = NullStore()

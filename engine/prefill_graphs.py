@@ -24,7 +24,9 @@ from kernels.ops import Array, CapturedGraph, Ops
 
 MAX_SEQS = 4
 _MIN_TOKENS = 16
-_STEP_TOKENS = 256  # past it, buckets grow by this much (padding at most 255 rows)
+# Past it, buckets grow by this much: a step pads at most 255 rows, in every bucket (below it
+# less than half a power of two).
+_STEP_TOKENS = 256
 _WARM_TOKENS = (_STEP_TOKENS,)
 
 
@@ -85,7 +87,7 @@ class PrefillGraphs:
         self.ops, self.model, self.kv_cache = ops, model, kv_cache
         self.tokens = token_buckets(max_tokens)
         # room for the padding rows' keys past the longest context
-        self.table_width = max_table_width + -(-self.tokens[-1] // block_size) + 1
+        self.table_width = max_table_width + -(-_STEP_TOKENS // block_size) + 1
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self.sealed = False
         self.num_replays = 0

@@ -127,7 +127,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        default=DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
                        help="GPU: prefill steps of up to this many new tokens (at most 4 "
                        "sequences, all finishing their prompt) replay from CUDA graphs "
-                       "captured before /ready; past 256 in steps of 256 (default: %(default)s)")
+                       "captured before /ready; past 256 in steps of 256, the last bucket rounded "
+                       "up, no more than --max-num-batched-tokens (default: %(default)s)")
     serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                        help="GPU: skip capturing the short prefill and decode graphs (and the "
                        "cuDNN graphs they use) before listening; the first requests pay for it")

@@ -182,28 +182,38 @@ def test_gather_kv_copies_only_the_rows_attention_reads(cp, bf16) -> None:
             assert (got[rows:] == 0x7FC0).all()
 
 
-def test_dense_prefill_over_a_wide_table_reads_no_row_past_the_copy(cp, bf16,
-                                                                    cudnn_attn) -> None:
+@pytest.mark.parametrize("lens", [[700], [700, 300]])
+def test_dense_prefill_over_a_wide_table_reads_no_row_past_the_copy(cp, bf16, cudnn_attn,
+                                                                    monkeypatch, lens) -> None:
     """A graph's table is as wide as max_model_len: the dense path copies a short sequence's
-    rows only, and cuDNN's padding mask keeps it from the rest (here NaN, left in the memory
-    pool where the gather's buffers come from: one read of them would poison the output)."""
-    from kernels.gather_kv import copied_keys
+    rows only, and cuDNN's padding mask keeps it from the rest. The gather's buffers are handed
+    in filled with NaN, so one read of a row it did not copy would poison the output."""
+    from kernels import cudnn_attention
+    from kernels.gather_kv import copied_keys, gather_kv
 
     cudnn_attn.gather = True
     rng = np.random.default_rng(16)
-    lens = [700]
     kv, tables = paged_case(rng, bf16, 16, lens, 8, 128, spare_width=200)
     width = 1 << (tables.shape[1] - 1).bit_length()  # the attention pads its table to this
-    shape = (1, width * 16, 8, 128)
-    poison = [_bf16_nan(cp, shape) for _ in range(2)]
-    del poison  # back to the pool: the gather's two buffers of this size reuse the NaN bytes
-    q = rng.standard_normal((700, 32, 128)).astype(bf16)
-    cu, ctx = np.array([0, 700], dtype=np.int32), np.array(lens, dtype=np.int32)
+    untouched = []
+
+    def gather_into_nan(kv_cache, layer, table, context_lens=None, k_out=None, v_out=None):
+        shape = (table.shape[0], table.shape[1] * 16, 8, 128)
+        k_out, v_out = (_bf16_nan(cp, shape).view(kv_cache.dtype) for _ in range(2))
+        for n in cp.asnumpy(context_lens).tolist():
+            untouched.append(table.shape[1] * 16 - copied_keys(n, 16, table.shape[1]))
+        return gather_kv(kv_cache, layer, table, context_lens, k_out, v_out)
+
+    monkeypatch.setattr(cudnn_attention, "gather_kv", gather_into_nan)
+    q_lens = lens  # cold prompts: every row a query row, all sequences dense
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), 32, 128)).astype(bf16)
+    ctx = np.array(lens, dtype=np.int32)
     got = cudnn_attn.run_prefill(cp.asarray(q), cp.asarray(kv), 0, cp.asarray(tables),
-                                 cp.asarray(cu), cp.asarray(ctx), 0.08, 700)
+                                 cp.asarray(cu), cp.asarray(ctx), 0.08, max(q_lens))
     assert got is not None, f"cuDNN refused the shape: {cudnn_attn.refusals}"
-    assert cudnn_attn.calls.get((True, True), 0) > 0  # the dense path ran
-    assert copied_keys(700, 16, width) < width * 16
+    assert len(untouched) == len(lens) and min(untouched) >= 1024  # NaN rows were there
+    assert width * 16 - max(lens) - 256 >= 1024
     got = cp.asnumpy(got).astype(np.float32)
     assert np.isfinite(got).all()
     want = ref.paged_attention_prefill(q.astype(np.float32), kv.astype(np.float32), 0, tables,

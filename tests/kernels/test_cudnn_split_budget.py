@@ -4,10 +4,13 @@ one short turn must run as one paged call, while the prefill graphs' buckets kee
 
 from __future__ import annotations
 
-from engine.prefill_graphs import MAX_SEQS, MAX_TOKENS
+from engine.prefill_graphs import MAX_SEQS, token_buckets
 from kernels.cudnn_split import MAX_SCRATCH_BYTES, scratch_bytes, slice_count
 
 QWEN3_4B_HEADS = (32, 128)  # query heads, head dim
+# kernels/cudnn_attention._SPLIT_MAX_ROWS (that module needs the GPU packages): larger buckets
+# take the dense path, not the split
+SPLIT_MAX_ROWS = 256
 
 
 def test_many_decode_rows_beside_a_short_turn_do_not_split() -> None:
@@ -21,9 +24,11 @@ def test_many_decode_rows_beside_a_short_turn_do_not_split() -> None:
 
 
 def test_prefill_graph_buckets_keep_the_split() -> None:
-    """The largest prefill graph bucket at a 40,960-token model length: its table (2,560 blocks
-    plus the padding's, rounded up to 4,096) gives 16 slices, within the bound."""
+    """The largest prefill graph bucket that splits, at a 40,960-token model length: its table
+    (2,560 blocks plus the padding's, rounded up to 4,096) gives 16 slices, within the bound."""
     num_slices = slice_count(4096, 16)
     assert num_slices == 16
-    assert scratch_bytes(MAX_SEQS, num_slices, MAX_TOKENS, *QWEN3_4B_HEADS) <= MAX_SCRATCH_BYTES
+    rows = max(t for t in token_buckets() if t <= SPLIT_MAX_ROWS)
+    assert rows == SPLIT_MAX_ROWS
+    assert scratch_bytes(MAX_SEQS, num_slices, rows, *QWEN3_4B_HEADS) <= MAX_SCRATCH_BYTES
     assert scratch_bytes(1, num_slices, 64, *QWEN3_4B_HEADS) <= MAX_SCRATCH_BYTES
