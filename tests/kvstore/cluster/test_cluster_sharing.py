@@ -56,7 +56,10 @@ def test_wrong_idents_fetch_nothing(make_node):
 def test_index_writes_are_batched(make_node, redis_server):
     # A registration that lapses re-publishes everything held (correct, but it would double the
     # count below): on a loaded 2-core machine the 0.5 s TTL of the fast settings can lapse.
-    a, store_a = make_node("a", flush_interval_s=0.05, node_ttl_s=10.0)
+    # Batches close at 500 writes, not by time: a 50 ms interval gave 38 calls under CI's load
+    # (the loop below outran by the clock); by size, at most two calls a batch (its rest
+    # included) and the last flush, whatever the machine's speed.
+    a, store_a = make_node("a", flush_interval_s=30.0, flush_max_batch=500, node_ttl_s=10.0)
     b, _ = make_node("b")
     blocks = make_blocks(2000, block_bytes=4096)
     redis_server.client().config_resetstat()
