@@ -5,12 +5,11 @@ of Python at 16k context where the device needs a few ms; a graph replays them f
 Buckets: the exact number of sequences (1 to ``MAX_SEQS``) and the padded token count (16, 32,
 ..., 256, then steps of 256 up to the engine's ``max_prefill_graph_tokens``: a first turn's few
 hundred tokens over a cached system prompt are launch-bound as well), one table width for all
-(the longest context plus the padding), so the
-split attention's cuDNN graphs and our captures do not multiply with context lengths. Padding
-rows join the last sequence without writing KV or touching the real rows
-(``engine/step_inputs.pack_prefill``). A step qualifies when every sequence samples (no
-mid-prompt chunk). The warm-up captures ``warm_buckets`` and seals (no capture in a request's path
-from then on); without it, captured on first use.
+(the longest context plus the padding), so the split attention's cuDNN graphs and our captures
+do not multiply with context lengths. Padding rows join the last sequence without writing KV or
+touching the real rows (``engine/step_inputs.pack_prefill``). A step qualifies when every
+sequence samples (no mid-prompt chunk). The warm-up captures ``warm_buckets`` and seals (no
+capture in a request's path from then on); without it, captured on first use.
 """
 
 from __future__ import annotations

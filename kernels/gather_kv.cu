@@ -7,10 +7,10 @@
 // words of one block, so every access is coalesced.
 //
 // Only the blocks a sequence's attention can read are copied: those that start before its
-// context length plus `margin_keys`. A graph's table is as wide as the
-// longest context the engine serves (max_model_len), so a short sequence would otherwise copy
-// the whole width every layer; the rows past the limit are left as they were, and cuDNN's padding
-// mask (seq_len_kv) keeps its tiles from reading them (the margin covers its last, partial tile).
+// context length plus `margin_keys`. A graph's table is as wide as the longest context the
+// engine serves (max_model_len), so a short sequence would otherwise copy the whole width every
+// layer; the rows past the limit are left as they were, and cuDNN's padding mask (seq_len_kv)
+// keeps its tiles from reading them (the margin covers its last, partial tile).
 
 extern "C" __global__ void gather_kv(const uint4* __restrict__ kv, const int* __restrict__ tables,
                                      uint4* __restrict__ k_out, uint4* __restrict__ v_out,
