@@ -56,10 +56,12 @@ def test_wrong_idents_fetch_nothing(make_node):
 def test_index_writes_are_batched(make_node, redis_server):
     # A registration that lapses re-publishes everything held (correct, but it would double the
     # count below): on a loaded 2-core machine the 0.5 s TTL of the fast settings can lapse.
-    # Batches close at 500 writes, not by time: a 50 ms interval gave 38 calls under CI's load
-    # (the loop below outran by the clock); by size, at most two calls a batch (its rest
-    # included) and the last flush, whatever the machine's speed.
-    a, store_a = make_node("a", flush_interval_s=30.0, flush_max_batch=500, node_ttl_s=10.0)
+    # Batches close at 500 writes, not by time, and heartbeats (each flushes what is pending)
+    # come every 3 s: with a 50 ms flush interval and the fast 0.1 s heartbeat, CI's load made
+    # 38-57 calls of the loop below. Now at most two calls a batch (its rest included), one a
+    # heartbeat and the last flush, unless the loop takes tens of seconds.
+    a, store_a = make_node("a", flush_interval_s=30.0, flush_max_batch=500,
+                           heartbeat_interval_s=3.0, node_ttl_s=10.0)
     b, _ = make_node("b")
     blocks = make_blocks(2000, block_bytes=4096)
     redis_server.client().config_resetstat()
