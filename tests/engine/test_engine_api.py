@@ -39,7 +39,8 @@ def run_to_end(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
     {"max_model_len": -1}, {"gpu_memory_utilization": 0.0}, {"gpu_memory_utilization": 1.5},
     {"max_num_seqs": 0}, {"max_num_batched_tokens": True}, {"kv_offload_policy": "lazy"},
     {"served_model_name": ""}, {"debug_hash_bits": 0}, {"kv_offload": "yes"},
-    {"enforce_eager": 1}, {"kv_offload_share_hbm": "no"},
+    {"enforce_eager": 1}, {"kv_offload_share_hbm": "no"}, {"max_prefill_graph_tokens": 8},
+    {"max_prefill_graph_tokens": 512.0},
 ])
 def test_engine_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):

@@ -83,7 +83,8 @@ def test_the_prefill_scheduling_options_reach_the_engine_config(tiny_model_dir: 
 
 def test_bad_prefill_scheduling_options_are_refused_in_one_line(tiny_model_dir: Path) -> None:
     for bad in (["--latency-chunk-tokens", "0"], ["--latency-chunk-tokens", "x"],
-                ["--max-prefill-wait-steps", "-1"], ["--prefill-order", "random"]):
+                ["--max-prefill-wait-steps", "-1"], ["--prefill-order", "random"],
+                ["--max-prefill-graph-tokens", "8"], ["--max-prefill-graph-tokens", "1k"]):
         out = subprocess.run(CLI + ["serve", "--model", str(tiny_model_dir), *bad],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 2, bad
