@@ -18,6 +18,7 @@ PREFILL_ORDERS = ("shortest-first", "fcfs")
 # H200 a 700-token step over 4k cached ran 16.4 ms from a graph, 17.7 ms eager, and its spread
 # beside the engine's other threads went (first_turn_cost, s33).
 DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 1024
+MIN_PREFILL_GRAPH_TOKENS = 16  # the smallest prefill graph bucket
 # vLLM's --dtype spellings -> ours; what a backend computes in is checked at engine start.
 DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
           "half": "float16", "float32": "float32", "float": "float32"}
@@ -89,9 +90,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_prefill_graph_tokens < 16:
-            raise ValueError(f"max_prefill_graph_tokens must be at least 16, "
-                             f"got {self.max_prefill_graph_tokens}")
+        if self.max_prefill_graph_tokens < MIN_PREFILL_GRAPH_TOKENS:
+            raise ValueError(f"max_prefill_graph_tokens must be at least "
+                             f"{MIN_PREFILL_GRAPH_TOKENS}, got {self.max_prefill_graph_tokens}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
         for name in ("num_kv_blocks", "max_model_len", "latency_chunk_tokens"):

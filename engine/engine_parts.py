@@ -16,7 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, check_dtype, cuda_index, resolve_device
+from engine.config import (
+    MIN_PREFILL_GRAPH_TOKENS,
+    EngineConfig,
+    check_dtype,
+    cuda_index,
+    resolve_device,
+)
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import kv_block_bytes
 from engine.kv_capacity import kv_budget_bytes, max_len_limit, plan_capacity
@@ -84,8 +90,8 @@ class EngineParts:
         runner.allocate_kv_cache(device, num_kv_blocks)
         if ops.supports_graphs and not config.enforce_eager:
             # no bucket larger than a step can be (each costs a capture before ready)
-            graph_tokens = max(16, min(config.max_prefill_graph_tokens,
-                                       config.max_num_batched_tokens))
+            graph_tokens = max(MIN_PREFILL_GRAPH_TOKENS, min(config.max_prefill_graph_tokens,
+                                                             config.max_num_batched_tokens))
             runner.enable_decode_graphs(config.max_num_seqs,
                                         -(-max_model_len // config.block_size), graph_tokens)
         block_manager = BlockManager(num_kv_blocks, config.block_size,

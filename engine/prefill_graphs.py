@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import bisect
 
-from engine.config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS
+from engine.config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS, MIN_PREFILL_GRAPH_TOKENS
 from engine.models.decoder import DecoderModel, ForwardBatch
 from engine.step_inputs import StepLayout
 from kernels.ops import Array, CapturedGraph, Ops
 
 MAX_SEQS = 4
-_MIN_TOKENS = 16
+_MIN_TOKENS = MIN_PREFILL_GRAPH_TOKENS
 # Past it, buckets grow by this much: a step pads at most 255 rows, in every bucket (below it
 # less than half a power of two).
 _STEP_TOKENS = 256

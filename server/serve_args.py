@@ -13,6 +13,7 @@ from typing import Any
 from engine.config import (
     DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
     DTYPES,
+    MIN_PREFILL_GRAPH_TOKENS,
     OFFLOAD_POLICIES,
     PREFILL_ORDERS,
     check_device,
@@ -37,10 +38,11 @@ def _tensor_parallel_size(text: str) -> int:
     return value
 
 
-def _at_least_16(text: str) -> int:
+def _graph_tokens(text: str) -> int:
     value = positive_int_arg(text)
-    if value < 16:
-        raise argparse.ArgumentTypeError(f"{value} is below 16, the smallest graph")
+    if value < MIN_PREFILL_GRAPH_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"{value} is below {MIN_PREFILL_GRAPH_TOKENS}, the smallest graph")
     return value
 
 
@@ -123,7 +125,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        action="store_false", help="turn the HBM prefix cache off")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="GPU: launch every decode kernel from Python (no CUDA graphs)")
-    serve.add_argument("--max-prefill-graph-tokens", type=_at_least_16,
+    serve.add_argument("--max-prefill-graph-tokens", type=_graph_tokens,
                        default=DEFAULT_MAX_PREFILL_GRAPH_TOKENS,
                        help="GPU: prefill steps of up to this many new tokens (at most 4 "
                        "sequences, all finishing their prompt) replay from CUDA graphs "

@@ -102,7 +102,8 @@ class Connection:
     async def send_frame(self, frame: list[bytes]) -> None:
         """Write one encoded reply (taking it: the caller keeps no reference, so its memory
         goes as soon as the transport has copied or sent it)."""
-        num_bytes = num_bytes_sent = sum(len(part) for part in frame)
+        num_bytes = sum(len(part) for part in frame)
+        joined = num_bytes <= _JOINED_FRAME_BYTES  # one send, not one per part
         self.held_large = self.held_large or num_bytes > LARGE_BYTES
         self._queued_bytes += num_bytes
         try:
@@ -111,7 +112,7 @@ class Connection:
                 num_bytes = 0
                 if self.writer.is_closing():
                     return
-                if num_bytes_sent <= _JOINED_FRAME_BYTES:  # one send, not one per part
+                if joined:
                     self.writer.write(b"".join(frame))
                 else:  # not writelines: it joins header and body into a copy
                     for part in frame:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import mmap
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -25,9 +26,6 @@ PIECE_BYTES = 1 << 20  # the most one read copies (the reader's buffer holds les
 
 # ``room(n)``: count ``n`` more bytes of the body as held, first waiting while the budget is spent
 Room = Callable[[int], Awaitable[None]]
-
-
-_timeout = getattr(asyncio, "timeout", None)
 
 
 class NoRoom(TimeoutError):
@@ -63,11 +61,11 @@ async def _bounded(awaitable: Awaitable[bytes], give_up_at: float | None) -> byt
     if give_up_at is None:
         return await awaitable
     left_s = max(0.0, give_up_at - time.monotonic())
-    if _timeout is None:  # Python 3.10
+    if sys.version_info < (3, 11):  # no asyncio.timeout
         return await asyncio.wait_for(awaitable, left_s)
     # A scope on this task, not wait_for's (before 3.12) task per read: a request's body is
     # most often in the buffer already, and a task costs the loop more turns than the read.
-    async with _timeout(left_s):
+    async with asyncio.timeout(left_s):
         return await awaitable
 
 
