@@ -110,7 +110,9 @@ def bytecode_state() -> dict:
 
     return {"dont_write_bytecode": sys.dont_write_bytecode,
             "server_cli_compiled": compiled("server.cli"),
-            "fastapi_compiled": compiled("fastapi.routing")}
+            "fastapi_compiled": compiled("fastapi.routing"),
+            "cupy_compiled": compiled("cupy._environment"),
+            "cudnn_frontend_compiled": compiled("cudnn._pygraph")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,7 @@ class CudnnAttention:
                                 background)
         self.refusals = self.plans.refusals  # key -> why cuDNN refused it
         self._workspace = cp.empty(1 << 20, dtype=cp.uint8)
+        self._retired_workspaces: list = []  # outgrown, still read by the graphs captured on them
         self._meta: _StepMeta | None = None
         # decode's seq_len_q, default pool: in the graphs' pool other graphs' scratch reuses it
         self._ones = cp.ones(1 << 16, dtype=cp.int32)
@@ -226,7 +227,11 @@ class CudnnAttention:
         """Run ``plan`` on the current stream with ``pointers`` (uid -> device address)."""
         cp = self.cp
         if plan.workspace_bytes > self._workspace.nbytes:
-            self._workspace = cp.empty(plan.workspace_bytes, dtype=cp.uint8)
+            # a captured graph keeps the old one's address: it stays allocated (at most a
+            # doubling each time, so a few)
+            self._retired_workspaces.append(self._workspace)
+            self._workspace = cp.empty(max(plan.workspace_bytes, 2 * self._workspace.nbytes),
+                                       dtype=cp.uint8)
         self.cudnn.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
         plan.graph.execute(pointers, workspace=self._workspace.data.ptr, handle=self._handle,
                            **overrides)

@@ -8,7 +8,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import error_body
+from server.api_error import error_body
 
 KEY_SALT_SCOPE = "kvengine.key_salt"  # scope entry the middleware sets for the route handlers
 OPEN_PATHS = frozenset({"/health", "/ready", "/ping"})  # probes carry no key

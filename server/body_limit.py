@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from server.api_error import error_body
 
 # JSON objects and arrays a body may hold: 20,000 chat messages, or hundreds of tools with their
 # schemas, parse and validate in about 0.1 s.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.chat_template import RESERVED_TEMPLATE_NAMES
-from server.errors import APIError
+from server.api_error import APIError
 from server.tool_parsers import TOOL_PARSERS, ToolParser
 
 

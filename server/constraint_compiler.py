@@ -18,9 +18,9 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from server.api_error import APIError
 from server.async_engine import EngineRequest
 from server.engine_protocol import ServedEngine
-from server.errors import APIError
 
 # The constraint's own text: a JSON schema, a grammar, a regex, the choices together.
 MAX_CONSTRAINT_BYTES = 1 << 20

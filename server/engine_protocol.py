@@ -15,6 +15,9 @@ from kvstore import StoreState
 if TYPE_CHECKING:
     from engine import SamplingParams
 
+# where a served engine reports its load (server/load_report.py) and the router reads it
+LOAD_PATH = "/load"
+
 
 class PromptCodec(Protocol):
     """The engine's tokenizer as the server uses it: text in, token ids out."""

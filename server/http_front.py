@@ -21,7 +21,6 @@ from kvstore.http_guard.connection_guard import (
     fit_to_open_files,
 )
 from kvstore.rate_limited_log import RateLimitedLog
-from server.errors import error_body
 from server.log_setup import BANNER_LOGGER
 
 _BANNER = logging.getLogger(BANNER_LOGGER)
@@ -55,6 +54,8 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def _openai_error(status: int, message: str, code: str) -> dict[str, Any]:
     """The guard's own answers (a 503 past the cap, a 408) in the OpenAI error shape."""
+    from server.api_error import error_body  # FastAPI's import waits until the app is built
+
     return error_body(status, message, code=code)
 
 

@@ -18,9 +18,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from server.async_engine import AsyncEngine
-from server.engine_protocol import EngineSettingsView, kv_store_state, offload_stats
-
-LOAD_PATH = "/load"
+from server.engine_protocol import (
+    LOAD_PATH,
+    EngineSettingsView,
+    kv_store_state,
+    offload_stats,
+)
 
 
 class RoutedEngine(Protocol):

@@ -9,6 +9,8 @@ one line rather than fail later on a mix of two packages.
 
 from __future__ import annotations
 
+import os
+import sys
 from importlib.metadata import distributions
 
 OUR_DISTRIBUTION = "kvstore-tiered"
@@ -27,9 +29,13 @@ def _ships_kernels(dist) -> bool:
 
 def foreign_kernels_owners(path: list[str] | None = None) -> list[str]:
     """Names of installed distributions other than ours with a top-level `kernels` package
-    (searching `path`, default sys.path)."""
+    (searching `path`, default sys.path). Only the folders that hold a `kernels` package are
+    searched: a distribution that installs one puts it beside its own metadata, and an image
+    with hundreds of distributions (torch, JAX, ...) elsewhere costs nothing."""
+    roots = [entry for entry in (sys.path if path is None else path)
+             if os.path.isdir(os.path.join(entry or os.curdir, "kernels"))]
     owners = set()
-    for dist in distributions(**({} if path is None else {"path": path})):
+    for dist in distributions(path=roots):
         if not _ships_kernels(dist):
             continue
         name = dist.metadata["Name"] or ""

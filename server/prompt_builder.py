@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from server.api_error import APIError
 from server.engine_protocol import PromptCodec
-from server.errors import APIError
 from server.prompt_tokenizer import PromptTokenizer
 from server.tokenize_pool import PoolFull, TokenizePool
 

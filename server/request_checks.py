@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.sampling_params import MAX_LOGPROBS
+from server.api_error import APIError
 from server.async_engine import AsyncEngine, EngineRequest
-from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.protocol import PASSTHROUGH_FIELDS, SamplingFields
 

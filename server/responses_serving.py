@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.errors import APIError
+from server.api_error import APIError
 from server.protocol import ChatCompletionRequest
 from server.responses_protocol import ResponsesRequest
 from server.serving import OpenAIServing

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from server.errors import APIError
+from server.api_error import APIError
 from server.protocol import SamplingFields
 from server.structured_outputs import Constraint
 

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.outputs import FinishReason
 from server import responses as R
+from server.api_error import APIError
 from server.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -25,7 +26,6 @@ from server.chat_output import ChatShape
 from server.chat_tools import ToolSettings, template_inputs, tool_request
 from server.constraint_compiler import ConstraintCompiler
 from server.engine_protocol import EngineOutput, ServedEngine
-from server.errors import APIError
 from server.logprobs import LogprobsFormatter
 from server.metrics import ServerMetrics
 from server.prompt_builder import PromptBuilder

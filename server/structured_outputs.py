@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured_outputs import KINDS
-from server.errors import APIError
+from server.api_error import APIError
 from server.protocol import SamplingFields
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

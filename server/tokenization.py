@@ -17,10 +17,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.requests import Request
 
+from server.api_error import APIError
 from server.auth import KEY_SALT_SCOPE, tenant_salt
 from server.chat_tools import template_inputs
 from server.engine_protocol import PromptCodec
-from server.errors import APIError
 from server.prompt_builder import PromptBuilder
 from server.protocol import ChatMessage
 

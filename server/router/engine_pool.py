@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from server.load_report import LOAD_PATH
+from server.engine_protocol import LOAD_PATH
 from server.router.engine_residency import EngineResidency
 from server.router.policy import Candidate, EngineCosts
 from server.router.prompt_chain import KVIdentity

@@ -24,9 +24,9 @@ from collections.abc import Collection
 
 from pydantic import ValidationError
 
+from server.api_error import APIError
 from server.auth import tenant_salt
 from server.chat_tools import template_inputs
-from server.errors import APIError
 from server.prompt_builder import PromptBuilder
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.router.engine_pool import EngineKind, EnginePool, UpstreamEngine

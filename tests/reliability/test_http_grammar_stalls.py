@@ -26,9 +26,9 @@ from engine_process import EngineProcess, post_all_while_watching, tiny_model
 
 from engine import LLM, SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
+from server.api_error import APIError
 from server.async_engine import EngineRequest
 from server.constraint_compiler import MAX_CONSTRAINT_BYTES, ConstraintCompiler
-from server.errors import APIError
 
 pytestmark = pytest.mark.timeout(180)
 

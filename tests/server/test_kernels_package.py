@@ -33,6 +33,8 @@ def _fake_hf_kernels(site: Path) -> Path:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.17.2\n")
     (info / "RECORD").write_text("kernels/__init__.py,,\nkernels/_rust.abi3.so,,\n"
                                  "kernels-0.17.2.dist-info/METADATA,,\n")
+    (site / "kernels").mkdir()
+    (site / "kernels" / "__init__.py").write_text("")
     return site
 
 
@@ -44,7 +46,15 @@ def test_a_second_kernels_distribution_is_found(tmp_path: Path) -> None:
     (ours / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {OUR_DISTRIBUTION}\n"
                                    "Version: 0.1.0\n")
     (ours / "top_level.txt").write_text("kernels\nkvstore\n")
+    (tmp_path / "ours" / "kernels").mkdir()
     assert foreign_kernels_owners([str(tmp_path / "ours")]) == []
+    # metadata alone, with no `kernels` folder beside it, is not searched (nothing to clash)
+    bare = _fake_hf_kernels(tmp_path / "bare")
+    for file in (bare / "kernels").iterdir():
+        file.unlink()
+    (bare / "kernels").rmdir()
+    assert foreign_kernels_owners([str(bare)]) == []
+    assert foreign_kernels_owners([str(bare), str(site)]) == ["kernels"]
 
 
 def test_kvengine_refuses_to_start_beside_it(tiny_model_dir: Path, tmp_path: Path) -> None:
