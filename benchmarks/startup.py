@@ -11,7 +11,7 @@ the target speaks of) and measures, from the spawn:
 
 Target (H100, Qwen3-4B shape, warm page cache): ready <= 5 s. Writes JSON to benchmarks/results/.
 
-    python -m benchmarks.startup --model DIR --device cuda [--reps 3]
+    python -m benchmarks.startup --model DIR --device cuda [--reps 3] [--compile-bytecode]
     python -m benchmarks.startup --preset tiny --device cpu --reps 2     # smoke
 """
 
@@ -103,7 +103,10 @@ def bytecode_state() -> dict:
     import importlib.util
 
     def compiled(module: str) -> bool | None:
-        spec = importlib.util.find_spec(module)
+        try:
+            spec = importlib.util.find_spec(module)
+        except ModuleNotFoundError:  # its package is not installed (CuPy on a CPU machine)
+            return None
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):
             return None
         return Path(importlib.util.cache_from_source(spec.origin)).is_file()
@@ -111,8 +114,35 @@ def bytecode_state() -> dict:
     return {"dont_write_bytecode": sys.dont_write_bytecode,
             "server_cli_compiled": compiled("server.cli"),
             "fastapi_compiled": compiled("fastapi.routing"),
+            "numpy_compiled": compiled("numpy._core.numeric"),
             "cupy_compiled": compiled("cupy._environment"),
             "cudnn_frontend_compiled": compiled("cudnn._pygraph")}
+
+
+# what the server imports at start and in its warm-up (each one's folder is compiled)
+_SERVER_MODULES = ("server.cli", "server.app", "engine.llm_engine", "kernels.cupy_ops",
+                   "kernels.cudnn_attention", "cudnn", "cupy")
+_COMPILE = ("import compileall, importlib, os, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except Exception:\n"
+            "        pass\n"
+            "folders = {os.path.dirname(m.__file__) for m in list(sys.modules.values())\n"
+            "           if (getattr(m, '__file__', None) or '').endswith('.py')}\n"
+            "ok = [compileall.compile_dir(f, maxlevels=0, quiet=2) for f in sorted(folders)]\n"
+            "print(len(folders), sum(map(bool, ok)))\n")
+
+
+def compile_bytecode() -> dict:
+    """What ``pip install`` does on a user's machine and an image with PYTHONDONTWRITEBYTECODE=1
+    and wheels installed with --no-compile did not: compile the folder of every module the
+    server imports (in a child process, which imports them). {"folders", "compiled", "seconds"}."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _COMPILE, *_SERVER_MODULES], check=True,
+                         capture_output=True, text=True, timeout=600).stdout.split()
+    return {"folders": int(out[0]), "compiled": int(out[1]),
+            "seconds": round(time.perf_counter() - start, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="one more start, under benchmarks.stack_sampler (counts to FILE; "
                              "not among the timed runs)")
+    parser.add_argument("--compile-bytecode", action="store_true",
+                        help="first compile the folder of every module the server imports, as "
+                             "`pip install` does (for images that ship without bytecode)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.model:
@@ -137,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (model_dir / "config.json").exists():
             write_checkpoint(model_dir, args.preset, seed=0)
     weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    compiled = compile_bytecode() if args.compile_bytecode else None
     runs = [one_start(model_dir, args.device, args.engine_args.split(), args.timeout)
             for _ in range(max(args.reps, 2))]
     warm = runs[1:]
@@ -148,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "date": now_iso(utc=True),
         "command": command(f"{Path(sys.executable).name} -m benchmarks.startup", argv),
-        "weight_bytes": weight_bytes, "bytecode": bytecode_state(), "runs": runs,
+        "weight_bytes": weight_bytes, "bytecode": bytecode_state(),
+        "compiled_before_the_runs": compiled, "runs": runs,
         "warm": {"ready_s_median": ready,
                  "first_token_s_median": statistics.median(r["first_token_s"] for r in warm),
                  "idle_rss_bytes_median": statistics.median(r["idle_rss_bytes"] for r in warm)},

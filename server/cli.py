@@ -117,10 +117,18 @@ def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
             engine.close()
             raise
         if num_graphs:
+            ops = engine.runner.ops
             _BANNER.info("kvengine: warm-up captured %d CUDA graphs (%d attention graphs "
-                           "built) in %.1f s", num_graphs,
-                           engine.runner.ops.num_attention_graphs, time.perf_counter() - start)
+                         "built) in %.1f s (%s)", num_graphs, ops.num_attention_graphs,
+                         time.perf_counter() - start, _build_times(ops.builds.snapshot()))
     return engine
+
+
+def _build_times(snapshot: dict) -> str:
+    """The start's builds by kind, e.g. ``cuda_graph 32 in 1.61 s, cudnn_plan_load 39 in 0.19
+    s``: where a warm-up's time went."""
+    return ", ".join(f"{kind} {count} in {snapshot['seconds_before'].get(kind, 0.0):.2f} s"
+                     for kind, count in sorted(snapshot["before"].items())) or "no builds"
 
 
 def _startup_line(engine: ServedEngine, model_name: str, host: str, port: int) -> str:
