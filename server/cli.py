@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import logging
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -188,22 +185,9 @@ def tune_interpreter() -> None:
     sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
 
 
-def _import_beside(module: str) -> threading.Thread:
-    """Import ``module`` on a thread of its own: the HTTP app's modules (FastAPI, the request
-    models) load while the engine's start waits on the weights' upload and the device, not
-    before it. A failure is left for the caller's own import to raise."""
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            importlib.import_module(module)
-
-    thread = threading.Thread(target=run, name="kvengine-app-import", daemon=True)
-    thread.start()
-    return thread
-
-
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Load the engine, then serve it until interrupted."""
+    from server.app import build_app
     from server.log_setup import configure_logging
     from server.settings import ServerSettings
 
@@ -244,15 +228,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         listener.close()
         banner.error("kvengine: error: %s", kernels_conflict_message(owners))
         return 1
-    app_modules = _import_beside("server.app")
     try:
         engine = _load_engine(config, args.warm_up)
     except (OSError, ValueError, NotImplementedError, WarmUpFailed) as exc:
         listener.close()
         banner.error("kvengine: error: cannot start the engine on %s: %s", model_dir, exc)
         return 1
-    app_modules.join()
-    from server.app import build_app
     if config.kv_offload and engine.device == "cpu" and not args.dumpable:
         forbid_inspection()  # its KV arena is a memfd, openable through /proc by its uid
     try:

@@ -107,9 +107,10 @@ def test_turns_after_the_warm_up_give_the_eager_tokens(long_qwen3: HFCheckpoint)
     for eager in (True, False):
         with LLM(str(long_qwen3.path), device="cuda", enforce_eager=eager,
                  num_kv_blocks=MAX_POSITIONS // 16 + 8) as llm:
+            runner = llm.engine.runner
             assert llm.engine.warm_up() == (0 if eager else
-                                            len(llm.engine.runner.prefill_graphs.tokens)
-                                            + len(llm.engine.runner.decode_graphs.widths))
+                                            len(runner.prefill_graphs.warm_buckets())
+                                            + len(runner.decode_graphs.warm_buckets()))
             prompt, tokens = list(history), []
             for extra in extras:
                 out = llm.generate([prompt], greedy)[0]
