@@ -227,8 +227,8 @@ class CudnnAttention:
         """Run ``plan`` on the current stream with ``pointers`` (uid -> device address)."""
         cp = self.cp
         if plan.workspace_bytes > self._workspace.nbytes:
-            # a captured graph keeps the old one's address: it stays allocated (at most a
-            # doubling each time, so a few)
+            # a captured graph keeps the old one's address: it stays allocated (each one at
+            # least twice the last, so a few)
             self._retired_workspaces.append(self._workspace)
             self._workspace = cp.empty(max(plan.workspace_bytes, 2 * self._workspace.nbytes),
                                        dtype=cp.uint8)

@@ -1,5 +1,6 @@
 """APIError and the OpenAI error shape: what a request's failure carries to the client,
-with no web framework in it (the engine's argument checks raise it before FastAPI loads)."""
+with no web framework in it (the tool parsers and request checks the CLI's argument modules
+import need it before FastAPI loads)."""
 
 from __future__ import annotations
 

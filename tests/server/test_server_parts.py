@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.chat_template import RESERVED_TEMPLATE_NAMES, ChatTemplate
+from kernels.build_log import CUDA_GRAPH, CUDNN_LOAD, BuildLog
 from server.auth import key_salt, tenant_salt
-from server.cli import SERVE_SWITCH_INTERVAL_S, main
+from server.cli import SERVE_SWITCH_INTERVAL_S, _build_times, main
 from server.responses import ChoiceState, usage
 from server.sampling_builder import derive_seed
 from server.settings import ServerSettings
@@ -97,3 +98,14 @@ def test_reserved_template_names_are_the_renderers_own_parameters() -> None:
     params = inspect.signature(ChatTemplate.render).parameters.values()
     own = {p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD}
     assert own == RESERVED_TEMPLATE_NAMES
+
+
+def test_the_warm_up_line_says_where_its_time_went() -> None:
+    builds = BuildLog()
+    assert _build_times(builds.snapshot()) == "no builds"
+    for seconds in (0.05, 0.07):
+        builds.record(CUDA_GRAPH, ("prefill", 1, 16), seconds)
+    builds.record(CUDNN_LOAD, ("split", True, 1, 5, 64), 0.004)
+    builds.seal()
+    builds.record(CUDNN_LOAD, ("split", True, 1, 9, 64), 0.5)  # after ready: not the warm-up's
+    assert _build_times(builds.snapshot()) == "cuda_graph 2 in 0.12 s, cudnn_plan_load 1 in 0.00 s"
