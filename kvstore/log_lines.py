@@ -61,5 +61,6 @@ def configure(log_format: str, banner_name: str,
     banner.propagate = False  # written here only, whatever the root's level
     lines = logging.StreamHandler(sys.stderr)
     lines.setFormatter(_formatter(log_format, "%(message)s"))
+    lines._kvstore_lines = True  # type: ignore[attr-defined]
     banner.addHandler(lines)
     return banner

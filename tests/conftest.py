@@ -1,15 +1,29 @@
 """Shared pytest setup: skip `gpu` tests without CUDA, `cluster` tests without their parts,
-`vllm` tests without vLLM; the tiny model every folder's tests load, stores closed after
-each test."""
+`vllm` tests without vLLM; the tiny model every folder's tests load, stores closed and an
+in-process CLI's log handlers removed after each test."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _cli_log_handlers_removed() -> Iterator[None]:
+    """A test that runs a CLI in its own process space (``main([...])``) installs the CLI's log
+    handlers (``kvstore.log_lines.configure``) on that test's captured stderr, which pytest
+    closes after it: taken off again, so no later test's threads write to a closed file."""
+    yield
+    loggers = [logging.getLogger(), *(logger for logger in logging.root.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for logger in loggers:
+        for handler in [h for h in logger.handlers if getattr(h, "_kvstore_lines", False)]:
+            logger.removeHandler(handler)
 
 
 @pytest.fixture

@@ -162,7 +162,8 @@ def test_a_hung_store_requeues_it_and_quarantines_the_blocks_until_it_answers(
     finally:
         side.daemon.proc.send_signal(signal.SIGCONT)
 
-    def released() -> bool:
+    def released() -> bool:  # asking for the connection each time, as the engine's steps do
+        side.store.client.keep_connected()
         side.restores.poll()
         return side.ledger.num_free_blocks == NUM_BLOCKS and side.num_leases() == 0
     assert wait_until(released, timeout_s=10.0)

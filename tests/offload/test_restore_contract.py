@@ -398,8 +398,19 @@ def test_slots_of_a_load_that_never_got_a_reply_come_back_after_a_reconnect(
         assert wait_until(lambda: connection.is_closed, 10.0)
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    assert wait_until(lambda: (r.poll(), side.num_free())[1] == free, 15.0)
-    assert side.client.registration_epoch > epoch and r.quarantine.num_held == 0
+    # Each poll also asks for the connection, as both engines do every step: a registration
+    # refused while the daemon had not yet dropped the old connection's (a loaded machine) is
+    # tried again, as in an engine. A staged side's buffer is made afresh at each attempt to
+    # register (the old one is left to the daemon), so its free count can be back before the
+    # daemon accepts one: wait for both.
+    def settled() -> bool:
+        side.client.keep_connected()
+        r.poll()
+        return (side.client.registration_epoch > epoch and r.quarantine.num_held == 0
+                and side.num_free() == free)
+
+    assert wait_until(settled, 15.0), (side.num_free(), free, side.client.registration_epoch,
+                                       epoch, r.quarantine.num_held, dict(side.counters))
     assert side.counters["blocks_quarantine_released_after_reconnect"] == CHAIN
     assert side.counters["blocks_quarantine_released"] == 0
 
@@ -586,7 +597,9 @@ def test_a_save_that_never_got_a_reply_holds_its_slots_until_a_reconnect(side,
             assert side.mover._save_slots == CHAIN
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    assert wait_until(lambda: (saver.poll(), side.client.registration_epoch)[1] > epoch, 15.0)
+    # asking for the connection at each poll, as both engines do every step
+    assert wait_until(lambda: (side.client.keep_connected(), saver.poll(),
+                               side.client.registration_epoch)[2] > epoch, 15.0)
     saver.poll()
     assert saver.quarantine.num_held == 0 and side.num_free() == free
     assert side.counters["blocks_quarantine_released_after_reconnect"] == CHAIN
