@@ -18,7 +18,11 @@ Target (H100, Qwen3-4B shape, warm page cache): ready <= 5 s. Writes JSON to ben
 from __future__ import annotations
 
 import argparse
+import compileall
+import contextlib
+import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -122,16 +126,18 @@ def bytecode_state() -> dict:
 # what the server imports at start and in its warm-up (each one's folder is compiled)
 _SERVER_MODULES = ("server.cli", "server.app", "engine.llm_engine", "kernels.cupy_ops",
                    "kernels.cudnn_attention", "cudnn", "cupy")
-_COMPILE = ("import compileall, importlib, os, sys\n"
-            "for name in sys.argv[1:]:\n"
-            "    try:\n"
-            "        importlib.import_module(name)\n"
-            "    except Exception:\n"
-            "        pass\n"
-            "folders = {os.path.dirname(m.__file__) for m in list(sys.modules.values())\n"
-            "           if (getattr(m, '__file__', None) or '').endswith('.py')}\n"
-            "ok = [compileall.compile_dir(f, maxlevels=0, quiet=2) for f in sorted(folders)]\n"
-            "print(len(folders), sum(map(bool, ok)))\n")
+
+
+def compile_imported(modules: list[str]) -> tuple[int, int]:
+    """Import ``modules`` (those that import here) and compile the folder of every module now
+    loaded; (folders, folders compiled without an error). Run in a child: ``compile_bytecode``."""
+    for name in modules:
+        with contextlib.suppress(Exception):  # CuPy or cuDNN absent on a CPU machine
+            importlib.import_module(name)
+    folders = sorted({os.path.dirname(m.__file__) for m in list(sys.modules.values())
+                      if (getattr(m, "__file__", None) or "").endswith(".py")})
+    return len(folders), sum(bool(compileall.compile_dir(f, maxlevels=0, quiet=2))
+                             for f in folders)
 
 
 def compile_bytecode() -> dict:
@@ -139,7 +145,9 @@ def compile_bytecode() -> dict:
     and wheels installed with --no-compile did not: compile the folder of every module the
     server imports (in a child process, which imports them). {"folders", "compiled", "seconds"}."""
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _COMPILE, *_SERVER_MODULES], check=True,
+    child = ("import sys; from benchmarks.startup import compile_imported; "
+             "print(*compile_imported(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", child, *_SERVER_MODULES], check=True,
                          capture_output=True, text=True, timeout=600).stdout.split()
     return {"folders": int(out[0]), "compiled": int(out[1]),
             "seconds": round(time.perf_counter() - start, 2)}
