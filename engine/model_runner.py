@@ -60,6 +60,9 @@ class ModelRunner:
             self.model = DecoderModel.load(model_config, reader, ops, ops.to_device(table))
         finally:
             reader.close()
+        # the weights' bytes are still on their way (``Ops.weights_loaded``): the warm-up runs
+        # beside them; warm_up's end, or the first step, waits for them
+        self._weights_pending = True
         self.sampler = Sampler(ops, eos_token_ids)
         log.info("attention: %s", ops.attention_backend)
         self.kv_cache: KVCache | None = None  # sized after the weights: see allocate_kv_cache
@@ -102,6 +105,7 @@ class ModelRunner:
                               mc.vocab_size)
         self.sampler.warm_up(mc.vocab_size)
         if self.decode_graphs is None or self.prefill_graphs is None:
+            self.weights_ready()
             return 0
         before = self.decode_graphs.num_captures + self.prefill_graphs.num_captures
         for num_seqs, num_tokens in self.prefill_graphs.warm_buckets():
@@ -110,7 +114,15 @@ class ModelRunner:
             self.decode_graphs.capture(rows, width)
         self.prefill_graphs.seal()
         self.decode_graphs.seal()
+        self.weights_ready()
         return self.decode_graphs.num_captures + self.prefill_graphs.num_captures - before
+
+    def weights_ready(self) -> None:
+        """Wait for the weights' upload (started by the load, run beside the warm-up); every
+        step calls it first, and only the first one waits."""
+        if self._weights_pending:
+            self.ops.weights_ready()
+            self._weights_pending = False
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
         """The step's metadata on the device (one copy). The sequences that reach their last
@@ -129,6 +141,7 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> Array:
         """float32 logits for the batch's ``logits_indices`` rows."""
+        self.weights_ready()
         return self.model.forward(forward_batch, self.kv_cache.array)
 
     def execute(self, batch: ScheduledBatch,
@@ -140,6 +153,7 @@ class ModelRunner:
         finished the forward (always True on a backend that runs synchronously) and whether
         this step will wait for it (it reads sampled tokens or prompt logprobs; a step of
         mid-prompt chunks only does not, and the host queues the next step meanwhile)."""
+        self.weights_ready()
         owed = [(seq, positions) for seq, n in zip(batch.seqs, batch.num_new_tokens)
                 if (positions := seq.prompt_logprob_positions(n))]
         result = StepResult()

@@ -54,7 +54,8 @@ class CupyOps(Ops):
         self.xp = cp
         self.device_id = cp.cuda.Device().id
         self._capturer = None  # created on the first capture: most CPU-free tests never need it
-        self._upload: PinnedUpload | None = None  # weights in flight to the device
+        self._upload: PinnedUpload | None = None  # weights on their way to the device
+        self._weights_upload_s: float | None = None
         self._gemm = CublasGemm()
         watch(self.builds)  # a kernel module compiled after ready is a first-use cost
         self.attention_backends = wanted_backends()
@@ -79,6 +80,9 @@ class CupyOps(Ops):
                             "KVSTORE_ATTENTION=ours to choose this", exc)
 
     def close(self) -> None:
+        upload, self._upload = self._upload, None
+        if upload is not None:  # a load or warm-up that failed: no copy outlives the engine
+            upload.close()
         if self._cudnn is not None:
             self._cudnn.close()
 
@@ -127,20 +131,29 @@ class CupyOps(Ops):
     # -- transfers ---------------------------------------------------------------------------
 
     def weight_from_host(self, raw: np.ndarray, dtype: str) -> cp.ndarray:
-        if dtype == "bfloat16":
-            host = np.ascontiguousarray(raw).view(np.uint16).view(BF16)
-        elif dtype in ("float32", "float16"):
-            host = np.asarray(raw).astype(BF16)  # round to nearest even, as torch does
-        else:
-            raise ValueError(f"unsupported weight dtype {dtype!r}")
-        if self._upload is None:  # the first weight of a load: staging buffers until finish
+        return self._weights().upload(_bf16_host(raw, dtype))
+
+    def stacked_weight_from_host(self, parts: list[tuple[np.ndarray, str]]) -> cp.ndarray:
+        return self._weights().upload_stacked([_bf16_host(raw, dtype) for raw, dtype in parts])
+
+    def _weights(self) -> PinnedUpload:
+        if self._upload is None:  # the first weight of a load: staged until weights_ready
             self._upload = PinnedUpload()
-        return self._upload.upload(host)
+        return self._upload
 
     def weights_loaded(self) -> None:
         if self._upload is not None:
-            self._upload.finish()
-            self._upload = None
+            self._upload.start()  # beside the warm-up: captures need addresses, not values
+
+    def weights_ready(self) -> None:
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.finish()
+            self._weights_upload_s = upload.seconds
+
+    @property
+    def weights_upload_s(self) -> float | None:
+        return self._weights_upload_s
 
     def work_done_marker(self) -> Callable[[], bool]:
         event = cp.cuda.Event(block=False, disable_timing=True)
@@ -210,3 +223,13 @@ class CupyOps(Ops):
 
     def apply_token_bitmask(self, logits, bitmask, rows):
         token_bitmask.apply_token_bitmask(logits, bitmask, rows)
+
+
+def _bf16_host(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """A checkpoint tensor's values as a host bf16 array (float32/float16 rounded to nearest
+    even, as torch does; bf16 bits taken as they are)."""
+    if dtype == "bfloat16":
+        return np.ascontiguousarray(raw).view(np.uint16).view(BF16)
+    if dtype in ("float32", "float16"):
+        return np.asarray(raw).astype(BF16)
+    raise ValueError(f"unsupported weight dtype {dtype!r}")

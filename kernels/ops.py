@@ -126,13 +126,33 @@ class Ops(ABC):
 
         ``raw`` holds the file's values: float32/float16 arrays as such, bfloat16 as the uint16 bit
         patterns (NumPy has no bf16), ``dtype`` says which ("float32", "float16", "bfloat16").
-        The copy may still be in flight on the current stream (device work after it sees it)
-        until ``weights_loaded``.
+        The array's address is final at once; its bytes may arrive later, in the background,
+        once ``weights_loaded`` is called: work that keeps its results may read it only after
+        ``weights_ready`` (a warm-up, whose results are thrown away, may run before).
         """
 
+    def stacked_weight_from_host(self, parts: list[tuple[np.ndarray, str]]) -> Array:
+        """Checkpoint tensors (``(raw, dtype)`` as ``weight_from_host`` takes them) joined
+        along their first axis: a fused projection (q, k and v; gate and up). Same arrival
+        rules as ``weight_from_host``."""
+        return self.xp.concatenate([self.weight_from_host(raw, dtype) for raw, dtype in parts],
+                                   axis=0)
+
     def weights_loaded(self) -> None:
-        """The last ``weight_from_host`` of a load was made: wait for its copies and release
-        what staged them (a backend that copies synchronously has nothing to do)."""
+        """The last ``weight_from_host`` of a load was made: its bytes start moving (in the
+        background where the backend can; a backend that copies synchronously has nothing to
+        do)."""
+        return None
+
+    def weights_ready(self) -> None:
+        """Wait until every weight a load asked for is on the device and release what staged
+        them; raise if some never arrived. Idempotent; nothing to do on a synchronous
+        backend."""
+        return None
+
+    @property
+    def weights_upload_s(self) -> float | None:
+        """Seconds the last background upload of weights took (None: none ran)."""
         return None
 
     def work_done_marker(self) -> Callable[[], bool] | None:

@@ -113,11 +113,14 @@ def _load_engine(config: Any, warm_up: bool = True) -> ServedEngine:
         except BaseException:
             engine.close()
             raise
+        ops = engine.runner.ops
         if num_graphs:
-            ops = engine.runner.ops
             _BANNER.info("kvengine: warm-up captured %d CUDA graphs (%d attention graphs "
                          "built) in %.1f s (%s)", num_graphs, ops.num_attention_graphs,
                          time.perf_counter() - start, _build_times(ops.builds.snapshot()))
+        if ops.weights_upload_s is not None:
+            _BANNER.info("kvengine: weights uploaded in %.1f s, beside the warm-up",
+                         ops.weights_upload_s)
     return engine
 
 

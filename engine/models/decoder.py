@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
@@ -79,15 +80,19 @@ class DecoderModel:
     ) -> DecoderModel:
         """Read HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight``...) to the device."""
         try:
-            return cls._load(config, reader, ops, cos_sin_cache)
-        finally:
-            ops.weights_loaded()  # the copies landed (or the load failed): staging released
+            model = cls._load(config, reader, ops, cos_sin_cache)
+        except BaseException:
+            ops.weights_loaded()
+            with contextlib.suppress(Exception):  # the load's own error is the one to see
+                ops.weights_ready()  # no copy outlives the failed load
+            raise
+        ops.weights_loaded()  # the bytes move in the background until ops.weights_ready()
+        return model
 
     @classmethod
     def _load(
         cls, config: ModelConfig, reader: CheckpointReader, ops: Ops, cos_sin_cache: Array
     ) -> DecoderModel:
-        xp = ops.xp
 
         def get(name: str) -> Array:
             return ops.weight_from_host(*reader.read(name))
@@ -98,7 +103,8 @@ class DecoderModel:
         def merged(prefix: str, parts: tuple[str, ...], suffix: str, present: bool) -> Array | None:
             if not present:
                 return None
-            return xp.concatenate([get(f"{prefix}{p}{suffix}") for p in parts], axis=0)
+            return ops.stacked_weight_from_host([reader.read(f"{prefix}{p}{suffix}")
+                                                 for p in parts])
 
         layers = []
         for i in range(config.num_layers):
