@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import Client, ClientError, DaemonUnavailable, Pending, StoreState
+from kvstore.key_filter import KeyFilterView
 from offload.link_queue import LinkQueue, QueueFull
 from offload.link_requests import LinkRequest
 from offload.store_probe import PROBE_DEADLINE_S, PROBE_INTERVAL_S, StoreProbe
@@ -107,6 +108,9 @@ class LinkThread:
         self._queue: LinkQueue[Outgoing] = LinkQueue(max_queued)
         self._client: Client | None = None
         self._registration_id: int | None = None
+        # The connected daemon's key filter, mapped (None: it has none, or it is not
+        # authoritative, or it could not be read): a hash it lacks is held by no tier.
+        self.key_filter: KeyFilterView | None = None
         self._up = False  # connected (and registered, if there is a layout)
         self._busy_since: float | None = None  # this thread waits on the daemon since then
         self._registering_since: float | None = None  # a registration runs since then
@@ -268,6 +272,7 @@ class LinkThread:
         self._connect_wanted.clear()
         self._busy_since = now
         client = None
+        connected = False
         try:
             client = Client(self.socket_path, timeout_s=self.timeout_s)
             # The daemon answers first (the hello and a health probe, judged as any wait is: a
@@ -276,6 +281,8 @@ class LinkThread:
             self._await(client.health_async(self.timeout_s), self.timeout_s)
             self._busy_since, self._registering_since = None, time.monotonic()
             registration_id = self._register(client)
+            key_filter = self._open_key_filter(client)
+            connected = True
         except (DaemonUnavailable, ClientError, OSError) as exc:
             if client is not None:
                 client.close()
@@ -286,10 +293,13 @@ class LinkThread:
             return
         finally:
             self._busy_since = self._registering_since = None
-            self._first_attempt_done.set()
+            if not connected:
+                self._first_attempt_done.set()
         self.epoch += 1  # before ``_up``: a request planned on the old connection never goes out
+        self.key_filter = key_filter
         self._client, self._registration_id = client, registration_id
         self._up = True
+        self._first_attempt_done.set()  # after ``_up``: a waiter then finds the store available
         self.counters["connects"] += 1
         self._probe.start_over(time.monotonic())
         where = client.socket_path
@@ -299,6 +309,23 @@ class LinkThread:
         else:
             connection_log.info("kv offload: connected to kvstore at %s (registration %s)",
                                 where, registration_id)
+
+    def _open_key_filter(self, client: Client) -> KeyFilterView | None:
+        """A view of the daemon's key filter, if it has an authoritative one this process can
+        map (the hello named it); else None, counted, and lookups go out as before."""
+        info = client.key_filter_info
+        if info is None or not info["authoritative"]:
+            return None
+        try:
+            view = KeyFilterView(info["path"], info["nonce"])
+        except (OSError, ValueError) as exc:
+            self.counters["key_filter_unusable"] += 1
+            if self.counters["key_filter_unusable"] == 1:
+                log.warning("kv offload: the store's key filter cannot be read (%s); every "
+                            "prefix is looked up", exc)
+            return None
+        self.counters["key_filter_mapped"] += 1
+        return view
 
     def _register(self, client: Client) -> int | None:
         """Register the layout (a fresh one if it is made per connect); None without one."""
@@ -353,6 +380,7 @@ class LinkThread:
     def _drop(self) -> None:
         self._up = False
         client, self._client, self._registration_id = self._client, None, None
+        self.key_filter = None  # the next daemon's, if any, comes with the next connection
         self._probe.start_over(time.monotonic())
         if client is not None:
             log.warning("kv offload: lost the store; recomputing until it is back")

@@ -224,6 +224,13 @@ class EngineRestores(RestoreBridge):
             self.counters["lookups_skipped_small"] += 1
             seq.offload_checked = True
             return False
+        # A hit is a prefix: when the daemon's key filter lacks the first block asked for, no
+        # tier holds it and the lookup would only say so, a round trip later.
+        keys = self.client.key_filter
+        if keys is not None and not keys.may_contain(seq.block_hashes[first]):
+            self.counters["lookups_skipped_absent"] += 1
+            seq.offload_checked = True
+            return False
         return True
 
     def _idents(self, seq: OffloadSequence, first: int) -> list[bytes]:

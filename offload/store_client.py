@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import StoreState
+from kvstore.key_filter import KeyFilterView
 from offload.link_requests import (
     EvictedRequest,
     LinkRequest,
@@ -121,6 +122,12 @@ class StoreClient:
     @property
     def daemon_pid(self) -> int | None:
         return self._thread.daemon_pid
+
+    @property
+    def key_filter(self) -> KeyFilterView | None:
+        """The connected daemon's key filter (see ``kvstore/key_filter.py``): a hash it does
+        not hold is in no tier, so its lookup need not be sent. None: ask about everything."""
+        return self._thread.key_filter
 
     def daemon_knows(self, verb: str) -> bool:
         """Whether the daemon connected now has ``verb`` (by the protocol version it said in

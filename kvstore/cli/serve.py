@@ -79,6 +79,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                             "(default 64)")
     serve.add_argument("--lease-ttl", type=positive_float_arg, default=30.0, metavar="SECONDS",
                        help="default lifetime of a lookup's lease (default 30)")
+    serve.add_argument("--key-filter", choices=("on", "off"), default="on",
+                       help="keep a filter of the block hashes held beside the socket, which "
+                            "engines read to skip lookups sure to miss (a new conversation's "
+                            "blocks), a round trip each (on); off: every prefix is asked about")
     serve.add_argument("--eviction", choices=("lru", "fifo"), default="lru",
                        help="which unpinned DRAM blocks make room first")
     serve.add_argument("--log-level", default="warning",
@@ -271,7 +275,8 @@ def serve_command(args: argparse.Namespace, switch_interval_s: float) -> int:
     service = Service(store, default_lease_ttl_s=args.lease_ttl,
                       debug_hash_bits=env.debug_hash_bits, version=package_version(),
                       copy_settings=copy_settings, debug_corrupt_engine=env.debug_corrupt_engine,
-                      max_registered_connections=limits.max_registered_connections)
+                      max_registered_connections=limits.max_registered_connections,
+                      key_filter=args.key_filter == "on")
     daemon = Daemon(service, socket_path, limits=limits, debug_stall_s=env.debug_stall_s,
                     access=access)
     health = DaemonHealth(service, daemon.heartbeat,

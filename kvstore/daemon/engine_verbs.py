@@ -20,6 +20,7 @@ from kvstore.daemon.lease_table import LeaseTable
 from kvstore.engines.hbm.tier import HbmTier
 from kvstore.engines.registration import Registration
 from kvstore.engines.registry import Registry
+from kvstore.key_filter import KeyFilter
 from kvstore.store.block_store import BlockStore, Lease
 from kvstore.tiers import Tier
 from kvstore.wire import protocol as proto
@@ -35,8 +36,11 @@ class EngineVerbs:
     """Verbs on registered engines; each handler takes (args, ctx) and returns the result."""
 
     def __init__(self, store: BlockStore, registry: Registry, hbm: HbmTier, leases: LeaseTable,
-                 cluster: ClusterLink, counters: DaemonCounters, lookup: Handler) -> None:
-        """``lookup``: the ``lookup`` verb's handler (``lookup_load`` starts with it)."""
+                 cluster: ClusterLink, counters: DaemonCounters, lookup: Handler,
+                 key_filter: KeyFilter) -> None:
+        """``lookup``: the ``lookup`` verb's handler (``lookup_load`` starts with it);
+        ``key_filter``: told each hash a save or publication may make findable, before it
+        can be found."""
         self._store = store
         self._lookup = lookup
         self._registry = registry
@@ -44,6 +48,7 @@ class EngineVerbs:
         self._leases = leases
         self._cluster = cluster
         self._counters = counters
+        self._key_filter = key_filter
 
     def register(self, args: dict, ctx: CallContext) -> dict:
         reg = self._registry.register(args["layout"], args["engine_id"], ctx.owner, ctx.fds)
@@ -59,6 +64,7 @@ class EngineVerbs:
         block_ids = args["block_ids"]
         reg.check_block_ids(block_ids)  # before anything is touched
         namespace = args["namespace"]
+        self._key_filter.add(args["hashes"])  # before any of them can be found
         outcomes: list[str] = []
         try:
             with reg.open_for_copy():
@@ -168,6 +174,7 @@ class EngineVerbs:
             raise ServiceError("bad_request", "resident: the registration shares no block "
                                               "generations (layout.generations)")
         reg.check_block_ids(args["block_ids"])
+        self._key_filter.add(args["hashes"])  # before any of them can be found
         indexed = self._hbm.publish(reg, args["namespace"], args["block_ids"], args["hashes"],
                                     args["idents"], args["generations"])
         self._cluster.on_stored(args["namespace"], indexed)  # peers may fetch them (staged)

@@ -41,6 +41,7 @@ from kvstore.daemon.service import Service
 from kvstore.daemon.watch import CLOSE_REASONS, ConnectionWatch
 from kvstore.daemon.worker_call import WorkerCall
 from kvstore.engines.cuda_fault import EXIT_CUDA_POISONED
+from kvstore.key_filter import key_filter_path
 from kvstore.rate_limited_log import RateLimitedLog
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import FdError, FdSocket, FrameFds
@@ -151,6 +152,8 @@ class Daemon:
         if self._sock is None:
             self._sock = bind_unix_socket(self.socket_path, access=self.access)
             self._sock_identity = socket_identity(self.socket_path)
+            # beside the socket, in its directory: engines map it (``kvstore/key_filter.py``)
+            self.service.open_key_filter(key_filter_path(self.socket_path))
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serve until SIGTERM/SIGINT (or ``stop()``), then shut down cleanly."""

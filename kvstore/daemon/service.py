@@ -12,8 +12,10 @@ the store with peers (``--cluster``) and ``stats`` merges the stats reply.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore.daemon.block_verbs import MAX_LEASE_TTL_S, BlockVerbs
@@ -34,11 +36,14 @@ from kvstore.daemon.stats import merge_stats
 from kvstore.engines.copy_settings import CopySettings
 from kvstore.engines.hbm.tier import HbmTier
 from kvstore.engines.registry import Registry
+from kvstore.key_filter import KeyFilter, filter_bits
 from kvstore.store.block_store import BlockStore
 from kvstore.wire import protocol as proto
 
 if TYPE_CHECKING:  # imported only with --cluster: it pulls in redis and ucxx
     from kvstore.cluster.node import ClusterNode
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MAX_LEASE_TTL_S", "CallContext", "Deferred", "Service", "ServiceError"]
 
@@ -51,10 +56,11 @@ class Service:
                  cluster: ClusterNode | None = None,
                  copy_settings: CopySettings = CopySettings(),
                  debug_corrupt_engine: str | None = None,
-                 max_registered_connections: int | None = None) -> None:
+                 max_registered_connections: int | None = None,
+                 key_filter: bool = True) -> None:
         """``copy_settings``: how registered GPU engines' blocks are copied (``--copy-*``);
         ``debug_corrupt_engine``: tests only; ``max_registered_connections``: see
-        ``Registry``."""
+        ``Registry``; ``key_filter``: keep one for engines (``--key-filter``)."""
         self.store = store
         self.registry = Registry(copy_settings, debug_corrupt_engine=debug_corrupt_engine,
                                  max_owners=max_registered_connections)
@@ -66,11 +72,19 @@ class Service:
         self.latency = RequestLatency()
         self.stalls = Stalls()  # the control loop's lateness and the collector's pauses
         self.leases = LeaseTable(store.release)
+        # which hashes may be held, for engines to skip lookups sure to miss (opened by the
+        # daemon beside its socket: ``open_key_filter``); not authoritative where a lookup can
+        # find what no save added here (peers) or hashes are truncated
+        tiers = store.stats()["tiers"]
+        self.key_filter = KeyFilter(
+            filter_bits(sum(int(t.get("capacity_bytes", 0)) for t in tiers.values())),
+            authoritative=debug_hash_bits is None and cluster is None)
+        self._key_filter_wanted = key_filter
         self._cluster = ClusterLink(store, self.hbm, self.counters)
         blocks = BlockVerbs(store, self.hbm, self.leases, self._cluster, default_lease_ttl_s,
                             debug_hash_bits)
         engines = EngineVerbs(store, self.registry, self.hbm, self.leases, self._cluster,
-                              self.counters, blocks.lookup)
+                              self.counters, blocks.lookup, self.key_filter)
         # Every verb of the protocol (wire/protocol.py SCHEMAS), by name: grep finds each.
         self.verbs: dict[str, Handler] = {
             "hello": lambda args, ctx: self.hello(args),
@@ -102,7 +116,25 @@ class Service:
         """Share the store through ``cluster`` (started by the caller, stopped by ``close()``
         before the store closes): advertise what is stored, withdraw what is dropped, fetch
         what lookups miss."""
+        self.key_filter.authoritative = False  # a peer's blocks are found through its index
         self._cluster.attach(cluster)
+
+    def open_key_filter(self, path: Path) -> bool:
+        """Create the key filter's file at ``path``, filled with every block held now; False
+        (logged) if it cannot be made: engines then ask about every prefix, as before. Not
+        made with ``--key-filter off``."""
+        if not self._key_filter_wanted:
+            return False
+        try:
+            self.key_filter.open(path, self._held_hashes)
+        except OSError as exc:
+            log.warning("no key filter at %s (%s): engines will look up every prefix", path, exc)
+            return False
+        return True
+
+    def _held_hashes(self) -> list[bytes]:
+        """The hashes of every block the store and the HBM tier hold (the filter's rebuild)."""
+        return self.store.held_hashes() + self.hbm.index.hashes()
 
     # ------------------------------------------------------------------------- connections
 
@@ -167,9 +199,13 @@ class Service:
                                f"{client} speaks kvstore protocol {theirs[:32]}; this daemon "
                                f"speaks {ours}: upgrade the older one (one major version on "
                                f"both sides)")
-        return {"protocol": proto.PROTOCOL_VERSION,
-                "daemon": f"kvstore-tiered {self.version or 'unknown'}",
-                "mono": time.monotonic()}  # a client on this clock stamps its requests
+        reply = {"protocol": proto.PROTOCOL_VERSION,
+                 "daemon": f"kvstore-tiered {self.version or 'unknown'}",
+                 "mono": time.monotonic()}  # a client on this clock stamps its requests
+        key_filter = self.key_filter.describe()
+        if key_filter is not None:  # 1.5: where the filter is, and whether a miss is sure
+            reply["key_filter"] = key_filter
+        return reply
 
     def health(self) -> dict:
         """The ``health`` verb's answer: failing, with the reason, once the CUDA context is
@@ -199,6 +235,7 @@ class Service:
             "copy_ms": self.registry.copy_timing(),
             "request_ms": self.latency.summary(),
             "stalls": self.stalls.report(),
+            "key_filter": self.key_filter.stats(),
         }
         return merge_stats(store_stats, daemon, self.hbm.stats(),
                            self._cluster.stats(counts["events"]))
@@ -208,3 +245,4 @@ class Service:
         self._cluster.stop()
         self.leases.clear()
         self.registry.close_all()
+        self.key_filter.close()

@@ -161,6 +161,12 @@ class BlockStore(ABC):
         nothing pinned, touched or counted. For deciding whether a block left this node."""
 
     @abstractmethod
+    def held_hashes(self) -> list[bytes]:
+        """The block hash of every block a tier holds or is writing, as of the call, in no
+        order (a hash held under several namespaces may repeat): what the key filter is
+        rebuilt from."""
+
+    @abstractmethod
     def remove(self, namespace: bytes, block_hash: bytes) -> bool:
         """Drop a block from every tier unless pinned; True if something was dropped."""
 

@@ -26,6 +26,9 @@ class NullTier(BackingTier[object]):
     def __contains__(self, key: bytes) -> bool:
         return False
 
+    def keys(self) -> list[bytes]:
+        return []
+
     def lookup_prefix(self, keys: Iterable[bytes]) -> list[object]:
         return []
 

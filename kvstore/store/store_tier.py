@@ -71,6 +71,10 @@ class StoreTier(ABC, Generic[Entry]):
     def __contains__(self, key: bytes) -> bool: ...
 
     @abstractmethod
+    def keys(self) -> list[bytes]:
+        """Every key the tier holds or is writing, as of the call (a copy)."""
+
+    @abstractmethod
     def pin_many(self, entries: Sequence[Entry]) -> int: ...
 
     @abstractmethod

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 
+from kvstore.keys import HASH_BYTES
 from kvstore.store.block_store import (
     BlockStore,
     DropListener,
@@ -144,6 +145,12 @@ class TieredStore(BlockStore):
         keys = [self._keys.key(namespace, h) for h in block_hashes]
         held = set(self._still_held(keys))
         return [k in held for k in keys]
+
+    def held_hashes(self) -> list[bytes]:
+        with self._guard.cond:
+            keys = self._dram.keys()
+        keys += self._backing.keys()  # under the SSD tier's own lock
+        return [key[HASH_BYTES:] for key in keys]
 
     def remove(self, namespace: bytes, block_hash: bytes) -> bool:
         key = self._keys.key(namespace, block_hash)

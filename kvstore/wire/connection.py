@@ -21,7 +21,7 @@ from typing import Any
 from kvstore.settings import default_socket_path
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import send_with_fds
-from kvstore.wire.handshake import hello_args, read_hello, same_clock
+from kvstore.wire.handshake import hello_args, key_filter_info, read_hello, same_clock
 from kvstore.wire.peer_process import PeerProcess
 from kvstore.wire.pending_table import PendingTable
 from kvstore.wire.replies import ClientError, DaemonUnavailable, Pending, error_of
@@ -55,6 +55,8 @@ class Connection:
         # The daemon reads our CLOCK_MONOTONIC (its hello answer fell between our send and our
         # read of it): each request then says when it was sent (see proto.Request.sent_mono).
         self.clock_shared = False
+        # The daemon's key filter (1.5): {"path", "authoritative", "nonce"} from the hello.
+        self.key_filter_info: dict | None = None
         self._hello_sent_at = 0.0
         self.last_reply_at = time.monotonic()  # when the reader last got a frame (any reply)
         self._sock = self._connect()
@@ -240,6 +242,7 @@ class Connection:
         """The hello's answer: another major fails every request with one error naming both."""
         self.daemon_protocol, mismatch = read_hello(reply, self.socket_path)
         self.clock_shared = same_clock(reply, self._hello_sent_at, time.monotonic())
+        self.key_filter_info = key_filter_info(reply)
         if mismatch is not None:
             # the connection's refusal: a request whose send then fails on the closed socket
             # reports it, not "Broken pipe" (``_broken``)

@@ -30,8 +30,9 @@ MAX_IDENT_LEN = 1 << 20  # one packed ident's bytes (lookup's ident_len)
 # 1.2: the ``engines`` verb. 1.3: the hello's answer names the daemon's CLOCK_MONOTONIC
 # (``mono``); a client on the same clock stamps each request with when it was sent
 # (``sent_mono``), and its deadline runs from then, not from when the daemon read it.
-# 1.4: the ``lookup_load`` verb.
-PROTOCOL_VERSION = "1.4"
+# 1.4: the ``lookup_load`` verb. 1.5: the hello's answer names the daemon's key filter
+# (``key_filter``: its file and whether a miss in it is certain; ``kvstore/key_filter.py``).
+PROTOCOL_VERSION = "1.5"
 PRE_HANDSHAKE_VERSION = "1.0"
 # The verbs a minor added, by the version that added them: a client asks a daemon that speaks
 # an older minor only what that minor knows.

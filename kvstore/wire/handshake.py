@@ -64,3 +64,15 @@ def same_clock(reply: dict, sent_at: float, read_at: float) -> bool:
     if type(mono) not in (int, float):
         return False
     return sent_at - CLOCK_SLACK_S <= mono <= read_at + CLOCK_SLACK_S
+
+
+def key_filter_info(reply: dict) -> dict | None:
+    """The hello's ``key_filter`` (1.5): ``{"path": str, "authoritative": bool, "nonce":
+    int}``, or None when the daemon has none or the entry is malformed."""
+    entry = (reply.get("result") or {}).get("key_filter") if reply.get("ok") else None
+    if (not isinstance(entry, dict) or not isinstance(entry.get("path"), str)
+            or not isinstance(entry.get("authoritative"), bool)
+            or type(entry.get("nonce")) is not int):
+        return None
+    return {"path": entry["path"], "authoritative": entry["authoritative"],
+            "nonce": entry["nonce"]}

@@ -28,7 +28,7 @@ ARRIVES_AFTER_S = 0.3
 def stopped_store_engine(model_dir, make_daemon) -> Iterator[LLMEngine]:
     """An engine with --kv-offload whose daemon is stopped (SIGSTOP) once it has connected: a
     lookup sent now stays unanswered. The daemon goes on and the engine closes afterwards."""
-    daemon = make_daemon()
+    daemon = make_daemon("--key-filter", "off")  # else a prompt it lacks is never asked for
     llm = offload_llm(model_dir, daemon, kv_offload_restore="always")
     try:
         assert llm.engine.offload.client.wait_available(10.0)

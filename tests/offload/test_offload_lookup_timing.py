@@ -16,7 +16,8 @@ PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
 
 def test_a_missed_lookup_does_not_cost_a_step(tiny_model_dir, make_daemon) -> None:
-    daemon = make_daemon(dram="64MiB")  # empty: every lookup misses
+    # empty: every lookup misses; without its key filter, which would spare the lookup
+    daemon = make_daemon("--key-filter", "off", dram="64MiB")
     reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=64)
     engine = reader.engine
     engine.add_request("x", random_prompt(1000, 16 * 8 + 3, seed=31), PARAMS)
@@ -31,7 +32,7 @@ def test_a_missed_lookup_does_not_cost_a_step(tiny_model_dir, make_daemon) -> No
 
 
 def test_a_queued_request_uses_the_lookup_sent_on_arrival(tiny_model_dir, make_daemon) -> None:
-    daemon = make_daemon(dram="64MiB")
+    daemon = make_daemon("--key-filter", "off", dram="64MiB")  # "x" asked for, held nowhere
     reader = offload_llm(tiny_model_dir, daemon, num_kv_blocks=64, max_num_seqs=1)
     engine = reader.engine
     engine.add_request("busy", random_prompt(1000, 40, seed=32), SamplingParams(max_tokens=6,

@@ -126,6 +126,11 @@ class HbmIndex:
                 self._remove_locked(entry)
                 self.counters["dropped_stale"] += 1
 
+    def hashes(self) -> list[bytes]:
+        """Every published hash (any namespace), as of the call."""
+        with self._lock:
+            return [h for table in self._by_hash.values() for h in table]
+
     def holds(self, namespace: bytes) -> bool:
         """Any entry in ``namespace`` (a hint: read without the lock)."""
         return bool(self._by_hash.get(namespace))

@@ -69,6 +69,9 @@ class DramTier(StoreTier[Block]):
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
+    def keys(self) -> list[bytes]:
+        return list(self._blocks)  # the caller holds the store's lock
+
     def ready_blocks(self) -> list[Block]:
         return [b for b in self._blocks.values() if b.state is BlockState.READY]
 

@@ -124,6 +124,10 @@ class SSDTier(BackingTier[SSDEntry]):
     def __contains__(self, key: bytes) -> bool:
         return self.lookup(key) is not None
 
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._catalog.keys())
+
     def lookup_prefix(self, keys: Iterable[bytes]) -> list[SSDEntry]:
         """Live entries of ``keys`` in order, up to the first key not held; not pinned."""
         with self._lock:
