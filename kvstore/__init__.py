@@ -15,6 +15,7 @@ __all__ = [
     "Client",
     "ClientError",
     "DaemonUnavailable",
+    "KeyFilterView",
     "LocateReply",
     "MAX_LOCATE_BLOCKS",
     "Pending",
@@ -33,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from kvstore.wire import client
 
         return getattr(client, name)
+    if name == "KeyFilterView":  # an engine's map of the daemon's key filter
+        from kvstore.key_filter import KeyFilterView
+
+        return KeyFilterView
     if name == "MAX_LOCATE_BLOCKS":  # the longest chain a client's ``locate`` may send
         from kvstore.wire.verbs import MAX_LOCATE_BLOCKS
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -99,6 +100,7 @@ class KeyFilter:
         self._live: Callable[[], Iterable[bytes]] | None = None
         self._pending: list[bytes] | None = None  # added while a rebuild enumerates
         self._added_since_rebuild = 0
+        self._filled_with = 0  # hashes the last fill or rebuild set
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -132,7 +134,9 @@ class KeyFilter:
         with self._lock:
             self.path, self._map = path, mapped
             self._bits = np.frombuffer(mapped, np.uint8, self.num_bits // 8, HEADER_BYTES)
-        self._set(self._bits, list(live()))
+        held = list(live())
+        self._set(self._bits, held)
+        self._filled_with = len(held)
         self._thread = threading.Thread(target=self._run, name="kvstore-key-filter",
                                         daemon=True)
         self._thread.start()
@@ -169,7 +173,8 @@ class KeyFilter:
             live = self._live
         try:
             fresh = np.zeros(self.num_bits // 8, np.uint8)
-            self._set(fresh, [bytes(h) for h in live() if len(h) == HASH_BYTES])
+            held = [bytes(h) for h in live() if len(h) == HASH_BYTES]
+            self._set(fresh, held)
         except BaseException:
             with self._lock:
                 self._pending = None
@@ -178,18 +183,23 @@ class KeyFilter:
             if self._bits is None:
                 return
             self._set(fresh, self._pending or [])
+            self._filled_with = len(held) + len(self._pending or [])
+            self._added_since_rebuild = 0  # those that came meanwhile are in the fill
             self._pending = None
             # word by word, each either old (a superset of the live bits) or new
             np.copyto(self._bits, fresh)
             self.counts["rebuilds"] += 1
 
     def stats(self) -> dict:
+        """Its size and counts; ``false_positive_estimate``: the chance that a hash never added
+        reads as held, from the hashes set since the last fill (counting repeats)."""
         with self._lock:
-            fill = (float(np.unpackbits(self._bits).mean()) if self._bits is not None
-                    and self.num_bits <= MIN_BITS else None)  # exact only where it is cheap
+            keys = self._filled_with + self._added_since_rebuild
+            fill = 1.0 - math.exp(-NUM_PROBES * keys / self.num_bits)
             return {"bits": self.num_bits, "authoritative": self.authoritative,
-                    "open": self._bits is not None, "fill": fill,
-                    "added_since_rebuild": self._added_since_rebuild, **self.counts}
+                    "open": self._bits is not None, "hashes_at_last_fill": self._filled_with,
+                    "added_since_rebuild": self._added_since_rebuild,
+                    "false_positive_estimate": round(fill ** NUM_PROBES, 6), **self.counts}
 
     def describe(self) -> dict | None:
         """What the hello tells clients: the file and whether a miss in it is certain."""

@@ -45,8 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore import Client, ClientError, DaemonUnavailable, Pending, StoreState
-from kvstore.key_filter import KeyFilterView
+from kvstore import Client, ClientError, DaemonUnavailable, KeyFilterView, Pending, StoreState
 from offload.link_queue import LinkQueue, QueueFull
 from offload.link_requests import LinkRequest
 from offload.store_probe import PROBE_DEADLINE_S, PROBE_INTERVAL_S, StoreProbe
@@ -311,8 +310,8 @@ class LinkThread:
                                 where, registration_id)
 
     def _open_key_filter(self, client: Client) -> KeyFilterView | None:
-        """A view of the daemon's key filter, if it has an authoritative one this process can
-        map (the hello named it); else None, counted, and lookups go out as before."""
+        """The daemon's key filter (named by its hello) if authoritative and readable here;
+        else None (counted): lookups go out as before."""
         info = client.key_filter_info
         if info is None or not info["authoritative"]:
             return None

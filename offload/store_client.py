@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore import StoreState
-from kvstore.key_filter import KeyFilterView
+from kvstore import KeyFilterView, StoreState
 from offload.link_requests import (
     EvictedRequest,
     LinkRequest,

@@ -20,6 +20,23 @@ def _lookups(daemon) -> int:
         return client.stats()["counters"]["lookups"]
 
 
+def _hello_filter(daemon) -> dict | None:
+    """The key filter the daemon's hello names."""
+    with Client(daemon.socket_path) as client:
+        client.health()
+        return client.key_filter_info
+
+
+def _generate_once(model_dir, daemon) -> tuple[dict, dict]:
+    """One engine answers PROMPT: (its offload counters, its store client's counters)."""
+    llm = offload_llm(model_dir, daemon)
+    try:
+        llm.generate([PROMPT], GREEDY)
+        return dict(llm.engine.offload.counters), dict(llm.engine.offload.client.counters)
+    finally:
+        close_llm(llm)
+
+
 def test_a_prompt_no_tier_holds_is_admitted_without_a_lookup(tiny_model_dir,
                                                             make_daemon) -> None:
     daemon = make_daemon(dram="64MiB")
@@ -57,15 +74,8 @@ def test_blocks_another_engine_saved_are_looked_up_and_restored(tiny_model_dir,
 def test_with_the_filter_off_every_prefix_is_asked_about(tiny_model_dir, make_daemon) -> None:
     daemon = make_daemon("--key-filter", "off", dram="64MiB")
     assert not key_filter_path(daemon.socket_path).exists()
-    with Client(daemon.socket_path) as client:
-        client.health()
-        assert client.key_filter_info is None
-    llm = offload_llm(tiny_model_dir, daemon)
-    try:
-        llm.generate([PROMPT], GREEDY)
-        counters = dict(llm.engine.offload.counters)
-    finally:
-        close_llm(llm)
+    assert _hello_filter(daemon) is None
+    counters, _ = _generate_once(tiny_model_dir, daemon)
     assert counters.get("lookups_skipped_absent", 0) == 0
     assert _lookups(daemon) == 1
 
@@ -74,15 +84,8 @@ def test_truncated_hashes_make_the_filter_not_authoritative(tiny_model_dir,
                                                             make_daemon) -> None:
     # a truncated hash collides on purpose: a probe by the full hash could miss its bits
     daemon = make_daemon(dram="64MiB", env={"KVSTORE_DEBUG_HASH_BITS": "12"})
-    with Client(daemon.socket_path) as client:
-        client.health()
-        assert client.key_filter_info["authoritative"] is False
-    llm = offload_llm(tiny_model_dir, daemon)
-    try:
-        llm.generate([PROMPT], GREEDY)
-        connector = dict(llm.engine.offload.client.counters)
-    finally:
-        close_llm(llm)
+    assert _hello_filter(daemon)["authoritative"] is False
+    _, connector = _generate_once(tiny_model_dir, daemon)
     assert connector.get("key_filter_mapped", 0) == 0
     assert _lookups(daemon) == 1
 
@@ -91,11 +94,6 @@ def test_a_filter_the_engine_cannot_read_leaves_every_lookup_in(tiny_model_dir,
                                                                 make_daemon) -> None:
     daemon = make_daemon(dram="64MiB")
     key_filter_path(daemon.socket_path).unlink()  # gone before the engine connects
-    llm = offload_llm(tiny_model_dir, daemon)
-    try:
-        llm.generate([PROMPT], GREEDY)
-        connector = dict(llm.engine.offload.client.counters)
-    finally:
-        close_llm(llm)
+    _, connector = _generate_once(tiny_model_dir, daemon)
     assert connector["key_filter_unusable"] == 1
     assert _lookups(daemon) == 1
