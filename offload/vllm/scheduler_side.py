@@ -110,6 +110,12 @@ class SchedulerSide:
             return 0
         keys = self.keys.keys(token_ids, cache_salt, lora_id, num_blocks=last)
         hashes, idents = keys.hashes[first:last], keys.idents[first:last]
+        # No tier holds the first block (the daemon's key filter lacks it, whatever the shard):
+        # a miss, without the round trip vLLM's scheduler would wait for.
+        key_filter = self.client.key_filter
+        if key_filter is not None and not key_filter.may_contain(hashes[0]):
+            self.counters["lookups_skipped_absent"] += 1
+            return 0
         self.counters["lookups"] += 1
         lookups = [self.client.lookup(shard_namespace(keys.namespace, shard, self.num_shards),
                                      hashes, idents, lease_ttl_s=0)

@@ -379,6 +379,23 @@ def test_load_budget_caps_a_hit(daemon) -> None:
     assert b.block(3) == a.block(3) and b.block(4) != a.block(4)
 
 
+def test_a_prompt_no_tier_holds_is_a_miss_without_a_lookup(daemon) -> None:
+    """The daemon's key filter lacks the prompt's first block: vLLM's scheduler hears 0 at
+    once, with no round trip to wait for; once saved, the same prompt is looked up and loads."""
+    a = make_instance(daemon.socket_path, 5)
+    assert a.scheduler.client.wait_available(5.0)  # the hello named the filter
+    tokens, ids = prompt(7), list(range(11))
+    assert a.scheduler.match("new", tokens, 0, None, None) == 0
+    assert a.scheduler.counters["lookups_skipped_absent"] == 1
+    assert a.scheduler.counters["lookups"] == 0
+    a.save("saved", tokens, ids)
+    b = make_instance(daemon.socket_path, None)
+    assert b.scheduler.client.wait_available(5.0)
+    n, failed, _ = b.load("again", tokens, ids)
+    assert n == 10 * BLOCK_SIZE and not failed
+    assert b.scheduler.counters["lookups"] == 1 and b.block(0) == a.block(0)
+
+
 def test_a_stopped_daemon_costs_a_bounded_wait_then_the_store_is_used_again(daemon) -> None:
     a, b = make_instance(daemon.socket_path, 5), make_instance(daemon.socket_path, None)
     tokens, ids = prompt(5), list(range(11))
