@@ -27,7 +27,8 @@ names too, so a view never reads another daemon's file, as little-endian integer
 bits, bit ``p`` at byte ``p >> 3``, mask ``1 << (p & 7)``. A hash's probes are its four little-
 endian 32-bit words, each masked to the bit count (a power of two): the hashes are XXH3-128
 outputs, whose words are as good as independent hash functions. Lives beside the socket (a 0700
-directory), mode 0600, removed when the daemon stops.
+directory), mode 0600 (0640 and the group's with ``--socket-group``), removed when the daemon
+stops.
 """
 
 from __future__ import annotations
@@ -111,16 +112,21 @@ class KeyFilter:
         """Hashes added since the last rebuild that start the next one."""
         return self.num_bits // BITS_PER_KEY
 
-    def open(self, path: Path, live: Callable[[], Iterable[bytes]]) -> None:
-        """Create the file at ``path`` (0600; one left by a daemon that died is replaced) and
-        fill it with ``live()``: the hashes held now. ``live`` is called again by rebuilds,
-        from the filter's thread, without the filter's lock."""
+    def open(self, path: Path, live: Callable[[], Iterable[bytes]],
+             group_id: int | None = None) -> None:
+        """Create the file at ``path`` (0600, or 0640 and ``group_id``'s where a group may use
+        the socket; one left by a daemon that died is replaced) and fill it with ``live()``:
+        the hashes held now. ``live`` is called again by rebuilds, from the filter's thread,
+        without the filter's lock."""
         with self._lock:
             if self._map is not None:
                 raise RuntimeError("the key filter is already open")
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            if group_id is not None:  # its engines read it too (the socket's --socket-group)
+                os.fchown(fd, -1, group_id)
+                os.fchmod(fd, 0o640)
             os.ftruncate(fd, HEADER_BYTES + self.num_bits // 8)
             mapped = mmap.mmap(fd, HEADER_BYTES + self.num_bits // 8)
         except BaseException:

@@ -153,7 +153,8 @@ class Daemon:
             self._sock = bind_unix_socket(self.socket_path, access=self.access)
             self._sock_identity = socket_identity(self.socket_path)
             # beside the socket, in its directory: engines map it (``kvstore/key_filter.py``)
-            self.service.open_key_filter(key_filter_path(self.socket_path))
+            self.service.open_key_filter(key_filter_path(self.socket_path),
+                                         self.access.group_id)
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serve until SIGTERM/SIGINT (or ``stop()``), then shut down cleanly."""

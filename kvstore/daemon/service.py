@@ -119,14 +119,15 @@ class Service:
         self.key_filter.authoritative = False  # a peer's blocks are found through its index
         self._cluster.attach(cluster)
 
-    def open_key_filter(self, path: Path) -> bool:
-        """Create the key filter's file at ``path``, filled with every block held now; False
+    def open_key_filter(self, path: Path, group_id: int | None = None) -> bool:
+        """Create the key filter's file at ``path`` (readable by ``group_id`` too, the socket's
+        group), filled with every block held now; False
         (logged) if it cannot be made: engines then ask about every prefix, as before. Not
         made with ``--key-filter off``."""
         if not self._key_filter_wanted:
             return False
         try:
-            self.key_filter.open(path, self._held_hashes)
+            self.key_filter.open(path, self._held_hashes, group_id)
         except OSError as exc:
             log.warning("no key filter at %s (%s): engines will look up every prefix", path, exc)
             return False

@@ -5,6 +5,7 @@ a file that is not a filter; closing removes the file."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -146,6 +147,16 @@ def test_the_file_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> None
         assert path.stat().st_mode & 0o777 == 0o600
         assert path.stat().st_size == 64 + MIN_BITS // 8
         KeyFilterView(path, keys.nonce).close()
+    finally:
+        keys.close()
+
+
+def test_with_a_socket_group_the_group_reads_it(tmp_path: Path) -> None:
+    keys = KeyFilter(MIN_BITS)
+    keys.open(tmp_path / "kvstore.sock.keys", list, group_id=os.getgid())
+    try:
+        info = keys.path.stat()
+        assert info.st_mode & 0o777 == 0o640 and info.st_gid == os.getgid()
     finally:
         keys.close()
 

@@ -17,6 +17,7 @@ import pytest
 from daemon_helpers import start_daemon
 
 from kvstore import Client
+from kvstore.key_filter import key_filter_path
 
 NOBODY, NOGROUP, DAEMON_GROUP = 65534, 65534, 1
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
@@ -70,6 +71,8 @@ def test_the_group_is_let_in_and_others_are_not(tmp_path: Path) -> None:
         folder, sock = os.stat(path.parent), os.stat(path)
         assert stat.S_IMODE(folder.st_mode) == 0o710 and folder.st_gid == NOGROUP
         assert stat.S_IMODE(sock.st_mode) == 0o660 and sock.st_gid == NOGROUP
+        keys = os.stat(key_filter_path(path))  # the group's engines read the key filter too
+        assert stat.S_IMODE(keys.st_mode) == 0o640 and keys.st_gid == NOGROUP
         assert _probe(path, NOGROUP) == "let in"
         assert _probe(path, DAEMON_GROUP) == "no access"  # the folder stops it
         os.chmod(path.parent, 0o711)  # loosened by hand: the credentials still stop it
@@ -87,6 +90,7 @@ def test_without_a_group_only_the_daemons_user(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path, socket_path=path, http=False)
     try:
         assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(key_filter_path(path)).st_mode) == 0o600
         assert _probe(path, NOGROUP) == "no access"
         os.chmod(path.parent, 0o711)
         os.chmod(path, 0o666)
