@@ -35,7 +35,7 @@ from kernels.cuda_module import BF16, contiguous, watch
 from kernels.cudnn_attention import CudnnAttention, CudnnUnavailable
 from kernels.kernel_warm_up import warm_kernels
 from kernels.ops import CapturedGraph, Ops
-from kernels.pinned_upload import PinnedUpload
+from kernels.pinned_upload import PinnedUpload, UploadFailed
 from kernels.plan_cache import PlanCache, default_directory
 
 log = logging.getLogger("kernels.cupy_ops")
@@ -56,6 +56,7 @@ class CupyOps(Ops):
         self._capturer = None  # created on the first capture: most CPU-free tests never need it
         self._upload: PinnedUpload | None = None  # weights on their way to the device
         self._weights_upload_s: float | None = None
+        self._upload_failed: UploadFailed | None = None
         self._gemm = CublasGemm()
         watch(self.builds)  # a kernel module compiled after ready is a first-use cost
         self.attention_backends = wanted_backends()
@@ -146,9 +147,15 @@ class CupyOps(Ops):
             self._upload.start()  # beside the warm-up: captures need addresses, not values
 
     def weights_ready(self) -> None:
+        if self._upload_failed is not None:  # every later call too: never serve without them
+            raise self._upload_failed
         upload, self._upload = self._upload, None
         if upload is not None:
-            upload.finish()
+            try:
+                upload.finish()
+            except UploadFailed as exc:
+                self._upload_failed = exc
+                raise
             self._weights_upload_s = upload.seconds
 
     @property

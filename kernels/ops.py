@@ -146,8 +146,8 @@ class Ops(ABC):
 
     def weights_ready(self) -> None:
         """Wait until every weight a load asked for is on the device and release what staged
-        them; raise if some never arrived. Idempotent; nothing to do on a synchronous
-        backend."""
+        them; raise if some never arrived (and on every call after). Nothing to do on a
+        synchronous backend."""
         return None
 
     @property

@@ -86,7 +86,7 @@ def _positions(hashes: Sequence[bytes], num_bits: int) -> np.ndarray:
 
 class KeyFilter:
     """The daemon's side: owns the file, adds hashes, rebuilds. Thread-safe. ``open`` creates
-    the file; before it, ``add`` does nothing (the opening fill covers what was added)."""
+    the file; before it, ``add`` does nothing (the opening fill reads what the tiers hold)."""
 
     def __init__(self, num_bits: int, authoritative: bool = True) -> None:
         if num_bits < 8 or num_bits & (num_bits - 1):
@@ -136,13 +136,15 @@ class KeyFilter:
         os.close(fd)
         mapped[:_HEADER.size] = _HEADER.pack(MAGIC, VERSION, NUM_PROBES, self.num_bits,
                                                 self.nonce)
-        self._live = live
         with self._lock:
-            self.path, self._map = path, mapped
+            self.path, self._map, self._live = path, mapped, live
             self._bits = np.frombuffer(mapped, np.uint8, self.num_bits // 8, HEADER_BYTES)
-        held = list(live())
-        self._set(self._bits, held)
-        self._filled_with = len(held)
+            self._pending = []  # added while ``live`` is read: kept (and set at once)
+        held = [bytes(h) for h in live() if len(h) == HASH_BYTES]
+        with self._lock:
+            self._set(self._bits, held)
+            self._filled_with = len(held) + len(self._pending)
+            self._pending, self._added_since_rebuild = None, 0
         self._thread = threading.Thread(target=self._run, name="kvstore-key-filter",
                                         daemon=True)
         self._thread.start()
