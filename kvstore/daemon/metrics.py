@@ -178,6 +178,13 @@ FAMILIES: tuple[Family, ...] = (
            _one("daemon", "leases_active")),
     Family("kvstore_registrations", "gauge", "engines registered", (),
            _one("daemon", "registrations")),
+    Family("kvstore_key_filter_added", "counter", "block hashes the key filter took (saves "
+           "and HBM publications, repeats counted)", (), _one("daemon", "key_filter", "added")),
+    Family("kvstore_key_filter_rebuilds", "counter", "the key filter's rebuilds from the blocks "
+           "held", (), _one("daemon", "key_filter", "rebuilds")),
+    Family("kvstore_key_filter_false_positive_estimate", "gauge", "the chance that a hash no "
+           "tier holds reads as held in the key filter (estimated from its adds)", (),
+           _one("daemon", "key_filter", "false_positive_estimate")),
     Family("kvstore_cluster_index_up", "gauge", "1 while Redis answers the cluster index", (),
            _cluster_index_up),
     Family("kvstore_cluster_remote_hit_blocks", "counter", "blocks fetched from peers", (),

@@ -7,6 +7,9 @@ asked about as before. (After a restart the filter holds the SSD's blocks:
 
 from __future__ import annotations
 
+import re
+
+import httpx
 from offload_helpers import GREEDY, close_llm, offload_llm, random_prompt, store_through_an_engine
 
 from kvstore import Client
@@ -59,7 +62,7 @@ def test_a_prompt_no_tier_holds_is_admitted_without_a_lookup(tiny_model_dir,
 
 def test_blocks_another_engine_saved_are_looked_up_and_restored(tiny_model_dir,
                                                                 make_daemon) -> None:
-    daemon = make_daemon(dram="64MiB")
+    daemon = make_daemon(dram="64MiB", http=True)
     store_through_an_engine(tiny_model_dir, daemon, [PROMPT])
     reader = offload_llm(tiny_model_dir, daemon)
     try:
@@ -69,6 +72,10 @@ def test_blocks_another_engine_saved_are_looked_up_and_restored(tiny_model_dir,
         close_llm(reader)
     assert out.cached_tokens_by_tier["dram"] == 6 * 16
     assert counters.get("lookups_skipped_absent", 0) == 0
+    text = httpx.get(f"{daemon.http_url}/metrics", timeout=10).text  # the six saved hashes
+    added = re.search(r"^kvstore_key_filter_added_total (\S+)$", text, re.M)
+    assert added is not None and float(added.group(1)) >= 6
+    assert re.search(r"^kvstore_key_filter_false_positive_estimate \S+$", text, re.M)
 
 
 def test_with_the_filter_off_every_prefix_is_asked_about(tiny_model_dir, make_daemon) -> None:
