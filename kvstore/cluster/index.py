@@ -352,18 +352,25 @@ class ClusterIndex:
                 self._cond.notify_all()
 
     def _flush_pending(self) -> None:
-        """Send queued writes, one script call per ``flush_max_batch``, until none are left."""
+        """Send the writes queued when it began, one script call per ``flush_max_batch``
+        (those queued meanwhile wait for their own batch, a heartbeat or ``flush``: a flush
+        chasing a busy writer sent one small call per save on a loaded machine)."""
+        left: int | None = None
         while True:
             with self._lock:
-                if not self._pending:
-                    self._flush_now = False
+                if left is None:
+                    left = len(self._pending)
+                if not self._pending or left <= 0:
+                    if not self._pending:
+                        self._flush_now = False
                     self._cond.notify_all()
                     return
                 batch: list[tuple[bytes, tuple[bytes, bytes]]] = []
                 for item in self._pending.items():
                     batch.append(item)
-                    if len(batch) >= self.config.flush_max_batch:
+                    if len(batch) >= min(self.config.flush_max_batch, left):
                         break
+                left -= len(batch)
                 for key, _ in batch:
                     del self._pending[key]
                 self._flushing = len(batch)
