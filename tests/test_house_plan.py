@@ -53,7 +53,15 @@ def _package_of(path: Path) -> list[str]:
 
 def _imports(path: Path) -> list[tuple[str, list[str], bool]]:
     """(module, names, only for type checking) of every import in ``path``, relative ones made
-    absolute."""
+    absolute. The tree's modules were read when this file was collected (``IMPORTS``)."""
+    found = IMPORTS.get(path)
+    return found if found is not None else _read_imports(path)
+
+
+def _read_imports(path: Path) -> list[tuple[str, list[str], bool]]:
+    # CPython 3.11's ast.parse can fail ("AST constructor recursion depth mismatch") beside
+    # other threads of the same process: a worker that ran the cluster tests (UCX's threads)
+    # failed here; at collection no test has started a thread yet.
     tree = ast.parse(path.read_text())
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
@@ -69,6 +77,9 @@ def _imports(path: Path) -> list[tuple[str, list[str], bool]]:
                 module = ".".join(base + ([module] if module else []))
             found.append((module, [a.name for a in node.names], id(node) in typing_only))
     return found
+
+
+IMPORTS = {path: _read_imports(path) for path in MODULES.values()}
 
 
 def test_dependencies_point_one_way() -> None:

@@ -352,17 +352,14 @@ class ClusterIndex:
                 self._cond.notify_all()
 
     def _flush_pending(self) -> None:
-        """Send the writes queued when it began, one script call per ``flush_max_batch``
-        (those queued meanwhile wait for their own batch, a heartbeat or ``flush``: a flush
-        chasing a busy writer sent one small call per save on a loaded machine)."""
-        left: int | None = None
+        """Send the writes queued when it began, a script call per ``flush_max_batch`` (later
+        ones wait: chasing a busy writer sent a small call per save on a loaded machine)."""
+        with self._lock:
+            left = len(self._pending)
         while True:
             with self._lock:
-                if left is None:
-                    left = len(self._pending)
                 if not self._pending or left <= 0:
-                    if not self._pending:
-                        self._flush_now = False
+                    self._flush_now = self._flush_now and bool(self._pending)
                     self._cond.notify_all()
                     return
                 batch: list[tuple[bytes, tuple[bytes, bytes]]] = []
