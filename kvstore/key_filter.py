@@ -165,13 +165,6 @@ class KeyFilter:
             if self._added_since_rebuild >= self.rebuild_after:
                 self._wake.set()
 
-    def may_contain(self, block_hash: bytes) -> bool:
-        """Whether the hash may be held (the daemon's own check; engines use a view)."""
-        with self._lock:
-            if self._bits is None:
-                return True
-            return _all_set(self._bits, block_hash, self.num_bits)
-
     def rebuild(self) -> None:
         """Bits from the hashes held now (and those added meanwhile) over the old ones."""
         with self._lock:
@@ -253,14 +246,15 @@ class KeyFilter:
                          np.left_shift(1, positions & 7).astype(np.uint8))
 
 
-def _all_set(bits: np.ndarray, block_hash: bytes, num_bits: int) -> bool:
-    """Whether every probed bit of the hash is set in ``bits`` (the bits alone, no header)."""
+def _all_set(bits, block_hash: bytes, num_bits: int, offset: int = 0) -> bool:
+    """Whether every probed bit of the hash is set in ``bits`` from byte ``offset`` on (True
+    for a malformed hash: never a sure miss)."""
     if len(block_hash) != HASH_BYTES:
         return True
     mask = num_bits - 1
     for word in struct.unpack("<4I", block_hash):
         position = word & mask
-        if not bits[position >> 3] & (1 << (position & 7)):
+        if not bits[offset + (position >> 3)] & (1 << (position & 7)):
             return False
     return True
 
@@ -296,14 +290,7 @@ class KeyFilterView:
 
     def may_contain(self, block_hash: bytes) -> bool:
         """False only if the daemon holds no block of this hash (True for a malformed hash)."""
-        if len(block_hash) != HASH_BYTES:
-            return True
-        mapped, mask = self._map, self.num_bits - 1
-        for word in struct.unpack("<4I", block_hash):
-            position = word & mask
-            if not mapped[HEADER_BYTES + (position >> 3)] & (1 << (position & 7)):
-                return False
-        return True
+        return _all_set(self._map, block_hash, self.num_bits, HEADER_BYTES)
 
     def close(self) -> None:
         self._map.close()
