@@ -11,8 +11,8 @@ Entries are hints. A lookup is one script call (one round trip) that returns the
 longest run of claimed blocks as one string; only holders that are live with the same incarnation
 in this node's membership view (refreshed at every heartbeat) count. Entries that look stale are
 queued for deletion, which the write script re-checks against the node keys. Writes are queued by
-``publish``/``unpublish`` (never a Redis call on the caller's thread) and sent by one background
-thread, one script call per batch. When Redis is unreachable nothing raises into callers: lookups
+``publish``/``unpublish`` (never a Redis call on the caller's thread; ``write_queue``) and sent by
+one background thread, one script call per batch. When Redis is unreachable nothing raises into callers: lookups
 answer "no holder", writes stay queued (bounded), and the thread retries with exponential
 backoff. Once Redis answers again, a heartbeat that finds this node's key missing (Redis
 restarted, or the key expired meanwhile) re-publishes every block this node holds.
@@ -20,7 +20,6 @@ restarted, or the key expired meanwhile) re-publishes every block this node hold
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import secrets
@@ -35,14 +34,8 @@ from redis.retry import Retry
 
 from kvstore.cluster.config import ClusterConfig
 from kvstore.cluster.membership import Holder, Membership, parse_members
-from kvstore.cluster.redis_scripts import (
-    DEREGISTER_LUA,
-    FORGET,
-    LOOKUP_LUA,
-    PUBLISH,
-    UNPUBLISH,
-    WRITE_LUA,
-)
+from kvstore.cluster.redis_scripts import DEREGISTER_LUA, LOOKUP_LUA, WRITE_LUA
+from kvstore.cluster.write_queue import WriteQueue
 from kvstore.keys import HASH_BYTES
 
 log = logging.getLogger(__name__)
@@ -77,17 +70,13 @@ class ClusterIndex:
         self._lookup_script = self._redis.register_script(LOOKUP_LUA)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._held: set[bytes] = set()  # (namespace + hash) of every block published, for resync
-        # (namespace + hash) → (op, entry); insertion order is age, for dropping the oldest.
-        self._pending: dict[bytes, tuple[bytes, bytes]] = {}
-        self._pending_since = 0.0
-        self._flushing = 0  # events taken from _pending but not yet acknowledged by Redis
+        self._counters: Counter[str] = Counter()
+        self._queue = WriteQueue(self._entry, config.max_pending_events, self._counters)
         self._flush_now = False
         self._members = Membership(self.node_id)
         self._up = False
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._counters: Counter[str] = Counter()
         self._last_error = ""
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -140,32 +129,9 @@ class ClusterIndex:
 
     def _enqueue(self, namespace: bytes, block_hashes: Sequence[bytes], held: bool) -> None:
         _check_key(namespace, block_hashes)
-        event = (PUBLISH if held else UNPUBLISH, self._entry)
-        num_events = 0
         with self._lock:
-            for h in block_hashes:
-                key = namespace + h
-                if held:
-                    if key in self._held:  # advertised already (a save and a resident block)
-                        continue
-                    self._held.add(key)
-                else:
-                    self._held.discard(key)
-                self._pending.pop(key, None)
-                self._pending[key] = event
-                num_events += 1
-            self._counters["published" if held else "unpublished"] += num_events
-            self._after_enqueue_locked()
-
-    def _after_enqueue_locked(self) -> None:
-        overflow = len(self._pending) - self.config.max_pending_events
-        if overflow > 0:
-            for key in list(itertools.islice(self._pending, overflow)):
-                del self._pending[key]
-            self._counters["dropped_events"] += overflow
-        if not self._flushing and len(self._pending) == 1:
-            self._pending_since = time.monotonic()
-        self._cond.notify_all()
+            self._queue.advertise(namespace, block_hashes, held)
+            self._cond.notify_all()
 
     def flush(self, timeout_s: float = 1.0) -> bool:
         """Send queued writes now; True when Redis acknowledged all of them within the timeout."""
@@ -173,7 +139,7 @@ class ClusterIndex:
         with self._lock:
             self._flush_now = True
             self._cond.notify_all()
-            while self._pending or self._flushing:
+            while len(self._queue) or self._queue.in_flight:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._thread is None or self._stopping:
                     return False
@@ -223,11 +189,8 @@ class ClusterIndex:
         """Queue the deletion of entries that look like those of dead nodes or older
         incarnations; the write script deletes only those that really are."""
         with self._lock:
-            for key, entry in stale:
-                if key not in self._pending:
-                    self._pending[key] = (FORGET, entry)
-            self._counters["stale_entries"] += len(stale)
-            self._after_enqueue_locked()
+            self._queue.forget(stale)
+            self._cond.notify_all()
 
     def lookup_prefix(self, namespace: bytes, block_hashes: Sequence[bytes]
                       ) -> list[tuple[str, str] | None]:
@@ -267,8 +230,8 @@ class ClusterIndex:
         with self._lock:
             return {"state": "up" if self._up else "down", "incarnation": self.incarnation,
                     "live_nodes": len(self._members),
-                    "pending_events": len(self._pending) + self._flushing,
-                    "published_blocks": len(self._held), "last_error": self._last_error,
+                    "pending_events": len(self._queue) + self._queue.in_flight,
+                    "published_blocks": len(self._queue.held), "last_error": self._last_error,
                     **self._counters}
 
     # -- background thread ---------------------------------------------------------------------
@@ -291,13 +254,14 @@ class ClusterIndex:
                 if self._stopping:
                     return
                 now = time.monotonic()
-                flush_due = self._pending and self._up and (
-                    self._flush_now or len(self._pending) >= cfg.flush_max_batch
-                    or now - self._pending_since >= cfg.flush_interval_s)
+                queued = len(self._queue)
+                flush_due = queued and self._up and (
+                    self._flush_now or queued >= cfg.flush_max_batch
+                    or now - self._queue.since >= cfg.flush_interval_s)
                 if not flush_due and now < next_heartbeat:
                     wake = next_heartbeat
-                    if self._pending and self._up:
-                        wake = min(wake, self._pending_since + cfg.flush_interval_s)
+                    if queued and self._up:
+                        wake = min(wake, self._queue.since + cfg.flush_interval_s)
                     self._cond.wait(max(wake - now, 0.0))
                     continue
             try:
@@ -339,12 +303,8 @@ class ClusterIndex:
                 if self._counters["heartbeats"] > 1:
                     self._counters["resyncs"] += 1
                     log.info("cluster index: registration was lost; re-publishing %d blocks",
-                             len(self._held))
-                event = (PUBLISH, self._entry)
-                for key in self._held:
-                    self._pending[key] = event
-                if self._pending:
-                    self._pending_since = time.monotonic()
+                             len(self._queue.held))
+                self._queue.resync()
             if not self._up:
                 if self._counters["heartbeats"] > 1:
                     log.info("cluster index: Redis reachable again as node %s", self.node_id)
@@ -355,22 +315,15 @@ class ClusterIndex:
         """Send the writes queued when it began, a script call per ``flush_max_batch`` (later
         ones wait: chasing a busy writer sent a small call per save on a loaded machine)."""
         with self._lock:
-            left = len(self._pending)
+            left = len(self._queue)
         while True:
             with self._lock:
-                if not self._pending or left <= 0:
-                    self._flush_now = self._flush_now and bool(self._pending)
+                if not len(self._queue) or left <= 0:
+                    self._flush_now = self._flush_now and bool(len(self._queue))
                     self._cond.notify_all()
                     return
-                batch: list[tuple[bytes, tuple[bytes, bytes]]] = []
-                for item in self._pending.items():
-                    batch.append(item)
-                    if len(batch) >= min(self.config.flush_max_batch, left):
-                        break
+                batch = self._queue.take(min(self.config.flush_max_batch, left))
                 left -= len(batch)
-                for key, _ in batch:
-                    del self._pending[key]
-                self._flushing = len(batch)
             try:
                 self._write_script(
                     keys=[], client=self._redis,
@@ -378,17 +331,11 @@ class ClusterIndex:
                           b"".join(op for _, (op, _) in batch),
                           *(entry for _, (_, entry) in batch)])
             except BaseException:
-                with self._lock:  # requeue what is not newer in _pending, oldest first
-                    rest = self._pending
-                    self._pending = dict(batch)
-                    self._pending.update(rest)
-                    self._flushing = 0
+                with self._lock:
+                    self._queue.requeue(batch)
                 raise
             with self._lock:
-                self._flushing = 0
-                self._counters["flush_batches"] += 1
-                self._counters["flushed_events"] += len(batch)
-                self._pending_since = time.monotonic()
+                self._queue.acknowledge(batch)
                 self._cond.notify_all()
 
 
