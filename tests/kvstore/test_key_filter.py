@@ -169,3 +169,48 @@ def test_sizes() -> None:
         Path("/run/kvstore/kvstore.sock.keys")
     with pytest.raises(ValueError, match="power of two"):
         KeyFilter(1000)
+
+
+def test_a_failed_rebuild_is_counted_and_keeps_every_bit(tmp_path: Path) -> None:
+    held = _hashes(12, 100)
+    calls = []
+
+    def live() -> list[bytes]:
+        calls.append(1)
+        if len(calls) > 1:  # the opening fill reads the tiers; the rebuild's read fails
+            raise OSError("the SSD index could not be read")
+        return list(held)
+
+    keys = KeyFilter(1 << 12)  # sized for 256 hashes
+    keys.open(tmp_path / "k.keys", live)
+    view = KeyFilterView(keys.path, keys.nonce)
+    try:
+        later = _hashes(13, keys.rebuild_after)
+        keys.add(later)  # starts a rebuild, whose read of the tiers fails
+        assert wait_until(lambda: keys.stats()["rebuild_failures"] == 1, timeout_s=10.0)
+        assert keys.stats()["rebuilds"] == 0
+        assert all(view.may_contain(h) for h in held + later)  # no bit was cleared
+        after = _hashes(14, 5)
+        keys.add(after)  # adding goes on, and no rebuild is left half begun
+        assert all(view.may_contain(h) for h in after)
+        assert keys._pending is None
+    finally:
+        view.close()
+        keys.close()
+
+
+@pytest.mark.parametrize("entry", [
+    "not a dict", {"authoritative": True, "nonce": 1},
+    {"path": 7, "authoritative": True, "nonce": 1},
+    {"path": "/x.keys", "authoritative": "yes", "nonce": 1},
+    {"path": "/x.keys", "authoritative": True, "nonce": True},
+    {"path": "/x.keys", "authoritative": True, "nonce": 1.5},
+])
+def test_a_malformed_key_filter_in_the_hello_means_no_filter(entry) -> None:
+    from kvstore.wire.handshake import key_filter_info
+
+    assert key_filter_info({"ok": True, "result": {"key_filter": entry}}) is None
+    good = {"path": "/x.keys", "authoritative": False, "nonce": 3, "extra": 1}
+    assert key_filter_info({"ok": True, "result": {"key_filter": good}}) == {
+        "path": "/x.keys", "authoritative": False, "nonce": 3}
+    assert key_filter_info({"ok": False, "error": {"code": "x"}}) is None
