@@ -30,14 +30,14 @@ on every connect (vLLM's CPU staging buffer, so a daemon that wakes up late writ
 memory nobody reads), or nothing (vLLM's scheduler side, which only looks up). CPU memory is
 registered by file descriptor (``KVLayout.fds``, sent with the frame): each registration sends
 fresh duplicates, so a daemon met again maps the same memory from descriptors of its own.
-``on_registered`` runs once each registration has been answered or given up.
+``on_registered`` runs once each registration has been answered or given up. What a new
+connection does before it carries requests (the registration, the key filter) is ``LinkSetup``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -45,9 +45,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore import Client, ClientError, DaemonUnavailable, KeyFilterView, Pending, StoreState
+from kvstore import Client, ClientError, DaemonUnavailable, KeyFilterView, StoreState
 from offload.link_queue import LinkQueue, QueueFull
 from offload.link_requests import LinkRequest
+from offload.link_setup import LinkSetup
 from offload.store_probe import PROBE_DEADLINE_S, PROBE_INTERVAL_S, StoreProbe
 from offload.transfer import Transfer
 from offload.vocab import KVLayout
@@ -92,11 +93,8 @@ class LinkThread:
                  register_timeout_s: float | None = None,
                  on_registered: Callable[[], None] | None = None) -> None:
         self.socket_path = socket_path
-        self.layout = layout
-        self.engine_id = engine_id
         self.timeout_s = timeout_s
         self.register_timeout_s = timeout_s if register_timeout_s is None else register_timeout_s
-        self.on_registered = on_registered
         self.reconnect_interval_s = reconnect_interval_s
         self.probe_deadline_s = probe_deadline_s
         self.counters = counters
@@ -118,6 +116,8 @@ class LinkThread:
         self._drop_wanted = threading.Event()
         self._first_attempt_done = threading.Event()
         self._closing = threading.Event()
+        self._setup = LinkSetup(layout, engine_id, self.register_timeout_s, counters,
+                                self._closing, on_registered)
         self._connect_wanted.set()  # the first connect is wanted at once
         self._thread = threading.Thread(target=self._run, name="kv-offload-link", daemon=True)
         self._thread.start()
@@ -277,10 +277,10 @@ class LinkThread:
             # The daemon answers first (the hello and a health probe, judged as any wait is: a
             # stopped daemon is hung after a probe's deadline); only then the registration,
             # under its own bound.
-            self._await(client.health_async(self.timeout_s), self.timeout_s)
+            self._setup.wait(client.health_async(self.timeout_s), self.timeout_s)
             self._busy_since, self._registering_since = None, time.monotonic()
-            registration_id = self._register(client)
-            key_filter = self._open_key_filter(client)
+            registration_id = self._setup.register(client)
+            key_filter = self._setup.open_key_filter(client)
             connected = True
         except (DaemonUnavailable, ClientError, OSError) as exc:
             if client is not None:
@@ -308,59 +308,6 @@ class LinkThread:
         else:
             connection_log.info("kv offload: connected to kvstore at %s (registration %s)",
                                 where, registration_id)
-
-    def _open_key_filter(self, client: Client) -> KeyFilterView | None:
-        """The daemon's key filter (named by its hello) if authoritative and readable here;
-        else None (counted): lookups go out as before."""
-        info = client.key_filter_info
-        if info is None or not info["authoritative"]:
-            return None
-        try:
-            view = KeyFilterView(info["path"], info["nonce"])
-        except (OSError, ValueError) as exc:
-            self.counters["key_filter_unusable"] += 1
-            if self.counters["key_filter_unusable"] == 1:
-                log.warning("kv offload: the store's key filter cannot be read (%s); every "
-                            "prefix is looked up", exc)
-            return None
-        self.counters["key_filter_mapped"] += 1
-        return view
-
-    def _register(self, client: Client) -> int | None:
-        """Register the layout (a fresh one if it is made per connect); None without one."""
-        if self.layout is None:
-            return None
-        layout = self.layout() if callable(self.layout) else self.layout
-        # Fresh duplicates of the memory's descriptors for each registration: what goes out is
-        # held open by this send alone, whatever the memory's owner does meanwhile.
-        fds: list[int] = []
-        try:
-            for fd in layout.fds:
-                fds.append(os.dup(fd))
-            pending = client.register_async(layout, self.engine_id, self.register_timeout_s,
-                                            fds=fds)
-            for fd in fds:  # sent: the daemon holds its own copies
-                os.close(fd)
-            fds.clear()
-            return self._await(pending, self.register_timeout_s)
-        finally:
-            for fd in fds:
-                os.close(fd)
-            if self.on_registered is not None:
-                self.on_registered()
-
-    def _await(self, pending: Pending, timeout_s: float) -> int:
-        """The reply, waited for in slices so that closing is not held up (bounded by the
-        request's own deadline)."""
-        deadline = time.monotonic() + timeout_s + 1.0
-        while True:
-            try:
-                return pending.wait(_TICK_S)
-            except ClientError:
-                if pending.poll():
-                    raise  # the daemon's own error reply
-                if self._closing.is_set() or time.monotonic() >= deadline:
-                    raise
 
     def _probe_step(self) -> None:
         assert self._client is not None
