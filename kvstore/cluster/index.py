@@ -12,9 +12,9 @@ longest run of claimed blocks as one string; only holders that are live with the
 in this node's membership view (refreshed at every heartbeat) count. Entries that look stale are
 queued for deletion, which the write script re-checks against the node keys. Writes are queued by
 ``publish``/``unpublish`` (never a Redis call on the caller's thread; ``write_queue``) and sent by
-one background thread, one script call per batch. When Redis is unreachable nothing raises into callers: lookups
-answer "no holder", writes stay queued (bounded), and the thread retries with exponential
-backoff. Once Redis answers again, a heartbeat that finds this node's key missing (Redis
+one background thread, one script call per batch. When Redis is unreachable nothing raises into
+callers: lookups answer "no holder", writes stay queued (bounded), and the thread retries with
+exponential backoff. Once Redis answers again, a heartbeat that finds this node's key missing (Redis
 restarted, or the key expired meanwhile) re-publishes every block this node holds.
 """
 
