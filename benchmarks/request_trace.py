@@ -7,7 +7,10 @@ the frame's header was read (``received``), when the request's task started (``a
 the call was handed to a worker (``execute``), when the worker began and ended it (``call_in``,
 ``call_out``), when the copy pipeline began and ended (``pipe_in``, ``pipe_out``: saves and
 loads), when the reply was counted (``counted``) and when its frame was written (``sent``).
-``summarize`` turns the lines into median gaps between consecutive stages, per verb.
+Each line also carries ``at``, the ``received`` moment on the host's monotonic clock, so a
+benchmark can cut the file into its phases (``summarize(..., window=(start, end))``, with the
+client's ``time.monotonic()``: one clock per host). ``summarize`` turns the lines into median
+gaps between consecutive stages, per verb (and p10/p90 with ``spread``).
 A benchmark only: the daemon never imports it.
 """
 
@@ -113,19 +116,23 @@ def install(path: str) -> None:
 
 def _write(path: str, record: dict) -> None:
     start = record["received"]
-    row = {"verb": record["verb"], "blocks": record.get("blocks", 0)}
+    row = {"verb": record["verb"], "blocks": record.get("blocks", 0), "at": start}
     row.update({k: round((v - start) * 1e6, 1) for k, v in record.items()
                 if k in STAGES})
     with _lock, open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
-def summarize(path: Path, verbs: tuple[str, ...] = ("save", "load", "lookup_load")) -> dict:
+def summarize(path: Path, verbs: tuple[str, ...] = ("save", "load", "lookup_load"),
+              window: tuple[float, float] | None = None, spread: bool = False) -> dict:
     """Per verb and number of blocks (``save 64``): the median µs between consecutive stages a
-    request passed, and the count."""
+    request passed, and the count; ``window``: only requests received between these
+    ``time.monotonic()`` moments; ``spread``: each gap as ``[p10, p50, p90]``."""
     rows: dict[str, list[dict]] = {}
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
+        if window is not None and not window[0] <= row.get("at", window[0]) <= window[1]:
+            continue
         if row["verb"] in verbs:
             rows.setdefault(f"{row['verb']} {row['blocks']}", []).append(row)
     out = {}
@@ -136,5 +143,14 @@ def summarize(path: Path, verbs: tuple[str, ...] = ("save", "load", "lookup_load
             for a, b in zip(seen, seen[1:]):
                 gaps.setdefault(f"{a}->{b}", []).append(row[b] - row[a])
         out[verb] = {"requests": len(items),
-                     **{k: round(statistics.median(v), 1) for k, v in gaps.items()}}
+                     **{k: _spread(v) if spread else round(statistics.median(v), 1)
+                        for k, v in gaps.items()}}
     return out
+
+
+def _spread(values: list[float]) -> list[float]:
+    """p10, p50, p90 of ``values``, rounded to 0.1 µs."""
+    if len(values) < 2:
+        return [round(values[0], 1)] * 3
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return [round(deciles[0], 1), round(statistics.median(values), 1), round(deciles[-1], 1)]

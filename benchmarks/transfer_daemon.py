@@ -22,8 +22,9 @@ slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs
 letting go of it), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (a save's pipelined chunks of at
 most that many bytes instead of 32 MiB: fewer submissions against a later first copy).
 ``--trace``: a timeline of every daemon save and load (``copy_trace``); ``--request-trace``: each
-request's stages from socket to reply (``request_trace``), median gaps printed. Per variant also the
-round trip of a request that moves nothing (``health``): the floor under every save/load.
+request's stages from socket to reply (``request_trace``): p10/p50/p90 gaps per row, of that
+row's own requests (kept in its JSON row). Per variant also the round trip of a request that
+moves nothing (``health``): the floor under every save/load.
 
     python -m benchmarks.transfer_daemon [--blocks 64,256,1024] [--reps 10] [--depth 4]
                                          [--variants default,one_submission] [--out DIR]
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, exact, daemon_pinned = [], None, None
     round_trip_ms: dict[str, float] = {}
     for variant in args.variants:
+        windows: list[tuple[dict, float, float]] = []  # each row's requests, for the stages
         modes = ["single", "single_consecutive", "streamed"] if variant == "default" else \
             ["single"]
         depth = args.depth if "streamed" in modes else 1
@@ -282,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 reg = client.register(layout, "transfer-daemon")
                 for n, mode in ((n, m) for n in counts for m in modes):
+                    began = time.monotonic()
                     if mode == "streamed":
                         timed = _streamed_row(client, reg, namespace, shuffled[n], args.reps,
                                               depth)
@@ -293,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                         nbytes = n * BLOCK_BYTES
                     row = {"variant": variant, "mode": mode, "blocks": n, "bytes": nbytes,
                            "depth": depth if mode == "streamed" else 1, **raw[n], **timed}
+                    windows.append((row, began, time.monotonic()))
                     row["daemon_save_gbps"] = nbytes / row["save_ms"] / 1e6
                     row["daemon_load_gbps"] = nbytes / row["load_ms"] / 1e6
                     row["ratio_save"] = row["daemon_save_gbps"] / row["raw_d2h_gbps"]
@@ -329,9 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.request_trace:
             from benchmarks.request_trace import summarize as stage_gaps
 
-            for what, gaps in stage_gaps(stages).items():
-                print(f"{variant:>14} stages, us p50, {what}: " + " ".join(
-                    f"{k}={v}" for k, v in gaps.items()), flush=True)
+            for row, began, ended in windows:  # the requests each row timed, apart
+                row["stages_us_p10_p50_p90"] = stage_gaps(stages, window=(began, ended),
+                                                          spread=True)
+                for what, gaps in row["stages_us_p10_p50_p90"].items():
+                    print(f"{variant:>14} {row['mode']:>18} stages, us p10/p50/p90, {what}: "
+                          + " ".join(f"{k}={'/'.join(f'{x:g}' for x in v)}"
+                                     for k, v in gaps.items() if k != "requests")
+                          + f" ({gaps['requests']} requests)", flush=True)
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"]
     out = {
