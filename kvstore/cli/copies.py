@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kernels.block_copy import UNROLLS
-from kvstore.cli.args import positive_int_arg, size_arg
+from kvstore.cli.args import non_negative_int_arg, positive_int_arg, size_arg
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.sizes import format_bytes
 
@@ -75,6 +75,11 @@ def add_copy_flags(serve: argparse.ArgumentParser) -> None:
                             "interpreter's lock instead of releasing it (getting it back waits "
                             "behind the daemon's other threads; but a call that blocks stops "
                             "the whole daemon)")
+    group.add_argument("--copy-wait-poll-us", type=non_negative_int_arg, metavar="US",
+                       default=defaults.wait_poll_us,
+                       help="a copy is waited for by asking its event every US microseconds "
+                            "once it may have ended; 0 blocks in cudaEventSynchronize (woken "
+                            f"later) (default {defaults.wait_poll_us})")
     group.add_argument("--copy-kernel-unroll", type=int, choices=UNROLLS, metavar="N",
                        default=defaults.kernel_unroll,
                        help="16-byte loads each thread of the copy kernels keeps in flight, one "
@@ -91,4 +96,5 @@ def copy_settings_from_args(args: argparse.Namespace) -> CopySettings:
                         staging_slot_bytes=args.copy_staging_slot_size,
                         kernel_unroll=args.copy_kernel_unroll,
                         save_kernels=args.copy_save_kernels,
-                        batch_keeps_gil=args.copy_batch_keeps_gil)
+                        batch_keeps_gil=args.copy_batch_keeps_gil,
+                        wait_poll_us=args.copy_wait_poll_us)

@@ -92,6 +92,7 @@ class CudaCopier:
         cp = _cupy()
         self.device_id = device_id
         self.settings = settings
+        self._poll_s = settings.wait_poll_us / 1e6  # how its handles wait (CopyHandle)
         self.fault = fault if fault is not None else CudaFault()
         kinds = (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEFAULT)
         hold_primary_context(device_id)  # made, if new, without the GIL
@@ -128,7 +129,7 @@ class CudaCopier:
                     # part's event is after every part's copies.
                     for part in staged_parts(runs, self._staging[kind].max_slot_bytes):
                         event = self._staged(part, kind)
-                    return CopyHandle(event, runs.total_bytes, self.fault)
+                    return CopyHandle(event, runs.total_bytes, self.fault, self._poll_s)
                 kernel = method is CopyMethod.KERNEL
                 slot = self._launch(runs, kind, stream) if kernel else None
                 if not kernel:
@@ -142,7 +143,7 @@ class CudaCopier:
                 self.fault.observe(exc, f"submitting copies on device {self.device_id}")
                 self._drain(kind)
                 raise
-        return CopyHandle(event, runs.total_bytes, self.fault)
+        return CopyHandle(event, runs.total_bytes, self.fault, self._poll_s)
 
     def _drain(self, kind: int) -> None:
         """After a failed submission, wait out the copies it enqueued (they have no event): none
@@ -297,7 +298,8 @@ class CudaCopier:
                 self.fault.observe(exc, f"submitting copies on device {self.device_id}")
                 self._drain(kind)
                 raise
-        return CopyHandle(event, len(ids) * table.block_bytes, self.fault)
+        return CopyHandle(event, len(ids) * table.block_bytes, self.fault,
+                          self._poll_s)
 
     def _packed_part(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
                      kind: int):

@@ -61,6 +61,11 @@ class CopySettings:
     threads once per chunk. Off by default: the gain measured within noise (README, s19), and
     the call can block (a full stream queue, pageable host memory, a driver lock another thread
     holds while it makes a device's context), which would stop the whole daemon meanwhile.
+    ``wait_poll_us``: a save or load waits for its copies by sleeping through the time they
+    cannot have ended yet (their bytes at ``copy_handle.PEAK_BYTES_PER_S`` from submission),
+    then asking the event every this many microseconds; 0 blocks in ``cudaEventSynchronize``
+    instead, whose wake-up came ~0.1 ms after the copies ended (H100, 64 shuffled 2.36 MB
+    blocks: ``benchmarks.copy_wait``), a thirtieth of the request.
     """
 
     small_runs: CopyMethod = CopyMethod.STAGED
@@ -73,6 +78,7 @@ class CopySettings:
     kernel_unroll: int = UNROLL
     save_kernels: bool = False
     batch_keeps_gil: bool = False
+    wait_poll_us: int = 20
 
     def __post_init__(self) -> None:
         for name in ("small_runs", "large_runs"):
@@ -83,7 +89,8 @@ class CopySettings:
                 choices = ", ".join(m.value for m in CopyMethod)
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
         for name, least in (("packed_min_pieces", 1), ("chunk_bytes", 0), ("load_growth", 2),
-                            ("load_chunk_bytes", 0), ("staging_slot_bytes", 1)):
+                            ("load_chunk_bytes", 0), ("staging_slot_bytes", 1),
+                            ("wait_poll_us", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")

@@ -40,7 +40,8 @@ def test_methods_by_name_become_members_and_the_value_is_frozen() -> None:
     ("save_kernels", "yes"), ("save_kernels", 1),
     ("staging_slot_bytes", 0), ("kernel_unroll", 5), ("kernel_unroll", True),
     ("kernel_unroll", "8"), ("batch_keeps_gil", 1), ("load_growth", 1),
-    ("load_growth", 2.0), ("load_chunk_bytes", -1),
+    ("load_growth", 2.0), ("load_chunk_bytes", -1), ("wait_poll_us", -1),
+    ("wait_poll_us", 20.0),
 ])
 def test_bad_values_are_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -58,12 +59,12 @@ def test_every_copy_flag_sets_its_field() -> None:
         "--copy-packed-min-pieces", "1073741824", "--copy-chunk-size", "0",
         "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16",
         "--copy-save-kernels", "--copy-batch-keeps-gil", "--copy-load-growth", "2",
-        "--copy-load-chunk-size", "0"])
+        "--copy-load-chunk-size", "0", "--copy-wait-poll-us", "0"])
     assert copy_settings_from_args(args) == CopySettings(
         small_runs=CopyMethod.KERNEL, large_runs=CopyMethod.STAGED,
         packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20,
         kernel_unroll=16, save_kernels=True, batch_keeps_gil=True, load_growth=2,
-        load_chunk_bytes=0)
+        load_chunk_bytes=0, wait_poll_us=0)
 
 
 @pytest.mark.parametrize("flags", [["--copy-small-runs", "fast"],
@@ -72,7 +73,8 @@ def test_every_copy_flag_sets_its_field() -> None:
                                    ["--copy-chunk-size", "lots"],
                                    ["--copy-kernel-unroll", "5"],
                                    ["--copy-load-growth", "1"],
-                                   ["--copy-load-chunk-size", "lots"]])
+                                   ["--copy-load-chunk-size", "lots"],
+                                   ["--copy-wait-poll-us", "-1"]])
 def test_serve_refuses_a_bad_copy_flag_in_one_line_before_starting(flags: list[str],
                                                                    tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--socket",
