@@ -6,7 +6,9 @@ request path and writes one JSON line per request: its verb and, in microseconds
 the frame's header was read (``received``), when the request's task started (``answer``), when
 the call was handed to a worker (``execute``), when the worker began and ended it (``call_in``,
 ``call_out``), when the copy pipeline began and ended (``pipe_in``, ``pipe_out``: saves and
-loads), when the reply was counted (``counted``) and when its frame was written (``sent``).
+loads), when the worker wrote a copy verb's reply itself (``replied``: the client can read it
+from then; ``kvstore/daemon/direct_reply.py``), when the reply was counted (``counted``) and
+when the loop wrote its frame or ended the request (``sent``).
 Each line also carries ``at``, the ``received`` moment on the host's monotonic clock, so a
 benchmark can cut the file into its phases (``summarize(..., window=(start, end))``, with the
 client's ``time.monotonic()``: one clock per host). ``summarize`` turns the lines into median
@@ -31,7 +33,7 @@ _local = threading.local()
 _lock = threading.Lock()
 
 STAGES = ("received", "answer", "execute", "call_in", "pipe_in", "pipe_out", "call_out",
-          "counted", "sent")
+          "replied", "counted", "sent")
 
 
 def _stamp(record: dict | None, name: str) -> None:
@@ -42,12 +44,13 @@ def _stamp(record: dict | None, name: str) -> None:
 def install(path: str) -> None:
     """Wrap the daemon's request path; one line per request is appended to ``path``."""
     from kvstore.daemon.connection import Connection
+    from kvstore.daemon.direct_reply import DirectReply
     from kvstore.daemon.server import Daemon
     from kvstore.daemon.service import Service
     from kvstore.engines.copy_pipeline import CopyPipeline
 
     answer, execute, call = Daemon._answer, Daemon._execute, Service.call
-    count, send = Service.count, Connection.send_frame
+    count, send, run = Service.count, Connection.send_frame, DirectReply.run
 
     @functools.wraps(answer)
     async def traced_answer(self, conn, request, received_at, *args, **kwargs):
@@ -97,6 +100,17 @@ def install(path: str) -> None:
                     record["pipe_out"] = time.monotonic()
         return traced
 
+    @functools.wraps(run)
+    def traced_run(self, fn, *args):
+        try:
+            return run(self, fn, *args)
+        finally:
+            if self.sent_at is not None:
+                with _lock:
+                    record = _by_context.get(id(args[-1]))  # (verb, args, ctx)
+                if record is not None:
+                    record.setdefault("replied", self.sent_at)
+
     @functools.wraps(count)
     def traced_count(self, *args, **kwargs):
         _stamp(_record.get(), "counted")
@@ -111,6 +125,7 @@ def install(path: str) -> None:
 
     Daemon._answer, Daemon._execute, Service.call = traced_answer, traced_execute, traced_call
     Service.count, Connection.send_frame = traced_count, traced_send
+    DirectReply.run = traced_run
     CopyPipeline.save, CopyPipeline.load = pipe(CopyPipeline.save), pipe(CopyPipeline.load)
 
 

@@ -13,6 +13,7 @@ import contextlib
 import time
 
 from kvstore.daemon.calls import CallContext
+from kvstore.daemon.reply_wire import ReplyWire
 from kvstore.wire import protocol as proto
 from kvstore.wire.fds import NO_FDS, FdSocket, FrameFds
 
@@ -43,6 +44,7 @@ class Connection:
         self.owner = f"conn-{conn_id}"
         self.reader = reader
         self.writer = writer
+        self.wire = ReplyWire(writer)  # every reply's bytes, the loop's and the workers'
         self.fd_socket = fd_socket  # its reads take the descriptors sent with frames
         self._frames_end = 0  # stream bytes the frame loop has read: where the next frame starts
         self.slots = asyncio.Semaphore(max_inflight)
@@ -65,7 +67,7 @@ class Connection:
         transport = self.writer.transport
         buffered = 0 if transport is None or transport.is_closing() else \
             transport.get_write_buffer_size()
-        return self._queued_bytes + buffered
+        return self._queued_bytes + buffered + self.wire.pending_bytes()
 
     def buffered_bytes(self) -> int:
         return self.unread_bytes() + self.body_bytes
@@ -113,10 +115,10 @@ class Connection:
                 if self.writer.is_closing():
                     return
                 if joined:
-                    self.writer.write(b"".join(frame))
+                    self.wire.write(b"".join(frame))
                 else:  # not writelines: it joins header and body into a copy
                     for part in frame:
-                        self.writer.write(part)
+                        self.wire.write(part)
                 frame.clear()
                 with contextlib.suppress(ConnectionError):
                     await self.writer.drain()
@@ -134,6 +136,7 @@ class Connection:
             self.closed_reason = reason
         for ctx in self.contexts:
             ctx.cancel()
+        self.wire.close()  # its duplicate descriptor would keep the socket open
         transport = self.writer.transport
         if transport is not None and not transport.is_closing():
             transport.abort()

@@ -34,6 +34,7 @@ from kvstore.daemon import memory
 from kvstore.daemon.accept import Acceptor
 from kvstore.daemon.calls import CallContext, Deferred, ServiceError
 from kvstore.daemon.connection import BULK_REPLY_VERBS, FD_VERBS, Connection, encode_reply
+from kvstore.daemon.direct_reply import DirectReply
 from kvstore.daemon.frame_body import BodyRoom, NoRoom, read_body
 from kvstore.daemon.health import LoopHeartbeat
 from kvstore.daemon.limits import ConnectionLimits
@@ -146,6 +147,9 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.exit_code = 0  # what ``kvstore serve`` exits with once ``run`` returns
         service.registry.cuda_fault.add_listener(self._on_cuda_poisoned)
+        # copy verbs' replies their worker wrote, or encoded and left to the loop (the wire
+        # had unsent bytes): ``direct_reply.py``
+        service.counters.declare(("replies_by_worker", "replies_by_worker_declined"))
 
     def bind(self) -> None:
         """Create the socket now (SocketSetupError if impossible), before anything is served."""
@@ -322,6 +326,7 @@ class Daemon:
             # Leases and mappings go now; copies still running finish their current block first.
             await asyncio.get_running_loop().run_in_executor(
                 None, self.service.drop_owner, conn.owner)
+            conn.wire.close()  # its tasks' replies were claimed by the loop as they ended
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -459,20 +464,37 @@ class Daemon:
             ctx = CallContext(owner=conn.owner, deadline=deadline, on_loop=on_loop,
                               fds=fds.numbers)
             conn.contexts.add(ctx)
+            # a copy verb's worker writes its own reply (``direct_reply.py``)
+            direct = None
+            if request.verb in _COPY_VERBS and not on_loop:
+                conn.wire.open_for_workers()
+                direct = DirectReply(conn.wire, request.request_id, self.max_frame_bytes)
             try:
                 handed_fds = True
-                reply = await self._execute(request, ctx, timeout_s, fds)
+                reply = await self._execute(request, ctx, timeout_s, fds, direct)
             except Exception as exc:  # never leave a client waiting on a reply
                 self._log_failure(f"{request.verb} failed")
-                reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
+                if direct is None or direct.claim():
+                    reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
+                else:  # the worker answered already; this failure came after
+                    reply = proto.ok_reply(request.request_id, None)
             finally:
                 conn.contexts.discard(ctx)
                 conn.body_bytes -= body_bytes  # the request's bytes are consumed
                 body_bytes = 0
             error = reply["error"]["code"] if not reply["ok"] else None
-            self.service.count(request.verb, error, time.monotonic() - received_at)
+            answered_at = direct.sent_at if direct is not None and direct.sent else None
+            self.service.count(request.verb, error,
+                               (answered_at or time.monotonic()) - received_at)
             counted = True
-            frame = encode_reply(reply, self.max_frame_bytes)
+            if direct is not None and (direct.sent or direct.frame is not None):
+                self._count_event("replies_by_worker" if direct.sent
+                                  else "replies_by_worker_declined")
+            if answered_at is not None:
+                conn.last_activity = time.monotonic()
+                return
+            frame = direct.frame if direct is not None and direct.frame is not None \
+                else encode_reply(reply, self.max_frame_bytes)
             del reply  # a get's value: only the frame holds its bytes from here
             await conn.send_frame(frame)
         finally:
@@ -491,9 +513,10 @@ class Daemon:
             conn.slots.release()
 
     async def _execute(self, request: proto.Request, ctx: CallContext, timeout_s: float,
-                       fds: FrameFds) -> dict[str, Any]:
+                       fds: FrameFds, direct: DirectReply | None = None) -> dict[str, Any]:
         """The call's reply; ``fds`` are closed once the call is done (a call past its
-        deadline may still be mapping them on its worker)."""
+        deadline may still be mapping them on its worker). ``direct``: the worker writes the
+        ok reply itself (the returned one is the same, to count), unless this gives up first."""
         rid = request.request_id
         call: WorkerCall | None = None
         try:
@@ -506,15 +529,23 @@ class Daemon:
                 except BaseException:  # shutting down: nobody will run it
                     result.abandon()
                     raise
+            elif direct is not None:
+                call = WorkerCall(self.executor, direct.run, self.service.call, request.verb,
+                                  request.args, ctx)
             else:
                 call = WorkerCall(self.executor, self.service.call, request.verb,
                                   request.args, ctx)
             try:
                 result = await call.wait(timeout_s)
             except asyncio.CancelledError:  # the connection closed: its outcome is nobody's
+                if direct is not None:
+                    direct.claim()
                 call.add_done_callback(self._cleanup_abandoned)
                 raise
             except asyncio.TimeoutError:
+                if direct is not None and not direct.claim():
+                    # its worker answered as the deadline passed: that reply stands
+                    return proto.ok_reply(rid, await call.wait())
                 ctx.cancel()
                 if request.verb in _COPY_VERBS:
                     # Not a byte may move after the engine hears "failed": wait for the copy to
