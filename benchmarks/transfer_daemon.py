@@ -21,7 +21,7 @@ slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs
 ``copy_pieces``), ``batch_keeps_gil`` (the batch call holds the interpreter's lock instead of
 letting go of it), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (a save's pipelined chunks of at
 most that many bytes instead of 32 MiB: fewer submissions against a later first copy),
-``wait_blocking`` (copies waited for in ``cudaEventSynchronize``, not polled: before s38).
+``wait_polled`` (copies waited for by polling their events, ``--copy-wait-poll-us 20``).
 ``--trace``: a timeline of every daemon save and load (``copy_trace``); ``--request-trace``: each
 request's stages from socket to reply (``request_trace``): p10/p50/p90 gaps per row, of that
 row's own requests (kept in its JSON row). Per variant also the round trip of a request that
@@ -58,8 +58,8 @@ _VARIANTS = {"default": [],
              "staged_large": ["--copy-large-runs", "staged", "--copy-save-kernels"],
              "packed_large": ["--copy-packed-min-pieces", "1", "--copy-save-kernels"],
              "batch_keeps_gil": ["--copy-batch-keeps-gil"],
-             # copies waited for in cudaEventSynchronize (blocking sync), as before s38
-             "wait_blocking": ["--copy-wait-poll-us", "0"],
+             # copies waited for by polling their events (s38), not in cudaEventSynchronize
+             "wait_polled": ["--copy-wait-poll-us", "20"],
              "chunk_16m": ["--copy-chunk-size", "16MiB"],
              "chunk_64m": ["--copy-chunk-size", "64MiB", "--copy-staging-slot-size", "64MiB"],
              "chunk_128m": ["--copy-chunk-size", "128MiB", "--copy-staging-slot-size",

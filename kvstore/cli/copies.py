@@ -77,9 +77,10 @@ def add_copy_flags(serve: argparse.ArgumentParser) -> None:
                             "the whole daemon)")
     group.add_argument("--copy-wait-poll-us", type=non_negative_int_arg, metavar="US",
                        default=defaults.wait_poll_us,
-                       help="a copy is waited for by asking its event every US microseconds "
-                            "once it may have ended; 0 blocks in cudaEventSynchronize (woken "
-                            f"later) (default {defaults.wait_poll_us})")
+                       help="wait for a batch's copies by asking its event every US "
+                            "microseconds once its bytes could have crossed (blocking again "
+                            "once it is well overdue); 0 blocks in cudaEventSynchronize "
+                            f"(default {defaults.wait_poll_us})")
     group.add_argument("--copy-kernel-unroll", type=int, choices=UNROLLS, metavar="N",
                        default=defaults.kernel_unroll,
                        help="16-byte loads each thread of the copy kernels keeps in flight, one "

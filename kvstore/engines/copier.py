@@ -43,7 +43,7 @@ import numpy as np
 
 from kvstore.engines import cuda_batch
 from kvstore.engines.copy_bounds import check_block_ids
-from kvstore.engines.copy_handle import CopyHandle
+from kvstore.engines.copy_handle import CopyHandle, CopyWaits
 from kvstore.engines.copy_method import GATHER_MIN_RUNS, aligned, host_method
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.engines.copy_timing import CopyTiming
@@ -92,8 +92,8 @@ class CudaCopier:
         cp = _cupy()
         self.device_id = device_id
         self.settings = settings
-        self._poll_s = settings.wait_poll_us / 1e6  # how its handles wait (CopyHandle)
         self.fault = fault if fault is not None else CudaFault()
+        self._waits = CopyWaits(settings.wait_poll_us / 1e6, self.fault)
         kinds = (_MEMCPY_DEVICE_TO_HOST, _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEFAULT)
         hold_primary_context(device_id)  # made, if new, without the GIL
         with cp.cuda.Device(device_id):
@@ -129,7 +129,8 @@ class CudaCopier:
                     # part's event is after every part's copies.
                     for part in staged_parts(runs, self._staging[kind].max_slot_bytes):
                         event = self._staged(part, kind)
-                    return CopyHandle(event, runs.total_bytes, self.fault, self._poll_s)
+                    return self._waits.handle(event, runs.total_bytes,
+                                              self._waits.queued(kind, runs.total_bytes))
                 kernel = method is CopyMethod.KERNEL
                 slot = self._launch(runs, kind, stream) if kernel else None
                 if not kernel:
@@ -139,11 +140,12 @@ class CudaCopier:
                 event.record(stream)
                 if slot is not None:
                     PinnedTables.retire(slot, event)
+                earliest_end = self._waits.queued(kind, runs.total_bytes)
             except BaseException as exc:
                 self.fault.observe(exc, f"submitting copies on device {self.device_id}")
                 self._drain(kind)
                 raise
-        return CopyHandle(event, runs.total_bytes, self.fault, self._poll_s)
+        return self._waits.handle(event, runs.total_bytes, earliest_end)
 
     def _drain(self, kind: int) -> None:
         """After a failed submission, wait out the copies it enqueued (they have no event): none
@@ -294,12 +296,12 @@ class CudaCopier:
                 for start in range(0, len(ids), per_part):
                     event = self._packed_part(table, regions, ids[start:start + per_part],
                                               host[start:start + per_part], kind)
+                earliest_end = self._waits.queued(kind, len(ids) * table.block_bytes)
             except BaseException as exc:
                 self.fault.observe(exc, f"submitting copies on device {self.device_id}")
                 self._drain(kind)
                 raise
-        return CopyHandle(event, len(ids) * table.block_bytes, self.fault,
-                          self._poll_s)
+        return self._waits.handle(event, len(ids) * table.block_bytes, earliest_end)
 
     def _packed_part(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
                      kind: int):

@@ -61,11 +61,13 @@ class CopySettings:
     threads once per chunk. Off by default: the gain measured within noise (README, s19), and
     the call can block (a full stream queue, pageable host memory, a driver lock another thread
     holds while it makes a device's context), which would stop the whole daemon meanwhile.
-    ``wait_poll_us``: a save or load waits for its copies by sleeping through the time they
-    cannot have ended yet (their bytes at ``copy_handle.PEAK_BYTES_PER_S`` from submission),
-    then asking the event every this many microseconds; 0 blocks in ``cudaEventSynchronize``
-    instead, whose wake-up came ~0.1 ms after the copies ended (H100, 64 shuffled 2.36 MB
-    blocks: ``benchmarks.copy_wait``), a thirtieth of the request.
+    ``wait_poll_us``: 0 (the default) waits for a batch's copies in ``cudaEventSynchronize``;
+    N > 0 polls instead (``copy_handle.CopyHandle``): asleep until the batch's bytes could have
+    crossed, then its event asked every N microseconds, blocking again once the batch is well
+    overdue. On an H200 a 64-block load through the daemon went from 0.69 to 0.73 of raw
+    (``transfer_daemon --variants default,wait_polled``, s38); on an H100 the same change was
+    within noise, and the GPU test of a sticky CUDA error failed once with an unbounded poll
+    (before the window), so it stays off until that test passes with it on a GPU.
     """
 
     small_runs: CopyMethod = CopyMethod.STAGED
@@ -78,7 +80,7 @@ class CopySettings:
     kernel_unroll: int = UNROLL
     save_kernels: bool = False
     batch_keeps_gil: bool = False
-    wait_poll_us: int = 20
+    wait_poll_us: int = 0
 
     def __post_init__(self) -> None:
         for name in ("small_runs", "large_runs"):

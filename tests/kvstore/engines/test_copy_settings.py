@@ -59,12 +59,12 @@ def test_every_copy_flag_sets_its_field() -> None:
         "--copy-packed-min-pieces", "1073741824", "--copy-chunk-size", "0",
         "--copy-staging-slot-size", "64MiB", "--copy-kernel-unroll", "16",
         "--copy-save-kernels", "--copy-batch-keeps-gil", "--copy-load-growth", "2",
-        "--copy-load-chunk-size", "0", "--copy-wait-poll-us", "0"])
+        "--copy-load-chunk-size", "0", "--copy-wait-poll-us", "20"])
     assert copy_settings_from_args(args) == CopySettings(
         small_runs=CopyMethod.KERNEL, large_runs=CopyMethod.STAGED,
         packed_min_pieces=1 << 30, chunk_bytes=0, staging_slot_bytes=64 << 20,
         kernel_unroll=16, save_kernels=True, batch_keeps_gil=True, load_growth=2,
-        load_chunk_bytes=0, wait_poll_us=0)
+        load_chunk_bytes=0, wait_poll_us=20)
 
 
 @pytest.mark.parametrize("flags", [["--copy-small-runs", "fast"],

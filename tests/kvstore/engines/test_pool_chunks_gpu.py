@@ -26,6 +26,7 @@ from support.arena import CudaArena
 from kvstore.engines.copy_bounds import HostSpans
 from kvstore.layout import KVLayout, Region
 from kvstore.store.dram.host_memory import available_bytes
+from kvstore.wire.replies import ClientError, DaemonUnavailable
 
 pytestmark = pytest.mark.gpu
 
@@ -164,7 +165,10 @@ def test_a_sticky_cuda_error_fails_the_daemon_closed_and_the_next_one_serves() -
     try:
         with daemon.client() as c:
             reg = c.register(layout, "poisoned-engine")
-            reply = c.save(reg, namespace, list(range(n)), hashes, idents)
+            try:
+                reply = c.save(reg, namespace, list(range(n)), hashes, idents)
+            except (ClientError, DaemonUnavailable) as exc:  # the daemon's log says why
+                raise AssertionError(f"{exc}\n" + "\n".join(daemon.lines)) from exc
             assert reply.num_saved == 0
             status, body = _health(port)
             assert status == 503 and body["status"] == "failing", body
