@@ -5,6 +5,7 @@ request, also when the deadline passes as the copy ends."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -109,3 +110,42 @@ def test_a_client_error_still_reaches_the_caller(make_daemon, arenas) -> None:
         with pytest.raises(ClientError, match="not_found|lease"):
             engine.load(reg, 12345, [0])
         assert engine.health()["status"] == "ok"
+
+
+def test_a_reply_behind_unsent_bytes_goes_out_after_them(make_daemon, arenas) -> None:
+    """While the transport still holds part of a large reply the client has not read, a copy
+    verb's worker leaves its reply to the loop (counted as declined): it goes out whole, after
+    the large one."""
+    daemon = make_daemon(dram="64MiB")
+    value = np.random.default_rng(3).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    arena = ShmArena(4, BLOCK_BYTES, seed=11)
+    arenas.append(arena)
+    chain = make_chain("behind", 4)
+    with daemon.client(timeout_s=10.0) as other:
+        other.put(b"large", value)
+        before = _events(other)["replies_by_worker_declined"]
+        sock = raw_connect(daemon.socket_path, timeout_s=30.0)
+        try:
+            send_message(sock, {"id": 1, "verb": "register", "deadline_ms": 10_000,
+                                "args": {"layout": arena.layout.to_wire(), "engine_id": "e"}},
+                         arena.layout.fds)
+            reg = recv_message(sock)["result"]["registration_id"]
+            # 8 MiB the socket cannot take at once: the rest waits in the transport, unread
+            send_message(sock, {"id": 2, "verb": "get", "deadline_ms": 10_000,
+                                "args": {"namespace": "default", "key": b"large"}})
+            deadline = time.monotonic() + 10
+            while other.stats()["daemon"]["requests"].get("get", 0) < 1:
+                assert time.monotonic() < deadline, "the get was not answered"
+                time.sleep(0.01)
+            send_message(sock, {"id": 3, "verb": "save", "deadline_ms": 10_000, "args": {
+                "registration_id": reg, "namespace": chain.namespace, "block_ids": [0, 1, 2, 3],
+                "hashes": chain.hashes, "idents": chain.idents}})
+            deadline = time.monotonic() + 10
+            while _events(other)["replies_by_worker_declined"] == before:
+                assert time.monotonic() < deadline, "the save's reply was not left to the loop"
+                time.sleep(0.01)
+            first, second = recv_message(sock), recv_message(sock)
+        finally:
+            sock.close()
+    assert first["id"] == 2 and first["result"]["value"] == value
+    assert second["id"] == 3 and second["result"]["num_saved"] == 4
