@@ -46,7 +46,11 @@ class DirectReply:
                 return result
             self._by_worker = True
         joined = b"".join(frame)
-        if self._wire.write_from_worker(joined):
+        try:
+            sent = self._wire.write_from_worker(joined)
+        except Exception:  # noqa: BLE001 - whatever went wrong here, the loop writes it
+            sent = False
+        if sent:
             self.sent_at = time.monotonic()
         else:
             self.frame = [joined]
@@ -54,7 +58,8 @@ class DirectReply:
 
     def claim(self) -> bool:
         """On the loop: True when the loop answers (the worker had not claimed it, and now
-        never will); False when the worker's reply stands."""
+        never will); False when the worker's reply stands: then it was written (``sent``) or
+        left for the loop to write (``frame``)."""
         with self._lock:
             if self._by_worker is None:
                 self._by_worker = False

@@ -474,27 +474,27 @@ class Daemon:
                 reply = await self._execute(request, ctx, timeout_s, fds, direct)
             except Exception as exc:  # never leave a client waiting on a reply
                 self._log_failure(f"{request.verb} failed")
-                if direct is None or direct.claim():
-                    reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
-                else:  # the worker answered already; this failure came after
-                    reply = proto.ok_reply(request.request_id, None)
+                reply = proto.error_reply(request.request_id, proto.INTERNAL, repr(exc))
             finally:
                 conn.contexts.discard(ctx)
                 conn.body_bytes -= body_bytes  # the request's bytes are consumed
                 body_bytes = 0
-            error = reply["error"]["code"] if not reply["ok"] else None
-            answered_at = direct.sent_at if direct is not None and direct.sent else None
-            self.service.count(request.verb, error,
-                               (answered_at or time.monotonic()) - received_at)
+            # The worker's reply stands if it claimed it first (an ok one: it claims only once
+            # its call returned); else this one goes out, and the worker never writes.
+            by_worker = direct is not None and not direct.claim()
+            error = reply["error"]["code"] if not reply["ok"] and not by_worker else None
+            sent_at = direct.sent_at if by_worker else None
+            self.service.count(request.verb, error, (sent_at or time.monotonic()) - received_at)
             counted = True
-            if direct is not None and (direct.sent or direct.frame is not None):
-                self._count_event("replies_by_worker" if direct.sent
+            if by_worker:
+                self._count_event("replies_by_worker" if sent_at is not None
                                   else "replies_by_worker_declined")
-            if answered_at is not None:
-                conn.last_activity = time.monotonic()
-                return
-            frame = direct.frame if direct is not None and direct.frame is not None \
-                else encode_reply(reply, self.max_frame_bytes)
+                if sent_at is not None:
+                    conn.last_activity = time.monotonic()
+                    return
+                frame = direct.frame or encode_reply(reply, self.max_frame_bytes)
+            else:
+                frame = encode_reply(reply, self.max_frame_bytes)
             del reply  # a get's value: only the frame holds its bytes from here
             await conn.send_frame(frame)
         finally:
