@@ -80,7 +80,8 @@ class ReplyWire:
             self.worker_writes += 1
             if sent < len(data):
                 self._tail = bytes(data[sent:])
-                self._loop.call_soon_threadsafe(self._flush)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads on
+                    self._loop.call_soon_threadsafe(self._flush)
             return True
 
     def _flush(self) -> None:
