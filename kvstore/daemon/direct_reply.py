@@ -6,10 +6,11 @@ encoded the reply and wrote it (~0.19 ms on an H100 host, ``benchmarks/request_t
 Here the worker encodes the reply and writes it through the connection's ``ReplyWire``; the
 loop still counts the request and frees its slots afterwards, off the client's path.
 
-Exactly one side answers: the worker claims the reply once its call returned; the loop claims
-it when it gives up first (the deadline passed, the connection closed) and then answers as
-before. A worker whose write the wire declines (unsent bytes ahead of it, a closed connection)
-leaves the encoded frame to the loop.
+Exactly one side answers, whoever claims the reply first: the worker once its call returned
+(an ok reply), the loop when it gives up on the call (the deadline passed, the connection
+closed) and, in any case, once the call ended (a call that raised is answered by the loop, as
+before). A worker whose write the wire declines (unsent bytes ahead of it, a closed
+connection) leaves the encoded frame to the loop.
 """
 
 from __future__ import annotations
