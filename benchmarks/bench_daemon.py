@@ -30,13 +30,14 @@ _PROFILED_SERVE = ("import sys, benchmarks.stack_sampler as ss; ss.install({!r})
 
 
 def start_daemon(dram_bytes: int, flags: Sequence[str] = (), trace: Path | None = None,
-                 profile: Path | None = None, request_trace: Path | None = None
-                 ) -> tuple[subprocess.Popen, Path]:
+                 profile: Path | None = None, request_trace: Path | None = None,
+                 tree: Path | None = None) -> tuple[subprocess.Popen, Path]:
     """A ready daemon on a fresh socket (its process and socket path), started with more
     ``kvstore serve`` ``flags``; ``trace``: a timeline of every save/load into this file
     (benchmarks/copy_trace.py); ``profile``: the daemon's sampled stacks into this file
     (benchmarks/stack_sampler.py); ``request_trace``: each request's stages into this file
-    (benchmarks/request_trace.py)."""
+    (benchmarks/request_trace.py, the tree's own); ``tree``: the daemon of another checkout
+    (an older tree, for a before/after in one run), run from its folder."""
     socket_path = Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kvstore.sock"
     head = [sys.executable, "-m", "kvstore.cli"]
     if trace is not None:
@@ -49,7 +50,7 @@ def start_daemon(dram_bytes: int, flags: Sequence[str] = (), trace: Path | None 
                              str(dram_bytes), "--http", "off", *flags],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"})
+                            env=_daemon_env(tree), cwd=tree)
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:
@@ -65,6 +66,13 @@ def start_daemon(dram_bytes: int, flags: Sequence[str] = (), trace: Path | None 
             raise RuntimeError(f"daemon exited with {proc.wait()}")
         if "kvstore: ready" in line:
             return proc, socket_path
+
+
+def _daemon_env(tree: Path | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_SOCKET"}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def stop_daemon(proc: subprocess.Popen, socket_path: Path) -> None:

@@ -318,6 +318,7 @@ class Daemon:
             pass
         finally:
             self._connections.discard(conn)
+            self.service.owner_leaving(conn.owner)  # its registrations go soon (drop_owner)
             if conn.held_large or conn.closed_reason is not None:
                 self._watch.request_release()
             for ctx in conn.contexts:

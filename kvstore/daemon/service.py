@@ -143,6 +143,11 @@ class Service:
         self.leases.open_owner(owner)
         self.counters.add(connections_total=1)
 
+    def owner_leaving(self, owner: str) -> None:
+        """The owner's connection closed; ``drop_owner`` follows once its copies stopped (a
+        registration refused meanwhile over what the owner holds waits for that)."""
+        self.registry.owner_leaving(owner)
+
     def drop_owner(self, owner: str) -> None:
         """The owner's connection closed: release its leases and unmap its registrations."""
         num_leases = self.leases.close_owner(owner)

@@ -26,6 +26,7 @@ from kvstore.engines.copy_timing import CopyTiming
 from kvstore.engines.cuda_fault import CudaFault
 from kvstore.engines.cuda_ipc import hold_primary_context
 from kvstore.engines.cuda_registration import CudaRegistration, IpcTable
+from kvstore.engines.leaving_owners import LeavingOwners
 from kvstore.engines.memory_claims import MemoryClaims, memory_key
 from kvstore.engines.registration import (  # noqa: F401 (the registry's errors, re-exported)
     BlockIdsOutOfRange,
@@ -66,6 +67,7 @@ class Registry:
         self._ids = itertools.count(1)
         self._ipc = IpcTable()
         self._claims = MemoryClaims()
+        self._leaving = LeavingOwners()  # closed connections whose registrations still live
         self._copiers: dict[int, CudaCopier] = {}
         self.cuda_fault = CudaFault()  # the process's CUDA context, shared by every copier
         self._close_listeners: Listeners[CloseListener] = Listeners(
@@ -76,7 +78,21 @@ class Registry:
         """Map a layout's memory (CPU memory and block generations from ``fds``, the
         descriptors sent with the register frame, which stay the caller's to close);
         RegistryError(bad_request|permission_denied|unsupported|not_found|resource_exhausted)
-        if impossible."""
+        if impossible. Refused as held by another registration while a closed connection's
+        registrations are being dropped, it waits for them (bounded) and tries once more."""
+        try:
+            return self._register(layout_wire, engine_id, owner, fds)
+        except RegistryError as exc:
+            if exc.code != "permission_denied" or not self._leaving.wait():
+                raise
+        return self._register(layout_wire, engine_id, owner, fds)
+
+    def owner_leaving(self, owner: str) -> None:
+        """``owner``'s connection closed: ``drop_owner`` follows (see ``LeavingOwners``)."""
+        self._leaving.mark(owner)
+
+    def _register(self, layout_wire: dict, engine_id: str, owner: str,
+                  fds: Sequence[int]) -> Registration:
         try:
             layout = KVLayout.from_wire(layout_wire)
         except (ValueError, TypeError) as exc:
@@ -185,13 +201,16 @@ class Registry:
 
     def drop_owner(self, owner: str) -> int:
         """Close every registration of ``owner`` (its connection closed); returns how many."""
-        with self._lock:
-            regs = [r for r in self._by_id.values() if r.owner == owner]
+        try:
+            with self._lock:
+                regs = [r for r in self._by_id.values() if r.owner == owner]
+                for reg in regs:
+                    del self._by_id[reg.registration_id]
             for reg in regs:
-                del self._by_id[reg.registration_id]
-        for reg in regs:
-            self._close(reg)
-        return len(regs)
+                self._close(reg)
+            return len(regs)
+        finally:
+            self._leaving.gone(owner)
 
     def close_all(self) -> None:
         with self._lock:

@@ -222,3 +222,36 @@ def test_memory_is_held_until_the_last_copy_of_a_closed_registration_is_done(
     again = register("conn-2")  # the copy is done: the memory is free
     assert again.registration_id != old.registration_id
     registry.close_all()
+
+
+def test_an_engine_that_reconnects_gets_its_memory_back_at_once(
+        daemon: RunningDaemon, arenas: list[ShmArena]) -> None:
+    """The registration of a connection that just closed is still being dropped (its last
+    reply came from a worker, before the loop was done with the request) when the engine
+    registers the same memory on a new connection: that waits for the drop, never refused."""
+    arena = ShmArena(NUM_BLOCKS, BLOCK_BYTES, 4)
+    arenas.append(arena)
+    for i in range(20):
+        chain = make_chain(f"reconnect-{i}", 2, seed=i)
+        with daemon.client() as first:
+            reg = first.register(arena.layout, "reconnecting")
+            assert first.save(reg, chain.namespace, [0, 1], chain.hashes,
+                              chain.idents).num_saved == 2
+        with daemon.client() as again:
+            assert again.register(arena.layout, "reconnecting") > 0
+
+
+def test_leaving_owners_are_waited_for_within_a_bound() -> None:
+    import threading
+    import time
+
+    from kvstore.engines.leaving_owners import LeavingOwners
+
+    leaving = LeavingOwners()
+    assert not leaving.wait(1.0)  # nobody leaving: no wait, no retry
+    leaving.mark("conn-1")
+    started = time.monotonic()
+    assert not leaving.wait(0.05)  # never dropped: given up at the bound
+    assert 0.04 <= time.monotonic() - started < 1.0
+    threading.Timer(0.05, leaving.gone, ("conn-1",)).start()
+    assert leaving.wait(5.0)
