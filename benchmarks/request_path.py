@@ -27,20 +27,10 @@ import numpy as np
 
 from benchmarks.bench_daemon import start_daemon, stop_daemon
 from benchmarks.common import finish, percentile
+from benchmarks.store import chain
 from kvstore import Client
-from kvstore.keys import Namespace, chain_hashes, chain_idents
 from kvstore.layout import KVLayout, Region
 from offload.anon_memory import AnonymousMemory
-
-BLOCK_TOKENS = 16
-
-
-def _chain(name: str, num_blocks: int) -> tuple[bytes, list[bytes], list[bytes]]:
-    namespace = Namespace(name=name).digest
-    tokens = np.arange(num_blocks * BLOCK_TOKENS, dtype=np.int64) % 50_000
-    hashes = chain_hashes(namespace, tokens, BLOCK_TOKENS)
-    return namespace, hashes, chain_idents(namespace, tokens, BLOCK_TOKENS, range(num_blocks),
-                                           hashes)
 
 
 def _commit(tree: Path) -> str:
@@ -75,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             reg = client.register(layout, "request-path")
             started = time.monotonic()
             for i in range(args.rounds + 10):  # ten rounds of warm-up
-                namespace, hashes, idents = _chain(f"request-path-{i}", n)
+                namespace, hashes, idents = chain(f"request-path-{i}", n)
                 t0 = time.perf_counter()
                 saved = client.save(reg, namespace, list(range(n)), hashes, idents)
                 t1 = time.perf_counter()

@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.common import percentile
+
 _record: contextvars.ContextVar[dict | None] = contextvars.ContextVar("request_trace",
                                                                        default=None)
 _by_context: dict[int, dict] = {}  # id(CallContext) -> the request's record
@@ -165,7 +167,4 @@ def summarize(path: Path, verbs: tuple[str, ...] = ("save", "load", "lookup_load
 
 def _spread(values: list[float]) -> list[float]:
     """p10, p50, p90 of ``values``, rounded to 0.1 µs."""
-    if len(values) < 2:
-        return [round(values[0], 1)] * 3
-    deciles = statistics.quantiles(values, n=10, method="inclusive")
-    return [round(deciles[0], 1), round(statistics.median(values), 1), round(deciles[-1], 1)]
+    return [round(percentile(values, q), 1) for q in (0.1, 0.5, 0.9)]

@@ -15,6 +15,7 @@ connection) leaves the encoded frame to the loop.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,14 @@ from kvstore.daemon.reply_wire import ReplyWire
 from kvstore.wire import protocol as proto
 
 
+class _Answerer(enum.Enum):
+    """Who answers a request: nobody has claimed it yet, its worker, or the loop."""
+
+    UNCLAIMED = "unclaimed"
+    WORKER = "worker"
+    LOOP = "loop"
+
+
 class DirectReply:
     """One request's reply; ``run`` on the worker, ``claim`` and the fields on the loop."""
 
@@ -33,7 +42,7 @@ class DirectReply:
         self._request_id = request_id
         self._max_frame_bytes = max_frame_bytes
         self._lock = threading.Lock()
-        self._by_worker: bool | None = None  # who answers: None until one side claimed it
+        self._answerer = _Answerer.UNCLAIMED
         self.sent_at: float | None = None  # when the worker wrote it (monotonic)
         self.frame: list[bytes] | None = None  # encoded by the worker, for the loop to write
 
@@ -43,9 +52,9 @@ class DirectReply:
         result = fn(*args)
         frame = encode_reply(proto.ok_reply(self._request_id, result), self._max_frame_bytes)
         with self._lock:
-            if self._by_worker is not None:
+            if self._answerer is not _Answerer.UNCLAIMED:
                 return result
-            self._by_worker = True
+            self._answerer = _Answerer.WORKER
         joined = b"".join(frame)
         try:
             sent = self._wire.write_from_worker(joined)
@@ -62,9 +71,9 @@ class DirectReply:
         never will); False when the worker's reply stands: then it was written (``sent``) or
         left for the loop to write (``frame``)."""
         with self._lock:
-            if self._by_worker is None:
-                self._by_worker = False
-            return not self._by_worker
+            if self._answerer is _Answerer.UNCLAIMED:
+                self._answerer = _Answerer.LOOP
+            return self._answerer is _Answerer.LOOP
 
     @property
     def sent(self) -> bool:

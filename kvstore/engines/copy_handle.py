@@ -25,6 +25,12 @@ MIN_POLL_WINDOW_S = 0.002
 POLL_WINDOW_SHARE = 0.5
 
 
+def _earliest(after: float, num_bytes: int) -> float:
+    """The soonest ``num_bytes`` enqueued behind copies that end no sooner than ``after``
+    (``time.perf_counter()``) can have crossed."""
+    return max(time.perf_counter(), after) + num_bytes / PEAK_BYTES_PER_S
+
+
 class CopyHandle:
     """One submitted batch: ``poll()`` never blocks, ``wait()`` blocks until the event completed.
 
@@ -43,7 +49,7 @@ class CopyHandle:
         self._poll_s = poll_s
         self._created = time.perf_counter()
         self._earliest_end = earliest_end if earliest_end is not None else \
-            self._created + num_bytes / PEAK_BYTES_PER_S
+            _earliest(self._created, num_bytes)
 
     def poll(self) -> bool:
         try:
@@ -89,8 +95,7 @@ class CopyWaits:
 
     def queued(self, stream_key: object, num_bytes: int) -> float:
         """``num_bytes`` were just enqueued on ``stream_key``'s stream: their earliest end."""
-        end = max(time.perf_counter(), self._until.get(stream_key, 0.0)) + \
-            num_bytes / PEAK_BYTES_PER_S
+        end = _earliest(self._until.get(stream_key, 0.0), num_bytes)
         self._until[stream_key] = end
         return end
 
