@@ -139,10 +139,13 @@ def _health(port: int) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def test_a_sticky_cuda_error_fails_the_daemon_closed_and_the_next_one_serves() -> None:
+@pytest.mark.parametrize("wait", [(), ("--copy-wait-poll-us", "20")], ids=["blocking", "polled"])
+def test_a_sticky_cuda_error_fails_the_daemon_closed_and_the_next_one_serves(
+        wait: tuple[str, ...]) -> None:
     """A registration addressed past its mapping (the daemon's test hook) makes the copy kernel
     read an illegal address: the save fails, /health says failing with the reason, the error is
-    logged once, the daemon exits with status 70, and a new daemon on the same socket serves."""
+    logged once, the daemon exits with status 70, and a new daemon on the same socket serves.
+    Whichever way the copier waits for a batch (blocking in the event, or polling it first)."""
     import cupy as cp
 
     from kvstore.engines.cuda_fault import EXIT_CUDA_POISONED
@@ -158,7 +161,7 @@ def test_a_sticky_cuda_error_fails_the_daemon_closed_and_the_next_one_serves() -
     os.environ["KVSTORE_DEBUG_CORRUPT_ENGINE"] = "poisoned-engine"
     try:
         # --copy-save-kernels: the save packs (a copy engine's fault is not sticky)
-        daemon = _start_daemon("--http", f"127.0.0.1:{port}", "--copy-save-kernels")
+        daemon = _start_daemon("--http", f"127.0.0.1:{port}", "--copy-save-kernels", *wait)
     finally:
         del os.environ["KVSTORE_DEBUG_CORRUPT_ENGINE"]
     namespace, hashes, idents = _chain("poisoned", n)
