@@ -12,16 +12,18 @@ Ratios are daemon over raw cudaHostAlloc bandwidth. Also in this process: the co
 (shuffled blocks into consecutive pool slots, one submission) and the daemon's save/load pipeline
 without the daemon (``transfer_pipeline``: a ``TieredStore`` here, time per phase).
 Daemon variants, each a daemon started with other ``kvstore serve --copy-*`` options:
-``default`` (as shipped: pipelined chunks), ``one_submission`` (each request one batch: reserve
-all, one copy submission, wait, publish), ``load_save_ramp`` (loads chunked as saves are: 2, 4,
-8 ... blocks up to 32 MiB, as before s28), ``memcpy_large`` / ``kernel_large`` (block-major runs
-by a ``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of the default's one
+``default`` (as shipped: pipelined chunks), ``one_submission`` (each request one batch: reserve all,
+one copy submission, wait, publish), ``load_save_ramp`` (loads chunked as saves are: 2, 4, 8 ...
+blocks up to 32 MiB, as before s28), ``memcpy_large`` / ``kernel_large`` (block-major runs by a
+``cudaMemcpyAsync`` each / one ``copy_runs`` launch per chunk, instead of the default's one
 ``cuMemcpyBatchAsync``), ``staged_large`` / ``packed_large`` (gathered on the GPU into a staging
 slot that crosses the bus in as few runs as the pool slots allow: by ``copy_runs`` / by
-``copy_pieces``), ``batch_keeps_gil`` (the batch call holds the interpreter's lock instead of
-letting go of it), ``chunk_16m`` / ``chunk_64m`` / ``chunk_128m`` (a save's pipelined chunks of at
-most that many bytes instead of 32 MiB: fewer submissions against a later first copy),
-``wait_polled`` (copies waited for by polling their events, ``--copy-wait-poll-us 20``).
+``copy_pieces``), ``staged_loads`` (only loads staged: a bus copy per contiguous stretch of pool
+slots, then a scatter kernel; saves stay on the copy engines), ``batch_keeps_gil`` (the batch call
+holds the interpreter's lock instead of letting go of it), ``chunk_16m`` / ``chunk_64m`` /
+``chunk_128m`` (a save's pipelined chunks of at most that many bytes instead of 32 MiB: fewer
+submissions against a later first copy), ``wait_polled`` (copies waited for by polling their events,
+``--copy-wait-poll-us 20``).
 ``--trace``: a timeline of every daemon save and load (``copy_trace``); ``--request-trace``: each
 request's stages from socket to reply (``request_trace``): p10/p50/p90 gaps per row, of that
 row's own requests (kept in its JSON row). Per variant also the round trip of a request that
@@ -56,6 +58,9 @@ _VARIANTS = {"default": [],
              # the kernel ways for saves too (by default a save runs no kernel)
              "kernel_large": ["--copy-large-runs", "kernel", "--copy-save-kernels"],
              "staged_large": ["--copy-large-runs", "staged", "--copy-save-kernels"],
+             # loads through a device staging slot (one bus copy where the pool's blocks are
+             # contiguous, a scatter kernel into the engine's), saves on the copy engines
+             "staged_loads": ["--copy-large-runs", "staged"],
              "packed_large": ["--copy-packed-min-pieces", "1", "--copy-save-kernels"],
              "batch_keeps_gil": ["--copy-batch-keeps-gil"],
              # copies waited for by polling their events (s38), not in cudaEventSynchronize

@@ -23,11 +23,7 @@ to one ``cuMemcpyBatchAsync``): a kernel in the daemon's context time-slices aga
 
 Whole blocks of a registration (``blocks_to_host`` / ``blocks_to_device``, what saves and loads
 use) skip the runs where the layout has several pieces a block (loads; saves only with
-``save_kernels``): one ``copy_pieces`` launch packs
-(or unpacks) the blocks between the engine and a staging slot from a table of block ids and a
-region table uploaded once per ``PieceTable``, and the slot crosses the bus a run per block or
-fewer. Building, merging and uploading a run per piece had paced vLLM's saves at ~1 ms per
-13-block chunk of Python against 0.56 ms on the bus (H100, ``benchmarks/copy_trace.py``).
+``save_kernels``): they are packed on the GPU through a staging slot (``packed_blocks``).
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Sequence
 
@@ -52,6 +47,7 @@ from kvstore.engines.cuda_ipc import hold_primary_context
 
 __all__ = ["CopyHandle", "CudaCopier"]
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
+from kvstore.engines.packed_blocks import RegionTables, enqueue_packed
 from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
 
@@ -104,9 +100,7 @@ class CudaCopier:
         self._tables = {kind: PinnedTables() for kind in kinds}
         self._staging = {kind: DeviceStaging(max_slot_bytes=settings.staging_slot_bytes)
                          for kind in kinds}
-        # a piece table's copy_pieces region table on this device (None: not packable)
-        self._regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._regions_lock = threading.Lock()
+        self.regions = RegionTables(device_id)  # each piece table's, for copy_pieces
         # how whole-block batches went: per way (save, load, device) the blocks asked for
         # (``*_blocks``), the copies made of them and of other runs (``*_runs``), the methods
         self.counts: Counter[str] = Counter()
@@ -258,99 +252,37 @@ class CudaCopier:
                 not all(self._device_addressable(int(p)) for p in {host[0], host[-1]}):
             self.counts["batches_not_packed_host"] += 1  # pageable, unaligned or too large
             return None
-        with self._regions_lock:
-            if table not in self._regions:
-                self._regions[table] = self._upload_regions(table)
-            regions = self._regions[table]
+        regions = self.regions.get(table)
         if regions is None:
             self.counts["batches_not_packed_layout"] += 1
         return regions
 
-    def _upload_regions(self, table: PieceTable):
-        """The table's ``copy_pieces`` region table on this device, complete before any
-        stream reads it; None (logged once per table) when its pieces are not 16-byte
-        aligned."""
-        from kernels.block_copy import region_table
-
-        try:
-            regions = region_table(table.device_base, table.device_stride, table.piece_bytes,
-                                   table.host_offset)
-        except ValueError as exc:  # the runs path takes them
-            log.warning("a layout's blocks go by runs, not packed: %s", exc)
-            return None
-        cp = _cupy()
-        with cp.cuda.Device(self.device_id):
-            uploaded = cp.asarray(regions)  # on the current stream: our streams do not wait
-            cp.cuda.get_current_stream().synchronize()  # for it (once per table)
-            return uploaded
-
     def _submit_packed(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
                        kind: int) -> CopyHandle:
-        """Enqueue whole blocks packed, in parts of at most a staging slot; the last part's
-        event is after every part's copies (the streams keep them in order)."""
+        """Enqueue whole blocks packed (``packed_blocks``), in parts of at most a staging
+        slot; the last part's event is after every part's copies (the streams keep them in
+        order)."""
         cp = _cupy()
         per_part = self._staging[kind].max_slot_bytes // table.block_bytes
+        batch = cuda_batch.available()
         self.fault.check()
         with cp.cuda.Device(self.device_id), self._locks[kind]:
             try:
                 for start in range(0, len(ids), per_part):
-                    event = self._packed_part(table, regions, ids[start:start + per_part],
-                                              host[start:start + per_part], kind)
+                    part = slice(start, start + per_part)
+                    event = enqueue_packed(
+                        table, regions, ids[part], host[part],
+                        to_device=kind == _MEMCPY_HOST_TO_DEVICE,
+                        copy_stream=self._streams[kind], side_stream=self._side_streams[kind],
+                        staging=self._staging[kind], id_tables=self._tables[kind],
+                        bus_copy=lambda bus: self._bus_copy(bus, kind, batch),
+                        unroll=self.settings.kernel_unroll)
                 earliest_end = self._waits.queued(kind, len(ids) * table.block_bytes)
             except BaseException as exc:
                 self.fault.observe(exc, f"submitting copies on device {self.device_id}")
                 self._drain(kind)
                 raise
         return self._waits.handle(event, len(ids) * table.block_bytes, earliest_end)
-
-    def _packed_part(self, table: PieceTable, regions, ids: np.ndarray, host: np.ndarray,
-                     kind: int):
-        """One staging slot's worth of blocks. Save: ``copy_pieces`` packs them (side stream)
-        -> event -> the slot crosses the bus (copy stream). Load: the reverse. As ``_staged``."""
-        from kernels.block_copy import launch_pieces
-
-        cp = _cupy()
-        to_device = kind == _MEMCPY_HOST_TO_DEVICE
-        copy_stream, side = self._streams[kind], self._side_streams[kind]
-        first, second = (copy_stream, side) if to_device else (side, copy_stream)
-        block_bytes = table.block_bytes
-        staging = self._staging[kind].take(len(ids) * block_bytes)
-        packed = staging.memory.ptr + np.arange(len(ids), dtype=np.int64) * block_bytes
-        sizes = np.full(len(ids), block_bytes, dtype=np.int64)
-        bus = coalesce_arrays(RunArrays(host, packed, sizes) if to_device
-                              else RunArrays(packed, host, sizes))
-        if staging.event is not None:
-            first.wait_event(staging.event)
-        batch = cuda_batch.available()
-        ids_slot = self._tables[kind].take(ids)
-        uploaded = None
-        if ids_slot is None:  # pinned memory not mapped: the ids go up stream-ordered
-            with side:
-                uploaded = cp.asarray(ids)
-        ids_ptr = uploaded.data.ptr if uploaded is not None else ids_slot[0]
-
-        def pack_or_unpack() -> None:
-            launch_pieces(regions.data.ptr, regions.shape[1], ids_ptr, len(ids),
-                          staging.memory.ptr, block_bytes, int(table.piece_bytes.max()),
-                          not to_device, side, self.settings.kernel_unroll)
-
-        if to_device:
-            self._bus_copy(bus, kind, batch)
-        else:
-            pack_or_unpack()
-        middle = cp.cuda.Event(disable_timing=True)
-        middle.record(first)
-        second.wait_event(middle)
-        if to_device:
-            pack_or_unpack()
-        else:
-            self._bus_copy(bus, kind, batch)
-        event = cp.cuda.Event(block=True, disable_timing=True)
-        event.record(second)
-        staging.event = event
-        if ids_slot is not None:
-            PinnedTables.retire(ids_slot[1], event)
-        return event
 
     def device_to_host(self, runs: Runs) -> CopyHandle:
         """Save direction: engine HBM → pinned pool."""

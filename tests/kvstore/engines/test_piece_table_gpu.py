@@ -185,7 +185,7 @@ def test_packed_blocks_round_trip_byte_exact(name: str, contiguous: bool) -> Non
             handle.wait()
         for b, s in zip(ids, slots):
             assert np.array_equal(rows[s], expect[b]), f"save of block {b} into slot {s}"
-    assert table in copier._regions and copier._regions[table] is not None  # went packed
+    assert table in copier.regions and copier.regions.get(table) is not None  # went packed
 
     targets = [int(b) for b in rng.permutation(NUM_BLOCKS)[:len(ids)]]
     for t in buffers:
