@@ -6,7 +6,8 @@ a reconnect after a timeout) and registers its memory again would be refused: th
 still held by the registration of the connection it just closed. The registry marks an owner
 leaving when its connection ends (``mark``) and gone once dropped (``gone``); a registration
 refused over memory, a handle or an engine id while some owner is leaving waits for the leavers
-(``wait``, bounded) and is tried once more.
+(``wait``, bounded) and is tried once more. A leaving owner no longer counts against the cap on
+connections that hold registrations: its connection is gone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class LeavingOwners:
     def mark(self, owner: str) -> None:
         with self._changed:
             self._leaving.add(owner)
+
+    def __contains__(self, owner: str) -> bool:
+        with self._changed:
+            return owner in self._leaving
 
     def gone(self, owner: str) -> None:
         with self._changed:

@@ -103,7 +103,8 @@ class Registry:
             # A router maps engines by engine_id: another connection may not take a live one's.
             taken = any(r.engine_id == engine_id and r.owner != owner and not r.closed
                         for r in self._by_id.values())
-            owners = {r.owner for r in self._by_id.values()}
+            # a closed connection's registrations, still being dropped, hold no connection
+            owners = {r.owner for r in self._by_id.values() if r.owner not in self._leaving}
         if self.max_owners is not None and owner not in owners and \
                 len(owners) >= self.max_owners:
             raise RegistryError("resource_exhausted", f"{len(owners)} connections hold "

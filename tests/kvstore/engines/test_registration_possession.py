@@ -182,7 +182,7 @@ def test_connections_holding_registrations_are_bounded(arenas: list[ShmArena]) -
 
     assert ConnectionLimits(max_connections=10).max_registered_connections == 5
     registry = Registry(max_owners=2)
-    made = [ShmArena(2, BLOCK_BYTES, i) for i in range(4)]
+    made = [ShmArena(2, BLOCK_BYTES, i) for i in range(5)]
     arenas += made
 
     def register(arena: ShmArena, engine_id: str, owner: str):
@@ -196,6 +196,13 @@ def test_connections_holding_registrations_are_bounded(arenas: list[ShmArena]) -
     register(made[3], "e1", "conn-1")  # a connection that holds some may hold more
     assert registry.drop_owner("conn-2") == 1  # its connection closed: room again
     register(made[2], "e3", "conn-3")
+    # A connection that closed counts no more while its registrations are being dropped: the
+    # engine reconnecting at the cap is not refused in that window.
+    registry.owner_leaving("conn-3")
+    register(made[1], "e2", "conn-4")
+    with pytest.raises(RegistryError) as info:
+        register(made[4], "e5", "conn-5")  # conn-1 and conn-4 hold registrations: the cap
+    assert info.value.code == "resource_exhausted"
     assert registry.unregister(first.registration_id, "conn-1")
     registry.close_all()
 
