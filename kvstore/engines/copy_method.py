@@ -36,13 +36,17 @@ def host_method(settings: CopySettings, merged: RunArrays, *, save: bool,
     ``max_slot_bytes`` a staging slot's size (a larger run goes by the kernel);
     ``batch_available`` when the driver has ``cuMemcpyBatchAsync``. The kernel and the staged
     path need aligned runs (the kernel 8+ of them), else a driver batch takes them, else
-    memcpy."""
+    memcpy. Large runs go staged only where that merges them (``_staging_merges``), else by
+    a driver batch."""
     if len(merged) < 2:
         return CopyMethod.MEMCPY
     small = merged.total_bytes <= GATHER_MAX_MEAN_RUN_BYTES * len(merged)
     method = settings.small_runs if small else settings.large_runs
     if method is CopyMethod.MEMCPY or not host_addressable():
         return CopyMethod.MEMCPY
+    if method is CopyMethod.STAGED and not small and \
+            not _staging_merges(merged, save, max_slot_bytes):
+        method = CopyMethod.BATCH  # large runs staged gain only fewer, longer bus copies
     kernels = not save or settings.save_kernels
     if method in (CopyMethod.KERNEL, CopyMethod.STAGED) and not (kernels and aligned(merged)):
         method = CopyMethod.BATCH
@@ -54,3 +58,15 @@ def host_method(settings: CopySettings, merged: RunArrays, *, save: bool,
     if method is CopyMethod.BATCH and not batch_available:
         return CopyMethod.MEMCPY
     return method
+
+
+def _staging_merges(merged: RunArrays, save: bool, max_slot_bytes: int) -> bool:
+    """Whether large runs staged cross the bus in fewer copies than they are: their host side
+    continues itself where the engine's blocks do not (a restore of blocks saved together into
+    shuffled engine blocks), and no run outgrows a staging slot's worth of continuing blocks
+    (consecutive on both sides, one copy engine call moves it already)."""
+    if int(merged.num_bytes.max()) > max_slot_bytes:
+        return False
+    host = merged.dst_ptrs if save else merged.src_ptrs
+    stretches = 1 + int(np.count_nonzero(host[:-1] + merged.num_bytes[:-1] != host[1:]))
+    return stretches < len(merged)

@@ -60,6 +60,31 @@ def test_fallbacks(save: bool) -> None:
 
 
 def test_a_staged_run_larger_than_a_slot_goes_by_the_kernel() -> None:
-    staged_large = CopySettings(large_runs="staged")
-    assert _method(staged_large, _runs(16, SLOT + 16), save=False) is CopyMethod.KERNEL
-    assert _method(staged_large, _runs(16, SLOT + 16), save=True) is CopyMethod.BATCH
+    staged_small = CopySettings(small_runs="staged")
+    pieces = _runs(256, PIECE)
+    pieces.num_bytes[0] = SLOT + 16  # one outgrown run among small ones
+    assert _method(staged_small, pieces, save=False) is CopyMethod.KERNEL
+    assert _method(staged_small, pieces, save=True) is CopyMethod.BATCH
+
+
+def _restore(num_blocks: int, host_stretch: int, seed: int = 3) -> RunArrays:
+    """Blocks read from pool slots in stretches of ``host_stretch`` continuing slots, into
+    shuffled engine blocks (nothing continues on both sides)."""
+    starts = 0x7000_0000_0000 + np.arange(num_blocks, dtype=np.int64) * BLOCK
+    gaps = (np.arange(num_blocks, dtype=np.int64) // host_stretch) * BLOCK  # a hole per stretch
+    engine = np.random.default_rng(seed).permutation(4 * num_blocks).astype(np.int64)[:num_blocks]
+    return RunArrays(starts + gaps, 0x1000_0000_0000 + engine * 2 * BLOCK,
+                     np.full(num_blocks, BLOCK, dtype=np.int64))
+
+
+def test_large_runs_go_staged_only_where_that_merges_their_bus_copies() -> None:
+    """--copy-large-runs staged: a restore of blocks saved together (continuing pool slots)
+    into shuffled engine blocks crosses the bus in a copy per stretch of slots; blocks whose
+    slots do not continue, or that continue on both sides past a slot, stay one driver batch."""
+    staged = CopySettings(large_runs="staged")
+    assert _method(staged, _restore(64, 16), save=False) is CopyMethod.STAGED
+    assert _method(staged, _restore(64, 1), save=False) is CopyMethod.BATCH
+    assert _method(staged, _restore(64, 16), save=True) is CopyMethod.BATCH  # no save kernels
+    both = _runs(4, 14 * BLOCK)  # continuing on both sides: coalesced runs past a slot
+    assert _method(staged, both, save=False) is CopyMethod.BATCH
+    assert _method(CopySettings(), _restore(64, 16), save=False) is CopyMethod.BATCH
