@@ -29,7 +29,6 @@ use) skip the runs where the layout has several pieces a block (loads; saves onl
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -44,14 +43,12 @@ from kvstore.engines.copy_settings import CopyMethod, CopySettings
 from kvstore.engines.copy_timing import CopyTiming
 from kvstore.engines.cuda_fault import CudaFault
 from kvstore.engines.cuda_ipc import hold_primary_context
-
-__all__ = ["CopyHandle", "CudaCopier"]
 from kvstore.engines.device_staging import DeviceStaging, staged_parts, staged_sides
 from kvstore.engines.packed_blocks import RegionTables, enqueue_packed
 from kvstore.engines.run_arrays import CopyRun, PieceTable, RunArrays, coalesce_arrays
 from kvstore.engines.table_staging import PinnedTables
 
-log = logging.getLogger(__name__)
+__all__ = ["CopyHandle", "CudaCopier"]
 
 _MEMCPY_HOST_TO_DEVICE = 1
 _MEMCPY_DEVICE_TO_HOST = 2
