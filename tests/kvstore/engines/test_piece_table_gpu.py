@@ -271,7 +271,7 @@ def test_packed_blocks_to_pageable_memory_fall_back_to_runs() -> None:
     rows = host.reshape(len(ids), layout.block_bytes)
     for i, b in enumerate(ids):
         assert np.array_equal(rows[i], block(b))
-    assert table not in copier._regions  # never considered for packing
+    assert table not in copier.regions  # never considered for packing
     assert copier.counts["batches_not_packed_host"] == 1 and not copier.counts["batches_packed"]
 
 
