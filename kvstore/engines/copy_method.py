@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore.engines.copy_settings import CopyMethod, CopySettings
+from kvstore.engines.device_staging import staged_sides
 from kvstore.engines.run_arrays import RunArrays
 
 GATHER_MIN_RUNS = 8  # batches with fewer runs never go through the copy kernel
@@ -67,6 +68,5 @@ def _staging_merges(merged: RunArrays, save: bool, max_slot_bytes: int) -> bool:
     (consecutive on both sides, one copy engine call moves it already)."""
     if int(merged.num_bytes.max()) > max_slot_bytes:
         return False
-    host = merged.dst_ptrs if save else merged.src_ptrs
-    stretches = 1 + int(np.count_nonzero(host[:-1] + merged.num_bytes[:-1] != host[1:]))
-    return stretches < len(merged)
+    bus, _ = staged_sides(merged, 0, to_device=not save)  # the bus copies staging would make
+    return len(bus) < len(merged)
